@@ -1,0 +1,67 @@
+# fair_frontend: every target does its own set-up, so on a fresh machine
+#   make run    starts the service (embedded Triton + the example config)
+#   make test   runs the whole suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PERF_ANALYZER := $(BIN)/perf_analyzer
+PA_VERSION := 2.46.0
+CONFIG ?= examples/config.yaml
+PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps run test lint bench clean
+
+setup: system-deps $(STAMP) $(PERF_ANALYZER)
+
+# Debian packages: redis-server (tests start their own), libb64-0d (perf_analyzer).
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
+	if [ -n "$$missing" ]; then \
+	  echo "==> installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	@echo "==> virtual environment in $(VENV)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --progress-bar off -e '.[dev]'
+	@touch $@
+
+# perf_analyzer: the binary in the tritonclient 2.46 wheel is the newest that runs on
+# glibc 2.36 (see README). Unpacked into the venv, wrapped to find libcudart.
+$(PERF_ANALYZER): $(STAMP)
+	@echo "==> perf_analyzer $(PA_VERSION)"
+	@tmp=$$(mktemp -d) && \
+	$(BIN)/python -m pip download -q --no-deps -d $$tmp tritonclient==$(PA_VERSION) && \
+	mkdir -p $(VENV)/opt/perf_analyzer && \
+	$(BIN)/python -c "import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]); open(sys.argv[2],'wb').write(z.read('tritonclient-$(PA_VERSION).data/data/bin/perf_analyzer'))" \
+	  $$tmp/tritonclient-$(PA_VERSION)-*.whl $(VENV)/opt/perf_analyzer/perf_analyzer && \
+	chmod +x $(VENV)/opt/perf_analyzer/perf_analyzer && rm -rf $$tmp
+	@printf '%s\n' '#!/usr/bin/env bash' \
+	  'here="$$(cd "$$(dirname "$${BASH_SOURCE[0]}")/.." && pwd)"' \
+	  'cudart="$$("$$here/bin/python" -c "import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], \"lib\"))")"' \
+	  'export LD_LIBRARY_PATH="$$cudart$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"' \
+	  'exec "$$here/opt/perf_analyzer/perf_analyzer" "$$@"' > $@
+	@chmod +x $@
+
+run: setup
+	$(BIN)/fair-frontend up --config $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check fair_frontend python_backend tests benchmarks
+	$(BIN)/mypy fair_frontend
+
+bench: setup
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,467 @@
+"""The frontend's configuration: typed, documented where declared, validated up front.
+
+``load_config(path)`` reads YAML and either returns a ``Config`` or raises one
+``ConfigError`` that lists every problem found (schema errors and cross-references),
+so an operator fixes a file in one pass. Defaults are named constants below.
+
+Shape (see ``examples/config.yaml`` for a complete, commented example)::
+
+    scheduling: fair                 # fair | fifo (fifo: one shared queue, the baseline)
+    endpoints:                       # client-facing model name = Triton model name
+      embed:    {cost: tokens,   max_batch_size: 32, latency_target_ms: 1000}
+      generate: {cost: requests, max_batch_size: 8,  latency_target_ms: 5000}
+    tiers: [enterprise, standard, trial]        # highest first
+    tier_limits:
+      trial: {generate: {requests_per_minute: 10, tokens_per_month: 200000}}
+    tenants:
+      acme: {tier: enterprise, weight: 1, api_keys: ["sha256:<hex>", "<plain key>"]}
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# ---- defaults, named once -------------------------------------------------------------
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 8001
+DEFAULT_METRICS_PORT = 8002
+DEFAULT_PRIORITY_LEVELS = 10
+DEFAULT_MAX_INFLIGHT_BATCHES = 2
+DEFAULT_LATENCY_TARGET_MS = 5000.0
+DEFAULT_GLOBAL_MAX_QUEUED = 100_000
+DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
+DEFAULT_TENANT_MAX_QUEUED = 10_000
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+DEFAULT_TOKEN_INPUT = "INPUT_IDS"
+DEFAULT_RATELIMIT_STORAGE = "memory://"
+DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
+DEFAULT_METRICS_INTERVAL_S = 1.0
+DEFAULT_EMA_ALPHA = 0.2
+DEFAULT_MAX_METRIC_TENANTS = 1000
+
+SHA256_PREFIX = "sha256:"
+_SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+WINDOWS_S: dict[str, float] = {
+    "second": 1.0,
+    "minute": 60.0,
+    "hour": 3600.0,
+    "day": 86400.0,
+    "month": 30 * 86400.0,  # a sliding 30-day window, not the calendar month
+}
+LIMIT_UNITS = ("requests", "tokens")
+
+
+class ConfigError(ValueError):
+    """Raised once, listing every problem in the configuration."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid configuration {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- building blocks -------------------------------------------------------------------
+
+
+class CostUnit(str, enum.Enum):
+    """What one unit of DRR cost is on an endpoint."""
+
+    REQUESTS = "requests"  # 1 per request row (generate, streaming endpoints)
+    TOKENS = "tokens"  # the row's token count (embedding and rerank batch endpoints)
+
+
+class Limits(_Strict):
+    """Rate limits, each ``<unit>_per_<window>``; unset means unlimited.
+
+    Windows slide: "per minute" means in any 60 s, "per month" in any 30 days.
+    """
+
+    requests_per_second: int | None = Field(default=None, ge=0)
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    requests_per_hour: int | None = Field(default=None, ge=0)
+    requests_per_day: int | None = Field(default=None, ge=0)
+    requests_per_month: int | None = Field(default=None, ge=0)
+    tokens_per_second: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    tokens_per_hour: int | None = Field(default=None, ge=0)
+    tokens_per_day: int | None = Field(default=None, ge=0)
+    tokens_per_month: int | None = Field(default=None, ge=0)
+
+    def items(self) -> list[tuple[str, str, int]]:
+        """The set limits as ``(unit, window, amount)``, in declaration order."""
+        out = []
+        for name, value in self:
+            if value is not None:
+                unit, _, window = name.partition("_per_")
+                out.append((unit, window, value))
+        return out
+
+    def merged(self, override: Limits | None) -> Limits:
+        """These limits with every field that ``override`` sets replaced."""
+        if override is None:
+            return self
+        return self.model_copy(update=override.model_dump(exclude_none=True))
+
+
+class PaddedInput(_Strict):
+    """How ragged rows of one input are batched: right-padded to the longest row."""
+
+    pad_value: float = 0
+    lengths_input: str | None = Field(
+        default=None,
+        description="Input the frontend adds with each row's true length ([B, 1] INT32). "
+        "Must be optional in the model config so direct clients need not send it.",
+    )
+
+
+class PaddedOutput(_Strict):
+    """How a padded output is cut back to each row's true length."""
+
+    lengths_output: str = Field(
+        description="Output holding each row's true length ([B, 1] INT32). The model emits it "
+        "only when the frontend sent lengths; it is returned to clients only if they ask."
+    )
+
+
+class Padding(_Strict):
+    inputs: dict[str, PaddedInput] = Field(default_factory=dict)
+    outputs: dict[str, PaddedOutput] = Field(default_factory=dict)
+
+
+class Endpoint(_Strict):
+    """Scheduling policy of one model (client-facing name = Triton model name)."""
+
+    cost: CostUnit = Field(
+        default=CostUnit.REQUESTS,
+        description="DRR cost unit: 1 per row (requests) or the row's token count (tokens).",
+    )
+    max_batch_size: int | None = Field(
+        default=None,
+        ge=0,
+        description="Rows per batch sent to Triton. Unset: the model's own max_batch_size. "
+        "0: the model does not batch; requests go one at a time.",
+    )
+    max_batch_tokens: int | None = Field(
+        default=None, gt=0, description="Tokens per batch; unset means no token cap."
+    )
+    quantum: float | None = Field(
+        default=None,
+        gt=0,
+        description="DRR budget per turn, in cost units, before weight. Unset: one request for "
+        "request-cost endpoints, a full batch (max_batch_tokens) for token-cost endpoints.",
+    )
+    max_queue_delay_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="How long an under-full batch may wait for more rows while Triton is idle. "
+        "0 (the default) is strictly work-conserving.",
+    )
+    latency_target_ms: float = Field(
+        default=DEFAULT_LATENCY_TARGET_MS,
+        gt=0,
+        description="The throttle rejects a request whose predicted wait exceeds this.",
+    )
+    max_inflight_batches: int = Field(
+        default=DEFAULT_MAX_INFLIGHT_BATCHES,
+        ge=1,
+        description="Batches in Triton at once for this model. Small, so requests wait in the "
+        "frontend, where fairness is decided, not in Triton's queue.",
+    )
+    default_priority: int | None = Field(
+        default=None, ge=1, description="Level for priority 0; unset: the middle level."
+    )
+    normalize_cost: bool = Field(
+        default=False,
+        description="Divide cost by the EMA of observed service cost per unit (feedback).",
+    )
+    token_input: str = Field(
+        default=DEFAULT_TOKEN_INPUT,
+        description="Input whose element count per row is the row's token count.",
+    )
+    max_tokens_input: str | None = Field(
+        default=None,
+        description="Input holding the tokens a row asks to generate; added to its token count.",
+    )
+    input_defaults: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="Values the frontend fills in for optional inputs a request leaves out, so "
+        "rows with and without them share a batch (the model's own defaults).",
+    )
+    padding: Padding = Field(default_factory=Padding)
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, gt=0)
+    max_request_tokens: int | None = Field(default=None, gt=0)
+
+    def effective_quantum(self, max_batch_size: int) -> float:
+        """The DRR quantum: configured, else derived from the batching policy."""
+        if self.quantum is not None:
+            return self.quantum
+        if self.cost is CostUnit.REQUESTS:
+            return 1.0
+        if self.max_batch_tokens is not None:
+            return float(self.max_batch_tokens)
+        return float(max(1, max_batch_size))
+
+
+class Tenant(_Strict):
+    tier: str
+    weight: float = Field(default=1.0, gt=0, description="Share relative to its tier's peers.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description='Keys as "sha256:<hex of the key>" (preferred) or plain text.',
+    )
+    api_keys_file: str | None = Field(
+        default=None, description="File with one key per line (same forms as api_keys)."
+    )
+    api_keys_env: str | None = Field(
+        default=None, description="Environment variable with comma-separated keys."
+    )
+    default_priority: int | None = Field(default=None, ge=1)
+    max_queued: int = Field(default=DEFAULT_TENANT_MAX_QUEUED, ge=1)
+    max_queued_bytes: int | None = Field(default=None, ge=1)
+    limits: dict[str, Limits] = Field(
+        default_factory=dict,
+        description="Per endpoint; overrides the tier's limits field by field.",
+    )
+
+
+class Server(_Strict):
+    host: str = "0.0.0.0"
+    http_port: int = Field(default=DEFAULT_HTTP_PORT, ge=0, le=65535)
+    grpc_port: int = Field(default=DEFAULT_GRPC_PORT, ge=0, le=65535)
+    metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    metrics_host: str = Field(
+        default="0.0.0.0", description="Bind to 127.0.0.1 to keep metrics off the network."
+    )
+
+
+class Triton(_Strict):
+    url: str = Field(default="localhost:8001", description="Triton's gRPC address (serve mode).")
+    metrics_url: str | None = Field(
+        default=None, description="Triton's Prometheus endpoint, e.g. http://localhost:8002/metrics"
+    )
+    metrics_interval_s: float = Field(default=DEFAULT_METRICS_INTERVAL_S, gt=0)
+    request_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class Queues(_Strict):
+    """Global caps over every tenant and endpoint."""
+
+    max_queued: int = Field(default=DEFAULT_GLOBAL_MAX_QUEUED, ge=1)
+    max_queued_bytes: int = Field(default=DEFAULT_GLOBAL_MAX_QUEUED_BYTES, ge=1)
+
+
+class TierGuard(_Strict):
+    """Optional guard against starving lower tiers; off unless min_share is set.
+
+    Trade-off: a tier's minimum share is taken from the tiers above it, so under
+    overload a paid tier's latency rises by up to that share.
+    """
+
+    min_share: dict[str, float] = Field(
+        default_factory=dict, description="Tier -> minimum fraction of batches rows, 0-1."
+    )
+
+
+class RateLimiting(_Strict):
+    storage: str = Field(
+        default=DEFAULT_RATELIMIT_STORAGE, description='"memory://" or "redis://host:port[/db]".'
+    )
+    on_storage_error: Literal["fail_open", "fail_closed"] = "fail_open"
+    timeout_ms: float = Field(default=DEFAULT_RATELIMIT_TIMEOUT_MS, gt=0)
+
+
+class Auth(_Strict):
+    trusted_gateway: bool = Field(
+        default=False,
+        description="Trust x-tenant-id / the tenant parameter from an authenticating gateway. "
+        "Off by default: never trust a tenant a client names.",
+    )
+
+
+class Observability(_Strict):
+    max_metric_tenants: int = Field(
+        default=DEFAULT_MAX_METRIC_TENANTS,
+        ge=1,
+        description="Tenants that get their own metric label; the rest share 'other'.",
+    )
+    log_format: Literal["json", "text"] = "json"
+    ema_alpha: float = Field(default=DEFAULT_EMA_ALPHA, gt=0, le=1)
+
+
+class Config(_Strict):
+    scheduling: Literal["fair", "fifo"] = "fair"
+    priority_levels: int = Field(default=DEFAULT_PRIORITY_LEVELS, ge=1)
+    server: Server = Field(default_factory=Server)
+    triton: Triton = Field(default_factory=Triton)
+    queues: Queues = Field(default_factory=Queues)
+    tier_guard: TierGuard = Field(default_factory=TierGuard)
+    rate_limiting: RateLimiting = Field(default_factory=RateLimiting)
+    auth: Auth = Field(default_factory=Auth)
+    observability: Observability = Field(default_factory=Observability)
+    endpoints: dict[str, Endpoint] = Field(default_factory=dict)
+    default_endpoint: Endpoint = Field(
+        default_factory=Endpoint,
+        description="Policy for Triton models without an entry in endpoints.",
+    )
+    tiers: list[str] = Field(min_length=1)
+    tier_limits: dict[str, dict[str, Limits]] = Field(default_factory=dict)
+    tenants: dict[str, Tenant] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Config:
+        problems = reference_problems(self.model_dump(mode="json"))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- derived views -------------------------------------------------------------------
+
+    def endpoint(self, model: str) -> Endpoint:
+        """The policy for a model: its entry, else the default policy."""
+        return self.endpoints.get(model, self.default_endpoint)
+
+    def limits_for(self, tenant: str, endpoint: str) -> Limits:
+        """The tenant's effective limits on an endpoint (tier's, overridden by the tenant's)."""
+        t = self.tenants[tenant]
+        base = self.tier_limits.get(t.tier, {}).get(endpoint, Limits())
+        return base.merged(t.limits.get(endpoint))
+
+    def default_priority(self, tenant: str | None, endpoint: str) -> int:
+        """The level a request with priority 0 gets: tenant's, endpoint's, or the middle level."""
+        if tenant is not None:
+            level = self.tenants[tenant].default_priority
+            if level is not None:
+                return level
+        ep = self.endpoint(endpoint).default_priority
+        if ep is not None:
+            return ep
+        return (self.priority_levels + 1) // 2
+
+
+def reference_problems(data: Mapping[str, Any]) -> list[str]:
+    """Problems across fields (unknown tiers, shared keys, ...), on raw or dumped data.
+
+    Defensive about types so that it also runs on a file whose fields failed validation:
+    then the operator sees every problem at once.
+    """
+    problems: list[str] = []
+
+    def mapping(value: Any) -> Mapping[str, Any]:
+        return value if isinstance(value, Mapping) else {}
+
+    raw_tiers = data.get("tiers")
+    tier_list = [t for t in raw_tiers if isinstance(t, str)] if isinstance(raw_tiers, list) else []
+    tiers = set(tier_list)
+    if len(tiers) != len(tier_list):
+        problems.append(f"tiers: duplicate names in {tier_list}")
+    for name in tier_list:
+        if not _NAME_RE.match(name):
+            problems.append(f"tiers: {name!r} is not a valid name")
+    for tier in mapping(data.get("tier_limits")):
+        if tier not in tiers:
+            problems.append(f"tier_limits.{tier}: unknown tier (tiers: {tier_list})")
+    shares = mapping(mapping(data.get("tier_guard")).get("min_share"))
+    for tier, share in shares.items():
+        if tier not in tiers:
+            problems.append(f"tier_guard.min_share.{tier}: unknown tier")
+        if isinstance(share, (int, float)) and not 0 <= share < 1:
+            problems.append(f"tier_guard.min_share.{tier}: {share} is not in [0, 1)")
+    if sum(v for v in shares.values() if isinstance(v, (int, float))) >= 1:
+        problems.append("tier_guard.min_share: shares must add up to less than 1")
+    levels = data.get("priority_levels", DEFAULT_PRIORITY_LEVELS)
+    levels = levels if isinstance(levels, int) else DEFAULT_PRIORITY_LEVELS
+    seen_keys: dict[str, str] = {}
+    for tname, tenant in mapping(data.get("tenants")).items():
+        where = f"tenants.{tname}"
+        tenant = mapping(tenant)
+        if not _NAME_RE.match(str(tname)):
+            problems.append(f"{where}: {tname!r} is not a valid tenant name")
+        tier = tenant.get("tier")
+        if isinstance(tier, str) and tier not in tiers:
+            problems.append(f"{where}.tier: unknown tier {tier!r} (tiers: {tier_list})")
+        level = tenant.get("default_priority")
+        if isinstance(level, int) and level > levels:
+            problems.append(f"{where}.default_priority: {level} exceeds priority_levels ({levels})")
+        keys = tenant.get("api_keys")
+        for i, key in enumerate(keys if isinstance(keys, list) else []):
+            if not isinstance(key, str):
+                continue
+            # Never echo a key in an error: say where, not what.
+            if key.startswith(SHA256_PREFIX) and not _SHA256_RE.match(key):
+                problems.append(
+                    f"{where}.api_keys[{i}]: 'sha256:' must be followed by 64 lowercase hex digits"
+                )
+            if not key.strip():
+                problems.append(f"{where}.api_keys[{i}]: empty key")
+            ident = key if key.startswith(SHA256_PREFIX) else key.strip()
+            if seen_keys.setdefault(ident, str(tname)) != tname:
+                problems.append(
+                    f"{where}.api_keys[{i}]: the same key is given to tenant {seen_keys[ident]!r}"
+                )
+    for ename, ep in mapping(data.get("endpoints")).items():
+        ep = mapping(ep)
+        level = ep.get("default_priority")
+        if isinstance(level, int) and level > levels:
+            problems.append(
+                f"endpoints.{ename}.default_priority: exceeds priority_levels ({levels})"
+            )
+        mt = ep.get("max_tokens_input")
+        if mt is not None and mt == ep.get("token_input", DEFAULT_TOKEN_INPUT):
+            problems.append(f"endpoints.{ename}.max_tokens_input: must differ from token_input")
+    return problems
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "value_error" and "; " in msg:
+            problems.extend(msg.split("; "))
+        else:
+            problems.append(f"{loc}: {msg}")
+    return problems
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<dict>") -> Config:
+    """Validate a mapping; raise ``ConfigError`` listing every problem."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        problems = _format_validation_error(err)
+    # Field errors stop pydantic before the cross-field check: run it on the raw data too.
+    for problem in reference_problems(data):
+        if problem not in problems:
+            problems.append(problem)
+    raise ConfigError(source, problems)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML file; raise ``ConfigError`` listing every problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigError(str(p), [f"cannot read: {err.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(str(p), [f"not valid YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(p), ["the top level must be a mapping"])
+    return parse_config(data, str(p))

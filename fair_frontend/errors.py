@@ -1,0 +1,118 @@
+"""Errors the frontend answers with, mapped once to gRPC and HTTP.
+
+The mapping follows ``shared/PROTOCOL.md``: Triton's own codes and messages where
+Triton has the situation, 429 for one tenant's quota, 503 for the platform's overload.
+Raise a subclass anywhere on the request path; the HTTP and gRPC shells turn it into
+the status, body and ``retry-after`` hint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+
+from fair_frontend.outcomes import Outcome
+
+# Triton's exact strings; clients match on them.
+MSG_TIMEOUT_EXPIRED = "Request timeout expired"
+MSG_QUEUE_FULL = "Exceeds maximum queue size"
+
+
+class FrontendError(Exception):
+    """An error with a defined status on both protocols."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
+    outcome: Outcome = Outcome.FAILED
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """``Retry-After`` value: whole seconds, rounded up, at least 1."""
+        if self.retry_after is None:
+            return None
+        return str(max(1, math.ceil(self.retry_after)))
+
+
+class InvalidArgument(FrontendError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    outcome = Outcome.REJECTED_INVALID
+
+
+class UnknownModel(InvalidArgument):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Request for unknown model: '{model}' is not found")
+
+
+class Unauthenticated(FrontendError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+    outcome = Outcome.REJECTED_AUTH
+
+
+class PermissionDenied(FrontendError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+    outcome = Outcome.REJECTED_AUTH
+
+
+class RateLimited(FrontendError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    outcome = Outcome.REJECTED_RATE
+
+
+class Unavailable(FrontendError):
+    """Triton down, model not ready: the platform cannot serve now."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    outcome = Outcome.FAILED
+
+
+class Overloaded(Unavailable):
+    """The throttle: the predicted wait exceeds the target."""
+
+    outcome = Outcome.REJECTED_OVERLOAD
+
+
+class QueueFull(Unavailable):
+    outcome = Outcome.REJECTED_QUEUE_FULL
+
+    def __init__(self, cap: str) -> None:
+        super().__init__(f"{MSG_QUEUE_FULL}: {cap}")
+        self.cap = cap
+
+
+class TimeoutExpired(Unavailable):
+    outcome = Outcome.EXPIRED
+
+    def __init__(self) -> None:
+        super().__init__(MSG_TIMEOUT_EXPIRED)
+
+
+class Cancelled(FrontendError):
+    grpc_code = grpc.StatusCode.CANCELLED
+    http_status = 499  # nginx's "client closed request"; nobody is listening anyway
+    outcome = Outcome.CANCELLED
+
+
+class UpstreamError(FrontendError):
+    """Triton (or the model) answered an error: passed on with Triton's code."""
+
+    outcome = Outcome.FAILED
+
+    def __init__(self, message: str, grpc_code: grpc.StatusCode, http_status: int) -> None:
+        super().__init__(message)
+        self.grpc_code = grpc_code
+        self.http_status = http_status
+
+
+class Internal(FrontendError):
+    pass
