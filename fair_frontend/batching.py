@@ -1,0 +1,174 @@
+"""Turning queued requests into one Triton request, and its answer back into one per item.
+
+Which requests may share a batch is decided by ``batch_key``: the same model version,
+input names, datatypes and non-batch shapes (a padded dimension excepted), the same
+requested outputs and the same custom parameters. Requests that differ in any of these
+cannot be one Triton request without changing what the model sees.
+
+Ragged rows are right-padded to the longest row only where the endpoint declares how
+(``padding.inputs``); the frontend then adds each row's true length as the declared
+lengths input, and cuts padded outputs back by the model's lengths output. Per-row
+metadata (tenant, priority, deadline, id) travels in the ``fair_rows`` parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fair_frontend.config import Endpoint
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, RequestedOutput, Tensor
+
+ROWS_PARAMETER = "fair_rows"
+
+
+@dataclass(slots=True)
+class Item:
+    """One request's part in a batch (what ``pack`` needs beyond the request itself)."""
+
+    request: InferRequest
+    rows: int
+    lengths: list[int] | None
+    tenant: str
+    priority: int
+    deadline_us: int  # unix epoch microseconds, 0 = none
+
+
+def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:
+    padded = endpoint.padding.inputs
+    inputs = tuple(
+        sorted(
+            (t.name, t.datatype, t.shape[2:] if t.name in padded else t.shape[1:])
+            for t in req.inputs
+        )
+    )
+    outputs = tuple((o.name, o.classification) for o in req.outputs)
+    params = tuple(sorted(req.parameters.items()))
+    return (req.version, inputs, outputs, params)
+
+
+@dataclass(slots=True)
+class Packed:
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] | None  # None: all outputs
+    parameters: dict[str, ParamValue]
+    stripped: frozenset[str]  # outputs added for the frontend's own use
+
+
+def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
+    """One Triton request for the whole batch."""
+    first = items[0].request
+    if not info.batching:
+        assert len(items) == 1, "a non-batching model takes one request at a time"
+        inputs = list(first.inputs)
+    else:
+        inputs = []
+        for t0 in first.inputs:
+            pad = endpoint.padding.inputs.get(t0.name)
+            if pad is None or len(t0.shape) < 2:
+                inputs.append(_concat([it.request for it in items], t0.name, t0.datatype))
+            else:
+                inputs.extend(_pad_concat(items, t0, pad.pad_value, pad.lengths_input, info))
+    # The frontend needs the lengths outputs of padded outputs whenever it sent lengths.
+    stripped: set[str] = set()
+    outputs: list[RequestedOutput] | None = None
+    if first.outputs:
+        outputs = list(first.outputs)
+        asked = {o.name for o in outputs}
+        for name, spec in endpoint.padding.outputs.items():
+            if name in asked and spec.lengths_output not in asked:
+                outputs.append(RequestedOutput(spec.lengths_output))
+                stripped.add(spec.lengths_output)
+    else:
+        sent = {t.name for t in first.inputs}
+        for spec in endpoint.padding.inputs.values():
+            if spec.lengths_input and spec.lengths_input not in sent:
+                # Added by us: the model then emits lengths outputs the client never asked for.
+                stripped.update(o.lengths_output for o in endpoint.padding.outputs.values())
+    params: dict[str, ParamValue] = dict(first.parameters)
+    params[ROWS_PARAMETER] = rows_parameter(items)
+    return Packed(inputs, outputs, params, frozenset(stripped))
+
+
+def rows_parameter(items: Sequence[Item]) -> str:
+    meta: dict[str, list[object]] = {"tenant": [], "priority": [], "deadline_us": [], "id": []}
+    for it in items:
+        for _ in range(it.rows):
+            meta["tenant"].append(it.tenant)
+            meta["priority"].append(it.priority)
+            meta["deadline_us"].append(it.deadline_us)
+            meta["id"].append(it.request.id)
+    return json.dumps(meta, separators=(",", ":"))
+
+
+def _concat(reqs: Sequence[InferRequest], name: str, datatype: str) -> Tensor:
+    parts = []
+    for r in reqs:
+        t = r.input(name)
+        assert t is not None, "batch_key guarantees every request has the same inputs"
+        parts.append(t.data)
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return Tensor(name, datatype, tuple(data.shape), data)
+
+
+def _pad_concat(
+    items: Sequence[Item], t0: Tensor, pad_value: float, lengths_input: str | None, info: ModelInfo
+) -> list[Tensor]:
+    """Right-pad every row of a ragged input to the longest and stack; add true lengths."""
+    tensors = [it.request.input(t0.name) for it in items]
+    total = sum(t.shape[0] for t in tensors if t is not None)
+    width = max(t.shape[1] for t in tensors if t is not None)
+    rest = t0.shape[2:]
+    data = np.full((total, width, *rest), pad_value, dtype=DTYPES[t0.datatype])
+    lengths = np.empty((total, 1), dtype=np.int32)
+    row = 0
+    for it, t in zip(items, tensors, strict=True):
+        assert t is not None
+        n, w = t.shape[0], t.shape[1]
+        data[row : row + n, :w] = t.data
+        own = it.request.input(lengths_input) if lengths_input else None
+        lengths[row : row + n, 0] = own.data.reshape(-1) if own is not None else w
+        row += n
+    out = [Tensor(t0.name, t0.datatype, tuple(data.shape), data)]
+    if lengths_input is not None:
+        spec = info.inputs.get(lengths_input)
+        dtype = spec.datatype if spec else "INT32"
+        arr = lengths.astype(DTYPES[dtype])
+        out.append(Tensor(lengths_input, dtype, tuple(arr.shape), arr))
+    return out
+
+
+def unpack(
+    outputs: Sequence[Tensor],
+    items: Sequence[Item],
+    info: ModelInfo,
+    endpoint: Endpoint,
+    stripped: frozenset[str],
+) -> list[list[Tensor]]:
+    """Split a batch's outputs into each item's outputs, in the item's requested order."""
+    by_name = {t.name: t for t in outputs}
+    if not info.batching:
+        return [[t for t in outputs if t.name not in stripped]]
+    result: list[list[Tensor]] = []
+    row = 0
+    for it in items:
+        lo, hi = row, row + it.rows
+        row = hi
+        names = [o.name for o in it.request.outputs] or [
+            t.name for t in outputs if t.name not in stripped
+        ]
+        mine = []
+        for name in names:
+            t = by_name[name]
+            data = t.data[lo:hi]
+            pad = endpoint.padding.outputs.get(name)
+            if pad is not None and pad.lengths_output in by_name and data.ndim >= 2:
+                lens = by_name[pad.lengths_output].data[lo:hi].reshape(-1)
+                data = data[:, : int(lens.max()) if lens.size else 0]
+            mine.append(Tensor(name, t.datatype, tuple(data.shape), data))
+        result.append(mine)
+    return result

@@ -1,0 +1,169 @@
+"""``fair-frontend``: run the frontend, alone or with an embedded Triton.
+
+fair-frontend up    [--config F] [--http-port N] [--grpc-port N] [--metrics-port N]
+fair-frontend serve --config F --triton-url HOST:PORT [ports as above]
+fair-frontend check-config F
+fair-frontend hash-key KEY
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from fair_frontend.config import Config, ConfigError, load_config
+from fair_frontend.server import FrontendServer, Listen
+
+log = logging.getLogger("fair_frontend")
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "config.yaml"
+
+
+def _add_listen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to listen on (default: config, 0.0.0.0)")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 8001)")
+    p.add_argument("--metrics-port", type=int, default=None, help="metrics port (default 8002)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _listen(args: argparse.Namespace, config: Config) -> Listen:
+    s = config.server
+    return Listen(
+        host=args.host or s.host,
+        http_port=s.http_port if args.http_port is None else args.http_port,
+        grpc_port=s.grpc_port if args.grpc_port is None else args.grpc_port,
+        metrics_port=s.metrics_port if args.metrics_port is None else args.metrics_port,
+        metrics_host=s.metrics_host,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fair-frontend", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start an embedded Triton and the frontend in front of it")
+    up.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config")
+    up.add_argument("--model-repository", default=None, help="Triton model repository")
+    up.add_argument("--triton-log", default=None, help="file for Triton's log")
+    _add_listen_flags(up)
+
+    serve = sub.add_parser("serve", help="run the frontend against a Triton elsewhere")
+    serve.add_argument("--config", required=True, help="YAML config")
+    serve.add_argument("--triton-url", required=True, help="Triton's gRPC address, HOST:PORT")
+    _add_listen_flags(serve)
+
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("config")
+
+    hk = sub.add_parser("hash-key", help='print the "sha256:<hex>" form of an API key')
+    hk.add_argument("key")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "hash-key":
+        from fair_frontend.auth import hash_key
+
+        print(hash_key(args.key))
+        return 0
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(
+            f"{args.config}: OK ({len(config.tenants)} tenants, {len(config.endpoints)} endpoints)"
+        )
+        return 0
+    try:
+        if args.command == "serve":
+            asyncio.run(_serve(config, args.triton_url, _listen(args, config)))
+        else:
+            asyncio.run(_up(config, args))
+    except ConfigError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
+    except StartupError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+async def _wait_for_signal() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve(config: Config, triton_url: str, listen: Listen) -> None:
+    server = FrontendServer(config, triton_url, listen)
+    try:
+        await server.start()
+    except OSError as err:
+        raise StartupError(f"cannot listen: {err}") from err
+    _announce(server, listen, triton_url)
+    try:
+        await _wait_for_signal()
+    finally:
+        log.info("stopping: finishing queued and in-flight requests")
+        await server.stop()
+
+
+async def _up(config: Config, args: argparse.Namespace) -> None:
+    from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
+
+    repo = Path(args.model_repository) if args.model_repository else default_model_repository()
+    triton = EmbeddedTriton(repo, log_path=Path(args.triton_log) if args.triton_log else None)
+    print(f"starting Triton on {repo} (log: {triton.log_path}) ...", flush=True)
+    try:
+        await asyncio.to_thread(triton.start)
+    except TritonStartError as err:
+        raise StartupError(str(err)) from err
+    try:
+        await _serve(config, triton.grpc_url, _listen(args, config))
+    finally:
+        print("stopping Triton ...", flush=True)
+        await asyncio.to_thread(triton.stop)
+
+
+def _announce(server: FrontendServer, listen: Listen, triton_url: str) -> None:
+    host = "localhost" if listen.host in ("0.0.0.0", "::", "") else listen.host
+    key = "acme-demo-key"
+    print(
+        f"""
+fair_frontend is serving (Triton at {triton_url})
+  HTTP    http://{host}:{server.http_port}
+  gRPC    {host}:{server.grpc_port}
+  metrics http://{host}:{server.metrics_port}/metrics
+
+Try it (the example config's demo key for tenant 'acme'):
+  curl -s -H 'authorization: Bearer {key}' http://{host}:{server.http_port}/v2/models/embed/infer \\
+       -d '{{"inputs":[{{"name":"INPUT_IDS","shape":[1,4],"datatype":"INT32","data":[1,2,3,4]}}]}}'
+
+Ctrl-C stops it.
+""",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

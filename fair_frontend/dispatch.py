@@ -1,0 +1,296 @@
+"""The asyncio shell around one model's scheduler: queue, dispatch, answer, expire.
+
+The scheduler core is pure and synchronous; this module owns the clock (the event
+loop's monotonic ``loop.time()``, read once per operation), the futures callers await,
+the deadline timer, and the bound on batches in flight. Invariants:
+
+* every request enqueued here is answered exactly once: a result, or an error
+  (expired, cancelled, Triton's error, unavailable);
+* at most ``max_inflight_batches`` batches of this model are in Triton at once, so
+  requests wait here, where fairness is decided, not in Triton's queue;
+* work-conserving: whenever a slot is free and anything is queued, a batch goes out
+  (unless ``max_queue_delay_ms`` asks to wait for a fuller batch, Triton-style);
+* a batch whose model call fails for one bad row does not fail its neighbours: on a
+  model error the items are retried one by one, so only the culprit sees the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fair_frontend.batching import Item, Packed, pack, unpack
+from fair_frontend.config import Endpoint
+from fair_frontend.errors import (
+    Cancelled,
+    FrontendError,
+    Internal,
+    TimeoutExpired,
+    Unavailable,
+)
+from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import Tensor
+from fair_frontend.scheduler import QueuedRequest, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pending:
+    """What the shell keeps with a queued request (the scheduler's opaque payload)."""
+
+    item: Item
+    future: asyncio.Future[list[Tensor]]
+    enqueued_at: float
+    dispatched_at: float | None = None
+
+
+@dataclass(slots=True)
+class BatchReport:
+    """A finished batch, for metrics and the feedback loop."""
+
+    model: str
+    rows: int
+    tokens: int
+    items: int
+    tenants: dict[str, int]  # rows per tenant
+    started: float
+    finished: float
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
+
+
+class Backend:
+    """Is Triton reachable? Batches are held (not failed) while it is not."""
+
+    def __init__(self) -> None:
+        self.available = asyncio.Event()
+        self.available.set()
+        self.listeners: list[Callable[[], None]] = []
+
+    def mark_down(self) -> None:
+        if self.available.is_set():
+            log.warning("Triton unavailable: holding queued requests until it is back")
+        self.available.clear()
+
+    def mark_up(self) -> None:
+        if not self.available.is_set():
+            log.info("Triton available again: resuming dispatch")
+            self.available.set()
+            for kick in self.listeners:
+                kick()
+
+
+@dataclass
+class EndpointRuntime:
+    """Feeds one model's batches to Triton, at most ``max_inflight`` at a time."""
+
+    model: str
+    info: ModelInfo
+    endpoint: Endpoint
+    scheduler: Scheduler
+    forwarder: TritonForwarder
+    backend: Backend
+    on_batch: Callable[[BatchReport], None] = lambda report: None
+    on_expired: Callable[[QueuedRequest], None] = lambda qr: None
+    inflight: int = 0
+    _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    _timer_at: float | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.backend.listeners.append(self.kick)
+
+    @property
+    def max_inflight(self) -> int:
+        return self.endpoint.max_inflight_batches
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    # ---- the request side ---------------------------------------------------------------
+
+    async def submit(self, qr: QueuedRequest, item: Item) -> list[Tensor]:
+        """Queue a request and wait for its answer (raises the error it is answered with)."""
+        now = self.now()
+        pending = Pending(item, self.loop.create_future(), now)
+        # A cancelled caller no longer reads its future; mark its exception as retrieved.
+        pending.future.add_done_callback(_retrieve)
+        qr.payload = pending
+        self.scheduler.enqueue(qr, now)  # raises QueueFull before anything is queued
+        self.kick()
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            # The client went away. Still queued: it leaves and is never sent. Already in
+            # a batch: it is answered into the void (the batch serves its neighbours).
+            if self.scheduler.cancel(qr, self.now()) and not pending.future.done():
+                pending.future.set_exception(Cancelled("the client cancelled the request"))
+                self.kick()
+            raise
+
+    # ---- the dispatch side --------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Send batches while a slot is free and work is queued; re-arm the timers."""
+        now = self.now()
+        self._expire(now)
+        while self.inflight < self.max_inflight and self.backend.available.is_set():
+            hold = self._hold_until(now)
+            if hold is not None:
+                self._arm(hold)
+                break
+            batch = self.scheduler.next_batch(now)
+            if not batch:
+                break
+            self.inflight += 1
+            task = self.loop.create_task(self._run(batch, now))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        deadline = self.scheduler.next_deadline()
+        if deadline is not None:
+            self._arm(deadline)
+
+    def _hold_until(self, now: float) -> float | None:
+        """Triton-style max_queue_delay: wait (only while idle) for a fuller batch."""
+        delay = self.endpoint.max_queue_delay_ms / 1000.0
+        if delay <= 0 or self.inflight > 0:
+            return None
+        oldest = self.scheduler.oldest_arrival()
+        if oldest is None or oldest + delay <= now:
+            return None
+        limit = self.info.max_batch_size or 1
+        if self.scheduler.queued_rows >= limit:
+            return None
+        return oldest + delay
+
+    def _arm(self, at: float) -> None:
+        """One timer per model, at the earliest moment something is due."""
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.kick()
+
+    def _expire(self, now: float) -> None:
+        for qr in self.scheduler.expire(now):
+            pending: Pending = qr.payload
+            self.on_expired(qr)
+            if not pending.future.done():
+                pending.future.set_exception(TimeoutExpired())
+
+    async def _run(self, batch: list[QueuedRequest], now: float) -> None:
+        pendings: list[Pending] = [qr.payload for qr in batch]
+        for p in pendings:
+            p.dispatched_at = now
+        started = time.monotonic()
+        ok = False
+        try:
+            ok = await self._send(pendings)
+        except Exception as err:  # never lose an answer, whatever went wrong
+            log.exception("batch for %s failed unexpectedly", self.model)
+            self._fail(pendings, Internal(f"internal error: {type(err).__name__}"))
+        finally:
+            self.inflight -= 1
+            self.on_batch(
+                BatchReport(
+                    model=self.model,
+                    rows=sum(p.item.rows for p in pendings),
+                    tokens=sum(qr.tokens for qr in batch),
+                    items=len(pendings),
+                    tenants=_rows_by_tenant(pendings),
+                    started=started,
+                    finished=time.monotonic(),
+                    ok=ok,
+                )
+            )
+            self.kick()
+
+    async def _send(self, pendings: list[Pending]) -> bool:
+        items = [p.item for p in pendings]
+        try:
+            packed = pack(items, self.info, self.endpoint)
+            outputs = await self._forward(packed, items)
+        except Unavailable as err:
+            self.backend.mark_down()
+            self._fail(pendings, err)
+            return False
+        except FrontendError as err:
+            if len(pendings) == 1:
+                self._fail(pendings, err)
+                return False
+            # One bad row must not fail its neighbours: isolate by sending each alone.
+            await self._send_one_by_one(pendings)
+            return False
+        for p, outs in zip(
+            pendings,
+            unpack(outputs, items, self.info, self.endpoint, packed.stripped),
+            strict=True,
+        ):
+            if not p.future.done():
+                p.future.set_result(outs)
+        return True
+
+    async def _send_one_by_one(self, pendings: list[Pending]) -> None:
+        for p in pendings:
+            if p.future.done():
+                continue
+            try:
+                packed = pack([p.item], self.info, self.endpoint)
+                outputs = await self._forward(packed, [p.item])
+            except FrontendError as err:
+                if isinstance(err, Unavailable):
+                    self.backend.mark_down()
+                self._fail([p], err)
+                continue
+            (outs,) = unpack(outputs, [p.item], self.info, self.endpoint, packed.stripped)
+            if not p.future.done():
+                p.future.set_result(outs)
+
+    async def _forward(self, packed: Packed, items: list[Item]) -> list[Tensor]:
+        first = items[0].request
+        return await self.forwarder.infer(
+            self.model,
+            first.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=first.id if len(items) == 1 else "",
+        )
+
+    @staticmethod
+    def _fail(pendings: list[Pending], err: FrontendError) -> None:
+        for p in pendings:
+            if not p.future.done():
+                p.future.set_exception(err)
+
+    async def drain(self) -> None:
+        """Wait for every batch in flight (shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _rows_by_tenant(pendings: list[Pending]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in pendings:
+        out[p.item.tenant] = out.get(p.item.tenant, 0) + p.item.rows
+    return out
+
+
+def _retrieve(fut: asyncio.Future[list[Tensor]]) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,140 @@
+"""The one place that talks to Triton: tritonclient's asyncio gRPC client.
+
+Errors come back as ``UpstreamError`` carrying Triton's own gRPC code and the HTTP
+status Triton's HTTP server would have used for it, so a client sees through the
+frontend what it would have seen from Triton. An unreachable Triton is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import (
+    InferenceServerException,
+    InferInput,
+    InferRequestedOutput,
+    service_pb2,
+)
+from tritonclient.grpc import aio as grpcclient
+
+from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
+from fair_frontend.protocol import DTYPES, ParamValue, RequestedOutput, Tensor
+
+# Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError).
+_HTTP_STATUS = {
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+}
+_CODES = {str(c): c for c in grpc.StatusCode}
+# Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
+_MAX_MESSAGE = 2**31 - 1
+
+
+def upstream_error(err: InferenceServerException) -> FrontendError:
+    code = _CODES.get(str(err.status()), grpc.StatusCode.UNKNOWN)
+    message = err.message() or str(err)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"Triton is unavailable: {message}")
+    return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))
+
+
+def _bf16_words_to_float(words: np.ndarray) -> np.ndarray:
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+class TritonForwarder:
+    """Sends requests and batches to one Triton server over gRPC."""
+
+    def __init__(self, url: str, *, request_timeout_s: float = 60.0) -> None:
+        self.url = url
+        self.request_timeout_s = request_timeout_s
+        self._client = grpcclient.InferenceServerClient(
+            url,
+            channel_args=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # Reconnect quickly when Triton comes back after a restart.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 2_000),
+            ],
+        )
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def infer(
+        self,
+        model: str,
+        version: str,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[RequestedOutput] | None,
+        parameters: dict[str, ParamValue],
+        request_id: str = "",
+    ) -> list[Tensor]:
+        infer_inputs = []
+        for t in inputs:
+            inp = InferInput(t.name, list(t.shape), t.datatype)
+            data = _bf16_words_to_float(t.data) if t.datatype == "BF16" else t.data
+            inp.set_data_from_numpy(np.ascontiguousarray(data))
+            infer_inputs.append(inp)
+        infer_outputs = (
+            [InferRequestedOutput(o.name, class_count=o.classification) for o in outputs]
+            if outputs
+            else None
+        )
+        try:
+            result = await self._client.infer(
+                model,
+                infer_inputs,
+                model_version=version,
+                outputs=infer_outputs,
+                request_id=request_id,
+                parameters=parameters or None,
+                client_timeout=self.request_timeout_s,
+            )
+        except InferenceServerException as err:
+            raise upstream_error(err) from None
+        response = result.get_response()
+        out = []
+        for spec in response.outputs:
+            arr = result.as_numpy(spec.name)
+            if spec.datatype == "BF16":
+                arr = (arr.view(np.uint32) >> 16).astype(DTYPES["BF16"])
+            out.append(Tensor(spec.name, spec.datatype, tuple(spec.shape), arr))
+        return out
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """A non-infer call of tritonclient's aio client, errors mapped."""
+        try:
+            return await getattr(self._client, method)(
+                client_timeout=self.request_timeout_s, **kwargs
+            )
+        except InferenceServerException as err:
+            raise upstream_error(err) from None
+
+    async def server_ready(self) -> bool:
+        try:
+            return bool(await self._client.is_server_ready(client_timeout=2.0))
+        except InferenceServerException:
+            return False
+
+    async def model_config(self, model: str, version: str = "") -> Any:
+        response = await self.call("get_model_config", model_name=model, model_version=version)
+        return response.config
+
+    @property
+    def stub(self) -> Any:
+        """The raw generated stub, for the calls tritonclient's aio client has no method for
+        (bidirectional streaming passes requests through untouched)."""
+        return self._client._client_stub
+
+    @staticmethod
+    def new_infer_request() -> service_pb2.ModelInferRequest:
+        return service_pb2.ModelInferRequest()

@@ -1,0 +1,142 @@
+"""KServe v2 over gRPC: ``ModelInferRequest``/``ModelInferResponse`` <-> ``InferRequest``.
+
+The messages are tritonclient's generated stubs (``tritonclient.grpc.service_pb2``).
+Inputs arrive either as ``raw_input_contents`` (what tritonclient and perf_analyzer
+send) or typed ``contents``; responses always use raw contents, as Triton does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from fair_frontend.errors import InvalidArgument
+from fair_frontend.protocol import (
+    DTYPES,
+    InferRequest,
+    InferResponse,
+    ParamValue,
+    RequestedOutput,
+    Tensor,
+    check_shape,
+    element_count,
+    split_parameters,
+    tensor_from_raw,
+    tensor_to_raw,
+)
+
+# Which typed-contents field carries each datatype (KServe v2 gRPC).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def param_value(p: service_pb2.InferParameter) -> ParamValue:
+    which = p.WhichOneof("parameter_choice")
+    if which is None:
+        raise InvalidArgument("a request parameter has no value")
+    value: ParamValue = getattr(p, which)
+    return value
+
+
+def set_param(p: service_pb2.InferParameter, value: ParamValue) -> None:
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        if value >= 1 << 63:
+            p.uint64_param = value
+        else:
+            p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
+    req = InferRequest(model=msg.model_name, version=msg.model_version, id=msg.id)
+    split_parameters(req, {k: param_value(v) for k, v in msg.parameters.items()})
+    if not msg.inputs:
+        raise InvalidArgument("the request must have at least one input")
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise InvalidArgument(
+            f"expected {len(msg.inputs)} raw_input_contents (one per input), got {len(raw)}"
+        )
+    seen: set[str] = set()
+    for i, spec in enumerate(msg.inputs):
+        name = spec.name
+        if not name:
+            raise InvalidArgument(f"inputs[{i}]: missing name")
+        if name in seen:
+            raise InvalidArgument(f"input '{name}' is given more than once")
+        seen.add(name)
+        shape = check_shape(name, list(spec.shape))
+        if raw:
+            if spec.HasField("contents"):
+                raise InvalidArgument(
+                    f"input '{name}': contents and raw_input_contents are mutually exclusive"
+                )
+            req.inputs.append(tensor_from_raw(name, spec.datatype, shape, raw[i]))
+        else:
+            req.inputs.append(_from_contents(name, spec.datatype, shape, spec.contents))
+    for out in msg.outputs:
+        cls = 0
+        if "classification" in out.parameters:
+            value = param_value(out.parameters["classification"])
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(
+                    f"output '{out.name}': classification must be an integer >= 0"
+                )
+            cls = value
+        req.outputs.append(RequestedOutput(out.name, None, cls))
+    return req
+
+
+def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any) -> Tensor:
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        if datatype in DTYPES:
+            raise InvalidArgument(f"input '{name}': {datatype} must be sent as raw contents")
+        raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}")
+    values = getattr(contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise InvalidArgument(
+            f"input '{name}': shape {list(shape)} needs {count} elements, contents have "
+            f"{len(values)}"
+        )
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=object)
+        arr[:] = list(values)
+    else:
+        try:
+            arr = np.array(list(values), dtype=DTYPES[datatype])
+        except OverflowError:
+            raise InvalidArgument(f"input '{name}': value out of range for {datatype}") from None
+    return Tensor(name, datatype, shape, arr.reshape(shape))
+
+
+def encode_infer(resp: InferResponse) -> service_pb2.ModelInferResponse:
+    msg = service_pb2.ModelInferResponse(
+        model_name=resp.model, model_version=resp.version, id=resp.id
+    )
+    for k, v in resp.parameters.items():
+        set_param(msg.parameters[k], v)
+    for t in resp.outputs:
+        msg.outputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
+        msg.raw_output_contents.append(tensor_to_raw(t))
+    return msg

@@ -1,0 +1,97 @@
+"""KServe v2 over gRPC (grpc.aio): the thin shell around ``Frontend``.
+
+The servicer is tritonclient's generated ``GRPCInferenceServiceServicer``. Errors end
+the call with the status of ``fair_frontend.errors``; rate-limit and overload errors
+carry the retry hint in trailing metadata ``retry-after`` (seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from fair_frontend import grpc_codec
+from fair_frontend.errors import FrontendError, Internal
+from fair_frontend.service import Frontend
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> NoReturn:
+    if err.retry_after_header is not None:
+        context.set_trailing_metadata((("retry-after", err.retry_after_header),))
+    await context.abort(err.grpc_code, err.message)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    out = {}
+    for key, value in context.invocation_metadata() or ():
+        if isinstance(value, bytes):  # binary ("-bin") metadata carries no identity
+            continue
+        out[key.lower()] = value
+    return out
+
+
+async def _guard(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await call()
+    except FrontendError as err:
+        await abort(context, err)
+    except Exception as err:
+        log.exception("internal error")
+        await abort(context, Internal(f"internal error: {type(err).__name__}"))
+
+
+class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerReadyResponse(ready=await self.frontend.ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        ready = await self.frontend.model_ready(request.name, request.version)
+        return service_pb2.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        doc = await self.frontend.server_metadata()
+        return service_pb2.ServerMetadataResponse(**doc)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        return await _guard(
+            context, lambda: self.frontend.model_metadata(request.name, request.version)
+        )
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        return await _guard(
+            context, lambda: self.frontend.model_config(request.name, request.version)
+        )
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        async def call() -> Any:
+            req = grpc_codec.decode_infer(request)
+            resp = await self.frontend.infer(req, _headers(context))
+            return grpc_codec.encode_infer(resp)
+
+        return await _guard(context, call)
+
+
+def make_server(frontend: Frontend, *, max_message_bytes: int) -> grpc.aio.Server:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", 2**31 - 1),
+        ]
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcShell(frontend), server)
+    return server

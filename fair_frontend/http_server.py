@@ -1,0 +1,175 @@
+"""KServe v2 over HTTP (aiohttp): the thin shell around ``Frontend``.
+
+Bodies may be gzip/deflate-encoded (aiohttp decodes them); responses are compressed
+when the client's ``Accept-Encoding`` allows, as Triton does. Errors are
+``{"error": "<message>"}`` with the status of ``fair_frontend.errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+from google.protobuf import json_format
+
+from fair_frontend.errors import FrontendError, InvalidArgument
+from fair_frontend.http_codec import (
+    HEADER_CONTENT_LENGTH,
+    decode_infer,
+    encode_error,
+    encode_infer,
+    parse_header_length,
+)
+from fair_frontend.service import Frontend
+
+log = logging.getLogger(__name__)
+
+FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend", Frontend)
+
+
+def error_response(err: FrontendError) -> web.Response:
+    headers = {}
+    if err.retry_after_header is not None:
+        headers["Retry-After"] = err.retry_after_header
+    return web.Response(
+        status=err.http_status,
+        body=encode_error(err.message),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _headers(request: web.Request) -> dict[str, str]:
+    return {k.lower(): v for k, v in request.headers.items()}
+
+
+def _model_version(request: web.Request) -> tuple[str, str]:
+    return request.match_info["model"], request.match_info.get("version", "")
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.json_response(doc, status=status)
+
+
+def proto_to_json(msg: Any) -> dict[str, Any]:
+    """Triton's JSON rendering of a protobuf message: proto field names, every field,
+    64-bit integers as numbers (protobuf's own JSON would quote them)."""
+    doc: dict[str, Any] = json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _unquote_int64(msg, doc)
+
+
+_INT64_TYPES = {3, 4, 6, 16, 18}  # FieldDescriptor TYPE_INT64/UINT64/FIXED64/SFIXED64/SINT64
+
+
+def _unquote_int64(msg: Any, doc: Any) -> Any:
+    if not isinstance(doc, dict):
+        return doc
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.name not in doc:
+            continue
+        value = getattr(msg, fd.name)
+        if fd.message_type is not None:
+            if fd.message_type.GetOptions().map_entry:
+                vfd = fd.message_type.fields_by_name["value"]
+                for k, v in value.items():
+                    if vfd.message_type is not None:
+                        doc[fd.name][str(k)] = _unquote_int64(v, doc[fd.name][str(k)])
+                    elif vfd.type in _INT64_TYPES:
+                        doc[fd.name][str(k)] = int(v)
+            elif fd.label == fd.LABEL_REPEATED:
+                doc[fd.name] = [
+                    _unquote_int64(v, d) for v, d in zip(value, doc[fd.name], strict=True)
+                ]
+            else:
+                doc[fd.name] = _unquote_int64(value, doc[fd.name])
+        elif fd.type in _INT64_TYPES:
+            if fd.label == fd.LABEL_REPEATED:
+                doc[fd.name] = [int(v) for v in value]
+            else:
+                doc[fd.name] = int(value)
+    return doc
+
+
+class HttpShell:
+    def __init__(self, frontend: Frontend, *, max_body_bytes: int) -> None:
+        self.frontend = frontend
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=[self._errors_middleware]
+        )
+        app[FRONTEND_KEY] = self.frontend
+        r = app.router
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        r.add_get("/v2", self.server_metadata)
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_get(prefix, self.model_metadata)
+            r.add_get(prefix + "/ready", self.model_ready)
+            r.add_get(prefix + "/config", self.model_config)
+            r.add_post(prefix + "/infer", self.infer)
+        return app
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except FrontendError as err:
+            return error_response(err)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                InvalidArgument(f"request too large: the body exceeds {self.max_body_bytes} bytes")
+            )
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return web.Response(
+                    status=exc.status,
+                    body=encode_error(exc.reason or "error"),
+                    content_type="application/json",
+                )
+            raise
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        # Triton answers 400 when not ready; Kubernetes probes treat it as failing.
+        return web.Response(status=200 if await self.frontend.ready() else 400)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json(await self.frontend.server_metadata())
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        model, version = _model_version(request)
+        return _json(proto_to_json(await self.frontend.model_metadata(model, version)))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        model, version = _model_version(request)
+        return web.Response(status=200 if await self.frontend.model_ready(model, version) else 400)
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        model, version = _model_version(request)
+        response = await self.frontend.model_config(model, version)
+        return _json(proto_to_json(response.config))
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        model, version = _model_version(request)
+        body = await request.read()
+        header_length = parse_header_length(request.headers.get(HEADER_CONTENT_LENGTH), len(body))
+        req = decode_infer(model, version, body, header_length)
+        resp = await self.frontend.infer(req, _headers(request))
+        payload, json_length = encode_infer(resp, req)
+        out = web.Response(body=payload)
+        if json_length is None:
+            out.content_type = "application/json"
+        else:
+            out.content_type = "application/octet-stream"
+            out.headers[HEADER_CONTENT_LENGTH] = str(json_length)
+        if request.headers.get("Accept-Encoding"):
+            out.enable_compression()
+        return out

@@ -1,0 +1,208 @@
+"""What the frontend knows of each Triton model, and the checks made before queueing.
+
+A request is validated against the model's config before it enters a queue: a bad
+item must never reach a batch, where it would fail every other tenant's rows with it.
+Messages follow Triton's wording where Triton has the check, so clients that match on
+them keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from fair_frontend.config import CostUnit, Endpoint
+from fair_frontend.errors import InvalidArgument
+from fair_frontend.protocol import DTYPES, InferRequest, Tensor
+
+
+def triton_datatype(config_type: int) -> str:
+    """``TYPE_INT32`` -> ``INT32``; ``TYPE_STRING`` -> ``BYTES`` (Triton's mapping)."""
+    name: str = model_config_pb2.DataType.Name(config_type)
+    name = name.removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    dims: tuple[int, ...]  # without the batch dimension
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The parts of a Triton model config that scheduling and validation need."""
+
+    name: str
+    max_batch_size: int
+    inputs: Mapping[str, TensorSpec]
+    outputs: Mapping[str, TensorSpec]
+    decoupled: bool = False
+    sequence_batching: bool = False
+    platform: str = ""
+    raw_config: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: model_config_pb2.ModelConfig) -> ModelInfo:
+        def spec(t: Any, optional: bool = False) -> TensorSpec:
+            return TensorSpec(t.name, triton_datatype(t.data_type), tuple(t.dims), optional)
+
+        return cls(
+            name=cfg.name,
+            max_batch_size=cfg.max_batch_size,
+            inputs={t.name: spec(t, t.optional) for t in cfg.input},
+            outputs={t.name: spec(t) for t in cfg.output},
+            decoupled=cfg.model_transaction_policy.decoupled,
+            sequence_batching=cfg.HasField("sequence_batching"),
+            platform=cfg.platform or cfg.backend,
+            raw_config=cfg,
+        )
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    @property
+    def passthrough(self) -> bool:
+        """Requests that keep Triton's own semantics and go one at a time, unbatched."""
+        return self.decoupled or self.sequence_batching
+
+
+@dataclass(slots=True)
+class Checked:
+    """A validated request: its rows, tokens and per-row token lengths."""
+
+    rows: int
+    tokens: int
+    lengths: list[int] | None  # per row, of the endpoint's token input (None if absent)
+
+
+def _dims_match(expected: tuple[int, ...], got: tuple[int, ...]) -> bool:
+    return len(expected) == len(got) and all(
+        e == -1 or e == g for e, g in zip(expected, got, strict=True)
+    )
+
+
+def _fmt(dims: tuple[int, ...]) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
+    """Check a request against its model; fill configured defaults; count rows and tokens."""
+    model = info.name
+    names = [t.name for t in req.inputs]
+    for t in req.inputs:
+        if t.name not in info.inputs:
+            raise InvalidArgument(f"unexpected inference input '{t.name}' for model '{model}'")
+    # Fill the endpoint's defaults for optional inputs left out (the model's own defaults),
+    # so that rows with and without them share a batch.
+    rows = 0
+    if info.batching and req.inputs:
+        rows = req.inputs[0].shape[0] if req.inputs[0].shape else 0
+    for name, values in endpoint.input_defaults.items():
+        spec = info.inputs.get(name)
+        if spec is None or name in names:
+            continue
+        arr = np.asarray(values, dtype=DTYPES[spec.datatype]).reshape(spec.dims)
+        if info.batching:
+            arr = np.broadcast_to(arr, (rows, *spec.dims)).copy()
+        req.inputs.append(Tensor(name, spec.datatype, tuple(arr.shape), arr))
+        names.append(name)
+    missing = [n for n, s in info.inputs.items() if not s.optional and n not in names]
+    if missing:
+        required = sum(1 for s in info.inputs.values() if not s.optional)
+        raise InvalidArgument(
+            f"expected {required} inputs but got {len(req.inputs)} inputs for model "
+            f"'{model}'. Got input(s) {names}, but missing required input(s) {missing}. "
+            "Please provide all required input(s)."
+        )
+    for t in req.inputs:
+        spec = info.inputs[t.name]
+        if t.datatype != spec.datatype:
+            raise InvalidArgument(
+                f"inference input '{t.name}' data-type is '{t.datatype}', but model "
+                f"'{model}' expects '{spec.datatype}'"
+            )
+        expected = (-1, *spec.dims) if info.batching else spec.dims
+        if not _dims_match(expected, t.shape):
+            note = (
+                " NOTE: Setting a non-zero max_batch_size in the model config requires a "
+                "batch dimension to be prepended to each input shape."
+                if info.batching
+                else ""
+            )
+            raise InvalidArgument(
+                f"unexpected shape for input '{t.name}' for model '{model}'. Expected "
+                f"{_fmt(expected)}, got {_fmt(t.shape)}.{note}"
+            )
+        if info.batching and t.shape[0] != rows:
+            raise InvalidArgument(
+                f"input '{t.name}' batch size {t.shape[0]} does not match other inputs "
+                f"({rows}) for '{model}'"
+            )
+    if info.batching:
+        if rows < 1:
+            raise InvalidArgument(f"empty batch: inputs of model '{model}' have batch size 0")
+        if rows > info.max_batch_size:
+            raise InvalidArgument(
+                f"inference request batch-size must be <= {info.max_batch_size} for '{model}'"
+            )
+    for out in req.outputs:
+        if out.name not in info.outputs:
+            raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
+    if len({o.name for o in req.outputs}) != len(req.outputs):
+        raise InvalidArgument("an output is requested more than once")
+
+    lengths = _row_lengths(req, info, endpoint, max(rows, 1))
+    tokens = sum(lengths) if lengths is not None else 0
+    if endpoint.max_tokens_input is not None:
+        t = req.input(endpoint.max_tokens_input)
+        if t is not None and t.data.size:
+            if (t.data < 0).any():
+                raise InvalidArgument(f"input '{t.name}' must not be negative")
+            tokens += int(t.data.sum())
+    if endpoint.cost is CostUnit.TOKENS and lengths is None:
+        raise InvalidArgument(
+            f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "
+            "which the request does not have"
+        )
+    nbytes = req.nbytes
+    if nbytes > endpoint.max_request_bytes:
+        raise InvalidArgument(
+            f"request too large: {nbytes} bytes of input data, the limit for '{model}' is "
+            f"{endpoint.max_request_bytes}"
+        )
+    if endpoint.max_request_tokens is not None and tokens > endpoint.max_request_tokens:
+        raise InvalidArgument(
+            f"request too large: {tokens} tokens, the limit for '{model}' is "
+            f"{endpoint.max_request_tokens}"
+        )
+    return Checked(rows=max(rows, 1), tokens=tokens, lengths=lengths)
+
+
+def _row_lengths(
+    req: InferRequest, info: ModelInfo, endpoint: Endpoint, rows: int
+) -> list[int] | None:
+    """Per-row token counts: the token input's width, or the lengths the client sent."""
+    t = req.input(endpoint.token_input)
+    if t is None:
+        return None
+    width = int(np.prod(t.shape[1:])) if info.batching else int(np.prod(t.shape))
+    pad = endpoint.padding.inputs.get(t.name)
+    if pad is not None and pad.lengths_input is not None:
+        given = req.input(pad.lengths_input)
+        if given is not None:
+            lens = [int(v) for v in given.data.reshape(-1)]
+            if len(lens) != rows or any(n < 0 or n > width for n in lens):
+                raise InvalidArgument(
+                    f"input '{pad.lengths_input}' must hold one length per row, each between "
+                    f"0 and the width of '{t.name}' ({width})"
+                )
+            return lens
+    return [width] * rows

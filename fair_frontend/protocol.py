@@ -1,0 +1,317 @@
+"""The KServe v2 inference request as the frontend sees it, independent of transport.
+
+Both shells (HTTP and gRPC) decode into ``InferRequest`` and encode from
+``InferResponse``; everything between (authentication, admission, scheduling, batching,
+forwarding) works on these. Tensors are numpy arrays in their final shape: batching
+needs them decoded anyway, and ``np.frombuffer`` makes the decode zero-copy for raw
+(binary) data.
+
+Datatypes follow Triton's table: BYTES tensors are numpy object arrays of ``bytes``;
+BF16 has no numpy type and travels as raw 2-byte words (it can be batched, not
+converted to JSON).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fair_frontend.errors import InvalidArgument
+
+# Triton datatype -> numpy dtype (little-endian, as the protocol requires).
+DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "BF16": np.dtype("<u2"),  # raw words: batched and forwarded, never converted
+    "BYTES": np.dtype(object),
+}
+
+# Parameters with a meaning to Triton; never forwarded as custom parameters.
+RESERVED_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "headers",
+        "binary_data_output",
+    }
+)
+RESERVED_PREFIX = "triton_"
+# The frontend's own per-batch parameters (``fair_rows``) travel under this prefix.
+FRONTEND_PREFIX = "fair_"
+# The parameter a trusted gateway (or a client, checked against its key) names the tenant in.
+TENANT_PARAMETER = "tenant"
+
+ParamValue = bool | int | float | str
+
+
+@dataclass(slots=True)
+class Tensor:
+    """One named tensor; ``data`` already has ``shape`` (object dtype for BYTES)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        if self.datatype == "BYTES":
+            return int(sum(len(b) + 4 for b in self.data.flat))
+        return int(self.data.nbytes)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    binary: bool | None = None  # HTTP only: per-output binary_data; None = request default
+    classification: int = 0  # Triton's classification extension: top-k, 0 = off
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """A decoded KServe v2 inference request."""
+
+    model: str
+    version: str = ""
+    id: str = ""
+    inputs: list[Tensor] = field(default_factory=list)
+    outputs: list[RequestedOutput] = field(default_factory=list)  # empty = all outputs
+    parameters: dict[str, ParamValue] = field(default_factory=dict)  # custom ones only
+    priority: int = 0  # Triton's convention: 0 = default level, 1 = highest
+    timeout_us: int | None = None  # relative to arrival
+    sequence: dict[str, ParamValue] = field(default_factory=dict)  # sequence_id/_start/_end
+    binary_output: bool = False  # HTTP: request-level binary_data_output
+    tenant_claim: str | None = None  # the `tenant` parameter, if any
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.inputs)
+
+    def input(self, name: str) -> Tensor | None:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        return None
+
+
+@dataclass(slots=True)
+class InferResponse:
+    model: str
+    version: str
+    id: str
+    outputs: list[Tensor]
+    parameters: dict[str, ParamValue] = field(default_factory=dict)
+
+
+# ---- parameters -------------------------------------------------------------------------
+
+
+def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
+    """Sort request parameters into the fields of ``req``, validating reserved ones."""
+    for name, value in params.items():
+        if name == "priority":
+            req.priority = _non_negative_int(name, value)
+        elif name == "timeout":
+            req.timeout_us = _non_negative_int(name, value)
+        elif name in ("sequence_id", "sequence_start", "sequence_end"):
+            req.sequence[name] = value
+        elif name == "binary_data_output":
+            if not isinstance(value, bool):
+                raise InvalidArgument("parameter 'binary_data_output' must be a boolean")
+            req.binary_output = value
+        elif name == "headers":
+            continue  # Triton's HTTP header forwarding map: not a model parameter
+        elif name.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)):
+            owner = "Triton" if name.startswith(RESERVED_PREFIX) else "the frontend"
+            raise InvalidArgument(
+                f"parameter '{name}' is reserved: names starting with "
+                f"'{name.split('_')[0]}_' belong to {owner}"
+            )
+        elif name == TENANT_PARAMETER:
+            if not isinstance(value, str):
+                raise InvalidArgument(f"parameter '{TENANT_PARAMETER}' must be a string")
+            req.tenant_claim = value
+        else:
+            req.parameters[name] = value
+
+
+def _non_negative_int(name: str, value: ParamValue) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"parameter '{name}' must be an integer, got {value!r}")
+    if value < 0:
+        raise InvalidArgument(f"parameter '{name}' must be >= 0, got {value}")
+    return value
+
+
+# ---- BYTES codec: 4-byte little-endian length + bytes, per element ----------------------
+
+
+def serialize_bytes(arr: np.ndarray) -> bytes:
+    parts = []
+    for item in arr.flat:
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(struct.pack("<I", len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buf: bytes | memoryview, count: int, where: str) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    view = memoryview(buf)
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(view):
+            raise InvalidArgument(f"{where}: BYTES data ends after {i} of {count} elements")
+        (n,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + n > len(view):
+            raise InvalidArgument(f"{where}: BYTES element {i} claims {n} bytes past the end")
+        out[i] = bytes(view[offset : offset + n])
+        offset += n
+    if offset != len(view):
+        raise InvalidArgument(
+            f"{where}: {len(view) - offset} bytes left over after {count} BYTES elements"
+        )
+    return out
+
+
+# ---- raw (binary) tensor data ------------------------------------------------------------
+
+
+def element_count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise InvalidArgument(f"input '{name}': shape must be a list of integers, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} has a negative dimension")
+    return tuple(shape)
+
+
+def dtype_of(name: str, datatype: Any) -> np.dtype[Any]:
+    try:
+        return DTYPES[datatype]
+    except (KeyError, TypeError):
+        raise InvalidArgument(
+            f"input '{name}': unknown datatype {datatype!r} (expected one of {', '.join(DTYPES)})"
+        ) from None
+
+
+def tensor_from_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> Tensor:
+    """Decode one tensor's raw bytes (binary extension / gRPC raw contents)."""
+    dtype = dtype_of(name, datatype)
+    count = element_count(shape)
+    if datatype == "BYTES":
+        data = deserialize_bytes(raw, count, f"input '{name}'")
+    else:
+        expected = count * dtype.itemsize
+        if len(raw) != expected:
+            raise InvalidArgument(
+                f"input '{name}': expected {expected} bytes for {datatype} shape "
+                f"{list(shape)}, got {len(raw)}"
+            )
+        data = np.frombuffer(raw, dtype=dtype)
+    return Tensor(name, datatype, shape, data.reshape(shape))
+
+
+def tensor_to_raw(t: Tensor) -> bytes:
+    if t.datatype == "BYTES":
+        return serialize_bytes(t.data)
+    return np.ascontiguousarray(t.data, dtype=DTYPES[t.datatype]).tobytes()
+
+
+def tensor_from_list(name: str, datatype: str, shape: tuple[int, ...], values: Any) -> Tensor:
+    """Decode JSON tensor data (flat or nested lists, row-major)."""
+    dtype = dtype_of(name, datatype)
+    if datatype == "BF16":
+        raise InvalidArgument(f"input '{name}': BF16 data must be sent in binary form")
+    count = element_count(shape)
+    flat = _flatten(values, name)
+    if len(flat) != count:
+        raise InvalidArgument(
+            f"input '{name}': shape {list(shape)} needs {count} elements, data has {len(flat)}"
+        )
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=object)
+        for i, v in enumerate(flat):
+            if isinstance(v, str):
+                arr[i] = v.encode()
+            elif isinstance(v, (bytes, bytearray)):
+                arr[i] = bytes(v)
+            else:
+                raise InvalidArgument(f"input '{name}': BYTES element {i} is not a string")
+    else:
+        _check_json_elements(name, datatype, flat)
+        try:
+            arr = np.array(flat, dtype=dtype)
+        except (ValueError, OverflowError, TypeError) as err:
+            raise InvalidArgument(f"input '{name}': data is not {datatype}: {err}") from None
+        if dtype.kind in "iu" and count:
+            # np.array wraps out-of-range ints silently on some versions: check the range.
+            info = np.iinfo(dtype)
+            lo, hi = min(flat), max(flat)
+            if lo < info.min or hi > info.max:
+                raise InvalidArgument(f"input '{name}': value out of range for {datatype}")
+    return Tensor(name, datatype, shape, arr.reshape(shape))
+
+
+def _check_json_elements(name: str, datatype: str, flat: list[Any]) -> None:
+    if datatype == "BOOL":
+        ok = all(isinstance(v, bool) for v in flat)
+    elif datatype.startswith(("INT", "UINT")):
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in flat)
+    else:
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat)
+    if not ok:
+        raise InvalidArgument(f"input '{name}': JSON data holds values that are not {datatype}")
+
+
+def _flatten(values: Any, name: str) -> list[Any]:
+    if not isinstance(values, list):
+        raise InvalidArgument(f"input '{name}': 'data' must be a list")
+    out: list[Any] = []
+    stack = [iter(values)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
+
+
+def tensor_to_list(t: Tensor) -> list[Any]:
+    """JSON form of an output: flat, row-major; BYTES as text where it decodes."""
+    if t.datatype == "BYTES":
+        return [
+            b.decode("utf-8", errors="replace") if isinstance(b, bytes) else str(b)
+            for b in t.data.flat
+        ]
+    if t.datatype == "BF16":
+        raise InvalidArgument(f"output '{t.name}': BF16 can only be returned in binary form")
+    return t.data.reshape(-1).tolist()

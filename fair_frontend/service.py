@@ -1,0 +1,283 @@
+"""The frontend as a service, independent of transport: what both shells call.
+
+One inference request goes through, in this fixed order: identity (API key) ->
+validation against the model -> admission (rate limits, then the throttle) -> the
+model's scheduler (tier, deficit round robin, priority) -> a batch to Triton -> its
+share of the answer. Every request ends in exactly one ``Outcome``, reported to the
+observer, whatever path it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from fair_frontend.auth import Authenticator, KeyRing
+from fair_frontend.batching import Item, batch_key
+from fair_frontend.config import Config, Endpoint
+from fair_frontend.dispatch import Backend, BatchReport, EndpointRuntime
+from fair_frontend.errors import (
+    FrontendError,
+    Internal,
+    InvalidArgument,
+    UnknownModel,
+    UpstreamError,
+)
+from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.models import ModelInfo, validate
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.scheduler import (
+    EndpointPolicy,
+    GlobalCaps,
+    QueuedRequest,
+    Scheduler,
+    TenantDirectory,
+    TenantSpec,
+)
+
+log = logging.getLogger(__name__)
+
+# Server metadata extensions the frontend implements (a subset of Triton's: no shared
+# memory, which cannot cross hosts; no repository control or tracing, which stay with
+# the operator of Triton itself).
+EXTENSIONS = (
+    "classification",
+    "sequence",
+    "schedule_policy",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+)
+SERVER_NAME = "fair_frontend"
+
+
+class Observer(Protocol):
+    """What happened? (metrics, logs and the feedback loop listen here)."""
+
+    def request_finished(
+        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
+    ) -> None: ...
+
+    def batch_finished(self, report: BatchReport) -> None: ...
+
+
+class NullObserver:
+    def request_finished(
+        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
+    ) -> None:
+        pass
+
+    def batch_finished(self, report: BatchReport) -> None:
+        pass
+
+
+def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
+    """The scheduler's view of an endpoint: config bounded by what the model accepts."""
+    if not info.batching or info.passthrough:
+        max_batch = 0
+    else:
+        configured = endpoint.max_batch_size or info.max_batch_size
+        max_batch = min(configured, info.max_batch_size)
+    return EndpointPolicy(
+        cost_unit=endpoint.cost.value,
+        max_batch_size=max_batch,
+        max_batch_tokens=endpoint.max_batch_tokens,
+        quantum=endpoint.effective_quantum(max_batch),
+        tiers=tuple(config.tiers),
+        tier_min_share=dict(config.tier_guard.min_share),
+    )
+
+
+def tenant_directory(config: Config) -> TenantDirectory:
+    return TenantDirectory(
+        {
+            name: TenantSpec(
+                name=name,
+                tier=t.tier,
+                weight=t.weight,
+                max_queued=t.max_queued,
+                max_queued_bytes=t.max_queued_bytes,
+            )
+            for name, t in config.tenants.items()
+        }
+    )
+
+
+class ModelRegistry:
+    """What is this model? Fetched from Triton once, shared by concurrent first callers."""
+
+    def __init__(self, forwarder: TritonForwarder) -> None:
+        self.forwarder = forwarder
+        self._infos: dict[str, asyncio.Future[ModelInfo]] = {}
+
+    async def get(self, model: str) -> ModelInfo:
+        fut = self._infos.get(model)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._infos[model] = fut
+            try:
+                cfg = await self.forwarder.model_config(model)
+                fut.set_result(ModelInfo.from_config(cfg))
+            except BaseException as err:
+                del self._infos[model]
+                fut.set_exception(_unknown_model(model, err))
+                fut.exception()  # the error is raised below; mark it retrieved
+        return await asyncio.shield(fut)
+
+    def forget(self, model: str) -> None:
+        self._infos.pop(model, None)
+
+
+def _unknown_model(model: str, err: BaseException) -> BaseException:
+    if isinstance(err, UpstreamError) and "unknown model" in err.message:
+        return UnknownModel(model)
+    return err
+
+
+class Frontend:
+    """The protocol-independent service both shells call."""
+
+    def __init__(
+        self,
+        config: Config,
+        forwarder: TritonForwarder,
+        *,
+        keyring: KeyRing | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config
+        self.forwarder = forwarder
+        self.models = ModelRegistry(forwarder)
+        self.auth = Authenticator(
+            keyring or KeyRing.from_config(config),
+            set(config.tenants),
+            trusted_gateway=config.auth.trusted_gateway,
+        )
+        self.observer: Observer = observer or NullObserver()
+        self.backend = Backend()
+        self.tenants = tenant_directory(config)
+        self.caps = GlobalCaps(config.queues.max_queued, config.queues.max_queued_bytes)
+        self.runtimes: dict[str, EndpointRuntime] = {}
+        self.accepting = True
+
+    # ---- inference ----------------------------------------------------------------------
+
+    async def infer(self, req: InferRequest, headers: Mapping[str, str]) -> InferResponse:
+        tenant: str | None = None
+        outcome = Outcome.FAILED
+        queued_s: float | None = None
+        try:
+            tenant = self.auth.identify(headers, req.tenant_claim)
+            info = await self.models.get(req.model)
+            runtime = self._runtime(req.model, info)
+            endpoint = runtime.endpoint
+            checked = validate(req, info, endpoint)
+            priority = self._priority(req.priority, tenant, req.model)
+            now = runtime.now()
+            deadline = now + req.timeout_us / 1e6 if req.timeout_us else None
+            deadline_us = int((time.time() + req.timeout_us / 1e6) * 1e6) if req.timeout_us else 0
+            item = Item(req, checked.rows, checked.lengths, tenant, priority, deadline_us)
+            qr = QueuedRequest(
+                tenant=tenant,
+                rows=checked.rows,
+                tokens=checked.tokens,
+                nbytes=req.nbytes,
+                priority=priority,
+                deadline=deadline,
+                shape_key=batch_key(req, info, endpoint),
+            )
+            outputs = await runtime.submit(qr, item)
+            queued_s = _queued_seconds(qr)
+            outcome = Outcome.DISPATCHED
+            return InferResponse(
+                model=req.model, version=req.version or "1", id=req.id, outputs=outputs
+            )
+        except FrontendError as err:
+            outcome = err.outcome
+            raise
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            raise
+        except Exception as err:
+            log.exception("internal error serving %s", req.model)
+            raise Internal(f"internal error: {type(err).__name__}") from err
+        finally:
+            self.observer.request_finished(
+                tenant=tenant, model=req.model, outcome=outcome, queued_s=queued_s
+            )
+
+    def _priority(self, requested: int, tenant: str, model: str) -> int:
+        levels = self.config.priority_levels
+        if requested > levels:
+            raise InvalidArgument(
+                f"priority {requested} is out of range: 1 (highest) to {levels}, or 0 for "
+                "the default level"
+            )
+        return requested or self.config.default_priority(tenant, model)
+
+    def _runtime(self, model: str, info: ModelInfo) -> EndpointRuntime:
+        runtime = self.runtimes.get(model)
+        if runtime is None:
+            endpoint = self.config.endpoint(model)
+            scheduler = Scheduler(
+                endpoint_policy(self.config, endpoint, info),
+                self.tenants,
+                self.caps,
+                mode=self.config.scheduling,
+            )
+            runtime = EndpointRuntime(
+                model=model,
+                info=info,
+                endpoint=endpoint,
+                scheduler=scheduler,
+                forwarder=self.forwarder,
+                backend=self.backend,
+                on_batch=self.observer.batch_finished,
+            )
+            self.runtimes[model] = runtime
+        return runtime
+
+    # ---- health and metadata ------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        return self.accepting and await self.forwarder.server_ready()
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        try:
+            return bool(
+                await self.forwarder.call("is_model_ready", model_name=model, model_version=version)
+            )
+        except FrontendError:
+            return False
+
+    async def server_metadata(self) -> dict[str, Any]:
+        from fair_frontend import __version__
+
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    async def model_metadata(self, model: str, version: str = "") -> Any:
+        return await self.forwarder.call(
+            "get_model_metadata", model_name=model, model_version=version
+        )
+
+    async def model_config(self, model: str, version: str = "") -> Any:
+        return await self.forwarder.call(
+            "get_model_config", model_name=model, model_version=version
+        )
+
+    async def shutdown(self) -> None:
+        """Stop accepting; let what is queued and in flight finish."""
+        self.accepting = False
+        for runtime in self.runtimes.values():
+            await runtime.drain()
+
+
+def _queued_seconds(qr: QueuedRequest) -> float | None:
+    pending = qr.payload
+    if pending is None or pending.dispatched_at is None:
+        return None
+    return float(pending.dispatched_at - pending.enqueued_at)
