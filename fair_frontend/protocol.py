@@ -265,16 +265,15 @@ def tensor_from_list(name: str, datatype: str, shape: tuple[int, ...], values: A
                 raise InvalidArgument(f"input '{name}': BYTES element {i} is not a string")
     else:
         _check_json_elements(name, datatype, flat)
+        if dtype.kind in "iu" and count:
+            # numpy would wrap out-of-range integers: check the range first.
+            info = np.iinfo(dtype)
+            if min(flat) < info.min or max(flat) > info.max:
+                raise InvalidArgument(f"input '{name}': value out of range for {datatype}")
         try:
             arr = np.array(flat, dtype=dtype)
         except (ValueError, OverflowError, TypeError) as err:
             raise InvalidArgument(f"input '{name}': data is not {datatype}: {err}") from None
-        if dtype.kind in "iu" and count:
-            # np.array wraps out-of-range ints silently on some versions: check the range.
-            info = np.iinfo(dtype)
-            lo, hi = min(flat), max(flat)
-            if lo < info.min or hi > info.max:
-                raise InvalidArgument(f"input '{name}': value out of range for {datatype}")
     return Tensor(name, datatype, shape, arr.reshape(shape))
 
 

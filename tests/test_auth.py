@@ -1,0 +1,110 @@
+"""Tenant identity: keys, headers, spoofing, the trusted gateway."""
+
+from __future__ import annotations
+
+import pytest
+
+from fair_frontend.auth import Authenticator, KeyRing, extract_key, hash_key
+from fair_frontend.config import ConfigError, parse_config
+from fair_frontend.errors import PermissionDenied, Unauthenticated
+
+CONFIG = {
+    "tiers": ["paid", "trial"],
+    "tenants": {
+        "acme": {"tier": "paid", "api_keys": ["acme-key"]},
+        "globex": {"tier": "paid", "api_keys": [hash_key("globex-key")]},
+        "initech": {"tier": "trial", "api_keys_env": "INITECH_KEYS"},
+    },
+}
+
+
+def authenticator(trusted: bool = False) -> Authenticator:
+    config = parse_config({**CONFIG, "auth": {"trusted_gateway": trusted}})
+    ring = KeyRing.from_config(config, environ={"INITECH_KEYS": "k1, k2"})
+    return Authenticator(ring, set(config.tenants), trusted_gateway=trusted)
+
+
+@pytest.mark.parametrize(
+    ("headers", "tenant"),
+    [
+        ({"authorization": "Bearer acme-key"}, "acme"),
+        ({"authorization": "  bearer   acme-key  "}, "acme"),  # perf_analyzer's -H keeps spaces
+        ({"x-api-key": " globex-key"}, "globex"),  # stored hashed
+        ({"x-api-key": "k2"}, "initech"),  # from the environment
+    ],
+)
+def test_keys_identify_tenants(headers: dict[str, str], tenant: str) -> None:
+    assert authenticator().identify(headers, None) == tenant
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer nope"}, {"authorization": "Basic acme-key"}, {"x-api-key": ""}],
+)
+def test_missing_or_unknown_keys_are_unauthenticated(headers: dict[str, str]) -> None:
+    with pytest.raises(Unauthenticated) as info:
+        authenticator().identify(headers, None)
+    assert "acme-key" not in info.value.message
+
+
+def test_a_key_cannot_claim_another_tenant() -> None:
+    auth = authenticator()
+    with pytest.raises(PermissionDenied):
+        auth.identify({"x-api-key": "acme-key"}, "globex")
+    with pytest.raises(PermissionDenied):
+        auth.identify({"x-api-key": "acme-key", "x-tenant-id": "globex"}, None)
+    # Naming itself is fine.
+    assert auth.identify({"x-api-key": "acme-key", "x-tenant-id": "acme"}, "acme") == "acme"
+
+
+def test_claims_are_ignored_without_a_trusted_gateway() -> None:
+    with pytest.raises(Unauthenticated):
+        authenticator().identify({"x-tenant-id": "acme"}, None)
+
+
+def test_trusted_gateway_names_the_tenant() -> None:
+    auth = authenticator(trusted=True)
+    assert auth.identify({"x-tenant-id": "acme"}, None) == "acme"
+    assert auth.identify({}, "globex") == "globex"
+    with pytest.raises(Unauthenticated):
+        auth.identify({"x-tenant-id": "nobody"}, None)
+    with pytest.raises(PermissionDenied):
+        auth.identify({"x-tenant-id": "acme"}, "globex")
+
+
+def test_extract_key_prefers_authorization() -> None:
+    assert extract_key({"authorization": "Bearer a", "x-api-key": "b"}) == "a"
+    assert extract_key({"x-api-key": "b"}) == "b"
+    assert extract_key({}) is None
+
+
+def test_key_sources_report_problems_without_secrets(tmp_path: object) -> None:
+    config = parse_config(
+        {
+            "tiers": ["t"],
+            "tenants": {
+                "a": {"tier": "t", "api_keys_file": "/nonexistent/keys", "api_keys_env": "NOPE"},
+                "b": {"tier": "t", "api_keys": ["same"]},
+                "c": {"tier": "t", "api_keys_env": "C_KEYS"},
+            },
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        KeyRing.from_config(config, environ={"C_KEYS": "same"})
+    text = str(info.value)
+    assert "api_keys_file: cannot read" in text
+    assert "NOPE is not set" in text
+    assert "also given to tenant 'b'" in text
+    assert "same" not in text.replace("the same", "")
+
+
+def test_keys_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys"
+    keys.write_text("# rotated 2026-11\nfile-key-1\n" + hash_key("file-key-2") + "\n\n")
+    config = parse_config(
+        {"tiers": ["t"], "tenants": {"a": {"tier": "t", "api_keys_file": str(keys)}}}
+    )
+    ring = KeyRing.from_config(config, environ={})
+    assert ring.tenant_for("file-key-1") == "a"
+    assert ring.tenant_for("file-key-2") == "a"
+    assert ring.tenant_for("# rotated 2026-11") is None
