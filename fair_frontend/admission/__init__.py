@@ -1,0 +1,40 @@
+"""Admission: what a request must pass before it may queue.
+
+``ratelimit``: per-tenant, per-endpoint limits in requests and tokens over sliding windows
+(second .. month), exact (never more than N in any window of length T), checked and counted
+atomically over all of a request's limits; the algorithm and its guarantee are derived in
+``ratelimit``'s docstring. ``storage``: where the counters live, chosen by URI
+(``memory://``, ``redis://host:port[/db]``).
+"""
+
+from __future__ import annotations
+
+from fair_frontend.admission.ratelimit import (
+    Decision,
+    RateLimiter,
+    RateLimitItem,
+    items_from_limits,
+    limit_key,
+    rate_limited_error,
+)
+from fair_frontend.admission.storage import (
+    MemoryStorage,
+    RedisStorage,
+    Storage,
+    StorageError,
+    storage_from_uri,
+)
+
+__all__ = [
+    "Decision",
+    "MemoryStorage",
+    "RateLimitItem",
+    "RateLimiter",
+    "RedisStorage",
+    "Storage",
+    "StorageError",
+    "items_from_limits",
+    "limit_key",
+    "rate_limited_error",
+    "storage_from_uri",
+]

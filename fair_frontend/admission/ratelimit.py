@@ -1,0 +1,287 @@
+"""Per-tenant, per-endpoint rate limits in requests and tokens: exact sliding windows.
+
+A limit is ``N <unit> per <window>`` (``Limits`` in the config: ``tokens_per_day: 5e6``).
+The promise, for every limit, with times as the replicas' clocks give them:
+
+    in ANY window of length T (sliding, not aligned to the clock; closed at both ends)
+    the amount admitted never exceeds N.
+
+Options weighed
+---------------
+- Fixed-window counter: N just before a boundary and N just after: 2N within T. Fails.
+- Token bucket / GCRA with burst N: N at once, then N(T - e)/T refilled within the same T:
+  nearly 2N. Fails. (With burst 1 it is exact but forbids any burst, unusable for tokens.)
+- Sliding-window *counter* (previous window weighted by its remaining overlap): assumes the
+  previous window's traffic was uniform; N at its very end plus a fraction admitted now
+  breaks the promise. Fails.
+- Sliding log (one timestamp per admission, or per unit of cost): exact, but memory grows
+  with admissions in the window: a ``tokens_per_month`` limit would store millions of entries.
+- **Bucketed sliding window (chosen)**: split each window into K buckets of width
+  ``w = ceil(T / K)`` and count the buckets that overlap the window in full.
+  Exact (never over-admits), O(K) memory per key and limit, and capacity comes back at most
+  ``w = T/K`` late.
+
+The algorithm
+-------------
+Time is integer microseconds (``round(now * 1e6)``). Bucket ``j`` holds what was admitted
+during ``[j w, (j+1) w)``. A request at time ``t`` lies in bucket ``b = floor(t / w)``; it is
+admitted when, for every limit it is subject to, ::
+
+    sum(bucket j for j in b-K .. b) + cost <= N
+
+and then (only then) its cost is added to bucket ``b`` of every limit, in the same atomic
+step. A request rejected by one limit counts against none. A clock that stepped back (``b``
+older than the newest bucket) counts into the newest bucket: later, never earlier.
+
+Exactness. The counted buckets start at ``(b-K) w = b w - K w <= t - T``, so they hold every
+admission in ``[t - T, t]``. Take any closed window ``[s, s + T]`` and its last admission, at
+``t``: every admission in the window lies in ``[t - T, t]`` and was made before it (or is
+it), so it was counted when ``t`` was admitted, and that admission kept the sum at most N.
+
+Lateness. An admission at ``a`` (bucket ``j``) stops counting when the current bucket
+exceeds ``j + K``, i.e. at ``(j + K + 1) w``. Since ``a - w < j w <= a``, that is in
+``(a + T, a + T + w]``: strictly after the exact moment (so exact in closed windows) and at
+most one bucket late. With the default K = 50: 20 ms for a second, 1.2 s for a minute,
+72 s for an hour, 28.8 min for a day, 14.4 h for a 30-day month. A rejection is therefore
+always justified by admissions made within the last ``T + w``.
+
+``retry_after`` is exact under this rule: for the binding limit, walk the counted buckets
+oldest first until they hold ``sum + cost - N``; the request fits once that bucket has left,
+at ``(j + K + 1) w`` (assuming no other admissions meanwhile). Of several violated limits the
+longest wait binds. A cost above ``N`` never fits: ``retry_after`` is ``None``.
+
+Why not the ``limits`` library
+------------------------------
+``limits`` (item / strategy / storage, ``storage_from_string``) shaped this module, but none
+of its strategies fits: its fixed window and sliding-window counter over-admit as above; its
+moving window is a sliding log storing one entry per unit of cost (a request of 4,000 tokens
+pushes 4,000 list entries; ``tokens_per_month`` is unbounded); it checks one limit per call,
+so a request's several limits (requests/s AND tokens/day) cannot be checked-and-counted
+atomically together; and it reads the clock itself, so tests cannot drive it on a fake clock.
+
+Storage (``storage.py``): ``memory://`` (one replica) or ``redis://`` (shared, one Lua round
+trip per check). If the storage fails or is slower than its timeout, the limiter applies
+``on_storage_error``: ``fail_open`` admits (``Decision.degraded``, counted in
+``storage_errors``) or ``fail_closed`` raises ``Unavailable`` (503). After a failure it backs
+off for ``backoff_s`` (on the caller's clock): meanwhile every check takes the mode at once,
+without paying the timeout; then one check probes the storage again (the others still take
+the mode until it answers).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from fair_frontend.admission.storage import (
+    DEFAULT_BUCKETS,
+    DEFAULT_TIMEOUT_S,
+    Storage,
+    StorageError,
+    storage_from_uri,
+)
+from fair_frontend.config import WINDOWS_S, Limits, RateLimiting
+from fair_frontend.errors import RateLimited, Unavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BACKOFF_S = 1.0
+"""After a storage failure, how long checks take the mode at once before one probes again."""
+
+Unit = Literal["requests", "tokens"]
+StorageErrorMode = Literal["fail_open", "fail_closed"]
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitItem:
+    """One limit: ``amount`` ``unit`` in any window of ``seconds`` (named ``window``)."""
+
+    unit: Unit
+    window: str
+    amount: int
+    seconds: float
+
+    def __str__(self) -> str:
+        noun = self.unit[:-1] if self.amount == 1 else self.unit
+        span = " (30 days)" if self.window == "month" else ""
+        return f"{self.amount} {noun} per {self.window}{span}"
+
+
+def items_from_limits(limits: Limits) -> list[RateLimitItem]:
+    """The set limits as items, in ``Limits`` declaration order. Compute once per
+    (tenant, endpoint) when the config loads, not per request."""
+    items = []
+    for unit, window, amount in limits.items():
+        if unit not in ("requests", "tokens"):
+            raise ValueError(f"unknown limit unit {unit!r}")
+        items.append(RateLimitItem(unit, window, amount, WINDOWS_S[window]))  # type: ignore[arg-type]
+    return items
+
+
+def limit_key(tenant: str, endpoint: str) -> str:
+    """The key a tenant's limits on an endpoint are counted under."""
+    return f"{tenant}:{endpoint}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one check."""
+
+    allowed: bool
+    retry_after: float | None = None
+    """Seconds until this request would fit (no other traffic meanwhile); ``None`` when
+    allowed, or when its cost alone exceeds the violated limit (it never fits)."""
+    violated: RateLimitItem | None = None
+    """The binding limit when rejected."""
+    degraded: bool = False
+    """The storage failed and ``fail_open`` admitted the request unchecked and uncounted."""
+
+
+ALLOWED = Decision(True)
+DEGRADED = Decision(True, degraded=True)
+
+
+class RateLimiter:
+    """Does this request fit its tenant's limits? If so, count it (atomically).
+
+    One instance per process; share it between requests. ``storage_errors`` counts the
+    checks the storage could not answer (failed, timed out, or skipped during back-off);
+    export it as a metric.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        on_storage_error: StorageErrorMode = "fail_open",
+        backoff_s: float = DEFAULT_BACKOFF_S,
+    ) -> None:
+        if on_storage_error not in ("fail_open", "fail_closed"):
+            raise ValueError(
+                f"on_storage_error must be fail_open or fail_closed, not {on_storage_error!r}"
+            )
+        self.storage = storage
+        self.on_storage_error = on_storage_error
+        self.backoff_s = backoff_s
+        self.storage_errors = 0
+        self._failed_at: float | None = None  # caller's clock at the last failure
+        self._last_error = ""
+        self._probing = False
+
+    @classmethod
+    def from_config(cls, config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> RateLimiter:
+        """The limiter ``rate_limiting:`` describes: storage URI, timeout, failure mode."""
+        storage = storage_from_uri(
+            config.storage, timeout_s=config.timeout_ms / 1000.0, buckets=buckets
+        )
+        return cls(storage, on_storage_error=config.on_storage_error)
+
+    async def check(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        *,
+        requests: int,
+        tokens: int,
+        now: float,
+    ) -> Decision:
+        """Admit and count the request against every item, or against none.
+
+        ``key``: whose limits (``limit_key(tenant, endpoint)``); ``items``: distinct
+        (unit, window) limits; ``requests``/``tokens``: the request's cost in each unit;
+        ``now``: unix seconds from the caller's clock (replicas: NTP-synchronised).
+        Raises ``Unavailable`` only when the storage fails under ``fail_closed``.
+        """
+        if not items:
+            return ALLOWED
+        if requests < 0 or tokens < 0:
+            raise ValueError("costs must be >= 0")
+        probe = False
+        if self._failed_at is not None:
+            since = now - self._failed_at
+            if 0 <= since < self.backoff_s or self._probing:
+                return self._degraded(now)
+            self._probing = probe = True
+        costs = [requests if item.unit == "requests" else tokens for item in items]
+        try:
+            rejection = await self.storage.acquire(key, items, costs, round(now * 1_000_000))
+        except StorageError as err:
+            if self._failed_at is None or probe:
+                log.warning(
+                    "rate-limit storage failed (%s); %s for %g s, then retrying",
+                    err,
+                    self.on_storage_error,
+                    self.backoff_s,
+                )
+            self._failed_at = now
+            self._last_error = str(err)
+            return self._degraded(now)
+        finally:
+            if probe:
+                self._probing = False
+        if self._failed_at is not None:
+            log.warning("rate-limit storage answers again")
+            self._failed_at = None
+        if rejection is None:
+            return ALLOWED
+        wait = rejection.wait_us
+        return Decision(
+            False,
+            retry_after=None if wait is None else wait / 1_000_000,
+            violated=items[rejection.index],
+        )
+
+    def _degraded(self, now: float) -> Decision:
+        self.storage_errors += 1
+        if self.on_storage_error == "fail_open":
+            return DEGRADED
+        assert self._failed_at is not None
+        retry = max(0.0, self._failed_at + self.backoff_s - now) or None
+        raise Unavailable(
+            f"rate-limit storage unavailable ({self._last_error}); "
+            "requests are refused until it answers",
+            retry_after=retry,
+        )
+
+    async def close(self) -> None:
+        await self.storage.close()
+
+
+def rate_limited_error(decision: Decision, *, tenant: str, endpoint: str) -> RateLimited:
+    """The 429 for a rejected decision: names the limit and its window, never a key."""
+    item = decision.violated
+    if decision.allowed or item is None:
+        raise ValueError("rate_limited_error needs a decision that a limit rejected")
+    where = f"Rate limit exceeded for tenant '{tenant}' on model '{endpoint}'"
+    if decision.retry_after is None:
+        return RateLimited(
+            f"{where}: this request alone costs more {item.unit} than the limit allows "
+            f"(limit: {item}); it can never be admitted, send a smaller request"
+        )
+    return RateLimited(
+        f"{where}: limit: {item}; retry after {_seconds(decision.retry_after)}",
+        retry_after=decision.retry_after,
+    )
+
+
+def _seconds(value: float) -> str:
+    if value < 10:
+        return f"{value:.2f} s"
+    return f"{math.ceil(value)} s"
+
+
+__all__ = [
+    "ALLOWED",
+    "DEFAULT_BACKOFF_S",
+    "DEFAULT_BUCKETS",
+    "DEFAULT_TIMEOUT_S",
+    "Decision",
+    "RateLimitItem",
+    "RateLimiter",
+    "items_from_limits",
+    "limit_key",
+    "rate_limited_error",
+]

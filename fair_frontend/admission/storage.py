@@ -1,0 +1,425 @@
+"""Where rate-limit counters live: in this process (``memory://``) or in Redis (``redis://``).
+
+Both storages implement the same algorithm, the bucketed sliding window derived in
+``fair_frontend.admission.ratelimit`` (read that first); this module only says where the
+buckets are kept and how one check stays atomic:
+
+- ``MemoryStorage``: plain synchronous Python behind an ``async`` method that never awaits,
+  so a check-and-count runs without interleaving on the event loop (and under a lock, so
+  threads are safe too). One replica only: each process counts on its own.
+- ``RedisStorage``: one Lua script per check, ONE round trip, atomic on the Redis server.
+  All the keys of one check share the hash tag ``{<key>}``, so they map to one Redis
+  Cluster slot. Keys expire once idle for a window plus a bucket (garbage collection only:
+  the script itself ignores buckets that have left the window).
+
+Storage answers one question: "do these costs fit every one of these limits at ``now``? If
+so, count them". Time always comes from the caller (integer microseconds), never from the
+storage, so tests drive both storages on one fake clock. Replicas sharing Redis must keep
+their clocks synchronised (NTP): the guarantee holds on the timestamps the replicas pass;
+a skew of ``d`` between replicas can let a window of real time ``T - d`` hold ``N``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+import threading
+from collections import deque
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from fair_frontend.config import DEFAULT_RATELIMIT_STORAGE, DEFAULT_RATELIMIT_TIMEOUT_MS
+
+if TYPE_CHECKING:
+    from fair_frontend.admission.ratelimit import RateLimitItem
+
+DEFAULT_BUCKETS = 50
+"""Buckets per window (K). A window's capacity returns at most T/K late (2 %: 20 ms for a
+second, 1.2 s for a minute, 28.8 min for a day, 14.4 h for a month); memory per limit and key
+is at most K + 1 counters. 50 divides every configured window in microseconds exactly."""
+
+DEFAULT_TIMEOUT_S = DEFAULT_RATELIMIT_TIMEOUT_MS / 1000.0
+MEMORY_SWEEP_INTERVAL_US = 60_000_000  # how often the memory storage drops idle windows
+REDIS_KEY_PREFIX = "rl"
+DEFAULT_REDIS_CONNECTIONS = 64  # per process; checks beyond it wait for a free one
+
+_T = TypeVar("_T")
+
+
+class StorageError(Exception):
+    """The storage could not answer in time (down, slow, refused). Never a limit decision."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a check did not fit: which limit, and how long until it would."""
+
+    index: int
+    """Position in the checked items of the limit that binds (the longest wait)."""
+    wait_us: int | None
+    """Microseconds until enough of that limit frees up for this request (with no other
+    traffic); ``None`` when the request's cost alone exceeds the limit: it never fits."""
+
+
+class Storage(Protocol):
+    """Do these costs fit every one of these limits at ``now_us``? If so, count them.
+
+    ``acquire`` checks and counts atomically: it counts the request against every item when
+    each has room, and against none when any has not (then it returns the binding
+    ``Rejection``). ``items`` must be distinct (unit, window) pairs; ``costs[i]`` is what the
+    request costs against ``items[i]``. ``acquire`` returns or raises ``StorageError``
+    within the storage's timeout; it never hangs.
+    """
+
+    async def acquire(
+        self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
+    ) -> Rejection | None: ...
+
+    async def close(self) -> None: ...
+
+
+# ---- the bucket arithmetic both storages share -------------------------------------------
+
+
+def bucket_width_us(seconds: float, buckets: int) -> int:
+    """Bucket width for a window of ``seconds`` split into ``buckets``: ceil(T / K) µs.
+
+    Rounding up keeps K widths >= T, which is what the safety argument needs.
+    """
+    window_us = round(seconds * 1_000_000)
+    if window_us <= 0:
+        raise ValueError(f"a window must be positive, not {seconds} s")
+    return max(1, -(-window_us // buckets))
+
+
+def _release_wait_us(
+    live: Sequence[tuple[int, int]], need: int, width: int, span: int, now_us: int
+) -> int:
+    """Time until the oldest buckets that hold ``need`` have left the window.
+
+    ``live`` is (bucket, amount) oldest first. Bucket ``j`` is counted while the current
+    bucket is at most ``j + span``, so it stops counting at ``(j + span + 1) * width``.
+    """
+    freed = 0
+    for index, amount in live:
+        freed += amount
+        if freed >= need:
+            return (index + span + 1) * width - now_us
+    raise AssertionError("need exceeds what the window holds")  # callers ensure it cannot
+
+
+# ---- memory:// ---------------------------------------------------------------------------
+
+
+class _Window:
+    """One key's buckets for one limit: (bucket index, amount) oldest first, and their sum."""
+
+    __slots__ = ("buckets", "span", "total", "width")
+
+    def __init__(self, width: int, span: int) -> None:
+        self.width = width
+        self.span = span
+        self.buckets: deque[list[int]] = deque()
+        self.total = 0
+
+
+class MemoryStorage:
+    """Counters in this process: the default, right for one replica."""
+
+    def __init__(self, *, buckets: int = DEFAULT_BUCKETS) -> None:
+        if buckets < 1:
+            raise ValueError("buckets must be >= 1")
+        self.buckets = buckets
+        self._windows: dict[tuple[str, str, float], _Window] = {}
+        self._widths: dict[float, int] = {}
+        self._next_sweep_us = 0
+        # Uncontended on one event loop (a few tens of ns); makes threads safe too.
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Windows held (idle ones are dropped by a sweep at most once a minute)."""
+        return len(self._windows)
+
+    async def acquire(
+        self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
+    ) -> Rejection | None:
+        with self._lock:
+            return self.acquire_now(key, items, costs, now_us)
+
+    def acquire_now(
+        self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
+    ) -> Rejection | None:
+        """``acquire`` without the coroutine: synchronous, for callers that hold no loop."""
+        if now_us >= self._next_sweep_us:
+            self._sweep(now_us)
+        windows = self._windows
+        touched: list[tuple[_Window, int]] = []
+        worst: Rejection | None = None
+        for i, item in enumerate(items):
+            cost = costs[i]
+            window = windows.get((key, item.unit, item.seconds))
+            if window is None:
+                width = self._widths.get(item.seconds)
+                if width is None:
+                    width = self._widths[item.seconds] = bucket_width_us(item.seconds, self.buckets)
+                window = windows[(key, item.unit, item.seconds)] = _Window(width, self.buckets)
+            current = now_us // window.width
+            oldest_counted = current - window.span
+            held = window.buckets
+            while held and held[0][0] < oldest_counted:
+                window.total -= held.popleft()[1]
+            touched.append((window, current))
+            if cost > item.amount:
+                if worst is None or worst.wait_us is not None:
+                    worst = Rejection(i, None)
+            elif window.total + cost > item.amount and (worst is None or worst.wait_us is not None):
+                live = [(b, amount) for b, amount in held]
+                wait = _release_wait_us(
+                    live, window.total + cost - item.amount, window.width, window.span, now_us
+                )
+                if worst is None or worst.wait_us is None or wait > worst.wait_us:
+                    worst = Rejection(i, wait)
+        if worst is not None:
+            return worst
+        for (window, current), cost in zip(touched, costs, strict=True):
+            if cost == 0:
+                continue
+            held = window.buckets
+            # A clock that stepped back counts into the newest bucket: later, never earlier.
+            if held and held[-1][0] >= current:
+                held[-1][1] += cost
+            else:
+                held.append([current, cost])
+            window.total += cost
+        return None
+
+    def _sweep(self, now_us: int) -> None:
+        """Drop windows whose every bucket has left the window (idle keys)."""
+        stale = [
+            k
+            for k, w in self._windows.items()
+            if not w.buckets or w.buckets[-1][0] < now_us // w.width - w.span
+        ]
+        for k in stale:
+            del self._windows[k]
+        self._next_sweep_us = now_us + MEMORY_SWEEP_INTERVAL_US
+
+    async def close(self) -> None:
+        with self._lock:
+            self._windows.clear()
+
+
+# ---- redis:// ----------------------------------------------------------------------------
+
+# KEYS[i]: a hash per limit; field = bucket index, value = amount counted in that bucket.
+# ARGV[1] = now (µs); then per key 4 values: limit, bucket width (µs), span (K), cost.
+# Returns {1} when counted, {0, i, wait_us} when limit i binds (wait_us = -1: never fits).
+# Same algorithm and tie-breaks as MemoryStorage.acquire_now; see ratelimit.py.
+_ACQUIRE_LUA = """
+local now = tonumber(ARGV[1])
+local n = #KEYS
+local target = {}
+local worst, worst_wait = 0, 0
+for i = 1, n do
+  local a = 1 + (i - 1) * 4
+  local limit = tonumber(ARGV[a + 1])
+  local width = tonumber(ARGV[a + 2])
+  local span = tonumber(ARGV[a + 3])
+  local cost = tonumber(ARGV[a + 4])
+  local current = math.floor(now / width)
+  if current * width > now then current = current - 1
+  elseif (current + 1) * width <= now then current = current + 1 end
+  local oldest = current - span
+  local flat = redis.call('HGETALL', KEYS[i])
+  local total, newest = 0, current
+  local live, stale = {}, {}
+  for j = 1, #flat, 2 do
+    local b = tonumber(flat[j])
+    if b < oldest then
+      stale[#stale + 1] = flat[j]
+    else
+      local c = tonumber(flat[j + 1])
+      total = total + c
+      live[#live + 1] = {b, c}
+      if b > newest then newest = b end
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', KEYS[i], unpack(stale)) end
+  target[i] = newest
+  if cost > limit then
+    if worst == 0 or worst_wait >= 0 then worst, worst_wait = i, -1 end
+  elseif total + cost > limit and (worst == 0 or worst_wait >= 0) then
+    table.sort(live, function(x, y) return x[1] < y[1] end)
+    local need, freed, wait = total + cost - limit, 0, 0
+    for _, e in ipairs(live) do
+      freed = freed + e[2]
+      if freed >= need then
+        wait = (e[1] + span + 1) * width - now
+        break
+      end
+    end
+    if worst == 0 or wait > worst_wait then worst, worst_wait = i, wait end
+  end
+end
+if worst > 0 then return {0, worst - 1, worst_wait} end
+for i = 1, n do
+  local a = 1 + (i - 1) * 4
+  local cost = tonumber(ARGV[a + 4])
+  if cost > 0 then
+    local width = tonumber(ARGV[a + 2])
+    local span = tonumber(ARGV[a + 3])
+    redis.call('HINCRBY', KEYS[i], string.format('%d', target[i]), cost)
+    redis.call('PEXPIRE', KEYS[i], math.ceil((span + 1) * width / 1000) + 1000)
+  end
+end
+return {1}
+"""
+_ACQUIRE_SHA = hashlib.sha1(_ACQUIRE_LUA.encode()).hexdigest()
+
+
+async def _within(timeout_s: float, work: Awaitable[_T]) -> _T:
+    """``work``, cancelled with ``TimeoutError`` once ``timeout_s`` has passed."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await work
+    return await asyncio.wait_for(work, timeout_s)  # pragma: no cover - Python 3.10
+
+
+def _escape_key(key: str) -> str:
+    """Keep a hash tag intact: braces in a key would end or open it early."""
+    if "{" in key or "}" in key or "%" in key:
+        return key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return key
+
+
+class RedisStorage:
+    """Counters in Redis, shared by every replica; one atomic Lua round trip per check.
+
+    Every round trip is bounded twice: socket connect/read timeouts and an overall asyncio
+    deadline of ``timeout_s`` (which also covers the EVALSHA -> EVAL fallback after Redis
+    lost its script cache, and one immediate reconnect after Redis closed a pooled
+    connection). Any failure or timeout raises ``StorageError``; the limiter applies the
+    configured mode. A check that timed out may or may not have been counted. The client
+    reconnects by itself once Redis answers again; a Redis restarted without persistence
+    starts counting from zero.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        buckets: int = DEFAULT_BUCKETS,
+        prefix: str = REDIS_KEY_PREFIX,
+        max_connections: int = DEFAULT_REDIS_CONNECTIONS,
+    ) -> None:
+        if buckets < 1:
+            raise ValueError("buckets must be >= 1")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        self.buckets = buckets
+        self.timeout_s = timeout_s
+        self._prefix = prefix
+        # A blocking pool: under a burst, checks queue for a connection (inside their
+        # deadline) instead of failing once max_connections are busy.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            # One immediate retry: a pooled connection Redis closed (restart) reconnects
+            # within the same deadline. No back-off sleeps: the deadline is short.
+            retry=Retry(NoBackoff(), 1),
+            health_check_interval=0,
+        )
+        self._client = aioredis.Redis.from_pool(pool)
+        self._names: dict[tuple[str, str, float], tuple[str, int]] = {}
+
+    def key_name(self, key: str, item: RateLimitItem) -> str:
+        """The Redis key of one limit's buckets: ``rl:{<key>}:<unit>:<window µs>:<width µs>``.
+
+        The bucket width is part of the name so that a change of K never misreads buckets.
+        """
+        return self._name(key, item)[0]
+
+    def _name(self, key: str, item: RateLimitItem) -> tuple[str, int]:
+        cache_key = (key, item.unit, item.seconds)
+        found = self._names.get(cache_key)
+        if found is None:
+            width = bucket_width_us(item.seconds, self.buckets)
+            name = (
+                f"{self._prefix}:{{{_escape_key(key)}}}:{item.unit}:"
+                f"{round(item.seconds * 1_000_000)}:{width}"
+            )
+            found = (name, width)
+            if len(self._names) < 100_000:  # a bounded cache of names, not of state
+                self._names[cache_key] = found
+        return found
+
+    async def acquire(
+        self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
+    ) -> Rejection | None:
+        keys: list[str] = []
+        args: list[int] = [now_us]
+        for item, cost in zip(items, costs, strict=True):
+            name, width = self._name(key, item)
+            keys.append(name)
+            args += (item.amount, width, self.buckets, cost)
+        try:
+            reply = await _within(self.timeout_s, self._eval(keys, args))
+        except TimeoutError:
+            raise StorageError(
+                f"rate-limit storage timed out after {self.timeout_s * 1000:g} ms"
+            ) from None
+        except (RedisError, OSError) as err:
+            raise StorageError(f"rate-limit storage failed: {type(err).__name__}: {err}") from err
+        if reply[0] == 1:
+            return None
+        wait = int(reply[2])
+        return Rejection(int(reply[1]), None if wait < 0 else wait)
+
+    async def _eval(self, keys: list[str], args: list[int]) -> list[int]:
+        try:
+            return await self._client.evalsha(_ACQUIRE_SHA, len(keys), *keys, *args)  # type: ignore[no-any-return]
+        except NoScriptError:
+            # Redis restarted or SCRIPT FLUSH: EVAL sends the body and caches it again.
+            return await self._client.eval(_ACQUIRE_LUA, len(keys), *keys, *args)  # type: ignore[no-any-return]
+
+    async def ping(self) -> None:
+        """Raise ``StorageError`` unless Redis answers within the timeout (readiness)."""
+        try:
+            await _within(self.timeout_s, self._client.ping())
+        except TimeoutError:
+            raise StorageError("rate-limit storage timed out") from None
+        except (RedisError, OSError) as err:
+            raise StorageError(f"rate-limit storage failed: {type(err).__name__}") from err
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def storage_from_uri(
+    uri: str = DEFAULT_RATELIMIT_STORAGE,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    buckets: int = DEFAULT_BUCKETS,
+) -> MemoryStorage | RedisStorage:
+    """``memory://`` (one replica) or ``redis://host:port[/db]`` / ``rediss://`` (shared)."""
+    scheme = urlsplit(uri).scheme
+    if scheme == "memory":
+        return MemoryStorage(buckets=buckets)
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisStorage(uri, timeout_s=timeout_s, buckets=buckets)
+    raise ValueError(
+        f"unsupported rate-limit storage {scheme + '://' if scheme else uri!r}: "
+        "use memory:// or redis://host:port[/db]"
+    )
