@@ -96,6 +96,11 @@ def redis_server() -> Iterator[RedisProcess]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisProcess) -> str:
+    return redis_server.url
+
+
 @pytest.fixture
 def redis_process() -> Iterator[RedisProcess]:
     """A Redis of the test's own, to kill, pause or restart; stopped after the test."""
