@@ -1,0 +1,218 @@
+"""The scheduling core: which queued request goes to Triton next, for many tenants.
+
+Pure and synchronous: no I/O, no clock reads. The shell reads the clock once per
+operation and passes ``now``; it calls ``enqueue`` for each admitted request,
+``next_batch`` whenever Triton can take a batch, and ``expire`` at ``next_deadline()``.
+This docstring is the one place where the algorithm is explained; the code points here.
+
+Pipeline
+========
+One ``Scheduler`` per endpoint (model). A batch is built by repeating three selectors,
+each answering one question (``TierSelector``, ``FairnessPolicy``, ``OrderingPolicy``):
+
+1. *Tier*: which tier goes next? Strictly the highest tier with queued work (paid before
+   trial), optionally guarded (below).
+2. *Tenant*: which tenant of that tier? Deficit round robin (DRR) with weights.
+3. *Request*: which of that tenant's requests? (priority, deadline, arrival).
+
+until the batch is full (``BatchAssembler``). ``CostModel`` says what each request costs
+in DRR units. ``mode="fifo"`` replaces 1-3 by one queue in arrival order: the baseline
+and the negative control of the fairness tests.
+
+Order inside a tenant's queue (the tie-breaks)
+==============================================
+Smallest ``(priority, deadline, seq)`` first: priority level 1 is the highest; among
+equal levels the earliest deadline, a request without deadline after every request with
+one; among equal deadlines (or none) arrival order (``seq``, unique per scheduler, so no
+two requests ever compare equal and the order is total and deterministic). A deadline
+never overtakes a level: priority is the client's explicit choice. This order is only
+*within* a tenant: DRR decides between tenants regardless of their requests' levels, so
+no tenant can buy precedence over another with priority 1.
+
+Tiers
+=====
+Strict order starves lower tiers while a higher one has work; that is the contract. The
+optional guard (``EndpointPolicy.tier_min_share``, ``GuardedTierOrder``) gives tier i a
+minimum share s_i of the rows dispatched over a recent window: when tier i has work and
+its share of the window is below s_i, it goes before every other tier. The share is
+taken from the tiers above it: under overload a paid tier loses up to the sum of the
+shares below it, and its latency rises accordingly. Off (empty) by default.
+
+Deficit round robin
+===================
+Each tier has an active list of its tenants with queued work, in round order, and each
+tenant f a budget (deficit) D_f. Tenant f's grant is Q_f = quantum * weight_f. When f's
+turn starts, D_f += Q_f; f then sends its head requests while the head's cost <= D_f,
+each paid from D_f; when the head costs more than what is left, the turn ends and f goes
+to the back of the list, keeping D_f. When f's queue empties (dispatch, expiry or
+cancellation) f leaves the list and D_f = 0: an idle tenant saves nothing up. A tenant
+that (re)joins is appended at the back with D_f = 0. The state (list, current turn,
+deficits) lives in ``DrrState``, one per tier; ``DeficitRoundRobin`` is stateless.
+
+Invariants, for a tenant f of one tier:
+
+(I1) D_f >= 0: a request is sent only if its cost fits in D_f.
+(I2) Between its turns D_f < cost of f's head <= C_f, where C_f is the largest cost of a
+     request f has queued (the turn ended because the head did not fit). During its turn
+     D_f < C_f + Q_f.
+(I3) Turns go round the list in a fixed cyclic order, and at most one tenant of a tier is
+     in the middle of its turn (``DrrState.current``, always the list's head).
+(I4) Batch boundaries are invisible: a batch that ends in the middle of a turn leaves the
+     state alone, and the next batch continues that same turn with the remaining
+     deficit (no second quantum, no skipped tenant). Tier switches between two picks
+     leave a tier's state alone as well. So a tier's sequence of DRR decisions is the
+     same as if every batch were one endless batch, and the bounds below hold at every
+     single dispatch, not only at batch or turn ends.
+
+Fairness bound. Over an interval (t1, t] let g_f be the number of turns f started,
+S_f the cost it was sent. Every unit granted is either sent or still in D_f, so
+S_f = g_f * Q_f + D_f(t1) - D_f(t), and, dividing by the weight w_f,
+
+    S_f / w_f = g_f * q + (D_f(t1) - D_f(t)) / w_f.
+
+Theorem A (common start). Let tenants A and B of one tier (weights a, b) be
+continuously backlogged during (t1, t], both with D = 0 and neither in its turn at t1
+(for example: both join an idle tier). Then after every dispatch
+
+    |S_A / a - S_B / b| < q + max(C_A / a, C_B / b).
+
+Proof. Say A comes before B in the cycle; then g_A - g_B is 0 or 1 (I3).
+If g_A = g_B + 1, B is between turns, so 0 <= D_B/b < C_B/b, while 0 <= D_A/a < C_A/a + q:
+the difference q - D_A/a + D_B/b lies in (-C_A/a, q + C_B/b). If g_A = g_B, A's last
+turn ended before B's started, so D_A/a < C_A/a, while D_B/b < C_B/b + q: the
+difference -D_A/a + D_B/b lies in (-C_A/a, q + C_B/b). QED. With weights 1 and one
+largest cost C this is the classic |S_A - S_B| < quantum + C.
+
+Theorem B (any start). Let t1 be the moment the later of the two, A, joined (its queue
+went from empty to non-empty); B may then be in its turn holding up to C_B + Q_B unspent.
+Then, after every dispatch while both stay backlogged,
+
+    -(q + C_A/a + C_B/b) < S_A/a - S_B/b < q + C_B/b,
+    so |S_A/a - S_B/b| < q + C_A/a + C_B/b.
+
+Proof. D_A(t1) = 0 and A is at the back. If B is in its turn at t1, the next turns go
+A, B, A, B, ... so g_A - g_B is 0 or 1; otherwise B comes first and g_B - g_A is 0 or 1.
+In the four cases bound D_A(t)/a and D_B(t)/b by (I1), (I2) (the one whose turn started
+last may be in it; the other is between turns) and D_B(t1)/b < C_B/b + q. The extremes:
+B spends a full leftover plus a quantum just after A joins, while A's first turns go into
+saving for an expensive head. The extra C_A/a + q against theorem A is that transient and
+does not grow with time. The property tests check theorem B on random interleavings of
+enqueue, batches, expiry and cancellation, and theorem A on common starts.
+
+Requests that cost more than a grant. A head of cost c > Q_f is still served: f saves
+D_f over ceil(c / Q_f) turns (I2 keeps the leftover). Consequences: that request waits
+that many rounds, and the requests behind it in f's own queue wait with it (the order
+inside a tenant is strict); the long-run share of f is unchanged (the bound holds with
+C_f = c, so one expensive request widens the short-term imbalance by its cost). The
+defaults keep this rare: quantum = 1 row on request-cost endpoints (a multi-row request
+saves for as many turns as it has rows), a full batch of tokens on token-cost endpoints.
+
+Round jumps. If every tenant of a tier is saving (each started a fresh turn and none
+could send), the next k - 1 rounds, where k is the fewest further turns any of them
+needs, would send nothing. Instead of walking them, ``DrrState.jumps`` += k - 1 and each
+tenant adds the skipped grants, (jumps - seen) * Q_f, lazily at its next turn (or when
+``deficits()`` is read). That is exactly the state the empty rounds would have produced
+(all tenants between turns, deficits grown in cyclic order), so (I1)-(I4) and the bounds
+are unchanged; k is rounded down on float doubt, which can only cost an extra pass.
+
+Batches
+=======
+``next_batch`` repeats tier -> tenant -> request and appends the request while the batch
+has room: at most ``max_batch_size`` rows and ``max_batch_tokens`` tokens, all with the
+same ``shape_key`` as the first. The first request always goes, even if it alone exceeds
+a cap (it goes alone). A batch ends when it is full or the next chosen request does not
+fit (too many rows or tokens, another shape): that request is not skipped (skipping would
+break the order and the DRR accounting) but stays first for the next batch, its tenant
+keeping its turn (I4). ``max_batch_size = 0`` (a model that does not batch): one request
+per batch. The scheduler is work-conserving: ``next_batch`` returns a non-empty batch
+whenever anything is queued.
+
+Deadlines, cancellation and counts
+==================================
+``expire(now)`` removes every request with deadline <= now (so ``expire(deadline)``
+returns it, ``expire(deadline - epsilon)`` does not). ``next_batch(now)`` never dispatches
+such a request: it expires them first and keeps them for the next ``expire`` call, and
+``next_deadline()`` then returns a past time so the shell calls it at once. Removal from
+the indexes is lazy: every index holds a shared handle that removal empties (tombstones
+are dropped when reached, or the index is rebuilt once they outnumber live entries), but
+every count (per tenant, per tier, per scheduler, process-wide in ``GlobalCaps``) is
+updated at once, so at every moment
+``admitted == dispatched + expired + cancelled + queued``.
+
+Complexity
+==========
+n = a tenant's queued requests, d = queued requests with a deadline, T = tiers,
+L = priority levels. ``enqueue``: O(log n + log d). Each dispatch decision: O(T) to
+choose the tier, O(1) amortised for DRR when turns can send (grant >= typical cost; each
+turn costs O(1) and sends or ends), O(log n) to pop; never a scan over tenants: the active
+list rotates as a deque. A tier where every tenant is saving costs one pass over its
+tenants, then a round jump. ``expire``/``cancel``: O(1) amortised plus the lazy pops.
+``backlog_ahead``: O(T + L) from aggregates. Memory: the request (slots), a handle, a heap
+entry, an arrival entry and a deadline entry if it has one (``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+from fair_frontend.scheduler.assembly import BatchAssembler
+from fair_frontend.scheduler.caps import GlobalCaps
+from fair_frontend.scheduler.core import Mode, Scheduler
+from fair_frontend.scheduler.cost import (
+    CostModel,
+    NormalizedCost,
+    RequestCost,
+    TokenCost,
+    cost_model_for,
+)
+from fair_frontend.scheduler.fairness import DeficitRoundRobin, DrrState, FairnessPolicy
+from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
+from fair_frontend.scheduler.queues import TenantQueue
+from fair_frontend.scheduler.tiers import (
+    GuardedTierOrder,
+    ShareWindow,
+    StrictTierOrder,
+    Tier,
+    TierSelector,
+)
+from fair_frontend.scheduler.types import (
+    DEFAULT_TIER_SHARE_WINDOW_ROWS,
+    Backlog,
+    Counters,
+    EndpointPolicy,
+    QueuedRequest,
+    QueueState,
+    TenantDirectory,
+    TenantSpec,
+    TenantTerms,
+)
+
+__all__ = [
+    "DEFAULT_TIER_SHARE_WINDOW_ROWS",
+    "Backlog",
+    "BatchAssembler",
+    "CostModel",
+    "Counters",
+    "DeficitRoundRobin",
+    "DrrState",
+    "EndpointPolicy",
+    "FairnessPolicy",
+    "GlobalCaps",
+    "GuardedTierOrder",
+    "Mode",
+    "NormalizedCost",
+    "OrderingPolicy",
+    "PriorityDeadlineArrival",
+    "QueueState",
+    "QueuedRequest",
+    "RequestCost",
+    "Scheduler",
+    "ShareWindow",
+    "StrictTierOrder",
+    "TenantDirectory",
+    "TenantQueue",
+    "TenantSpec",
+    "TenantTerms",
+    "Tier",
+    "TierSelector",
+    "TokenCost",
+    "cost_model_for",
+]

@@ -1,0 +1,387 @@
+"""The scheduler of one endpoint: queues, selectors and batch assembly, without I/O.
+
+Every entry point takes ``now`` from the caller (the shell reads the clock once per
+operation); nothing here reads a clock, sleeps or blocks. The algorithm is explained in
+the package docstring; this module is its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from fair_frontend.errors import Internal, QueueFull
+from fair_frontend.scheduler.assembly import BatchAssembler
+from fair_frontend.scheduler.caps import GlobalCaps
+from fair_frontend.scheduler.cost import CostModel, cost_model_for
+from fair_frontend.scheduler.fairness import DeficitRoundRobin, FairnessPolicy
+from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
+from fair_frontend.scheduler.queues import ArrivalQueue, DeadlineQueue, Load, TenantQueue
+from fair_frontend.scheduler.tiers import GuardedTierOrder, StrictTierOrder, Tier, TierSelector
+from fair_frontend.scheduler.types import (
+    Backlog,
+    Counters,
+    EndpointPolicy,
+    Handle,
+    QueuedRequest,
+    QueueState,
+    TenantDirectory,
+    TenantTerms,
+)
+
+Mode = Literal["fair", "fifo"]
+
+_NEW = QueueState.NEW
+_QUEUED = QueueState.QUEUED
+_DISPATCHED = QueueState.DISPATCHED
+_EXPIRED = QueueState.EXPIRED
+_CANCELLED = QueueState.CANCELLED
+
+
+class Scheduler:
+    """Queues and dispatch order of one endpoint (model), for many tenants.
+
+    ``mode="fair"``: tier -> deficit round robin -> (priority, deadline, arrival), as the
+    package docstring derives. ``mode="fifo"``: one shared queue in arrival order (no
+    tiers, weights or priorities): the baseline and the fairness tests' negative control.
+    Both modes share the caps, deadlines, cancellation and accounting.
+
+    The selectors are injectable for tests and experiments; by default they follow
+    ``policy`` (strict tiers, or guarded ones if ``policy.tier_min_share`` is set).
+    """
+
+    def __init__(
+        self,
+        policy: EndpointPolicy,
+        tenants: TenantDirectory,
+        caps: GlobalCaps,
+        *,
+        mode: Mode = "fair",
+        cost_model: CostModel | None = None,
+        tier_selector: TierSelector[Any] | None = None,
+        fairness: FairnessPolicy[Any] | None = None,
+        ordering: OrderingPolicy | None = None,
+    ) -> None:
+        if mode not in ("fair", "fifo"):
+            raise ValueError(f"mode must be 'fair' or 'fifo', not {mode!r}")
+        self.policy = policy
+        self.mode: Mode = mode
+        self._fair = mode == "fair"
+        self._tenants = tenants
+        self._caps = caps
+        self._cost: CostModel = cost_model or cost_model_for(policy.cost)
+        if tier_selector is None:
+            if policy.tier_min_share:
+                tier_selector = GuardedTierOrder(
+                    policy.tiers, policy.tier_min_share, policy.share_window_rows
+                )
+            else:
+                tier_selector = StrictTierOrder()
+        self._tier_selector: TierSelector[Any] = tier_selector
+        self._tier_state = tier_selector.new_state()
+        self._fairness: FairnessPolicy[Any] = fairness or DeficitRoundRobin(policy.quantum)
+        self._ordering: OrderingPolicy = ordering or PriorityDeadlineArrival()
+        self._tiers = [
+            Tier(name, i, self._fairness.new_state()) for i, name in enumerate(policy.tiers)
+        ]
+        self._tier_by_name = {tier.name: tier for tier in self._tiers}
+        self._assembler = BatchAssembler(policy.max_batch_size, policy.max_batch_tokens)
+        self._queues: dict[str, TenantQueue] = {}
+        self._total = Load()
+        self._arrivals = ArrivalQueue()
+        self._deadlines = DeadlineQueue()
+        self._expired: list[QueuedRequest] = []  # expired inside next_batch, not yet returned
+        self._seq = 0
+        self._admitted = 0
+        self._dispatched = 0
+        self._expired_count = 0
+        self._cancelled = 0
+
+    # ---- entry points -------------------------------------------------------------------
+
+    def enqueue(self, req: QueuedRequest, now: float) -> None:
+        """Queue a request, or raise ``QueueFull`` naming the first cap it would exceed.
+
+        Caps are checked in this order: the tenant's ``max_queued`` and
+        ``max_queued_bytes`` on this endpoint, then the process-wide ``max_queued`` and
+        ``max_queued_bytes``. A refused request is left untouched (state ``NEW``).
+        """
+        if req.state is not _NEW:
+            raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
+        if req.rows < 1 or req.tokens < 0 or req.nbytes < 0 or req.priority < 1:
+            raise ValueError(
+                f"bad request: rows={req.rows} (>= 1), tokens={req.tokens} (>= 0), "
+                f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
+            )
+        tenant = req.tenant
+        terms = self._tenants.get(tenant)
+        if terms is None:
+            raise Internal(f"scheduler: unknown tenant {tenant!r}")
+        queue = self._queues.get(tenant)
+        if queue is None or (not queue.requests and queue.terms is not terms):
+            queue = self._new_queue(tenant, terms)
+        nbytes = req.nbytes
+        if queue.requests >= terms.max_queued:
+            raise QueueFull(f"tenant {tenant!r} max_queued={terms.max_queued}")
+        cap = terms.max_queued_bytes
+        if cap is not None and queue.nbytes + nbytes > cap:
+            raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
+        caps = self._caps
+        if caps.queued >= caps.max_queued:
+            raise QueueFull(f"global max_queued={caps.max_queued}")
+        if caps.queued_bytes + nbytes > caps.max_queued_bytes:
+            raise QueueFull(f"global max_queued_bytes={caps.max_queued_bytes}")
+
+        seq = self._seq
+        self._seq = seq + 1
+        req.arrival = now
+        req.seq = seq
+        req.cost = self._cost.cost(req.rows, req.tokens)
+        req.state = _QUEUED
+        handle: Handle = [req]
+        req._handle = handle
+        req._queue = queue
+
+        was_idle = not queue.requests
+        queue.add(req)
+        tier = queue.tier
+        tier.add(req)
+        self._total.add(req)
+        caps.queued += 1
+        caps.queued_bytes += nbytes
+        self._admitted += 1
+        self._arrivals.push(handle)
+        if req.deadline is not None:
+            self._deadlines.push(req.deadline, seq, handle)
+        if self._fair:
+            queue.push(req, handle)
+            if was_idle:
+                tier.active_weight += queue.weight
+                self._fairness.join(tier.fair_state, queue)
+
+    def next_batch(self, now: float) -> list[QueuedRequest]:
+        """The next batch to send, in dispatch order; [] only if nothing is queued.
+
+        Requests whose deadline is ``<= now`` are never dispatched: they are expired
+        first and handed back by the next ``expire()`` (``next_deadline()`` then says so).
+        """
+        if self._deadlines.live:
+            self._expire_due(now, self._expired)
+        return self._assembler.assemble(self._peek, self._take, now)
+
+    def expire(self, now: float) -> list[QueuedRequest]:
+        """Remove and return every request whose deadline is ``<= now``."""
+        out = self._expired
+        self._expired = []
+        self._expire_due(now, out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``expire()`` next has something to return: the earliest queued deadline
+        (or a past one if ``next_batch`` already expired requests), None if no deadline."""
+        if self._expired:
+            return self._expired[0].deadline
+        return self._deadlines.earliest()
+
+    def cancel(self, req: QueuedRequest, now: float) -> bool:
+        """Remove a queued request; False if it is not queued here (already left, or
+        another scheduler's). A cancelled request is never dispatched."""
+        queue = req._queue
+        if req.state is not _QUEUED or queue is None or self._queues.get(req.tenant) is not queue:
+            return False
+        self._arrivals.discard()
+        if req.deadline is not None:
+            self._deadlines.discard()
+        self._finish(req, _CANCELLED, now)
+        self._cancelled += 1
+        return True
+
+    # ---- views --------------------------------------------------------------------------
+
+    @property
+    def queued_requests(self) -> int:
+        return self._total.requests
+
+    @property
+    def queued_rows(self) -> int:
+        return self._total.rows
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._total.tokens
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._total.nbytes
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(self._admitted, self._dispatched, self._expired_count, self._cancelled)
+
+    def depth(self, tenant: str) -> int:
+        """The tenant's queued requests on this endpoint."""
+        queue = self._queues.get(tenant)
+        return queue.requests if queue is not None else 0
+
+    def depths(self) -> dict[str, int]:
+        """Tenant -> queued requests, for tenants with queued work."""
+        return {t: q.requests for t, q in self._queues.items() if q.requests}
+
+    def tier_depths(self) -> dict[str, int]:
+        """Tier -> queued requests (every tier of the policy)."""
+        return {tier.name: tier.requests for tier in self._tiers}
+
+    def deficits(self) -> dict[str, float]:
+        """Tenant -> DRR budget, for tenants with queued work (empty in fifo mode)."""
+        if not self._fair:
+            return {}
+        out: dict[str, float] = {}
+        for tier in self._tiers:
+            out.update(self._fairness.deficits(tier.fair_state))
+        return out
+
+    def oldest_arrival(self) -> float | None:
+        """Arrival time of the longest-queued request, None if nothing is queued."""
+        head = self._arrivals.head()
+        return head.arrival if head is not None else None
+
+    def backlog_ahead(self, tenant: str, priority: int, rows: int, tokens: int) -> Backlog:
+        """Work served before a new request of ``tenant`` at ``priority``, plus the request.
+
+        For the throttle's predicted wait; O(tiers + priority levels), independent of the
+        number of tenants and requests. In fair mode it adds up:
+
+        - everything queued in higher tiers (strict order serves it first; the tier
+          guard, if on, lets this tier in earlier, so this overestimates);
+        - the tenant's own queued work at this priority level or a higher one (equal
+          levels count as ahead, whatever their deadlines);
+        - from the other tenants of its tier, what DRR serves them while the tenant's own
+          work ahead, of cost ``c`` (including the new request), is served: each other
+          active tenant j gets about ``c * w_j / w``, so in all
+          ``min(others_cost, c * (W - w) / w)`` where ``W`` is the tier's active weight
+          with the tenant in it. That share of the others' cost is taken as the same
+          share of their rows and tokens. The min over the sum bounds the sum of the
+          per-tenant mins from above: again an overestimate, never an underestimate of
+          the DRR share;
+        - the request itself.
+
+        In fifo mode: everything queued, plus the request.
+        """
+        terms = self._tenants.get(tenant)
+        if terms is None:
+            raise Internal(f"scheduler: unknown tenant {tenant!r}")
+        total = self._total
+        if not self._fair:
+            return Backlog(total.rows + rows, total.tokens + tokens)
+        queue = self._queues.get(tenant)
+        if queue is not None and queue.requests:
+            tier = queue.tier
+            weight = queue.weight
+            own_cost, own_rows, own_tokens = queue.ahead_of(priority)
+            all_cost, all_rows, all_tokens = queue.cost, queue.rows, queue.tokens
+            active_weight = tier.active_weight
+        else:
+            tier = self._tier_of(tenant, terms)
+            weight = float(terms.weight)
+            own_cost, own_rows, own_tokens = 0.0, 0, 0
+            all_cost, all_rows, all_tokens = 0.0, 0, 0
+            active_weight = tier.active_weight + weight
+        ahead_rows = own_rows + rows
+        ahead_tokens = own_tokens + tokens
+        for higher in self._tiers[: tier.index]:
+            ahead_rows += higher.rows
+            ahead_tokens += higher.tokens
+        others_cost = tier.cost - all_cost
+        others_rows = tier.rows - all_rows
+        others_tokens = tier.tokens - all_tokens
+        if others_rows > 0:
+            if others_cost > 0:
+                served = (own_cost + self._cost.cost(rows, tokens)) * (active_weight - weight)
+                fraction = min(1.0, served / weight / others_cost)
+            else:
+                fraction = 1.0
+            ahead_rows += math.ceil(fraction * others_rows)
+            ahead_tokens += math.ceil(fraction * others_tokens)
+        return Backlog(ahead_rows, ahead_tokens)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _tier_of(self, tenant: str, terms: TenantTerms) -> Tier:
+        tier = self._tier_by_name.get(terms.tier)
+        if tier is None:
+            raise Internal(
+                f"scheduler: tenant {tenant!r} has tier {terms.tier!r}, "
+                f"not one of {list(self.policy.tiers)}"
+            )
+        return tier
+
+    def _new_queue(self, tenant: str, terms: TenantTerms) -> TenantQueue:
+        # Also replaces an empty queue whose tenant's terms changed (a config reload):
+        # terms apply from the moment a tenant's queue is empty (TenantQueue docstring).
+        queue = TenantQueue(tenant, terms, self._tier_of(tenant, terms), self._ordering.key)
+        self._queues[tenant] = queue
+        return queue
+
+    def _peek(self) -> QueuedRequest | None:
+        """The request the selectors choose next; no state changes that matter.
+
+        DRR may grant a quantum or rotate while looking, exactly as it would on the way
+        to dispatching; the chosen request stays the answer until it is taken.
+        """
+        if not self._fair:
+            return self._arrivals.head()
+        tier = self._tier_selector.choose(self._tier_state, self._tiers)
+        if tier is None:
+            return None
+        queue = self._fairness.pick(tier.fair_state)
+        if queue is None:
+            raise AssertionError(f"tier {tier.name!r} has work but no tenant to pick")
+        return queue.head()
+
+    def _take(self, req: QueuedRequest, now: float) -> None:
+        """Dispatch the request ``_peek`` just returned."""
+        queue = req._queue
+        assert queue is not None
+        if self._fair:
+            queue.pop_head()
+            tier = queue.tier
+            self._fairness.charge(tier.fair_state, queue, req.cost)
+            self._tier_selector.record(self._tier_state, tier, req.rows)
+            self._arrivals.discard()
+        else:
+            self._arrivals.pop_head()
+        if req.deadline is not None:
+            self._deadlines.discard()
+        self._finish(req, _DISPATCHED, now)
+        self._dispatched += 1
+
+    def _expire_due(self, now: float, out: list[QueuedRequest]) -> None:
+        deadlines = self._deadlines
+        while (req := deadlines.pop_due(now)) is not None:
+            self._arrivals.discard()
+            self._finish(req, _EXPIRED, now)
+            self._expired_count += 1
+            out.append(req)
+
+    def _finish(self, req: QueuedRequest, state: QueueState, now: float) -> None:
+        """Account for a request leaving the queue; its index entries become tombstones."""
+        handle = req._handle
+        assert handle is not None
+        handle[0] = None
+        req._handle = None
+        queue = req._queue
+        assert queue is not None
+        req._queue = None
+        req.state = state
+        req.left_at = now
+        queue.remove(req)
+        tier = queue.tier
+        tier.remove(req)
+        self._total.remove(req)
+        caps = self._caps
+        caps.queued -= 1
+        caps.queued_bytes -= req.nbytes
+        if self._fair and not queue.requests:
+            # A tenant whose queue empties leaves its tier's round (and loses its budget).
+            tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
+            self._fairness.leave(tier.fair_state, queue)

@@ -1,0 +1,170 @@
+"""Selector 2: fair shares between the tenants of one tier (deficit round robin).
+
+The algorithm, its fairness bound and its cost are derived in the package docstring
+(``fair_frontend.scheduler``, sections "Deficit round robin" and "Round jumps").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Protocol, TypeVar
+
+from fair_frontend.scheduler.queues import TenantQueue
+
+S = TypeVar("S")
+
+# Rounds a stalled tenant needs are computed in floats; shaving a relative epsilon off
+# makes a rounding error undershoot (one extra pass) instead of overshooting (a skipped
+# round in which someone could have sent).
+_ROUND_EPSILON = 1e-9
+
+
+class FairnessPolicy(Protocol[S]):
+    """Which tenant in this tier sends next?
+
+    The policy is stateless; ``new_state()`` makes the state of one tier, which every
+    other call takes. ``pick`` answers the question and must be idempotent until the
+    pick is charged: the scheduler may pick, look at the request, and leave it for the
+    next batch (a batch boundary), and the next pick must return the same tenant.
+    ``join``/``leave`` tell the policy that a tenant's queue became non-empty/empty.
+    """
+
+    def new_state(self) -> S: ...
+
+    def join(self, state: S, queue: TenantQueue) -> None: ...
+
+    def leave(self, state: S, queue: TenantQueue) -> None: ...
+
+    def pick(self, state: S) -> TenantQueue | None: ...
+
+    def charge(self, state: S, queue: TenantQueue, cost: float) -> None:
+        """The picked tenant's head request, of this cost, was dispatched."""
+
+    def deficits(self, state: S) -> dict[str, float]:
+        """Tenant -> its current budget, for tenants with queued work (for metrics)."""
+        ...
+
+
+class _Turn:
+    """One tenant's DRR record in one tier's state."""
+
+    __slots__ = ("deficit", "entries", "grant", "listed", "queue", "seen_jumps")
+
+    def __init__(self, queue: TenantQueue) -> None:
+        self.queue = queue
+        self.grant = 0.0  # quantum * weight, fixed while listed
+        self.deficit = 0.0  # excludes round jumps after seen_jumps (see effective())
+        self.seen_jumps = 0
+        self.listed = False  # has queued work, so is in the active list
+        self.entries = 0  # entries in the active deque: only the last one is live
+
+    def effective(self, jumps: int) -> float:
+        return self.deficit + (jumps - self.seen_jumps) * self.grant
+
+
+class DrrState:
+    """One tier's deficit round robin: the active list, the current turn, the deficits.
+
+    ``active`` holds one live entry per listed tenant in round order, plus stale entries
+    of tenants that left while not at the head (skipped and dropped when reached).
+    ``current`` is the tenant whose turn is in progress; it is always ``active[0]``.
+    ``jumps`` counts the empty rounds skipped at once (package docstring, "Round jumps").
+    """
+
+    __slots__ = ("active", "count", "current", "jumps", "turns")
+
+    def __init__(self) -> None:
+        self.turns: dict[str, _Turn] = {}
+        self.active: deque[_Turn] = deque()
+        self.current: _Turn | None = None
+        self.count = 0  # listed tenants
+        self.jumps = 0
+
+
+class DeficitRoundRobin:
+    """Deficit round robin with weights: each turn adds ``quantum * weight`` to a budget."""
+
+    __slots__ = ("quantum",)
+
+    def __init__(self, quantum: float) -> None:
+        if not (quantum > 0 and math.isfinite(quantum)):
+            raise ValueError(f"quantum must be a positive number, not {quantum}")
+        self.quantum = quantum
+
+    def new_state(self) -> DrrState:
+        return DrrState()
+
+    def join(self, state: DrrState, queue: TenantQueue) -> None:
+        turn = state.turns.get(queue.tenant)
+        if turn is None:
+            turn = state.turns[queue.tenant] = _Turn(queue)
+        turn.queue = queue
+        turn.grant = self.quantum * queue.weight
+        turn.deficit = 0.0
+        turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
+        turn.listed = True
+        turn.entries += 1
+        state.active.append(turn)  # at the back: it waits for a full round
+        state.count += 1
+
+    def leave(self, state: DrrState, queue: TenantQueue) -> None:
+        turn = state.turns[queue.tenant]
+        turn.listed = False
+        turn.deficit = 0.0  # an emptied queue keeps no budget (no hoarding while idle)
+        state.count -= 1
+        if state.current is turn:
+            state.current = None
+            state.active.popleft()
+            turn.entries -= 1
+        # Otherwise its entry stays in the deque, stale, until the rotation reaches it.
+
+    def pick(self, state: DrrState) -> TenantQueue | None:
+        active = state.active
+        misses = 0  # consecutive fresh turns that could not afford their head
+        fewest = 0  # fewest further rounds any of them needs
+        while True:
+            turn = state.current
+            fresh = turn is None
+            if turn is None:
+                if not state.count:
+                    return None
+                turn = active[0]
+                if turn.entries > 1 or not turn.listed:
+                    active.popleft()  # stale: the tenant left (and maybe rejoined behind)
+                    turn.entries -= 1
+                    continue
+                # A new turn: one quantum, plus any skipped rounds it has not seen.
+                turn.deficit += (state.jumps - turn.seen_jumps + 1) * turn.grant
+                turn.seen_jumps = state.jumps
+                state.current = turn
+            head = turn.queue.head()
+            if head is None:
+                raise AssertionError(f"tenant {turn.queue.tenant!r} is listed with no work")
+            if head.cost <= turn.deficit:
+                return turn.queue
+            # The turn ends; the tenant keeps what is left and goes to the back.
+            state.current = None
+            active.rotate(-1)
+            if not fresh:
+                continue  # a continued turn is not part of a full pass of fresh turns
+            needs = math.ceil((head.cost - turn.deficit) / turn.grant * (1 - _ROUND_EPSILON))
+            needs = max(needs, 1)
+            fewest = needs if misses == 0 else min(fewest, needs)
+            misses += 1
+            if misses >= state.count:
+                # Every listed tenant had a fresh turn and none could send: the next
+                # fewest - 1 rounds would all be empty too. Skip them at once.
+                state.jumps += fewest - 1
+                misses = 0
+
+    def charge(self, state: DrrState, queue: TenantQueue, cost: float) -> None:
+        turn = state.current
+        assert turn is not None and turn.queue is queue, "charge follows pick"
+        turn.deficit -= cost
+
+    def deficits(self, state: DrrState) -> dict[str, float]:
+        jumps = state.jumps
+        return {
+            tenant: turn.effective(jumps) for tenant, turn in state.turns.items() if turn.listed
+        }

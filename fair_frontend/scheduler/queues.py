@@ -1,0 +1,211 @@
+"""Queues with exact aggregates and lazy removal.
+
+Every index (a tenant's heap, the deadline heap, the arrival deque) holds a request's
+``Handle``, never the request. Expiry and cancellation empty the handle (O(1)); the index
+drops the tombstone when it reaches it, or rebuilds itself once tombstones outnumber live
+entries (amortised O(1)). The aggregates (``Load``) are updated at once, so every count the
+scheduler reports is exact while tombstones wait.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fair_frontend.scheduler.types import Handle, QueuedRequest, TenantTerms
+
+if TYPE_CHECKING:
+    from fair_frontend.scheduler.tiers import Tier
+
+# Rebuild an index when it holds more than 2 * live + slack entries.
+_COMPACT_SLACK = 64
+
+
+class Load:
+    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact."""
+
+    __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.rows = 0
+        self.tokens = 0
+        self.nbytes = 0
+        self.cost = 0.0
+
+    def add(self, req: QueuedRequest) -> None:
+        self.requests += 1
+        self.rows += req.rows
+        self.tokens += req.tokens
+        self.nbytes += req.nbytes
+        self.cost += req.cost
+
+    def remove(self, req: QueuedRequest) -> None:
+        self.requests -= 1
+        self.rows -= req.rows
+        self.tokens -= req.tokens
+        self.nbytes -= req.nbytes
+        if self.requests:
+            self.cost -= req.cost
+        else:
+            self.cost = 0.0  # no float residue once empty
+
+
+class TenantQueue(Load):
+    """One tenant's queued requests on one endpoint, in its ordering policy's order.
+
+    Also the tenant's load on the endpoint, in total and per priority level (for the
+    throttle's estimate of the work ahead of a new request). ``tier`` and ``weight`` are a
+    snapshot of the tenant's terms taken when its queue was last empty: a tenant never
+    changes tier or weight while it has queued work, which keeps the tier aggregates and
+    the DRR active weight exact.
+    """
+
+    __slots__ = ("_heap", "_key", "by_priority", "tenant", "terms", "tier", "weight")
+
+    def __init__(
+        self,
+        tenant: str,
+        terms: TenantTerms,
+        tier: Tier,
+        key: Callable[[QueuedRequest], tuple[Any, ...]],
+    ) -> None:
+        super().__init__()
+        self.tenant = tenant
+        self.terms = terms
+        self.tier = tier
+        self.weight = float(terms.weight)
+        self._key = key
+        self._heap: list[tuple[Any, ...]] = []
+        self.by_priority: dict[int, Load] = {}
+
+    def add(self, req: QueuedRequest) -> None:
+        Load.add(self, req)
+        level = self.by_priority.get(req.priority)
+        if level is None:
+            level = self.by_priority[req.priority] = Load()
+        level.add(req)
+
+    def remove(self, req: QueuedRequest) -> None:
+        Load.remove(self, req)
+        level = self.by_priority[req.priority]
+        level.remove(req)
+        if not level.requests:
+            del self.by_priority[req.priority]
+
+    def push(self, req: QueuedRequest, handle: Handle) -> None:
+        """Index a request (its accounting is ``add``'s job)."""
+        heap = self._heap
+        if len(heap) > 2 * self.requests + _COMPACT_SLACK:
+            heap[:] = [e for e in heap if e[-1][0] is not None]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (*self._key(req), handle))
+
+    def head(self) -> QueuedRequest | None:
+        """The live request that goes first, or None; drops tombstones on the way."""
+        heap = self._heap
+        while heap:
+            req: QueuedRequest | None = heap[0][-1][0]
+            if req is not None:
+                return req
+            heapq.heappop(heap)
+        return None
+
+    def pop_head(self) -> None:
+        """Remove the entry ``head()`` just returned."""
+        heapq.heappop(self._heap)
+
+    def ahead_of(self, priority: int) -> tuple[float, int, int]:
+        """(cost, rows, tokens) queued at ``priority`` or higher (a lower or equal level).
+
+        Equal levels count as ahead: a new request is behind them unless its deadline is
+        earlier, and the throttle prefers to overestimate a wait. O(priority levels).
+        """
+        cost = 0.0
+        rows = tokens = 0
+        for level, load in self.by_priority.items():
+            if level <= priority:
+                cost += load.cost
+                rows += load.rows
+                tokens += load.tokens
+        return cost, rows, tokens
+
+
+class ArrivalQueue:
+    """Queued requests in arrival order: the fifo mode's queue and ``oldest_arrival``."""
+
+    __slots__ = ("_entries", "live")
+
+    def __init__(self) -> None:
+        self._entries: deque[Handle] = deque()
+        self.live = 0
+
+    def push(self, handle: Handle) -> None:
+        entries = self._entries
+        if len(entries) > 2 * self.live + _COMPACT_SLACK:
+            self._entries = entries = deque(h for h in entries if h[0] is not None)
+        entries.append(handle)
+        self.live += 1
+
+    def discard(self) -> None:
+        """One live entry was emptied elsewhere (its tombstone stays until reached)."""
+        self.live -= 1
+
+    def head(self) -> QueuedRequest | None:
+        entries = self._entries
+        while entries:
+            req = entries[0][0]
+            if req is not None:
+                return req
+            entries.popleft()
+        return None
+
+    def pop_head(self) -> None:
+        """Remove the entry ``head()`` just returned (the caller empties its handle)."""
+        self._entries.popleft()
+        self.live -= 1
+
+
+class DeadlineQueue:
+    """Queued requests that have a deadline, earliest first (ties: arrival)."""
+
+    __slots__ = ("_heap", "live")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Handle]] = []
+        self.live = 0
+
+    def push(self, deadline: float, seq: int, handle: Handle) -> None:
+        heap = self._heap
+        if len(heap) > 2 * self.live + _COMPACT_SLACK:
+            heap[:] = [e for e in heap if e[2][0] is not None]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, seq, handle))
+        self.live += 1
+
+    def discard(self) -> None:
+        """One live entry was emptied elsewhere."""
+        self.live -= 1
+
+    def earliest(self) -> float | None:
+        heap = self._heap
+        while heap:
+            if heap[0][2][0] is not None:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
+
+    def pop_due(self, now: float) -> QueuedRequest | None:
+        """Remove and return the earliest live request with ``deadline <= now``, else None.
+
+        The caller empties its handle and calls no ``discard`` for it.
+        """
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            req = heapq.heappop(heap)[2][0]
+            if req is not None:
+                self.live -= 1
+                return req
+        return None
