@@ -1,0 +1,556 @@
+"""Unit tests of the scheduling core, one behaviour each, on explicit times."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sched_support import drain, make_request, make_scheduler, tags
+
+from fair_frontend.config import CostUnit, Endpoint, TierGuard, parse_config
+from fair_frontend.errors import MSG_QUEUE_FULL, Internal, QueueFull
+from fair_frontend.scheduler import (
+    Backlog,
+    Counters,
+    EndpointPolicy,
+    GlobalCaps,
+    NormalizedCost,
+    QueueState,
+    RequestCost,
+    Scheduler,
+    TenantSpec,
+    TokenCost,
+)
+
+PAID2 = {"a": "paid", "b": "paid"}
+
+
+# ---- order inside a tenant's queue -------------------------------------------------------
+
+
+def test_tenant_order_is_priority_then_deadline_then_arrival() -> None:
+    s = make_scheduler({"a": "paid"})
+    arrivals = [
+        ("p2-none", 2, None),
+        ("p1-none-1st", 1, None),
+        ("p1-d9", 1, 9.0),
+        ("p3-d1", 3, 1.0),
+        ("p1-d5", 1, 5.0),
+        ("p1-none-2nd", 1, None),
+        ("p1-d5-later", 1, 5.0),
+    ]
+    for i, (tag, priority, deadline) in enumerate(arrivals):
+        s.enqueue(make_request("a", priority=priority, deadline=deadline, tag=tag), float(i))
+    assert drain(s) == [
+        ["p1-d5", "p1-d5-later", "p1-d9", "p1-none-1st", "p1-none-2nd", "p2-none", "p3-d1"]
+    ]
+
+
+def test_priority_does_not_cross_tenants() -> None:
+    """Priority orders one tenant's requests; DRR alone decides between tenants."""
+    s = make_scheduler(PAID2)
+    for i in range(3):
+        s.enqueue(make_request("a", priority=5, tag=f"a{i}"), 0.0)
+    for i in range(3):
+        s.enqueue(make_request("b", priority=1, tag=f"b{i}"), 0.0)
+    assert drain(s) == [["a0", "b0", "a1", "b1", "a2", "b2"]]
+
+
+# ---- tiers ---------------------------------------------------------------------------------
+
+
+def test_higher_tier_goes_first_whatever_the_arrival_order() -> None:
+    s = make_scheduler({"p": "paid", "t": "trial"}, max_batch_size=3)
+    for i in range(2):
+        s.enqueue(make_request("t", tag=f"t{i}"), 0.0)
+    for i in range(2):
+        s.enqueue(make_request("p", tag=f"p{i}"), 1.0)
+    assert tags(s.next_batch(2.0)) == ["p0", "p1", "t0"]
+    s.enqueue(make_request("p", tag="p2"), 3.0)
+    assert drain(s, 3.0) == [["p2", "t1"]]
+
+
+def test_lower_tier_starves_under_strict_order_without_guard() -> None:
+    s = make_scheduler({"p": "paid", "t": "trial"}, max_batch_size=4)
+    for _ in range(200):
+        s.enqueue(make_request("p", tag="p"), 0.0)
+        s.enqueue(make_request("t", tag="t"), 0.0)
+    served = [tag for _ in range(50) for tag in tags(s.next_batch(1.0))]
+    assert served == ["p"] * 200
+
+
+def test_tier_guard_gives_the_lower_tier_its_minimum_share() -> None:
+    s = make_scheduler(
+        {"p": "paid", "t": "trial"}, max_batch_size=4, min_share={"trial": 0.25}, window=100
+    )
+    for _ in range(400):
+        s.enqueue(make_request("p", tag="p"), 0.0)
+        s.enqueue(make_request("t", tag="t"), 0.0)
+    served = [tag for _ in range(100) for tag in tags(s.next_batch(1.0))]
+    recent = served[-200:]
+    assert recent.count("t") / len(recent) == pytest.approx(0.25, abs=0.02)
+    assert served.count("p") > served.count("t")
+
+
+def test_tier_guard_reserves_nothing_for_an_idle_tier() -> None:
+    s = make_scheduler(
+        {"p": "paid", "t": "trial"}, max_batch_size=4, min_share={"trial": 0.5}, window=100
+    )
+    for _ in range(40):
+        s.enqueue(make_request("p", tag="p"), 0.0)
+    assert [len(b) for b in drain(s)] == [4] * 10
+
+
+# ---- deficit round robin ---------------------------------------------------------------------
+
+
+def test_drr_with_request_cost_saves_for_a_multi_row_request() -> None:
+    s = make_scheduler(PAID2, quantum=1.0)
+    for i in range(3):
+        s.enqueue(make_request("a", tag=f"a{i}"), 0.0)
+    s.enqueue(make_request("b", rows=2, tag="b0"), 0.0)
+    s.enqueue(make_request("b", tag="b1"), 0.0)
+    # a: +1, sends a0. b: +1, cannot pay 2, keeps 1. a: a1. b: 2, sends b0. a: a2. b: b1.
+    assert drain(s) == [["a0", "a1", "b0", "a2", "b1"]]
+
+
+def test_drr_with_token_cost() -> None:
+    s = make_scheduler(PAID2, cost=CostUnit.TOKENS, quantum=100.0)
+    for i in range(4):
+        s.enqueue(make_request("a", tokens=30, tag=f"a{i}"), 0.0)
+    for i in range(2):
+        s.enqueue(make_request("b", tokens=60, tag=f"b{i}"), 0.0)
+    # a: 100 -> a0 a1 a2, 10 left. b: 100 -> b0, 40 left. a: 110 -> a3. b: 140 -> b1.
+    assert drain(s) == [["a0", "a1", "a2", "b0", "a3", "b1"]]
+    assert s.counters == Counters(admitted=6, dispatched=6, expired=0, cancelled=0)
+
+
+def test_weights_two_to_one_give_two_to_one() -> None:
+    s = make_scheduler({"a": TenantSpec("paid", weight=2.0), "b": TenantSpec("paid")})
+    for _ in range(300):
+        s.enqueue(make_request("a", tag="a"), 0.0)
+        s.enqueue(make_request("b", tag="b"), 0.0)
+    served = [tag for _ in range(10) for tag in tags(s.next_batch(1.0))]
+    assert served[:300] == ["a", "a", "b"] * 100
+
+
+def test_deficit_resets_when_the_queue_empties() -> None:
+    s = make_scheduler(PAID2, cost=CostUnit.TOKENS, quantum=100.0, max_batch_size=1)
+    s.enqueue(make_request("a", tokens=30, tag="a0"), 0.0)
+    for i in range(1, 5):
+        s.enqueue(make_request("b", tokens=60, tag=f"b{i}"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["a0"]  # a: 100 - 30 = 70 left, but its queue is empty
+    assert s.deficits() == {"b": 0.0}
+    s.enqueue(make_request("a", tokens=80, tag="a1"), 2.0)
+    s.enqueue(make_request("a", tokens=80, tag="a2"), 2.0)
+    assert s.deficits() == {"a": 0.0, "b": 0.0}
+    # a rejoined at the back with 0: its first turn pays one 80 only (with the old 70 it
+    # would have sent a1 and a2 back to back).
+    assert drain(s, 3.0) == [["b1"], ["a1"], ["b2"], ["b3"], ["a2"], ["b4"]]
+
+
+def test_turn_continues_across_a_batch_boundary() -> None:
+    s = make_scheduler(PAID2, quantum=3.0, max_batch_size=2)
+    for i in range(1, 6):
+        s.enqueue(make_request("a", tag=f"a{i}"), 0.0)
+        s.enqueue(make_request("b", tag=f"b{i}"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["a1", "a2"]
+    assert s.deficits() == {"a": 1.0, "b": 0.0}  # mid-turn: no second quantum next batch
+    assert tags(s.next_batch(1.0)) == ["a3", "b1"]
+    assert drain(s, 1.0) == [["b2", "b3"], ["a4", "a5"], ["b4", "b5"]]
+
+
+def test_a_request_larger_than_many_quanta_is_served_in_one_jump() -> None:
+    s = make_scheduler({"a": "paid"}, cost=CostUnit.TOKENS, quantum=1.0)
+    s.enqueue(make_request("a", tokens=1_000_000, tag="huge"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["huge"]
+
+
+def test_round_jump_matches_walking_the_empty_rounds() -> None:
+    s = make_scheduler(
+        {"a": "paid", "b": TenantSpec("paid", weight=2.0)},
+        cost=CostUnit.TOKENS,
+        quantum=1.0,
+        max_batch_size=1,
+    )
+    s.enqueue(make_request("a", tokens=7, tag="a0"), 0.0)
+    s.enqueue(make_request("a", tokens=1, tag="a1"), 0.0)
+    s.enqueue(make_request("b", tokens=10, tag="b0"), 0.0)
+    s.enqueue(make_request("b", tokens=1, tag="b1"), 0.0)
+    # Rounds: a gets 1 per round, b 2. a reaches 7 in round 7; b reaches 10 in round 5.
+    assert tags(s.next_batch(1.0)) == ["b0"]
+    assert s.deficits() == {"a": 5.0, "b": 0.0}
+    # Round 6: a 6 (saving), b 2 -> b1 (b empties). Round 7: a 7 -> a0, then a1 is 1 > 0.
+    assert drain(s, 1.0) == [["b1"], ["a0"], ["a1"]]
+
+
+# ---- batches -------------------------------------------------------------------------------
+
+
+def test_max_batch_size_counts_rows() -> None:
+    s = make_scheduler({"a": "paid"}, max_batch_size=4)
+    for i, rows in enumerate([2, 1, 2, 1]):
+        s.enqueue(make_request("a", rows=rows, tag=i), 0.0)
+    assert drain(s) == [[0, 1], [2, 3]]
+
+
+def test_max_batch_tokens() -> None:
+    s = make_scheduler({"a": "paid"}, max_batch_tokens=100)
+    for i in range(5):
+        s.enqueue(make_request("a", tokens=40, tag=i), 0.0)
+    assert drain(s) == [[0, 1], [2, 3], [4]]
+
+
+def test_an_oversize_request_goes_alone() -> None:
+    s = make_scheduler({"a": "paid"}, max_batch_size=4, max_batch_tokens=100)
+    s.enqueue(make_request("a", tag="small"), 0.0)
+    s.enqueue(make_request("a", rows=6, tag="wide"), 0.0)
+    s.enqueue(make_request("a", tokens=500, tag="long"), 0.0)
+    s.enqueue(make_request("a", tag="last"), 0.0)
+    assert drain(s) == [["small"], ["wide"], ["long"], ["last"]]
+
+
+def test_shape_key_ends_the_batch_and_the_tenant_keeps_its_turn() -> None:
+    s = make_scheduler(PAID2, quantum=2.0, max_batch_size=8)
+    for i, shape in enumerate([0, 1, 1]):
+        s.enqueue(make_request("a", shape=shape, tag=f"a{i}"), 0.0)
+    for i in range(2):
+        s.enqueue(make_request("b", shape=0, tag=f"b{i}"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["a0"]
+    assert s.deficits() == {"a": 1.0, "b": 0.0}  # a1 waits first in line, a's turn goes on
+    assert drain(s, 1.0) == [["a1"], ["b0", "b1"], ["a2"]]
+
+
+def test_max_batch_size_zero_sends_one_request_per_batch() -> None:
+    s = make_scheduler({"a": "paid"}, max_batch_size=0)
+    for i in range(3):
+        s.enqueue(make_request("a", tag=i), 0.0)
+    assert drain(s) == [[0], [1], [2]]
+
+
+def test_next_batch_is_empty_only_when_nothing_is_queued() -> None:
+    s = make_scheduler({"a": "paid"})
+    assert s.next_batch(0.0) == []
+    s.enqueue(make_request("a"), 0.0)
+    assert len(s.next_batch(0.0)) == 1
+    assert s.next_batch(0.0) == []
+
+
+# ---- fifo mode -------------------------------------------------------------------------------
+
+
+def test_fifo_is_arrival_order_regardless_of_tier_weight_and_priority() -> None:
+    s = make_scheduler(
+        {"p": TenantSpec("paid", weight=5.0), "t": "trial"}, mode="fifo", max_batch_size=3
+    )
+    plan = [("t", 3), ("t", 1), ("p", 1), ("t", 2), ("p", 1)]
+    for i, (tenant, priority) in enumerate(plan):
+        s.enqueue(make_request(tenant, priority=priority, tag=i), float(i))
+    assert drain(s, 9.0) == [[0, 1, 2], [3, 4]]
+    assert s.deficits() == {}
+
+
+def test_fifo_keeps_caps_deadlines_and_cancellation() -> None:
+    s = make_scheduler({"a": TenantSpec("paid", max_queued=3)}, mode="fifo")
+    r0 = make_request("a", deadline=5.0, tag=0)
+    r1 = make_request("a", tag=1)
+    r2 = make_request("a", tag=2)
+    for r in (r0, r1, r2):
+        s.enqueue(r, 0.0)
+    with pytest.raises(QueueFull):
+        s.enqueue(make_request("a"), 0.0)
+    assert s.cancel(r1, 1.0)
+    assert s.expire(5.0) == [r0]
+    assert tags(s.next_batch(6.0)) == [2]
+    assert s.counters == Counters(admitted=3, dispatched=1, expired=1, cancelled=1)
+
+
+# ---- deadlines -------------------------------------------------------------------------------
+
+
+def test_expiry_happens_exactly_at_the_deadline() -> None:
+    s = make_scheduler({"a": "paid"})
+    r = make_request("a", deadline=10.0)
+    s.enqueue(r, 0.0)
+    assert s.expire(math.nextafter(10.0, 0.0)) == []
+    assert r.state is QueueState.QUEUED
+    assert s.expire(10.0) == [r]
+    assert r.state is QueueState.EXPIRED and r.left_at == 10.0
+    assert s.expire(11.0) == []
+    assert s.next_batch(11.0) == []
+    assert s.counters == Counters(admitted=1, dispatched=0, expired=1, cancelled=0)
+
+
+def test_next_batch_never_dispatches_a_request_past_its_deadline() -> None:
+    s = make_scheduler({"a": "paid"})
+    late = make_request("a", deadline=5.0, tag="late")
+    s.enqueue(late, 0.0)
+    s.enqueue(make_request("a", deadline=50.0, tag="ok"), 0.0)
+    assert tags(s.next_batch(5.0)) == ["ok"]
+    assert late.state is QueueState.EXPIRED
+    assert s.queued_requests == 0
+    assert s.next_deadline() == 5.0  # in the past: the shell calls expire() at once
+    assert s.expire(6.0) == [late]
+    assert s.next_deadline() is None
+
+
+def test_next_deadline_is_the_earliest_queued_deadline() -> None:
+    s = make_scheduler({"a": "paid"}, max_batch_size=1)
+    assert s.next_deadline() is None
+    r5 = make_request("a", deadline=5.0, tag="d5")
+    r3 = make_request("a", priority=2, deadline=3.0, tag="d3")
+    s.enqueue(r5, 0.0)
+    s.enqueue(make_request("a", tag="none"), 0.0)
+    s.enqueue(r3, 0.0)
+    assert s.next_deadline() == 3.0
+    assert s.cancel(r3, 1.0)
+    assert s.next_deadline() == 5.0
+    assert tags(s.next_batch(1.0)) == ["d5"]
+    assert s.next_deadline() is None
+
+
+# ---- cancellation ----------------------------------------------------------------------------
+
+
+def test_a_cancelled_request_is_never_dispatched_and_counts_stay_exact() -> None:
+    s = make_scheduler(PAID2)
+    reqs = [
+        make_request(t, rows=2, tokens=5, nbytes=7, tag=f"{t}{i}") for i in range(3) for t in "ab"
+    ]
+    for r in reqs:
+        s.enqueue(r, 0.0)
+    victim = reqs[2]  # a1
+    assert s.cancel(victim, 1.0)
+    assert victim.state is QueueState.CANCELLED and victim.left_at == 1.0
+    assert (s.queued_requests, s.queued_rows, s.queued_tokens, s.queued_bytes) == (5, 10, 25, 35)
+    assert s.depths() == {"a": 2, "b": 3}
+    assert not s.cancel(victim, 1.0)
+    assert drain(s, 2.0) == [["a0", "b0", "a2", "b1", "b2"]]
+    assert s.counters == Counters(admitted=6, dispatched=5, expired=0, cancelled=1)
+    assert not s.cancel(reqs[0], 3.0)  # already dispatched
+
+
+def test_cancelling_a_tenants_last_request_takes_it_out_of_the_round() -> None:
+    s = make_scheduler(PAID2)
+    r = make_request("a", tag="a0")
+    s.enqueue(r, 0.0)
+    s.enqueue(make_request("b", tag="b0"), 0.0)
+    assert s.cancel(r, 0.0)
+    assert s.deficits() == {"b": 0.0}
+    assert s.depth("a") == 0
+    s.enqueue(make_request("a", tag="a1"), 1.0)  # rejoins behind b
+    assert drain(s, 1.0) == [["b0", "a1"]]
+
+
+def test_cancel_refuses_requests_of_another_scheduler_and_new_ones() -> None:
+    s1 = make_scheduler({"a": "paid"})
+    s2 = make_scheduler({"a": "paid"})
+    r = make_request("a")
+    assert not s1.cancel(r, 0.0)
+    s2.enqueue(r, 0.0)
+    assert not s1.cancel(r, 0.0)
+    assert s2.cancel(r, 0.0)
+
+
+def test_cancel_then_expiry_does_not_count_twice() -> None:
+    s = make_scheduler({"a": "paid"})
+    r = make_request("a", deadline=2.0)
+    s.enqueue(r, 0.0)
+    assert s.cancel(r, 1.0)
+    assert s.expire(3.0) == []
+    assert s.counters == Counters(admitted=1, dispatched=0, expired=0, cancelled=1)
+
+
+# ---- caps ----------------------------------------------------------------------------------
+
+
+def test_tenant_max_queued_is_named_in_the_error() -> None:
+    s = make_scheduler({"acme": TenantSpec("paid", max_queued=2)})
+    s.enqueue(make_request("acme"), 0.0)
+    s.enqueue(make_request("acme"), 0.0)
+    refused = make_request("acme")
+    with pytest.raises(QueueFull) as err:
+        s.enqueue(refused, 0.0)
+    assert err.value.cap == "tenant 'acme' max_queued=2"
+    assert str(err.value) == f"{MSG_QUEUE_FULL}: tenant 'acme' max_queued=2"
+    assert refused.state is QueueState.NEW
+    assert s.counters.admitted == 2
+    s.next_batch(1.0)
+    s.enqueue(refused, 1.0)  # room again once the queue drained
+
+
+def test_tenant_max_queued_bytes() -> None:
+    s = make_scheduler({"acme": TenantSpec("paid", max_queued_bytes=100)})
+    s.enqueue(make_request("acme", nbytes=60), 0.0)
+    with pytest.raises(QueueFull, match="tenant 'acme' max_queued_bytes=100"):
+        s.enqueue(make_request("acme", nbytes=41), 0.0)
+    s.enqueue(make_request("acme", nbytes=40), 0.0)
+
+
+def test_global_caps_are_shared_by_every_endpoint() -> None:
+    caps = GlobalCaps(max_queued=3, max_queued_bytes=1000)
+    s1 = make_scheduler({"a": "paid"}, caps=caps)
+    s2 = make_scheduler({"a": "paid"}, caps=caps)
+    s1.enqueue(make_request("a", nbytes=100), 0.0)
+    s1.enqueue(make_request("a", nbytes=100), 0.0)
+    s2.enqueue(make_request("a", nbytes=100), 0.0)
+    with pytest.raises(QueueFull, match="global max_queued=3"):
+        s2.enqueue(make_request("a"), 0.0)
+    assert (caps.queued, caps.queued_bytes) == (3, 300)
+    assert len(s1.next_batch(1.0)) == 2
+    assert (caps.queued, caps.queued_bytes) == (1, 100)
+    with pytest.raises(QueueFull, match="global max_queued_bytes=1000"):
+        s2.enqueue(make_request("a", nbytes=901), 1.0)
+    s2.enqueue(make_request("a", nbytes=900), 1.0)
+
+
+def test_global_cap_message_names_the_byte_cap_from_config() -> None:
+    cfg = parse_config({"tiers": ["paid"], "tenants": {"acme": {"tier": "paid"}}})
+    caps = GlobalCaps.from_config(cfg.queues)
+    policy = EndpointPolicy.from_config(
+        cfg.endpoint("m"), model_max_batch_size=8, tiers=cfg.tiers, tier_guard=cfg.tier_guard
+    )
+    s = Scheduler(policy, cfg.tenants, caps)
+    with pytest.raises(QueueFull) as err:
+        s.enqueue(make_request("acme", nbytes=(1 << 30) + 1), 0.0)
+    assert err.value.cap == "global max_queued_bytes=1073741824"
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def test_unknown_tenant_is_an_error() -> None:
+    s = make_scheduler({"a": "paid"})
+    with pytest.raises(Internal, match="unknown tenant 'mallory'"):
+        s.enqueue(make_request("mallory"), 0.0)
+    with pytest.raises(Internal):
+        s.backlog_ahead("mallory", 1, 1, 1)
+
+
+def test_a_request_is_enqueued_once_and_must_be_well_formed() -> None:
+    s = make_scheduler({"a": "paid"})
+    r = make_request("a")
+    s.enqueue(r, 0.0)
+    with pytest.raises(ValueError, match="enqueue it once"):
+        s.enqueue(r, 0.0)
+    for bad in (make_request("a", rows=0), make_request("a", priority=0)):
+        with pytest.raises(ValueError, match="bad request"):
+            s.enqueue(bad, 0.0)
+    assert s.counters.admitted == 1
+
+
+def test_tenant_terms_change_only_when_its_queue_is_empty() -> None:
+    directory = {"a": TenantSpec("paid"), "p": TenantSpec("paid"), "t": TenantSpec("trial")}
+    s = Scheduler(
+        EndpointPolicy(CostUnit.REQUESTS, 32, None, 1.0, ("paid", "trial")),
+        directory,
+        GlobalCaps(),
+    )
+    s.enqueue(make_request("t", tag="t0"), 0.0)
+    s.enqueue(make_request("a", tag="a0"), 0.0)
+    directory["a"] = TenantSpec("trial")  # a config reload moves a down
+    s.enqueue(make_request("a", tag="a1"), 1.0)  # still paid: a has queued work
+    assert drain(s, 2.0) == [["a0", "a1", "t0"]]
+    s.enqueue(make_request("a", tag="a2"), 3.0)
+    s.enqueue(make_request("p", tag="p0"), 3.0)
+    assert drain(s, 4.0) == [["p0", "a2"]]
+
+
+# ---- views ---------------------------------------------------------------------------------
+
+
+def test_backlog_ahead_counts_higher_tiers_own_work_and_a_weighted_share() -> None:
+    s = make_scheduler(
+        {
+            "a": "paid",
+            "b": TenantSpec("paid", weight=2.0),
+            "c": "paid",
+            "t": "trial",
+        }
+    )
+    for _ in range(3):
+        s.enqueue(make_request("a", tokens=10, priority=1), 0.0)
+    for _ in range(2):
+        s.enqueue(make_request("a", tokens=10, priority=3), 0.0)
+    for _ in range(10):
+        s.enqueue(make_request("b", tokens=10), 0.0)
+    for _ in range(5):
+        s.enqueue(make_request("t", tokens=10), 0.0)
+    # a at level 2: its 3 requests at level 1, plus itself: cost 4; b (weight 2 of 3)
+    # gets 4 * 2 / 1 = 8 of its 10 meanwhile.
+    assert s.backlog_ahead("a", 2, 1, 10) == Backlog(rows=3 + 8 + 1, tokens=120)
+    # At level 3 a's 5 queued requests count: 6 * 2 = 12 > b's 10, so all of b.
+    assert s.backlog_ahead("a", 3, 1, 10) == Backlog(rows=5 + 10 + 1, tokens=160)
+    # c is idle: active weight becomes 4; cost 1 * 3 / 1 = 3 of the others' 15.
+    assert s.backlog_ahead("c", 1, 1, 10) == Backlog(rows=3 + 1, tokens=40)
+    # trial waits for all of paid, its own queue, and itself.
+    assert s.backlog_ahead("t", 1, 2, 7) == Backlog(rows=15 + 5 + 2, tokens=150 + 50 + 7)
+
+
+def test_backlog_ahead_in_fifo_mode_is_everything_queued() -> None:
+    s = make_scheduler({"a": "paid", "t": "trial"}, mode="fifo")
+    s.enqueue(make_request("t", rows=2, tokens=3), 0.0)
+    s.enqueue(make_request("a", rows=1, tokens=4), 0.0)
+    assert s.backlog_ahead("a", 1, 1, 1) == Backlog(rows=4, tokens=8)
+
+
+def test_oldest_arrival_follows_what_is_still_queued() -> None:
+    s = make_scheduler({"p": "paid", "t": "trial"}, max_batch_size=1)
+    assert s.oldest_arrival() is None
+    s.enqueue(make_request("t"), 1.0)
+    s.enqueue(make_request("p"), 2.0)
+    s.next_batch(3.0)  # dispatches p
+    assert s.oldest_arrival() == 1.0
+    s.next_batch(3.0)
+    assert s.oldest_arrival() is None
+
+
+def test_tier_depths_and_tenant_depths() -> None:
+    s = make_scheduler({"a": "paid", "b": "paid", "t": "trial"})
+    for tenant in "aabt":
+        s.enqueue(make_request(tenant), 0.0)
+    assert s.depths() == {"a": 2, "b": 1, "t": 1}
+    assert s.depth("a") == 2 and s.depth("nobody") == 0
+    assert s.tier_depths() == {"paid": 3, "trial": 1}
+
+
+# ---- cost models and policy ------------------------------------------------------------------
+
+
+def test_cost_is_fixed_at_enqueue_and_a_bad_factor_counts_as_one() -> None:
+    factor = [2.0]
+    model = NormalizedCost(TokenCost(), lambda: factor[0])
+    assert model.cost(1, 10) == 20.0
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        factor[0] = bad
+        assert model.cost(1, 10) == 10.0
+    assert TokenCost().cost(3, 0) == 1.0
+    assert RequestCost().cost(3, 999) == 3.0
+    s = Scheduler(
+        EndpointPolicy(CostUnit.TOKENS, 8, None, 100.0, ("paid",)),
+        {"a": TenantSpec("paid")},
+        GlobalCaps(),
+        cost_model=NormalizedCost(TokenCost(), lambda: factor[0]),
+    )
+    factor[0] = 3.0
+    r = make_request("a", tokens=5)
+    s.enqueue(r, 0.0)
+    factor[0] = 7.0
+    assert r.cost == 15.0
+
+
+def test_policy_from_config() -> None:
+    tokens = EndpointPolicy.from_config(
+        Endpoint(cost=CostUnit.TOKENS, max_batch_tokens=512),
+        model_max_batch_size=16,
+        tiers=["paid", "trial"],
+        tier_guard=TierGuard(min_share={"trial": 0.1}),
+    )
+    assert (tokens.max_batch_size, tokens.max_batch_tokens, tokens.quantum) == (16, 512, 512.0)
+    assert tokens.tier_min_share == {"trial": 0.1}
+    unbatched = EndpointPolicy.from_config(
+        Endpoint(max_batch_size=0), model_max_batch_size=16, tiers=["paid"]
+    )
+    assert (unbatched.max_batch_size, unbatched.quantum) == (0, 1.0)
+    with pytest.raises(ValueError, match="unknown tier"):
+        EndpointPolicy(CostUnit.REQUESTS, 8, None, 1.0, ("paid",), {"gold": 0.1})
