@@ -219,16 +219,74 @@ class MemoryStorage:
 
 # ---- redis:// ----------------------------------------------------------------------------
 
-# KEYS[i]: a hash per limit; field = bucket index, value = amount counted in that bucket.
+# KEYS[i]: a hash per limit. Fields: one per bucket (index -> amount counted in it), and
+# 't' = the sum of the buckets, 'o' = no bucket is older than this, 'n' = the newest bucket.
+# The running sum keeps a check O(1): buckets are read only when one has left the window
+# (about once per bucket width and key) and to compute retry_after on a rejection.
 # ARGV[1] = now (µs); then per key 4 values: limit, bucket width (µs), span (K), cost.
 # Returns {1} when counted, {0, i, wait_us} when limit i binds (wait_us = -1: never fits).
 # Same algorithm and tie-breaks as MemoryStorage.acquire_now; see ratelimit.py.
 _ACQUIRE_LUA = """
+local function prune(key, oldest, span, current)
+  -- Drop the buckets older than `oldest`. Returns the sum, the lower bound, the newest
+  -- bucket left and the amount in bucket `current` (nil, nil, nil, 0 for an empty key).
+  local meta = redis.call('HMGET', key, 't', 'o', 'n', string.format('%d', current))
+  local total, low, newest = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
+  local here = tonumber(meta[4]) or 0
+  if not total then return 0, nil, nil, 0 end
+  if low >= oldest then return total, low, newest, here end
+  if newest < oldest then
+    redis.call('DEL', key)
+    return 0, nil, nil, 0
+  end
+  local gone, stale = 0, {}
+  if oldest - low <= 2 * span + 2 then
+    local fields = {}
+    for b = low, oldest - 1 do fields[#fields + 1] = string.format('%d', b) end
+    local values = redis.call('HMGET', key, unpack(fields))
+    for j = 1, #fields do
+      if values[j] then
+        gone = gone + tonumber(values[j])
+        stale[#stale + 1] = fields[j]
+      end
+    end
+  else  -- a clock that jumped: scan the hash instead of the index range
+    local flat = redis.call('HGETALL', key)
+    for j = 1, #flat, 2 do
+      local b = tonumber(flat[j])
+      if b and b < oldest then
+        gone = gone + tonumber(flat[j + 1])
+        stale[#stale + 1] = flat[j]
+      end
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  total = total - gone
+  redis.call('HSET', key, 't', total, 'o', oldest)
+  return total, oldest, newest, here
+end
+
+local function release_wait(key, need, width, span, now)
+  -- Oldest buckets first until they hold `need`: the request fits once that one has left.
+  local flat = redis.call('HGETALL', key)
+  local live = {}
+  for j = 1, #flat, 2 do
+    local b = tonumber(flat[j])
+    if b then live[#live + 1] = {b, tonumber(flat[j + 1])} end
+  end
+  table.sort(live, function(x, y) return x[1] < y[1] end)
+  local freed = 0
+  for _, e in ipairs(live) do
+    freed = freed + e[2]
+    if freed >= need then return (e[1] + span + 1) * width - now end
+  end
+  return redis.error_reply('rate limit: window holds less than it counts')
+end
+
 local now = tonumber(ARGV[1])
-local n = #KEYS
-local target = {}
+local state = {}
 local worst, worst_wait = 0, 0
-for i = 1, n do
+for i = 1, #KEYS do
   local a = 1 + (i - 1) * 4
   local limit = tonumber(ARGV[a + 1])
   local width = tonumber(ARGV[a + 2])
@@ -237,47 +295,34 @@ for i = 1, n do
   local current = math.floor(now / width)
   if current * width > now then current = current - 1
   elseif (current + 1) * width <= now then current = current + 1 end
-  local oldest = current - span
-  local flat = redis.call('HGETALL', KEYS[i])
-  local total, newest = 0, current
-  local live, stale = {}, {}
-  for j = 1, #flat, 2 do
-    local b = tonumber(flat[j])
-    if b < oldest then
-      stale[#stale + 1] = flat[j]
-    else
-      local c = tonumber(flat[j + 1])
-      total = total + c
-      live[#live + 1] = {b, c}
-      if b > newest then newest = b end
-    end
-  end
-  if #stale > 0 then redis.call('HDEL', KEYS[i], unpack(stale)) end
-  target[i] = newest
+  local total, low, newest, here = prune(KEYS[i], current - span, span, current)
+  state[i] = {total, low, newest, here, current}
   if cost > limit then
     if worst == 0 or worst_wait >= 0 then worst, worst_wait = i, -1 end
   elseif total + cost > limit and (worst == 0 or worst_wait >= 0) then
-    table.sort(live, function(x, y) return x[1] < y[1] end)
-    local need, freed, wait = total + cost - limit, 0, 0
-    for _, e in ipairs(live) do
-      freed = freed + e[2]
-      if freed >= need then
-        wait = (e[1] + span + 1) * width - now
-        break
-      end
-    end
+    local wait = release_wait(KEYS[i], total + cost - limit, width, span, now)
     if worst == 0 or wait > worst_wait then worst, worst_wait = i, wait end
   end
 end
 if worst > 0 then return {0, worst - 1, worst_wait} end
-for i = 1, n do
+for i = 1, #KEYS do
   local a = 1 + (i - 1) * 4
   local cost = tonumber(ARGV[a + 4])
   if cost > 0 then
-    local width = tonumber(ARGV[a + 2])
-    local span = tonumber(ARGV[a + 3])
-    redis.call('HINCRBY', KEYS[i], string.format('%d', target[i]), cost)
-    redis.call('PEXPIRE', KEYS[i], math.ceil((span + 1) * width / 1000) + 1000)
+    local key, width, span = KEYS[i], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local total, low, newest, here, current = unpack(state[i])
+    if newest and newest > current then
+      -- A clock that stepped back counts into the newest bucket: later, never earlier.
+      redis.call('HINCRBY', key, string.format('%d', newest), cost)
+      redis.call('HSET', key, 't', total + cost)
+    else
+      local bucket = string.format('%d', current)
+      redis.call('HSET', key, bucket, here + cost, 't', total + cost, 'o', low or bucket,
+                 'n', bucket)
+      if newest ~= current then  -- a new bucket: the key must outlive it by a window
+        redis.call('PEXPIRE', key, math.ceil((span + 1) * width / 1000) + 1000)
+      end
+    end
   end
 end
 return {1}

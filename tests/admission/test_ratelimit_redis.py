@@ -114,6 +114,33 @@ async def test_script_is_loaded_again_after_a_flush(redis_url: str) -> None:
         await rl.close()
 
 
+async def test_running_sum_survives_far_jumps(redis_url: str) -> None:
+    """The script's O(1) path keeps a running sum; stale buckets far back are still dropped."""
+    storage = RedisStorage(redis_url, timeout_s=5.0)
+    rl = RateLimiter(storage, on_storage_error="fail_closed")
+    rpm = item("requests", "minute", 3)
+    name = storage.key_name("jump:e", rpm)
+    width_us = 60_000_000 // DEFAULT_BUCKETS
+    now_bucket = round(T0 * 1e6) // width_us
+    try:
+        # A bound 'o' far older than the index range the script walks: it must scan.
+        await storage._client.hset(
+            name,
+            mapping={"t": 3, "o": 0, "n": now_bucket, "0": 2, str(now_bucket): 1},
+        )
+        assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
+        assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
+        assert not (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
+        assert await storage._client.hget(name, "0") is None
+        # Idle for a day: everything left the window, the key starts afresh.
+        for _ in range(3):
+            assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
+        assert not (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
+        assert int(await storage._client.hget(name, "t")) == 3
+    finally:
+        await rl.close()
+
+
 # ---- Redis down, hung, back ----------------------------------------------------------------
 
 
