@@ -168,7 +168,6 @@ class RateLimiter:
         self.backoff_s = backoff_s
         self.storage_errors = 0
         self._failed_at: float | None = None  # caller's clock at the last failure
-        self._last_error = ""
         self._probing = False
 
     @classmethod
@@ -217,7 +216,6 @@ class RateLimiter:
                     self.backoff_s,
                 )
             self._failed_at = now
-            self._last_error = str(err)
             return self._degraded(now)
         finally:
             if probe:
@@ -240,9 +238,9 @@ class RateLimiter:
             return DEGRADED
         assert self._failed_at is not None
         retry = max(0.0, self._failed_at + self.backoff_s - now) or None
+        # The detail (host, port, error) goes to the log, not to clients.
         raise Unavailable(
-            f"rate-limit storage unavailable ({self._last_error}); "
-            "requests are refused until it answers",
+            "rate-limit storage unavailable: requests are refused until it answers again",
             retry_after=retry,
         )
 

@@ -8,15 +8,19 @@ buckets are kept and how one check stays atomic:
   so a check-and-count runs without interleaving on the event loop (and under a lock, so
   threads are safe too). One replica only: each process counts on its own.
 - ``RedisStorage``: one Lua script per check, ONE round trip, atomic on the Redis server.
-  All the keys of one check share the hash tag ``{<key>}``, so they map to one Redis
-  Cluster slot. Keys expire once idle for a window plus a bucket (garbage collection only:
-  the script itself ignores buckets that have left the window).
+  One hash per (key, limit) holds the buckets and their running sum, so a check costs O(1)
+  Redis work (buckets are read only when one leaves the window, and to compute
+  ``retry_after`` on a rejection). All the keys of one check share the hash tag
+  ``{<key>}``, so they map to one Redis Cluster slot. Keys expire once idle for a window
+  plus a bucket (garbage collection only: the script itself drops buckets that have left
+  the window).
 
 Storage answers one question: "do these costs fit every one of these limits at ``now``? If
 so, count them". Time always comes from the caller (integer microseconds), never from the
 storage, so tests drive both storages on one fake clock. Replicas sharing Redis must keep
-their clocks synchronised (NTP): the guarantee holds on the timestamps the replicas pass;
-a skew of ``d`` between replicas can let a window of real time ``T - d`` hold ``N``.
+their clocks synchronised (NTP): the guarantee holds on the timestamps the replicas pass,
+so with a skew of ``d`` between replicas it holds for every window of real time ``T - d``
+(a window of real time ``T`` may hold what the limit admits in a further ``d``).
 """
 
 from __future__ import annotations
@@ -422,11 +426,9 @@ class RedisStorage:
         try:
             reply = await _within(self.timeout_s, self._eval(keys, args))
         except TimeoutError:
-            raise StorageError(
-                f"rate-limit storage timed out after {self.timeout_s * 1000:g} ms"
-            ) from None
+            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
         except (RedisError, OSError) as err:
-            raise StorageError(f"rate-limit storage failed: {type(err).__name__}: {err}") from err
+            raise StorageError(f"{type(err).__name__}: {err}") from err
         if reply[0] == 1:
             return None
         wait = int(reply[2])
@@ -444,9 +446,9 @@ class RedisStorage:
         try:
             await _within(self.timeout_s, self._client.ping())
         except TimeoutError:
-            raise StorageError("rate-limit storage timed out") from None
+            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
         except (RedisError, OSError) as err:
-            raise StorageError(f"rate-limit storage failed: {type(err).__name__}") from err
+            raise StorageError(f"{type(err).__name__}: {err}") from err
 
     async def close(self) -> None:
         await self._client.aclose()

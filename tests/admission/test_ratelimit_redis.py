@@ -167,6 +167,7 @@ async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str
             else:
                 assert isinstance(d, Unavailable) and d.http_status == 503
                 assert "rate-limit storage unavailable" in d.message
+                assert "127.0.0.1" not in d.message  # no internal address in a 503
                 assert d.retry_after is not None and 0 < d.retry_after <= BACKOFF_S
             assert rl.storage_errors == n
 
