@@ -58,6 +58,8 @@ class BatchReport:
     tokens: int
     items: int
     tenants: dict[str, int]  # rows per tenant
+    tenant_tokens: dict[str, int]
+    tenant_cost: dict[str, float]
     started: float
     finished: float
     ok: bool
@@ -206,18 +208,7 @@ class EndpointRuntime:
             self._fail(pendings, Internal(f"internal error: {type(err).__name__}"))
         finally:
             self.inflight -= 1
-            self.on_batch(
-                BatchReport(
-                    model=self.model,
-                    rows=sum(p.item.rows for p in pendings),
-                    tokens=sum(qr.tokens for qr in batch),
-                    items=len(pendings),
-                    tenants=_rows_by_tenant(pendings),
-                    started=started,
-                    finished=time.monotonic(),
-                    ok=ok,
-                )
-            )
+            self.on_batch(_report(self.model, batch, started, time.monotonic(), ok))
             self.kick()
 
     async def _send(self, pendings: list[Pending]) -> bool:
@@ -284,11 +275,28 @@ class EndpointRuntime:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def _rows_by_tenant(pendings: list[Pending]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for p in pendings:
-        out[p.item.tenant] = out.get(p.item.tenant, 0) + p.item.rows
-    return out
+def _report(
+    model: str, batch: list[QueuedRequest], started: float, finished: float, ok: bool
+) -> BatchReport:
+    rows: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    cost: dict[str, float] = {}
+    for qr in batch:
+        rows[qr.tenant] = rows.get(qr.tenant, 0) + qr.rows
+        tokens[qr.tenant] = tokens.get(qr.tenant, 0) + qr.tokens
+        cost[qr.tenant] = cost.get(qr.tenant, 0.0) + qr.cost
+    return BatchReport(
+        model=model,
+        rows=sum(rows.values()),
+        tokens=sum(tokens.values()),
+        items=len(batch),
+        tenants=rows,
+        tenant_tokens=tokens,
+        tenant_cost=cost,
+        started=started,
+        finished=finished,
+        ok=ok,
+    )
 
 
 def _retrieve(fut: asyncio.Future[list[Tensor]]) -> None:

@@ -1,0 +1,201 @@
+"""Shared pieces of the benchmarks: the real stack, perf_analyzer, results.
+
+Everything here runs real processes on free loopback ports: an embedded Triton, the
+frontend as its own process (``fair-frontend serve``), perf_analyzer 2.46. Results go
+to ``benchmarks/results/<name>.json``; figures people would rather see go next to them
+as PNG plots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+EXAMPLE_CONFIG = ROOT / "examples" / "config.yaml"
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    progress(f"results written to {path.relative_to(ROOT)}")
+    return path
+
+
+@contextlib.contextmanager
+def triton(repo: Path | None = None, **kwargs: Any) -> Iterator[EmbeddedTriton]:
+    server = EmbeddedTriton(repo or default_model_repository(), **kwargs)
+    progress(f"starting Triton on {server.grpc_url}")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class FrontendProcess:
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float = 60) -> None:
+    """Poll a readiness URL until 200; fail early if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before becoming ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+def write_config(data: dict[str, Any], directory: Path) -> Path:
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def load_example_config() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    return data
+
+
+@contextlib.contextmanager
+def frontend(config: dict[str, Any] | Path, triton_url: str) -> Iterator[FrontendProcess]:
+    """``fair-frontend serve`` as its own process, as a user runs it."""
+    tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
+    path = config if isinstance(config, Path) else write_config(config, tmp)
+    ports = [free_port() for _ in range(3)]
+    log_path = tmp / "frontend.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fair_frontend.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--triton-url",
+        triton_url,
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(ports[0]),
+        "--grpc-port",
+        str(ports[1]),
+        "--metrics-port",
+        str(ports[2]),
+        "--log-level",
+        "WARNING",
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ready(f"http://127.0.0.1:{ports[0]}/v2/health/ready", proc)
+        yield FrontendProcess(ports[0], ports[1], ports[2], proc, log_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def perf_analyzer_binary() -> str:
+    exe = ROOT / ".venv" / "bin" / "perf_analyzer"
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("perf_analyzer")
+    if found is None:
+        raise RuntimeError("perf_analyzer not found: run `make setup`")
+    return found
+
+
+def perf_analyzer(
+    model: str,
+    url: str,
+    *,
+    protocol: str = "grpc",
+    concurrency: int = 1,
+    shapes: Sequence[str] = (),
+    headers: Sequence[str] = (),
+    interval_ms: int = 5000,
+    extra: Sequence[str] = (),
+    timeout_s: float = 300,
+) -> dict[str, float]:
+    """Run perf_analyzer once; returns throughput (infer/s) and latencies (ms)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.csv"
+        cmd = [
+            perf_analyzer_binary(),
+            "-m",
+            model,
+            "-u",
+            url,
+            "-i",
+            protocol,
+            "--concurrency-range",
+            f"{concurrency}:{concurrency}",
+            "--measurement-interval",
+            str(interval_ms),
+            "-f",
+            str(report),
+        ]
+        for s in shapes:
+            cmd += ["--shape", s]
+        for h in headers:
+            cmd += ["-H", h]
+        cmd += list(extra)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{tail}")
+        with report.open() as f:
+            row = next(csv.DictReader(f))
+    us = 1e-3
+    return {
+        "throughput": float(row["Inferences/Second"]),
+        "p50_ms": float(row["p50 latency"]) * us,
+        "p90_ms": float(row["p90 latency"]) * us,
+        "p99_ms": float(row["p99 latency"]) * us,
+        "avg_ms": float(row["Avg latency"]) * us,
+    }

@@ -1,0 +1,180 @@
+"""The frontend's own Prometheus metrics, on the metrics port.
+
+Every family uses one registry per frontend (several frontends can live in one process,
+as in tests). Labels come from ``Outcome`` and the config, never from client input,
+except the tenant, which is authenticated first.
+
+Cardinality guard: the first ``observability.max_metric_tenants`` tenants seen get their
+own ``tenant`` label; later ones are counted under ``tenant="other"``. Configured
+tenants are few in most deployments; a platform with many thousands of tenants keeps
+per-tenant detail for the busiest first-comers and still has exact totals per tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fair_frontend.config import Config
+from fair_frontend.dispatch import BatchReport
+from fair_frontend.outcomes import Outcome
+
+OTHER_TENANT = "other"
+UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity was known
+
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+
+class TenantLabels:
+    """Which label does this tenant get? (the cardinality guard)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None:
+            return UNAUTHENTICATED
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit:
+            self._known.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+
+class FrontendMetrics:
+    """Counts what happened to every request and batch (the service's ``Observer``)."""
+
+    def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.config = config
+        self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
+        r = self.registry
+        self.requests = Counter(
+            "fair_requests",
+            "Requests by how they ended (one outcome per request).",
+            ["tenant", "tier", "endpoint", "outcome"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "fair_queue_wait_seconds",
+            "Time from admission to dispatch in a batch.",
+            ["tenant", "tier", "endpoint"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.served_rows = Counter(
+            "fair_served_rows", "Batch rows served.", ["tenant", "endpoint"], registry=r
+        )
+        self.served_tokens = Counter(
+            "fair_served_tokens", "Tokens served.", ["tenant", "endpoint"], registry=r
+        )
+        self.served_cost = Counter(
+            "fair_served_cost",
+            "DRR cost served, in the endpoint's cost unit.",
+            ["tenant", "endpoint"],
+            registry=r,
+        )
+        self.batches = Counter(
+            "fair_batches", "Batches sent to Triton.", ["endpoint", "result"], registry=r
+        )
+        self.batch_seconds = Histogram(
+            "fair_batch_seconds",
+            "Triton round trip of one batch.",
+            ["endpoint"],
+            buckets=_BATCH_SECONDS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "fair_batch_rows",
+            "Rows per batch.",
+            ["endpoint"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.rate_limit_hits = Counter(
+            "fair_rate_limit_hits",
+            "Requests refused by a rate limit, by the limit that refused them.",
+            ["tenant", "endpoint", "limit"],
+            registry=r,
+        )
+        self.rate_limit_storage_errors = Counter(
+            "fair_rate_limit_storage_errors",
+            "Rate-limit checks whose storage failed (admitted in fail_open mode).",
+            ["mode"],
+            registry=r,
+        )
+        self.throttle = Counter(
+            "fair_throttle_decisions",
+            "Throttle decisions.",
+            ["endpoint", "decision"],
+            registry=r,
+        )
+        self.predicted_wait = Histogram(
+            "fair_predicted_wait_seconds",
+            "The throttle's predicted queue wait at admission.",
+            ["endpoint"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+
+    def tier_of(self, tenant: str | None) -> str:
+        if tenant is None or tenant not in self.config.tenants:
+            return UNAUTHENTICATED
+        return self.config.tenants[tenant].tier
+
+    # ---- Observer -------------------------------------------------------------------------
+
+    def request_finished(
+        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
+    ) -> None:
+        label = self.tenant_label(tenant)
+        tier = self.tier_of(tenant)
+        self.requests.labels(label, tier, model, outcome.value).inc()
+        if queued_s is not None:
+            self.queue_wait.labels(label, tier, model).observe(queued_s)
+
+    def batch_finished(self, report: BatchReport) -> None:
+        self.batches.labels(report.model, "ok" if report.ok else "error").inc()
+        self.batch_seconds.labels(report.model).observe(report.seconds)
+        self.batch_rows.labels(report.model).observe(report.rows)
+        if not report.ok:
+            return
+        for tenant, rows in report.tenants.items():
+            label = self.tenant_label(tenant)
+            self.served_rows.labels(label, report.model).inc(rows)
+        for tenant, tokens in report.tenant_tokens.items():
+            self.served_tokens.labels(self.tenant_label(tenant), report.model).inc(tokens)
+        for tenant, cost in report.tenant_cost.items():
+            self.served_cost.labels(self.tenant_label(tenant), report.model).inc(cost)
+
+
+class StateCollector(Collector):
+    """Gauges read from live scheduler state at scrape time (depths, deficits)."""
+
+    def __init__(self, sample: Callable[[], Iterable[tuple[str, dict[str, str], float]]]) -> None:
+        self.sample = sample
+
+    def collect(self) -> Iterable[Any]:
+        families: dict[str, GaugeMetricFamily] = {}
+        docs = {
+            "fair_queue_depth": "Requests queued, by endpoint, tier and tenant.",
+            "fair_queue_rows": "Rows queued, by endpoint and tier.",
+            "fair_drr_deficit": "DRR deficit of tenants in the active list.",
+            "fair_inflight_batches": "Batches in Triton now, by endpoint.",
+            "fair_backend_available": "1 while Triton is reachable.",
+            "fair_service_rate": "Learned service rate (units per second) by endpoint.",
+        }
+        for name, labels, value in self.sample():
+            fam = families.get(name)
+            if fam is None:
+                fam = GaugeMetricFamily(name, docs.get(name, name), labels=list(labels))
+                families[name] = fam
+            fam.add_metric(list(labels.values()), value)
+        yield from families.values()
