@@ -1,0 +1,141 @@
+"""The ``generate`` model: greedy decoding of ``MAX_TOKENS`` new tokens (request-cost endpoint).
+
+Inputs ``INPUT_IDS`` INT32 ``[B, W]``, optional ``MAX_TOKENS`` INT32 ``[B, 1]`` (default 16,
+1..256), optional ``INPUT_LENGTHS`` INT32 ``[B, 1]``. Outputs ``OUTPUT_IDS`` INT32
+``[B, T]``: the generated tokens only (no prompt, no EOS), ``T`` the request's largest
+``MAX_TOKENS``, each row right-padded with 0 after its own count; ``OUTPUT_LENGTHS`` INT32
+``[B, 1]`` (each row's count) only when ``INPUT_LENGTHS`` was sent, so a direct client that
+sends only ``INPUT_IDS`` gets exactly ``OUTPUT_IDS`` even when it names no outputs (Triton
+accepts a declared output being absent from the response). ``ROW_META`` on explicit request.
+
+Greedy decoding is deterministic per row: a row's first ``n`` tokens do not depend on how
+many steps the batch runs or on its neighbours (``nets.CausalDecoder`` masks everything
+right of each row's position), so rows with different ``MAX_TOKENS`` share one decode loop
+of ``max(MAX_TOKENS)`` steps and each keeps its own prefix.
+Accounting: one row and ``length + MAX_TOKENS`` tokens per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from python_backend import nets
+from python_backend.rows import (
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    ROW_META,
+    RequestData,
+    RequestError,
+    RowMeta,
+    Rows,
+    decode_rows,
+    pack,
+    row_meta_tensor,
+    row_metadata,
+    wants_row_meta,
+)
+from python_backend.settings import ModelSettings
+
+MAX_TOKENS = "MAX_TOKENS"
+OUTPUT_IDS = "OUTPUT_IDS"
+OUTPUT_LENGTHS = "OUTPUT_LENGTHS"
+INPUTS = (INPUT_IDS, MAX_TOKENS, INPUT_LENGTHS)
+OUTPUTS = frozenset({OUTPUT_IDS, OUTPUT_LENGTHS, ROW_META})
+DEFAULT_MAX_TOKENS = 16
+MAX_MAX_TOKENS = 256
+MAX_PROMPT_TOKENS = nets.MAX_POSITIONS - MAX_MAX_TOKENS  # prompt + new tokens fit positions
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request, decoded: rows, tokens to generate per row, owners, echo flag."""
+
+    rows: Rows
+    max_tokens: np.ndarray  # [B] int64 in [1, MAX_MAX_TOKENS]
+    meta: list[RowMeta]
+    echo_meta: bool
+
+    def usage(self) -> list[tuple[str, int]]:
+        """``(tenant, tokens)`` per row: real prompt tokens plus generated tokens."""
+        rows = zip(self.meta, self.rows.lengths, self.max_tokens, strict=True)
+        return [(m.tenant, int(n + t)) for m, n, t in rows]
+
+
+def decode_max_tokens(inputs: Mapping[str, np.ndarray], count: int) -> np.ndarray:
+    """Tokens to generate per row: ``MAX_TOKENS`` (one per row) or the default, in range."""
+    raw = inputs.get(MAX_TOKENS)
+    if raw is None:
+        return np.full(count, DEFAULT_MAX_TOKENS, dtype=np.int64)
+    if raw.size != count:
+        raise RequestError(f"input '{MAX_TOKENS}' has {raw.size} values for {count} rows")
+    values = raw.reshape(count).astype(np.int64)
+    bad = np.flatnonzero((values < 1) | (values > MAX_MAX_TOKENS))
+    if bad.size:
+        i = int(bad[0])
+        raise RequestError(
+            f"input '{MAX_TOKENS}' must be between 1 and {MAX_MAX_TOKENS}, got {values[i]} "
+            f"(row {i})"
+        )
+    return values
+
+
+class GenerateModel:
+    """The decoder behind Triton's ``generate``; one instance per Triton model instance."""
+
+    def __init__(self, settings: ModelSettings | None = None) -> None:
+        self.settings = settings or ModelSettings()
+        torch.set_num_threads(self.settings.torch_threads)
+        self.device = torch.device(self.settings.device)
+        seed = nets.GENERATE_SEED if self.settings.seed is None else self.settings.seed
+        self.net = nets.build_decoder(seed).to(self.device)
+
+    @classmethod
+    def from_triton_args(cls, args: Mapping[str, str]) -> GenerateModel:
+        """Built from ``initialize``'s ``args`` (config parameters, instance device)."""
+        return cls(ModelSettings.from_triton_args(args))
+
+    def decode(self, data: RequestData) -> GenerateRequest:
+        """Validate one request; raise ``RequestError`` naming what is wrong."""
+        rows = decode_rows(data.inputs, vocab=self.net.vocab, max_row_tokens=MAX_PROMPT_TOKENS)
+        max_tokens = decode_max_tokens(data.inputs, rows.count)
+        meta = row_metadata(data.parameters, rows.count, data.request_id)
+        echo = wants_row_meta(data.requested_outputs, OUTPUTS)
+        return GenerateRequest(rows, max_tokens, meta, echo)
+
+    def run(self, requests: Sequence[GenerateRequest]) -> list[dict[str, np.ndarray]]:
+        """Outputs per request, in order, from one decode loop over all their rows."""
+        packed = pack([r.rows for r in requests])
+        steps = max(int(r.max_tokens.max()) for r in requests)
+        tokens = self.greedy(packed.ids, packed.lengths, steps)
+        results = []
+        for request, rows in zip(requests, packed.slices, strict=True):
+            counts = request.max_tokens
+            out = tokens[rows, : int(counts.max())].astype(np.int32)
+            out[np.arange(out.shape[1]) >= counts[:, None]] = 0
+            outputs = {OUTPUT_IDS: out}
+            if request.rows.lengths_sent:
+                outputs[OUTPUT_LENGTHS] = counts.astype(np.int32).reshape(-1, 1)
+            if request.echo_meta:
+                outputs[ROW_META] = row_meta_tensor(request.meta)
+            results.append(outputs)
+        return results
+
+    def greedy(self, ids: np.ndarray, lengths: np.ndarray, steps: int) -> np.ndarray:
+        """``[N, steps]`` int64: argmax tokens after each row's ``lengths[i]`` prompt tokens."""
+        out = np.empty((ids.shape[0], steps), dtype=np.int64)
+        with torch.inference_mode():
+            pos = torch.from_numpy(lengths).to(self.device).clone()  # advanced in place
+            logits, cache = self.net.prefill(
+                torch.from_numpy(ids).to(self.device), pos, width=ids.shape[1] + steps
+            )
+            for step in range(steps):
+                token = logits.argmax(dim=-1)  # ties: the lowest id, deterministically
+                out[:, step] = token.cpu().numpy()
+                if step + 1 < steps:
+                    logits = self.net.step(token, pos, cache)
+                    pos += 1
+        return out
