@@ -1,0 +1,184 @@
+"""The embedded Triton launcher: lifecycle, failure reports, and where Triton comes from.
+
+These start their own servers on tiny model repositories (a numpy-only echo model starts
+in about a second, where the real models import torch), so the failure paths are cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from fair_frontend.embedded import (
+    STUB_NAME,
+    EmbeddedTriton,
+    TritonStartError,
+    default_model_repository,
+    find_tritonserver,
+    is_wheel_tritonserver,
+    process_group_members,
+)
+
+ECHO_CONFIG = """
+backend: "python"
+max_batch_size: 4
+input [ { name: "X", data_type: TYPE_INT32, dims: [ -1 ] } ]
+output [ { name: "Y", data_type: TYPE_INT32, dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+
+ECHO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        {init}
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+
+def add_model(repo: Path, name: str, init: str = "pass") -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(ECHO_CONFIG)
+    (repo / name / "1" / "model.py").write_text(ECHO_MODEL.format(init=init))
+
+
+def stub_pids(pgid: int) -> list[int]:
+    pids = []
+    for pid in process_group_members(pgid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == STUB_NAME[:15]:
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie (an exited orphan may wait for a reaper that never comes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_start_serve_restart_stop_leaves_no_process(tmp_path: Path) -> None:
+    add_model(tmp_path, "echo")
+    server = EmbeddedTriton(tmp_path)
+    with server:
+        assert server.is_running()
+        pid = server.pid
+        assert pid is not None
+        stubs = stub_pids(pid)
+        assert stubs, "the Python backend stub runs in Triton's process group"
+        ports = (server.http_port, server.grpc_port, server.metrics_port)
+        client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+        x = httpclient.InferInput("X", [1, 3], "INT32")
+        x.set_data_from_numpy(np.array([[1, 2, 3]], np.int32))
+        assert client.infer("echo", [x]).as_numpy("Y").tolist() == [[1, 2, 3]]
+        client.close()  # else Triton waits (EXIT_TIMEOUT_S) for its keep-alive connection
+
+        server.restart()
+        assert (server.http_port, server.grpc_port, server.metrics_port) == ports
+        assert server.pid != pid and not process_group_members(pid)
+        client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+        assert client.infer("echo", [x]).as_numpy("Y").tolist() == [[1, 2, 3]]
+        client.close()
+        pid = server.pid
+        assert pid is not None
+        stubs = stub_pids(pid)
+    assert not server.is_running() and server.pid is None
+    assert not process_group_members(pid)
+    assert not any(alive(s) for s in stubs)
+    assert "Started GRPCInferenceService at 127.0.0.1:" in server.log_path.read_text()
+    server.stop()  # idempotent
+
+
+def test_a_model_failing_to_load_is_named_with_the_log_tail(tmp_path: Path) -> None:
+    add_model(tmp_path, "fine")
+    add_model(tmp_path, "broken", init='raise RuntimeError("weights are missing")')
+    server = EmbeddedTriton(tmp_path)
+    with pytest.raises(TritonStartError) as info:
+        server.start()
+    err = info.value
+    assert set(err.failed_models) == {"broken"}
+    assert "weights are missing" in err.failed_models["broken"]
+    message = str(err)
+    assert "'broken'" in message and "weights are missing" in message
+    assert err.log_tail and err.log_tail in message
+    assert "last 40 lines" in message
+    assert not server.is_running()
+
+
+def test_gpu_configs_are_selected_by_model_config_name() -> None:
+    # No GPU here: Triton rejects both KIND_GPU configs, which shows it read configs/gpu.pbtxt.
+    server = EmbeddedTriton(default_model_repository(), model_config_name="gpu")
+    with pytest.raises(TritonStartError) as info:
+        server.start()
+    assert set(info.value.failed_models) == {"embed", "generate"}
+    assert all("KIND_GPU" in reason for reason in info.value.failed_models.values())
+
+
+def test_start_times_out_and_kills_a_server_that_never_gets_ready(tmp_path: Path) -> None:
+    add_model(tmp_path, "slow", init="import time; time.sleep(60)")
+    server = EmbeddedTriton(tmp_path, startup_timeout_s=3.0)
+    with pytest.raises(TritonStartError, match="not ready after 3 s"):
+        server.start()
+    assert not server.is_running()
+
+
+def _executable(path: Path) -> Path:
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_find_tritonserver_prefers_one_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _executable(tmp_path / "tritonserver")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert find_tritonserver() == fake
+    assert not is_wheel_tritonserver(fake)
+
+
+def test_find_tritonserver_falls_back_to_the_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    found = find_tritonserver()
+    assert found.parts[-4:] == ("pytriton", "tritonserver", "bin", "tritonserver")
+    assert is_wheel_tritonserver(found)
+
+
+def test_default_model_repository_holds_both_models() -> None:
+    repo = default_model_repository()
+    assert (repo / "embed" / "config.pbtxt").is_file()
+    assert (repo / "generate" / "config.pbtxt").is_file()
+
+
+def test_a_taken_port_is_a_start_error_even_for_metrics(tmp_path: Path) -> None:
+    # Triton exits when its HTTP or gRPC port is taken, but would run on without metrics.
+    add_model(tmp_path, "echo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EmbeddedTriton(tmp_path, metrics_port=taken.getsockname()[1])
+        with pytest.raises(TritonStartError, match="Metrics") as info:
+            server.start()
+    assert info.value.address_in_use
+    assert not server.is_running()
