@@ -79,10 +79,10 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
     if first.outputs:
         outputs = list(first.outputs)
         asked = {o.name for o in outputs}
-        for name, spec in endpoint.padding.outputs.items():
-            if name in asked and spec.lengths_output not in asked:
-                outputs.append(RequestedOutput(spec.lengths_output))
-                stripped.add(spec.lengths_output)
+        for name, pout in endpoint.padding.outputs.items():
+            if name in asked and pout.lengths_output not in asked:
+                outputs.append(RequestedOutput(pout.lengths_output))
+                stripped.add(pout.lengths_output)
     else:
         sent = {t.name for t in first.inputs}
         for spec in endpoint.padding.inputs.values():

@@ -386,14 +386,14 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
     levels = data.get("priority_levels", DEFAULT_PRIORITY_LEVELS)
     levels = levels if isinstance(levels, int) else DEFAULT_PRIORITY_LEVELS
     seen_keys: dict[str, str] = {}
-    for tname, tenant in mapping(data.get("tenants")).items():
+    for tname, raw_tenant in mapping(data.get("tenants")).items():
         where = f"tenants.{tname}"
-        tenant = mapping(tenant)
+        tenant = mapping(raw_tenant)
         if not _NAME_RE.match(str(tname)):
             problems.append(f"{where}: {tname!r} is not a valid tenant name")
-        tier = tenant.get("tier")
-        if isinstance(tier, str) and tier not in tiers:
-            problems.append(f"{where}.tier: unknown tier {tier!r} (tiers: {tier_list})")
+        tenant_tier = tenant.get("tier")
+        if isinstance(tenant_tier, str) and tenant_tier not in tiers:
+            problems.append(f"{where}.tier: unknown tier {tenant_tier!r} (tiers: {tier_list})")
         level = tenant.get("default_priority")
         if isinstance(level, int) and level > levels:
             problems.append(f"{where}.default_priority: {level} exceeds priority_levels ({levels})")
@@ -413,8 +413,8 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
                 problems.append(
                     f"{where}.api_keys[{i}]: the same key is given to tenant {seen_keys[ident]!r}"
                 )
-    for ename, ep in mapping(data.get("endpoints")).items():
-        ep = mapping(ep)
+    for ename, raw_ep in mapping(data.get("endpoints")).items():
+        ep = mapping(raw_ep)
         level = ep.get("default_priority")
         if isinstance(level, int) and level > levels:
             problems.append(

@@ -103,6 +103,7 @@ class EndpointRuntime:
     on_batch: Callable[[BatchReport], None] = lambda report: None
     on_expired: Callable[[QueuedRequest], None] = lambda qr: None
     inflight: int = 0
+    batches_sent: int = 0
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     _timer_at: float | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
@@ -154,6 +155,7 @@ class EndpointRuntime:
             if not batch:
                 break
             self.inflight += 1
+            self.batches_sent += 1
             task = self.loop.create_task(self._run(batch, now))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -169,7 +171,7 @@ class EndpointRuntime:
         oldest = self.scheduler.oldest_arrival()
         if oldest is None or oldest + delay <= now:
             return None
-        limit = self.info.max_batch_size or 1
+        limit = self.scheduler.policy.max_batch_size or 1
         if self.scheduler.queued_rows >= limit:
             return None
         return oldest + delay

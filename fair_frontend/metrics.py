@@ -155,6 +155,13 @@ class FrontendMetrics:
             self.served_cost.labels(self.tenant_label(tenant), report.model).inc(cost)
 
 
+    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
+        self.rate_limit_hits.labels(self.tenant_label(tenant), model, limit).inc()
+
+    def rate_limit_degraded(self, *, mode: str) -> None:
+        self.rate_limit_storage_errors.labels(mode).inc()
+
+
 class StateCollector(Collector):
     """Gauges read from live scheduler state at scrape time (depths, deficits)."""
 
@@ -162,19 +169,22 @@ class StateCollector(Collector):
         self.sample = sample
 
     def collect(self) -> Iterable[Any]:
-        families: dict[str, GaugeMetricFamily] = {}
         docs = {
-            "fair_queue_depth": "Requests queued, by endpoint, tier and tenant.",
-            "fair_queue_rows": "Rows queued, by endpoint and tier.",
+            "fair_queue_depth": "Requests queued, by endpoint and tier.",
             "fair_drr_deficit": "DRR deficit of tenants in the active list.",
             "fair_inflight_batches": "Batches in Triton now, by endpoint.",
             "fair_backend_available": "1 while Triton is reachable.",
-            "fair_service_rate": "Learned service rate (units per second) by endpoint.",
         }
+        # Sum samples that share labels (tenants folded into "other" by the guard).
+        values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for name, labels, value in self.sample():
+            key = (name, tuple(labels.items()))
+            values[key] = values.get(key, 0.0) + value
+        families: dict[str, GaugeMetricFamily] = {}
+        for (name, pairs), value in values.items():
             fam = families.get(name)
             if fam is None:
-                fam = GaugeMetricFamily(name, docs.get(name, name), labels=list(labels))
+                fam = GaugeMetricFamily(name, docs.get(name, name), labels=[p[0] for p in pairs])
                 families[name] = fam
-            fam.add_metric(list(labels.values()), value)
+            fam.add_metric([p[1] for p in pairs], value)
         yield from families.values()

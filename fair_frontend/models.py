@@ -162,11 +162,11 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
     if endpoint.max_tokens_input is not None:
-        t = req.input(endpoint.max_tokens_input)
-        if t is not None and t.data.size:
-            if (t.data < 0).any():
-                raise InvalidArgument(f"input '{t.name}' must not be negative")
-            tokens += int(t.data.sum())
+        wanted = req.input(endpoint.max_tokens_input)
+        if wanted is not None and wanted.data.size:
+            if (wanted.data < 0).any():
+                raise InvalidArgument(f"input '{wanted.name}' must not be negative")
+            tokens += int(wanted.data.sum())
     if endpoint.cost is CostUnit.TOKENS and lengths is None:
         raise InvalidArgument(
             f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "

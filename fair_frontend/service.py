@@ -15,6 +15,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from fair_frontend.admission import (
+    RateLimiter,
+    RateLimitItem,
+    items_from_limits,
+    limit_key,
+    rate_limited_error,
+)
 from fair_frontend.auth import Authenticator, KeyRing
 from fair_frontend.batching import Item, batch_key
 from fair_frontend.config import Config, Endpoint
@@ -30,14 +37,7 @@ from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo, validate
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse
-from fair_frontend.scheduler import (
-    EndpointPolicy,
-    GlobalCaps,
-    QueuedRequest,
-    Scheduler,
-    TenantDirectory,
-    TenantSpec,
-)
+from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, QueuedRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class Observer(Protocol):
 
     def batch_finished(self, report: BatchReport) -> None: ...
 
+    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None: ...
+
+    def rate_limit_degraded(self, *, mode: str) -> None: ...
+
 
 class NullObserver:
     def request_finished(
@@ -74,36 +78,31 @@ class NullObserver:
     def batch_finished(self, report: BatchReport) -> None:
         pass
 
+    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
+        pass
+
+    def rate_limit_degraded(self, *, mode: str) -> None:
+        pass
+
 
 def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
-    """The scheduler's view of an endpoint: config bounded by what the model accepts."""
-    if not info.batching or info.passthrough:
+    """The scheduler's view of an endpoint: config bounded by what the model accepts.
+
+    Models that do not batch, and those whose requests must keep Triton's own semantics
+    (sequence batching, decoupled), go one request per batch.
+    """
+    configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
+    if not info.batching or info.passthrough or configured == 0:
         max_batch = 0
     else:
-        configured = endpoint.max_batch_size or info.max_batch_size
         max_batch = min(configured, info.max_batch_size)
     return EndpointPolicy(
-        cost_unit=endpoint.cost.value,
+        cost=endpoint.cost,
         max_batch_size=max_batch,
         max_batch_tokens=endpoint.max_batch_tokens,
         quantum=endpoint.effective_quantum(max_batch),
         tiers=tuple(config.tiers),
         tier_min_share=dict(config.tier_guard.min_share),
-    )
-
-
-def tenant_directory(config: Config) -> TenantDirectory:
-    return TenantDirectory(
-        {
-            name: TenantSpec(
-                name=name,
-                tier=t.tier,
-                weight=t.weight,
-                max_queued=t.max_queued,
-                max_queued_bytes=t.max_queued_bytes,
-            )
-            for name, t in config.tenants.items()
-        }
     )
 
 
@@ -148,6 +147,7 @@ class Frontend:
         *,
         keyring: KeyRing | None = None,
         observer: Observer | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.config = config
         self.forwarder = forwarder
@@ -157,10 +157,18 @@ class Frontend:
             set(config.tenants),
             trusted_gateway=config.auth.trusted_gateway,
         )
-        self.observer: Observer = observer or NullObserver()
+        if observer is None:
+            from fair_frontend.metrics import FrontendMetrics, StateCollector
+
+            metrics = FrontendMetrics(config)
+            metrics.registry.register(StateCollector(self.state_samples))
+            self.registry = metrics.registry
+            observer = metrics
+        self.observer: Observer = observer
         self.backend = Backend()
-        self.tenants = tenant_directory(config)
-        self.caps = GlobalCaps(config.queues.max_queued, config.queues.max_queued_bytes)
+        self.caps = GlobalCaps.from_config(config.queues)
+        self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
+        self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
         self.runtimes: dict[str, EndpointRuntime] = {}
         self.accepting = True
 
@@ -177,6 +185,7 @@ class Frontend:
             endpoint = runtime.endpoint
             checked = validate(req, info, endpoint)
             priority = self._priority(req.priority, tenant, req.model)
+            await self._check_rate_limits(tenant, req.model, checked.tokens)
             now = runtime.now()
             deadline = now + req.timeout_us / 1e6 if req.timeout_us else None
             deadline_us = int((time.time() + req.timeout_us / 1e6) * 1e6) if req.timeout_us else 0
@@ -210,6 +219,24 @@ class Frontend:
                 tenant=tenant, model=req.model, outcome=outcome, queued_s=queued_s
             )
 
+    async def _check_rate_limits(self, tenant: str, model: str, tokens: int) -> None:
+        """Count the request against its tenant's limits, or raise the 429 (counting nothing)."""
+        items = self._limit_items.get((tenant, model))
+        if items is None:
+            items = items_from_limits(self.config.limits_for(tenant, model))
+            self._limit_items[(tenant, model)] = items
+        if not items:
+            return
+        decision = await self.limiter.check(
+            limit_key(tenant, model), items, requests=1, tokens=tokens, now=time.time()
+        )
+        if decision.degraded:
+            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+        if not decision.allowed:
+            assert decision.violated is not None
+            self.observer.rate_limit_hit(tenant=tenant, model=model, limit=str(decision.violated))
+            raise rate_limited_error(decision, tenant=tenant, endpoint=model)
+
     def _priority(self, requested: int, tenant: str, model: str) -> int:
         levels = self.config.priority_levels
         if requested > levels:
@@ -225,7 +252,7 @@ class Frontend:
             endpoint = self.config.endpoint(model)
             scheduler = Scheduler(
                 endpoint_policy(self.config, endpoint, info),
-                self.tenants,
+                self.config.tenants,
                 self.caps,
                 mode=self.config.scheduling,
             )
@@ -240,6 +267,22 @@ class Frontend:
             )
             self.runtimes[model] = runtime
         return runtime
+
+    def state_samples(self) -> list[tuple[str, dict[str, str], float]]:
+        """Live gauges for the metrics port: queue depths, deficits, in-flight batches."""
+        out: list[tuple[str, dict[str, str], float]] = [
+            ("fair_backend_available", {}, 1.0 if self.backend.available.is_set() else 0.0)
+        ]
+        label = getattr(self.observer, "tenant_label", None)
+        for model, rt in list(self.runtimes.items()):
+            sched = rt.scheduler
+            out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
+            for tier, depth in sched.tier_depths().items():
+                out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
+            for tenant, deficit in sched.deficits().items():
+                name = label(tenant) if label is not None else tenant
+                out.append(("fair_drr_deficit", {"endpoint": model, "tenant": name}, deficit))
+        return out
 
     # ---- health and metadata ------------------------------------------------------------
 
@@ -274,6 +317,7 @@ class Frontend:
         self.accepting = False
         for runtime in self.runtimes.values():
             await runtime.drain()
+        await self.limiter.close()
 
 
 def _queued_seconds(qr: QueuedRequest) -> float | None:

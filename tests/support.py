@@ -1,0 +1,107 @@
+"""Helpers shared by the tests that run the frontend against a real Triton."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from fair_frontend.config import Config, parse_config
+from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_CONFIG = ROOT / "examples" / "config.yaml"
+TEST_MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
+
+# Test tenants and their keys (plain: these are test fixtures, not secrets).
+KEYS = {
+    "acme": "acme-test-key",
+    "globex": "globex-test-key",
+    "initech": "initech-test-key",
+    "umbrella": "umbrella-test-key",
+    "hooli": "hooli-test-key",
+}
+TIERS = {
+    "acme": "enterprise",
+    "globex": "enterprise",
+    "initech": "standard",
+    "umbrella": "trial",
+    "hooli": "standard",
+}
+
+
+def config_dict(**overrides: Any) -> dict[str, Any]:
+    """The example config's endpoints and tiers, test tenants, no rate limits."""
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    data.pop("tier_limits", None)
+    data["tenants"] = {name: {"tier": TIERS[name], "api_keys": [key]} for name, key in KEYS.items()}
+    data.update(overrides)
+    return data
+
+
+def make_config(**overrides: Any) -> Config:
+    return parse_config(config_dict(**overrides))
+
+
+def ids_input(mod: Any, ids: np.ndarray, *, binary: bool = True, name: str = "INPUT_IDS") -> Any:
+    """An INT32 token-id input for tritonclient's grpc, grpc.aio or http module."""
+    inp = mod.InferInput(name, list(ids.shape), "INT32")
+    if mod.__name__.endswith("http"):
+        inp.set_data_from_numpy(ids, binary_data=binary)
+    else:
+        inp.set_data_from_numpy(ids)
+    return inp
+
+
+@dataclass
+class RunningFrontend:
+    """A frontend on its own event loop in a thread, in front of a real Triton."""
+
+    server: FrontendServer
+    background: BackgroundServer
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.server.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+
+    @property
+    def frontend(self) -> Any:
+        return self.server.frontend
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        """Run a coroutine on the frontend's loop (to read its state safely)."""
+        return self.background.call(coro, timeout)
+
+    async def batch_count(self, model: str) -> int:
+        runtime = self.frontend.runtimes.get(model)
+        return 0 if runtime is None else runtime.batches_sent
+
+    async def counters(self, model: str) -> Any:
+        return self.frontend.runtimes[model].scheduler.counters
+
+
+@contextlib.contextmanager
+def running_frontend(config: Config, triton_url: str) -> Iterator[RunningFrontend]:
+    server = FrontendServer(config, triton_url, Listen())
+    background = BackgroundServer(server)
+    with background:
+        yield RunningFrontend(server, background)
+
+
+async def gather_settled(*aws: Any) -> list[Any]:
+    """asyncio.gather that returns exceptions as values."""
+    return list(await asyncio.gather(*aws, return_exceptions=True))

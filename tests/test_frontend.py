@@ -1,0 +1,201 @@
+"""The frontend in front of a real Triton: same answers, identity, errors, metadata.
+
+Every test talks to the frontend through the real clients (tritonclient HTTP and gRPC)
+and compares with what the same request gets from Triton directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.support import KEYS, RunningFrontend, ids_input
+
+RNG = np.random.default_rng(7)
+
+
+def _direct(triton, protocol: str):  # type: ignore[no-untyped-def]
+    if protocol == "grpc":
+        return grpcclient.InferenceServerClient(triton.grpc_url)
+    return httpclient.InferenceServerClient(triton.http_url.removeprefix("http://"))
+
+
+def _front(frontend: RunningFrontend, protocol: str):  # type: ignore[no-untyped-def]
+    if protocol == "grpc":
+        return grpcclient.InferenceServerClient(frontend.grpc_url)
+    return httpclient.InferenceServerClient(frontend.http_url)
+
+
+CASES = [
+    ("grpc", True),
+    ("http", True),  # tritonclient's default: binary tensors
+    ("http", False),  # JSON tensors
+]
+
+
+@pytest.mark.parametrize(("protocol", "binary"), CASES)
+@pytest.mark.parametrize(("model", "output"), [("embed", "EMBEDDING"), ("generate", "OUTPUT_IDS")])
+def test_same_answer_as_triton(triton, frontend, protocol, binary, model, output) -> None:  # type: ignore[no-untyped-def]
+    mod = grpcclient if protocol == "grpc" else httpclient
+    for length in (1, 7, 64):
+        ids = RNG.integers(0, 4000, size=(1, length), dtype=np.int32)
+        inputs = [ids_input(mod, ids, binary=binary)]
+        outputs = None
+        if protocol == "http":
+            outputs = [httpclient.InferRequestedOutput(output, binary_data=binary)]
+        direct = _direct(triton, protocol).infer(model, inputs, outputs=outputs)
+        through = _front(frontend, protocol).infer(
+            model, inputs, outputs=outputs, headers={"authorization": f"Bearer {KEYS['acme']}"}
+        )
+        assert through.as_numpy(output).dtype == direct.as_numpy(output).dtype
+        assert np.array_equal(through.as_numpy(output), direct.as_numpy(output))
+        if protocol == "grpc" and output == "OUTPUT_IDS":
+            # No frontend-internal output (OUTPUT_LENGTHS) leaks into the answer.
+            names = [o.name for o in through.get_response().outputs]
+            assert names == [o.name for o in direct.get_response().outputs]
+
+
+async def test_concurrent_requests_are_batched_and_answered_right(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    """Ragged requests of two tenants share padded batches; each gets its own answer."""
+    lengths = [int(n) for n in RNG.integers(1, 96, size=24)]
+    batches = [RNG.integers(0, 4000, size=(1, n), dtype=np.int32) for n in lengths]
+    direct = grpcaio.InferenceServerClient(triton.grpc_url)
+    front = grpcaio.InferenceServerClient(frontend.grpc_url)
+    try:
+        expected = await asyncio.gather(
+            *(direct.infer("embed", [ids_input(grpcaio, ids)]) for ids in batches)
+        )
+        tenants = ["acme", "initech"]
+        got = await asyncio.gather(
+            *(
+                front.infer(
+                    "embed",
+                    [ids_input(grpcaio, ids)],
+                    headers={"x-api-key": KEYS[tenants[i % 2]]},
+                )
+                for i, ids in enumerate(batches)
+            )
+        )
+    finally:
+        await direct.close()
+        await front.close()
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_allclose(
+            g.as_numpy("EMBEDDING"), e.as_numpy("EMBEDDING"), rtol=1e-4, atol=1e-5
+        )
+    batches_sent = frontend.call(frontend.batch_count("embed"))
+    assert batches_sent < len(batches), "concurrent requests should have shared batches"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}])
+def test_missing_or_unknown_key(frontend, protocol, headers) -> None:  # type: ignore[no-untyped-def]
+    mod = grpcclient if protocol == "grpc" else httpclient
+    ids = np.arange(4, dtype=np.int32).reshape(1, 4)
+    with pytest.raises(InferenceServerException) as info:
+        _front(frontend, protocol).infer("embed", [ids_input(mod, ids)], headers=headers)
+    expected = "StatusCode.UNAUTHENTICATED" if protocol == "grpc" else "401"
+    assert info.value.status() == expected
+    assert "wrong" not in info.value.message()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_unknown_model(frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+    mod = grpcclient if protocol == "grpc" else httpclient
+    ids = np.arange(4, dtype=np.int32).reshape(1, 4)
+    with pytest.raises(InferenceServerException) as info:
+        _front(frontend, protocol).infer(
+            "no_such_model", [ids_input(mod, ids)], headers={"x-api-key": KEYS["acme"]}
+        )
+    expected = "StatusCode.INVALID_ARGUMENT" if protocol == "grpc" else "400"
+    assert info.value.status() == expected
+    assert info.value.message() == "Request for unknown model: 'no_such_model' is not found"
+
+
+def _x(mod, values: list[int]):  # type: ignore[no-untyped-def]
+    arr = np.array([values], dtype=np.int32)
+    inp = mod.InferInput("X", list(arr.shape), "INT32")
+    inp.set_data_from_numpy(arr)
+    return inp
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_model_error_reaches_client_and_frontend_keeps_serving(triton, frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+    mod = grpcclient if protocol == "grpc" else httpclient
+    headers = {"x-api-key": KEYS["acme"]}
+    with pytest.raises(InferenceServerException) as direct:
+        _direct(triton, protocol).infer("raiser", [_x(mod, [1, 13])])
+    with pytest.raises(InferenceServerException) as through:
+        _front(frontend, protocol).infer("raiser", [_x(mod, [1, 13])], headers=headers)
+    assert through.value.status() == direct.value.status()
+    assert "refusing the value 13" in through.value.message()
+    ok = _front(frontend, protocol).infer("raiser", [_x(mod, [1, 2])], headers=headers)
+    assert ok.as_numpy("Y").tolist() == [[1, 2]]
+
+
+async def test_a_failing_row_does_not_fail_its_batch_neighbours(frontend) -> None:  # type: ignore[no-untyped-def]
+    client = grpcaio.InferenceServerClient(frontend.grpc_url)
+    values = [[i, i + 1] for i in range(20)]
+    values[5] = [13, 13]
+    try:
+        results = await asyncio.gather(
+            *(
+                client.infer("raiser", [_x(grpcaio, v)], headers={"x-api-key": KEYS["initech"]})
+                for v in values
+            ),
+            return_exceptions=True,
+        )
+    finally:
+        await client.close()
+    for v, r in zip(values, results, strict=True):
+        if 13 in v:
+            assert isinstance(r, InferenceServerException)
+        else:
+            assert not isinstance(r, Exception), r
+            assert r.as_numpy("Y").tolist() == [v]
+
+
+def test_tenant_priority_and_deadline_reach_the_model(frontend) -> None:  # type: ignore[no-untyped-def]
+    ids = np.arange(5, dtype=np.int32).reshape(1, 5)
+    client = grpcclient.InferenceServerClient(frontend.grpc_url)
+    result = client.infer(
+        "embed",
+        [ids_input(grpcclient, ids)],
+        outputs=[grpcclient.InferRequestedOutput("ROW_META")],
+        headers={"x-api-key": KEYS["globex"]},
+        priority=2,
+        timeout=30_000_000,
+        request_id="meta-1",
+    )
+    meta = json.loads(result.as_numpy("ROW_META")[0][0])
+    assert meta["tenant"] == "globex"
+    assert meta["priority"] == 2
+    assert meta["id"] == "meta-1"
+    assert meta["deadline_us"] > 0
+    assert [o.name for o in result.get_response().outputs] == ["ROW_META"]
+
+
+def test_health_and_metadata(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    for client in (_front(frontend, "grpc"), _front(frontend, "http")):
+        assert client.is_server_live()
+        assert client.is_server_ready()
+        assert client.is_model_ready("embed")
+        assert not client.is_model_ready("no_such_model")
+    direct = _direct(triton, "http").get_model_config("generate")
+    through = _front(frontend, "http").get_model_config("generate")
+    assert through == direct
+    direct_md = _direct(triton, "grpc").get_model_metadata("embed")
+    through_md = _front(frontend, "grpc").get_model_metadata("embed")
+    assert through_md == direct_md
+    assert _front(frontend, "http").get_model_metadata("embed") == _direct(
+        triton, "http"
+    ).get_model_metadata("embed")
+    meta = _front(frontend, "http").get_server_metadata()
+    assert "binary_tensor_data" in meta["extensions"]
