@@ -24,7 +24,11 @@ _COMPACT_SLACK = 64
 
 
 class Load:
-    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact."""
+    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact.
+
+    Updated only by ``TenantQueue.add``/``remove``, for a tenant, a priority level of
+    it, and its tier at once.
+    """
 
     __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
 
@@ -34,23 +38,6 @@ class Load:
         self.tokens = 0
         self.nbytes = 0
         self.cost = 0.0
-
-    def add(self, req: QueuedRequest) -> None:
-        self.requests += 1
-        self.rows += req.rows
-        self.tokens += req.tokens
-        self.nbytes += req.nbytes
-        self.cost += req.cost
-
-    def remove(self, req: QueuedRequest) -> None:
-        self.requests -= 1
-        self.rows -= req.rows
-        self.tokens -= req.tokens
-        self.nbytes -= req.nbytes
-        if self.requests:
-            self.cost -= req.cost
-        else:
-            self.cost = 0.0  # no float residue once empty
 
 
 class TenantQueue(Load):
@@ -82,17 +69,58 @@ class TenantQueue(Load):
         self.by_priority: dict[int, Load] = {}
 
     def add(self, req: QueuedRequest) -> None:
-        Load.add(self, req)
+        """Count a request in this queue's load, its priority level's and its tier's.
+
+        One call for the three, written out: this runs on every enqueue.
+        """
+        rows = req.rows
+        tokens = req.tokens
+        nbytes = req.nbytes
+        cost = req.cost
+        self.requests += 1
+        self.rows += rows
+        self.tokens += tokens
+        self.nbytes += nbytes
+        self.cost += cost
+        tier = self.tier
+        tier.requests += 1
+        tier.rows += rows
+        tier.tokens += tokens
+        tier.nbytes += nbytes
+        tier.cost += cost
         level = self.by_priority.get(req.priority)
         if level is None:
             level = self.by_priority[req.priority] = Load()
-        level.add(req)
+        level.requests += 1
+        level.rows += rows
+        level.tokens += tokens
+        level.cost += cost
 
     def remove(self, req: QueuedRequest) -> None:
-        Load.remove(self, req)
+        """Uncount a request from the three loads ``add`` counted it in."""
+        rows = req.rows
+        tokens = req.tokens
+        nbytes = req.nbytes
+        cost = req.cost
+        self.requests -= 1
+        self.rows -= rows
+        self.tokens -= tokens
+        self.nbytes -= nbytes
+        # An empty load is reset to exactly 0.0: no float residue survives emptiness.
+        self.cost = self.cost - cost if self.requests else 0.0
+        tier = self.tier
+        tier.requests -= 1
+        tier.rows -= rows
+        tier.tokens -= tokens
+        tier.nbytes -= nbytes
+        tier.cost = tier.cost - cost if tier.requests else 0.0
         level = self.by_priority[req.priority]
-        level.remove(req)
-        if not level.requests:
+        level.requests -= 1
+        if level.requests:
+            level.rows -= rows
+            level.tokens -= tokens
+            level.cost -= cost
+        else:
             del self.by_priority[req.priority]
 
     def push(self, req: QueuedRequest, handle: Handle) -> None:
