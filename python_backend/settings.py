@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# One intra-op thread per model instance. Measured on the 2-core machines (see
-# model_repository/README.md): a second thread speeds a full embed batch up 1.7x but
-# decode steps hardly at all, and the frontend and the other model share the same two
-# cores, so one thread each gives the most work per core without oversubscription.
+# One intra-op thread per model instance. Measured through Triton on the 2-core machines
+# (model_repository/README.md): with 2 threads each, the two stub processes, Triton and the
+# client oversubscribe the cores and batch times turn erratic (a full embed batch 28-154 ms,
+# a full generate batch 177-479 ms, vs 36-41 and 22-34 ms on one thread); the frontend
+# shares the same cores too.
 DEFAULT_TORCH_THREADS = 1
 DEFAULT_MAX_METRIC_TENANTS = 1000
 
