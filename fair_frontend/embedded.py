@@ -223,12 +223,14 @@ def _stop_all() -> None:
 class EmbeddedTriton:
     """One ``tritonserver`` child process serving ``model_repository`` on loopback ports.
 
+    ``model_repository`` may also be a sequence of directories: Triton serves the models of
+    all of them (one ``--model-repository`` each; a model name must be unique across them).
     Usable as a context manager (``with EmbeddedTriton(repo) as triton: ...``).
     """
 
     def __init__(
         self,
-        model_repository: str | os.PathLike[str],
+        model_repository: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         http_port: int | None = None,
         grpc_port: int | None = None,
@@ -238,7 +240,12 @@ class EmbeddedTriton:
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 120.0,
     ) -> None:
-        self.model_repository = Path(model_repository).resolve()
+        if isinstance(model_repository, (str, os.PathLike)):
+            model_repository = [model_repository]
+        self.model_repositories = tuple(Path(r).resolve() for r in model_repository)
+        if not self.model_repositories:
+            raise ValueError("at least one model repository is needed")
+        self.model_repository = self.model_repositories[0]
         self._ports: dict[str, int | None] = {
             "http": http_port,
             "grpc": grpc_port,
@@ -321,9 +328,9 @@ class EmbeddedTriton:
         raise AssertionError("unreachable")
 
     def _command(self, binary: Path, backend_dir: Path | None) -> list[str]:
-        cmd = [
-            str(binary),
-            f"--model-repository={self.model_repository}",
+        cmd = [str(binary)]
+        cmd += [f"--model-repository={repo}" for repo in self.model_repositories]
+        cmd += [
             f"--http-address={LOOPBACK}",
             f"--http-port={self.http_port}",
             f"--grpc-address={LOOPBACK}",

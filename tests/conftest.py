@@ -1,24 +1,32 @@
 """Shared fixtures: one real Triton for the whole test session.
 
 ``triton`` starts ``tritonserver`` (the nvidia-pytriton wheel's, or one on ``PATH``) on
-``model_repository/`` with free loopback ports, waits for readiness, and stops it (no
-process left behind) when the session ends. Tests use ``triton.grpc_url``,
-``triton.http_url`` and ``triton.metrics_url``; it is shared, so a test that reads
-Triton's counters must look at differences, and label its own traffic (a unique tenant).
+free loopback ports, serving ``model_repository/`` (``embed``, ``generate``) and, beside
+it, ``tests/model_repository/`` (test-only models, when present); it waits for readiness
+and stops it (no process left behind) when the session ends. Tests use
+``triton.grpc_url``, ``triton.http_url`` and ``triton.metrics_url``. It is shared: a test
+that reads Triton's counters must look at differences and label its own traffic (a unique
+tenant).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 
+TEST_MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
+
 
 @pytest.fixture(scope="session")
 def triton() -> Iterator[EmbeddedTriton]:
-    server = EmbeddedTriton(default_model_repository())
+    repositories = [default_model_repository()]
+    if TEST_MODEL_REPOSITORY.is_dir():
+        repositories.append(TEST_MODEL_REPOSITORY)
+    server = EmbeddedTriton(repositories)
     server.start()
     try:
         yield server

@@ -77,8 +77,9 @@ def alive(pid: int) -> bool:
 
 
 def test_start_serve_restart_stop_leaves_no_process(tmp_path: Path) -> None:
-    add_model(tmp_path, "echo")
-    server = EmbeddedTriton(tmp_path)
+    add_model(tmp_path / "a", "echo")
+    add_model(tmp_path / "b", "echo_too")  # several repositories, served side by side
+    server = EmbeddedTriton([tmp_path / "a", tmp_path / "b"])
     with server:
         assert server.is_running()
         pid = server.pid
@@ -90,6 +91,7 @@ def test_start_serve_restart_stop_leaves_no_process(tmp_path: Path) -> None:
         x = httpclient.InferInput("X", [1, 3], "INT32")
         x.set_data_from_numpy(np.array([[1, 2, 3]], np.int32))
         assert client.infer("echo", [x]).as_numpy("Y").tolist() == [[1, 2, 3]]
+        assert client.infer("echo_too", [x]).as_numpy("Y").tolist() == [[1, 2, 3]]
         client.close()  # else Triton waits (EXIT_TIMEOUT_S) for its keep-alive connection
 
         server.restart()
