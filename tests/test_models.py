@@ -15,6 +15,7 @@ import sys
 import types
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -642,3 +643,23 @@ def test_torchscript_embed_equals_the_python_backend_model(tmp_path: Path) -> No
     generate = parse_config(out / "generate" / "config.pbtxt")
     assert generate.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert (out / "generate" / "1" / "model.py").is_file()
+
+
+def test_tritons_batcher_mixes_widths_and_each_answer_matches_alone(grpc_direct: Direct) -> None:
+    # allow_ragged_batch lets Triton hand execute() requests of different widths; the model
+    # pads them together. A long request keeps the model busy while short ones queue.
+    widths = [2048] + [5 + 3 * i for i in range(10)]
+    rows = [random_rows([w], seed=100 + i)[0] for i, w in enumerate(widths)]
+    stats = grpc_direct.client.get_inference_statistics("embed").model_stats[0]
+    before = (stats.inference_count, stats.execution_count)
+    with ThreadPoolExecutor(len(widths)) as pool:  # the 2048-token request goes first
+        futures = [pool.submit(grpc_direct.infer, "embed", {"INPUT_IDS": r}) for r in rows]
+        answers = [f.result()["EMBEDDING"] for f in futures]
+    stats = grpc_direct.client.get_inference_statistics("embed").model_stats[0]
+    requests = stats.inference_count - before[0]
+    executions = stats.execution_count - before[1]
+    assert requests == len(widths)
+    assert executions < requests, "the short requests were batched together"
+    for i, row in enumerate(rows):
+        alone = grpc_direct.infer("embed", {"INPUT_IDS": row})["EMBEDDING"]
+        np.testing.assert_allclose(answers[i], alone, rtol=RTOL, atol=ATOL)
