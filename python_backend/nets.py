@@ -28,6 +28,7 @@ Invariants the serving code relies on:
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,8 @@ class Block(nn.Module):
 
 class Trunk(nn.Module):
     """Token embedding + sinusoidal positions + layers + final norm, shared by both nets."""
+
+    positions: Tensor  # buffer [MAX_POSITIONS, d_model]
 
     def __init__(
         self, vocab: int, d_model: int, n_heads: int, n_layers: int, d_ff: int, causal: bool
@@ -171,6 +174,9 @@ class CausalDecoder(nn.Module):
         # Untied head: with tied weights a random model mostly repeats its last token.
         self.head = nn.Linear(d_model, vocab, bias=False)
 
+    def _blocks(self) -> list[Block]:
+        return [cast(Block, layer) for layer in self.trunk.layers]
+
     def prefill(self, ids: Tensor, lengths: Tensor, width: int) -> tuple[Tensor, list[Tensor]]:
         """Next-token logits ``[B, vocab]`` after each prompt, and the cache (``width`` slots).
 
@@ -181,7 +187,7 @@ class CausalDecoder(nn.Module):
         trunk = self.trunk
         x = trunk.tokens(ids) + trunk.positions[:n].unsqueeze(0)
         cache: list[Tensor] = []
-        for layer in trunk.layers:
+        for layer in self._blocks():
             attn = layer.attn
             qkv = attn.qkv(layer.ln1(x)).view(b, n, 3, attn.n_heads, attn.d_head)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
@@ -205,7 +211,7 @@ class CausalDecoder(nn.Module):
         visible = torch.arange(seen, device=tokens.device).unsqueeze(0) <= pos.unsqueeze(1)
         key_mask = torch.zeros(visible.shape, dtype=x.dtype, device=tokens.device)
         key_mask = key_mask.masked_fill(~visible, float("-inf")).unsqueeze(1).unsqueeze(1)
-        for layer, kv in zip(trunk.layers, cache, strict=True):
+        for layer, kv in zip(self._blocks(), cache, strict=True):
             attn = layer.attn
             qkv = attn.qkv(layer.ln1(x)).view(b, 3, attn.n_heads, attn.d_head)
             kv[0, rows, :, pos] = qkv[:, 1]

@@ -59,4 +59,8 @@ class ModelSettings:
                 problems.append(f"{name}={values[name]} must be >= {minimum}")
         if problems:
             raise ValueError("invalid model config parameters: " + "; ".join(problems))
-        return cls(**values)
+        return cls(
+            torch_threads=values.get("torch_threads", DEFAULT_TORCH_THREADS),
+            seed=values.get("seed"),
+            max_metric_tenants=values.get("max_metric_tenants", DEFAULT_MAX_METRIC_TENANTS),
+        )
