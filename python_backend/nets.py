@@ -28,7 +28,7 @@ Invariants the serving code relies on:
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +100,8 @@ class Block(nn.Module):
 class Trunk(nn.Module):
     """Token embedding + sinusoidal positions + layers + final norm, shared by both nets."""
 
-    positions: Tensor  # buffer [MAX_POSITIONS, d_model]
+    if TYPE_CHECKING:  # for mypy only: TorchScript cannot resolve string annotations
+        positions: Tensor  # buffer [MAX_POSITIONS, d_model]
 
     def __init__(
         self, vocab: int, d_model: int, n_heads: int, n_layers: int, d_ff: int, causal: bool
