@@ -5,22 +5,23 @@ the encoder, 2 in the decoder) so that one full batch costs tens of milliseconds
 thread, yet real: a scheduler in front of them sees service times that grow with rows and
 tokens the way a production model's do.
 
-One code path per network, whatever the batch looks like. Each network calls
-``scaled_dot_product_attention`` in exactly one way: the encoder always with an additive
-key mask built from the lengths (all zeros when every row is full), the decoder always with
-``is_causal=True``. The kernel PyTorch picks depends on dtype, device and mask kind, which
-never vary here, so a row alone and the same row padded in a batch go through the same
-arithmetic; only the tensor widths differ, hence at most float rounding. (Written-out
-``softmax(q kᵀ) v`` was measured 2-6x slower on these CPUs and materialises ``L x L``
-scores, 64 MiB per head-row at 2048 tokens; the fused kernel does not.) The modules script
-with ``torch.jit.script`` (see ``export_torchscript``).
+One code path per network, whatever the batch looks like. Each call site of
+``scaled_dot_product_attention`` always passes the same kind of mask: the encoder an
+additive key mask built from the lengths (all zeros when every row is full), the decoder's
+prompt pass ``is_causal=True``, each decode step a key mask built from positions. The kernel
+PyTorch picks depends on dtype, device and mask kind, which never vary here, so a row alone
+and the same row padded in a batch go through the same arithmetic; only tensor widths
+differ, hence at most float rounding. (Written-out ``softmax(q kᵀ) v`` was measured 2-6x
+slower on these CPUs and materialises ``L x L`` scores, 64 MiB per row at 2048 tokens; the
+fused kernel does not.) The encoder scripts with ``torch.jit.script`` (``export_torchscript``).
 
 Invariants the serving code relies on:
 - ``TokenEncoder`` masks keys at positions ``>= length``: a row's embedding does not depend
   on what is in its padding, and no query sees an all-masked row (lengths are ``>= 1``).
 - ``CausalDecoder`` lets position ``p`` attend to positions ``<= p`` only, so anything to
   the right of a row's last real token (padding, scratch) cannot change that row's logits
-  at its last token.
+  at its last token. Its cached ``prefill``/``step`` compute what ``forward`` (no cache,
+  the reference) computes, up to float rounding.
 - Positions are sinusoidal, precomputed up to ``MAX_POSITIONS``; there is no learned
   position table, and callers must keep sequences within ``MAX_POSITIONS``.
 """
@@ -177,6 +178,16 @@ class CausalDecoder(nn.Module):
 
     def _blocks(self) -> list[Block]:
         return [cast(Block, layer) for layer in self.trunk.layers]
+
+    def forward(self, ids: Tensor, last: Tensor) -> Tensor:
+        """The reference, without a cache: logits ``[B, vocab]`` at position ``last[b]``.
+
+        One full causal pass over ``ids`` ``[B, L]``; decoding with it costs a pass per
+        token, which is what ``prefill``/``step`` avoid.
+        """
+        h = self.trunk(ids, torch.empty(0))
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return self.head(h[rows, last])
 
     def prefill(self, ids: Tensor, lengths: Tensor, width: int) -> tuple[Tensor, list[Tensor]]:
         """Next-token logits ``[B, vocab]`` after each prompt, and the cache (``width`` slots).

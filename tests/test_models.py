@@ -663,3 +663,26 @@ def test_tritons_batcher_mixes_widths_and_each_answer_matches_alone(grpc_direct:
     for i, row in enumerate(rows):
         alone = grpc_direct.infer("embed", {"INPUT_IDS": row})["EMBEDDING"]
         np.testing.assert_allclose(answers[i], alone, rtol=RTOL, atol=ATOL)
+
+
+def test_cached_decoding_matches_full_causal_passes() -> None:
+    # The KV cache is an optimisation: each step must give what a full pass over the prompt
+    # plus the tokens so far gives at the row's last position (the reference forward()).
+    net = GenerateModel().net
+    batch, lens = random_rows([6, 1, 13], seed=21)
+    ids = torch.from_numpy(batch.astype(np.int64))
+    pos = torch.from_numpy(lens[:, 0].astype(np.int64))
+    steps = 10
+    buffer = torch.zeros(ids.shape[0], ids.shape[1] + steps, dtype=torch.int64)
+    buffer[:, : ids.shape[1]] = ids
+    rows = torch.arange(ids.shape[0])
+    with torch.inference_mode():
+        logits, cache = net.prefill(ids, pos.clone(), width=buffer.shape[1])
+        for _ in range(steps):
+            reference = net(buffer[:, : int(pos.max())], pos - 1)
+            torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+            token = logits.argmax(dim=-1)
+            assert torch.equal(token, reference.argmax(dim=-1))
+            buffer[rows, pos] = token
+            logits = net.step(token, pos, cache)
+            pos = pos + 1
