@@ -46,8 +46,9 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
 @contextlib.contextmanager
 def triton(repo: Path | None = None, **kwargs: Any) -> Iterator[EmbeddedTriton]:
     server = EmbeddedTriton(repo or default_model_repository(), **kwargs)
-    progress(f"starting Triton on {server.grpc_url}")
+    progress(f"starting Triton on {server.model_repository}")
     server.start()
+    progress(f"Triton ready on {server.grpc_url} (log: {server.log_path})")
     try:
         yield server
     finally:

@@ -35,7 +35,6 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
 DEFAULT_PRIORITY_LEVELS = 10
-DEFAULT_MAX_INFLIGHT_BATCHES = 2
 DEFAULT_LATENCY_TARGET_MS = 5000.0
 DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
@@ -176,11 +175,12 @@ class Endpoint(_Strict):
         gt=0,
         description="The throttle rejects a request whose predicted wait exceeds this.",
     )
-    max_inflight_batches: int = Field(
-        default=DEFAULT_MAX_INFLIGHT_BATCHES,
+    max_inflight_batches: int | None = Field(
+        default=None,
         ge=1,
-        description="Batches in Triton at once for this model. Small, so requests wait in the "
-        "frontend, where fairness is decided, not in Triton's queue.",
+        description="Batches in Triton at once for this model. Unset: one per model instance "
+        "(Triton's instance_group counts), so requests wait in the frontend, where fairness "
+        "is decided, and the next batch is assembled at the moment an instance frees up.",
     )
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for priority 0; unset: the middle level."

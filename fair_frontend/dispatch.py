@@ -6,8 +6,10 @@ the deadline timer, and the bound on batches in flight. Invariants:
 
 * every request enqueued here is answered exactly once: a result, or an error
   (expired, cancelled, Triton's error, unavailable);
-* at most ``max_inflight_batches`` batches of this model are in Triton at once, so
-  requests wait here, where fairness is decided, not in Triton's queue;
+* at most ``max_inflight_batches`` batches of this model are in Triton at once (by
+  default one per model instance), so requests wait here, where fairness is decided,
+  not in Triton's queue, and each batch is assembled at the moment an instance frees
+  up: a request that arrives while Triton is busy can still make the very next batch;
 * work-conserving: whenever a slot is free and anything is queued, a batch goes out
   (unless ``max_queue_delay_ms`` asks to wait for a fuller batch, Triton-style);
 * a batch whose model call fails for one bad row does not fail its neighbours: on a
@@ -114,7 +116,8 @@ class EndpointRuntime:
 
     @property
     def max_inflight(self) -> int:
-        return self.endpoint.max_inflight_batches
+        configured = self.endpoint.max_inflight_batches
+        return configured if configured is not None else self.info.instances
 
     def now(self) -> float:
         return self.loop.time()

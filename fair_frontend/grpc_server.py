@@ -21,6 +21,7 @@ from fair_frontend.service import Frontend
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MAX_PENDING_CALLS = 1 << 20
 
 
 async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> NoReturn:
@@ -91,6 +92,11 @@ def make_server(frontend: Frontend, *, max_message_bytes: int) -> grpc.aio.Serve
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", 2**31 - 1),
+            # gRPC core cancels calls beyond ~1000 not yet picked up by the (single-threaded)
+            # asyncio server: a burst of thousands must queue here, where it is scheduled
+            # fairly, not be cancelled at the door. Queue caps bound it instead.
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ]
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcShell(frontend), server)

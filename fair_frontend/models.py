@@ -46,6 +46,7 @@ class ModelInfo:
     decoupled: bool = False
     sequence_batching: bool = False
     platform: str = ""
+    instances: int = 1  # model instances Triton runs (sum of instance_group counts)
     raw_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -61,6 +62,7 @@ class ModelInfo:
             decoupled=cfg.model_transaction_policy.decoupled,
             sequence_batching=cfg.HasField("sequence_batching"),
             platform=cfg.platform or cfg.backend,
+            instances=max(1, sum(max(1, g.count) for g in cfg.instance_group)),
             raw_config=cfg,
         )
 

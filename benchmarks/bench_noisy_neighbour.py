@@ -1,0 +1,222 @@
+"""The noisy neighbour on the real stack: does tenant A's burst become tenant B's latency?
+
+Tenant A sends a burst of N requests to ``embed``; once most of it is queued, tenant B
+sends 5. B's latencies are compared with B's solo p50 for three targets in one run,
+against one Triton: the frontend in ``fair`` mode, the frontend in ``fifo`` mode (one
+shared queue: the baseline), and Triton directly (its own dynamic batcher, one queue).
+
+A running batch cannot be preempted, so B's floor is its solo latency plus what of A's
+is already running; the target is B's worst latency <= solo p50 + 2 of A's batch times,
+and >= 100x better than Triton directly.
+
+    .venv/bin/python -m benchmarks.bench_noisy_neighbour [--burst 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
+
+MODEL = "embed"
+TOKENS = 128  # A's and B's request size: 32 rows x 128 tokens = one full batch (4096 tokens)
+B_REQUESTS = 5
+KEYS = {"noisy": "noisy-bench-key", "quiet": "quiet-bench-key"}
+
+
+def bench_config(mode: str, burst: int) -> dict[str, Any]:
+    cfg = load_example_config()
+    cfg.pop("tier_limits", None)
+    cfg["scheduling"] = mode
+    cfg["queues"] = {"max_queued": 4 * burst}
+    cfg["tenants"] = {
+        name: {"tier": "standard", "api_keys": [key], "max_queued": 2 * burst}
+        for name, key in KEYS.items()
+    }
+    return cfg
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each metric family's samples for the model (Triton's or the frontend's)."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("model", s.labels.get("endpoint", MODEL)) == MODEL:
+                out[fam.name] = out.get(fam.name, 0.0) + s.value
+    return out
+
+
+def _input(ids: np.ndarray) -> grpcaio.InferInput:
+    inp = grpcaio.InferInput("INPUT_IDS", list(ids.shape), "INT32")
+    inp.set_data_from_numpy(ids)
+    return inp
+
+
+async def _timed(client: grpcaio.InferenceServerClient, ids: np.ndarray, headers: Any) -> float:
+    t0 = time.perf_counter()
+    await client.infer(MODEL, [_input(ids)], headers=headers)
+    return time.perf_counter() - t0
+
+
+async def run_target(
+    name: str,
+    url: str,
+    queue_metric: tuple[str, str],
+    triton_metrics: str,
+    burst: int,
+    keyed: bool,
+) -> dict[str, Any]:
+    """Solo B, then A's burst with B's 5 just after; returns latencies in ms."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 4000, size=(1, TOKENS), dtype=np.int32)
+    head_a = {"x-api-key": KEYS["noisy"]} if keyed else None
+    head_b = {"x-api-key": KEYS["quiet"]} if keyed else None
+    b_client = grpcaio.InferenceServerClient(url)
+    a_clients = [grpcaio.InferenceServerClient(url) for _ in range(8)]
+    try:
+        for _ in range(10):  # warm-up
+            await _timed(b_client, ids, head_b)
+        solo = [await _timed(b_client, ids, head_b) for _ in range(20)]
+        progress(f"{name}: B solo p50 {np.median(solo) * 1e3:.1f} ms; A bursts {burst}")
+
+        metrics_url, family = queue_metric
+        before = scrape(triton_metrics)
+        t_burst = time.perf_counter()
+        a_tasks = [
+            asyncio.ensure_future(_timed(a_clients[i % len(a_clients)], ids, head_a))
+            for i in range(burst)
+        ]
+        # B sends just after A's burst has arrived: when A's requests queued at the server
+        # plus those already answered cover (nearly) all of the burst.
+        while True:
+            done = sum(t.done() for t in a_tasks)
+            if done == burst or scrape(metrics_url).get(family, 0.0) + done >= 0.98 * burst:
+                break
+            await asyncio.sleep(0.01)
+        queued_when_b = scrape(metrics_url).get(family, 0.0)
+        b = await asyncio.gather(*(_timed(b_client, ids, head_b) for _ in range(B_REQUESTS)))
+        progress(f"{name}: B done (max {max(b) * 1e3:.1f} ms); waiting for A's burst")
+        a = await asyncio.gather(*a_tasks)
+        burst_s = time.perf_counter() - t_burst
+        after = scrape(triton_metrics)
+        # Triton's duration counters add up per request: a request's compute time is its
+        # batch's. Per request, that is A's batch time for direct and frontend alike.
+        requests = after["nv_inference_request_success"] - before["nv_inference_request_success"]
+        compute_us = (
+            after["nv_inference_compute_infer_duration_us"]
+            - before["nv_inference_compute_infer_duration_us"]
+        )
+        execs = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
+        return {
+            "b_solo_ms": [x * 1e3 for x in solo],
+            "b_burst_ms": [x * 1e3 for x in b],
+            "a_p50_ms": float(np.median(a) * 1e3),
+            "a_max_ms": float(max(a) * 1e3),
+            "queued_ahead_of_b": queued_when_b,
+            "burst_seconds": burst_s,
+            "a_batch_s": compute_us / max(requests, 1) / 1e6,
+            "batches": execs,
+        }
+    finally:
+        await b_client.close()
+        for c in a_clients:
+            await c.close()
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["targets"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, name in enumerate(names):
+        r = results["targets"][name]
+        ax.scatter([i] * len(r["b_burst_ms"]), r["b_burst_ms"], label=None, color="C3", zorder=3)
+        ax.scatter([i], [np.median(r["b_solo_ms"])], marker="_", s=600, color="C2", zorder=3)
+    ax.axhline(results["target_ms"], color="C0", ls="--", label="target: solo p50 + 2 A batches")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tenant B latency (ms, log)")
+    ax.set_title(
+        f"B's 5 requests behind A's burst of {results['burst']} "
+        f"(green: B solo p50; red: B behind the burst)"
+    )
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    progress(f"plot written to {path}")
+
+
+async def main_async(burst: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"burst": burst, "tokens": TOKENS, "targets": {}}
+    with triton() as tri:
+        for mode in ("fair", "fifo"):
+            with frontend(bench_config(mode, burst), tri.grpc_url) as fe:
+                metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
+                out["targets"][f"frontend {mode}"] = await run_target(
+                    f"frontend-{mode}",
+                    fe.grpc_url,
+                    (metrics, "fair_queue_depth"),
+                    tri.metrics_url,
+                    burst,
+                    keyed=True,
+                )
+        out["targets"]["triton direct"] = await run_target(
+            "triton-direct",
+            tri.grpc_url,
+            (tri.metrics_url, "nv_inference_pending_request_count"),
+            tri.metrics_url,
+            burst,
+            keyed=False,
+        )
+    fair = out["targets"]["frontend fair"]
+    direct = out["targets"]["triton direct"]
+    solo_p50 = float(np.median(fair["b_solo_ms"]))
+    out["a_batch_ms"] = fair["a_batch_s"] * 1e3
+    out["target_ms"] = solo_p50 + 2 * out["a_batch_ms"]
+    out["fair_b_max_ms"] = max(fair["b_burst_ms"])
+    out["direct_over_fair"] = max(direct["b_burst_ms"]) / max(fair["b_burst_ms"])
+    out["meets_target"] = out["fair_b_max_ms"] <= out["target_ms"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--burst", type=int, default=10_000)
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args.burst))
+    print()
+    print(
+        f"A: {results['burst']} requests of {TOKENS} tokens; A's batch time "
+        f"{results['a_batch_ms']:.1f} ms (32 rows)"
+    )
+    print(f"{'target':<16} {'B solo p50':>11} {'B max':>10} {'B p50':>10} {'max/solo':>9}")
+    for name, r in results["targets"].items():
+        solo = float(np.median(r["b_solo_ms"]))
+        print(
+            f"{name:<16} {solo:>9.1f}ms {max(r['b_burst_ms']):>8.1f}ms "
+            f"{float(np.median(r['b_burst_ms'])):>8.1f}ms {max(r['b_burst_ms']) / solo:>8.1f}x"
+        )
+    print(
+        f"fair: B max {results['fair_b_max_ms']:.1f} ms vs target {results['target_ms']:.1f} ms "
+        f"(solo p50 + 2 batches): {'met' if results['meets_target'] else 'MISSED'}"
+    )
+    print(f"Triton direct / fair (B max): {results['direct_over_fair']:.0f}x (target >= 100x)")
+    path = write_result("noisy_neighbour", results)
+    plot(results, str(path.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
