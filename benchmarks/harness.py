@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
