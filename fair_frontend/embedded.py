@@ -42,7 +42,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -171,7 +170,11 @@ def _wheel_library_dir() -> Path | None:
 
 
 def default_model_repository() -> Path:
-    """The project's ``model_repository/`` (next to the package in a source checkout)."""
+    """The project's ``model_repository/`` (next to the package in a source checkout).
+
+    Raises ``FileNotFoundError`` saying to pass ``--model-repository`` when the package is
+    installed without its source tree (a non-editable install has no such directory).
+    """
     repo = Path(__file__).resolve().parent.parent / "model_repository"
     if not repo.is_dir():
         raise FileNotFoundError(
@@ -210,7 +213,8 @@ def _failed_models(log_text: str) -> dict[str, str]:
     return failed
 
 
-_RUNNING: weakref.WeakSet[EmbeddedTriton] = weakref.WeakSet()
+# Strong references: a running server must not be garbage-collected out of reach of atexit.
+_RUNNING: set[EmbeddedTriton] = set()
 
 
 @atexit.register
@@ -293,6 +297,10 @@ class EmbeddedTriton:
 
     @property
     def log_path(self) -> Path:
+        """Triton's stdout and stderr (with the stubs' output), appended across restarts.
+
+        By default in a temporary directory that is kept after ``stop()``, to be read.
+        """
         return self._log_path
 
     @property
