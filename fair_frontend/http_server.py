@@ -64,6 +64,13 @@ def proto_to_json(msg: Any) -> dict[str, Any]:
 _INT64_TYPES = {3, 4, 6, 16, 18}  # FieldDescriptor TYPE_INT64/UINT64/FIXED64/SFIXED64/SINT64
 
 
+def _repeated(fd: Any) -> bool:
+    # protobuf >= 6 has is_repeated; older releases only the (now deprecated) label.
+    if hasattr(fd, "is_repeated"):
+        return bool(fd.is_repeated)
+    return bool(fd.label == fd.LABEL_REPEATED)
+
+
 def _unquote_int64(msg: Any, doc: Any) -> Any:
     if not isinstance(doc, dict):
         return doc
@@ -79,14 +86,14 @@ def _unquote_int64(msg: Any, doc: Any) -> Any:
                         doc[fd.name][str(k)] = _unquote_int64(v, doc[fd.name][str(k)])
                     elif vfd.type in _INT64_TYPES:
                         doc[fd.name][str(k)] = int(v)
-            elif fd.label == fd.LABEL_REPEATED:
+            elif _repeated(fd):
                 doc[fd.name] = [
                     _unquote_int64(v, d) for v, d in zip(value, doc[fd.name], strict=True)
                 ]
             else:
                 doc[fd.name] = _unquote_int64(value, doc[fd.name])
         elif fd.type in _INT64_TYPES:
-            if fd.label == fd.LABEL_REPEATED:
+            if _repeated(fd):
                 doc[fd.name] = [int(v) for v in value]
             else:
                 doc[fd.name] = int(value)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from tests.support import RunningFrontend, make_config, running_frontend
 
 TEST_MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
 
@@ -32,3 +33,14 @@ def triton() -> Iterator[EmbeddedTriton]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def frontend(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+    """The frontend (test tenants, no rate limits) in front of the session's Triton.
+
+    Shared by the whole session: tests label their traffic with their own tenant where
+    they read counters, and must leave no requests queued behind them.
+    """
+    with running_frontend(make_config(), triton.grpc_url) as running:
+        yield running
