@@ -86,6 +86,11 @@ class RunningFrontend:
         """Run a coroutine on the frontend's loop (to read its state safely)."""
         return self.background.call(coro, timeout)
 
+    async def acall(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """``call`` for async tests: awaits without blocking the test's own event loop."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.background.loop)
+        return await asyncio.wrap_future(future)
+
     async def batch_count(self, model: str) -> int:
         runtime = self.frontend.runtimes.get(model)
         return 0 if runtime is None else runtime.batches_sent
