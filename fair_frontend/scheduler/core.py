@@ -106,6 +106,8 @@ class Scheduler:
         Caps are checked in this order: the tenant's ``max_queued`` and
         ``max_queued_bytes`` on this endpoint, then the process-wide ``max_queued`` and
         ``max_queued_bytes``. A refused request is left untouched (state ``NEW``).
+        The tenant directory is consulted when the tenant has nothing queued here; while
+        it has, its terms (tier, weight, caps) stay as they were (see ``TenantQueue``).
         """
         if req.state is not _NEW:
             raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
@@ -115,16 +117,18 @@ class Scheduler:
                 f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
             )
         tenant = req.tenant
-        terms = self._tenants.get(tenant)
-        if terms is None:
-            raise Internal(f"scheduler: unknown tenant {tenant!r}")
         queue = self._queues.get(tenant)
-        if queue is None or (not queue.requests and queue.terms is not terms):
-            queue = self._new_queue(tenant, terms)
+        if queue is None or not queue.requests:
+            # The directory is read when the tenant's queue is empty (TenantQueue).
+            terms = self._tenants.get(tenant)
+            if terms is None:
+                raise Internal(f"scheduler: unknown tenant {tenant!r}")
+            if queue is None or queue.terms is not terms:
+                queue = self._new_queue(tenant, terms)
         nbytes = req.nbytes
-        if queue.requests >= terms.max_queued:
-            raise QueueFull(f"tenant {tenant!r} max_queued={terms.max_queued}")
-        cap = terms.max_queued_bytes
+        if queue.requests >= queue.max_queued:
+            raise QueueFull(f"tenant {tenant!r} max_queued={queue.max_queued}")
+        cap = queue.max_queued_bytes
         if cap is not None and queue.nbytes + nbytes > cap:
             raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
         caps = self._caps

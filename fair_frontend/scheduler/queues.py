@@ -44,13 +44,24 @@ class TenantQueue(Load):
     """One tenant's queued requests on one endpoint, in its ordering policy's order.
 
     Also the tenant's load on the endpoint, in total and per priority level (for the
-    throttle's estimate of the work ahead of a new request). ``tier`` and ``weight`` are a
-    snapshot of the tenant's terms taken when its queue was last empty: a tenant never
-    changes tier or weight while it has queued work, which keeps the tier aggregates and
-    the DRR active weight exact.
+    throttle's estimate of the work ahead of a new request). ``tier``, ``weight`` and the
+    caps are a snapshot of the tenant's terms taken when its queue was last empty (a
+    config reload applies to a tenant once its queue drains): a tenant never changes tier
+    or weight while it has queued work, which keeps the tier aggregates and the DRR
+    active weight exact, and its hot path never reads the directory.
     """
 
-    __slots__ = ("_heap", "_key", "by_priority", "tenant", "terms", "tier", "weight")
+    __slots__ = (
+        "_heap",
+        "_key",
+        "by_priority",
+        "max_queued",
+        "max_queued_bytes",
+        "tenant",
+        "terms",
+        "tier",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -64,6 +75,8 @@ class TenantQueue(Load):
         self.terms = terms
         self.tier = tier
         self.weight = float(terms.weight)
+        self.max_queued = terms.max_queued
+        self.max_queued_bytes = terms.max_queued_bytes
         self._key = key
         self._heap: list[tuple[Any, ...]] = []
         self.by_priority: dict[int, Load] = {}

@@ -456,6 +456,20 @@ def test_tenant_terms_change_only_when_its_queue_is_empty() -> None:
     assert drain(s, 4.0) == [["p0", "a2"]]
 
 
+def test_a_new_cap_applies_once_the_tenants_queue_drains() -> None:
+    directory = {"a": TenantSpec("paid", max_queued=3)}
+    s = Scheduler(
+        EndpointPolicy(CostUnit.REQUESTS, 32, None, 1.0, ("paid",)), directory, GlobalCaps()
+    )
+    s.enqueue(make_request("a"), 0.0)
+    directory["a"] = TenantSpec("paid", max_queued=1)
+    s.enqueue(make_request("a"), 0.0)  # the old cap of 3 holds while a has queued work
+    drain(s)
+    s.enqueue(make_request("a"), 1.0)
+    with pytest.raises(QueueFull, match="tenant 'a' max_queued=1"):
+        s.enqueue(make_request("a"), 1.0)
+
+
 # ---- views ---------------------------------------------------------------------------------
 
 
