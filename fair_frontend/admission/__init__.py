@@ -24,6 +24,11 @@ from fair_frontend.admission.storage import (
     StorageError,
     storage_from_uri,
 )
+from fair_frontend.admission.throttle import (
+    Throttle,
+    ThrottleDecision,
+    overloaded_error,
+)
 
 __all__ = [
     "Decision",
@@ -33,8 +38,11 @@ __all__ = [
     "RedisStorage",
     "Storage",
     "StorageError",
+    "Throttle",
+    "ThrottleDecision",
     "items_from_limits",
     "limit_key",
+    "overloaded_error",
     "rate_limited_error",
     "storage_from_uri",
 ]

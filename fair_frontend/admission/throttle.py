@@ -1,0 +1,202 @@
+"""The real-time throttle: reject early when the queue ahead cannot be served in time.
+
+Can this request be served within its target? The target is the endpoint's
+``latency_target_ms``, tightened by the request's own remaining deadline. The scheduler
+says how much work will be served before the request, the request included
+(``Scheduler.backlog_ahead``: an overestimate of DRR's share by construction); the
+service model (``fair_frontend.feedback``) says how long batches take.
+
+The predicted wait
+------------------
+With one model instance, batches run one after another, so the request is answered when
+the batches in flight and then the backlog (as batches) have run. The backlog needs
+
+    n = max(ceil(rows / max_batch_size), ceil(tokens / max_batch_tokens))
+
+batches, and with the batch-time model ``fixed + per_row * rows + per_token * tokens`` the
+way the backlog is split into those n batches does not matter (the model is linear):
+
+    wait = (inflight + n) * fixed + per_row * (inflight + n) * max_batch_size
+           + per_token * (max(tokens, n * T) + inflight * T)
+
+where T is the tokens of a full batch of the typical rows lately (tokens per row times
+``max_batch_size``, at most ``max_batch_tokens``). Every batch counts as *full*: under
+overload the batches in flight are full, and the backlog's last batch, which holds the
+request, is filled up by later arrivals before it is sent (the frontend assembles a batch
+when a slot frees, not when a request arrives). Counting only the backlog's own rows
+measurably lets through requests that then wait up to a batch too long (about 1 in 5 at
+the target, in the overload test); counting the batches in flight at the typical size
+does so while the typical size is still growing at the start of a burst. Conservative
+further: the batches in flight count as not started, ``n`` is rounded up, and the backlog
+is the scheduler's estimate of DRR's share. ``safety`` (default 1.0) multiplies the wait,
+for deployments that want a margin. Why not backlog / throughput: the throughput of the
+last seconds was measured at the last seconds' batch sizes; under a burst batches fill up
+and the fixed cost is amortised over more rows, which the batch-time model sees and a
+plain rate does not.
+
+Never rejects a short queue: a backlog that fits in ``short_queue_batches`` (2) batches is
+admitted whatever the prediction, so a slow model, a tight target or a wrong estimate can
+never turn away a request that would be next in line. With no service data at all
+(``ServiceModel.has_data`` false) nothing is rejected.
+
+``retry_after``: the queue ahead drains one second of predicted work per second, so the
+wait fits again after ``wait - target`` seconds if nothing arrives ahead meanwhile; at
+least ``min_retry_after_s`` (0.1 s). A 503 rounds it up to whole seconds (``Retry-After``).
+
+Monotone in the backlog: more rows or tokens never lower ``n`` or the wait (all terms are
+>= 0), and the short-queue rule only admits small backlogs; so a rejected backlog stays
+rejected when it grows (a property test checks it).
+
+Limits of the promise: work that arrives *after* an admission and is served before it
+(a higher tier, a new tenant taking its DRR share) is not predictable at admission; such a
+request can still miss its target. Without Triton's queue (the frontend keeps at most
+``max_inflight_batches`` there) nothing else waits ahead of the frontend's batches, except
+traffic that bypasses the frontend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fair_frontend.config import DEFAULT_LATENCY_TARGET_MS, Endpoint
+from fair_frontend.errors import Overloaded
+from fair_frontend.feedback import ServiceModel
+from fair_frontend.scheduler import Backlog
+
+DEFAULT_SHORT_QUEUE_BATCHES = 2
+DEFAULT_MIN_RETRY_AFTER_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleDecision:
+    """The throttle's answer for one request."""
+
+    admitted: bool
+    predicted_wait_s: float
+    target_s: float
+    batches: int  # batches the backlog (the request included) needs
+    reason: str  # "no service data", "short queue", "within target", "over target"
+    deadline_bound: bool = False  # the request's own deadline set the target
+    retry_after_s: float | None = None  # on reject: when the wait would fit again
+
+
+class Throttle:
+    """Can this request be served within its target?
+
+    Stateless apart from the endpoint's batching caps and target; one per endpoint.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_batch_tokens: int | None = None,
+        latency_target_s: float = DEFAULT_LATENCY_TARGET_MS / 1000.0,
+        short_queue_batches: int = DEFAULT_SHORT_QUEUE_BATCHES,
+        min_retry_after_s: float = DEFAULT_MIN_RETRY_AFTER_S,
+        safety: float = 1.0,
+    ) -> None:
+        if latency_target_s <= 0 or short_queue_batches < 1 or safety < 1:
+            raise ValueError("need latency_target_s > 0, short_queue_batches >= 1, safety >= 1")
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.latency_target_s = latency_target_s
+        self.short_queue_batches = short_queue_batches
+        self.min_retry_after_s = min_retry_after_s
+        self.safety = safety
+
+    @classmethod
+    def for_endpoint(cls, endpoint: Endpoint, max_batch_size: int) -> Throttle:
+        """The throttle of a configured endpoint (``max_batch_size``: the effective one)."""
+        return cls(
+            max_batch_size=max_batch_size,
+            max_batch_tokens=endpoint.max_batch_tokens,
+            latency_target_s=endpoint.latency_target_ms / 1000.0,
+        )
+
+    def batches_for(self, rows: int, tokens: int) -> int:
+        """The fewest batches the caps allow for ``rows`` rows and ``tokens`` tokens."""
+        if self.max_batch_size <= 0:
+            return max(1, rows)  # a model that does not batch: one request (row) at a time
+        n = math.ceil(rows / self.max_batch_size)
+        if self.max_batch_tokens is not None:
+            n = max(n, math.ceil(tokens / self.max_batch_tokens))
+        return max(1, n)
+
+    def predicted_wait(self, backlog: Backlog, inflight: int, service: ServiceModel) -> float:
+        """Seconds until the last of ``backlog`` is served (the module docstring's formula)."""
+        bt = service.batch_time()
+        typical_rows, typical_tokens = service.typical_batch()
+        n = self.batches_for(backlog.rows, backlog.tokens)
+        if self.max_batch_size > 0:
+            # Every batch counts as full: those in flight may be, and the backlog's last
+            # one is filled up by later arrivals before it is sent. Full of typical rows,
+            # unless the backlog's own rows are heavier.
+            full_rows = float(self.max_batch_size)
+            full_tokens = full_rows * typical_tokens / max(1.0, typical_rows)
+            if self.max_batch_tokens is not None:
+                full_tokens = min(full_tokens, float(self.max_batch_tokens))
+            rows = (n + inflight) * full_rows
+            tokens = max(float(backlog.tokens), n * full_tokens) + inflight * full_tokens
+        else:  # no batching: one request at a time, in flight too
+            rows = float(backlog.rows) + inflight * typical_rows
+            tokens = float(backlog.tokens) + inflight * typical_tokens
+        wait = (inflight + n) * bt.fixed_s + bt.per_row_s * rows + bt.per_token_s * tokens
+        return wait * self.safety
+
+    def check(
+        self,
+        backlog: Backlog,
+        inflight: int,
+        service: ServiceModel,
+        *,
+        remaining_s: float | None = None,
+    ) -> ThrottleDecision:
+        """Admit or reject a request whose backlog (itself included) is ``backlog``.
+
+        ``inflight``: batches of this endpoint in Triton now. ``remaining_s``: the time left
+        to the request's own deadline, if it has one.
+        """
+        target = self.latency_target_s
+        deadline_bound = remaining_s is not None and remaining_s < target
+        if remaining_s is not None:
+            target = min(target, remaining_s)
+        n = self.batches_for(backlog.rows, backlog.tokens)
+        wait = self.predicted_wait(backlog, inflight, service)
+        if not service.has_data:
+            return ThrottleDecision(True, wait, target, n, "no service data", deadline_bound)
+        if n <= self.short_queue_batches:
+            return ThrottleDecision(True, wait, target, n, "short queue", deadline_bound)
+        if wait <= target:
+            return ThrottleDecision(True, wait, target, n, "within target", deadline_bound)
+        retry = max(self.min_retry_after_s, wait - target)
+        return ThrottleDecision(False, wait, target, n, "over target", deadline_bound, retry)
+
+
+def overloaded_error(decision: ThrottleDecision, endpoint: str) -> Overloaded:
+    """The 503 for a rejected decision: says the predicted wait and the target."""
+    if decision.admitted:
+        raise ValueError("overloaded_error needs a rejected decision")
+    whose = "the request's deadline" if decision.deadline_bound else "the latency target"
+    return Overloaded(
+        f"Server overloaded on model '{endpoint}': predicted wait "
+        f"{_seconds(decision.predicted_wait_s)} exceeds {whose} of "
+        f"{_seconds(decision.target_s)}; retry after {_seconds(decision.retry_after_s or 0)}",
+        retry_after=decision.retry_after_s,
+    )
+
+
+def _seconds(value: float) -> str:
+    if value < 10:
+        return f"{value:.2f} s"
+    return f"{math.ceil(value)} s"
+
+
+__all__ = [
+    "DEFAULT_MIN_RETRY_AFTER_S",
+    "DEFAULT_SHORT_QUEUE_BATCHES",
+    "Throttle",
+    "ThrottleDecision",
+    "overloaded_error",
+]
