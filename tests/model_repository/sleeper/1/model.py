@@ -1,0 +1,38 @@
+"""Busy-waits a known time per execute(): fixed_ms + per_token_us * tokens of the whole call.
+
+A busy wait (a perf_counter loop, not sleep) so it occupies a core like real compute.
+A row's tokens are its INPUT_LENGTHS entry when sent, else the width of INPUT_IDS. OUT is
+each row's token count. The cost parameters come from config.pbtxt (defaults 2 ms, 20 us).
+"""
+
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"]).get("parameters", {})
+
+        def param(key, default):
+            return float(params.get(key, {}).get("string_value", default))
+
+        self.fixed_s = param("fixed_ms", 2.0) / 1e3
+        self.per_token_s = param("per_token_us", 20.0) / 1e6
+
+    def execute(self, requests):
+        lengths = []
+        for request in requests:
+            ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+            given = pb_utils.get_input_tensor_by_name(request, "INPUT_LENGTHS")
+            if given is not None:
+                lengths.append(given.as_numpy().reshape(-1, 1).astype(np.int32))
+            else:
+                lengths.append(np.full((ids.shape[0], 1), ids.shape[1], dtype=np.int32))
+        tokens = sum(int(n.sum()) for n in lengths)
+        until = time.perf_counter() + self.fixed_s + self.per_token_s * tokens
+        while time.perf_counter() < until:
+            pass
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", n)]) for n in lengths]
