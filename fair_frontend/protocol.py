@@ -52,6 +52,9 @@ RESERVED_PARAMETERS = frozenset(
     }
 )
 RESERVED_PREFIX = "triton_"
+# The one ``triton_`` request parameter Triton itself understands (decoupled streaming);
+# perf_analyzer sends it on every request.
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # The frontend's own per-batch parameters (``fair_rows``) travel under this prefix.
 FRONTEND_PREFIX = "fair_"
 # The parameter a trusted gateway (or a client, checked against its key) names the tenant in.
@@ -97,6 +100,7 @@ class InferRequest:
     timeout_us: int | None = None  # relative to arrival
     sequence: dict[str, ParamValue] = field(default_factory=dict)  # sequence_id/_start/_end
     binary_output: bool = False  # HTTP: request-level binary_data_output
+    empty_final_response: bool = False  # triton_enable_empty_final_response (decoupled)
     tenant_claim: str | None = None  # the `tenant` parameter, if any
 
     @property
@@ -137,6 +141,12 @@ def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
             req.binary_output = value
         elif name == "headers":
             continue  # Triton's HTTP header forwarding map: not a model parameter
+        elif name == EMPTY_FINAL_RESPONSE:
+            if not isinstance(value, bool):
+                raise InvalidArgument(
+                    f"invalid value type for '{name}' parameter, expected bool_param."
+                )
+            req.empty_final_response = value
         elif name.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)):
             owner = "Triton" if name.startswith(RESERVED_PREFIX) else "the frontend"
             raise InvalidArgument(
