@@ -158,7 +158,8 @@ def unpack(
     for it in items:
         lo, hi = row, row + it.rows
         row = hi
-        names = [o.name for o in it.request.outputs] or [
+        # A model may leave out an output, even one asked for (Triton then omits it too).
+        names = [o.name for o in it.request.outputs if o.name in by_name] or [
             t.name for t in outputs if t.name not in stripped
         ]
         mine = []
