@@ -158,10 +158,11 @@ def unpack(
     for it in items:
         lo, hi = row, row + it.rows
         row = hi
-        # A model may leave out an output, even one asked for (Triton then omits it too).
-        names = [o.name for o in it.request.outputs if o.name in by_name] or [
-            t.name for t in outputs if t.name not in stripped
-        ]
+        if it.request.outputs:
+            # A model may leave out an output, even one asked for (Triton omits it too).
+            names = [o.name for o in it.request.outputs if o.name in by_name]
+        else:
+            names = [t.name for t in outputs if t.name not in stripped]
         mine = []
         for name in names:
             t = by_name[name]
