@@ -66,15 +66,28 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
         assert len(items) == 1, "a non-batching model takes one request at a time"
         inputs = list(first.inputs)
     else:
-        inputs = []
+        # By name: a padded input brings its lengths input along, which the client may
+        # also have sent (then the client's lengths are used, and sent once).
+        by_name: dict[str, Tensor] = {}
         for t0 in first.inputs:
             pad = endpoint.padding.inputs.get(t0.name)
             if pad is None or len(t0.shape) < 2:
-                inputs.append(_concat([it.request for it in items], t0.name, t0.datatype))
+                if t0.name not in by_name:
+                    by_name[t0.name] = _concat([it.request for it in items], t0.name, t0.datatype)
             else:
-                inputs.extend(_pad_concat(items, t0, pad.pad_value, pad.lengths_input, info))
-    # The frontend needs the lengths outputs of padded outputs whenever it sent lengths.
+                for t in _pad_concat(items, t0, pad.pad_value, pad.lengths_input, info):
+                    by_name[t.name] = t
+        inputs = list(by_name.values())
+    # Lengths the frontend added make the model emit lengths outputs: a client that sent
+    # no lengths gets none back (as from Triton directly), even where it named them.
+    sent = {t.name for t in first.inputs}
     stripped: set[str] = set()
+    if any(
+        spec.lengths_input and spec.lengths_input not in sent
+        for spec in endpoint.padding.inputs.values()
+    ):
+        stripped.update(o.lengths_output for o in endpoint.padding.outputs.values())
+    # The frontend needs the lengths outputs of padded outputs whenever it sent lengths.
     outputs: list[RequestedOutput] | None = None
     if first.outputs:
         outputs = list(first.outputs)
@@ -83,12 +96,6 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
             if name in asked and pout.lengths_output not in asked:
                 outputs.append(RequestedOutput(pout.lengths_output))
                 stripped.add(pout.lengths_output)
-    else:
-        sent = {t.name for t in first.inputs}
-        for spec in endpoint.padding.inputs.values():
-            if spec.lengths_input and spec.lengths_input not in sent:
-                # Added by us: the model then emits lengths outputs the client never asked for.
-                stripped.update(o.lengths_output for o in endpoint.padding.outputs.values())
     params: dict[str, ParamValue] = dict(first.parameters)
     params[ROWS_PARAMETER] = rows_parameter(items)
     return Packed(inputs, outputs, params, frozenset(stripped))
@@ -160,7 +167,9 @@ def unpack(
         row = hi
         if it.request.outputs:
             # A model may leave out an output, even one asked for (Triton omits it too).
-            names = [o.name for o in it.request.outputs if o.name in by_name]
+            names = [
+                o.name for o in it.request.outputs if o.name in by_name and o.name not in stripped
+            ]
         else:
             names = [t.name for t in outputs if t.name not in stripped]
         mine = []
