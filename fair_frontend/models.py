@@ -158,8 +158,17 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     for out in req.outputs:
         if out.name not in info.outputs:
             raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
+        if out.classification and info.outputs[out.name].datatype == "BYTES":
+            # Triton 2.51 crashes (the whole server, every tenant's requests with it) on
+            # classification of a BYTES output: it must never get there.
+            raise InvalidArgument(
+                f"output '{out.name}' of model '{model}' is BYTES: classification "
+                "(class_count) needs a numeric output"
+            )
     if len({o.name for o in req.outputs}) != len(req.outputs):
-        raise InvalidArgument("an output is requested more than once")
+        # Triton answers an output named twice once, with the settings named last.
+        last = {o.name: o for o in req.outputs}
+        req.outputs = [last[name] for name in dict.fromkeys(o.name for o in req.outputs)]
 
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
