@@ -22,6 +22,8 @@ from fair_frontend.protocol import (
     Tensor,
     check_shape,
     element_count,
+    reject_shared_memory,
+    shaped,
     split_parameters,
     tensor_from_raw,
     tensor_to_raw,
@@ -44,12 +46,29 @@ _CONTENTS_FIELD = {
 }
 
 
-def param_value(p: service_pb2.InferParameter) -> ParamValue:
+# Request parameters Triton accepts as uint64_param (the clients send priority that way).
+_UINT64_PARAMETERS = frozenset({"priority", "timeout", "sequence_id"})
+
+
+def param_value(p: service_pb2.InferParameter, name: str = "") -> ParamValue:
     which = p.WhichOneof("parameter_choice")
     if which is None:
-        raise InvalidArgument("a request parameter has no value")
+        raise InvalidArgument(f"parameter '{name}' has no value")
     value: ParamValue = getattr(p, which)
     return value
+
+
+def _request_parameters(msg: service_pb2.ModelInferRequest) -> dict[str, ParamValue]:
+    out: dict[str, ParamValue] = {}
+    for name, p in msg.parameters.items():
+        if p.WhichOneof("parameter_choice") == "uint64_param" and name not in _UINT64_PARAMETERS:
+            # Triton's own check: custom parameters travel as int64, bool, double or string.
+            raise InvalidArgument(
+                f"invalid value type for '{name}' parameter, expected int64_param, "
+                "bool_param, double_param or string_param"
+            )
+        out[name] = param_value(p, name)
+    return out
 
 
 def set_param(p: service_pb2.InferParameter, value: ParamValue) -> None:
@@ -68,7 +87,7 @@ def set_param(p: service_pb2.InferParameter, value: ParamValue) -> None:
 
 def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
     req = InferRequest(model=msg.model_name, version=msg.model_version, id=msg.id)
-    split_parameters(req, {k: param_value(v) for k, v in msg.parameters.items()})
+    split_parameters(req, _request_parameters(msg))
     if not msg.inputs:
         raise InvalidArgument("the request must have at least one input")
     raw = msg.raw_input_contents
@@ -84,6 +103,7 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         if name in seen:
             raise InvalidArgument(f"input '{name}' is given more than once")
         seen.add(name)
+        reject_shared_memory(f"input '{name}'", spec.parameters)
         shape = check_shape(name, list(spec.shape))
         if raw:
             if spec.HasField("contents"):
@@ -94,9 +114,10 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         else:
             req.inputs.append(_from_contents(name, spec.datatype, shape, spec.contents))
     for out in msg.outputs:
+        reject_shared_memory(f"output '{out.name}'", out.parameters)
         cls = 0
         if "classification" in out.parameters:
-            value = param_value(out.parameters["classification"])
+            value = param_value(out.parameters["classification"], "classification")
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(
                     f"output '{out.name}': classification must be an integer >= 0"
@@ -114,6 +135,12 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
         raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}")
     values = getattr(contents, field)
     count = element_count(shape)
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise InvalidArgument(
+            f"input '{name}': {datatype} data goes in '{field}', the request has "
+            f"{', '.join(others)}"
+        )
     if len(values) != count:
         raise InvalidArgument(
             f"input '{name}': shape {list(shape)} needs {count} elements, contents have "
@@ -127,7 +154,7 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
             arr = np.array(list(values), dtype=DTYPES[datatype])
         except OverflowError:
             raise InvalidArgument(f"input '{name}': value out of range for {datatype}") from None
-    return Tensor(name, datatype, shape, arr.reshape(shape))
+    return Tensor(name, datatype, shape, shaped(name, arr, shape))
 
 
 def encode_infer(resp: InferResponse) -> service_pb2.ModelInferResponse:

@@ -18,6 +18,7 @@ from fair_frontend.protocol import (
     ParamValue,
     RequestedOutput,
     check_shape,
+    reject_shared_memory,
     split_parameters,
     tensor_from_list,
     tensor_from_raw,
@@ -61,8 +62,15 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
     binary = memoryview(body)[len(json_part) :] if header_length is not None else memoryview(b"")
     try:
         doc = json.loads(json_part)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
+    except (ValueError, RecursionError) as err:
+        # ValueError covers JSONDecodeError, bad UTF-8 and integers too long to convert;
+        # RecursionError, arrays nested thousands deep.
+        where = (
+            ""
+            if header_length is None
+            else f" (the first {header_length} bytes, as {HEADER_CONTENT_LENGTH} says)"
+        )
+        raise InvalidArgument(f"failed to parse the request JSON{where}: {err}") from None
     if not isinstance(doc, dict):
         raise InvalidArgument("the request JSON must be an object")
     req = InferRequest(model=model, version=version)
@@ -89,6 +97,7 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
         datatype = spec.get("datatype")
         shape = check_shape(name, spec.get("shape"))
         params = _parameters(spec.get("parameters"), f"input '{name}'")
+        reject_shared_memory(f"input '{name}'", params)
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -122,6 +131,7 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
         params = _parameters(spec.get("parameters"), f"output '{spec['name']}'")
+        reject_shared_memory(f"output '{spec['name']}'", params)
         binary_flag = params.get("binary_data")
         if binary_flag is not None and not isinstance(binary_flag, bool):
             raise InvalidArgument(f"output '{spec['name']}': binary_data must be a boolean")

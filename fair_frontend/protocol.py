@@ -14,6 +14,7 @@ converted to JSON).
 from __future__ import annotations
 
 import struct
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +58,17 @@ RESERVED_PREFIX = "triton_"
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # The frontend's own per-batch parameters (``fair_rows``) travel under this prefix.
 FRONTEND_PREFIX = "fair_"
+# Triton's shared-memory extension: tensor data in a region registered with the server. A
+# frontend on another host cannot read it, and does not list the extension.
+SHARED_MEMORY_PARAMETER = "shared_memory_region"
 # The parameter a trusted gateway (or a client, checked against its key) names the tenant in.
 TENANT_PARAMETER = "tenant"
 
 ParamValue = bool | int | float | str
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+MAX_DIMS = 32  # numpy's limit on array dimensions
 
 
 @dataclass(slots=True)
@@ -158,7 +166,22 @@ def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
                 raise InvalidArgument(f"parameter '{TENANT_PARAMETER}' must be a string")
             req.tenant_claim = value
         else:
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                # Forwarded as gRPC int64_param: a wider JSON integer cannot travel on.
+                raise InvalidArgument(
+                    f"parameter '{name}' is out of range: integer parameters must fit in "
+                    f"a signed 64-bit integer, got {value}"
+                )
             req.parameters[name] = value
+
+
+def reject_shared_memory(where: str, params: Container[str]) -> None:
+    """A tensor that points into shared memory cannot be served here: say so, by name."""
+    if SHARED_MEMORY_PARAMETER in params:
+        raise InvalidArgument(
+            f"{where}: parameter '{SHARED_MEMORY_PARAMETER}' asks for shared memory, which "
+            "this server does not support (send the data in the request)"
+        )
 
 
 def _non_negative_int(name: str, value: ParamValue) -> int:
@@ -166,6 +189,10 @@ def _non_negative_int(name: str, value: ParamValue) -> int:
         raise InvalidArgument(f"parameter '{name}' must be an integer, got {value!r}")
     if value < 0:
         raise InvalidArgument(f"parameter '{name}' must be >= 0, got {value}")
+    if value > UINT64_MAX:
+        raise InvalidArgument(
+            f"parameter '{name}' is out of range: it must fit in an unsigned 64-bit integer"
+        )
     return value
 
 
@@ -182,8 +209,14 @@ def serialize_bytes(arr: np.ndarray) -> bytes:
 
 
 def deserialize_bytes(buf: bytes | memoryview, count: int, where: str) -> np.ndarray:
-    out = np.empty(count, dtype=object)
     view = memoryview(buf)
+    if 4 * count > len(view):
+        # Checked before allocating: a shape may claim far more elements than were sent.
+        raise InvalidArgument(
+            f"{where}: {count} BYTES elements need at least {4 * count} bytes (a 4-byte "
+            f"length each), got {len(view)}"
+        )
+    out = np.empty(count, dtype=object)
     offset = 0
     for i in range(count):
         if offset + 4 > len(view):
@@ -218,7 +251,21 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
         raise InvalidArgument(f"input '{name}': shape must be a list of integers, got {shape!r}")
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"input '{name}': shape {list(shape)} has a negative dimension")
+    if len(shape) > MAX_DIMS or any(d > INT64_MAX for d in shape):
+        raise InvalidArgument(
+            f"input '{name}': shape {list(shape)} is out of range (at most {MAX_DIMS} "
+            "dimensions, each a signed 64-bit integer)"
+        )
     return tuple(shape)
+
+
+def shaped(name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``data.reshape(shape)``; a shape numpy cannot hold (e.g. ``[0, 2**62]``) is the
+    client's error, not ours."""
+    try:
+        return data.reshape(shape)
+    except ValueError as err:
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} is unusable: {err}") from None
 
 
 def dtype_of(name: str, datatype: Any) -> np.dtype[Any]:
@@ -244,7 +291,7 @@ def tensor_from_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes
                 f"{list(shape)}, got {len(raw)}"
             )
         data = np.frombuffer(raw, dtype=dtype)
-    return Tensor(name, datatype, shape, data.reshape(shape))
+    return Tensor(name, datatype, shape, shaped(name, data, shape))
 
 
 def tensor_to_raw(t: Tensor) -> bytes:
@@ -284,7 +331,7 @@ def tensor_from_list(name: str, datatype: str, shape: tuple[int, ...], values: A
             arr = np.array(flat, dtype=dtype)
         except (ValueError, OverflowError, TypeError) as err:
             raise InvalidArgument(f"input '{name}': data is not {datatype}: {err}") from None
-    return Tensor(name, datatype, shape, arr.reshape(shape))
+    return Tensor(name, datatype, shape, shaped(name, arr, shape))
 
 
 def _check_json_elements(name: str, datatype: str, flat: list[Any]) -> None:
