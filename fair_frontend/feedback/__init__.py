@@ -32,10 +32,12 @@ every request in it, so the mean execution time is ``compute / requests``, not
 ``compute / executions`` (``TritonDelta.seconds_per_exec`` has the measurement). An
 interval is one observation: mean rows per execution, mean seconds per execution,
 weighted by the number of executions. Triton does not know tokens; the tokens per row are
-those of the frontend's batches that finished in the same interval, else the model's own
-``fair_model_tokens_total`` counter, else the long-run ratio, else the interval is not
-learned from. Triton's numbers are preferred: they are pure execution time, and they see
-traffic that bypasses the frontend.
+those of the frontend's rows that Triton's counters have not shown yet, oldest first (Triton
+counts an execution a moment after its answer leaves, so a scrape can miss a batch that
+the frontend already saw finish; matching rows, not intervals, puts it in the next one),
+else the model's own ``fair_model_tokens_total`` counter, else the long-run ratio, else
+the interval is not learned from. Triton's numbers are preferred: they are pure execution
+time, and they see traffic that bypasses the frontend.
 
 The batch-time model
 ====================

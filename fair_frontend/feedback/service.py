@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ DEFAULT_STALE_AFTER_INTERVALS = 3.0
 
 DEFAULT_MIN_MEMORY_BATCHES = 100.0
 """Forget no faster than about this many batches, however slowly they arrive."""
+
+UNMATCHED_BATCHES = 4096
+"""The frontend's batches remembered until Triton's counters show them (a bound, for when
+Triton's metrics never answer)."""
 
 FROZEN_MIN_BATCHES = 2
 """Triton's counters are frozen when an interval shows no execution although the frontend
@@ -139,9 +144,10 @@ class ServiceModel:
         self._frontend = DecayedStats()
         self._triton = DecayedStats()
         self._last_finished: float | None = None  # latest finish among the frontend's batches
-        # The frontend's batches since the last Triton delta (token ratio, frozen counters).
-        self._since_rows = 0
-        self._since_tokens = 0
+        # The frontend's rows and tokens that Triton's counters have not shown yet (their
+        # tokens per row is the token count of Triton's next executions), and its batches
+        # since the last Triton delta (frozen counters).
+        self._unmatched: deque[tuple[float, float]] = deque(maxlen=UNMATCHED_BATCHES)
         self._since_batches = 0
         self._last_triton_at: float | None = None
         self._frozen = False
@@ -194,8 +200,8 @@ class ServiceModel:
             self._refresh(now)
             return
         self._since_batches += 1
-        self._since_rows += rows
-        self._since_tokens += tokens
+        if rows > 0:
+            self._unmatched.append((float(rows), float(tokens)))
         service = finished_at - start
         if rows > 0 and service > 0 and math.isfinite(service):
             self._learn(self._frontend, now, rows, tokens, service, 1.0)
@@ -205,10 +211,14 @@ class ServiceModel:
         """One interval of Triton's counters for this model (``TritonMetrics``'s callback).
 
         Per execution: rows = items / executions; seconds = compute time per request,
-        which is the execution's time (see ``TritonDelta.seconds_per_exec``); tokens from
-        the frontend's batches of the same interval, else the model's own token counter,
-        else the long-run tokens per row. An interval without executions only says that
-        Triton's metrics are alive (or frozen, when the frontend's batches did finish).
+        which is the execution's time (see ``TritonDelta.seconds_per_exec``); tokens at
+        the tokens per row of the frontend's rows that Triton has not counted yet, oldest
+        first, else the model's own token counter, else the long-run tokens per row.
+        Matching rows rather than intervals matters: Triton counts an execution a moment
+        after its answer leaves, so a scrape right after a batch finished often misses it
+        and the next interval holds it (measured with ``sleeper``: 1 execution in 5 moved
+        to the next scrape). An interval without executions only says that Triton's
+        metrics are alive (or frozen, when the frontend's batches did finish).
         """
         now = delta.at
         self._last_triton_at = now
@@ -233,7 +243,9 @@ class ServiceModel:
             per_row = self._tokens_per_row(delta)
             if seconds is not None and seconds > 0 and rows > 0 and per_row is not None:
                 self._learn(self._triton, now, rows, rows * per_row, seconds, delta.exec_count)
-        self._since_batches = self._since_rows = self._since_tokens = 0
+        if delta.reset:  # what the frontend sent before the restart will never be counted
+            self._unmatched.clear()
+        self._since_batches = 0
         self._refresh(now)
 
     def tick(self, now: float) -> None:
@@ -345,8 +357,21 @@ class ServiceModel:
         self._fit = None
 
     def _tokens_per_row(self, delta: TritonDelta) -> float | None:
-        if self._since_rows > 0:
-            return self._since_tokens / self._since_rows
+        """Tokens per row of the delta's items; consumes the frontend's unmatched rows."""
+        if self._unmatched:
+            # Oldest first: the delta's items are the frontend's oldest uncounted rows.
+            want, rows, tokens = float(delta.inference_count), 0.0, 0.0
+            while self._unmatched and rows < want:
+                r, t = self._unmatched.popleft()
+                take = min(r, want - rows)
+                rows += take
+                tokens += t * take / r
+                if take < r:  # part of a batch: the rest is counted next time
+                    self._unmatched.appendleft((r - take, t * (r - take) / r))
+            if sum(r for r, _ in self._unmatched) > want:
+                self._unmatched.clear()  # more than an interval behind: a mismatch, not a lag
+            if rows > 0:
+                return tokens / rows
         if delta.rows and delta.tokens is not None:
             return delta.tokens / delta.rows
         for stats in (self._frontend, self._triton):

@@ -188,3 +188,29 @@ def test_status_samples_for_the_metrics_layer() -> None:
     assert samples[("fair_service_unit_seconds", (ep,))] == pytest.approx(
         (TRITON_TRUTH.seconds(8, 512) + FRONTEND_OVERHEAD_S) / 512
     )
+
+
+def test_a_batch_triton_counts_one_scrape_late_is_matched_to_its_own_tokens() -> None:
+    # Measured on the real Triton: an execution is counted just after its answer leaves,
+    # so a scrape can miss the group's last batch. Rows are matched oldest first.
+    model = token_model()
+    group_a = Truth().seconds(32, 32 * 16)
+    group_b = Truth().seconds(4, 4 * 256)
+    t = 0.0
+    for _ in range(5):
+        model.observe_batch(32, 32 * 16, t, t + group_a, t + group_a)
+        t += group_a
+    model.observe_triton(delta(t, execs=4, rows_per_exec=32, seconds_per_exec=group_a))
+    for _ in range(5):
+        model.observe_batch(4, 4 * 256, t, t + group_b, t + group_b)
+        t += group_b
+    # The late one of group A plus all of group B: 52 rows, 512 + 5 * 1024 tokens.
+    late = delta(t, execs=6, rows_per_exec=52 / 6, seconds_per_exec=(group_a + 5 * group_b) / 6)
+    model.observe_triton(late)
+    assert model.source is Source.TRITON
+    rows, tokens = model.typical_batch()  # (the older interval has decayed a little)
+    assert rows == pytest.approx((4 * 32 + 52) / 10, rel=0.02)
+    assert tokens / rows == pytest.approx((4 * 512 + 512 + 5 * 1024) / (4 * 32 + 52), rel=0.02)
+    # Linear model, exact means: the fit is the truth.
+    assert model.predict_batch_seconds(32, 512) == pytest.approx(group_a)
+    assert model.predict_batch_seconds(4, 1024) == pytest.approx(group_b)
