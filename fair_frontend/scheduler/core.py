@@ -192,10 +192,11 @@ class Scheduler:
         queue = req._queue
         if req.state is not _QUEUED or queue is None or self._queues.get(req.tenant) is not queue:
             return False
+        self._finish(req, _CANCELLED, now)
+        # After _finish: the emptied handle makes its entries tombstones to drop.
         self._arrivals.discard()
         if req.deadline is not None:
             self._deadlines.discard()
-        self._finish(req, _CANCELLED, now)
         self._cancelled += 1
         return True
 
@@ -348,25 +349,25 @@ class Scheduler:
         tier = queue.tier
         self._fairness.charge(tier.fair_state, queue, req.cost)
         self._tier_selector.record(self._tier_state, tier, req.rows)
+        self._finish(req, _DISPATCHED, now)
         self._arrivals.discard()
         if req.deadline is not None:
             self._deadlines.discard()
-        self._finish(req, _DISPATCHED, now)
         self._dispatched += 1
 
     def _take_fifo(self, req: QueuedRequest, now: float) -> None:
         """Dispatch the request at the head of the arrival queue."""
         self._arrivals.pop_head()
+        self._finish(req, _DISPATCHED, now)
         if req.deadline is not None:
             self._deadlines.discard()
-        self._finish(req, _DISPATCHED, now)
         self._dispatched += 1
 
     def _expire_due(self, now: float, out: list[QueuedRequest]) -> None:
         deadlines = self._deadlines
         while (req := deadlines.pop_due(now)) is not None:
-            self._arrivals.discard()
             self._finish(req, _EXPIRED, now)
+            self._arrivals.discard()
             self._expired_count += 1
             out.append(req)
 

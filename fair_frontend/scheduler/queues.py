@@ -191,8 +191,15 @@ class ArrivalQueue:
         self.live += 1
 
     def discard(self) -> None:
-        """One live entry was emptied elsewhere (its tombstone stays until reached)."""
+        """One live entry was emptied elsewhere; drop the tombstones now at the front.
+
+        In the common case requests leave roughly in arrival order, so this keeps the
+        deque near its live size without waiting for a rebuild.
+        """
         self.live -= 1
+        entries = self._entries
+        while entries and entries[0][0] is None:
+            entries.popleft()
 
     def head(self) -> QueuedRequest | None:
         entries = self._entries
@@ -210,43 +217,78 @@ class ArrivalQueue:
 
 
 class DeadlineQueue:
-    """Queued requests that have a deadline, earliest first (ties: arrival)."""
+    """Queued requests that have a deadline, earliest first (ties: arrival).
 
-    __slots__ = ("_heap", "live")
+    Two sorted structures: a deque for the entries pushed in non-decreasing deadline
+    order (the common case: one timeout for everyone, so a deadline is ``now + timeout``
+    and ``now`` never goes back), where push, pop and tombstone drops are O(1); and a
+    heap, O(log d), for the entries that arrive out of that order. The earliest live
+    deadline is at the front of one of the two.
+    """
+
+    __slots__ = ("_heap", "_run", "live")
 
     def __init__(self) -> None:
+        self._run: deque[tuple[float, int, Handle]] = deque()  # sorted by (deadline, seq)
         self._heap: list[tuple[float, int, Handle]] = []
         self.live = 0
 
     def push(self, deadline: float, seq: int, handle: Handle) -> None:
+        run = self._run
         heap = self._heap
-        if len(heap) > 2 * self.live + _COMPACT_SLACK:
+        if len(run) + len(heap) > 2 * self.live + _COMPACT_SLACK:
+            self._run = run = deque(e for e in run if e[2][0] is not None)  # stays sorted
             heap[:] = [e for e in heap if e[2][0] is not None]
             heapq.heapify(heap)
-        heapq.heappush(heap, (deadline, seq, handle))
+        if not run or deadline >= run[-1][0]:
+            run.append((deadline, seq, handle))  # seq grows: (deadline, seq) stays sorted
+        else:
+            heapq.heappush(heap, (deadline, seq, handle))
         self.live += 1
 
+    def _drop_tombstones(self) -> None:
+        run = self._run
+        while run and run[0][2][0] is None:
+            run.popleft()
+        heap = self._heap
+        while heap and heap[0][2][0] is None:
+            heapq.heappop(heap)
+
     def discard(self) -> None:
-        """One live entry was emptied elsewhere."""
+        """One live entry was emptied elsewhere; drop the tombstones now at the fronts.
+
+        Requests mostly leave (by dispatch) in about arrival order, which with one
+        timeout is deadline order: this keeps both structures near their live size.
+        """
         self.live -= 1
+        self._drop_tombstones()
+
+    def _front(self) -> tuple[float, int, Handle] | None:
+        """The earliest live entry (after dropping tombstones), or None."""
+        self._drop_tombstones()
+        run = self._run
+        heap = self._heap
+        if not run:
+            return heap[0] if heap else None
+        if not heap:
+            return run[0]
+        return run[0] if run[0][:2] <= heap[0][:2] else heap[0]
 
     def earliest(self) -> float | None:
-        heap = self._heap
-        while heap:
-            if heap[0][2][0] is not None:
-                return heap[0][0]
-            heapq.heappop(heap)
-        return None
+        front = self._front()
+        return front[0] if front is not None else None
 
     def pop_due(self, now: float) -> QueuedRequest | None:
         """Remove and return the earliest live request with ``deadline <= now``, else None.
 
         The caller empties its handle and calls no ``discard`` for it.
         """
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            req = heapq.heappop(heap)[2][0]
-            if req is not None:
-                self.live -= 1
-                return req
-        return None
+        front = self._front()
+        if front is None or front[0] > now:
+            return None
+        if self._run and self._run[0] is front:
+            self._run.popleft()
+        else:
+            heapq.heappop(self._heap)
+        self.live -= 1
+        return front[2][0]
