@@ -12,7 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fair_frontend.config import CostUnit, Endpoint, TierGuard
+from fair_frontend.config import DEFAULT_TENANT_MAX_QUEUED, CostUnit, Endpoint, TierGuard
 
 if TYPE_CHECKING:
     from fair_frontend.scheduler.queues import TenantQueue
@@ -110,7 +110,7 @@ class TenantSpec:
 
     tier: str
     weight: float = 1.0
-    max_queued: int = 10_000
+    max_queued: int = DEFAULT_TENANT_MAX_QUEUED
     max_queued_bytes: int | None = None
 
 
