@@ -215,10 +215,11 @@ class ServiceModel:
         the tokens per row of the frontend's rows that Triton has not counted yet, oldest
         first, else the model's own token counter, else the long-run tokens per row.
         Matching rows rather than intervals matters: Triton counts an execution a moment
-        after its answer leaves, so a scrape right after a batch finished often misses it
-        and the next interval holds it (measured with ``sleeper``: 1 execution in 5 moved
-        to the next scrape). An interval without executions only says that Triton's
-        metrics are alive (or frozen, when the frontend's batches did finish).
+        after its answer leaves, so a scrape right after a batch finished can miss it and
+        the next interval holds it (measured with ``sleeper``, scraping right after each
+        group of 5 batches: about one group in six showed its last execution a scrape
+        late). An interval without executions only says that Triton's metrics are alive
+        (or frozen, when the frontend's batches did finish).
         """
         now = delta.at
         self._last_triton_at = now
