@@ -156,7 +156,9 @@ def encode_infer(resp: InferResponse, req: InferRequest) -> tuple[bytes, int | N
     outs = []
     for t in resp.outputs:
         flag = binary_flags.get(t.name)
-        binary = req.binary_output if flag is None else flag
+        # Triton: binary_data_output is the default for "all outputs" only; an output
+        # named in the request is binary only if its own binary_data says so.
+        binary = bool(flag) if req.outputs else req.binary_output
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if binary or t.datatype == "BF16":
             raw = tensor_to_raw(t)
