@@ -123,6 +123,8 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
                     f"output '{out.name}': classification must be an integer >= 0"
                 )
             cls = value
+        # Named twice: Triton's gRPC server answers it once, as last named.
+        req.outputs = [o for o in req.outputs if o.name != out.name]
         req.outputs.append(RequestedOutput(out.name, None, cls))
     return req
 

@@ -140,7 +140,9 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
             raise InvalidArgument(
                 f"output '{spec['name']}': classification must be an integer >= 0"
             )
-        req.outputs.append(RequestedOutput(spec["name"], binary_flag, cls))
+        if all(o.name != spec["name"] for o in req.outputs):
+            # Named twice: Triton's HTTP server answers it once, as first named.
+            req.outputs.append(RequestedOutput(spec["name"], binary_flag, cls))
     return req
 
 

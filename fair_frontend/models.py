@@ -166,9 +166,8 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
                 "(class_count) needs a numeric output"
             )
     if len({o.name for o in req.outputs}) != len(req.outputs):
-        # Triton answers an output named twice once, with the settings named last.
-        last = {o.name: o for o in req.outputs}
-        req.outputs = [last[name] for name in dict.fromkeys(o.name for o in req.outputs)]
+        # The codecs keep one of each, as Triton does (HTTP the first, gRPC the last).
+        raise InvalidArgument("an output is requested more than once")
 
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
