@@ -16,6 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
+import uvloop
+
 from fair_frontend.config import Config, ConfigError, load_config
 from fair_frontend.server import FrontendServer, Listen
 
@@ -89,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "serve":
-            asyncio.run(_serve(config, args.triton_url, _listen(args, config)))
+            uvloop.run(_serve(config, args.triton_url, _listen(args, config)))
         else:
-            asyncio.run(_up(config, args))
+            uvloop.run(_up(config, args))
     except ConfigError as err:
         print(f"fair-frontend: {err}", file=sys.stderr)
         return 2

@@ -175,6 +175,12 @@ class Endpoint(_Strict):
         gt=0,
         description="The throttle rejects a request whose predicted wait exceeds this.",
     )
+    throttle: bool = Field(
+        default=True,
+        description="Reject at admission (503 + Retry-After) a request whose predicted wait "
+        "exceeds the smaller of latency_target_ms and its own deadline. Off: requests queue "
+        "until served, expired at their deadline or refused by a queue cap.",
+    )
     max_inflight_batches: int | None = Field(
         default=None,
         ge=1,
@@ -187,7 +193,9 @@ class Endpoint(_Strict):
     )
     normalize_cost: bool = Field(
         default=False,
-        description="Divide cost by the EMA of observed service cost per unit (feedback).",
+        description="Charge each request its predicted service seconds, in cost units "
+        "(predicted seconds / EMA of observed seconds per unit; fair_frontend.feedback): "
+        "a long generation costs more than a short one on a request-cost endpoint.",
     )
     token_input: str = Field(
         default=DEFAULT_TOKEN_INPUT,

@@ -24,15 +24,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fair_frontend.admission import Throttle
 from fair_frontend.batching import Item, Packed, pack, unpack
 from fair_frontend.config import Endpoint
 from fair_frontend.errors import (
-    Cancelled,
     FrontendError,
     Internal,
     TimeoutExpired,
     Unavailable,
 )
+from fair_frontend.feedback import ServiceModel
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import Tensor
@@ -104,6 +105,8 @@ class EndpointRuntime:
     backend: Backend
     on_batch: Callable[[BatchReport], None] = lambda report: None
     on_expired: Callable[[QueuedRequest], None] = lambda qr: None
+    service: ServiceModel | None = None  # what batches cost (feedback)
+    throttle: Throttle | None = None  # admission's early reject
     inflight: int = 0
     batches_sent: int = 0
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -134,12 +137,12 @@ class EndpointRuntime:
         self.scheduler.enqueue(qr, now)  # raises QueueFull before anything is queued
         self.kick()
         try:
-            return await asyncio.shield(pending.future)
+            return await pending.future
         except asyncio.CancelledError:
-            # The client went away. Still queued: it leaves and is never sent. Already in
-            # a batch: it is answered into the void (the batch serves its neighbours).
-            if self.scheduler.cancel(qr, self.now()) and not pending.future.done():
-                pending.future.set_exception(Cancelled("the client cancelled the request"))
+            # The client went away (awaiting the future directly cancels it too). Still
+            # queued: it leaves and is never sent. Already in a batch: the batch still
+            # serves its neighbours, and its answer for this one is dropped.
+            if self.scheduler.cancel(qr, self.now()):
                 self.kick()
             raise
 
@@ -217,6 +220,10 @@ class EndpointRuntime:
             self.kick()
 
     async def _send(self, pendings: list[Pending]) -> bool:
+        # A caller that went away between batch assembly and now is not sent at all.
+        pendings = [p for p in pendings if not p.future.done()]
+        if not pendings:
+            return True
         items = [p.item for p in pendings]
         try:
             packed = pack(items, self.info, self.endpoint)

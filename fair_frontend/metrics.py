@@ -124,6 +124,16 @@ class FrontendMetrics:
             registry=r,
         )
 
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: ``labels()`` locks and validates each call."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def tier_of(self, tenant: str | None) -> str:
         if tenant is None or tenant not in self.config.tenants:
             return UNAUTHENTICATED
@@ -136,30 +146,32 @@ class FrontendMetrics:
     ) -> None:
         label = self.tenant_label(tenant)
         tier = self.tier_of(tenant)
-        self.requests.labels(label, tier, model, outcome.value).inc()
+        self._child(self.requests, label, tier, model, outcome.value).inc()
         if queued_s is not None:
-            self.queue_wait.labels(label, tier, model).observe(queued_s)
+            self._child(self.queue_wait, label, tier, model).observe(queued_s)
 
     def batch_finished(self, report: BatchReport) -> None:
-        self.batches.labels(report.model, "ok" if report.ok else "error").inc()
-        self.batch_seconds.labels(report.model).observe(report.seconds)
-        self.batch_rows.labels(report.model).observe(report.rows)
+        model = report.model
+        self._child(self.batches, model, "ok" if report.ok else "error").inc()
+        self._child(self.batch_seconds, model).observe(report.seconds)
+        self._child(self.batch_rows, model).observe(report.rows)
         if not report.ok:
             return
         for tenant, rows in report.tenants.items():
             label = self.tenant_label(tenant)
-            self.served_rows.labels(label, report.model).inc(rows)
-        for tenant, tokens in report.tenant_tokens.items():
-            self.served_tokens.labels(self.tenant_label(tenant), report.model).inc(tokens)
-        for tenant, cost in report.tenant_cost.items():
-            self.served_cost.labels(self.tenant_label(tenant), report.model).inc(cost)
-
+            self._child(self.served_rows, label, model).inc(rows)
+            self._child(self.served_tokens, label, model).inc(report.tenant_tokens[tenant])
+            self._child(self.served_cost, label, model).inc(report.tenant_cost[tenant])
 
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
-        self.rate_limit_hits.labels(self.tenant_label(tenant), model, limit).inc()
+        self._child(self.rate_limit_hits, self.tenant_label(tenant), model, limit).inc()
 
     def rate_limit_degraded(self, *, mode: str) -> None:
-        self.rate_limit_storage_errors.labels(mode).inc()
+        self._child(self.rate_limit_storage_errors, mode).inc()
+
+    def throttle_decision(self, *, model: str, decision: Any) -> None:
+        self._child(self.throttle, model, decision.reason.replace(" ", "_")).inc()
+        self._child(self.predicted_wait, model).observe(decision.predicted_wait_s)
 
 
 class StateCollector(Collector):

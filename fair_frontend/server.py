@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import uvloop
 from aiohttp import web
 
 from fair_frontend.config import Config
@@ -67,6 +68,7 @@ class FrontendServer:
             self.triton_url, request_timeout_s=self.config.triton.request_timeout_s
         )
         self.frontend = self._factory(self.config, forwarder)
+        await self.frontend.start()
         shell = HttpShell(self.frontend, max_body_bytes=self.max_body_bytes)
         self._runner = web.AppRunner(shell.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -137,7 +139,7 @@ class BackgroundServer:
 
     def __init__(self, server: FrontendServer) -> None:
         self.server = server
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def __enter__(self) -> FrontendServer:

@@ -18,8 +18,11 @@ from typing import Any, Protocol
 from fair_frontend.admission import (
     RateLimiter,
     RateLimitItem,
+    Throttle,
+    ThrottleDecision,
     items_from_limits,
     limit_key,
+    overloaded_error,
     rate_limited_error,
 )
 from fair_frontend.auth import Authenticator, KeyRing
@@ -33,11 +36,18 @@ from fair_frontend.errors import (
     UnknownModel,
     UpstreamError,
 )
+from fair_frontend.feedback import FeedbackCost, ServiceModel, TritonDelta, TritonMetrics
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo, validate
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse
-from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, QueuedRequest, Scheduler
+from fair_frontend.scheduler import (
+    EndpointPolicy,
+    GlobalCaps,
+    QueuedRequest,
+    Scheduler,
+    cost_model_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,8 @@ class Observer(Protocol):
 
     def rate_limit_degraded(self, *, mode: str) -> None: ...
 
+    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None: ...
+
 
 class NullObserver:
     def request_finished(
@@ -82,6 +94,9 @@ class NullObserver:
         pass
 
     def rate_limit_degraded(self, *, mode: str) -> None:
+        pass
+
+    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
         pass
 
 
@@ -170,6 +185,7 @@ class Frontend:
         self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
         self.runtimes: dict[str, EndpointRuntime] = {}
+        self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
 
     # ---- inference ----------------------------------------------------------------------
@@ -185,6 +201,9 @@ class Frontend:
             endpoint = runtime.endpoint
             checked = validate(req, info, endpoint)
             priority = self._priority(req.priority, tenant, req.model)
+            # The throttle first: a request the platform cannot serve in time costs the
+            # tenant no quota (and, under overload, no rate-limit storage round trip).
+            self._check_throttle(runtime, tenant, priority, checked.rows, checked.tokens, req)
             await self._check_rate_limits(tenant, req.model, checked.tokens)
             now = runtime.now()
             deadline = now + req.timeout_us / 1e6 if req.timeout_us else None
@@ -219,6 +238,30 @@ class Frontend:
                 tenant=tenant, model=req.model, outcome=outcome, queued_s=queued_s
             )
 
+    def _check_throttle(
+        self,
+        runtime: EndpointRuntime,
+        tenant: str,
+        priority: int,
+        rows: int,
+        tokens: int,
+        req: InferRequest,
+    ) -> None:
+        """Reject at once (503 + Retry-After) what cannot be served within its target."""
+        if not runtime.endpoint.throttle:
+            return
+        assert runtime.service is not None and runtime.throttle is not None
+        backlog = runtime.scheduler.backlog_ahead(tenant, priority, rows, tokens)
+        decision = runtime.throttle.check(
+            backlog,
+            runtime.inflight,
+            runtime.service,
+            remaining_s=req.timeout_us / 1e6 if req.timeout_us else None,
+        )
+        self.observer.throttle_decision(model=runtime.model, decision=decision)
+        if not decision.admitted:
+            raise overloaded_error(decision, runtime.model)
+
     async def _check_rate_limits(self, tenant: str, model: str, tokens: int) -> None:
         """Count the request against its tenant's limits, or raise the 429 (counting nothing)."""
         items = self._limit_items.get((tenant, model))
@@ -250,23 +293,68 @@ class Frontend:
         runtime = self.runtimes.get(model)
         if runtime is None:
             endpoint = self.config.endpoint(model)
-            scheduler = Scheduler(
-                endpoint_policy(self.config, endpoint, info),
-                self.config.tenants,
-                self.caps,
-                mode=self.config.scheduling,
-            )
+            policy = endpoint_policy(self.config, endpoint, info)
+            batch = policy.max_batch_size or 1
+            service = ServiceModel.for_endpoint(model, endpoint, batch, self.config)
+            cost_model = None
+            if endpoint.normalize_cost:
+                cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
             runtime = EndpointRuntime(
                 model=model,
                 info=info,
                 endpoint=endpoint,
-                scheduler=scheduler,
+                scheduler=Scheduler(
+                    policy,
+                    self.config.tenants,
+                    self.caps,
+                    mode=self.config.scheduling,
+                    cost_model=cost_model,
+                ),
                 forwarder=self.forwarder,
                 backend=self.backend,
-                on_batch=self.observer.batch_finished,
+                on_batch=self._on_batch,
+                service=service,
+                throttle=Throttle.for_endpoint(endpoint, batch),
             )
             self.runtimes[model] = runtime
         return runtime
+
+    def _on_batch(self, report: BatchReport) -> None:
+        self.observer.batch_finished(report)
+        runtime = self.runtimes.get(report.model)
+        if runtime is not None and runtime.service is not None:
+            runtime.service.observe_batch(
+                report.rows,
+                report.tokens,
+                report.started,
+                report.finished,
+                time.monotonic(),
+                ok=report.ok,
+            )
+
+    # ---- feedback from Triton's metrics -------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background work: reading Triton's metrics, if configured."""
+        url = self.config.triton.metrics_url
+        if url:
+            self.triton_metrics = TritonMetrics(
+                url,
+                interval_s=self.config.triton.metrics_interval_s,
+                on_delta=self._on_triton_delta,
+                on_scrape=self._on_scrape,
+            )
+            self.triton_metrics.start()
+
+    def _on_triton_delta(self, delta: TritonDelta) -> None:
+        runtime = self.runtimes.get(delta.model)
+        if runtime is not None and runtime.service is not None:
+            runtime.service.observe_triton(delta)
+
+    def _on_scrape(self, at: float, ok: bool) -> None:
+        for runtime in list(self.runtimes.values()):
+            if runtime.service is not None:
+                runtime.service.tick(at)
 
     def state_samples(self) -> list[tuple[str, dict[str, str], float]]:
         """Live gauges for the metrics port: queue depths, deficits, in-flight batches."""
@@ -282,6 +370,8 @@ class Frontend:
             for tenant, deficit in sched.deficits().items():
                 name = label(tenant) if label is not None else tenant
                 out.append(("fair_drr_deficit", {"endpoint": model, "tenant": name}, deficit))
+            if rt.service is not None:
+                out.extend(rt.service.status().samples())
         return out
 
     # ---- health and metadata ------------------------------------------------------------
@@ -317,6 +407,8 @@ class Frontend:
         self.accepting = False
         for runtime in self.runtimes.values():
             await runtime.drain()
+        if self.triton_metrics is not None:
+            await self.triton_metrics.stop()
         await self.limiter.close()
 
 

@@ -37,9 +37,16 @@ TIERS = {
 
 
 def config_dict(**overrides: Any) -> dict[str, Any]:
-    """The example config's endpoints and tiers, test tenants, no rate limits."""
+    """The example config's endpoints and tiers, test tenants, no rate limits, no throttle.
+
+    Tests of admission set their own limits and targets; the others test scheduling and
+    must not depend on how fast these machines serve today.
+    """
     data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     data.pop("tier_limits", None)
+    for endpoint in data["endpoints"].values():
+        endpoint["throttle"] = False
+    data["default_endpoint"] = {"throttle": False}
     data["tenants"] = {name: {"tier": TIERS[name], "api_keys": [key]} for name, key in KEYS.items()}
     data.update(overrides)
     return data
