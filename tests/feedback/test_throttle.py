@@ -269,14 +269,6 @@ def test_under_overload_admitted_requests_stay_inside_their_target(seed: int) ->
     assert unthrottled.late_fraction > 0.5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Scheduler.backlog_ahead caps the other tenants' DRR share at what they have "
-    "queued now; under sustained overload their later arrivals take that share too, so "
-    "the backlog it reports (not the throttle's prediction from it) is low: 7-10 % of "
-    "admitted requests late with 2 tenants, ~20 % with 4, ~40 % with 8. Without the cap: "
-    "1-3 %; plus half a quantum per other tenant: 0-0.1 %. Remove this mark when fixed.",
-)
 def test_under_overload_with_several_tenants_admitted_requests_stay_inside_their_target() -> None:
     throttled = simulate(2.0, use_throttle=True, tenants="ab")
     assert throttled.late_fraction < 0.01

@@ -233,17 +233,25 @@ def model_backlog(m: Model, tenant: str, priority: int, rows: int, tokens: int) 
     weight = m.sc.tenants[tenant].weight
     active = {r.tenant for r in peers} | {tenant}
     active_weight = sum(m.sc.tenants[t].weight for t in active)
-    fraction = 0.0
+    same_tier = [r for r in queued if rank[m.tier_of(r.tenant)] == mine]
+    extra_rows = extra_tokens = 0
     if peers:
-        cost = sum(r.cost for r in ahead) + model_cost(m.sc.cost, rows, tokens)
-        fraction = min(1.0, cost * (active_weight - weight) / weight / sum(r.cost for r in peers))
+        peers_cost = sum(r.cost for r in peers)
+        if peers_cost > 0:
+            cost = sum(r.cost for r in ahead) + model_cost(m.sc.cost, rows, tokens)
+            others = active_weight - weight
+            share = cost * others / weight
+            grants = m.sc.quantum * others
+            share += grants / 2 * min(1.0, peers_cost / grants)
+            tier_cost = sum(r.cost for r in same_tier)
+            extra_rows = math.ceil(share * sum(r.rows for r in same_tier) / tier_cost)
+            extra_tokens = math.ceil(share * sum(r.tokens for r in same_tier) / tier_cost)
+        else:
+            extra_rows = sum(r.rows for r in peers)
+            extra_tokens = sum(r.tokens for r in peers)
     return Backlog(
-        sum(r.rows for r in higher + ahead)
-        + math.ceil(fraction * sum(r.rows for r in peers))
-        + rows,
-        sum(r.tokens for r in higher + ahead)
-        + math.ceil(fraction * sum(r.tokens for r in peers))
-        + tokens,
+        sum(r.rows for r in higher + ahead) + extra_rows + rows,
+        sum(r.tokens for r in higher + ahead) + extra_tokens + tokens,
     )
 
 

@@ -491,12 +491,13 @@ def test_backlog_ahead_counts_higher_tiers_own_work_and_a_weighted_share() -> No
     for _ in range(5):
         s.enqueue(make_request("t", tokens=10), 0.0)
     # a at level 2: its 3 requests at level 1, plus itself: cost 4; b (weight 2 of 3)
-    # gets 4 * 2 / 1 = 8 of its 10 meanwhile.
-    assert s.backlog_ahead("a", 2, 1, 10) == Backlog(rows=3 + 8 + 1, tokens=120)
-    # At level 3 a's 5 queued requests count: 6 * 2 = 12 > b's 10, so all of b.
-    assert s.backlog_ahead("a", 3, 1, 10) == Backlog(rows=5 + 10 + 1, tokens=160)
-    # c is idle: active weight becomes 4; cost 1 * 3 / 1 = 3 of the others' 15.
-    assert s.backlog_ahead("c", 1, 1, 10) == Backlog(rows=3 + 1, tokens=40)
+    # gets 4 * 2 / 1 = 8 meanwhile, plus half its grant (quantum 1 * 2 / 2 = 1): 9.
+    assert s.backlog_ahead("a", 2, 1, 10) == Backlog(rows=3 + 9 + 1, tokens=130)
+    # At level 3 a's 5 queued requests count: 6 * 2 + 1 = 13, more than b has queued
+    # now: b is backlogged, and its later arrivals take that share too.
+    assert s.backlog_ahead("a", 3, 1, 10) == Backlog(rows=5 + 13 + 1, tokens=190)
+    # c is idle: active weight becomes 4; 1 * 3 / 1 + 3 / 2 = 4.5 of the others' cost.
+    assert s.backlog_ahead("c", 1, 1, 10) == Backlog(rows=5 + 1, tokens=55)
     # trial waits for all of paid, its own queue, and itself.
     assert s.backlog_ahead("t", 1, 2, 7) == Backlog(rows=15 + 5 + 2, tokens=150 + 50 + 7)
 
