@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fair-frontend: {err}", file=sys.stderr)
         return 2
+    from fair_frontend.logs import configure_logging
+
+    configure_logging(config.observability.log_format, getattr(args, "log_level", "INFO"))
     if args.command == "check-config":
         print(
             f"{args.config}: OK ({len(config.tenants)} tenants, {len(config.endpoints)} endpoints)"

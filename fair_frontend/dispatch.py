@@ -47,7 +47,7 @@ class Pending:
     """What the shell keeps with a queued request (the scheduler's opaque payload)."""
 
     item: Item
-    future: asyncio.Future[list[Tensor]]
+    future: asyncio.Future[tuple[str, list[Tensor]]]  # (model version, outputs)
     enqueued_at: float
     dispatched_at: float | None = None
 
@@ -127,8 +127,9 @@ class EndpointRuntime:
 
     # ---- the request side ---------------------------------------------------------------
 
-    async def submit(self, qr: QueuedRequest, item: Item) -> list[Tensor]:
-        """Queue a request and wait for its answer (raises the error it is answered with)."""
+    async def submit(self, qr: QueuedRequest, item: Item) -> tuple[str, list[Tensor]]:
+        """Queue a request and wait for (model version, its outputs), or the error it is
+        answered with."""
         now = self.now()
         pending = Pending(item, self.loop.create_future(), now)
         # A cancelled caller no longer reads its future; mark its exception as retrieved.
@@ -227,7 +228,7 @@ class EndpointRuntime:
         items = [p.item for p in pendings]
         try:
             packed = pack(items, self.info, self.endpoint)
-            outputs = await self._forward(packed, items)
+            version, outputs = await self._forward(packed, items)
         except Unavailable as err:
             self.backend.mark_down()
             self._fail(pendings, err)
@@ -245,7 +246,7 @@ class EndpointRuntime:
             strict=True,
         ):
             if not p.future.done():
-                p.future.set_result(outs)
+                p.future.set_result((version, outs))
         return True
 
     async def _send_one_by_one(self, pendings: list[Pending]) -> None:
@@ -254,7 +255,7 @@ class EndpointRuntime:
                 continue
             try:
                 packed = pack([p.item], self.info, self.endpoint)
-                outputs = await self._forward(packed, [p.item])
+                version, outputs = await self._forward(packed, [p.item])
             except FrontendError as err:
                 if isinstance(err, Unavailable):
                     self.backend.mark_down()
@@ -262,9 +263,9 @@ class EndpointRuntime:
                 continue
             (outs,) = unpack(outputs, [p.item], self.info, self.endpoint, packed.stripped)
             if not p.future.done():
-                p.future.set_result(outs)
+                p.future.set_result((version, outs))
 
-    async def _forward(self, packed: Packed, items: list[Item]) -> list[Tensor]:
+    async def _forward(self, packed: Packed, items: list[Item]) -> tuple[str, list[Tensor]]:
         first = items[0].request
         return await self.forwarder.infer(
             self.model,
@@ -311,6 +312,6 @@ def _report(
     )
 
 
-def _retrieve(fut: asyncio.Future[list[Tensor]]) -> None:
+def _retrieve(fut: asyncio.Future[tuple[str, list[Tensor]]]) -> None:
     if not fut.cancelled():
         fut.exception()

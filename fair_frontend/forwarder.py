@@ -77,7 +77,8 @@ class TritonForwarder:
         outputs: Sequence[RequestedOutput] | None,
         parameters: dict[str, ParamValue],
         request_id: str = "",
-    ) -> list[Tensor]:
+    ) -> tuple[str, list[Tensor]]:
+        """One inference request; returns (the model version that ran, its outputs)."""
         infer_inputs = []
         for t in inputs:
             inp = InferInput(t.name, list(t.shape), t.datatype)
@@ -108,7 +109,7 @@ class TritonForwarder:
             if spec.datatype == "BF16":
                 arr = (arr.view(np.uint32) >> 16).astype(DTYPES["BF16"])
             out.append(Tensor(spec.name, spec.datatype, tuple(spec.shape), arr))
-        return out
+        return response.model_version, out
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """A non-infer call of tritonclient's aio client, errors mapped."""

@@ -142,7 +142,15 @@ class FrontendMetrics:
     # ---- Observer -------------------------------------------------------------------------
 
     def request_finished(
-        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        outcome: Outcome,
+        queued_s: float | None,
+        request_id: str = "",
+        latency_s: float | None = None,
+        error: str | None = None,
     ) -> None:
         label = self.tenant_label(tenant)
         tier = self.tier_of(tenant)

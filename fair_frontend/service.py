@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from fair_frontend.admission import (
@@ -33,6 +33,7 @@ from fair_frontend.errors import (
     FrontendError,
     Internal,
     InvalidArgument,
+    Unavailable,
     UnknownModel,
     UpstreamError,
 )
@@ -66,10 +67,18 @@ SERVER_NAME = "fair_frontend"
 
 
 class Observer(Protocol):
-    """What happened? (metrics, logs and the feedback loop listen here)."""
+    """What happened? (metrics, logs and tests listen here)."""
 
     def request_finished(
-        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        outcome: Outcome,
+        queued_s: float | None,
+        request_id: str = "",
+        latency_s: float | None = None,
+        error: str | None = None,
     ) -> None: ...
 
     def batch_finished(self, report: BatchReport) -> None: ...
@@ -81,23 +90,33 @@ class Observer(Protocol):
     def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None: ...
 
 
-class NullObserver:
-    def request_finished(
-        self, *, tenant: str | None, model: str, outcome: Outcome, queued_s: float | None
-    ) -> None:
-        pass
+class Observers:
+    """Tells every observer; one that raises is logged and does not stop the others."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = list(observers)
+
+    def _each(self, method: str, **kwargs: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, method)(**kwargs)
+            except Exception:
+                log.exception("observer %s failed in %s", type(observer).__name__, method)
+
+    def request_finished(self, **kwargs: Any) -> None:
+        self._each("request_finished", **kwargs)
 
     def batch_finished(self, report: BatchReport) -> None:
-        pass
+        self._each("batch_finished", report=report)
 
-    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
-        pass
+    def rate_limit_hit(self, **kwargs: Any) -> None:
+        self._each("rate_limit_hit", **kwargs)
 
-    def rate_limit_degraded(self, *, mode: str) -> None:
-        pass
+    def rate_limit_degraded(self, **kwargs: Any) -> None:
+        self._each("rate_limit_degraded", **kwargs)
 
-    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
-        pass
+    def throttle_decision(self, **kwargs: Any) -> None:
+        self._each("throttle_decision", **kwargs)
 
 
 def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
@@ -161,7 +180,7 @@ class Frontend:
         forwarder: TritonForwarder,
         *,
         keyring: KeyRing | None = None,
-        observer: Observer | None = None,
+        observers: Sequence[Observer] | None = None,
         limiter: RateLimiter | None = None,
     ) -> None:
         self.config = config
@@ -172,14 +191,13 @@ class Frontend:
             set(config.tenants),
             trusted_gateway=config.auth.trusted_gateway,
         )
-        if observer is None:
-            from fair_frontend.metrics import FrontendMetrics, StateCollector
+        from fair_frontend.logs import RequestLog
+        from fair_frontend.metrics import FrontendMetrics, StateCollector
 
-            metrics = FrontendMetrics(config)
-            metrics.registry.register(StateCollector(self.state_samples))
-            self.registry = metrics.registry
-            observer = metrics
-        self.observer: Observer = observer
+        self.metrics = FrontendMetrics(config)
+        self.metrics.registry.register(StateCollector(self.state_samples))
+        self.registry = self.metrics.registry
+        self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self.backend = Backend()
         self.caps = GlobalCaps.from_config(config.queues)
         self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
@@ -191,10 +209,15 @@ class Frontend:
     # ---- inference ----------------------------------------------------------------------
 
     async def infer(self, req: InferRequest, headers: Mapping[str, str]) -> InferResponse:
+        arrived = time.monotonic()
+        arrived_wall = time.time()
         tenant: str | None = None
         outcome = Outcome.FAILED
         queued_s: float | None = None
+        error: str | None = None
         try:
+            if not self.accepting:
+                raise Unavailable("the frontend is shutting down")
             tenant = self.auth.identify(headers, req.tenant_claim)
             info = await self.models.get(req.model)
             runtime = self._runtime(req.model, info)
@@ -205,9 +228,12 @@ class Frontend:
             # tenant no quota (and, under overload, no rate-limit storage round trip).
             self._check_throttle(runtime, tenant, priority, checked.rows, checked.tokens, req)
             await self._check_rate_limits(tenant, req.model, checked.tokens)
-            now = runtime.now()
-            deadline = now + req.timeout_us / 1e6 if req.timeout_us else None
-            deadline_us = int((time.time() + req.timeout_us / 1e6) * 1e6) if req.timeout_us else 0
+            # Deadline = arrival + timeout (Triton's definition), on the dispatch clock.
+            timeout_s = req.timeout_us / 1e6 if req.timeout_us else None
+            deadline = None
+            if timeout_s is not None:
+                deadline = runtime.now() + timeout_s - (time.monotonic() - arrived)
+            deadline_us = int((arrived_wall + timeout_s) * 1e6) if timeout_s else 0
             item = Item(req, checked.rows, checked.lengths, tenant, priority, deadline_us)
             qr = QueuedRequest(
                 tenant=tenant,
@@ -218,24 +244,30 @@ class Frontend:
                 deadline=deadline,
                 shape_key=batch_key(req, info, endpoint),
             )
-            outputs = await runtime.submit(qr, item)
+            version, outputs = await runtime.submit(qr, item)
             queued_s = _queued_seconds(qr)
             outcome = Outcome.DISPATCHED
-            return InferResponse(
-                model=req.model, version=req.version or "1", id=req.id, outputs=outputs
-            )
+            return InferResponse(model=req.model, version=version, id=req.id, outputs=outputs)
         except FrontendError as err:
             outcome = err.outcome
+            error = err.message
             raise
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED
             raise
         except Exception as err:
             log.exception("internal error serving %s", req.model)
-            raise Internal(f"internal error: {type(err).__name__}") from err
+            error = f"internal error: {type(err).__name__}"
+            raise Internal(error) from err
         finally:
             self.observer.request_finished(
-                tenant=tenant, model=req.model, outcome=outcome, queued_s=queued_s
+                tenant=tenant,
+                model=req.model,
+                outcome=outcome,
+                queued_s=queued_s,
+                request_id=req.id,
+                latency_s=time.monotonic() - arrived,
+                error=error,
             )
 
     def _check_throttle(
@@ -361,14 +393,14 @@ class Frontend:
         out: list[tuple[str, dict[str, str], float]] = [
             ("fair_backend_available", {}, 1.0 if self.backend.available.is_set() else 0.0)
         ]
-        label = getattr(self.observer, "tenant_label", None)
+        label = self.metrics.tenant_label
         for model, rt in list(self.runtimes.items()):
             sched = rt.scheduler
             out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
             for tier, depth in sched.tier_depths().items():
                 out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
             for tenant, deficit in sched.deficits().items():
-                name = label(tenant) if label is not None else tenant
+                name = label(tenant)
                 out.append(("fair_drr_deficit", {"endpoint": model, "tenant": name}, deficit))
             if rt.service is not None:
                 out.extend(rt.service.status().samples())

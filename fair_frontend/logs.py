@@ -1,0 +1,94 @@
+"""Structured logs: one JSON object per line, and one line per finished request.
+
+Request lines carry the request id, tenant, endpoint, outcome, latency and queue wait,
+and the error message if any: never an API key (the frontend never puts a key into an
+error message or a log record in the first place). ``observability.log_format: text``
+gives the classic one-line format for humans at a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fair_frontend.dispatch import BatchReport
+from fair_frontend.outcomes import Outcome
+
+REQUEST_LOGGER = "fair_frontend.requests"
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one JSON object; ``extra=`` fields become top-level keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, separators=(",", ":"))
+
+
+def configure_logging(fmt: str = "json", level: str | int = "INFO") -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+class RequestLog:
+    """One log record per finished request (an ``Observer``)."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self.log = logger or logging.getLogger(REQUEST_LOGGER)
+
+    def request_finished(
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        outcome: Outcome,
+        queued_s: float | None,
+        request_id: str = "",
+        latency_s: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        if not self.log.isEnabledFor(logging.INFO):
+            return
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "tenant": tenant,
+            "endpoint": model,
+            "outcome": outcome.value,
+        }
+        if latency_s is not None:
+            fields["latency_ms"] = round(latency_s * 1e3, 3)
+        if queued_s is not None:
+            fields["queued_ms"] = round(queued_s * 1e3, 3)
+        if error is not None:
+            fields["error"] = error
+        self.log.info("request %s", outcome.value, extra=fields)
+
+    def batch_finished(self, report: BatchReport) -> None:
+        pass
+
+    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
+        pass
+
+    def rate_limit_degraded(self, *, mode: str) -> None:
+        pass
+
+    def throttle_decision(self, *, model: str, decision: Any) -> None:
+        pass
