@@ -142,6 +142,10 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         await asyncio.to_thread(triton.start)
     except TritonStartError as err:
         raise StartupError(str(err)) from err
+    if config.triton.metrics_url is None:
+        # The feedback loop reads the embedded Triton's own metrics.
+        triton_cfg = config.triton.model_copy(update={"metrics_url": triton.metrics_url})
+        config = config.model_copy(update={"triton": triton_cfg})
     try:
         await _serve(config, triton.grpc_url, _listen(args, config))
     finally:
