@@ -78,6 +78,11 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             context, lambda: self.frontend.model_config(request.name, request.version)
         )
 
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        return await _guard(
+            context, lambda: self.frontend.statistics(request.name, request.version)
+        )
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def call() -> Any:
             req = grpc_codec.decode_infer(request)

@@ -114,10 +114,12 @@ class HttpShell:
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
         r.add_get("/v2", self.server_metadata)
+        r.add_get("/v2/models/stats", self.statistics)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(prefix, self.model_metadata)
             r.add_get(prefix + "/ready", self.model_ready)
             r.add_get(prefix + "/config", self.model_config)
+            r.add_get(prefix + "/stats", self.statistics)
             r.add_post(prefix + "/infer", self.infer)
         return app
 
@@ -163,6 +165,11 @@ class HttpShell:
         model, version = _model_version(request)
         response = await self.frontend.model_config(model, version)
         return _json(proto_to_json(response.config))
+
+    async def statistics(self, request: web.Request) -> web.Response:
+        model = request.match_info.get("model", "")
+        version = request.match_info.get("version", "")
+        return _json(proto_to_json(await self.frontend.statistics(model, version)))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         model, version = _model_version(request)

@@ -47,10 +47,13 @@ class ModelInfo:
     sequence_batching: bool = False
     platform: str = ""
     instances: int = 1  # model instances Triton runs (sum of instance_group counts)
+    versions: tuple[str, ...] = ("1",)  # ready versions, from the model's metadata
     raw_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: model_config_pb2.ModelConfig) -> ModelInfo:
+    def from_config(
+        cls, cfg: model_config_pb2.ModelConfig, versions: tuple[str, ...] = ("1",)
+    ) -> ModelInfo:
         def spec(t: Any, optional: bool = False) -> TensorSpec:
             return TensorSpec(t.name, triton_datatype(t.data_type), tuple(t.dims), optional)
 
@@ -63,8 +66,13 @@ class ModelInfo:
             sequence_batching=cfg.HasField("sequence_batching"),
             platform=cfg.platform or cfg.backend,
             instances=max(1, sum(max(1, g.count) for g in cfg.instance_group)),
+            versions=versions or ("1",),
             raw_config=cfg,
         )
+
+    @property
+    def latest_version(self) -> str:
+        return max(self.versions, key=lambda v: int(v) if v.isdigit() else -1)
 
     @property
     def batching(self) -> bool:

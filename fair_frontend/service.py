@@ -49,6 +49,7 @@ from fair_frontend.scheduler import (
     Scheduler,
     cost_model_for,
 )
+from fair_frontend.stats import Statistics
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 # the operator of Triton itself).
 EXTENSIONS = (
     "classification",
+    "statistics",
     "sequence",
     "schedule_policy",
     "model_configuration",
@@ -154,7 +156,8 @@ class ModelRegistry:
             self._infos[model] = fut
             try:
                 cfg = await self.forwarder.model_config(model)
-                fut.set_result(ModelInfo.from_config(cfg))
+                meta = await self.forwarder.call("get_model_metadata", model_name=model)
+                fut.set_result(ModelInfo.from_config(cfg, tuple(meta.versions)))
             except BaseException as err:
                 del self._infos[model]
                 fut.set_exception(_unknown_model(model, err))
@@ -203,6 +206,7 @@ class Frontend:
         self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
         self.runtimes: dict[str, EndpointRuntime] = {}
+        self.stats = Statistics()
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
 
@@ -215,6 +219,7 @@ class Frontend:
         outcome = Outcome.FAILED
         queued_s: float | None = None
         error: str | None = None
+        info: ModelInfo | None = None
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
@@ -247,10 +252,16 @@ class Frontend:
             version, outputs = await runtime.submit(qr, item)
             queued_s = _queued_seconds(qr)
             outcome = Outcome.DISPATCHED
+            total_s = time.monotonic() - arrived
+            infer_s = runtime.now() - qr.payload.dispatched_at
+            self.stats.success(req.model, version, checked.rows, total_s, queued_s or 0.0, infer_s)
             return InferResponse(model=req.model, version=version, id=req.id, outputs=outputs)
         except FrontendError as err:
             outcome = err.outcome
             error = err.message
+            if tenant is not None and not isinstance(err, UnknownModel):
+                version = req.version or (info.latest_version if info is not None else "1")
+                self.stats.failure(req.model, version, time.monotonic() - arrived)
             raise
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED
@@ -354,6 +365,10 @@ class Frontend:
     def _on_batch(self, report: BatchReport) -> None:
         self.observer.batch_finished(report)
         runtime = self.runtimes.get(report.model)
+        if runtime is not None and report.ok:
+            self.stats.execution(
+                report.model, runtime.info.latest_version, report.rows, report.seconds
+            )
         if runtime is not None and runtime.service is not None:
             runtime.service.observe_batch(
                 report.rows,
@@ -433,6 +448,18 @@ class Frontend:
         return await self.forwarder.call(
             "get_model_config", model_name=model, model_version=version
         )
+
+    async def statistics(self, model: str = "", version: str = "") -> Any:
+        """Triton's ``ModelStatisticsResponse`` for what went through the frontend."""
+        msg = self.stats.message(model, version)
+        if model and not msg.model_stats:
+            info = await self.models.get(model)  # unknown model: Triton's error
+            if version and version not in info.versions:
+                raise InvalidArgument(
+                    f"requested model version is not available for model '{model}'"
+                )
+            return self.stats.empty(model, version or info.latest_version)
+        return msg
 
     async def shutdown(self) -> None:
         """Stop accepting; let what is queued and in flight finish."""
