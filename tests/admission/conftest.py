@@ -7,14 +7,24 @@ tests that kill or pause Redis start their own with ``redis_process``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
+import grpc
+import numpy as np
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.admission import MemoryStorage, RedisStorage, Storage
 
@@ -132,5 +142,166 @@ def new_storage(storage_kind: str, request: pytest.FixtureRequest) -> StorageFac
 @pytest.fixture
 async def storage(new_storage: StorageFactory) -> AsyncIterator[Storage]:
     made = new_storage()
+    yield made
+    await made.close()
+
+
+# ---- the real stack: calls through a running frontend, and counters to watch ----------------
+#
+# The integration tests (``test_integration_*``) talk to a frontend the way clients do and
+# need what tritonclient hides: gRPC trailing metadata and HTTP headers. ``KServe`` makes
+# those calls (raw generated stub over grpc.aio; aiohttp for HTTP) and reads Prometheus
+# counters, Triton's and the frontend's.
+
+GRPC_OK = "OK"
+_HTTP_CODES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer, protocol-neutral: ``code`` is the gRPC status name (HTTP mapped onto it)."""
+
+    protocol: str  # "grpc" or "http"
+    status: str  # as the protocol says it: "OK" / "RESOURCE_EXHAUSTED" ..., or "200" / "429" ...
+    code: str  # the gRPC status name for both protocols ("OK", "UNAVAILABLE", ...)
+    message: str  # the error message ("" when OK)
+    retry_after: str | None  # HTTP ``Retry-After`` header or gRPC trailing ``retry-after``
+    sent: float  # time.monotonic() when the call started
+    seconds: float  # client-side latency
+
+    @property
+    def ok(self) -> bool:
+        return self.code == GRPC_OK
+
+
+def infer_request(
+    model: str, rows: int, tokens: int, *, max_tokens: int | None = None
+) -> service_pb2.ModelInferRequest:
+    """A KServe v2 ModelInfer request: INPUT_IDS [rows, tokens] (and MAX_TOKENS [rows, 1])."""
+    req = service_pb2.ModelInferRequest(model_name=model)
+    # Tensors' bytes go in raw_input_contents, in input order (what tritonclient sends).
+    req.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[rows, tokens])
+    req.raw_input_contents.append(np.full((rows, tokens), 7, np.int32).tobytes())
+    if max_tokens is not None:
+        req.inputs.add(name="MAX_TOKENS", datatype="INT32", shape=[rows, 1])
+        req.raw_input_contents.append(np.full((rows, 1), max_tokens, np.int32).tobytes())
+    return req
+
+
+def http_body(model: str, rows: int, tokens: int, *, max_tokens: int | None = None) -> bytes:
+    """The same request as KServe v2 JSON."""
+    inputs: list[dict[str, Any]] = [
+        {"name": "INPUT_IDS", "datatype": "INT32", "shape": [rows, tokens],
+         "data": [7] * (rows * tokens)},
+    ]  # fmt: skip
+    if max_tokens is not None:
+        inputs.append(
+            {"name": "MAX_TOKENS", "datatype": "INT32", "shape": [rows, 1],
+             "data": [max_tokens] * rows}
+        )  # fmt: skip
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def scrape(url: str, family: str, **labels: str) -> float:
+    """Sum of a Prometheus family's samples (counters: the ``_total`` sample) whose labels
+    include ``labels``; 0 when none."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name != family:
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+class KServe:
+    """Calls a frontend as clients do, keeping what tritonclient hides (trailers, headers).
+
+    One gRPC channel and one HTTP session per address, closed by the fixture.
+    """
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def stub(self, url: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        stub = self._stubs.get(url)
+        if stub is None:
+            channel = self._channels[url] = grpc.aio.insecure_channel(url)
+            stub = self._stubs[url] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return stub
+
+    async def grpc(self, url: str, key: str, request: service_pb2.ModelInferRequest) -> Reply:
+        """ModelInfer over gRPC; the error's trailing metadata read from the call."""
+        sent = time.monotonic()
+        call = self.stub(url).ModelInfer(request, metadata=(("authorization", f"Bearer {key}"),))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the call keeps code and trailers
+            await call
+        code = (await call.code()).name
+        trailers = dict(await call.trailing_metadata() or ())
+        message = "" if code == GRPC_OK else str(await call.details())
+        retry = trailers.get("retry-after")
+        return Reply(
+            "grpc", code, code, message, None if retry is None else str(retry), sent,
+            time.monotonic() - sent,
+        )  # fmt: skip
+
+    async def http(self, url: str, key: str, model: str, body: bytes) -> Reply:
+        """POST /v2/models/<model>/infer with a JSON body."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        sent = time.monotonic()
+        async with self._session.post(
+            f"http://{url}/v2/models/{model}/infer",
+            data=body,
+            headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        ) as response:
+            payload = await response.json(content_type=None)
+            status = response.status
+            retry = response.headers.get("Retry-After")
+        message = "" if status == 200 else str(payload.get("error", ""))
+        code = _HTTP_CODES.get(status, f"HTTP {status}")
+        return Reply("http", str(status), code, message, retry, sent, time.monotonic() - sent)
+
+    async def infer(
+        self,
+        protocol: str,
+        url: tuple[str, str],
+        key: str,
+        model: str,
+        rows: int,
+        tokens: int,
+        *,
+        max_tokens: int | None = None,
+    ) -> Reply:
+        """One request over ``protocol``; ``url`` is (gRPC address, HTTP address)."""
+        if protocol == "grpc":
+            return await self.grpc(
+                url[0], key, infer_request(model, rows, tokens, max_tokens=max_tokens)
+            )
+        body = http_body(model, rows, tokens, max_tokens=max_tokens)
+        return await self.http(url[1], key, model, body)
+
+    @staticmethod
+    def counter(url: str, family: str, **labels: str) -> float:
+        """A Prometheus family's value at ``url`` (``scrape``)."""
+        return scrape(url, family, **labels)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        if self._session is not None:
+            await self._session.close()
+
+
+@pytest.fixture
+async def kserve() -> AsyncIterator[KServe]:
+    made = KServe()
     yield made
     await made.close()
