@@ -487,24 +487,30 @@ def test_server_metadata_lists_only_what_the_frontend_implements(
     extensions = set(through["extensions"])
     assert extensions <= set(direct["extensions"])
     assert {"binary_tensor_data", "classification", "schedule_policy", "parameters"} <= extensions
-    # Not implemented here, so not listed (perf_analyzer reads statistics only if listed).
-    assert not extensions & {"system_shared_memory", "cuda_shared_memory", "statistics"}
+    # perf_analyzer reads per-model statistics as soon as they are listed.
+    assert "statistics" in extensions
+    # Shared memory cannot cross hosts: not implemented, so not listed.
+    assert not extensions & {"system_shared_memory", "cuda_shared_memory"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PROTOCOL.md lists /v2/models/{m}/stats, Triton serves it (and gRPC "
-    "ModelStatistics); the frontend has neither (HTTP 404, gRPC UNIMPLEMENTED). Fix in "
-    "http_server.py/grpc_server.py/service.py: forward to Triton's ModelStatistics.",
-)
+def _inference_count(stats: Any) -> int:
+    if isinstance(stats, dict):
+        return int(stats["model_stats"][0]["inference_count"])
+    return int(stats.model_stats[0].inference_count)
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_model_statistics_are_served(sides: tuple[Side, Side], protocol: str) -> None:
+def test_model_statistics_count_what_went_through(sides: tuple[Side, Side], protocol: str) -> None:
+    """tritonclient reads the frontend's statistics (Triton's message, both protocols), and
+    they count the rows it served."""
     _, through = sides
-    stats = through.client(protocol).get_inference_statistics("simple", headers=through.headers)
-    if protocol == "grpc":
-        assert stats.model_stats[0].name == "simple"
-    else:
-        assert stats["model_stats"][0]["name"] == "simple"
+    client = through.client(protocol)
+    before = _inference_count(client.get_inference_statistics("simple", headers=through.headers))
+    client.infer(
+        "simple", make_inputs(protocol, model_inputs("simple", 3)), headers=through.headers
+    )
+    after = client.get_inference_statistics("simple", model_version="1", headers=through.headers)
+    assert _inference_count(after) == before + 3
 
 
 def test_grpc_model_ready_for_a_version_is_tritons(sides: tuple[Side, Side]) -> None:
