@@ -36,6 +36,7 @@ class Item:
     tenant: str
     priority: int
     deadline_us: int  # unix epoch microseconds, 0 = none
+    deadline_mono: float | None = None  # the same deadline on the dispatch clock
 
 
 def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "serve":
-            uvloop.run(_serve(config, args.triton_url, _listen(args, config)))
+            uvloop.run(_serve(config, args.triton_url, _listen(args, config), args.config))
         else:
             uvloop.run(_up(config, args))
     except ConfigError as err:
@@ -118,18 +119,33 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _serve(config: Config, triton_url: str, listen: Listen) -> None:
+async def _serve(
+    config: Config, triton_url: str, listen: Listen, config_path: str | None = None
+) -> None:
     server = FrontendServer(config, triton_url, listen)
     try:
         await server.start()
     except OSError as err:
         raise StartupError(f"cannot listen: {err}") from err
+    if config_path is not None:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, lambda: _reload(server, config_path)
+        )
     _announce(server, listen, triton_url)
     try:
         await _wait_for_signal()
     finally:
         log.info("stopping: finishing queued and in-flight requests")
         await server.stop()
+
+
+def _reload(server: FrontendServer, path: str) -> None:
+    """SIGHUP: read the config file again and apply keys, tenants and limits."""
+    assert server.frontend is not None
+    try:
+        server.frontend.reload(load_config(path))
+    except ConfigError as err:
+        log.error("reload refused, keeping the running config: %s", err)
 
 
 async def _up(config: Config, args: argparse.Namespace) -> None:
@@ -146,11 +162,34 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         # The feedback loop reads the embedded Triton's own metrics.
         triton_cfg = config.triton.model_copy(update={"metrics_url": triton.metrics_url})
         config = config.model_copy(update={"triton": triton_cfg})
+    watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
     try:
-        await _serve(config, triton.grpc_url, _listen(args, config))
+        await _serve(config, triton.grpc_url, _listen(args, config), args.config)
     finally:
+        watchdog.cancel()
         print("stopping Triton ...", flush=True)
         await asyncio.to_thread(triton.stop)
+
+
+async def _keep_alive(triton: Any, interval_s: float = 0.5) -> None:
+    """up mode: restart the embedded Triton if it dies (same ports; the frontend holds
+    queued requests meanwhile and resumes when Triton is ready again)."""
+    from fair_frontend.embedded import TritonStartError
+
+    backoff = interval_s
+    while True:
+        await asyncio.sleep(backoff)
+        if triton.is_running():
+            backoff = interval_s
+            continue
+        log.error("Triton exited; restarting it (log: %s)", triton.log_path)
+        try:
+            await asyncio.to_thread(triton.restart)
+            log.info("Triton restarted and ready")
+            backoff = interval_s
+        except TritonStartError as err:
+            log.error("Triton restart failed, retrying: %s", err)
+            backoff = min(backoff * 2, 30.0)
 
 
 def _announce(server: FrontendServer, listen: Listen, triton_url: str) -> None:

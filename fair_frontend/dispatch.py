@@ -19,9 +19,10 @@ the deadline timer, and the bound on batches in flight. Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fair_frontend.admission import Throttle
@@ -73,17 +74,40 @@ class BatchReport:
 
 
 class Backend:
-    """Is Triton reachable? Batches are held (not failed) while it is not."""
+    """Is Triton reachable? Batches are held (not failed) while it is not.
 
-    def __init__(self) -> None:
+    A batch that fails with UNAVAILABLE marks the backend down; from then on queued
+    requests stay queued (their deadlines still expire) and a probe polls Triton's
+    readiness every ``probe_interval_s`` until it answers, then dispatch resumes.
+    """
+
+    def __init__(
+        self, probe: Callable[[], Awaitable[bool]] | None = None, probe_interval_s: float = 0.1
+    ) -> None:
         self.available = asyncio.Event()
         self.available.set()
         self.listeners: list[Callable[[], None]] = []
+        self.probe = probe
+        self.probe_interval_s = probe_interval_s
+        self._recovery: asyncio.Task[None] | None = None
 
     def mark_down(self) -> None:
         if self.available.is_set():
             log.warning("Triton unavailable: holding queued requests until it is back")
         self.available.clear()
+        if self.probe is not None and (self._recovery is None or self._recovery.done()):
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        assert self.probe is not None
+        while not self.available.is_set():
+            try:
+                if await self.probe():
+                    self.mark_up()
+                    return
+            except Exception:  # a probe that errs is a "not yet"
+                log.debug("Triton readiness probe failed", exc_info=True)
+            await asyncio.sleep(self.probe_interval_s)
 
     def mark_up(self) -> None:
         if not self.available.is_set():
@@ -91,6 +115,12 @@ class Backend:
             self.available.set()
             for kick in self.listeners:
                 kick()
+
+    async def close(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recovery
 
 
 @dataclass
@@ -228,9 +258,22 @@ class EndpointRuntime:
         items = [p.item for p in pendings]
         try:
             packed = pack(items, self.info, self.endpoint)
-            version, outputs = await self._forward(packed, items)
+            while True:
+                try:
+                    version, outputs = await self._forward(packed, items)
+                    break
+                except Unavailable as err:
+                    self.backend.mark_down()
+                    if not err.never_sent:
+                        raise
+                    # It never reached Triton: hold the batch (its slot too) and send it
+                    # first once Triton is back; its deadlines still apply meanwhile.
+                    pendings = await self._hold(pendings)
+                    if not pendings:
+                        return False
+                    items = [p.item for p in pendings]
+                    packed = pack(items, self.info, self.endpoint)
         except Unavailable as err:
-            self.backend.mark_down()
             self._fail(pendings, err)
             return False
         except FrontendError as err:
@@ -248,6 +291,25 @@ class EndpointRuntime:
             if not p.future.done():
                 p.future.set_result((version, outs))
         return True
+
+    async def _hold(self, pendings: list[Pending]) -> list[Pending]:
+        """Wait until Triton is available; expire held items at their deadlines."""
+        while not self.backend.available.is_set():
+            deadlines = [
+                p.item.deadline_mono
+                for p in pendings
+                if p.item.deadline_mono is not None and not p.future.done()
+            ]
+            timeout = max(0.0, min(deadlines) - self.now()) if deadlines else None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.backend.available.wait(), timeout)
+            now = self.now()
+            for p in pendings:
+                due = p.item.deadline_mono
+                if due is not None and due <= now and not p.future.done():
+                    p.future.set_exception(TimeoutExpired())
+            pendings = [p for p in pendings if not p.future.done()]
+        return pendings
 
     async def _send_one_by_one(self, pendings: list[Pending]) -> None:
         for p in pendings:
@@ -281,6 +343,21 @@ class EndpointRuntime:
         for p in pendings:
             if not p.future.done():
                 p.future.set_exception(err)
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight == 0 and self.scheduler.queued_requests == 0
+
+    def fail_queued(self, err: FrontendError) -> int:
+        """Answer everything still queued with ``err`` (shutdown); returns how many."""
+        failed = 0
+        now = self.now()
+        while batch := self.scheduler.next_batch(now):
+            pendings = [qr.payload for qr in batch]
+            self._fail(pendings, err)
+            failed += len(pendings)
+        self._expire(now)
+        return failed
 
     async def drain(self) -> None:
         """Wait for every batch in flight (shutdown)."""

@@ -75,6 +75,14 @@ class Unavailable(FrontendError):
     http_status = 503
     outcome = Outcome.FAILED
 
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, never_sent: bool = False
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        # True when the request provably never reached Triton (no connection): it may be
+        # sent again without risk of running twice.
+        self.never_sent = never_sent
+
 
 class Overloaded(Unavailable):
     """The throttle: the predicted wait exceeds the target."""

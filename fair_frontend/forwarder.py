@@ -31,6 +31,8 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNIMPLEMENTED: 501,
 }
 _CODES = {str(c): c for c in grpc.StatusCode}
+# gRPC's words for "no connection was ever made": the request did not reach Triton.
+_NOT_CONNECTED = ("failed to connect", "Connection refused", "connections to all backends")
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
 
@@ -39,7 +41,10 @@ def upstream_error(err: InferenceServerException) -> FrontendError:
     code = _CODES.get(str(err.status()), grpc.StatusCode.UNKNOWN)
     message = err.message() or str(err)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"Triton is unavailable: {message}")
+        never_sent = code is grpc.StatusCode.UNAVAILABLE and any(
+            s in message for s in _NOT_CONNECTED
+        )
+        return Unavailable(f"Triton is unavailable: {message}", never_sent=never_sent)
     return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))
 
 

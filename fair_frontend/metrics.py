@@ -8,6 +8,14 @@ Cardinality guard: the first ``observability.max_metric_tenants`` tenants seen g
 own ``tenant`` label; later ones are counted under ``tenant="other"``. Configured
 tenants are few in most deployments; a platform with many thousands of tenants keeps
 per-tenant detail for the busiest first-comers and still has exact totals per tier.
+
+The ``endpoint`` label is the model name, which the client sends: a request for a model
+that does not exist (or one rejected before its model was looked up: no key, a bad key)
+must not mint a label. So an endpoint gets its own label once it is known to exist: it
+is configured (``endpoints``), or a request for it got as far as the model's scheduler
+(a batch, a throttle decision, a rate-limit hit, an admitted request). Until then it is
+counted as ``endpoint="other"``: a model Triton serves that the config does not name is
+``other`` only for the rejections that precede its first admitted request.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from fair_frontend.dispatch import BatchReport
 from fair_frontend.outcomes import Outcome
 
 OTHER_TENANT = "other"
+OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docstring
 UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity was known
 
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -48,6 +57,32 @@ class TenantLabels:
         return OTHER_TENANT
 
 
+# Outcomes that prove the model exists: the request reached its scheduler.
+_MODEL_EXISTS = frozenset(
+    {
+        Outcome.DISPATCHED,
+        Outcome.EXPIRED,
+        Outcome.REJECTED_RATE,
+        Outcome.REJECTED_OVERLOAD,
+        Outcome.REJECTED_QUEUE_FULL,
+    }
+)
+
+
+class EndpointLabels:
+    """Which label does this model get? (the guard against client-chosen model names)."""
+
+    def __init__(self, configured: Iterable[str]) -> None:
+        self._known: set[str] = set(configured)
+
+    def confirm(self, model: str) -> None:
+        """``model`` exists: a request for it reached its scheduler."""
+        self._known.add(model)
+
+    def __call__(self, model: str) -> str:
+        return model if model in self._known else OTHER_ENDPOINT
+
+
 class FrontendMetrics:
     """Counts what happened to every request and batch (the service's ``Observer``)."""
 
@@ -55,6 +90,7 @@ class FrontendMetrics:
         self.registry = registry or CollectorRegistry()
         self.config = config
         self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
+        self.endpoint_label = EndpointLabels(config.endpoints)
         r = self.registry
         self.requests = Counter(
             "fair_requests",
@@ -152,14 +188,18 @@ class FrontendMetrics:
         latency_s: float | None = None,
         error: str | None = None,
     ) -> None:
+        if outcome in _MODEL_EXISTS:
+            self.endpoint_label.confirm(model)
         label = self.tenant_label(tenant)
         tier = self.tier_of(tenant)
-        self._child(self.requests, label, tier, model, outcome.value).inc()
+        endpoint = self.endpoint_label(model)
+        self._child(self.requests, label, tier, endpoint, outcome.value).inc()
         if queued_s is not None:
-            self._child(self.queue_wait, label, tier, model).observe(queued_s)
+            self._child(self.queue_wait, label, tier, endpoint).observe(queued_s)
 
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model
+        self.endpoint_label.confirm(model)
         self._child(self.batches, model, "ok" if report.ok else "error").inc()
         self._child(self.batch_seconds, model).observe(report.seconds)
         self._child(self.batch_rows, model).observe(report.rows)
@@ -172,14 +212,34 @@ class FrontendMetrics:
             self._child(self.served_cost, label, model).inc(report.tenant_cost[tenant])
 
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
+        self.endpoint_label.confirm(model)
         self._child(self.rate_limit_hits, self.tenant_label(tenant), model, limit).inc()
 
     def rate_limit_degraded(self, *, mode: str) -> None:
         self._child(self.rate_limit_storage_errors, mode).inc()
 
     def throttle_decision(self, *, model: str, decision: Any) -> None:
+        self.endpoint_label.confirm(model)
         self._child(self.throttle, model, decision.reason.replace(" ", "_")).inc()
         self._child(self.predicted_wait, model).observe(decision.predicted_wait_s)
+
+
+# The gauges ``StateCollector`` exports: name -> help. Every one is exported, without
+# samples while there is nothing to report (no endpoint used yet, no tenant backlogged),
+# so a scrape always shows which families exist.
+STATE_GAUGES: dict[str, str] = {
+    "fair_queue_depth": "Requests queued, by endpoint and tier.",
+    "fair_drr_deficit": "DRR deficit of tenants with queued work, in cost units.",
+    "fair_inflight_batches": "Batches in Triton now, by endpoint.",
+    "fair_backend_available": "1 while Triton is reachable.",
+    # fair_frontend.feedback.ServiceStatus.samples():
+    "fair_service_source": "1 for the source of the endpoint's service estimates "
+    "(triton, frontend or default), 0 for the others.",
+    "fair_triton_metrics_stale": "1 while Triton's metrics are stale or unread for the endpoint.",
+    "fair_service_rate": "Units (rows, tokens) served per busy second.",
+    "fair_service_unit_seconds": "Seconds of service per cost unit (EMA).",
+    "fair_batch_time_seconds": "Batch-time model: fixed, per_row and per_token seconds.",
+}
 
 
 class StateCollector(Collector):
@@ -189,12 +249,6 @@ class StateCollector(Collector):
         self.sample = sample
 
     def collect(self) -> Iterable[Any]:
-        docs = {
-            "fair_queue_depth": "Requests queued, by endpoint and tier.",
-            "fair_drr_deficit": "DRR deficit of tenants in the active list.",
-            "fair_inflight_batches": "Batches in Triton now, by endpoint.",
-            "fair_backend_available": "1 while Triton is reachable.",
-        }
         # Sum samples that share labels (tenants folded into "other" by the guard).
         values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for name, labels, value in self.sample():
@@ -204,7 +258,12 @@ class StateCollector(Collector):
         for (name, pairs), value in values.items():
             fam = families.get(name)
             if fam is None:
-                fam = GaugeMetricFamily(name, docs.get(name, name), labels=[p[0] for p in pairs])
+                fam = GaugeMetricFamily(
+                    name, STATE_GAUGES.get(name, name), labels=[p[0] for p in pairs]
+                )
                 families[name] = fam
             fam.add_metric([p[1] for p in pairs], value)
+        for name, doc in STATE_GAUGES.items():
+            if name not in families:
+                families[name] = GaugeMetricFamily(name, doc)
         yield from families.values()

@@ -108,15 +108,14 @@ class FrontendServer:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, finish what is queued and in flight, close."""
-        if self.frontend is not None:
-            self.frontend.accepting = False
-        if self._grpc is not None:
-            await self._grpc.stop(grace_s)
+        # Drain first, while the listeners can still deliver the answers.
         if self.frontend is not None:
             try:
-                await asyncio.wait_for(self.frontend.shutdown(), grace_s)
+                await asyncio.wait_for(self.frontend.shutdown(grace_s), grace_s + 5.0)
             except asyncio.TimeoutError:
-                log.warning("shutdown: gave up waiting for in-flight batches after %ss", grace_s)
+                log.warning("shutdown: gave up waiting for in-flight batches")
+        if self._grpc is not None:
+            await self._grpc.stop(1.0)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._metrics_runner is not None:

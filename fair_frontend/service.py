@@ -27,7 +27,7 @@ from fair_frontend.admission import (
 )
 from fair_frontend.auth import Authenticator, KeyRing
 from fair_frontend.batching import Item, batch_key
-from fair_frontend.config import Config, Endpoint
+from fair_frontend.config import Config, ConfigError, Endpoint, Tenant
 from fair_frontend.dispatch import Backend, BatchReport, EndpointRuntime
 from fair_frontend.errors import (
     FrontendError,
@@ -189,6 +189,8 @@ class Frontend:
         self.config = config
         self.forwarder = forwarder
         self.models = ModelRegistry(forwarder)
+        # The schedulers read tenants from this dict: a reload updates it in place.
+        self.tenants: dict[str, Tenant] = dict(config.tenants)
         self.auth = Authenticator(
             keyring or KeyRing.from_config(config),
             set(config.tenants),
@@ -201,7 +203,7 @@ class Frontend:
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
-        self.backend = Backend()
+        self.backend = Backend(probe=self.forwarder.server_ready)
         self.caps = GlobalCaps.from_config(config.queues)
         self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
@@ -239,7 +241,7 @@ class Frontend:
             if timeout_s is not None:
                 deadline = runtime.now() + timeout_s - (time.monotonic() - arrived)
             deadline_us = int((arrived_wall + timeout_s) * 1e6) if timeout_s else 0
-            item = Item(req, checked.rows, checked.lengths, tenant, priority, deadline_us)
+            item = Item(req, checked.rows, checked.lengths, tenant, priority, deadline_us, deadline)
             qr = QueuedRequest(
                 tenant=tenant,
                 rows=checked.rows,
@@ -348,7 +350,7 @@ class Frontend:
                 endpoint=endpoint,
                 scheduler=Scheduler(
                     policy,
-                    self.config.tenants,
+                    self.tenants,
                     self.caps,
                     mode=self.config.scheduling,
                     cost_model=cost_model,
@@ -382,7 +384,13 @@ class Frontend:
     # ---- feedback from Triton's metrics -------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background work: reading Triton's metrics, if configured."""
+        """Learn the configured endpoints' models (best effort: a model Triton does not
+        serve yet is looked up on first use) and start reading Triton's metrics."""
+        for model in self.config.endpoints:
+            try:
+                self._runtime(model, await self.models.get(model))
+            except FrontendError as err:
+                log.warning("endpoint %s: not served by Triton yet (%s)", model, err.message)
         url = self.config.triton.metrics_url
         if url:
             self.triton_metrics = TritonMetrics(
@@ -449,6 +457,39 @@ class Frontend:
             "get_model_config", model_name=model, model_version=version
         )
 
+    def reload(self, config: Config) -> list[str]:
+        """Apply a new config's tenants, API keys and limits without dropping a request.
+
+        Keys (inline, files, environment) are read again; tenants can be added, and a
+        tenant's weight, tier and caps apply once its queue has drained (the scheduler's
+        snapshot rule). Changes that need a restart (tiers, endpoints, scheduling mode,
+        listeners) are not applied: the returned notes say which. Raises ``ConfigError``
+        (and changes nothing) if the new keys cannot be loaded or the tiers changed.
+        """
+        if list(config.tiers) != list(self.config.tiers):
+            raise ConfigError("(reload)", ["tiers changed: restart the frontend to apply"])
+        keyring = KeyRing.from_config(config)  # raises before anything changes
+        notes = [
+            f"{name} changed: restart the frontend to apply"
+            for name in ("endpoints", "default_endpoint", "scheduling", "server", "triton")
+            if getattr(config, name) != getattr(self.config, name)
+        ]
+        self.tenants.update(config.tenants)
+        for gone in set(self.tenants) - set(config.tenants):
+            del self.tenants[gone]
+        self.auth = Authenticator(
+            keyring, set(config.tenants), trusted_gateway=config.auth.trusted_gateway
+        )
+        self.config = config
+        self._limit_items.clear()
+        log.info(
+            "reloaded: %d tenants, %d API keys%s",
+            len(config.tenants),
+            keyring.size,
+            "; " + "; ".join(notes) if notes else "",
+        )
+        return notes
+
     async def statistics(self, model: str = "", version: str = "") -> Any:
         """Triton's ``ModelStatisticsResponse`` for what went through the frontend."""
         msg = self.stats.message(model, version)
@@ -461,11 +502,24 @@ class Frontend:
             return self.stats.empty(model, version or info.latest_version)
         return msg
 
-    async def shutdown(self) -> None:
-        """Stop accepting; let what is queued and in flight finish."""
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop accepting; finish what is queued and in flight within ``grace_s``; answer
+        what is still queued then with UNAVAILABLE; nothing is left unanswered."""
         self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while not all(rt.idle for rt in self.runtimes.values()):
+            if time.monotonic() >= deadline or not self.backend.available.is_set():
+                break
+            await asyncio.sleep(0.02)
+        left = sum(
+            rt.fail_queued(Unavailable("the frontend is shutting down"))
+            for rt in self.runtimes.values()
+        )
+        if left:
+            log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
         for runtime in self.runtimes.values():
             await runtime.drain()
+        await self.backend.close()
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
         await self.limiter.close()
