@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -733,3 +734,20 @@ def test_compose_triton_command_is_the_k8s_one() -> None:
     repo = _flag(k8s_triton["args"], "--model-repository")
     up = build_parser().parse_args(_dockerfile_command(DOCKER / "Dockerfile"))
     assert repo == up.model_repository
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_builds_the_manifests_into_one_namespace() -> None:
+    """``kubectl kustomize`` (offline) renders every object, in the fair-frontend namespace."""
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    expected = [o for o in k8s_objects() if o["kind"] != "Kustomization"]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in rendered) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in expected
+    )
+    for obj in rendered:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == "fair-frontend", obj["metadata"]
