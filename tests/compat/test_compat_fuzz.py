@@ -10,7 +10,9 @@ or right lengths, typed contents, parameters of every kind and requested outputs
 with the generated stub.
 
 The rule: never 5xx / INTERNAL / UNKNOWN / UNAVAILABLE (the last would mean Triton
-went down), no hang; afterwards a normal request is served and Triton is still up.
+went down), no hang; afterwards a normal request is served and Triton is still up. The
+one 503 / UNAVAILABLE allowed is Triton's "Request timeout expired": a random ``timeout``
+of a few microseconds is a request that really expired.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.errors import MSG_TIMEOUT_EXPIRED
 from fair_frontend.protocol import DTYPES
 from tests.support import RunningFrontend
 
@@ -90,6 +93,10 @@ JSON_VALUES = st.recursive(
     ),
     max_leaves=10,
 )
+
+
+def _expired(unavailable: bool, message: str) -> bool:
+    return unavailable and message == MSG_TIMEOUT_EXPIRED
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
@@ -226,7 +233,7 @@ def test_http_fuzz_never_a_server_error(
     path, body, headers = request
     answer = http_request(frontend.http_url, "POST", path, body, {**headers, **KEY_HEADER})
     event(f"HTTP {answer.status}")
-    assert answer.status < 500, answer
+    assert answer.status < 500 or _expired(answer.status == 503, answer.error), answer
     if answer.status >= 400:
         assert answer.error, answer  # Triton's {"error": ...} form, with a message
 
@@ -392,7 +399,8 @@ def stub(frontend: RunningFrontend) -> Any:
 def test_grpc_fuzz_never_a_server_error(stub: Any, msg: service_pb2.ModelInferRequest) -> None:
     answer = grpc_call(stub, msg, metadata=KEY_METADATA)
     event(answer.code.name)
-    assert answer.code in ALLOWED, (answer, msg)
+    unavailable = answer.code == grpc.StatusCode.UNAVAILABLE
+    assert answer.code in ALLOWED or _expired(unavailable, answer.details), (answer, msg)
     if answer.code != grpc.StatusCode.OK:
         assert answer.details, answer
 
