@@ -24,6 +24,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, RequestedOutput, Tensor
 
 ROWS_PARAMETER = "fair_rows"
+OUTPUTS_PARAMETER = "fair_outputs"
 
 
 @dataclass(slots=True)
@@ -99,6 +100,12 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
                 stripped.add(pout.lengths_output)
     params: dict[str, ParamValue] = dict(first.parameters)
     params[ROWS_PARAMETER] = rows_parameter(items)
+    named = [o.name for o in first.outputs]
+    if named and set(named) != set(info.outputs):
+        # What the client named, before the frontend's own additions (lengths outputs),
+        # as Triton would report it to the model had the client called it directly (all
+        # declared outputs named reads as none named there, so it is left out here too).
+        params[OUTPUTS_PARAMETER] = json.dumps(named)
     return Packed(inputs, outputs, params, frozenset(stripped))
 
 

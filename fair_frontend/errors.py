@@ -122,5 +122,13 @@ class UpstreamError(FrontendError):
         self.http_status = http_status
 
 
+class Unsupported(FrontendError):
+    """A feature the request needs that neither the frontend nor Triton has (Triton: 501)."""
+
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 501
+    outcome = Outcome.REJECTED_INVALID
+
+
 class Internal(FrontendError):
     pass

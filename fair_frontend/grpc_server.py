@@ -8,6 +8,7 @@ carry the retry hint in trailing metadata ``retry-after`` (seconds).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -85,17 +86,27 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def call() -> Any:
-            req = grpc_codec.decode_infer(request)
-            resp = await self.frontend.infer(req, _headers(context))
+            headers = _headers(context)
+            started = time.monotonic()
+            try:
+                req = grpc_codec.decode_infer(request)
+            except FrontendError as err:
+                # Answered before Frontend.infer: still one counted, logged outcome.
+                self.frontend.rejected(request.model_name, headers, err, time.monotonic() - started)
+                raise
+            resp = await self.frontend.infer(req, headers)
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
 
 
-def make_server(frontend: Frontend, *, max_message_bytes: int) -> grpc.aio.Server:
+def make_server(frontend: Frontend) -> grpc.aio.Server:
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
+            # Like Triton (INT32_MAX): the per-endpoint max_request_bytes is the real limit,
+            # answered INVALID_ARGUMENT; gRPC's own would be RESOURCE_EXHAUSTED, which
+            # PROTOCOL.md keeps for a tenant's rate limit.
+            ("grpc.max_receive_message_length", 2**31 - 1),
             ("grpc.max_send_message_length", 2**31 - 1),
             # gRPC core cancels calls beyond ~1000 not yet picked up by the (single-threaded)
             # asyncio server: a burst of thousands must queue here, where it is scheduled

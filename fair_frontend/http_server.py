@@ -8,12 +8,14 @@ when the client's ``Accept-Encoding`` allows, as Triton does. Errors are
 from __future__ import annotations
 
 import logging
+import time
+import zlib
 from typing import Any
 
 from aiohttp import web
 from google.protobuf import json_format
 
-from fair_frontend.errors import FrontendError, InvalidArgument
+from fair_frontend.errors import FrontendError, InvalidArgument, Unsupported
 from fair_frontend.http_codec import (
     HEADER_CONTENT_LENGTH,
     decode_infer,
@@ -26,6 +28,13 @@ from fair_frontend.service import Frontend
 log = logging.getLogger(__name__)
 
 FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend", Frontend)
+# zlib window bits per Content-Encoding: gzip; deflate as zlib-wrapped (RFC 9110), or raw
+# as some clients send it.
+_WBITS = {
+    "gzip": (16 + zlib.MAX_WBITS,),
+    "x-gzip": (16 + zlib.MAX_WBITS,),
+    "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS),
+}
 
 
 def error_response(err: FrontendError) -> web.Response:
@@ -166,6 +175,35 @@ class HttpShell:
         response = await self.frontend.model_config(model, version)
         return _json(proto_to_json(response.config))
 
+    def _decompress(self, raw: bytes, encoding: str | None) -> bytes:
+        """The request body, inflated as its Content-Encoding says (gzip, deflate)."""
+        name = (encoding or "identity").strip().lower()
+        if name == "identity":
+            return raw
+        if name not in _WBITS:
+            raise Unsupported(
+                f"Unsupported compression type '{name}' (Content-Encoding; gzip and deflate "
+                "are supported)"
+            )
+        limit = self.max_body_bytes
+        for wbits in _WBITS[name]:
+            inflater = zlib.decompressobj(wbits)
+            try:
+                body = inflater.decompress(raw, limit + 1)
+            except zlib.error:
+                continue
+            if len(body) > limit or inflater.unconsumed_tail:
+                raise InvalidArgument(
+                    f"request too large: the body decoded from Content-Encoding '{name}' "
+                    f"exceeds {limit} bytes"
+                )
+            if not inflater.eof:
+                raise InvalidArgument(
+                    f"the request body is truncated for its Content-Encoding '{name}'"
+                )
+            return body
+        raise InvalidArgument(f"failed to decode the request body as Content-Encoding '{name}'")
+
     async def statistics(self, request: web.Request) -> web.Response:
         model = request.match_info.get("model", "")
         version = request.match_info.get("version", "")
@@ -173,10 +211,19 @@ class HttpShell:
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         model, version = _model_version(request)
-        body = await request.read()
-        header_length = parse_header_length(request.headers.get(HEADER_CONTENT_LENGTH), len(body))
-        req = decode_infer(model, version, body, header_length)
-        resp = await self.frontend.infer(req, _headers(request))
+        headers = _headers(request)
+        started = time.monotonic()
+        try:
+            body = self._decompress(await request.read(), headers.get("content-encoding"))
+            header_length = parse_header_length(
+                headers.get(HEADER_CONTENT_LENGTH.lower()), len(body)
+            )
+            req = decode_infer(model, version, body, header_length)
+        except FrontendError as err:
+            # Answered before Frontend.infer: still one counted, logged outcome.
+            self.frontend.rejected(model, headers, err, time.monotonic() - started)
+            raise
+        resp = await self.frontend.infer(req, headers)
         payload, json_length = encode_infer(resp, req)
         out = web.Response(body=payload)
         if json_length is None:

@@ -70,13 +70,17 @@ class FrontendServer:
         self.frontend = self._factory(self.config, forwarder)
         await self.frontend.start()
         shell = HttpShell(self.frontend, max_body_bytes=self.max_body_bytes)
-        self._runner = web.AppRunner(shell.app(), handler_cancellation=True, access_log=None)
+        # Bodies are inflated by the shell itself (size-capped, Triton's errors for the
+        # encodings it does not know), not by aiohttp.
+        self._runner = web.AppRunner(
+            shell.app(), handler_cancellation=True, access_log=None, auto_decompress=False
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.listen.host, self.listen.http_port)
         await site.start()
         self.http_port = _bound_port(site)
 
-        self._grpc = make_server(self.frontend, max_message_bytes=self.max_body_bytes)
+        self._grpc = make_server(self.frontend)
         self.grpc_port = self._grpc.add_insecure_port(
             f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
         )

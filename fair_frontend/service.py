@@ -283,6 +283,23 @@ class Frontend:
                 error=error,
             )
 
+    def rejected(
+        self, model: str, headers: Mapping[str, str], err: FrontendError, latency_s: float
+    ) -> None:
+        """A request the shell refused before ``infer`` (it could not be decoded)."""
+        try:
+            tenant: str | None = self.auth.identify(headers, None)
+        except FrontendError:
+            tenant = None
+        self.observer.request_finished(
+            tenant=tenant,
+            model=model,
+            outcome=err.outcome,
+            queued_s=None,
+            latency_s=latency_s,
+            error=err.message,
+        )
+
     def _check_throttle(
         self,
         runtime: EndpointRuntime,
@@ -315,9 +332,13 @@ class Frontend:
             self._limit_items[(tenant, model)] = items
         if not items:
             return
-        decision = await self.limiter.check(
-            limit_key(tenant, model), items, requests=1, tokens=tokens, now=time.time()
-        )
+        try:
+            decision = await self.limiter.check(
+                limit_key(tenant, model), items, requests=1, tokens=tokens, now=time.time()
+            )
+        except Unavailable:  # the storage failed and the mode is fail_closed
+            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+            raise
         if decision.degraded:
             self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
         if not decision.allowed:

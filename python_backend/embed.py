@@ -26,7 +26,7 @@ from python_backend.rows import (
     pack,
     row_meta_tensor,
     row_metadata,
-    wants_row_meta,
+    wants_row_meta_of,
     width_groups,
 )
 from python_backend.settings import ModelSettings
@@ -72,7 +72,7 @@ class EmbedModel:
         """Validate one request; raise ``RequestError`` naming what is wrong."""
         rows = decode_rows(data.inputs, vocab=self.net.vocab, max_row_tokens=MAX_ROW_TOKENS)
         meta = row_metadata(data.parameters, rows.count, data.request_id)
-        return EmbedRequest(rows, meta, wants_row_meta(data.requested_outputs, OUTPUTS))
+        return EmbedRequest(rows, meta, wants_row_meta_of(data, OUTPUTS))
 
     def run(self, requests: Sequence[EmbedRequest]) -> list[dict[str, np.ndarray]]:
         """Outputs per request, in order, from one padded batch of all their rows."""

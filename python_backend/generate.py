@@ -36,7 +36,7 @@ from python_backend.rows import (
     pack,
     row_meta_tensor,
     row_metadata,
-    wants_row_meta,
+    wants_row_meta_of,
 )
 from python_backend.settings import ModelSettings
 
@@ -103,7 +103,7 @@ class GenerateModel:
         rows = decode_rows(data.inputs, vocab=self.net.vocab, max_row_tokens=MAX_PROMPT_TOKENS)
         max_tokens = decode_max_tokens(data.inputs, rows.count)
         meta = row_metadata(data.parameters, rows.count, data.request_id)
-        echo = wants_row_meta(data.requested_outputs, OUTPUTS)
+        echo = wants_row_meta_of(data, OUTPUTS)
         return GenerateRequest(rows, max_tokens, meta, echo)
 
     def run(self, requests: Sequence[GenerateRequest]) -> list[dict[str, np.ndarray]]:

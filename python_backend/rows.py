@@ -23,6 +23,9 @@ INPUT_IDS = "INPUT_IDS"
 INPUT_LENGTHS = "INPUT_LENGTHS"
 ROW_META = "ROW_META"
 FAIR_ROWS_PARAM = "fair_rows"
+# The outputs the frontend's client named (JSON list), when it named any: the frontend may
+# add outputs of its own (lengths), which hides the client's choice from Triton's view.
+FAIR_OUTPUTS_PARAM = "fair_outputs"
 TENANT_PARAM = "tenant"
 UNKNOWN_TENANT = "unknown"
 _META_FIELDS = ("tenant", "priority", "deadline_us", "id")
@@ -190,6 +193,27 @@ def _fair_rows(value: Any, count: int, request_id: str) -> list[RowMeta]:
             raise RequestError(f"{where}: id[{i}] must be a string")
         rows.append(RowMeta(tenant=tenant, priority=priority, deadline_us=deadline, id=row_id))
     return rows
+
+
+def wants_row_meta_of(data: RequestData, declared: frozenset[str]) -> bool:
+    """Whether ``ROW_META`` was asked for: the frontend says so in ``fair_outputs``;
+    otherwise Triton's view of the requested outputs decides (``wants_row_meta``)."""
+    try:
+        params = json.loads(data.parameters or "{}")
+    except ValueError:
+        params = {}
+    named = params.get(FAIR_OUTPUTS_PARAM) if isinstance(params, dict) else None
+    if isinstance(named, str):
+        try:
+            names = json.loads(named)
+        except ValueError as err:
+            raise RequestError(
+                f"parameter '{FAIR_OUTPUTS_PARAM}' is not valid JSON: {err}"
+            ) from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RequestError(f"parameter '{FAIR_OUTPUTS_PARAM}' must be a JSON list of names")
+        return ROW_META in names
+    return wants_row_meta(data.requested_outputs, declared)
 
 
 def wants_row_meta(requested: frozenset[str], declared: frozenset[str]) -> bool:

@@ -405,14 +405,6 @@ async def test_unknown_model_names_do_not_become_metric_labels(triton: EmbeddedT
     assert got.sum("fair_requests_total", endpoint="sleeper", outcome="dispatched") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="http_server.py / grpc_server.py: a request the codec cannot decode (malformed "
-    "JSON body; raw_input_contents not matching the inputs' shapes) is answered 400 / "
-    "INVALID_ARGUMENT by decode_infer before Frontend.infer runs, so no observer hears "
-    "of it: it is neither in fair_requests_total{outcome=rejected_invalid} nor in the "
-    "request log, and the counters no longer add up to the requests received",
-)
 async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton) -> None:
     name = unique("obs-m")
     config = make_config(tenants={name: {"tier": "standard", "api_keys": [f"{name}-key"]}})

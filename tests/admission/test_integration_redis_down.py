@@ -187,12 +187,6 @@ async def test_redis_down_mid_run(
     assert all(r.seconds <= BOUND_S for r in probes), max(r.seconds for r in probes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Frontend._check_rate_limits reports rate_limit_degraded only for a degraded "
-    "Decision (fail_open); under fail_closed the limiter raises Unavailable and the storage "
-    "error reaches no metric (the 503 is counted as outcome 'failed', like Triton down)",
-)
 @pytest.mark.parametrize("outage_frontend", ["fail_closed"], indirect=True)
 async def test_fail_closed_storage_errors_are_counted(
     outage_frontend: RunningFrontend, redis_process: RedisProcess, kserve: KServe

@@ -505,12 +505,6 @@ def test_http_body_over_the_transport_limit(small: RunningFrontend) -> None:
     simple_still_served_http(small.http_url)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gRPC core refuses a message over grpc.max_receive_message_length with "
-    "RESOURCE_EXHAUSTED before the servicer runs; PROTOCOL.md keeps RESOURCE_EXHAUSTED for "
-    "a tenant's rate limit (clients back off and retry). Fix in grpc_server.py/server.py.",
-)
 def test_grpc_message_over_the_transport_limit(small: RunningFrontend) -> None:
     tokens = (2 * MAX_BYTES + (1 << 20)) // 4 + 1
     ids = np.zeros((1, tokens), dtype=np.int32)
@@ -531,13 +525,6 @@ UNDECODABLE = [
 UNDECODABLE_IDS = [encoding for encoding, _ in UNDECODABLE]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiohttp's RequestPayloadError escapes HttpShell.infer (500 'Server got itself in "
-    "trouble'); zstd is refused by aiohttp's parser with a plain-text 400. Triton: 400 "
-    "for bad gzip/deflate, 501 'Unsupported compression type' for others. Fix in "
-    "http_server.py (see the report).",
-)
 @pytest.mark.parametrize(("encoding", "body"), UNDECODABLE, ids=UNDECODABLE_IDS)
 def test_http_undecodable_body_is_a_400_naming_the_encoding(
     frontend: RunningFrontend, encoding: str, body: bytes

@@ -572,13 +572,6 @@ def test_named_outputs_the_model_leaves_out_are_left_out(
     assert [n for n, _, _ in response_fields(through)[3]] == ["OUTPUT_IDS"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="generate: the frontend adds OUTPUT_LENGTHS to a request naming OUTPUT_IDS + "
-    "ROW_META, so the model sees every output named, reads it as 'none named' and leaves "
-    "ROW_META out (python_backend's heuristic, model_repository/README.md). Fix outside "
-    "the codecs: tell the model which outputs the client named (e.g. in fair_rows).",
-)
 def test_generate_row_meta_with_output_ids(sides: tuple[Side, Side]) -> None:
     arrays = model_inputs("generate", 1)
 
