@@ -59,6 +59,7 @@ class Packed:
     outputs: list[RequestedOutput] | None  # None: all outputs
     parameters: dict[str, ParamValue]
     stripped: frozenset[str]  # outputs added for the frontend's own use
+    sequence: dict[str, ParamValue]  # a stateful model's sequence_id/_start/_end
 
 
 def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
@@ -106,7 +107,10 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
         # as Triton would report it to the model had the client called it directly (all
         # declared outputs named reads as none named there, so it is left out here too).
         params[OUTPUTS_PARAMETER] = json.dumps(named)
-    return Packed(inputs, outputs, params, frozenset(stripped))
+    # Sequence-batched models go one request per batch (EndpointPolicy), so the one
+    # request's sequence parameters are the batch's.
+    sequence = dict(first.sequence) if len(items) == 1 else {}
+    return Packed(inputs, outputs, params, frozenset(stripped), sequence)
 
 
 def rows_parameter(items: Sequence[Item]) -> str:

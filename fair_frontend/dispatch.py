@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fair_frontend.admission import Throttle
@@ -35,7 +35,7 @@ from fair_frontend.errors import (
     Unavailable,
 )
 from fair_frontend.feedback import ServiceModel
-from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.forwarder import StreamReply, TritonForwarder
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import Tensor
 from fair_frontend.scheduler import QueuedRequest, Scheduler
@@ -45,12 +45,33 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Pending:
-    """What the shell keeps with a queued request (the scheduler's opaque payload)."""
+    """What the shell keeps with a queued request (the scheduler's opaque payload).
+
+    ``future`` resolves once, with (model version, outputs) or the error the request is
+    answered with. A request to a decoupled model also has a ``stream``: its responses,
+    then ``None``; an error ends the stream as a ``StreamReply`` carrying it.
+    """
 
     item: Item
     future: asyncio.Future[tuple[str, list[Tensor]]]  # (model version, outputs)
     enqueued_at: float
     dispatched_at: float | None = None
+    stream: asyncio.Queue[StreamReply | None] | None = None
+
+    def fail(self, err: FrontendError) -> None:
+        if self.future.done():
+            return
+        self.future.set_exception(err)
+        if self.stream is not None:
+            self.stream.put_nowait(StreamReply(error=err))
+            self.stream.put_nowait(None)
+
+    def finish(self, version: str, outputs: list[Tensor]) -> None:
+        if self.future.done():
+            return
+        self.future.set_result((version, outputs))
+        if self.stream is not None:
+            self.stream.put_nowait(None)
 
 
 @dataclass(slots=True)
@@ -177,6 +198,25 @@ class EndpointRuntime:
                 self.kick()
             raise
 
+    async def submit_stream(self, qr: QueuedRequest, item: Item) -> AsyncIterator[StreamReply]:
+        """Queue a request to a decoupled model; yield its responses as they come."""
+        now = self.now()
+        pending = Pending(item, self.loop.create_future(), now, stream=asyncio.Queue())
+        pending.future.add_done_callback(_retrieve)
+        qr.payload = pending
+        self.scheduler.enqueue(qr, now)
+        self.kick()
+        assert pending.stream is not None
+        try:
+            while (reply := await pending.stream.get()) is not None:
+                if reply.error is not None:
+                    raise reply.error
+                yield reply
+        finally:
+            if not pending.future.done() and self.scheduler.cancel(qr, self.now()):
+                pending.future.cancel()
+                self.kick()
+
     # ---- the dispatch side --------------------------------------------------------------
 
     def kick(self) -> None:
@@ -232,7 +272,7 @@ class EndpointRuntime:
             pending: Pending = qr.payload
             self.on_expired(qr)
             if not pending.future.done():
-                pending.future.set_exception(TimeoutExpired())
+                pending.fail(TimeoutExpired())
 
     async def _run(self, batch: list[QueuedRequest], now: float) -> None:
         pendings: list[Pending] = [qr.payload for qr in batch]
@@ -256,6 +296,8 @@ class EndpointRuntime:
         if not pendings:
             return True
         items = [p.item for p in pendings]
+        if self.info.decoupled:
+            return await self._send_stream(pendings[0])
         try:
             packed = pack(items, self.info, self.endpoint)
             while True:
@@ -289,7 +331,33 @@ class EndpointRuntime:
             strict=True,
         ):
             if not p.future.done():
-                p.future.set_result((version, outs))
+                p.finish(version, outs)
+        return True
+
+    async def _send_stream(self, pending: Pending) -> bool:
+        """A decoupled model: relay each of its responses as it arrives."""
+        packed = pack([pending.item], self.info, self.endpoint)
+        req = pending.item.request
+        version = req.version
+        assert pending.stream is not None
+        async for reply in self.forwarder.stream(
+            self.model,
+            req.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=req.id,
+            sequence=packed.sequence,
+        ):
+            if reply.error is not None:
+                if isinstance(reply.error, Unavailable):
+                    self.backend.mark_down()
+                pending.fail(reply.error)
+                return False
+            version = reply.version
+            if not pending.future.done():
+                pending.stream.put_nowait(reply)
+        pending.finish(version, [])
         return True
 
     async def _hold(self, pendings: list[Pending]) -> list[Pending]:
@@ -307,7 +375,7 @@ class EndpointRuntime:
             for p in pendings:
                 due = p.item.deadline_mono
                 if due is not None and due <= now and not p.future.done():
-                    p.future.set_exception(TimeoutExpired())
+                    p.fail(TimeoutExpired())
             pendings = [p for p in pendings if not p.future.done()]
         return pendings
 
@@ -325,7 +393,7 @@ class EndpointRuntime:
                 continue
             (outs,) = unpack(outputs, [p.item], self.info, self.endpoint, packed.stripped)
             if not p.future.done():
-                p.future.set_result((version, outs))
+                p.finish(version, outs)
 
     async def _forward(self, packed: Packed, items: list[Item]) -> tuple[str, list[Tensor]]:
         first = items[0].request
@@ -336,13 +404,13 @@ class EndpointRuntime:
             packed.outputs,
             packed.parameters,
             request_id=first.id if len(items) == 1 else "",
+            sequence=packed.sequence,
         )
 
     @staticmethod
     def _fail(pendings: list[Pending], err: FrontendError) -> None:
         for p in pendings:
-            if not p.future.done():
-                p.future.set_exception(err)
+            p.fail(err)
 
     @property
     def idle(self) -> bool:

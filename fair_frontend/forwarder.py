@@ -7,7 +7,8 @@ frontend what it would have seen from Triton. An unreachable Triton is UNAVAILAB
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -20,8 +21,16 @@ from tritonclient.grpc import (
 )
 from tritonclient.grpc import aio as grpcclient
 
+from fair_frontend import grpc_codec
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
-from fair_frontend.protocol import DTYPES, ParamValue, RequestedOutput, Tensor
+from fair_frontend.protocol import (
+    DTYPES,
+    EMPTY_FINAL_RESPONSE,
+    FINAL_RESPONSE,
+    ParamValue,
+    RequestedOutput,
+    Tensor,
+)
 
 # Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError).
 _HTTP_STATUS = {
@@ -46,6 +55,23 @@ def upstream_error(err: InferenceServerException) -> FrontendError:
         )
         return Unavailable(f"Triton is unavailable: {message}", never_sent=never_sent)
     return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))
+
+
+@dataclass(slots=True)
+class StreamReply:
+    """One response of a decoupled model (or the error that ended its stream)."""
+
+    version: str = ""
+    outputs: list[Tensor] = field(default_factory=list)
+    final: bool = False
+    error: FrontendError | None = None
+
+
+def upstream_message_error(message: str) -> FrontendError:
+    """An error Triton put in a stream response (it carries no status code)."""
+    if "unknown model" in message:
+        return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
+    return UpstreamError(message, grpc.StatusCode.INTERNAL, 500)
 
 
 def _bf16_words_to_float(words: np.ndarray) -> np.ndarray:
@@ -82,8 +108,13 @@ class TritonForwarder:
         outputs: Sequence[RequestedOutput] | None,
         parameters: dict[str, ParamValue],
         request_id: str = "",
+        sequence: Mapping[str, ParamValue] | None = None,
     ) -> tuple[str, list[Tensor]]:
-        """One inference request; returns (the model version that ran, its outputs)."""
+        """One inference request; returns (the model version that ran, its outputs).
+
+        ``sequence``: the client's ``sequence_id`` / ``sequence_start`` / ``sequence_end``,
+        passed through for sequence-batched (stateful) models.
+        """
         infer_inputs = []
         for t in inputs:
             inp = InferInput(t.name, list(t.shape), t.datatype)
@@ -95,6 +126,7 @@ class TritonForwarder:
             if outputs
             else None
         )
+        seq = sequence or {}
         try:
             result = await self._client.infer(
                 model,
@@ -102,6 +134,9 @@ class TritonForwarder:
                 model_version=version,
                 outputs=infer_outputs,
                 request_id=request_id,
+                sequence_id=seq.get("sequence_id", 0),
+                sequence_start=bool(seq.get("sequence_start", False)),
+                sequence_end=bool(seq.get("sequence_end", False)),
                 parameters=parameters or None,
                 client_timeout=self.request_timeout_s,
             )
@@ -115,6 +150,52 @@ class TritonForwarder:
                 arr = (arr.view(np.uint32) >> 16).astype(DTYPES["BF16"])
             out.append(Tensor(spec.name, spec.datatype, tuple(spec.shape), arr))
         return response.model_version, out
+
+    async def stream(
+        self,
+        model: str,
+        version: str,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[RequestedOutput] | None,
+        parameters: dict[str, ParamValue],
+        request_id: str = "",
+        sequence: Mapping[str, ParamValue] | None = None,
+    ) -> AsyncIterator[StreamReply]:
+        """One request to a decoupled model over ``ModelStreamInfer``: its responses.
+
+        Always asks Triton for the empty final response, so the end of a request is known
+        even when its last real response does not say so. tritonclient's aio client
+        refuses ``triton_`` parameters, so this one call uses the generated stub.
+        """
+        msg = grpc_codec.encode_request(
+            model, version, request_id, inputs, outputs, parameters, sequence
+        )
+        msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
+        call = self.stub.ModelStreamInfer(iter([msg]), timeout=self.request_timeout_s)
+        try:
+            async for reply in call:
+                if reply.error_message:
+                    yield StreamReply(error=upstream_message_error(reply.error_message))
+                    return
+                r = reply.infer_response
+                final = (
+                    r.parameters[FINAL_RESPONSE].bool_param
+                    if FINAL_RESPONSE in r.parameters
+                    else False
+                )
+                yield StreamReply(
+                    version=r.model_version,
+                    outputs=grpc_codec.decode_outputs(r),
+                    final=final,
+                )
+                if final:
+                    return
+        except grpc.aio.AioRpcError as err:
+            yield StreamReply(
+                error=upstream_error(InferenceServerException(err.details(), str(err.code())))
+            )
+        finally:
+            call.cancel()
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """A non-infer call of tritonclient's aio client, errors mapped."""

@@ -7,6 +7,7 @@ send) or typed ``contents``; responses always use raw contents, as Triton does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,3 +170,39 @@ def encode_infer(resp: InferResponse) -> service_pb2.ModelInferResponse:
         msg.outputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
         msg.raw_output_contents.append(tensor_to_raw(t))
     return msg
+
+
+def encode_request(
+    model: str,
+    version: str,
+    request_id: str,
+    inputs: Sequence[Tensor],
+    outputs: Sequence[RequestedOutput] | None,
+    parameters: Mapping[str, ParamValue],
+    sequence: Mapping[str, ParamValue] | None = None,
+) -> service_pb2.ModelInferRequest:
+    """A ``ModelInferRequest`` with raw contents, for calls made on the generated stub."""
+    msg = service_pb2.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    for t in inputs:
+        msg.inputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
+        msg.raw_input_contents.append(tensor_to_raw(t))
+    for o in outputs or ():
+        out = msg.outputs.add(name=o.name)
+        if o.classification:
+            out.parameters["classification"].int64_param = o.classification
+    for k, v in {**parameters, **(sequence or {})}.items():
+        set_param(msg.parameters[k], v)
+    return msg
+
+
+def decode_outputs(msg: service_pb2.ModelInferResponse) -> list[Tensor]:
+    """A response's outputs (raw contents, as Triton sends them)."""
+    raw = msg.raw_output_contents
+    out = []
+    for i, spec in enumerate(msg.outputs):
+        shape = tuple(spec.shape)
+        if i < len(raw):
+            out.append(tensor_from_raw(spec.name, spec.datatype, shape, raw[i]))
+        else:
+            out.append(_from_contents(spec.name, spec.datatype, shape, spec.contents))
+    return out

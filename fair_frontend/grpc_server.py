@@ -7,9 +7,10 @@ carry the retry hint in trailing metadata ``retry-after`` (seconds).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -98,6 +99,56 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
+
+    async def ModelStreamInfer(
+        self, request_iterator: Any, context: Any
+    ) -> AsyncIterator[Any]:
+        """Bidirectional streaming: every request on the stream is scheduled like any
+        other; responses (several for a decoupled model) go back as they come, each
+        request's in order. An error answers that request in-stream, as Triton does."""
+        headers = _headers(context)
+        replies: asyncio.Queue[Any] = asyncio.Queue()
+        handlers: set[asyncio.Task[None]] = set()
+
+        async def handle(msg: Any) -> None:
+            started = time.monotonic()
+            try:
+                try:
+                    req = grpc_codec.decode_infer(msg)
+                except FrontendError as err:
+                    self.frontend.rejected(msg.model_name, headers, err, time.monotonic() - started)
+                    raise
+                async for resp in self.frontend.stream_infer(req, headers):
+                    reply = service_pb2.ModelStreamInferResponse()
+                    reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
+                    replies.put_nowait(reply)
+            except FrontendError as err:
+                replies.put_nowait(service_pb2.ModelStreamInferResponse(error_message=err.message))
+            except Exception as err:
+                log.exception("internal error on a stream")
+                replies.put_nowait(
+                    service_pb2.ModelStreamInferResponse(
+                        error_message=f"internal error: {type(err).__name__}"
+                    )
+                )
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                task = asyncio.get_running_loop().create_task(handle(msg))
+                handlers.add(task)
+                task.add_done_callback(handlers.discard)
+            while handlers:
+                await asyncio.gather(*list(handlers), return_exceptions=True)
+            replies.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+            for task in list(handlers):
+                task.cancel()
 
 
 def make_server(frontend: Frontend) -> grpc.aio.Server:

@@ -56,6 +56,8 @@ RESERVED_PREFIX = "triton_"
 # The one ``triton_`` request parameter Triton itself understands (decoupled streaming);
 # perf_analyzer sends it on every request.
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+# The response parameter that marks a decoupled request's last response.
+FINAL_RESPONSE = "triton_final_response"
 # The frontend's own per-batch parameters (``fair_rows``) travel under this prefix.
 FRONTEND_PREFIX = "fair_"
 # Triton's shared-memory extension: tensor data in a region registered with the server. A

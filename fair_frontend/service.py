@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from fair_frontend.admission import (
@@ -35,13 +35,20 @@ from fair_frontend.errors import (
     InvalidArgument,
     Unavailable,
     UnknownModel,
+    Unsupported,
     UpstreamError,
 )
 from fair_frontend.feedback import FeedbackCost, ServiceModel, TritonDelta, TritonMetrics
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo, validate
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.protocol import (
+    FINAL_RESPONSE,
+    InferRequest,
+    InferResponse,
+    ParamValue,
+    Tensor,
+)
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -215,6 +222,23 @@ class Frontend:
     # ---- inference ----------------------------------------------------------------------
 
     async def infer(self, req: InferRequest, headers: Mapping[str, str]) -> InferResponse:
+        """One request, one response (ModelInfer, HTTP infer)."""
+        replies = self._handle(req, headers, streaming=False)
+        try:
+            return await anext(replies)
+        finally:
+            await replies.aclose()
+
+    def stream_infer(
+        self, req: InferRequest, headers: Mapping[str, str]
+    ) -> AsyncIterator[InferResponse]:
+        """One request on a stream (ModelStreamInfer): its responses; several for a
+        decoupled model, exactly one otherwise."""
+        return self._handle(req, headers, streaming=True)
+
+    async def _handle(
+        self, req: InferRequest, headers: Mapping[str, str], *, streaming: bool
+    ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
         tenant: str | None = None
@@ -227,6 +251,10 @@ class Frontend:
                 raise Unavailable("the frontend is shutting down")
             tenant = self.auth.identify(headers, req.tenant_claim)
             info = await self.models.get(req.model)
+            if info.decoupled and not streaming:
+                raise Unsupported(
+                    "ModelInfer RPC doesn't support models with decoupled transaction policy"
+                )
             runtime = self._runtime(req.model, info)
             endpoint = runtime.endpoint
             checked = validate(req, info, endpoint)
@@ -251,13 +279,27 @@ class Frontend:
                 deadline=deadline,
                 shape_key=batch_key(req, info, endpoint),
             )
-            version, outputs = await runtime.submit(qr, item)
+            final: dict[str, ParamValue] = (
+                {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
+            )
+            if info.decoupled:
+                version = req.version or info.latest_version
+                async for reply in runtime.submit_stream(qr, item):
+                    version = reply.version or version
+                    if not reply.outputs and not (reply.final and final):
+                        continue  # Triton's empty final: only for clients that asked
+                    params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if final else {}
+                    yield InferResponse(req.model, version, req.id, reply.outputs, params)
+                outputs: list[Tensor] = []
+            else:
+                version, outputs = await runtime.submit(qr, item)
             queued_s = _queued_seconds(qr)
             outcome = Outcome.DISPATCHED
             total_s = time.monotonic() - arrived
             infer_s = runtime.now() - qr.payload.dispatched_at
             self.stats.success(req.model, version, checked.rows, total_s, queued_s or 0.0, infer_s)
-            return InferResponse(model=req.model, version=version, id=req.id, outputs=outputs)
+            if not info.decoupled:
+                yield InferResponse(req.model, version, req.id, outputs, dict(final))
         except FrontendError as err:
             outcome = err.outcome
             error = err.message
@@ -267,6 +309,10 @@ class Frontend:
             raise
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED
+            raise
+        except GeneratorExit:
+            if outcome is not Outcome.DISPATCHED:  # the caller stopped reading a stream
+                outcome = Outcome.CANCELLED
             raise
         except Exception as err:
             log.exception("internal error serving %s", req.model)
