@@ -36,6 +36,7 @@ DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
 DEFAULT_PRIORITY_LEVELS = 10
 DEFAULT_LATENCY_TARGET_MS = 5000.0
+DEFAULT_DISPATCH_LEAD_MS = 3.0
 DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
@@ -187,6 +188,14 @@ class Endpoint(_Strict):
         description="Batches in Triton at once for this model. Unset: one per model instance "
         "(Triton's instance_group counts), so requests wait in the frontend, where fairness "
         "is decided, and the next batch is assembled at the moment an instance frees up.",
+    )
+    dispatch_lead_ms: float = Field(
+        default=DEFAULT_DISPATCH_LEAD_MS,
+        ge=0,
+        description="Send the next batch this long before the batches in flight are "
+        "predicted to finish (from the learned batch times), so Triton never idles between "
+        "batches; the batch is still assembled at that last moment. 0: only when a slot "
+        "is free (one round trip of idle GPU per batch).",
     )
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for priority 0; unset: the middle level."

@@ -160,6 +160,7 @@ class EndpointRuntime:
     throttle: Throttle | None = None  # admission's early reject
     inflight: int = 0
     batches_sent: int = 0
+    _busy_until: float = 0.0  # when the batches in flight are predicted to be done
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     _timer_at: float | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
@@ -223,7 +224,7 @@ class EndpointRuntime:
         """Send batches while a slot is free and work is queued; re-arm the timers."""
         now = self.now()
         self._expire(now)
-        while self.inflight < self.max_inflight and self.backend.available.is_set():
+        while self.backend.available.is_set() and self._may_send(now):
             hold = self._hold_until(now)
             if hold is not None:
                 self._arm(hold)
@@ -233,12 +234,38 @@ class EndpointRuntime:
                 break
             self.inflight += 1
             self.batches_sent += 1
+            self._busy_until = max(now, self._busy_until) + self._predict(batch)
             task = self.loop.create_task(self._run(batch, now))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        if self.inflight >= self.max_inflight and self.scheduler.queued_requests:
+            lead = self._lead()
+            if lead > 0 and self.inflight == self.max_inflight:
+                self._arm(self._busy_until - lead)
         deadline = self.scheduler.next_deadline()
         if deadline is not None:
             self._arm(deadline)
+
+    def _may_send(self, now: float) -> bool:
+        """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
+        batches in flight are predicted to finish, so that Triton starts it without a gap
+        while it is still assembled at the last moment (late binding)."""
+        if self.inflight < self.max_inflight:
+            return True
+        lead = self._lead()
+        return lead > 0 and self.inflight == self.max_inflight and now >= self._busy_until - lead
+
+    def _lead(self) -> float:
+        if self.service is None or not self.service.has_data:
+            return 0.0
+        return self.endpoint.dispatch_lead_ms / 1000.0
+
+    def _predict(self, batch: list[QueuedRequest]) -> float:
+        if self.service is None or not self.service.has_data:
+            return 0.0
+        rows = sum(qr.rows for qr in batch)
+        tokens = sum(qr.tokens for qr in batch)
+        return float(self.service.predict_batch_seconds(rows, tokens))
 
     def _hold_until(self, now: float) -> float | None:
         """Triton-style max_queue_delay: wait (only while idle) for a fuller batch."""
