@@ -47,8 +47,9 @@ _CONTENTS_FIELD = {
 }
 
 
-# Request parameters Triton accepts as uint64_param (the clients send priority that way).
-_UINT64_PARAMETERS = frozenset({"priority", "timeout", "sequence_id"})
+# Request parameters accepted as uint64_param: Triton's (the clients send priority that
+# way), and timeout, harmlessly (Triton wants int64 there). Not sequence_id: Triton refuses.
+_UINT64_PARAMETERS = frozenset({"priority", "timeout"})
 
 
 def param_value(p: service_pb2.InferParameter, name: str = "") -> ParamValue:

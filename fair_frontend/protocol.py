@@ -143,7 +143,11 @@ def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
             req.priority = _non_negative_int(name, value)
         elif name == "timeout":
             req.timeout_us = _non_negative_int(name, value)
-        elif name in ("sequence_id", "sequence_start", "sequence_end"):
+        elif name == "sequence_id":
+            req.sequence[name] = _sequence_id(value)
+        elif name in ("sequence_start", "sequence_end"):
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"parameter '{name}' must be a boolean, got {value!r}")
             req.sequence[name] = value
         elif name == "binary_data_output":
             if not isinstance(value, bool):
@@ -184,6 +188,19 @@ def reject_shared_memory(where: str, params: Container[str]) -> None:
             f"{where}: parameter '{SHARED_MEMORY_PARAMETER}' asks for shared memory, which "
             "this server does not support (send the data in the request)"
         )
+
+
+def _sequence_id(value: ParamValue) -> ParamValue:
+    """A string, or an integer Triton can take on (it travels on as gRPC int64_param)."""
+    if isinstance(value, str):
+        return value
+    n = _non_negative_int("sequence_id", value)
+    if n > INT64_MAX:
+        raise InvalidArgument(
+            f"parameter 'sequence_id' is out of range: an integer id must fit in a signed "
+            f"64-bit integer, got {n} (or send the id as a string)"
+        )
+    return n
 
 
 def _non_negative_int(name: str, value: ParamValue) -> int:
