@@ -66,11 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     hk = sub.add_parser("hash-key", help='print the "sha256:<hex>" form of an API key')
     hk.add_argument("key")
+
+    sub.add_parser("config-reference", help="print every config field, as Markdown")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "config-reference":
+        from fair_frontend.config import reference
+
+        print(reference())
+        return 0
     if args.command == "hash-key":
         from fair_frontend.auth import hash_key
 

@@ -91,16 +91,22 @@ class Limits(_Strict):
     Windows slide: "per minute" means in any 60 s, "per month" in any 30 days.
     """
 
-    requests_per_second: int | None = Field(default=None, ge=0)
-    requests_per_minute: int | None = Field(default=None, ge=0)
-    requests_per_hour: int | None = Field(default=None, ge=0)
-    requests_per_day: int | None = Field(default=None, ge=0)
-    requests_per_month: int | None = Field(default=None, ge=0)
-    tokens_per_second: int | None = Field(default=None, ge=0)
-    tokens_per_minute: int | None = Field(default=None, ge=0)
-    tokens_per_hour: int | None = Field(default=None, ge=0)
-    tokens_per_day: int | None = Field(default=None, ge=0)
-    tokens_per_month: int | None = Field(default=None, ge=0)
+    requests_per_second: int | None = Field(
+        default=None, ge=0, description="Requests in any 1 second."
+    )
+    requests_per_minute: int | None = Field(
+        default=None, ge=0, description="Requests in any 1 minute."
+    )
+    requests_per_hour: int | None = Field(default=None, ge=0, description="Requests in any 1 hour.")
+    requests_per_day: int | None = Field(default=None, ge=0, description="Requests in any 1 day.")
+    requests_per_month: int | None = Field(
+        default=None, ge=0, description="Requests in any 30 days."
+    )
+    tokens_per_second: int | None = Field(default=None, ge=0, description="Tokens in any 1 second.")
+    tokens_per_minute: int | None = Field(default=None, ge=0, description="Tokens in any 1 minute.")
+    tokens_per_hour: int | None = Field(default=None, ge=0, description="Tokens in any 1 hour.")
+    tokens_per_day: int | None = Field(default=None, ge=0, description="Tokens in any 1 day.")
+    tokens_per_month: int | None = Field(default=None, ge=0, description="Tokens in any 30 days.")
 
     def items(self) -> list[tuple[str, str, int]]:
         """The set limits as ``(unit, window, amount)``, in declaration order."""
@@ -121,7 +127,7 @@ class Limits(_Strict):
 class PaddedInput(_Strict):
     """How ragged rows of one input are batched: right-padded to the longest row."""
 
-    pad_value: float = 0
+    pad_value: float = Field(default=0, description="Value the padding is filled with.")
     lengths_input: str | None = Field(
         default=None,
         description="Input the frontend adds with each row's true length ([B, 1] INT32). "
@@ -139,8 +145,12 @@ class PaddedOutput(_Strict):
 
 
 class Padding(_Strict):
-    inputs: dict[str, PaddedInput] = Field(default_factory=dict)
-    outputs: dict[str, PaddedOutput] = Field(default_factory=dict)
+    inputs: dict[str, PaddedInput] = Field(
+        default_factory=dict, description="Inputs padded to the longest row, by name."
+    )
+    outputs: dict[str, PaddedOutput] = Field(
+        default_factory=dict, description="Padded outputs cut back per row, by name."
+    )
 
 
 class Endpoint(_Strict):
@@ -219,9 +229,18 @@ class Endpoint(_Strict):
         description="Values the frontend fills in for optional inputs a request leaves out, so "
         "rows with and without them share a batch (the model's own defaults).",
     )
-    padding: Padding = Field(default_factory=Padding)
-    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, gt=0)
-    max_request_tokens: int | None = Field(default=None, gt=0)
+    padding: Padding = Field(
+        default_factory=Padding,
+        description="How ragged rows share a batch; without it only equal shapes do.",
+    )
+    max_request_bytes: int = Field(
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        gt=0,
+        description="Largest request (input tensor bytes); beyond, 400.",
+    )
+    max_request_tokens: int | None = Field(
+        default=None, gt=0, description="Largest request in tokens; beyond, 400."
+    )
 
     def effective_quantum(self, max_batch_size: int) -> float:
         """The DRR quantum: configured, else derived from the batching policy."""
@@ -235,7 +254,7 @@ class Endpoint(_Strict):
 
 
 class Tenant(_Strict):
-    tier: str
+    tier: str = Field(description="One of tiers.")
     weight: float = Field(default=1.0, gt=0, description="Share relative to its tier's peers.")
     api_keys: list[str] = Field(
         default_factory=list,
@@ -247,9 +266,17 @@ class Tenant(_Strict):
     api_keys_env: str | None = Field(
         default=None, description="Environment variable with comma-separated keys."
     )
-    default_priority: int | None = Field(default=None, ge=1)
-    max_queued: int = Field(default=DEFAULT_TENANT_MAX_QUEUED, ge=1)
-    max_queued_bytes: int | None = Field(default=None, ge=1)
+    default_priority: int | None = Field(
+        default=None, ge=1, description="Level for this tenant's priority-0 requests."
+    )
+    max_queued: int = Field(
+        default=DEFAULT_TENANT_MAX_QUEUED,
+        ge=1,
+        description="Requests this tenant may have queued per model; beyond, 503.",
+    )
+    max_queued_bytes: int | None = Field(
+        default=None, ge=1, description="Tensor bytes this tenant may have queued per model."
+    )
     limits: dict[str, Limits] = Field(
         default_factory=dict,
         description="Per endpoint; overrides the tier's limits field by field.",
@@ -257,10 +284,19 @@ class Tenant(_Strict):
 
 
 class Server(_Strict):
-    host: str = "0.0.0.0"
-    http_port: int = Field(default=DEFAULT_HTTP_PORT, ge=0, le=65535)
-    grpc_port: int = Field(default=DEFAULT_GRPC_PORT, ge=0, le=65535)
-    metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    host: str = Field(default="0.0.0.0", description="Address the HTTP and gRPC listeners bind.")
+    http_port: int = Field(
+        default=DEFAULT_HTTP_PORT, ge=0, le=65535, description="KServe v2 HTTP (0: any free)."
+    )
+    grpc_port: int = Field(
+        default=DEFAULT_GRPC_PORT, ge=0, le=65535, description="KServe v2 gRPC (0: any free)."
+    )
+    metrics_port: int = Field(
+        default=DEFAULT_METRICS_PORT,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics of the frontend (0: any free).",
+    )
     metrics_host: str = Field(
         default="0.0.0.0", description="Bind to 127.0.0.1 to keep metrics off the network."
     )
@@ -271,15 +307,30 @@ class Triton(_Strict):
     metrics_url: str | None = Field(
         default=None, description="Triton's Prometheus endpoint, e.g. http://localhost:8002/metrics"
     )
-    metrics_interval_s: float = Field(default=DEFAULT_METRICS_INTERVAL_S, gt=0)
-    request_timeout_s: float = Field(default=60.0, gt=0)
+    metrics_interval_s: float = Field(
+        default=DEFAULT_METRICS_INTERVAL_S, gt=0, description="How often Triton's metrics are read."
+    )
+    request_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest a call to Triton may take before it is answered UNAVAILABLE.",
+    )
 
 
 class Queues(_Strict):
     """Global caps over every tenant and endpoint."""
 
-    max_queued: int = Field(default=DEFAULT_GLOBAL_MAX_QUEUED, ge=1)
-    max_queued_bytes: int = Field(default=DEFAULT_GLOBAL_MAX_QUEUED_BYTES, ge=1)
+    max_queued: int = Field(
+        default=DEFAULT_GLOBAL_MAX_QUEUED,
+        ge=1,
+        description="Requests queued in the whole frontend; beyond, 503 'Exceeds maximum "
+        "queue size'.",
+    )
+    max_queued_bytes: int = Field(
+        default=DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
+        ge=1,
+        description="Tensor bytes queued in the whole frontend; beyond, the same 503.",
+    )
 
 
 class TierGuard(_Strict):
@@ -298,8 +349,16 @@ class RateLimiting(_Strict):
     storage: str = Field(
         default=DEFAULT_RATELIMIT_STORAGE, description='"memory://" or "redis://host:port[/db]".'
     )
-    on_storage_error: Literal["fail_open", "fail_closed"] = "fail_open"
-    timeout_ms: float = Field(default=DEFAULT_RATELIMIT_TIMEOUT_MS, gt=0)
+    on_storage_error: Literal["fail_open", "fail_closed"] = Field(
+        default="fail_open",
+        description="Storage down or slow: admit and count it in a metric (fail_open), or "
+        "answer 503 (fail_closed).",
+    )
+    timeout_ms: float = Field(
+        default=DEFAULT_RATELIMIT_TIMEOUT_MS,
+        gt=0,
+        description="Longest a limit check may wait for its storage before the mode applies.",
+    )
 
 
 class Auth(_Strict):
@@ -316,28 +375,57 @@ class Observability(_Strict):
         ge=1,
         description="Tenants that get their own metric label; the rest share 'other'.",
     )
-    log_format: Literal["json", "text"] = "json"
-    ema_alpha: float = Field(default=DEFAULT_EMA_ALPHA, gt=0, le=1)
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="One JSON object per log line, or plain text."
+    )
+    ema_alpha: float = Field(
+        default=DEFAULT_EMA_ALPHA,
+        gt=0,
+        le=1,
+        description="Weight of the newest interval in the feedback loop's moving averages.",
+    )
 
 
 class Config(_Strict):
-    scheduling: Literal["fair", "fifo"] = "fair"
-    priority_levels: int = Field(default=DEFAULT_PRIORITY_LEVELS, ge=1)
-    server: Server = Field(default_factory=Server)
-    triton: Triton = Field(default_factory=Triton)
-    queues: Queues = Field(default_factory=Queues)
-    tier_guard: TierGuard = Field(default_factory=TierGuard)
-    rate_limiting: RateLimiting = Field(default_factory=RateLimiting)
-    auth: Auth = Field(default_factory=Auth)
-    observability: Observability = Field(default_factory=Observability)
-    endpoints: dict[str, Endpoint] = Field(default_factory=dict)
+    scheduling: Literal["fair", "fifo"] = Field(
+        default="fair",
+        description="fair: tier, deficit round robin, priority. fifo: one shared queue in "
+        "arrival order (the baseline for comparisons).",
+    )
+    priority_levels: int = Field(
+        default=DEFAULT_PRIORITY_LEVELS,
+        ge=1,
+        description="Request priorities 1 (highest) .. this; 0 asks for the default level.",
+    )
+    server: Server = Field(default_factory=Server, description="Listeners.")
+    triton: Triton = Field(default_factory=Triton, description="The Triton behind the frontend.")
+    queues: Queues = Field(default_factory=Queues, description="Global queue caps.")
+    tier_guard: TierGuard = Field(
+        default_factory=TierGuard, description="Optional minimum share of lower tiers."
+    )
+    rate_limiting: RateLimiting = Field(
+        default_factory=RateLimiting, description="Where rate-limit counters live."
+    )
+    auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
+    observability: Observability = Field(
+        default_factory=Observability, description="Metrics labels, logs, feedback."
+    )
+    endpoints: dict[str, Endpoint] = Field(
+        default_factory=dict, description="Scheduling policy per model (Triton model name)."
+    )
     default_endpoint: Endpoint = Field(
         default_factory=Endpoint,
         description="Policy for Triton models without an entry in endpoints.",
     )
-    tiers: list[str] = Field(min_length=1)
-    tier_limits: dict[str, dict[str, Limits]] = Field(default_factory=dict)
-    tenants: dict[str, Tenant] = Field(default_factory=dict)
+    tiers: list[str] = Field(
+        min_length=1, description="SLA tiers, highest first; served in strict order."
+    )
+    tier_limits: dict[str, dict[str, Limits]] = Field(
+        default_factory=dict, description="Rate limits per tier and model."
+    )
+    tenants: dict[str, Tenant] = Field(
+        default_factory=dict, description="Tenants by name: tier, weight, keys, limits."
+    )
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -482,3 +570,47 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(str(p), ["the top level must be a mapping"])
     return parse_config(data, str(p))
+
+
+def reference() -> str:
+    """The configuration reference as Markdown tables, from the field declarations
+    (``fair-frontend config-reference``; the README embeds it and a test keeps it current)."""
+    sections: list[tuple[str, type[BaseModel]]] = [
+        ("top level", Config),
+        ("`server`", Server),
+        ("`triton`", Triton),
+        ("`queues`", Queues),
+        ("`tier_guard`", TierGuard),
+        ("`rate_limiting`", RateLimiting),
+        ("`auth`", Auth),
+        ("`observability`", Observability),
+        ("`endpoints.<model>` and `default_endpoint`", Endpoint),
+        ("`padding` (of an endpoint)", Padding),
+        ("`padding.inputs.<input>`", PaddedInput),
+        ("`padding.outputs.<output>`", PaddedOutput),
+        ("`tenants.<name>`", Tenant),
+        ("limits (`tier_limits.<tier>.<model>`, `tenants.<name>.limits.<model>`)", Limits),
+    ]
+    out = []
+    for title, model in sections:
+        out.append(f"#### {title}\n")
+        out.append("| field | type | default | meaning |")
+        out.append("| --- | --- | --- | --- |")
+        for name, field in model.model_fields.items():
+            annotation = str(field.annotation)
+            for noise in ("typing.", "fair_frontend.config.", "<class '", "'>"):
+                annotation = annotation.replace(noise, "")
+            annotation = annotation.replace("|", "or")
+            if field.is_required():
+                default = "required"
+            elif field.default_factory is not None:
+                factory: Any = field.default_factory
+                nested = isinstance(factory, type) and issubclass(factory, BaseModel)
+                default = "its section" if nested else f"`{factory()!r}`"
+            else:
+                value = field.default
+                default = f"`{value.value if isinstance(value, enum.Enum) else value}`"
+            doc = (field.description or "").replace("|", "\\|")
+            out.append(f"| `{name}` | {annotation} | {default} | {doc} |")
+        out.append("")
+    return "\n".join(out)
