@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import string
 import zlib
 from collections.abc import Callable
@@ -52,8 +53,9 @@ from fair_frontend.errors import MSG_TIMEOUT_EXPIRED
 from fair_frontend.protocol import DTYPES
 from tests.support import RunningFrontend
 
+# 200 examples each keeps the suite fast; COMPAT_FUZZ_EXAMPLES=5000 for a deeper run.
 FUZZ = settings(
-    max_examples=200,
+    max_examples=int(os.environ.get("COMPAT_FUZZ_EXAMPLES", "200")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
