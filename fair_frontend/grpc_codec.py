@@ -119,12 +119,13 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         reject_shared_memory(f"output '{out.name}'", out.parameters)
         cls = 0
         if "classification" in out.parameters:
-            value = param_value(out.parameters["classification"], "classification")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            p = out.parameters["classification"]
+            if p.WhichOneof("parameter_choice") != "int64_param" or p.int64_param < 0:
+                # Triton's rule: an int64_param >= 0 (it refuses uint64_param too).
                 raise InvalidArgument(
-                    f"output '{out.name}': classification must be an integer >= 0"
+                    f"output '{out.name}': classification must be an int64_param >= 0"
                 )
-            cls = value
+            cls = p.int64_param
         # Named twice: Triton's gRPC server answers it once, as last named.
         req.outputs = [o for o in req.outputs if o.name != out.name]
         req.outputs.append(RequestedOutput(out.name, None, cls))

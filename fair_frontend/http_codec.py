@@ -13,6 +13,7 @@ from typing import Any
 
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import (
+    INT64_MAX,
     InferRequest,
     InferResponse,
     ParamValue,
@@ -136,9 +137,10 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
         if binary_flag is not None and not isinstance(binary_flag, bool):
             raise InvalidArgument(f"output '{spec['name']}': binary_data must be a boolean")
         cls = params.get("classification", 0)
-        if isinstance(cls, bool) or not isinstance(cls, int) or cls < 0:
+        if isinstance(cls, bool) or not isinstance(cls, int) or not 0 <= cls <= INT64_MAX:
             raise InvalidArgument(
-                f"output '{spec['name']}': classification must be an integer >= 0"
+                f"output '{spec['name']}': classification must be an integer >= 0 that fits "
+                "in a signed 64-bit integer"
             )
         if all(o.name != spec["name"] for o in req.outputs):
             # Named twice: Triton's HTTP server answers it once, as first named.

@@ -248,6 +248,12 @@ HTTP_CASES = [
         500,
     ),
     HttpBad(
+        "classification-too-wide",
+        edit(outputs=[{"name": "OUTPUT0", "parameters": {"classification": 2**63}}]),
+        "classification",
+        200,  # Triton answers plain OUTPUT0, as if no classification were asked
+    ),
+    HttpBad(
         "classification-of-bytes",
         identity_http(
             bytes_elements(b"a"), 1, [{"name": "OUTPUT0", "parameters": {"classification": 1}}]
@@ -322,6 +328,13 @@ def _output(name: str, classification: int | None = None) -> Callable[[Any], Non
         out = msg.outputs.add(name=name)
         if classification is not None:
             out.parameters["classification"].int64_param = classification
+
+    return apply
+
+
+def _uint64_class(value: int) -> Callable[[service_pb2.ModelInferRequest], None]:
+    def apply(msg: service_pb2.ModelInferRequest) -> None:
+        msg.outputs.add(name="OUTPUT0").parameters["classification"].uint64_param = value
 
     return apply
 
@@ -432,6 +445,7 @@ GRPC_CASES = [
         IA,
     ),
     GrpcBad("classification-negative", gedit(_output("OUTPUT0", -1)), "classification", IA),
+    GrpcBad("classification-uint64", gedit(_uint64_class(2**63)), "classification", IA),
     GrpcBad("classification-of-bytes", _bytes_classified, "classification", None),
     GrpcBad("max-tokens-negative", _with_max_tokens(-5), "MAX_TOKENS", IA),
 ]
