@@ -179,10 +179,10 @@ def overloaded_error(decision: ThrottleDecision, endpoint: str) -> Overloaded:
     if decision.admitted:
         raise ValueError("overloaded_error needs a rejected decision")
     whose = "the request's deadline" if decision.deadline_bound else "the latency target"
+    wait, target = _wait_and_target(decision.predicted_wait_s, decision.target_s)
     return Overloaded(
-        f"Server overloaded on model '{endpoint}': predicted wait "
-        f"{_seconds(decision.predicted_wait_s)} exceeds {whose} of "
-        f"{_seconds(decision.target_s)}; retry after {_seconds(decision.retry_after_s or 0)}",
+        f"Server overloaded on model '{endpoint}': predicted wait {wait} exceeds {whose} of "
+        f"{target}; retry after {_seconds(decision.retry_after_s or 0)}",
         retry_after=decision.retry_after_s,
     )
 
@@ -191,6 +191,18 @@ def _seconds(value: float) -> str:
     if value < 10:
         return f"{value:.2f} s"
     return f"{math.ceil(value)} s"
+
+
+def _wait_and_target(wait: float, target: float) -> tuple[str, str]:
+    """Both as ``_seconds`` shows them, unless that shows them equal (a wait just over its
+    target: "0.30 s exceeds ... 0.30 s"); then with as many decimals as tell them apart, up
+    to microseconds. Rounding is monotone, so a larger wait never shows as smaller."""
+    shown = _seconds(wait), _seconds(target)
+    digits = 3
+    while shown[0] == shown[1] and digits <= 6:
+        shown = f"{wait:.{digits}f} s", f"{target:.{digits}f} s"
+        digits += 1
+    return shown
 
 
 __all__ = [

@@ -1,0 +1,158 @@
+"""The early-reject throttle on the real stack: real Triton, the real frontend, real clients.
+
+``embed`` with ``throttle: true`` and a tight ``latency_target_ms`` (300 ms, a handful of
+full batches on these CPUs). An idle system admits everything. Then one tenant floods
+``embed`` with full-batch requests at about three times what Triton serves (measured in the
+same test, from the idle trickle): new work of that tenant whose predicted wait exceeds the
+target is answered at once, 503 / UNAVAILABLE with a retry hint and a message giving the
+predicted wait and the target, while a tenant of a higher tier, with a short queue ahead,
+is admitted; and what the throttle admits is answered near its target.
+
+(A quiet tenant of the flooder's own tier is not asserted on: the scheduler counts the
+flooder's DRR share ahead of it, about two batches, so with batches slowed down by the
+neighbours its predicted wait can honestly exceed a target of a few batches.)
+
+The latency assertions are loose on purpose: these 2 shared cores change speed under the
+neighbours' load, and the throttle predicts from batch times measured a moment earlier.
+``benchmarks/bench_overload.py`` measures how well it holds the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import statistics
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fair_frontend.admission import ThrottleDecision, overloaded_error
+from fair_frontend.config import parse_config
+from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+
+if TYPE_CHECKING:
+    from tests.admission.conftest import KServe, Reply
+
+TARGET_S = 0.3
+ROWS, TOKENS = 32, 128  # one request = one full embed batch (32 rows, 4096 tokens)
+FLOOD_S = 3.0
+OVERLOAD = 3.0  # offered load / measured capacity
+FLOODER = "initech"  # standard tier
+HIGHER = "acme"  # enterprise: above the flooder's tier
+OVERLOADED = re.compile(
+    r"^Server overloaded on model 'embed': predicted wait (\d+\.\d+) s exceeds the latency "
+    r"target of (0\.30*) s; retry after \d+\.\d\d s$"
+)
+
+
+@pytest.fixture
+def throttled(triton: Any) -> Iterator[RunningFrontend]:
+    data = config_dict()
+    data["endpoints"]["embed"].update(throttle=True, latency_target_ms=TARGET_S * 1000)
+    with running_frontend(parse_config(data), triton.grpc_url) as fe:
+        yield fe
+
+
+def decisions(kserve: KServe, fe: RunningFrontend, decision: str) -> float:
+    return kserve.counter(
+        fe.metrics_url, "fair_throttle_decisions", endpoint="embed", decision=decision
+    )
+
+
+async def test_throttle_admits_idle_traffic_and_rejects_a_flood_early(
+    throttled: RunningFrontend, kserve: KServe
+) -> None:
+    fe = throttled
+    urls = (fe.grpc_url, fe.http_url)
+
+    # ---- idle: a trickle, one request at a time, nothing rejected --------------------------
+    trickle = [
+        await kserve.infer(("grpc", "http")[i % 2], urls, KEYS[FLOODER], "embed", ROWS, TOKENS)
+        for i in range(12)
+    ]
+    assert all(r.ok for r in trickle), [r for r in trickle if not r.ok][:2]
+    # The throttle did decide (with service data after the first batch), and admitted all.
+    assert decisions(kserve, fe, "over_target") == 0
+    assert decisions(kserve, fe, "no_service_data") <= 1
+    assert decisions(kserve, fe, "short_queue") + decisions(kserve, fe, "within_target") >= 11
+    service_s = statistics.median(r.seconds for r in trickle[2:])
+    rate = min(200.0, OVERLOAD / service_s)  # requests per second: OVERLOAD x capacity
+
+    # ---- a flood: open loop (Poisson), gRPC, every 4th request HTTP ----------------------------
+    rng = random.Random(7)
+    flood: list[asyncio.Task[Reply]] = []
+    probes: list[asyncio.Task[Reply]] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    at = start
+    while at < start + FLOOD_S:
+        protocol = "http" if len(flood) % 4 == 3 else "grpc"  # JSON costs the client more
+        flood.append(
+            asyncio.create_task(kserve.infer(protocol, urls, KEYS[FLOODER], "embed", ROWS, TOKENS))
+        )
+        if len(flood) % 10 == 9:  # the higher tier, now and then, once the queue has built
+            probes.append(
+                asyncio.create_task(
+                    kserve.infer(protocol, urls, KEYS[HIGHER], "embed", ROWS, TOKENS)
+                )
+            )
+        at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, at - loop.time()))  # the schedule, not a server wait
+    replies = await asyncio.gather(*flood)
+    quiet = await asyncio.gather(*probes)
+
+    admitted = [r for r in replies if r.ok]
+    rejected = [r for r in replies if not r.ok]
+    assert len(rejected) >= 0.3 * len(replies), (len(rejected), len(replies), service_s)
+    assert admitted, "the flood admitted nothing"
+    for protocol in ("grpc", "http"):
+        assert any(r.protocol == protocol for r in rejected), f"no rejection over {protocol}"
+    for reply in rejected:
+        assert reply.code == "UNAVAILABLE", reply
+        assert reply.status == ("503" if reply.protocol == "http" else "UNAVAILABLE"), reply
+        match = OVERLOADED.match(reply.message)
+        assert match, reply.message
+        # The message never says a wait exceeds an equal target ("0.30 s ... 0.30 s").
+        assert float(match.group(1)) > float(match.group(2)), reply.message
+        assert reply.retry_after is not None and int(reply.retry_after) >= 1, reply
+    # Rejected at admission: answered without queueing, far sooner than the target.
+    assert statistics.median(r.seconds for r in rejected) < TARGET_S / 4
+
+    # A short queue ahead: the higher tier is admitted while the flooder is turned away.
+    assert len(quiet) >= 3
+    assert all(r.ok for r in quiet), [r for r in quiet if not r.ok][:2]
+
+    # What was admitted is answered near its target, not after a queue left to grow (at
+    # 3x overload, seconds deep by the end of the flood). Loose: under the neighbours' load
+    # a batch here takes 40-170 ms from one moment to the next, and the throttle admits
+    # up to a prediction of the target from the batch times just measured, so a fraction
+    # of what it admits lands just over it (measured: 20-100 % within the target).
+    latencies = sorted(r.seconds for r in admitted)
+    summary = {
+        f"within {k}x target": round(sum(s <= k * TARGET_S for s in latencies) / len(latencies), 2)
+        for k in (1, 1.5, 2)
+    }
+    assert summary["within 1.5x target"] >= 0.5, (summary, latencies[-5:])
+    assert summary["within 2x target"] >= 0.9, (summary, latencies[-5:])
+
+
+@given(
+    target_ms=st.integers(min_value=1, max_value=60_000),
+    over=st.floats(min_value=1e-9, max_value=5.0),
+)
+def test_the_overload_message_tells_the_wait_from_the_target(target_ms: int, over: float) -> None:
+    """Found through the frontend: "predicted wait 0.30 s exceeds the latency target of
+    0.30 s". A wait just over its target must read as larger."""
+    target = target_ms / 1000
+    wait = target + over * target
+    decision = ThrottleDecision(False, wait, target, 3, "over target", False, wait - target)
+    message = overloaded_error(decision, "embed").message
+    found = re.search(r"predicted wait (\d+(?:\.\d+)?) s exceeds the latency target of "
+                      r"(\d+(?:\.\d+)?) s", message)  # fmt: skip
+    assert found, message
+    if wait - target >= 1e-6:
+        assert float(found.group(1)) > float(found.group(2)), message
