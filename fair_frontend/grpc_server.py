@@ -100,9 +100,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await _guard(context, call)
 
-    async def ModelStreamInfer(
-        self, request_iterator: Any, context: Any
-    ) -> AsyncIterator[Any]:
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """Bidirectional streaming: every request on the stream is scheduled like any
         other; responses (several for a decoupled model) go back as they come, each
         request's in order. An error answers that request in-stream, as Triton does."""
