@@ -341,7 +341,7 @@ def _mutate(draw: st.DrawFn, msg: service_pb2.ModelInferRequest) -> None:
         msg.inputs[index].datatype = draw(st.sampled_from(DATATYPES))
     elif what == "shape" and has_input:
         msg.inputs[index].shape[:] = draw(SHAPES)
-    elif what == "raw" and index < len(msg.raw_input_contents):
+    elif what == "raw" and has_input and index < len(msg.raw_input_contents):
         tensor = msg.inputs[index]
         msg.raw_input_contents[index] = draw(raw_contents(tensor.datatype, list(tensor.shape)))
     elif what == "drop-input" and has_input:
