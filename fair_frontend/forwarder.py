@@ -7,6 +7,7 @@ frontend what it would have seen from Triton. An unreachable Triton is UNAVAILAB
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNIMPLEMENTED: 501,
 }
 _CODES = {str(c): c for c in grpc.StatusCode}
+_UNKNOWN_MODEL = re.compile(r"unknown model: '[^']*' is not found")
 # gRPC's words for "no connection was ever made": the request did not reach Triton.
 _NOT_CONNECTED = ("failed to connect", "Connection refused", "connections to all backends")
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
@@ -54,6 +56,11 @@ def upstream_error(err: InferenceServerException) -> FrontendError:
             s in message for s in _NOT_CONNECTED
         )
         return Unavailable(f"Triton is unavailable: {message}", never_sent=never_sent)
+    if _UNKNOWN_MODEL.search(message):
+        # An unknown model (not an unknown version of a known one): Triton 2.51 says
+        # NOT_FOUND / 404 on some paths; shared/PROTOCOL.md says INVALID_ARGUMENT / 400,
+        # as the frontend's infer answers: one answer everywhere.
+        return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
     return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))
 
 

@@ -168,7 +168,9 @@ class HttpShell:
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        return web.Response(status=200 if await self.frontend.model_ready(model, version) else 400)
+        if await self.frontend.model_ready(model, version):
+            return web.Response(status=200)
+        return error_response(InvalidArgument("Model version not ready"))
 
     async def model_config(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
