@@ -192,21 +192,19 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
     triton_before = await ascrape(triton.metrics_url)
 
     with running_frontend(config, triton.grpc_url) as fe:
-        grpc = grpcaio.InferenceServerClient(fe.grpc_url)
+        rpc = grpcaio.InferenceServerClient(fe.grpc_url)
         http = httpaio.InferenceServerClient(fe.http_url)
         try:
             # a: embed over gRPC, multi-row requests too.
             for rows, width in [(1, 16), (2, 40), (1, 7)]:
                 inp = [ids_input(grpcaio, ids(rows, width))]
-                assert await grpc_call(grpc, "embed", inp, key[a]) is None
+                assert await grpc_call(rpc, "embed", inp, key[a]) is None
                 exp.served(a, tier_a, "embed", rows, rows * width)
             # a: generate; tokens = prompt + generated (MAX_TOKENS, default 16).
-            assert (
-                await grpc_call(grpc, "generate", [ids_input(grpcaio, ids(1, 8))], key[a]) is None
-            )
+            assert await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 8))], key[a]) is None
             exp.served(a, tier_a, "generate", 1, 8 + 16)
             inp = [ids_input(grpcaio, ids(2, 5)), max_tokens([4, 4])]
-            assert await grpc_call(grpc, "generate", inp, key[a]) is None
+            assert await grpc_call(rpc, "generate", inp, key[a]) is None
             exp.served(a, tier_a, "generate", 2, 2 * (5 + 4))
             # b: embed over HTTP (binary tensors), generate over gRPC.
             for width in (12, 300):
@@ -216,13 +214,11 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
                     headers={"authorization": f"Bearer {key[b]}"},
                 )
                 exp.served(b, tier_b, "embed", 1, width)
-            assert (
-                await grpc_call(grpc, "generate", [ids_input(grpcaio, ids(3, 4))], key[b]) is None
-            )
+            assert await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(3, 4))], key[b]) is None
             exp.served(b, tier_b, "generate", 3, 3 * (4 + 16))
             # c: 5 embed requests against a limit of 3 per minute.
             for i in range(5):
-                err = await grpc_call(grpc, "embed", [ids_input(grpcaio, ids(1, 20))], key[c])
+                err = await grpc_call(rpc, "embed", [ids_input(grpcaio, ids(1, 20))], key[c])
                 if i < 3:
                     assert err is None
                     exp.served(c, tier_c, "embed", 1, 20)
@@ -233,31 +229,31 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
             # Bad input: wrong datatype (a), an input the model does not have (b).
             bad = grpcaio.InferInput("INPUT_IDS", [1, 4], "FP32")
             bad.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
-            err = await grpc_call(grpc, "embed", [bad], key[a])
+            err = await grpc_call(rpc, "embed", [bad], key[a])
             assert status_of(err) == "StatusCode.INVALID_ARGUMENT", err
             exp.outcome(a, tier_a, "embed", "rejected_invalid")
             bogus = ids_input(grpcaio, ids(1, 4), name="BOGUS")
-            err = await grpc_call(grpc, "generate", [ids_input(grpcaio, ids(1, 4)), bogus], key[b])
+            err = await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 4)), bogus], key[b])
             assert status_of(err) == "StatusCode.INVALID_ARGUMENT", err
             exp.outcome(b, tier_b, "generate", "rejected_invalid")
             # Unauthenticated: an unknown key twice, no key once.
             for _ in range(2):
-                err = await grpc_call(grpc, "embed", [ids_input(grpcaio, ids(1, 4))], "nope")
+                err = await grpc_call(rpc, "embed", [ids_input(grpcaio, ids(1, 4))], "nope")
                 assert status_of(err) == "StatusCode.UNAUTHENTICATED", err
                 exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, "embed", "rejected_auth")
-            err = await grpc_call(grpc, "generate", [ids_input(grpcaio, ids(1, 4))], None)
+            err = await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 4))], None)
             assert status_of(err) == "StatusCode.UNAUTHENTICATED", err
             exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, "generate", "rejected_auth")
             # Expired: a deadline 1 us after arrival has passed before the request can
             # be dispatched; it is answered at once with Triton's timeout message.
             for _ in range(2):
                 inp = [ids_input(grpcaio, ids(1, 9))]
-                err = await grpc_call(grpc, "embed", inp, key[b], timeout=1)
+                err = await grpc_call(rpc, "embed", inp, key[b], timeout=1)
                 assert status_of(err) == "StatusCode.UNAVAILABLE", err
                 assert "Request timeout expired" in str(err)
                 exp.outcome(b, tier_b, "embed", "expired")
         finally:
-            await grpc.close()
+            await rpc.close()
             await http.close()
 
         got = await ascrape(fe.metrics_url)
@@ -516,32 +512,32 @@ async def test_request_log_is_one_json_line_per_request_without_keys(
         }
     )
     with running_frontend(config, triton.grpc_url) as fe:
-        grpc = grpcaio.InferenceServerClient(fe.grpc_url)
+        rpc = grpcaio.InferenceServerClient(fe.grpc_url)
         http = httpaio.InferenceServerClient(fe.http_url)
         try:
             inp = [ids_input(grpcaio, ids(1, 8))]
-            assert await grpc_call(grpc, "embed", inp, secret[a], request_id="rid-grpc") is None
+            assert await grpc_call(rpc, "embed", inp, secret[a], request_id="rid-grpc") is None
             await http.infer(
                 "embed",
                 [ids_input(httpaio, ids(1, 8))],
                 headers={"x-api-key": secret[b]},
                 request_id="rid-http",
             )
-            err = await grpc_call(grpc, "embed", inp, wrong, request_id="rid-wrong-key")
+            err = await grpc_call(rpc, "embed", inp, wrong, request_id="rid-wrong-key")
             assert status_of(err) == "StatusCode.UNAUTHENTICATED"
             # A valid key naming another tenant: 403, and still no key in any line.
             with pytest.raises(InferenceServerException) as denied:
-                await grpc.infer(
+                await rpc.infer(
                     "embed",
                     inp,
                     headers={"authorization": f"Bearer {secret[a]}", "x-tenant-id": b},
                     request_id="rid-claim",
                 )
             assert status_of(denied.value) == "StatusCode.PERMISSION_DENIED"
-            err = await grpc_call(grpc, "embed", inp, secret[b], request_id="rid-late", timeout=1)
+            err = await grpc_call(rpc, "embed", inp, secret[b], request_id="rid-late", timeout=1)
             assert status_of(err) == "StatusCode.UNAVAILABLE"
         finally:
-            await grpc.close()
+            await rpc.close()
             await http.close()
 
     docs = [json.loads(line) for line in requests.lines]
