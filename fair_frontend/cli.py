@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config")
     up.add_argument("--model-repository", default=None, help="Triton model repository")
     up.add_argument("--triton-log", default=None, help="file for Triton's log")
+    up.add_argument(
+        "--model-config-name",
+        default=None,
+        help="Triton's --model-config-name: e.g. 'gpu' picks each model's configs/gpu.pbtxt",
+    )
     _add_listen_flags(up)
 
     serve = sub.add_parser("serve", help="run the frontend against a Triton elsewhere")
@@ -159,7 +164,11 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
     from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
 
     repo = Path(args.model_repository) if args.model_repository else default_model_repository()
-    triton = EmbeddedTriton(repo, log_path=Path(args.triton_log) if args.triton_log else None)
+    triton = EmbeddedTriton(
+        repo,
+        log_path=Path(args.triton_log) if args.triton_log else None,
+        model_config_name=args.model_config_name,
+    )
     print(f"starting Triton on {repo} (log: {triton.log_path}) ...", flush=True)
     try:
         await asyncio.to_thread(triton.start)

@@ -548,6 +548,7 @@ class Frontend:
             keyring, set(config.tenants), trusted_gateway=config.auth.trusted_gateway
         )
         self.config = config
+        self.metrics.config = config  # tier labels of new or moved tenants
         self._limit_items.clear()
         log.info(
             "reloaded: %d tenants, %d API keys%s",

@@ -435,14 +435,6 @@ async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton) ->
     assert got.sum("fair_requests_total", tenant=name, outcome="rejected_invalid") == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service.py Frontend.reload replaces self.config but not self.metrics.config: "
-    "FrontendMetrics.tier_of reads the tenants of the config the frontend started with, so "
-    'a tenant added by a reload (SIGHUP) is counted under tier="-" (the unauthenticated '
-    "label) and a tenant moved to another tier keeps its old tier label. Fix: "
-    "self.metrics.config = config in Frontend.reload",
-)
 async def test_a_tenant_added_by_reload_is_counted_under_its_tier(triton: EmbeddedTriton) -> None:
     first, added = unique("obs-r1"), unique("obs-r2")
     tenants = {first: {"tier": "standard", "api_keys": [f"{first}-key"]}}
