@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any
 
-from fair_frontend.dispatch import BatchReport
+from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 
 REQUEST_LOGGER = "fair_frontend.requests"
@@ -48,8 +48,8 @@ def configure_logging(fmt: str = "json", level: str | int = "INFO") -> None:
     root.setLevel(level)
 
 
-class RequestLog:
-    """One log record per finished request (an ``Observer``)."""
+class RequestLog(Observer):
+    """One log record per finished request."""
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self.log = logger or logging.getLogger(REQUEST_LOGGER)
@@ -80,15 +80,3 @@ class RequestLog:
         if error is not None:
             fields["error"] = error
         self.log.info("request %s", outcome.value, extra=fields)
-
-    def batch_finished(self, report: BatchReport) -> None:
-        pass
-
-    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
-        pass
-
-    def rate_limit_degraded(self, *, mode: str) -> None:
-        pass
-
-    def throttle_decision(self, *, model: str, decision: Any) -> None:
-        pass

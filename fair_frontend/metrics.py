@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
 from fair_frontend.dispatch import BatchReport
+from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 
 OTHER_TENANT = "other"
@@ -83,7 +84,7 @@ class EndpointLabels:
         return model if model in self._known else OTHER_ENDPOINT
 
 
-class FrontendMetrics:
+class FrontendMetrics(Observer):
     """Counts what happened to every request and batch (the service's ``Observer``)."""
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:

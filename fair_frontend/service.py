@@ -13,13 +13,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from fair_frontend.admission import (
     RateLimiter,
     RateLimitItem,
     Throttle,
-    ThrottleDecision,
     items_from_limits,
     limit_key,
     overloaded_error,
@@ -41,6 +40,7 @@ from fair_frontend.errors import (
 from fair_frontend.feedback import FeedbackCost, ServiceModel, TritonDelta, TritonMetrics
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo, validate
+from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     FINAL_RESPONSE,
@@ -73,59 +73,6 @@ EXTENSIONS = (
     "parameters",
 )
 SERVER_NAME = "fair_frontend"
-
-
-class Observer(Protocol):
-    """What happened? (metrics, logs and tests listen here)."""
-
-    def request_finished(
-        self,
-        *,
-        tenant: str | None,
-        model: str,
-        outcome: Outcome,
-        queued_s: float | None,
-        request_id: str = "",
-        latency_s: float | None = None,
-        error: str | None = None,
-    ) -> None: ...
-
-    def batch_finished(self, report: BatchReport) -> None: ...
-
-    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None: ...
-
-    def rate_limit_degraded(self, *, mode: str) -> None: ...
-
-    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None: ...
-
-
-class Observers:
-    """Tells every observer; one that raises is logged and does not stop the others."""
-
-    def __init__(self, observers: Sequence[Observer]) -> None:
-        self.observers = list(observers)
-
-    def _each(self, method: str, **kwargs: Any) -> None:
-        for observer in self.observers:
-            try:
-                getattr(observer, method)(**kwargs)
-            except Exception:
-                log.exception("observer %s failed in %s", type(observer).__name__, method)
-
-    def request_finished(self, **kwargs: Any) -> None:
-        self._each("request_finished", **kwargs)
-
-    def batch_finished(self, report: BatchReport) -> None:
-        self._each("batch_finished", report=report)
-
-    def rate_limit_hit(self, **kwargs: Any) -> None:
-        self._each("rate_limit_hit", **kwargs)
-
-    def rate_limit_degraded(self, **kwargs: Any) -> None:
-        self._each("rate_limit_degraded", **kwargs)
-
-    def throttle_decision(self, **kwargs: Any) -> None:
-        self._each("throttle_decision", **kwargs)
 
 
 def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:

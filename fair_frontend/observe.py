@@ -1,0 +1,78 @@
+"""Who hears what happened: metrics, logs, the statistics and tests.
+
+``Observer`` answers "what happened?" with one method per event, each a no-op here:
+an observer overrides the events it cares about. ``Observers`` tells several, and keeps a
+failing observer from failing the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fair_frontend.outcomes import Outcome
+
+if TYPE_CHECKING:
+    from fair_frontend.admission import ThrottleDecision
+    from fair_frontend.dispatch import BatchReport
+
+log = logging.getLogger(__name__)
+
+
+class Observer:
+    """What happened? (every event a no-op; subclasses override what they listen to)."""
+
+    def request_finished(
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        outcome: Outcome,
+        queued_s: float | None,
+        request_id: str = "",
+        latency_s: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        """A request ended (exactly once per request), with its one outcome."""
+
+    def batch_finished(self, report: BatchReport) -> None:
+        """A batch came back from Triton (or failed)."""
+
+    def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
+        """A rate limit refused a request."""
+
+    def rate_limit_degraded(self, *, mode: str) -> None:
+        """The rate-limit storage failed; ``mode`` says what was done about it."""
+
+    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
+        """The throttle admitted or rejected a request."""
+
+
+class Observers(Observer):
+    """Tells every observer; one that raises is logged and does not stop the others."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = list(observers)
+
+    def _each(self, method: str, **kwargs: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, method)(**kwargs)
+            except Exception:
+                log.exception("observer %s failed in %s", type(observer).__name__, method)
+
+    def request_finished(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self._each("request_finished", **kwargs)
+
+    def batch_finished(self, report: BatchReport) -> None:
+        self._each("batch_finished", report=report)
+
+    def rate_limit_hit(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self._each("rate_limit_hit", **kwargs)
+
+    def rate_limit_degraded(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self._each("rate_limit_degraded", **kwargs)
+
+    def throttle_decision(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self._each("throttle_decision", **kwargs)
