@@ -63,52 +63,87 @@ def decisions(kserve: KServe, fe: RunningFrontend, decision: str) -> float:
     )
 
 
+async def trickle(kserve: KServe, fe: RunningFrontend, count: int = 12) -> float:
+    """One request at a time, nothing rejected; returns the median time of one (a full
+    batch served alone: the capacity is about one request per that time)."""
+    urls = (fe.grpc_url, fe.http_url)
+    replies = [
+        await kserve.infer(("grpc", "http")[i % 2], urls, KEYS[FLOODER], "embed", ROWS, TOKENS)
+        for i in range(count)
+    ]
+    assert all(r.ok for r in replies), [r for r in replies if not r.ok][:2]
+    return statistics.median(r.seconds for r in replies[2:])
+
+
+async def open_loop(
+    kserve: KServe, fe: RunningFrontend, rates: dict[str, float], seconds: float
+) -> dict[str, list[Reply]]:
+    """Poisson arrivals per tenant (requests/s) for ``seconds``, all sent on schedule over
+    gRPC, every 4th HTTP (JSON costs the client more); every reply, by tenant."""
+    urls = (fe.grpc_url, fe.http_url)
+    rng = random.Random(7)
+    arrivals: list[tuple[float, str]] = []
+    for tenant, rate in rates.items():
+        at = rng.expovariate(rate)
+        while at < seconds:
+            arrivals.append((at, tenant))
+            at += rng.expovariate(rate)
+    arrivals.sort()
+    tasks: dict[str, list[asyncio.Task[Reply]]] = {tenant: [] for tenant in rates}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for n, (at, tenant) in enumerate(arrivals):
+        await asyncio.sleep(max(0.0, start + at - loop.time()))  # the schedule, not a server
+        protocol = "http" if n % 4 == 3 else "grpc"
+        tasks[tenant].append(
+            asyncio.create_task(kserve.infer(protocol, urls, KEYS[tenant], "embed", ROWS, TOKENS))
+        )
+    return {tenant: list(await asyncio.gather(*ts)) for tenant, ts in tasks.items()}
+
+
+def near_target(admitted: list[Reply]) -> dict[str, float]:
+    """Fractions of admitted requests answered within 1, 1.5 and 2 times the target."""
+    latencies = [r.seconds for r in admitted]
+    return {
+        f"within {k}x target": round(sum(s <= k * TARGET_S for s in latencies) / len(latencies), 2)
+        for k in (1, 1.5, 2)
+    }
+
+
+def assert_near_target(admitted: list[Reply]) -> None:
+    """Answered near the target, not after a queue left to grow (at 3x overload, seconds
+    deep by the end of the flood). Loose: under the neighbours' load a batch here takes
+    40-170 ms from one moment to the next, and the throttle admits up to a prediction of
+    the target from the batch times just measured, so a fraction of what it admits lands
+    just over it (measured: 20-100 % within the target, one tier)."""
+    assert admitted, "nothing was admitted"
+    summary = near_target(admitted)
+    slowest = sorted(r.seconds for r in admitted)[-5:]
+    assert summary["within 1.5x target"] >= 0.5, (summary, slowest)
+    assert summary["within 2x target"] >= 0.9, (summary, slowest)
+
+
 async def test_throttle_admits_idle_traffic_and_rejects_a_flood_early(
     throttled: RunningFrontend, kserve: KServe
 ) -> None:
     fe = throttled
-    urls = (fe.grpc_url, fe.http_url)
 
     # ---- idle: a trickle, one request at a time, nothing rejected --------------------------
-    trickle = [
-        await kserve.infer(("grpc", "http")[i % 2], urls, KEYS[FLOODER], "embed", ROWS, TOKENS)
-        for i in range(12)
-    ]
-    assert all(r.ok for r in trickle), [r for r in trickle if not r.ok][:2]
+    service_s = await trickle(kserve, fe)
     # The throttle did decide (with service data after the first batch), and admitted all.
     assert decisions(kserve, fe, "over_target") == 0
     assert decisions(kserve, fe, "no_service_data") <= 1
     assert decisions(kserve, fe, "short_queue") + decisions(kserve, fe, "within_target") >= 11
-    service_s = statistics.median(r.seconds for r in trickle[2:])
-    rate = min(200.0, OVERLOAD / service_s)  # requests per second: OVERLOAD x capacity
 
-    # ---- a flood: open loop (Poisson), gRPC, every 4th request HTTP ----------------------------
-    rng = random.Random(7)
-    flood: list[asyncio.Task[Reply]] = []
-    probes: list[asyncio.Task[Reply]] = []
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    at = start
-    while at < start + FLOOD_S:
-        protocol = "http" if len(flood) % 4 == 3 else "grpc"  # JSON costs the client more
-        flood.append(
-            asyncio.create_task(kserve.infer(protocol, urls, KEYS[FLOODER], "embed", ROWS, TOKENS))
-        )
-        if len(flood) % 10 == 9:  # the higher tier, now and then, once the queue has built
-            probes.append(
-                asyncio.create_task(
-                    kserve.infer(protocol, urls, KEYS[HIGHER], "embed", ROWS, TOKENS)
-                )
-            )
-        at += rng.expovariate(rate)
-        await asyncio.sleep(max(0.0, at - loop.time()))  # the schedule, not a server wait
-    replies = await asyncio.gather(*flood)
-    quiet = await asyncio.gather(*probes)
-
-    admitted = [r for r in replies if r.ok]
-    rejected = [r for r in replies if not r.ok]
-    assert len(rejected) >= 0.3 * len(replies), (len(rejected), len(replies), service_s)
-    assert admitted, "the flood admitted nothing"
+    # ---- a flood of one tenant; the higher tier now and then ---------------------------------
+    capacity = 1 / service_s  # full-batch requests per second
+    replies = await open_loop(
+        kserve, fe, {FLOODER: min(200.0, OVERLOAD * capacity), HIGHER: 3.0}, FLOOD_S
+    )
+    flood, higher = replies[FLOODER], replies[HIGHER]
+    admitted = [r for r in flood if r.ok]
+    rejected = [r for r in flood if not r.ok]
+    assert len(rejected) >= 0.3 * len(flood), (len(rejected), len(flood), service_s)
     for protocol in ("grpc", "http"):
         assert any(r.protocol == protocol for r in rejected), f"no rejection over {protocol}"
     for reply in rejected:
@@ -123,21 +158,34 @@ async def test_throttle_admits_idle_traffic_and_rejects_a_flood_early(
     assert statistics.median(r.seconds for r in rejected) < TARGET_S / 4
 
     # A short queue ahead: the higher tier is admitted while the flooder is turned away.
-    assert len(quiet) >= 3
-    assert all(r.ok for r in quiet), [r for r in quiet if not r.ok][:2]
+    assert len(higher) >= 3
+    assert all(r.ok for r in higher), [r for r in higher if not r.ok][:2]
 
-    # What was admitted is answered near its target, not after a queue left to grow (at
-    # 3x overload, seconds deep by the end of the flood). Loose: under the neighbours' load
-    # a batch here takes 40-170 ms from one moment to the next, and the throttle admits
-    # up to a prediction of the target from the batch times just measured, so a fraction
-    # of what it admits lands just over it (measured: 20-100 % within the target).
-    latencies = sorted(r.seconds for r in admitted)
-    summary = {
-        f"within {k}x target": round(sum(s <= k * TARGET_S for s in latencies) / len(latencies), 2)
-        for k in (1, 1.5, 2)
-    }
-    assert summary["within 1.5x target"] >= 0.5, (summary, latencies[-5:])
-    assert summary["within 2x target"] >= 0.9, (summary, latencies[-5:])
+    assert_near_target(admitted)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the throttle predicts a lower tier's wait from the higher tiers' queue now, not "
+    "from their arrivals meanwhile: with the higher tier taking half the capacity, what it "
+    "admits of the lower tier waits about twice the target (fix: scale the predicted wait "
+    "by 1 / (1 - the higher tiers' recent share of service))",
+)
+async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_busy(
+    throttled: RunningFrontend, kserve: KServe
+) -> None:
+    """The higher tier alone offers half the capacity (all admitted: short queues, strict
+    priority); the lower tier floods. What the throttle admits of the lower tier should be
+    answered as near its target as in one tier (``assert_near_target``)."""
+    fe = throttled
+    capacity = 1 / await trickle(kserve, fe)
+    replies = await open_loop(
+        kserve, fe, {HIGHER: 0.5 * capacity, FLOODER: min(200.0, 2.5 * capacity)}, FLOOD_S
+    )
+    assert all(r.ok for r in replies[HIGHER]), [r for r in replies[HIGHER] if not r.ok][:2]
+    lower = [r for r in replies[FLOODER] if r.ok]
+    assert len(lower) < 0.5 * len(replies[FLOODER])  # the flood was really throttled
+    assert_near_target(lower)
 
 
 @given(
