@@ -3,6 +3,9 @@
 Every test that takes ``storage`` runs once per storage (``memory``, ``redis``): the same
 tests over every storage. The session's ``redis_server`` is flushed before each test;
 tests that kill or pause Redis start their own with ``redis_process``.
+
+``kserve`` (for the ``test_integration_*`` tests, on the real stack): calls a running
+frontend over gRPC and HTTP keeping the retry hints, and reads Prometheus counters.
 """
 
 from __future__ import annotations
