@@ -37,6 +37,8 @@ DEFAULT_METRICS_PORT = 8002
 DEFAULT_PRIORITY_LEVELS = 10
 DEFAULT_LATENCY_TARGET_MS = 5000.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
+DEFAULT_THROTTLE_SAFETY = 1.25
+DEFAULT_MAX_OUTAGE_S = 60.0
 DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
@@ -192,6 +194,13 @@ class Endpoint(_Strict):
         "exceeds the smaller of latency_target_ms and its own deadline. Off: requests queue "
         "until served, expired at their deadline or refused by a queue cap.",
     )
+    throttle_safety: float = Field(
+        default=DEFAULT_THROTTLE_SAFETY,
+        ge=1,
+        description="The throttle's predicted wait is multiplied by this before it is "
+        "compared with the target: a margin for the noise in batch times, so that admitted "
+        "requests' tail (not only their median) stays within the target.",
+    )
     max_inflight_batches: int | None = Field(
         default=None,
         ge=1,
@@ -314,6 +323,13 @@ class Triton(_Strict):
         default=60.0,
         gt=0,
         description="Longest a call to Triton may take before it is answered UNAVAILABLE.",
+    )
+    max_outage_s: float = Field(
+        default=DEFAULT_MAX_OUTAGE_S,
+        gt=0,
+        description="While Triton is unreachable, queued requests wait for it this long at "
+        "most (or to their own deadline); then they, and new requests until Triton is back, "
+        "are answered UNAVAILABLE.",
     )
 
 

@@ -74,6 +74,33 @@ class Pending:
             self.stream.put_nowait(None)
 
 
+class TierShares:
+    """Each tier's recent share of an endpoint's capacity (an EMA over batches).
+
+    A batch's capacity is ``max_batch_size`` rows, or its rows if more: a tier that fills
+    half of every batch takes half the capacity, whether the rest of the batch is filled by
+    lower tiers or left empty (a lower tier the throttle holds back does not make the
+    higher tiers' share look larger).
+    """
+
+    def __init__(self, alpha: float = 0.1, batch_rows: int = 1) -> None:
+        self.alpha = alpha
+        self.batch_rows = max(1, batch_rows)
+        self.share: dict[str, float] = {}
+
+    def observe(self, rows_by_tier: dict[str, int]) -> None:
+        total = max(sum(rows_by_tier.values()), self.batch_rows)
+        for tier in set(self.share) | set(rows_by_tier):
+            now = rows_by_tier.get(tier, 0) / total
+            self.share[tier] = (1 - self.alpha) * self.share.get(tier, 0.0) + self.alpha * now
+
+    def above(self, tier: str, tiers: list[str]) -> float:
+        """The share of the tiers served before ``tier`` (strict order)."""
+        if tier not in tiers:
+            return 0.0
+        return sum(self.share.get(t, 0.0) for t in tiers[: tiers.index(tier)])
+
+
 @dataclass(slots=True)
 class BatchReport:
     """A finished batch, for metrics and the feedback loop."""
@@ -103,18 +130,26 @@ class Backend:
     """
 
     def __init__(
-        self, probe: Callable[[], Awaitable[bool]] | None = None, probe_interval_s: float = 0.1
+        self,
+        probe: Callable[[], Awaitable[bool]] | None = None,
+        probe_interval_s: float = 0.1,
+        max_outage_s: float = 60.0,
     ) -> None:
         self.available = asyncio.Event()
         self.available.set()
-        self.listeners: list[Callable[[], None]] = []
+        self.listeners: list[Callable[[], None]] = []  # called when Triton is back
+        self.give_up_listeners: list[Callable[[], None]] = []  # ... when the outage is too long
         self.probe = probe
         self.probe_interval_s = probe_interval_s
+        self.max_outage_s = max_outage_s
+        self.down_since: float | None = None
+        self.gave_up = False
         self._recovery: asyncio.Task[None] | None = None
 
     def mark_down(self) -> None:
         if self.available.is_set():
             log.warning("Triton unavailable: holding queued requests until it is back")
+            self.down_since = time.monotonic()
         self.available.clear()
         if self.probe is not None and (self._recovery is None or self._recovery.done()):
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -128,12 +163,28 @@ class Backend:
                     return
             except Exception:  # a probe that errs is a "not yet"
                 log.debug("Triton readiness probe failed", exc_info=True)
+            if not self.gave_up and self.outage_s > self.max_outage_s:
+                log.error(
+                    "Triton unavailable for %.0f s: answering queued requests UNAVAILABLE",
+                    self.outage_s,
+                )
+                self.gave_up = True
+                for give_up in self.give_up_listeners:
+                    give_up()
             await asyncio.sleep(self.probe_interval_s)
+
+    @property
+    def outage_s(self) -> float:
+        if self.available.is_set() or self.down_since is None:
+            return 0.0
+        return time.monotonic() - self.down_since
 
     def mark_up(self) -> None:
         if not self.available.is_set():
             log.info("Triton available again: resuming dispatch")
             self.available.set()
+            self.down_since = None
+            self.gave_up = False
             for kick in self.listeners:
                 kick()
 
@@ -158,6 +209,7 @@ class EndpointRuntime:
     on_expired: Callable[[QueuedRequest], None] = lambda qr: None
     service: ServiceModel | None = None  # what batches cost (feedback)
     throttle: Throttle | None = None  # admission's early reject
+    tier_shares: TierShares = field(default_factory=TierShares)
     inflight: int = 0
     batches_sent: int = 0
     _busy_until: float = 0.0  # when the batches in flight are predicted to be done
@@ -168,6 +220,7 @@ class EndpointRuntime:
     def __post_init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.backend.listeners.append(self.kick)
+        self.backend.give_up_listeners.append(self.give_up)
 
     @property
     def max_inflight(self) -> int:
@@ -396,6 +449,10 @@ class EndpointRuntime:
                 if p.item.deadline_mono is not None and not p.future.done()
             ]
             timeout = max(0.0, min(deadlines) - self.now()) if deadlines else None
+            if self.backend.gave_up:
+                self._fail(pendings, self.outage_error())
+                return []
+            timeout = min(timeout, 1.0) if timeout is not None else 1.0
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.backend.available.wait(), timeout)
             now = self.now()
@@ -438,6 +495,16 @@ class EndpointRuntime:
     def _fail(pendings: list[Pending], err: FrontendError) -> None:
         for p in pendings:
             p.fail(err)
+
+    def outage_error(self) -> Unavailable:
+        return Unavailable(
+            f"Triton has been unavailable for {self.backend.outage_s:.0f} s "
+            f"(triton.max_outage_s is {self.backend.max_outage_s:g})"
+        )
+
+    def give_up(self) -> None:
+        """The outage outlasted ``max_outage_s``: answer what is queued, UNAVAILABLE."""
+        self.fail_queued(self.outage_error())
 
     @property
     def idle(self) -> bool:

@@ -27,7 +27,7 @@ from fair_frontend.admission import (
 from fair_frontend.auth import Authenticator, KeyRing
 from fair_frontend.batching import Item, batch_key
 from fair_frontend.config import Config, ConfigError, Endpoint, Tenant
-from fair_frontend.dispatch import Backend, BatchReport, EndpointRuntime
+from fair_frontend.dispatch import Backend, BatchReport, EndpointRuntime, TierShares
 from fair_frontend.errors import (
     FrontendError,
     Internal,
@@ -73,6 +73,9 @@ EXTENSIONS = (
     "parameters",
 )
 SERVER_NAME = "fair_frontend"
+# The throttle stretches a lower tier's predicted wait by 1 / (1 - higher tiers' share);
+# capped so that a tier starved by strict order is still judged, not rejected outright.
+MAX_HIGHER_TIER_SHARE = 0.9
 
 
 def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
@@ -157,7 +160,9 @@ class Frontend:
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
-        self.backend = Backend(probe=self.forwarder.server_ready)
+        self.backend = Backend(
+            probe=self.forwarder.server_ready, max_outage_s=config.triton.max_outage_s
+        )
         self.caps = GlobalCaps.from_config(config.queues)
         self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
@@ -196,6 +201,8 @@ class Frontend:
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
+            if self.backend.gave_up:
+                raise Unavailable(f"Triton has been unavailable for {self.backend.outage_s:.0f} s")
             tenant = self.auth.identify(headers, req.tenant_claim)
             info = await self.models.get(req.model)
             if info.decoupled and not streaming:
@@ -293,6 +300,10 @@ class Frontend:
             error=err.message,
         )
 
+    def _tier(self, tenant: str) -> str:
+        terms = self.tenants.get(tenant)
+        return terms.tier if terms is not None else ""
+
     def _check_throttle(
         self,
         runtime: EndpointRuntime,
@@ -307,11 +318,16 @@ class Frontend:
             return
         assert runtime.service is not None and runtime.throttle is not None
         backlog = runtime.scheduler.backlog_ahead(tenant, priority, rows, tokens)
+        slowdown = 1.0
+        if self.config.scheduling == "fair":
+            above = runtime.tier_shares.above(self._tier(tenant), self.config.tiers)
+            slowdown = 1.0 / (1.0 - min(above, MAX_HIGHER_TIER_SHARE))
         decision = runtime.throttle.check(
             backlog,
             runtime.inflight,
             runtime.service,
             remaining_s=req.timeout_us / 1e6 if req.timeout_us else None,
+            slowdown=slowdown,
         )
         self.observer.throttle_decision(model=runtime.model, decision=decision)
         if not decision.admitted:
@@ -374,6 +390,7 @@ class Frontend:
                 on_batch=self._on_batch,
                 service=service,
                 throttle=Throttle.for_endpoint(endpoint, batch),
+                tier_shares=TierShares(batch_rows=batch),
             )
             self.runtimes[model] = runtime
         return runtime
@@ -382,6 +399,7 @@ class Frontend:
         self.observer.batch_finished(report)
         runtime = self.runtimes.get(report.model)
         if runtime is not None and report.ok:
+            runtime.tier_shares.observe({self._tier(t): rows for t, rows in report.tenants.items()})
             self.stats.execution(
                 report.model, runtime.info.latest_version, report.rows, report.seconds
             )

@@ -22,6 +22,7 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
 from tests.support import KEYS, config_dict, ids_input, make_config, running_frontend
 
@@ -97,6 +98,41 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton) -> N
     assert len(ok) + len(unavailable) == 200
     assert len(ok) >= queued  # everything still queued at the kill was served after
     assert all(e.status() == "StatusCode.UNAVAILABLE" for e in unavailable)
+
+
+async def test_an_outage_longer_than_max_outage_is_answered_not_held(
+    own_triton: EmbeddedTriton,
+) -> None:
+    data = config_dict()
+    data["triton"] = {"max_outage_s": 1.0}
+    with running_frontend(parse_config(data), own_triton.grpc_url) as fe:
+        client = grpcaio.InferenceServerClient(fe.grpc_url)
+        try:
+            assert not isinstance(await _send(client, "acme"), InferenceServerException)
+            _kill(own_triton)
+            # The first call may find the dead connection; then the rest are held...
+            started = time.monotonic()
+            held = await asyncio.gather(*(_send(client, "acme") for _ in range(10)))
+            waited = time.monotonic() - started
+            # ...until the outage outlasts max_outage_s: then answered, not lost.
+            assert all(isinstance(r, InferenceServerException) for r in held)
+            assert all(r.status() == "StatusCode.UNAVAILABLE" for r in held)
+            assert any("has been unavailable" in r.message() for r in held)
+            assert waited < 10, waited
+            # While the outage lasts, new work is refused at once.
+            t0 = time.monotonic()
+            refused = await _send(client, "acme")
+            assert isinstance(refused, InferenceServerException)
+            assert "has been unavailable" in refused.message()
+            assert time.monotonic() - t0 < 1.0
+            # Triton back: served again.
+            await asyncio.to_thread(own_triton.restart)
+            deadline = time.monotonic() + 30
+            while isinstance(await _send(client, "acme"), InferenceServerException):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        finally:
+            await client.close()
 
 
 def _errors(futures: list[asyncio.Future[Any]]) -> list[InferenceServerException]:

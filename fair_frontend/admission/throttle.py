@@ -28,7 +28,8 @@ measurably lets through requests that then wait up to a batch too long (about 1 
 the target, in the overload test); counting the batches in flight at the typical size
 does so while the typical size is still growing at the start of a burst. Conservative
 further: the batches in flight count as not started, ``n`` is rounded up, and the backlog
-is the scheduler's estimate of DRR's share. ``safety`` (default 1.0) multiplies the wait,
+is the scheduler's estimate of DRR's share. ``safety`` (the endpoint's ``throttle_safety``,
+1.25 by default) multiplies the wait,
 for deployments that want a margin. Why not backlog / throughput: the throughput of the
 last seconds was measured at the last seconds' batch sizes; under a burst batches fill up
 and the fixed cost is amortised over more rows, which the batch-time model sees and a
@@ -47,9 +48,15 @@ Monotone in the backlog: more rows or tokens never lower ``n`` or the wait (all 
 >= 0), and the short-queue rule only admits small backlogs; so a rejected backlog stays
 rejected when it grows (a property test checks it).
 
-Limits of the promise: work that arrives *after* an admission and is served before it
-(a higher tier, a new tenant taking its DRR share) is not predictable at admission; such a
-request can still miss its target. Without Triton's queue (the frontend keeps at most
+Higher tiers keep arriving: work of a higher tier that arrives *after* an admission is
+served before the admitted request, so for a lower tier the wait is stretched by
+``slowdown = 1 / (1 - s)``, where ``s`` is the higher tiers' recent share of the
+endpoint's rows (the service tracks it per batch; at most 0.9 counts). Without it, a
+lower tier under a busy higher tier was admitted for about twice its target.
+
+Limits of the promise: the rest of what arrives after an admission and is served before
+it (a new tenant taking its DRR share) is not predictable at admission; such a request
+can still miss its target. Without Triton's queue (the frontend keeps at most
 ``max_inflight_batches`` there) nothing else waits ahead of the frontend's batches, except
 traffic that bypasses the frontend.
 """
@@ -113,6 +120,7 @@ class Throttle:
             max_batch_size=max_batch_size,
             max_batch_tokens=endpoint.max_batch_tokens,
             latency_target_s=endpoint.latency_target_ms / 1000.0,
+            safety=endpoint.throttle_safety,
         )
 
     def batches_for(self, rows: int, tokens: int) -> int:
@@ -124,8 +132,13 @@ class Throttle:
             n = max(n, math.ceil(tokens / self.max_batch_tokens))
         return max(1, n)
 
-    def predicted_wait(self, backlog: Backlog, inflight: int, service: ServiceModel) -> float:
-        """Seconds until the last of ``backlog`` is served (the module docstring's formula)."""
+    def predicted_wait(
+        self, backlog: Backlog, inflight: int, service: ServiceModel, slowdown: float = 1.0
+    ) -> float:
+        """Seconds until the last of ``backlog`` is served (the module docstring's formula).
+
+        ``slowdown`` (>= 1) stretches it for the service that higher tiers will take
+        meanwhile: 1 / (1 - their recent share of the endpoint's rows)."""
         bt = service.batch_time()
         typical_rows, typical_tokens = service.typical_batch()
         n = self.batches_for(backlog.rows, backlog.tokens)
@@ -143,7 +156,7 @@ class Throttle:
             rows = float(backlog.rows) + inflight * typical_rows
             tokens = float(backlog.tokens) + inflight * typical_tokens
         wait = (inflight + n) * bt.fixed_s + bt.per_row_s * rows + bt.per_token_s * tokens
-        return wait * self.safety
+        return wait * self.safety * max(1.0, slowdown)
 
     def check(
         self,
@@ -152,6 +165,7 @@ class Throttle:
         service: ServiceModel,
         *,
         remaining_s: float | None = None,
+        slowdown: float = 1.0,
     ) -> ThrottleDecision:
         """Admit or reject a request whose backlog (itself included) is ``backlog``.
 
@@ -163,10 +177,11 @@ class Throttle:
         if remaining_s is not None:
             target = min(target, remaining_s)
         n = self.batches_for(backlog.rows, backlog.tokens)
-        wait = self.predicted_wait(backlog, inflight, service)
+        wait = self.predicted_wait(backlog, inflight, service, slowdown)
         if not service.has_data:
             return ThrottleDecision(True, wait, target, n, "no service data", deadline_bound)
-        if n <= self.short_queue_batches:
+        if n * max(1.0, slowdown) <= self.short_queue_batches:
+            # Short in time: a lower tier's two batches under a busy higher tier are not.
             return ThrottleDecision(True, wait, target, n, "short queue", deadline_bound)
         if wait <= target:
             return ThrottleDecision(True, wait, target, n, "within target", deadline_bound)
