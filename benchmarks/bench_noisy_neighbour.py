@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -36,6 +39,10 @@ def bench_config(mode: str, burst: int) -> dict[str, Any]:
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = mode
+    for endpoint in cfg["endpoints"].values():
+        # The scenario is A's burst queued ahead of B, as in Triton's one queue: the
+        # throttle would turn most of it away (bench_overload measures that).
+        endpoint["throttle"] = False
     cfg["queues"] = {"max_queued": 4 * burst}
     cfg["tenants"] = {
         name: {"tier": "standard", "api_keys": [key], "max_queued": 2 * burst}
@@ -68,6 +75,57 @@ async def _timed(client: grpcaio.InferenceServerClient, ids: np.ndarray, headers
     return time.perf_counter() - t0
 
 
+class Prober:
+    """Tenant B's client, in a process of its own.
+
+    The driver's event loop is busy with A's 10,000 calls and their answers; B's sends and
+    answers queued behind them would measure the driver, not the server (measured: B's
+    answer 82 ms after arrival at the frontend, read 208 ms in the driver). The prober
+    reads a command per line (``solo N`` or ``burst N``) and prints latencies in ms.
+    """
+
+    def __init__(self, url: str, keyed: bool) -> None:
+        cmd = [sys.executable, "-m", "benchmarks.bench_noisy_neighbour", "--probe", url]
+        if keyed:
+            cmd.append("--keyed")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+
+    async def ask(self, command: str) -> list[float]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = await asyncio.to_thread(self.proc.stdout.readline)
+        return [float(x) for x in json.loads(line)]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+async def probe_main(url: str, keyed: bool) -> None:
+    """The prober's side: answer commands from stdin until it closes."""
+    ids = np.random.default_rng(2).integers(0, 4000, size=(1, TOKENS), dtype=np.int32)
+    headers = {"x-api-key": KEYS["quiet"]} if keyed else None
+    client = grpcaio.InferenceServerClient(url)
+    try:
+        for _ in range(10):  # warm-up
+            await _timed(client, ids, headers)
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            kind, n = line.split()
+            if kind == "solo":
+                out = [await _timed(client, ids, headers) for _ in range(int(n))]
+            else:
+                out = list(
+                    await asyncio.gather(*(_timed(client, ids, headers) for _ in range(int(n))))
+                )
+            print(json.dumps([x * 1e3 for x in out]), flush=True)
+    finally:
+        await client.close()
+
+
 async def run_target(
     name: str,
     url: str,
@@ -80,14 +138,11 @@ async def run_target(
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 4000, size=(1, TOKENS), dtype=np.int32)
     head_a = {"x-api-key": KEYS["noisy"]} if keyed else None
-    head_b = {"x-api-key": KEYS["quiet"]} if keyed else None
-    b_client = grpcaio.InferenceServerClient(url)
+    prober = Prober(url, keyed)
     a_clients = [grpcaio.InferenceServerClient(url) for _ in range(8)]
     try:
-        for _ in range(10):  # warm-up
-            await _timed(b_client, ids, head_b)
-        solo = [await _timed(b_client, ids, head_b) for _ in range(20)]
-        progress(f"{name}: B solo p50 {np.median(solo) * 1e3:.1f} ms; A bursts {burst}")
+        solo = await prober.ask("solo 20")
+        progress(f"{name}: B solo p50 {np.median(solo):.1f} ms; A bursts {burst}")
 
         metrics_url, family = queue_metric
         before = scrape(triton_metrics)
@@ -104,8 +159,8 @@ async def run_target(
                 break
             await asyncio.sleep(0.01)
         queued_when_b = scrape(metrics_url).get(family, 0.0)
-        b = await asyncio.gather(*(_timed(b_client, ids, head_b) for _ in range(B_REQUESTS)))
-        progress(f"{name}: B done (max {max(b) * 1e3:.1f} ms); waiting for A's burst")
+        b = await prober.ask(f"burst {B_REQUESTS}")
+        progress(f"{name}: B done (max {max(b):.1f} ms); waiting for A's burst")
         a = await asyncio.gather(*a_tasks)
         burst_s = time.perf_counter() - t_burst
         after = scrape(triton_metrics)
@@ -118,8 +173,8 @@ async def run_target(
         )
         execs = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
         return {
-            "b_solo_ms": [x * 1e3 for x in solo],
-            "b_burst_ms": [x * 1e3 for x in b],
+            "b_solo_ms": solo,
+            "b_burst_ms": b,
             "a_p50_ms": float(np.median(a) * 1e3),
             "a_max_ms": float(max(a) * 1e3),
             "queued_ahead_of_b": queued_when_b,
@@ -128,7 +183,7 @@ async def run_target(
             "batches": execs,
         }
     finally:
-        await b_client.close()
+        prober.close()
         for c in a_clients:
             await c.close()
 
@@ -195,7 +250,12 @@ async def main_async(burst: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--burst", type=int, default=10_000)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run as B's prober
+    parser.add_argument("--keyed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        asyncio.run(probe_main(args.probe, args.keyed))
+        return
     results = asyncio.run(main_async(args.burst))
     print()
     print(

@@ -54,7 +54,7 @@ class Pending:
 
     item: Item
     future: asyncio.Future[tuple[str, list[Tensor]]]  # (model version, outputs)
-    enqueued_at: float
+    enqueued_at: float  # time.monotonic(): statistics want more than the loop clock's ms
     dispatched_at: float | None = None
     stream: asyncio.Queue[StreamReply | None] | None = None
 
@@ -236,7 +236,7 @@ class EndpointRuntime:
         """Queue a request and wait for (model version, its outputs), or the error it is
         answered with."""
         now = self.now()
-        pending = Pending(item, self.loop.create_future(), now)
+        pending = Pending(item, self.loop.create_future(), time.monotonic())
         # A cancelled caller no longer reads its future; mark its exception as retrieved.
         pending.future.add_done_callback(_retrieve)
         qr.payload = pending
@@ -255,7 +255,7 @@ class EndpointRuntime:
     async def submit_stream(self, qr: QueuedRequest, item: Item) -> AsyncIterator[StreamReply]:
         """Queue a request to a decoupled model; yield its responses as they come."""
         now = self.now()
-        pending = Pending(item, self.loop.create_future(), now, stream=asyncio.Queue())
+        pending = Pending(item, self.loop.create_future(), time.monotonic(), stream=asyncio.Queue())
         pending.future.add_done_callback(_retrieve)
         qr.payload = pending
         self.scheduler.enqueue(qr, now)
@@ -357,7 +357,7 @@ class EndpointRuntime:
     async def _run(self, batch: list[QueuedRequest], now: float) -> None:
         pendings: list[Pending] = [qr.payload for qr in batch]
         for p in pendings:
-            p.dispatched_at = now
+            p.dispatched_at = time.monotonic()
         started = time.monotonic()
         ok = False
         try:

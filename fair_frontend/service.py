@@ -250,7 +250,7 @@ class Frontend:
             queued_s = _queued_seconds(qr)
             outcome = Outcome.DISPATCHED
             total_s = time.monotonic() - arrived
-            infer_s = runtime.now() - qr.payload.dispatched_at
+            infer_s = time.monotonic() - qr.payload.dispatched_at
             self.stats.success(req.model, version, checked.rows, total_s, queued_s or 0.0, infer_s)
             if not info.decoupled:
                 yield InferResponse(req.model, version, req.id, outputs, dict(final))
