@@ -77,21 +77,32 @@ class Pending:
 class TierShares:
     """Each tier's recent share of an endpoint's capacity (an EMA over batches).
 
-    A batch's capacity is ``max_batch_size`` rows, or its rows if more: a tier that fills
-    half of every batch takes half the capacity, whether the rest of the batch is filled by
-    lower tiers or left empty (a lower tier the throttle holds back does not make the
-    higher tiers' share look larger).
+    A batch's capacity is ``batch_rows`` rows and ``batch_tokens`` tokens (or what it
+    holds, if more); a tier's share of a batch is the larger of its share of the rows and
+    of the tokens: whichever cap fills first. So a tier that fills half of every batch
+    takes half the capacity, whether the rest is filled by lower tiers or left empty (a
+    lower tier the throttle holds back does not make the higher tiers look larger).
     """
 
-    def __init__(self, alpha: float = 0.1, batch_rows: int = 1) -> None:
+    def __init__(
+        self, alpha: float = 0.1, batch_rows: int = 1, batch_tokens: int | None = None
+    ) -> None:
         self.alpha = alpha
         self.batch_rows = max(1, batch_rows)
+        self.batch_tokens = batch_tokens
         self.share: dict[str, float] = {}
 
-    def observe(self, rows_by_tier: dict[str, int]) -> None:
-        total = max(sum(rows_by_tier.values()), self.batch_rows)
+    def observe(
+        self, rows_by_tier: dict[str, int], tokens_by_tier: dict[str, int] | None = None
+    ) -> None:
+        rows_cap = max(sum(rows_by_tier.values()), self.batch_rows)
+        tokens_cap = 0
+        if tokens_by_tier is not None and self.batch_tokens is not None:
+            tokens_cap = max(sum(tokens_by_tier.values()), self.batch_tokens)
         for tier in set(self.share) | set(rows_by_tier):
-            now = rows_by_tier.get(tier, 0) / total
+            now = rows_by_tier.get(tier, 0) / rows_cap
+            if tokens_cap and tokens_by_tier is not None:
+                now = max(now, tokens_by_tier.get(tier, 0) / tokens_cap)
             self.share[tier] = (1 - self.alpha) * self.share.get(tier, 0.0) + self.alpha * now
 
     def above(self, tier: str, tiers: list[str]) -> float:

@@ -390,7 +390,7 @@ class Frontend:
                 on_batch=self._on_batch,
                 service=service,
                 throttle=Throttle.for_endpoint(endpoint, batch),
-                tier_shares=TierShares(batch_rows=batch),
+                tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
             )
             self.runtimes[model] = runtime
         return runtime
@@ -399,7 +399,13 @@ class Frontend:
         self.observer.batch_finished(report)
         runtime = self.runtimes.get(report.model)
         if runtime is not None and report.ok:
-            runtime.tier_shares.observe({self._tier(t): rows for t, rows in report.tenants.items()})
+            rows_by_tier: dict[str, int] = {}
+            tokens_by_tier: dict[str, int] = {}
+            for t, rows in report.tenants.items():
+                tier = self._tier(t)
+                rows_by_tier[tier] = rows_by_tier.get(tier, 0) + rows
+                tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + report.tenant_tokens[t]
+            runtime.tier_shares.observe(rows_by_tier, tokens_by_tier)
             self.stats.execution(
                 report.model, runtime.info.latest_version, report.rows, report.seconds
             )
