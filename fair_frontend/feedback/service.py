@@ -408,7 +408,9 @@ class ServiceModel:
                 log.warning("%s: Triton's metrics are stale: %s", self.name, reason)
         self._stale_reason = reason
         if source is not self._source:
-            level = logging.INFO if source is Source.TRITON else logging.WARNING
+            # A fallback is a warning; learning (from the defaults) or recovering is news.
+            fallback = source is not Source.TRITON and self._source is not Source.DEFAULT
+            level = logging.WARNING if fallback else logging.INFO
             log.log(
                 level,
                 "%s: service estimates now from %s (were from %s); Triton's metrics: %s",
