@@ -200,3 +200,49 @@ def test_health_and_metadata(triton, frontend) -> None:  # type: ignore[no-untyp
     ).get_model_metadata("embed")
     meta = _front(frontend, "http").get_server_metadata()
     assert "binary_tensor_data" in meta["extensions"]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+    mod = grpcclient if protocol == "grpc" else httpclient
+    ids = np.arange(4, dtype=np.int32).reshape(1, 4)
+    client = _front(frontend, protocol)
+    denied = "StatusCode.PERMISSION_DENIED" if protocol == "grpc" else "403"
+    for kwargs in (
+        {"headers": {"x-api-key": KEYS["umbrella"]}, "parameters": {"tenant": "acme"}},
+        {"headers": {"x-api-key": KEYS["umbrella"], "x-tenant-id": "acme"}},
+    ):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("embed", [ids_input(mod, ids)], **kwargs)
+        assert info.value.status() == denied
+        assert KEYS["umbrella"] not in info.value.message()
+    # Naming itself is fine; naming a tenant without a key is not trusted by default.
+    ok = client.infer(
+        "embed",
+        [ids_input(mod, ids)],
+        headers={"x-api-key": KEYS["umbrella"]},
+        parameters={"tenant": "umbrella"},
+    )
+    assert ok.as_numpy("EMBEDDING").shape == (1, 128)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("embed", [ids_input(mod, ids)], headers={"x-tenant-id": "acme"})
+    assert info.value.status() == ("StatusCode.UNAUTHENTICATED" if protocol == "grpc" else "401")
+
+
+def test_trusted_gateway_names_the_tenant(triton) -> None:  # type: ignore[no-untyped-def]
+    from tests.support import make_config, running_frontend
+
+    config = make_config(auth={"trusted_gateway": True})
+    ids = np.arange(4, dtype=np.int32).reshape(1, 4)
+    with running_frontend(config, triton.grpc_url) as fe:
+        client = grpcclient.InferenceServerClient(fe.grpc_url)
+        result = client.infer(
+            "embed",
+            [ids_input(grpcclient, ids)],
+            outputs=[grpcclient.InferRequestedOutput("ROW_META")],
+            headers={"x-tenant-id": "globex"},
+        )
+        assert json.loads(result.as_numpy("ROW_META")[0][0])["tenant"] == "globex"
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("embed", [ids_input(grpcclient, ids)], headers={"x-tenant-id": "nobody"})
+        assert info.value.status() == "StatusCode.UNAUTHENTICATED"
