@@ -190,6 +190,50 @@ class Outcomes:
         return self.late / max(1, self.admitted)
 
 
+class FakeTriton:
+    """One model instance behind 2 batches in flight, ``TRUTH`` batch times, 3 % noise.
+
+    ``dispatch`` sends batches while a slot is free; ``finish`` takes the batch that ends
+    first: (its finish time, when it was sent, its requests)."""
+
+    def __init__(self, scheduler: Scheduler, rng: random.Random) -> None:
+        self.scheduler = scheduler
+        self.rng = rng
+        self.inflight: list[tuple[float, int, float, list[QueuedRequest]]] = []  # by finish
+        self.free_at = 0.0
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self.inflight)
+
+    @property
+    def next_finish(self) -> float:
+        return self.inflight[0][0]
+
+    def dispatch(self, now: float) -> None:
+        while len(self.inflight) < 2:
+            batch = self.scheduler.next_batch(now)
+            if not batch:
+                return
+            rows, tokens = sum(r.rows for r in batch), sum(r.tokens for r in batch)
+            begin = max(now, self.free_at)
+            self.free_at = begin + TRUTH.seconds(rows, tokens) * self.rng.gauss(1.0, 0.03)
+            self.seq += 1
+            heapq.heappush(self.inflight, (self.free_at, self.seq, now, batch))
+
+    def finish(self) -> tuple[float, float, list[QueuedRequest]]:
+        done, _, sent, batch = heapq.heappop(self.inflight)
+        return done, sent, batch
+
+
+def embed_scheduler(tiers: tuple[str, ...], directory: dict[str, TenantSpec]) -> Scheduler:
+    """An embed-like endpoint: token cost, batches of 32 rows, a quantum of 4,096 tokens."""
+    policy = EndpointPolicy(
+        cost=CostUnit.TOKENS, max_batch_size=32, max_batch_tokens=None, quantum=4096.0, tiers=tiers
+    )
+    return Scheduler(policy, directory, GlobalCaps(10**7))
+
+
 def simulate(
     load: float,
     *,
@@ -205,38 +249,17 @@ def simulate(
     throttle decides at each arrival on ``Scheduler.backlog_ahead``."""
     rng = random.Random(seed)
     capacity = 32 / TRUTH.seconds(*FULL)  # requests per second in full batches
-    policy = EndpointPolicy(
-        cost=CostUnit.TOKENS,
-        max_batch_size=32,
-        max_batch_tokens=None,
-        quantum=4096.0,
-        tiers=("paid",),
-    )
     directory = {name: TenantSpec("paid", max_queued=10**6) for name in tenants}
-    scheduler = Scheduler(policy, directory, GlobalCaps(10**7))
+    scheduler = embed_scheduler(("paid",), directory)
     model = ServiceModel("embed", cost_unit=CostUnit.TOKENS, max_batch_size=32)
     gate = throttle(target_s=target_s)
     out = Outcomes()
-    inflight: list[tuple[float, int, float, list[QueuedRequest]]] = []  # heap by finish
-    server_free = 0.0
-    seq = 0
-
-    def dispatch(now: float) -> None:
-        nonlocal server_free, seq
-        while len(inflight) < 2:
-            batch = scheduler.next_batch(now)
-            if not batch:
-                return
-            rows, tokens = sum(r.rows for r in batch), sum(r.tokens for r in batch)
-            begin = max(now, server_free)
-            server_free = begin + TRUTH.seconds(rows, tokens) * rng.gauss(1.0, 0.03)
-            seq += 1
-            heapq.heappush(inflight, (server_free, seq, now, batch))
+    triton = FakeTriton(scheduler, rng)
 
     next_arrival = rng.expovariate(load * capacity)
-    while next_arrival < seconds or inflight:
-        if inflight and (next_arrival >= seconds or inflight[0][0] <= next_arrival):
-            now, _, sent, batch = heapq.heappop(inflight)
+    while next_arrival < seconds or triton:
+        if triton and (next_arrival >= seconds or triton.next_finish <= next_arrival):
+            now, sent, batch = triton.finish()
             rows, tokens = sum(r.rows for r in batch), sum(r.tokens for r in batch)
             model.observe_batch(rows, tokens, sent, now, now)
             for r in batch:
@@ -249,12 +272,12 @@ def simulate(
             tenant, tokens = rng.choice(tenants), rng.randint(16, 256)
             if use_throttle:
                 backlog = scheduler.backlog_ahead(tenant, 1, 1, tokens)
-                if not gate.check(backlog, len(inflight), model).admitted:
+                if not gate.check(backlog, len(triton), model).admitted:
                     out.rejected += 1
                     continue
             scheduler.enqueue(QueuedRequest(tenant, 1, tokens, 0, 1, None), now)
             out.admitted += 1
-        dispatch(now)
+        triton.dispatch(now)
     return out
 
 
@@ -292,40 +315,19 @@ def simulate_tiers(*, use_slowdown: bool, seconds: float = 20.0, seed: int = 0) 
     capacity = 32 / TRUTH.seconds(*FULL)
     rates = {"h": 0.5 * capacity, "l": 2.0 * capacity}
     tiers = {"h": "paid", "l": "trial"}
-    policy = EndpointPolicy(
-        cost=CostUnit.TOKENS,
-        max_batch_size=32,
-        max_batch_tokens=None,
-        quantum=4096.0,
-        tiers=("paid", "trial"),
-    )
     directory = {name: TenantSpec(tier, max_queued=10**6) for name, tier in tiers.items()}
-    scheduler = Scheduler(policy, directory, GlobalCaps(10**7))
+    scheduler = embed_scheduler(("paid", "trial"), directory)
     model = ServiceModel("embed", cost_unit=CostUnit.TOKENS, max_batch_size=32)
     gate = throttle(target_s=target_s)
     shares = TierShares(batch_rows=32)
     out = Outcomes()
-    inflight: list[tuple[float, int, float, list[QueuedRequest]]] = []
-    server_free = 0.0
-    seq = 0
-
-    def dispatch(now: float) -> None:
-        nonlocal server_free, seq
-        while len(inflight) < 2:
-            batch = scheduler.next_batch(now)
-            if not batch:
-                return
-            rows, tokens = sum(r.rows for r in batch), sum(r.tokens for r in batch)
-            begin = max(now, server_free)
-            server_free = begin + TRUTH.seconds(rows, tokens) * rng.gauss(1.0, 0.03)
-            seq += 1
-            heapq.heappush(inflight, (server_free, seq, now, batch))
+    triton = FakeTriton(scheduler, rng)
 
     arrivals = [(rng.expovariate(rate), t) for t, rate in rates.items()]
     heapq.heapify(arrivals)
-    while arrivals[0][0] < seconds or inflight:
-        if inflight and (arrivals[0][0] >= seconds or inflight[0][0] <= arrivals[0][0]):
-            now, _, sent, batch = heapq.heappop(inflight)
+    while arrivals[0][0] < seconds or triton:
+        if triton and (arrivals[0][0] >= seconds or triton.next_finish <= arrivals[0][0]):
+            now, sent, batch = triton.finish()
             rows, tokens = sum(r.rows for r in batch), sum(r.tokens for r in batch)
             model.observe_batch(rows, tokens, sent, now, now)
             by_tier: dict[str, int] = {}
@@ -343,12 +345,12 @@ def simulate_tiers(*, use_slowdown: bool, seconds: float = 20.0, seed: int = 0) 
             if use_slowdown:
                 slowdown = 1 / (1 - min(0.9, shares.above(tiers[tenant], ["paid", "trial"])))
             backlog = scheduler.backlog_ahead(tenant, 1, 1, tokens)
-            if not gate.check(backlog, len(inflight), model, slowdown=slowdown).admitted:
+            if not gate.check(backlog, len(triton), model, slowdown=slowdown).admitted:
                 out.rejected += tenant == "l"
                 continue
             scheduler.enqueue(QueuedRequest(tenant, 1, tokens, 0, 1, None), now)
             out.admitted += tenant == "l"
-        dispatch(now)
+        triton.dispatch(now)
     return out
 
 
