@@ -217,7 +217,6 @@ class EndpointRuntime:
     forwarder: TritonForwarder
     backend: Backend
     on_batch: Callable[[BatchReport], None] = lambda report: None
-    on_expired: Callable[[QueuedRequest], None] = lambda qr: None
     service: ServiceModel | None = None  # what batches cost (feedback)
     throttle: Throttle | None = None  # admission's early reject
     tier_shares: TierShares = field(default_factory=TierShares)
@@ -360,10 +359,7 @@ class EndpointRuntime:
 
     def _expire(self, now: float) -> None:
         for qr in self.scheduler.expire(now):
-            pending: Pending = qr.payload
-            self.on_expired(qr)
-            if not pending.future.done():
-                pending.fail(TimeoutExpired())
+            qr.payload.fail(TimeoutExpired())  # Pending.fail answers once
 
     async def _run(self, batch: list[QueuedRequest], now: float) -> None:
         pendings: list[Pending] = [qr.payload for qr in batch]

@@ -18,7 +18,6 @@ from tritonclient.grpc import (
     InferenceServerException,
     InferInput,
     InferRequestedOutput,
-    service_pb2,
 )
 from tritonclient.grpc import aio as grpcclient
 
@@ -228,7 +227,3 @@ class TritonForwarder:
         """The raw generated stub, for the calls tritonclient's aio client has no method for
         (bidirectional streaming passes requests through untouched)."""
         return self._client._client_stub
-
-    @staticmethod
-    def new_infer_request() -> service_pb2.ModelInferRequest:
-        return service_pb2.ModelInferRequest()

@@ -121,9 +121,6 @@ class ModelRegistry:
                 fut.exception()  # the error is raised below; mark it retrieved
         return await asyncio.shield(fut)
 
-    def forget(self, model: str) -> None:
-        self._infos.pop(model, None)
-
 
 def _unknown_model(model: str, err: BaseException) -> BaseException:
     if isinstance(err, UpstreamError) and "unknown model" in err.message:
