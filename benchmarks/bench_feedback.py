@@ -44,10 +44,10 @@ import numpy as np
 
 from benchmarks.harness import RESULTS, ROOT, load_example_config, progress, write_result
 from fair_frontend.config import parse_config
+from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.service import Frontend
 
 TEST_MODELS = ROOT / "tests" / "model_repository"
 KEY = "feedback-bench-key"
@@ -200,7 +200,7 @@ def bench_config(metrics_url: str) -> dict[str, Any]:
     return cfg
 
 
-async def _status(fe: Frontend, model: str) -> Any:
+async def _status(fe: Core, model: str) -> Any:
     runtime = fe.runtimes.get(model)
     return None if runtime is None or runtime.service is None else runtime.service.status()
 
@@ -214,7 +214,7 @@ def run_scenario(
         config,
         triton.grpc_url,
         Listen(),
-        frontend_factory=lambda c, f: Frontend(c, f, observers=[recorder]),
+        core_factory=lambda c, f: Core(c, f, observers=[recorder]),
     )
     background = BackgroundServer(server)
     samples: list[dict[str, Any]] = []

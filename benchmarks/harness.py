@@ -101,8 +101,11 @@ def load_example_config() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def frontend(config: dict[str, Any] | Path, triton_url: str) -> Iterator[FrontendProcess]:
-    """``fair-frontend serve`` as its own process, as a user runs it."""
+def frontend(
+    config: dict[str, Any] | Path, triton_url: str, *, workers: int | None = 1
+) -> Iterator[FrontendProcess]:
+    """``fair-frontend serve`` as its own process, as a user runs it (``workers`` shell
+    processes; None: its default)."""
     tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
     path = config if isinstance(config, Path) else write_config(config, tmp)
     ports = [free_port() for _ in range(3)]
@@ -127,6 +130,8 @@ def frontend(config: dict[str, Any] | Path, triton_url: str) -> Iterator[Fronten
         "--log-level",
         "WARNING",
     ]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

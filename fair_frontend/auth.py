@@ -87,6 +87,10 @@ class KeyRing:
             raise ConfigError("(API keys)", problems)
         return cls(digests)
 
+    def digests(self) -> dict[bytes, str]:
+        """Every stored digest and its tenant (to hand the keyring to a shell process)."""
+        return {d: tenant for entries in self._index.values() for d, tenant in entries}
+
     def tenant_for(self, key: str) -> str | None:
         d = hashlib.sha256(key.encode()).digest()
         for stored, tenant in self._index.get(d[:8], ()):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -27,17 +28,23 @@ ROWS_PARAMETER = "fair_rows"
 OUTPUTS_PARAMETER = "fair_outputs"
 
 
-@dataclass(slots=True)
-class Item:
-    """One request's part in a batch (what ``pack`` needs beyond the request itself)."""
+class Item(Protocol):
+    """What ``pack`` reads of each request in a batch (``core.dispatch.CoreRequest``)."""
 
-    request: InferRequest
+    @property
+    def request(self) -> InferRequest: ...
+
+    @property
+    def lengths(self) -> list[int] | None: ...
+
+    @property
+    def deadline_us(self) -> int:
+        """Unix epoch microseconds, 0 = none."""
+        ...
+
     rows: int
-    lengths: list[int] | None
     tenant: str
     priority: int
-    deadline_us: int  # unix epoch microseconds, 0 = none
-    deadline_mono: float | None = None  # the same deadline on the dispatch clock
 
 
 def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:

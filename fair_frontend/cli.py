@@ -20,7 +20,7 @@ from typing import Any
 import uvloop
 
 from fair_frontend.config import Config, ConfigError, load_config
-from fair_frontend.server import FrontendServer, Listen
+from fair_frontend.server import FrontendServer, Listen, default_workers
 
 log = logging.getLogger("fair_frontend")
 
@@ -32,6 +32,13 @@ def _add_listen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 8001)")
     p.add_argument("--metrics-port", type=int, default=None, help="metrics port (default 8002)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="shell processes serving HTTP and gRPC (default: server.workers, else the "
+        "cores this process may use, at most 8); 1 keeps the whole frontend in one process",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -107,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "serve":
-            uvloop.run(_serve(config, args.triton_url, _listen(args, config), args.config))
+            uvloop.run(
+                _serve(config, args.triton_url, _listen(args, config), _workers(args), args.config)
+            )
         else:
             uvloop.run(_up(config, args))
     except ConfigError as err:
@@ -123,29 +132,50 @@ class StartupError(RuntimeError):
     pass
 
 
-async def _wait_for_signal() -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+def _workers(args: argparse.Namespace) -> int:
+    workers: int = args.workers if args.workers is not None else default_workers()
+    if workers < 1:
+        raise ConfigError("--workers", [f"must be at least 1, got {workers}"])
+    return workers
 
 
 async def _serve(
-    config: Config, triton_url: str, listen: Listen, config_path: str | None = None
+    config: Config,
+    triton_url: str,
+    listen: Listen,
+    workers: int,
+    config_path: str | None = None,
 ) -> None:
-    server = FrontendServer(config, triton_url, listen)
+    server = FrontendServer(config, triton_url, listen, workers=workers)
+    loop = asyncio.get_running_loop()
+    # Signals are handled from the start: shells may answer readiness probes before this
+    # process has finished starting, and a signal's default action would kill it (its
+    # shells with it) without the drain.
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = False
+    reloads: list[str] = []  # SIGHUPs before the start finished: applied right after it
+
+    def on_sighup() -> None:
+        if config_path is not None:
+            if started:
+                _reload(server, config_path)
+            else:
+                reloads.append(config_path)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
         await server.start()
     except OSError as err:
+        await server.stop()
         raise StartupError(f"cannot listen: {err}") from err
-    if config_path is not None:
-        asyncio.get_running_loop().add_signal_handler(
-            signal.SIGHUP, lambda: _reload(server, config_path)
-        )
+    started = True
+    if reloads:
+        _reload(server, reloads[-1])
     _announce(server, listen, triton_url)
     try:
-        await _wait_for_signal()
+        await stop.wait()
     finally:
         log.info("stopping: finishing queued and in-flight requests")
         await server.stop()
@@ -153,9 +183,8 @@ async def _serve(
 
 def _reload(server: FrontendServer, path: str) -> None:
     """SIGHUP: read the config file again and apply keys, tenants and limits."""
-    assert server.frontend is not None
     try:
-        server.frontend.reload(load_config(path))
+        server.reload(load_config(path))
     except ConfigError as err:
         log.error("reload refused, keeping the running config: %s", err)
 
@@ -180,7 +209,7 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         config = config.model_copy(update={"triton": triton_cfg})
     watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
     try:
-        await _serve(config, triton.grpc_url, _listen(args, config), args.config)
+        await _serve(config, triton.grpc_url, _listen(args, config), _workers(args), args.config)
     finally:
         watchdog.cancel()
         print("stopping Triton ...", flush=True)

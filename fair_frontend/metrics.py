@@ -28,7 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
-from fair_frontend.dispatch import BatchReport
+from fair_frontend.core.dispatch import BatchReport
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 
@@ -197,6 +197,18 @@ class FrontendMetrics(Observer):
         self._child(self.requests, label, tier, endpoint, outcome.value).inc()
         if queued_s is not None:
             self._child(self.queue_wait, label, tier, endpoint).observe(queued_s)
+
+    def requests_answered(
+        self, tenant: str | None, model: str, outcome: Outcome, count: int
+    ) -> None:
+        """``count`` requests a shell answered itself, before the core (its tally)."""
+        if outcome in _MODEL_EXISTS:
+            self.endpoint_label.confirm(model)
+        label = self.tenant_label(tenant)
+        tier = self.tier_of(tenant)
+        self._child(self.requests, label, tier, self.endpoint_label(model), outcome.value).inc(
+            count
+        )
 
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model

@@ -15,7 +15,7 @@ from fair_frontend.outcomes import Outcome
 
 if TYPE_CHECKING:
     from fair_frontend.admission import ThrottleDecision
-    from fair_frontend.dispatch import BatchReport
+    from fair_frontend.core.dispatch import BatchReport
 
 log = logging.getLogger(__name__)
 

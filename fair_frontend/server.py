@@ -1,14 +1,23 @@
-"""Runs the frontend: the HTTP, gRPC and metrics listeners around one ``Frontend``.
+"""Runs the frontend: the core, its shells, and the metrics listener.
 
 ``FrontendServer`` is what ``fair-frontend serve`` and ``up`` run, and what tests start
-in-process. Ports given as 0 are chosen by the OS; the bound ports are attributes after
-``start()``.
+in-process. The core (admission, schedulers, dispatch) always lives in this process.
+With ``workers=1`` the one shell lives here too (one process, as a small deployment
+wants); with more, ``ShellPool`` runs that many shell processes on the same HTTP and
+gRPC ports (``fair_frontend.shell``), restarting one that dies. Ports given as 0 are
+chosen by the OS; the bound ports are attributes after ``start()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,12 +28,30 @@ import uvloop
 from aiohttp import web
 
 from fair_frontend.config import Config
+from fair_frontend.core import Core
 from fair_frontend.forwarder import TritonForwarder
-from fair_frontend.grpc_server import make_server
-from fair_frontend.http_server import HttpShell
-from fair_frontend.service import Frontend
+from fair_frontend.ipc import CoreServer, ShellConnection
+from fair_frontend.records import Draining, Settings, Stop
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.grpc_server import make_server
+from fair_frontend.shell.http_server import HttpShell, max_body_bytes
+from fair_frontend.shell.link import LocalLink
 
 log = logging.getLogger(__name__)
+
+MAX_DEFAULT_WORKERS = 8
+SHELL_START_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = (0.1, 5.0)  # first delay before restarting a dead shell, and the cap
+
+
+def default_workers() -> int:
+    """Shell processes by default: the cores this process may use, at most 8 (beyond,
+    one core's admission, not the shells, is the limit; measured in benchmarks/)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_WORKERS))
 
 
 @dataclass
@@ -43,13 +70,19 @@ class FrontendServer:
         triton_url: str,
         listen: Listen,
         *,
-        frontend_factory: Callable[[Config, TritonForwarder], Frontend] | None = None,
+        workers: int = 1,
+        core_factory: Callable[[Config, TritonForwarder], Core] | None = None,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, not {workers}")
         self.config = config
         self.triton_url = triton_url
         self.listen = listen
-        self._factory = frontend_factory or (lambda c, f: Frontend(c, f))
-        self.frontend: Frontend | None = None
+        self.workers = workers
+        self._factory = core_factory or (lambda c, f: Core(c, f))
+        self.core: Core | None = None
+        self.gateway: Gateway | None = None  # the in-process shell (workers=1)
+        self.shells: ShellPool | None = None
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -58,18 +91,30 @@ class FrontendServer:
         self.metrics_port = 0
 
     @property
-    def max_body_bytes(self) -> int:
-        eps = [*self.config.endpoints.values(), self.config.default_endpoint]
-        # Room for the JSON header and base64-free binary framing around the tensors.
-        return max(ep.max_request_bytes for ep in eps) * 2 + (1 << 20)
+    def frontend(self) -> Core | None:
+        """The core (tests and benchmarks read its schedulers and counters)."""
+        return self.core
 
     async def start(self) -> None:
         forwarder = TritonForwarder(
             self.triton_url, request_timeout_s=self.config.triton.request_timeout_s
         )
-        self.frontend = self._factory(self.config, forwarder)
-        await self.frontend.start()
-        shell = HttpShell(self.frontend, max_body_bytes=self.max_body_bytes)
+        self.core = self._factory(self.config, forwarder)
+        await self.core.start()
+        # Metrics first: once a shell listens, it answers readiness probes, and everything
+        # it reports on must be up by then.
+        await self._start_metrics()
+        if self.workers == 1:
+            await self._start_local_shell(forwarder)
+        else:
+            self.shells = ShellPool(self.core, self.triton_url, self.listen, self.workers)
+            await self.shells.start()
+            self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
+
+    async def _start_local_shell(self, forwarder: TritonForwarder) -> None:
+        assert self.core is not None
+        self.gateway = Gateway(self.config, self.core.keyring, LocalLink(self.core), forwarder)
+        shell = HttpShell(self.gateway, max_body_bytes=max_body_bytes(self.config))
         # Bodies are inflated by the shell itself (size-capped, Triton's errors for the
         # encodings it does not know), not by aiohttp.
         self._runner = web.AppRunner(
@@ -79,15 +124,14 @@ class FrontendServer:
         site = web.TCPSite(self._runner, self.listen.host, self.listen.http_port)
         await site.start()
         self.http_port = _bound_port(site)
-
-        self._grpc = make_server(self.frontend)
+        self._grpc = make_server(self.gateway)
         self.grpc_port = self._grpc.add_insecure_port(
             f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
         )
         await self._grpc.start()
 
-        metrics_app = self.metrics_app()
-        self._metrics_runner = web.AppRunner(metrics_app, access_log=None)
+    async def _start_metrics(self) -> None:
+        self._metrics_runner = web.AppRunner(self.metrics_app(), access_log=None)
         await self._metrics_runner.setup()
         msite = web.TCPSite(
             self._metrics_runner,
@@ -100,9 +144,11 @@ class FrontendServer:
     def metrics_app(self) -> web.Application:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        registry = getattr(self.frontend, "registry", None)
+        registry = getattr(self.core, "registry", None)
 
         async def metrics(request: web.Request) -> web.Response:
+            if self.shells is not None:
+                await self.shells.collect_tallies()
             body = generate_latest(registry) if registry is not None else b""
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -110,22 +156,173 @@ class FrontendServer:
         app.router.add_get("/metrics", metrics)
         return app
 
+    def reload(self, config: Config) -> list[str]:
+        """Apply a new config (SIGHUP) in the core and in every shell; see ``Core.reload``."""
+        assert self.core is not None
+        notes = self.core.reload(config)
+        if self.gateway is not None:
+            self.gateway.configure(config, self.core.keyring)
+        if self.shells is not None:
+            self.shells.server.broadcast(self.shells.settings())
+        return notes
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, finish what is queued and in flight, close."""
         # Drain first, while the listeners can still deliver the answers.
-        if self.frontend is not None:
+        if self.shells is not None:
+            self.shells.server.broadcast(Draining())
+        if self.core is not None:
             try:
-                await asyncio.wait_for(self.frontend.shutdown(grace_s), grace_s + 5.0)
+                await asyncio.wait_for(self.core.shutdown(grace_s), grace_s + 5.0)
             except asyncio.TimeoutError:
                 log.warning("shutdown: gave up waiting for in-flight batches")
+        if self.shells is not None:
+            await self.shells.stop()
         if self._grpc is not None:
             await self._grpc.stop(1.0)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
-        if self.frontend is not None:
-            await self.frontend.forwarder.close()
+        if self.core is not None:
+            await self.core.forwarder.close()
+
+
+class ShellPool:
+    """``workers`` shell processes on one HTTP and one gRPC port, kept running.
+
+    HTTP: this process binds the listening socket and every shell inherits it and
+    accepts from it. gRPC: each shell binds the port itself (grpc sets SO_REUSEPORT);
+    this process holds a placeholder bound to it, never listening, so the port stays
+    this frontend's while shells come and go. A shell that exits is started again
+    (after a back-off that doubles while it keeps dying); the core has dropped its
+    queued work the moment its connection closed.
+    """
+
+    def __init__(self, core: Core, triton_url: str, listen: Listen, workers: int) -> None:
+        self.core = core
+        self.triton_url = triton_url
+        self.listen = listen
+        self.workers = workers
+        self._dir = tempfile.mkdtemp(prefix="fair-frontend-")
+        self.server = CoreServer(core, self.settings, os.path.join(self._dir, "core.sock"))
+        self.server.on_ready = self._on_ready
+        self.processes: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self._ready: dict[int, asyncio.Future[None]] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._http_sock: socket.socket | None = None
+        self._grpc_hold: socket.socket | None = None
+        self.http_port = 0
+        self.grpc_port = 0
+
+    def settings(self) -> Settings:
+        config = self.core.config
+        keys = {d.hex(): tenant for d, tenant in self.core.keyring.digests().items()}
+        return Settings(config.model_dump(mode="json"), keys, self.triton_url)
+
+    async def start(self) -> None:
+        await self.server.start()
+        host = self.listen.host
+        family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+        http = socket.socket(family, socket.SOCK_STREAM)
+        http.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        http.bind((host, self.listen.http_port))
+        http.listen(4096)
+        http.set_inheritable(True)
+        self._http_sock = http
+        self.http_port = http.getsockname()[1]
+        hold = socket.socket(family, socket.SOCK_STREAM)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        hold.bind((host, self.listen.grpc_port))
+        self._grpc_hold = hold
+        self.grpc_port = hold.getsockname()[1]
+        for index in range(self.workers):
+            await self._spawn(index)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(self._ready[i] for i in range(self.workers))),
+                SHELL_START_TIMEOUT_S,
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("%d shell processes serving", self.workers)
+
+    async def _spawn(self, index: int) -> None:
+        assert self._http_sock is not None
+        self._ready[index] = asyncio.get_running_loop().create_future()
+        root = logging.getLogger()
+        cmd = [
+            sys.executable,
+            "-m",
+            "fair_frontend.shell",
+            "--core",
+            self.server.path,
+            "--index",
+            str(index),
+            "--http-fd",
+            str(self._http_sock.fileno()),
+            "--grpc-host",
+            _grpc_host(self.listen.host),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--log-level",
+            logging.getLevelName(root.level),
+            "--log-format",
+            self.core.config.observability.log_format,
+        ]
+        proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(self._http_sock.fileno(),))
+        self.processes[index] = proc
+        watcher = asyncio.get_running_loop().create_task(self._watch(index, proc))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+
+    def _on_ready(self, conn: ShellConnection) -> None:
+        fut = self._ready.get(conn.index)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        backoff = RESTART_BACKOFF_S[0]
+        while True:
+            code = await proc.wait()
+            fut = self._ready.get(index)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(f"shell {index} exited with {code} at start"))
+            if self._stopping:
+                return
+            log.error("shell %d (pid %d) exited with %s; restarting it", index, proc.pid, code)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+            if self._stopping:
+                return
+            self.restarts += 1
+            await self._spawn(index)
+            return  # the new process has a watcher of its own
+
+    async def collect_tallies(self) -> None:
+        """What the shells answered themselves, counted before a scrape is answered."""
+        await self.server.flush_tallies()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self.server.broadcast(Stop())
+        procs = list(self.processes.values())
+        if procs:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+            for p in procs:
+                if p.returncode is None:
+                    log.warning("shell pid %d did not stop: killing it", p.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                    await p.wait()
+        await self.server.close()
+        for sock in (self._http_sock, self._grpc_hold):
+            if sock is not None:
+                sock.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _bound_port(site: web.TCPSite) -> int:
@@ -147,7 +344,7 @@ class BackgroundServer:
 
     def __enter__(self) -> FrontendServer:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(90)
         return self.server
 
     def __exit__(self, *exc: object) -> None:

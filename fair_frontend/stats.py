@@ -75,6 +75,10 @@ class Statistics:
     def failure(self, model: str, version: str, total_s: float) -> None:
         self._get(model, version).fail.add(total_s)
 
+    def failures(self, model: str, version: str, total_s: float, count: int) -> None:
+        """``count`` failures that took ``total_s`` together (a shell's tally)."""
+        self._get(model, version).fail.add(total_s, count)
+
     def execution(self, model: str, version: str, rows: int, seconds: float) -> None:
         s = self._get(model, version)
         s.execution_count += 1

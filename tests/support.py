@@ -87,7 +87,13 @@ class RunningFrontend:
 
     @property
     def frontend(self) -> Any:
+        """The core (in this process whatever the number of shells)."""
         return self.server.frontend
+
+    @property
+    def gateway(self) -> Any:
+        """The in-process shell's gateway (``workers=1`` only)."""
+        return self.server.gateway
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
         """Run a coroutine on the frontend's loop (to read its state safely)."""

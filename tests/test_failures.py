@@ -78,7 +78,7 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton) -> N
                 await asyncio.sleep(0.01)
             assert first_error is not None and first_error < 1.0, first_error
             assert all(e.status() == "StatusCode.UNAVAILABLE" for e in _errors(flood))
-            while fe.frontend.backend.available.is_set():
+            while fe.frontend.backend.available:
                 await asyncio.sleep(0.01)
             queued = await fe.acall(_depth(fe))
             assert queued > 50, "queued requests must wait for Triton, not fail"

@@ -443,7 +443,7 @@ async def test_a_tenant_added_by_reload_is_counted_under_its_tier(triton: Embedd
         reloaded = make_config(tenants=tenants)
 
         async def reload() -> list[str]:
-            notes: list[str] = fe.frontend.reload(reloaded)
+            notes: list[str] = fe.server.reload(reloaded)
             return notes
 
         assert await fe.acall(reload()) == []

@@ -200,7 +200,21 @@ class Scheduler:
         self._cancelled += 1
         return True
 
+    def cancel_all(self, now: float) -> list[QueuedRequest]:
+        """Remove every queued request (shutdown, an outage given up on), oldest first.
+
+        They leave as ``cancel`` leaves them: never dispatched, charged to nobody's budget.
+        """
+        out = self._arrivals.requests()
+        for req in out:
+            self.cancel(req, now)
+        return out
+
     # ---- views --------------------------------------------------------------------------
+
+    def queued(self) -> list[QueuedRequest]:
+        """Every queued request, oldest first (O(queued): for rare events, not per request)."""
+        return self._arrivals.requests()
 
     # Totals add up the tiers (O(tiers)): one aggregate fewer to update per request.
 

@@ -215,6 +215,10 @@ class ArrivalQueue:
         self._entries.popleft()
         self.live -= 1
 
+    def requests(self) -> list[QueuedRequest]:
+        """Every live request, oldest first."""
+        return [req for handle in self._entries if (req := handle[0]) is not None]
+
 
 class DeadlineQueue:
     """Queued requests that have a deadline, earliest first (ties: arrival).

@@ -10,7 +10,7 @@ import enum
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.config import DEFAULT_TENANT_MAX_QUEUED, CostUnit, Endpoint, TierGuard
 
@@ -41,13 +41,17 @@ Handle = list["QueuedRequest | None"]
 
 Heaps and deques hold the handle, not the request; leaving the queue sets ``handle[0] =
 None``, which turns every entry into a tombstone at once and drops the index's reference to
-the request (and its payload) immediately, however late the tombstone itself is popped.
+the request (and what it carries) immediately, however late the tombstone itself is popped.
 """
 
 
 @dataclass(eq=False, slots=True)
 class QueuedRequest:
-    """One client request: possibly several batch rows, always dispatched whole."""
+    """One client request: possibly several batch rows, always dispatched whole.
+
+    The fields the scheduler reads and keeps. What else a request carries (its tensors,
+    where its answer goes) is a subclass's: ``fair_frontend.core.dispatch.CoreRequest``.
+    """
 
     tenant: str
     rows: int  # batch rows it occupies, >= 1
@@ -56,7 +60,6 @@ class QueuedRequest:
     priority: int  # effective level, 1 = highest
     deadline: float | None  # absolute, on the scheduler's clock; None = none
     shape_key: Hashable = None  # only requests with equal keys share a batch
-    payload: Any = None  # the shell's: never read by the scheduler
     # Set by the scheduler at enqueue:
     arrival: float = field(default=0.0, init=False)
     seq: int = field(default=-1, init=False)  # arrival order within one scheduler

@@ -31,7 +31,7 @@ def counted(triton: EmbeddedTriton) -> Iterator[tuple[RunningFrontend, Counter[s
     """A frontend of its own whose metadata calls are counted (wrapping, not replacing)."""
     calls: Counter[str] = Counter()
     with running_frontend(make_config(), triton.grpc_url) as running:
-        service = running.frontend
+        service = running.gateway
         for name in COUNTED:
             original = getattr(service, name)
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import Throttle, ThrottleDecision, overloaded_error
 from fair_frontend.config import CostUnit, Endpoint
-from fair_frontend.dispatch import TierShares
+from fair_frontend.core import TierShares
 from fair_frontend.errors import Overloaded
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.outcomes import Outcome

@@ -8,6 +8,7 @@ explicit ``now`` values (plain floats), never a clock or a sleep.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fair_frontend.config import CostUnit
@@ -21,6 +22,13 @@ from fair_frontend.scheduler import (
 )
 
 TIERS = ("paid", "trial")
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class TaggedRequest(QueuedRequest):
+    """A request that carries a tag the tests read back (what a shell would carry)."""
+
+    tag: Any = None
 
 
 def make_policy(
@@ -54,8 +62,8 @@ def make_request(
     deadline: float | None = None,
     shape: Hashable = None,
     tag: Any = None,
-) -> QueuedRequest:
-    return QueuedRequest(tenant, rows, tokens, nbytes, priority, deadline, shape, tag)
+) -> TaggedRequest:
+    return TaggedRequest(tenant, rows, tokens, nbytes, priority, deadline, shape, tag=tag)
 
 
 def make_scheduler(
@@ -74,7 +82,7 @@ def make_scheduler(
 
 
 def tags(batch: list[QueuedRequest]) -> list[Any]:
-    return [r.payload for r in batch]
+    return [r.tag for r in batch]  # type: ignore[attr-defined]
 
 
 def drain(s: Scheduler, now: float = 0.0) -> list[list[Any]]:

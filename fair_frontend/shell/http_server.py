@@ -1,4 +1,4 @@
-"""KServe v2 over HTTP (aiohttp): the thin shell around ``Frontend``.
+"""KServe v2 over HTTP (aiohttp): the thin shell around ``Gateway``.
 
 Bodies may be gzip/deflate-encoded (aiohttp decodes them); responses are compressed
 when the client's ``Accept-Encoding`` allows, as Triton does. Errors are
@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from google.protobuf import json_format
 
+from fair_frontend.config import Config
 from fair_frontend.errors import FrontendError, InvalidArgument, Unsupported
 from fair_frontend.http_codec import (
     HEADER_CONTENT_LENGTH,
@@ -23,11 +24,11 @@ from fair_frontend.http_codec import (
     encode_infer,
     parse_header_length,
 )
-from fair_frontend.service import Frontend
+from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
-FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend", Frontend)
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 # zlib window bits per Content-Encoding: gzip; deflate as zlib-wrapped (RFC 9110), or raw
 # as some clients send it.
 _WBITS = {
@@ -35,6 +36,13 @@ _WBITS = {
     "x-gzip": (16 + zlib.MAX_WBITS,),
     "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS),
 }
+
+
+def max_body_bytes(config: Config) -> int:
+    """The largest body read: the largest tensor payload any endpoint accepts, with room
+    for the JSON header and the binary framing around it."""
+    eps = [*config.endpoints.values(), config.default_endpoint]
+    return max(ep.max_request_bytes for ep in eps) * 2 + (1 << 20)
 
 
 def error_response(err: FrontendError) -> web.Response:
@@ -110,15 +118,15 @@ def _unquote_int64(msg: Any, doc: Any) -> Any:
 
 
 class HttpShell:
-    def __init__(self, frontend: Frontend, *, max_body_bytes: int) -> None:
-        self.frontend = frontend
+    def __init__(self, gateway: Gateway, *, max_body_bytes: int) -> None:
+        self.gateway = gateway
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.max_body_bytes, middlewares=[self._errors_middleware]
         )
-        app[FRONTEND_KEY] = self.frontend
+        app[GATEWAY_KEY] = self.gateway
         r = app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
@@ -157,24 +165,24 @@ class HttpShell:
 
     async def ready(self, request: web.Request) -> web.Response:
         # Triton answers 400 when not ready; Kubernetes probes treat it as failing.
-        return web.Response(status=200 if await self.frontend.ready() else 400)
+        return web.Response(status=200 if await self.gateway.ready() else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(await self.frontend.server_metadata())
+        return _json(await self.gateway.server_metadata())
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        return _json(proto_to_json(await self.frontend.model_metadata(model, version)))
+        return _json(proto_to_json(await self.gateway.model_metadata(model, version)))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        if await self.frontend.model_ready(model, version):
+        if await self.gateway.model_ready(model, version):
             return web.Response(status=200)
         return error_response(InvalidArgument("Model version not ready"))
 
     async def model_config(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        response = await self.frontend.model_config(model, version)
+        response = await self.gateway.model_config(model, version)
         return _json(proto_to_json(response.config))
 
     def _decompress(self, raw: bytes, encoding: str | None) -> bytes:
@@ -209,7 +217,7 @@ class HttpShell:
     async def statistics(self, request: web.Request) -> web.Response:
         model = request.match_info.get("model", "")
         version = request.match_info.get("version", "")
-        return _json(proto_to_json(await self.frontend.statistics(model, version)))
+        return _json(proto_to_json(await self.gateway.statistics(model, version)))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         model, version = _model_version(request)
@@ -222,10 +230,10 @@ class HttpShell:
             )
             req = decode_infer(model, version, body, header_length)
         except FrontendError as err:
-            # Answered before Frontend.infer: still one counted, logged outcome.
-            self.frontend.rejected(model, headers, err, time.monotonic() - started)
+            # Answered before Gateway.infer: still one counted, logged outcome.
+            self.gateway.rejected(model, headers, err, time.monotonic() - started)
             raise
-        resp = await self.frontend.infer(req, headers)
+        resp = await self.gateway.infer(req, headers)
         payload, json_length = encode_infer(resp, req)
         out = web.Response(body=payload)
         if json_length is None:

@@ -1,4 +1,4 @@
-"""KServe v2 over gRPC (grpc.aio): the thin shell around ``Frontend``.
+"""KServe v2 over gRPC (grpc.aio): the thin shell around ``Gateway``.
 
 The servicer is tritonclient's generated ``GRPCInferenceServiceServicer``. Errors end
 the call with the status of ``fair_frontend.errors``; rate-limit and overload errors
@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import grpc_codec
 from fair_frontend.errors import FrontendError, Internal
-from fair_frontend.service import Frontend
+from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -53,37 +53,35 @@ async def _guard(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable
 
 
 class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, frontend: Frontend) -> None:
-        self.frontend = frontend
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return service_pb2.ServerReadyResponse(ready=await self.frontend.ready())
+        return service_pb2.ServerReadyResponse(ready=await self.gateway.ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        ready = await self.frontend.model_ready(request.name, request.version)
+        ready = await self.gateway.model_ready(request.name, request.version)
         return service_pb2.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        doc = await self.frontend.server_metadata()
+        doc = await self.gateway.server_metadata()
         return service_pb2.ServerMetadataResponse(**doc)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         return await _guard(
-            context, lambda: self.frontend.model_metadata(request.name, request.version)
+            context, lambda: self.gateway.model_metadata(request.name, request.version)
         )
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         return await _guard(
-            context, lambda: self.frontend.model_config(request.name, request.version)
+            context, lambda: self.gateway.model_config(request.name, request.version)
         )
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        return await _guard(
-            context, lambda: self.frontend.statistics(request.name, request.version)
-        )
+        return await _guard(context, lambda: self.gateway.statistics(request.name, request.version))
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def call() -> Any:
@@ -92,10 +90,10 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 req = grpc_codec.decode_infer(request)
             except FrontendError as err:
-                # Answered before Frontend.infer: still one counted, logged outcome.
-                self.frontend.rejected(request.model_name, headers, err, time.monotonic() - started)
+                # Answered before Gateway.infer: still one counted, logged outcome.
+                self.gateway.rejected(request.model_name, headers, err, time.monotonic() - started)
                 raise
-            resp = await self.frontend.infer(req, headers)
+            resp = await self.gateway.infer(req, headers)
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
@@ -114,9 +112,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                 try:
                     req = grpc_codec.decode_infer(msg)
                 except FrontendError as err:
-                    self.frontend.rejected(msg.model_name, headers, err, time.monotonic() - started)
+                    self.gateway.rejected(msg.model_name, headers, err, time.monotonic() - started)
                     raise
-                async for resp in self.frontend.stream_infer(req, headers):
+                async for resp in self.gateway.stream_infer(req, headers):
                     reply = service_pb2.ModelStreamInferResponse()
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
                     replies.put_nowait(reply)
@@ -149,7 +147,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
 
-def make_server(frontend: Frontend) -> grpc.aio.Server:
+def make_server(gateway: Gateway) -> grpc.aio.Server:
     server = grpc.aio.server(
         options=[
             # Like Triton (INT32_MAX): the per-endpoint max_request_bytes is the real limit,
@@ -164,5 +162,5 @@ def make_server(frontend: Frontend) -> grpc.aio.Server:
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ]
     )
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcShell(frontend), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcShell(gateway), server)
     return server

@@ -1,0 +1,32 @@
+"""The core: policy over every request, in one process.
+
+Shells (``fair_frontend.shell``) decode, identify and validate requests and hand the core
+one ``Call`` record each (``fair_frontend.records``). The core owns what must be exact
+across all of them: admission (the throttle, in-memory rate limits), each model's
+scheduler (``fair_frontend.scheduler``: tier, deficit round robin, priority), batch
+assembly and dispatch to Triton, the feedback loop (``fair_frontend.feedback``), the
+statistics and the metrics. It answers every call exactly once, along the call's route.
+
+``service.Core`` is the entry point; ``dispatch.EndpointRuntime`` feeds one model's
+batches to Triton; ``admission.EndpointAdmission`` is one endpoint's throttle with the
+estimates it reads.
+"""
+
+from __future__ import annotations
+
+from fair_frontend.core.admission import EndpointAdmission, TierShares
+from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.service import Core, ModelRegistry, endpoint_policy
+
+__all__ = [
+    "Backend",
+    "BatchReport",
+    "Core",
+    "CoreRequest",
+    "EndpointAdmission",
+    "EndpointRuntime",
+    "ModelRegistry",
+    "Route",
+    "TierShares",
+    "endpoint_policy",
+]

@@ -1,0 +1,124 @@
+"""One endpoint's admission: may this request join the queue now?
+
+The throttle (``fair_frontend.admission.throttle``) rejects early what cannot be served
+within its target; to predict the wait it needs the scheduler's backlog ahead of the
+request, the service model (what batches cost, ``fair_frontend.feedback``) and how much
+of the capacity the higher tiers take lately (``TierShares``). ``EndpointAdmission``
+holds those three for one endpoint and answers with one call, ``admit``; the batches that
+come back feed it through ``observe_batch``. Rate limits are the tenant's, not the
+endpoint's: ``Core`` checks them after the throttle (a request the platform cannot serve
+in time costs the tenant no quota).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fair_frontend.admission import Throttle, ThrottleDecision
+from fair_frontend.feedback import ServiceModel
+from fair_frontend.scheduler import Scheduler
+
+# The throttle stretches a lower tier's predicted wait by 1 / (1 - higher tiers' share);
+# capped so that a tier starved by strict order is still judged, not rejected outright.
+MAX_HIGHER_TIER_SHARE = 0.9
+
+
+class TierShares:
+    """Each tier's recent share of an endpoint's capacity (an EMA over batches).
+
+    A batch's capacity is ``batch_rows`` rows and ``batch_tokens`` tokens (or what it
+    holds, if more); a tier's share of a batch is the larger of its share of the rows and
+    of the tokens: whichever cap fills first. So a tier that fills half of every batch
+    takes half the capacity, whether the rest is filled by lower tiers or left empty (a
+    lower tier the throttle holds back does not make the higher tiers look larger).
+    """
+
+    def __init__(
+        self, alpha: float = 0.1, batch_rows: int = 1, batch_tokens: int | None = None
+    ) -> None:
+        self.alpha = alpha
+        self.batch_rows = max(1, batch_rows)
+        self.batch_tokens = batch_tokens
+        self.share: dict[str, float] = {}
+
+    def observe(
+        self, rows_by_tier: dict[str, int], tokens_by_tier: dict[str, int] | None = None
+    ) -> None:
+        rows_cap = max(sum(rows_by_tier.values()), self.batch_rows)
+        tokens_cap = 0
+        if tokens_by_tier is not None and self.batch_tokens is not None:
+            tokens_cap = max(sum(tokens_by_tier.values()), self.batch_tokens)
+        for tier in set(self.share) | set(rows_by_tier):
+            now = rows_by_tier.get(tier, 0) / rows_cap
+            if tokens_cap and tokens_by_tier is not None:
+                now = max(now, tokens_by_tier.get(tier, 0) / tokens_cap)
+            self.share[tier] = (1 - self.alpha) * self.share.get(tier, 0.0) + self.alpha * now
+
+    def above(self, tier: str, tiers: Sequence[str]) -> float:
+        """The share of the tiers served before ``tier`` (strict order)."""
+        if tier not in tiers:
+            return 0.0
+        return sum(self.share.get(t, 0.0) for t in tiers[: list(tiers).index(tier)])
+
+
+@dataclass
+class EndpointAdmission:
+    """The throttle of one endpoint, with the service model and tier shares it reads."""
+
+    service: ServiceModel
+    throttle: Throttle | None  # None: the endpoint does not throttle
+    tiers: Sequence[str]  # highest first
+    strict_tiers: bool = True  # fair mode; fifo has no tier order to stretch waits by
+    tier_shares: TierShares = field(default_factory=TierShares)
+
+    def admit(
+        self,
+        scheduler: Scheduler,
+        inflight: int,
+        *,
+        tenant: str,
+        tier: str,
+        priority: int,
+        rows: int,
+        tokens: int,
+        remaining_s: float | None,
+    ) -> ThrottleDecision | None:
+        """The throttle's decision for a new request (None: the endpoint does not throttle).
+
+        ``remaining_s``: the time left to the request's own deadline, if it has one.
+        """
+        if self.throttle is None:
+            return None
+        backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens)
+        slowdown = 1.0
+        if self.strict_tiers:
+            above = self.tier_shares.above(tier, self.tiers)
+            slowdown = 1.0 / (1.0 - min(above, MAX_HIGHER_TIER_SHARE))
+        return self.throttle.check(
+            backlog, inflight, self.service, remaining_s=remaining_s, slowdown=slowdown
+        )
+
+    def observe_batch(
+        self,
+        *,
+        rows: dict[str, int],
+        tokens: dict[str, int],
+        tier_of: Callable[[str], str],
+        ok: bool,
+        started: float,
+        finished: float,
+        now: float,
+    ) -> None:
+        """A batch came back: what it cost, and (if it succeeded) whose tiers it served."""
+        if ok:
+            rows_by_tier: dict[str, int] = {}
+            tokens_by_tier: dict[str, int] = {}
+            for tenant, n in rows.items():
+                tier = tier_of(tenant)
+                rows_by_tier[tier] = rows_by_tier.get(tier, 0) + n
+                tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + tokens[tenant]
+            self.tier_shares.observe(rows_by_tier, tokens_by_tier)
+        self.service.observe_batch(
+            sum(rows.values()), sum(tokens.values()), started, finished, now, ok=ok
+        )

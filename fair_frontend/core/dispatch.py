@@ -1,0 +1,639 @@
+"""The asyncio layer around one model's scheduler: queue, dispatch, answer, expire.
+
+The scheduler core is pure and synchronous; this module owns the timers (through one
+injected ``Clock``), the tasks that talk to Triton and the bound on batches in flight.
+Invariants:
+
+* every request submitted here is answered exactly once (``CoreRequest.answered``): a
+  result, or an error (expired, Triton's error, unavailable, shutdown); a request whose
+  client went away is not answered, and its outcome is ``CANCELLED``;
+* at most ``max_inflight`` batches of this model are in Triton at once (by default one
+  per model instance), so requests wait here, where fairness is decided, not in
+  Triton's queue, and each batch is assembled at the moment an instance frees up: a
+  request that arrives while Triton is busy can still make the very next batch;
+* work-conserving: whenever a slot is free and anything is queued, a batch goes out
+  (unless ``max_queue_delay_ms`` asks to wait for a fuller batch, Triton-style);
+* a batch whose model call fails for one bad row does not fail its neighbours: on a
+  model error the requests are retried one by one, so only the culprit sees the error;
+* while Triton is unreachable nothing is sent: a batch that never reached it is held
+  (with its slot) and goes first when it is back; deadlines still expire, on time, and
+  after ``max_outage_s`` everything waiting is answered UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fair_frontend.batching import Packed, pack, unpack
+from fair_frontend.clock import Clock, Timer
+from fair_frontend.config import Endpoint
+from fair_frontend.errors import FrontendError, Internal, TimeoutExpired, Unavailable
+from fair_frontend.forwarder import StreamReply
+from fair_frontend.models import ModelInfo
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import (
+    FINAL_RESPONSE,
+    InferRequest,
+    ParamValue,
+    RequestedOutput,
+    Tensor,
+)
+from fair_frontend.records import Answer, Call, Fault
+from fair_frontend.scheduler import QueuedRequest, Scheduler
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Mapping, Sequence
+
+    from fair_frontend.core.admission import EndpointAdmission
+    from fair_frontend.feedback import ServiceModel
+
+log = logging.getLogger(__name__)
+
+
+class Route(Protocol):
+    """Where do the answers to a call go? (a shell: in this process or over a socket)"""
+
+    def answer(self, answer: Answer) -> None: ...
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class CoreRequest(QueuedRequest):
+    """One request in the core, from admission to its answer.
+
+    The scheduler's entry (the fields it reads), the shell's ``Call`` and the ``Route``
+    its answer takes: created once at admission, carried through queue, batch and
+    answer. Also what ``batching.pack`` reads of each request (``request``, ``lengths``,
+    ``deadline_us``).
+    """
+
+    call: Call
+    route: Route
+    dispatched_at: float | None = None  # when its batch went to Triton (the clock's time)
+    cancelled: bool = False  # its client went away while it was in a batch
+    answered: bool = False
+
+    @property
+    def request(self) -> InferRequest:
+        return self.call.request
+
+    @property
+    def lengths(self) -> list[int] | None:
+        return self.call.lengths
+
+    @property
+    def deadline_us(self) -> int:
+        """The deadline as unix microseconds, for the model (0: none)."""
+        timeout_us = self.call.request.timeout_us
+        return int(self.call.arrived_wall * 1e6) + timeout_us if timeout_us else 0
+
+    @property
+    def queued_s(self) -> float:
+        return -1.0 if self.dispatched_at is None else self.dispatched_at - self.arrival
+
+
+class Forwarder(Protocol):
+    """What the dispatch loop needs of Triton (``TritonForwarder`` in production)."""
+
+    async def infer(
+        self,
+        model: str,
+        version: str,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[RequestedOutput] | None,
+        parameters: dict[str, ParamValue],
+        request_id: str = "",
+        sequence: Mapping[str, ParamValue] | None = None,
+    ) -> tuple[str, list[Tensor]]: ...
+
+    def stream(
+        self,
+        model: str,
+        version: str,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[RequestedOutput] | None,
+        parameters: dict[str, ParamValue],
+        request_id: str = "",
+        sequence: Mapping[str, ParamValue] | None = None,
+    ) -> AsyncIterator[StreamReply]: ...
+
+
+@dataclass(slots=True)
+class BatchReport:
+    """A finished batch, for metrics and the feedback loop."""
+
+    model: str
+    rows: int
+    tokens: int
+    items: int
+    tenants: dict[str, int]  # rows per tenant
+    tenant_tokens: dict[str, int]
+    tenant_cost: dict[str, float]
+    started: float
+    finished: float
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
+
+
+class Backend:
+    """Is Triton reachable? Batches are held (not failed) while it is not.
+
+    A batch that fails with UNAVAILABLE marks the backend down; from then on queued
+    requests stay queued (their deadlines still expire) and a probe asks Triton whether
+    it is ready every ``probe_interval_s`` until it answers yes; then dispatch resumes.
+    After ``max_outage_s`` the outage is given up on: what waits is answered UNAVAILABLE,
+    and so are new requests until Triton is back.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        probe: Callable[[], Awaitable[bool]] | None = None,
+        probe_interval_s: float = 0.1,
+        max_outage_s: float = 60.0,
+    ) -> None:
+        self.clock = clock
+        self.available = True
+        self.listeners: list[Callable[[], None]] = []  # called when Triton is back
+        self.give_up_listeners: list[Callable[[], None]] = []  # ... when the outage is too long
+        self.probe = probe
+        self.probe_interval_s = probe_interval_s
+        self.max_outage_s = max_outage_s
+        self.down_since: float | None = None
+        self.gave_up = False
+        self._timer: Timer | None = None
+        self._probing: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def mark_down(self) -> None:
+        if self.available:
+            log.warning("Triton unavailable: holding queued requests until it is back")
+            self.down_since = self.clock.now()
+            self.available = False
+        if self.probe is not None and self._timer is None and self._probing is None:
+            self._timer = self.clock.call_at(self.clock.now() + self.probe_interval_s, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self.available or self.closed:
+            return
+        if not self.gave_up and self.outage_s > self.max_outage_s:
+            log.error(
+                "Triton unavailable for %.0f s: answering waiting requests UNAVAILABLE",
+                self.outage_s,
+            )
+            self.gave_up = True
+            for give_up in self.give_up_listeners:
+                give_up()
+        self._probing = asyncio.get_running_loop().create_task(self._probe_once())
+
+    async def _probe_once(self) -> None:
+        assert self.probe is not None
+        try:
+            ready = await self.probe()
+        except Exception:  # a probe that errs is a "not yet"
+            log.debug("Triton readiness probe failed", exc_info=True)
+            ready = False
+        finally:
+            self._probing = None
+        if ready:
+            self.mark_up()
+        else:
+            self.mark_down()  # the next probe
+
+    @property
+    def outage_s(self) -> float:
+        if self.available or self.down_since is None:
+            return 0.0
+        return self.clock.now() - self.down_since
+
+    def mark_up(self) -> None:
+        if not self.available:
+            log.info("Triton available again: resuming dispatch")
+            self.available = True
+            self.down_since = None
+            self.gave_up = False
+            for kick in self.listeners:
+                kick()
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._probing is not None:
+            self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing
+
+
+Done = Callable[[CoreRequest, Outcome, "FrontendError | None", str], None]
+"""(request, outcome, the error it was answered with, model version): once per request."""
+
+
+class EndpointRuntime:
+    """Feeds one model's batches to Triton, at most ``max_inflight`` at a time."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        info: ModelInfo,
+        endpoint: Endpoint,
+        scheduler: Scheduler,
+        forwarder: Forwarder,
+        backend: Backend,
+        clock: Clock,
+        admission: EndpointAdmission | None = None,
+        on_batch: Callable[[BatchReport], None] = lambda report: None,
+        on_done: Done = lambda req, outcome, err, version: None,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.endpoint = endpoint
+        self.scheduler = scheduler
+        self.forwarder = forwarder
+        self.backend = backend
+        self.clock = clock
+        self.admission = admission
+        self.on_batch = on_batch
+        self.on_done = on_done
+        self.inflight = 0  # batches in Triton (or held for it, with their slot)
+        self.batches_sent = 0
+        self._busy_until = 0.0  # when the batches in flight are predicted to be done
+        self._timer: Timer | None = None
+        self._timer_at: float | None = None
+        self._held: list[list[CoreRequest]] = []  # batches that never reached Triton
+        self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
+        backend.listeners.append(self.kick)
+        backend.give_up_listeners.append(self.give_up)
+
+    @property
+    def service(self) -> ServiceModel | None:
+        """What batches cost (the feedback loop's estimates), if the endpoint learns it."""
+        return self.admission.service if self.admission is not None else None
+
+    @property
+    def max_inflight(self) -> int:
+        configured = self.endpoint.max_inflight_batches
+        return configured if configured is not None else self.info.instances
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    # ---- the request side ---------------------------------------------------------------
+
+    def submit(self, req: CoreRequest) -> None:
+        """Queue a request (raises ``QueueFull`` before anything is queued); its answers go
+        to ``req.route``."""
+        self.scheduler.enqueue(req, self.clock.now())
+        self.kick()
+
+    def cancel(self, req: CoreRequest) -> None:
+        """The client went away. Still queued: it leaves and is never sent. In a batch: the
+        batch still serves its neighbours and this answer is dropped; a decoupled
+        request's stream is closed, which cancels it in Triton too."""
+        if req.answered:
+            return
+        if self.scheduler.cancel(req, self.clock.now()):
+            self._done(req, Outcome.CANCELLED, None, "")
+            self.kick()
+            return
+        req.cancelled = True
+        for task, batch in self._tasks.items():
+            if self.info.decoupled and batch[0] is req:
+                task.cancel()
+        for batch in self._held:
+            if req in batch:
+                batch.remove(req)
+                self._done(req, Outcome.CANCELLED, None, "")
+
+    # ---- the dispatch side --------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Send batches while a slot is free and work is queued; re-arm the timer."""
+        now = self.clock.now()
+        self._expire(now)
+        while self.backend.available and self._may_send(now):
+            if self._held:
+                batch = self._held.pop(0)
+                self.inflight -= 1  # its slot was kept: _launch takes it again
+            else:
+                hold = self._hold_until(now)
+                if hold is not None:
+                    self._arm(hold)
+                    break
+                batch = self.scheduler.next_batch(now)  # type: ignore[assignment]
+            if not batch:
+                break
+            self._launch(batch, now)
+        if self.inflight >= self.max_inflight and self.scheduler.queued_requests:
+            lead = self._lead()
+            if lead > 0 and self.inflight == self.max_inflight:
+                self._arm(self._busy_until - lead)
+        due = self._next_deadline()
+        if due is not None:
+            self._arm(due)
+
+    def _launch(self, batch: list[CoreRequest], now: float) -> None:
+        self.inflight += 1
+        self.batches_sent += 1
+        self._busy_until = max(now, self._busy_until) + self._predict(batch)
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks[task] = batch
+        task.add_done_callback(self._tasks.pop)
+
+    def _may_send(self, now: float) -> bool:
+        """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
+        batches in flight are predicted to finish, so that Triton starts it without a gap
+        while it is still assembled at the last moment (late binding)."""
+        if self.inflight < self.max_inflight:
+            return True
+        if self._held:
+            return True  # a held batch kept its slot
+        lead = self._lead()
+        return lead > 0 and self.inflight == self.max_inflight and now >= self._busy_until - lead
+
+    def _lead(self) -> float:
+        service = self.service
+        if service is None or not service.has_data:
+            return 0.0
+        return self.endpoint.dispatch_lead_ms / 1000.0
+
+    def _predict(self, batch: list[CoreRequest]) -> float:
+        service = self.service
+        if service is None or not service.has_data:
+            return 0.0
+        rows = sum(r.rows for r in batch)
+        tokens = sum(r.tokens for r in batch)
+        return float(service.predict_batch_seconds(rows, tokens))
+
+    def _hold_until(self, now: float) -> float | None:
+        """Triton-style max_queue_delay: wait (only while idle) for a fuller batch."""
+        delay = self.endpoint.max_queue_delay_ms / 1000.0
+        if delay <= 0 or self.inflight > 0:
+            return None
+        oldest = self.scheduler.oldest_arrival()
+        if oldest is None or oldest + delay <= now:
+            return None
+        limit = self.scheduler.policy.max_batch_size or 1
+        if self.scheduler.queued_rows >= limit:
+            return None
+        return oldest + delay
+
+    def _next_deadline(self) -> float | None:
+        due = self.scheduler.next_deadline()
+        for batch in self._held:
+            for r in batch:
+                if r.deadline is not None and (due is None or r.deadline < due):
+                    due = r.deadline
+        return due
+
+    def _arm(self, at: float) -> None:
+        """One timer per model, at the earliest moment something is due."""
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.clock.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.kick()
+
+    def _expire(self, now: float) -> None:
+        for req in self.scheduler.expire(now):
+            self._fail(req, TimeoutExpired())  # type: ignore[arg-type]
+        for batch in self._held:
+            for r in [r for r in batch if r.deadline is not None and r.deadline <= now]:
+                batch.remove(r)
+                self._fail(r, TimeoutExpired())
+        if any(not batch for batch in self._held):
+            self.inflight -= sum(1 for batch in self._held if not batch)
+            self._held = [batch for batch in self._held if batch]
+
+    async def _run(self, batch: list[CoreRequest]) -> None:
+        started = self.clock.now()
+        for r in batch:
+            r.dispatched_at = started
+        ok = False
+        held = False
+        try:
+            if self.info.decoupled:
+                ok = await self._send_stream(batch[0])
+            else:
+                ok, held = await self._send(batch)
+        except asyncio.CancelledError:
+            # A decoupled request whose client went away: its stream is closed.
+            for r in batch:
+                self._done(r, Outcome.CANCELLED, None, "")
+        except Exception as err:  # never lose an answer, whatever went wrong
+            log.exception("batch for %s failed unexpectedly", self.model)
+            for r in batch:
+                self._fail(r, Internal(f"internal error: {type(err).__name__}"))
+        finally:
+            if not held:
+                self.inflight -= 1
+                self.on_batch(_report(self.model, batch, started, self.clock.now(), ok))
+            self.kick()
+
+    async def _send(self, batch: list[CoreRequest]) -> tuple[bool, bool]:
+        """(the batch succeeded, it was held for Triton's return)."""
+        batch = [r for r in batch if not r.answered]
+        if not batch:
+            return True, False
+        try:
+            packed = pack(batch, self.info, self.endpoint)
+            version, outputs = await self._forward(packed, batch)
+        except Unavailable as err:
+            self.backend.mark_down()
+            if err.never_sent and not self.backend.gave_up:
+                # It never reached Triton: hold the batch (its slot too) and send it
+                # first once Triton is back; its deadlines still apply meanwhile.
+                self._held.append(batch)
+                return False, True
+            for r in batch:
+                self._fail(r, err)
+            return False, False
+        except FrontendError as err:
+            if len(batch) == 1:
+                self._fail(batch[0], err)
+                return False, False
+            # One bad row must not fail its neighbours: isolate by sending each alone.
+            await self._send_one_by_one(batch)
+            return False, False
+        for r, outs in zip(
+            batch, unpack(outputs, batch, self.info, self.endpoint, packed.stripped), strict=True
+        ):
+            self._finish(r, version, outs)
+        return True, False
+
+    async def _send_stream(self, req: CoreRequest) -> bool:
+        """A decoupled model: relay each of its responses as it arrives."""
+        if req.answered:
+            return True
+        packed = pack([req], self.info, self.endpoint)
+        request = req.request
+        version = request.version
+        async for reply in self.forwarder.stream(
+            self.model,
+            request.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=request.id,
+            sequence=packed.sequence,
+        ):
+            if reply.error is not None:
+                if isinstance(reply.error, Unavailable):
+                    self.backend.mark_down()
+                self._fail(req, reply.error)
+                return False
+            version = reply.version
+            if not req.cancelled:
+                req.route.answer(
+                    Answer(
+                        req.call.id,
+                        version,
+                        reply.outputs,
+                        final=False,
+                        parameters={FINAL_RESPONSE: reply.final},
+                    )
+                )
+        self._finish(req, version, [])
+        return True
+
+    async def _send_one_by_one(self, batch: list[CoreRequest]) -> None:
+        for r in batch:
+            if r.answered:
+                continue
+            try:
+                packed = pack([r], self.info, self.endpoint)
+                version, outputs = await self._forward(packed, [r])
+            except FrontendError as err:
+                if isinstance(err, Unavailable):
+                    self.backend.mark_down()
+                self._fail(r, err)
+                continue
+            (outs,) = unpack(outputs, [r], self.info, self.endpoint, packed.stripped)
+            self._finish(r, version, outs)
+
+    async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
+        first = batch[0].request
+        return await self.forwarder.infer(
+            self.model,
+            first.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=first.id if len(batch) == 1 else "",
+            sequence=packed.sequence,
+        )
+
+    # ---- answers: exactly one per request -----------------------------------------------
+
+    def _finish(self, req: CoreRequest, version: str, outputs: list[Tensor]) -> None:
+        if req.answered:
+            return
+        if req.cancelled:
+            self._done(req, Outcome.CANCELLED, None, version)
+            return
+        req.route.answer(Answer(req.call.id, version, outputs, queued_s=req.queued_s))
+        self._done(req, Outcome.DISPATCHED, None, version)
+
+    def _fail(self, req: CoreRequest, err: FrontendError) -> None:
+        if req.answered:
+            return
+        if req.cancelled:
+            self._done(req, Outcome.CANCELLED, None, "")
+            return
+        req.route.answer(Answer(req.call.id, fault=Fault.of(err), queued_s=req.queued_s))
+        self._done(req, err.outcome, err, "")
+
+    def _done(self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, v: str) -> None:
+        req.answered = True
+        self.on_done(req, outcome, err, v)
+
+    # ---- outages and shutdown -----------------------------------------------------------
+
+    def outage_error(self) -> Unavailable:
+        return Unavailable(
+            f"Triton has been unavailable for {self.backend.outage_s:.0f} s "
+            f"(triton.max_outage_s is {self.backend.max_outage_s:g})"
+        )
+
+    def give_up(self) -> None:
+        """The outage outlasted ``max_outage_s``: answer what waits, UNAVAILABLE."""
+        self.fail_queued(self.outage_error())
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight == 0 and self.scheduler.queued_requests == 0
+
+    def fail_queued(self, err: FrontendError) -> int:
+        """Answer everything queued or held with ``err`` (shutdown, a given-up outage);
+        returns how many. They leave the scheduler as cancelled: neither dispatched nor
+        charged to anyone's DRR budget."""
+        failed = 0
+        for req in self.scheduler.cancel_all(self.clock.now()):
+            self._fail(req, err)  # type: ignore[arg-type]
+            failed += 1
+        for batch in self._held:
+            for r in batch:
+                self._fail(r, err)
+                failed += 1
+        self.inflight -= len(self._held)
+        self._held = []
+        return failed
+
+    def drop(self, route: Route) -> int:
+        """A shell went away: forget every request whose answer would go to it; returns
+        how many were still waiting. Queued ones leave; in a batch, answers are dropped."""
+        dropped = 0
+        for req in self.scheduler.queued():
+            if req.route is route:  # type: ignore[attr-defined]
+                self.cancel(req)  # type: ignore[arg-type]
+                dropped += 1
+        for batch in [*self._tasks.values(), *self._held]:
+            for r in list(batch):
+                if r.route is route and not r.answered:
+                    self.cancel(r)
+                    dropped += 1
+        return dropped
+
+    async def drain(self) -> None:
+        """Wait for every batch in flight (shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _report(
+    model: str, batch: list[CoreRequest], started: float, finished: float, ok: bool
+) -> BatchReport:
+    rows: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    cost: dict[str, float] = {}
+    for r in batch:
+        rows[r.tenant] = rows.get(r.tenant, 0) + r.rows
+        tokens[r.tenant] = tokens.get(r.tenant, 0) + r.tokens
+        cost[r.tenant] = cost.get(r.tenant, 0.0) + r.cost
+    return BatchReport(
+        model=model,
+        rows=sum(rows.values()),
+        tokens=sum(tokens.values()),
+        items=len(batch),
+        tenants=rows,
+        tenant_tokens=tokens,
+        tenant_cost=cost,
+        started=started,
+        finished=finished,
+        ok=ok,
+    )

@@ -1,0 +1,576 @@
+"""The core: one process's policy over every request the shells hand it.
+
+A shell has decoded, identified and validated a request (a ``Call``); the core takes it
+through, in this fixed order: the throttle (``EndpointAdmission``) -> the tenant's rate
+limits -> the model's scheduler (tier, deficit round robin, priority) -> a batch to
+Triton -> its share of the answer, back along the call's ``Route``. Every call is
+answered exactly once; every request ends in exactly one ``Outcome``, reported to the
+observers (metrics, the request log) and the statistics, whatever path it took.
+
+The hot path is synchronous: a call is admitted, queued and, when a slot is free,
+batched in one step, without a task of its own. Only a rate-limit check that must wait
+for its storage (Redis) continues asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fair_frontend.admission import (
+    RateLimiter,
+    RateLimitItem,
+    Throttle,
+    items_from_limits,
+    limit_key,
+    overloaded_error,
+    rate_limited_error,
+)
+from fair_frontend.admission.ratelimit import Decision
+from fair_frontend.auth import KeyRing
+from fair_frontend.batching import batch_key
+from fair_frontend.clock import Clock, LoopClock
+from fair_frontend.config import Config, ConfigError, Endpoint, Tenant
+from fair_frontend.core.admission import EndpointAdmission, TierShares
+from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
+from fair_frontend.errors import (
+    FrontendError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    UnknownModel,
+    UpstreamError,
+)
+from fair_frontend.feedback import FeedbackCost, ServiceModel, TritonDelta, TritonMetrics
+from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.models import ModelInfo
+from fair_frontend.observe import Observer, Observers
+from fair_frontend.outcomes import Outcome
+from fair_frontend.records import Answer, Call, Fault, Tally
+from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, cost_model_for
+from fair_frontend.stats import Statistics
+
+log = logging.getLogger(__name__)
+
+
+def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
+    """The scheduler's view of an endpoint: config bounded by what the model accepts.
+
+    Models that do not batch, and those whose requests must keep Triton's own semantics
+    (sequence batching, decoupled), go one request per batch.
+    """
+    configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
+    if not info.batching or info.passthrough or configured == 0:
+        max_batch = 0
+    else:
+        max_batch = min(configured, info.max_batch_size)
+    return EndpointPolicy(
+        cost=endpoint.cost,
+        max_batch_size=max_batch,
+        max_batch_tokens=endpoint.max_batch_tokens,
+        quantum=endpoint.effective_quantum(max_batch),
+        tiers=tuple(config.tiers),
+        tier_min_share=dict(config.tier_guard.min_share),
+    )
+
+
+class ModelRegistry:
+    """What is this model? Fetched from Triton once, shared by concurrent first callers."""
+
+    def __init__(self, forwarder: TritonForwarder) -> None:
+        self.forwarder = forwarder
+        self._infos: dict[str, asyncio.Future[ModelInfo]] = {}
+
+    def cached(self, model: str) -> ModelInfo | None:
+        fut = self._infos.get(model)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    async def get(self, model: str) -> ModelInfo:
+        fut = self._infos.get(model)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._infos[model] = fut
+            try:
+                cfg = await self.forwarder.model_config(model)
+                meta = await self.forwarder.call("get_model_metadata", model_name=model)
+                fut.set_result(ModelInfo.from_config(cfg, tuple(meta.versions)))
+            except BaseException as err:
+                del self._infos[model]
+                fut.set_exception(_unknown_model(model, err))
+                fut.exception()  # the error is raised below; mark it retrieved
+        return await asyncio.shield(fut)
+
+
+def _unknown_model(model: str, err: BaseException) -> BaseException:
+    if isinstance(err, UpstreamError) and "unknown model" in err.message:
+        return UnknownModel(model)
+    return err
+
+
+class Core:
+    """Admission, scheduling and dispatch for every endpoint; the shells' one peer."""
+
+    def __init__(
+        self,
+        config: Config,
+        forwarder: TritonForwarder,
+        *,
+        keyring: KeyRing | None = None,
+        observers: Sequence[Observer] | None = None,
+        limiter: RateLimiter | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.forwarder = forwarder
+        self.models = ModelRegistry(forwarder)
+        # The schedulers read tenants from this dict: a reload updates it in place.
+        self.tenants: dict[str, Tenant] = dict(config.tenants)
+        self.keyring = keyring or KeyRing.from_config(config)
+        from fair_frontend.logs import RequestLog
+        from fair_frontend.metrics import FrontendMetrics, StateCollector
+
+        self.metrics = FrontendMetrics(config)
+        self.metrics.registry.register(StateCollector(self.state_samples))
+        self.registry = self.metrics.registry
+        self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
+        self._clock = clock
+        self._backend: Backend | None = None
+        self.caps = GlobalCaps.from_config(config.queues)
+        self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
+        self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
+        self.runtimes: dict[str, EndpointRuntime] = {}
+        self.stats = Statistics()
+        self.triton_metrics: TritonMetrics | None = None
+        self.accepting = True
+        self._admitting: set[asyncio.Task[None]] = set()
+
+    @property
+    def clock(self) -> Clock:
+        if self._clock is None:
+            self._clock = LoopClock()
+        return self._clock
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = Backend(
+                self.clock,
+                probe=self.forwarder.server_ready,
+                max_outage_s=self.config.triton.max_outage_s,
+            )
+        return self._backend
+
+    # ---- calls from the shells ----------------------------------------------------------
+
+    def submit(self, call: Call, route: Route) -> CoreRequest | None:
+        """Take a call through admission into its model's queue; its answers go to
+        ``route``. Returns the queued request (to ``cancel`` it), or None when the call
+        was answered at once (refused)."""
+        model = call.request.model
+        runtime = self.runtimes.get(model)
+        try:
+            if not self.accepting:
+                raise Unavailable("the frontend is shutting down")
+            backend = self.backend
+            if backend.gave_up:
+                raise Unavailable(f"Triton has been unavailable for {backend.outage_s:.0f} s")
+            if runtime is None:
+                info = self.models.cached(model)
+                if info is None:
+                    # A shell validated the call against this model, so Triton served it
+                    # a moment ago: look it up again (a rare path, e.g. after a restart).
+                    req = self._new_request(call, route, None)
+                    self._spawn(self._admit_later(req, route, lookup=True))
+                    return req
+                runtime = self._runtime(model, info)
+            req = self._new_request(call, route, runtime)
+            self._throttle(runtime, req)
+            decision = self._rate_limits_now(req)
+            if decision is None:  # the storage must be waited for
+                self._spawn(self._admit_later(req, route, lookup=False))
+                return req
+            self._apply_rate_limits(req, decision)
+            runtime.submit(req)
+            return req
+        except FrontendError as err:
+            route.answer(Answer(call.id, fault=Fault.of(err)))
+            self._record(call, err.outcome, err, "", -1.0, None)
+            return None
+
+    def cancel(self, req: CoreRequest) -> None:
+        """The client of ``req`` went away (it is answered no more)."""
+        runtime = self.runtimes.get(req.request.model)
+        if req.state.value == "new":  # admission still running: it stops there
+            req.cancelled = True
+        elif runtime is not None:
+            runtime.cancel(req)
+
+    def drop_route(self, route: Route) -> int:
+        """A shell went away: drop every request whose answer would go to it."""
+        dropped = 0
+        for runtime in list(self.runtimes.values()):
+            dropped += runtime.drop(route)
+        return dropped
+
+    def tally(self, tally: Tally) -> None:
+        """Requests a shell answered itself (refused before they reached the core)."""
+        for e in tally.entries:
+            self.metrics.requests_answered(e.tenant, e.model, Outcome(e.outcome), e.count)
+            if e.failed_version is not None:
+                self.stats.failures(e.model, e.failed_version, e.failed_s, e.count)
+
+    async def model_info(self, model: str) -> ModelInfo:
+        info = await self.models.get(model)
+        self._runtime(model, info)  # ready before the shell's first call arrives
+        return info
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def _new_request(
+        self, call: Call, route: Route, runtime: EndpointRuntime | None
+    ) -> CoreRequest:
+        request = call.request
+        return CoreRequest(
+            call.tenant,
+            call.rows,
+            call.tokens,
+            call.nbytes,
+            call.priority,
+            call.deadline,
+            batch_key(request, runtime.info, runtime.endpoint) if runtime is not None else None,
+            call=call,
+            route=route,
+        )
+
+    def _throttle(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+        """Reject at once (503 + Retry-After) what cannot be served within its target."""
+        admission = runtime.admission
+        if admission is None or admission.throttle is None:
+            return
+        timeout_us = req.request.timeout_us
+        decision = admission.admit(
+            runtime.scheduler,
+            runtime.inflight,
+            tenant=req.tenant,
+            tier=self._tier(req.tenant),
+            priority=req.priority,
+            rows=req.rows,
+            tokens=req.tokens,
+            remaining_s=timeout_us / 1e6 if timeout_us else None,
+        )
+        assert decision is not None
+        self.observer.throttle_decision(model=runtime.model, decision=decision)
+        if not decision.admitted:
+            raise overloaded_error(decision, runtime.model)
+
+    def _limits(self, req: CoreRequest) -> list[RateLimitItem]:
+        key = (req.tenant, req.request.model)
+        items = self._limit_items.get(key)
+        if items is None:
+            items = items_from_limits(self.config.limits_for(*key))
+            self._limit_items[key] = items
+        return items
+
+    def _rate_limits_now(self, req: CoreRequest) -> Decision | None:
+        """The rate-limit decision, if the storage answers without waiting (memory)."""
+        items = self._limits(req)
+        if not items:
+            return _NO_LIMITS
+        return self.limiter.check_now(
+            limit_key(req.tenant, req.request.model),
+            items,
+            requests=1,
+            tokens=req.tokens,
+            now=time.time(),
+        )
+
+    async def _rate_limits(self, req: CoreRequest) -> Decision:
+        try:
+            return await self.limiter.check(
+                limit_key(req.tenant, req.request.model),
+                self._limits(req),
+                requests=1,
+                tokens=req.tokens,
+                now=time.time(),
+            )
+        except Unavailable:  # the storage failed and the mode is fail_closed
+            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+            raise
+
+    def _apply_rate_limits(self, req: CoreRequest, decision: Decision) -> None:
+        """Count a degraded check; raise the 429 of a refused one."""
+        if decision.degraded:
+            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+        if not decision.allowed:
+            assert decision.violated is not None
+            model = req.request.model
+            self.observer.rate_limit_hit(
+                tenant=req.tenant, model=model, limit=str(decision.violated)
+            )
+            raise rate_limited_error(decision, tenant=req.tenant, endpoint=model)
+
+    async def _admit_later(self, req: CoreRequest, route: Route, *, lookup: bool) -> None:
+        """The rest of admission, where it must wait: a model lookup, a rate-limit storage."""
+        call = req.call
+        try:
+            model = call.request.model
+            runtime = self.runtimes.get(model)
+            if runtime is None:
+                runtime = self._runtime(model, await self.models.get(model))
+                req.shape_key = batch_key(call.request, runtime.info, runtime.endpoint)
+            if lookup:
+                self._throttle(runtime, req)
+            decision = self._rate_limits_now(req)
+            if decision is None:
+                decision = await self._rate_limits(req)
+            self._apply_rate_limits(req, decision)
+            if req.cancelled:
+                self._record(call, Outcome.CANCELLED, None, "", -1.0, None)
+                return
+            if not self.accepting:
+                raise Unavailable("the frontend is shutting down")
+            runtime.submit(req)
+        except FrontendError as err:
+            if not req.cancelled:
+                route.answer(Answer(call.id, fault=Fault.of(err)))
+            self._record(call, err.outcome, err, "", -1.0, None)
+        except Exception as err:
+            log.exception("internal error admitting a request to %s", call.request.model)
+            error = Internal(f"internal error: {type(err).__name__}")
+            if not req.cancelled:
+                route.answer(Answer(call.id, fault=Fault.of(error)))
+            self._record(call, Outcome.FAILED, error, "", -1.0, None)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    def _tier(self, tenant: str) -> str:
+        terms = self.tenants.get(tenant)
+        return terms.tier if terms is not None else ""
+
+    # ---- outcomes -----------------------------------------------------------------------
+
+    def _on_done(
+        self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, version: str
+    ) -> None:
+        """A queued request is answered (or its client went away): count it once."""
+        infer_s = None
+        if req.dispatched_at is not None:
+            infer_s = self.clock.now() - req.dispatched_at
+        self._record(req.call, outcome, err, version, req.queued_s, infer_s)
+
+    def _record(
+        self,
+        call: Call,
+        outcome: Outcome,
+        err: FrontendError | None,
+        version: str,
+        queued_s: float,
+        infer_s: float | None,
+    ) -> None:
+        request = call.request
+        total_s = time.monotonic() - call.arrived
+        if outcome is Outcome.DISPATCHED:
+            self.stats.success(
+                request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
+            )
+        elif err is not None and not isinstance(err, UnknownModel):
+            info = self.models.cached(request.model)
+            failed = request.version or (info.latest_version if info is not None else "1")
+            self.stats.failure(request.model, failed, total_s)
+        self.observer.request_finished(
+            tenant=call.tenant,
+            model=request.model,
+            outcome=outcome,
+            queued_s=queued_s if queued_s >= 0 else None,
+            request_id=request.id,
+            latency_s=total_s,
+            error=err.message if err is not None else None,
+        )
+
+    # ---- endpoints ----------------------------------------------------------------------
+
+    def _runtime(self, model: str, info: ModelInfo) -> EndpointRuntime:
+        runtime = self.runtimes.get(model)
+        if runtime is None:
+            endpoint = self.config.endpoint(model)
+            policy = endpoint_policy(self.config, endpoint, info)
+            batch = policy.max_batch_size or 1
+            service = ServiceModel.for_endpoint(model, endpoint, batch, self.config)
+            cost_model = None
+            if endpoint.normalize_cost:
+                cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
+            admission = EndpointAdmission(
+                service=service,
+                throttle=Throttle.for_endpoint(endpoint, batch) if endpoint.throttle else None,
+                tiers=tuple(self.config.tiers),
+                strict_tiers=self.config.scheduling == "fair",
+                tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
+            )
+            runtime = EndpointRuntime(
+                model=model,
+                info=info,
+                endpoint=endpoint,
+                scheduler=Scheduler(
+                    policy,
+                    self.tenants,
+                    self.caps,
+                    mode=self.config.scheduling,
+                    cost_model=cost_model,
+                ),
+                forwarder=self.forwarder,
+                backend=self.backend,
+                clock=self.clock,
+                admission=admission,
+                on_batch=self._on_batch,
+                on_done=self._on_done,
+            )
+            self.runtimes[model] = runtime
+        return runtime
+
+    def _on_batch(self, report: BatchReport) -> None:
+        self.observer.batch_finished(report)
+        runtime = self.runtimes.get(report.model)
+        if runtime is None:
+            return
+        if report.ok:
+            self.stats.execution(
+                report.model, runtime.info.latest_version, report.rows, report.seconds
+            )
+        if runtime.admission is not None:
+            runtime.admission.observe_batch(
+                rows=report.tenants,
+                tokens=report.tenant_tokens,
+                tier_of=self._tier,
+                ok=report.ok,
+                started=report.started,
+                finished=report.finished,
+                now=self.clock.now(),
+            )
+
+    # ---- feedback from Triton's metrics -------------------------------------------------
+
+    async def start(self) -> None:
+        """Learn the configured endpoints' models (best effort: a model Triton does not
+        serve yet is looked up on first use) and start reading Triton's metrics."""
+        for model in self.config.endpoints:
+            try:
+                await self.model_info(model)
+            except FrontendError as err:
+                log.warning("endpoint %s: not served by Triton yet (%s)", model, err.message)
+        url = self.config.triton.metrics_url
+        if url:
+            self.triton_metrics = TritonMetrics(
+                url,
+                interval_s=self.config.triton.metrics_interval_s,
+                on_delta=self._on_triton_delta,
+                on_scrape=self._on_scrape,
+            )
+            self.triton_metrics.start()
+
+    def _on_triton_delta(self, delta: TritonDelta) -> None:
+        runtime = self.runtimes.get(delta.model)
+        if runtime is not None and runtime.admission is not None:
+            runtime.admission.service.observe_triton(delta)
+
+    def _on_scrape(self, at: float, ok: bool) -> None:
+        for runtime in list(self.runtimes.values()):
+            if runtime.admission is not None:
+                runtime.admission.service.tick(at)
+
+    def state_samples(self) -> list[tuple[str, dict[str, str], float]]:
+        """Live gauges for the metrics port: queue depths, deficits, in-flight batches."""
+        available = self._backend is None or self._backend.available
+        out: list[tuple[str, dict[str, str], float]] = [
+            ("fair_backend_available", {}, 1.0 if available else 0.0)
+        ]
+        label = self.metrics.tenant_label
+        for model, rt in list(self.runtimes.items()):
+            sched = rt.scheduler
+            out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
+            for tier, depth in sched.tier_depths().items():
+                out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
+            for tenant, deficit in sched.deficits().items():
+                name = label(tenant)
+                out.append(("fair_drr_deficit", {"endpoint": model, "tenant": name}, deficit))
+            if rt.admission is not None:
+                out.extend(rt.admission.service.status().samples())
+        return out
+
+    # ---- config, statistics, shutdown ---------------------------------------------------
+
+    def reload(self, config: Config, keyring: KeyRing | None = None) -> list[str]:
+        """Apply a new config's tenants, API keys and limits without dropping a request.
+
+        Keys (inline, files, environment) are read again; tenants can be added, and a
+        tenant's weight, tier and caps apply once its queue has drained (the scheduler's
+        snapshot rule). Changes that need a restart (tiers, endpoints, scheduling mode,
+        listeners) are not applied: the returned notes say which. Raises ``ConfigError``
+        (and changes nothing) if the new keys cannot be loaded or the tiers changed.
+        """
+        if list(config.tiers) != list(self.config.tiers):
+            raise ConfigError("(reload)", ["tiers changed: restart the frontend to apply"])
+        keyring = keyring or KeyRing.from_config(config)  # raises before anything changes
+        notes = [
+            f"{name} changed: restart the frontend to apply"
+            for name in ("endpoints", "default_endpoint", "scheduling", "server", "triton")
+            if getattr(config, name) != getattr(self.config, name)
+        ]
+        self.tenants.update(config.tenants)
+        for gone in set(self.tenants) - set(config.tenants):
+            del self.tenants[gone]
+        self.keyring = keyring
+        self.config = config
+        self.metrics.config = config  # tier labels of new or moved tenants
+        self._limit_items.clear()
+        log.info(
+            "reloaded: %d tenants, %d API keys%s",
+            len(config.tenants),
+            keyring.size,
+            "; " + "; ".join(notes) if notes else "",
+        )
+        return notes
+
+    async def statistics(self, model: str = "", version: str = "") -> Any:
+        """Triton's ``ModelStatisticsResponse`` for what went through the frontend."""
+        msg = self.stats.message(model, version)
+        if model and not msg.model_stats:
+            info = await self.models.get(model)  # unknown model: Triton's error
+            if version and version not in info.versions:
+                raise InvalidArgument(
+                    f"requested model version is not available for model '{model}'"
+                )
+            return self.stats.empty(model, version or info.latest_version)
+        return msg
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop accepting; finish what is queued and in flight within ``grace_s``; answer
+        what is still queued then with UNAVAILABLE; nothing is left unanswered."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._admitting or not all(rt.idle for rt in self.runtimes.values()):
+            if time.monotonic() >= deadline or not self.backend.available:
+                break
+            await asyncio.sleep(0.02)
+        left = sum(
+            rt.fail_queued(Unavailable("the frontend is shutting down"))
+            for rt in self.runtimes.values()
+        )
+        if left:
+            log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
+        for runtime in self.runtimes.values():
+            await runtime.drain()
+        await self.backend.close()
+        if self.triton_metrics is not None:
+            await self.triton_metrics.stop()
+        await self.limiter.close()
+
+
+_NO_LIMITS = Decision(True)

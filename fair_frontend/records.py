@@ -1,0 +1,207 @@
+"""What crosses between the shells and the core: one record per request, one per answer.
+
+Shells (``fair_frontend.shell``) do protocol: decode, identify the tenant, validate against
+the model, encode the answer. The core (``fair_frontend.core``) does policy: admission,
+scheduling, batching, dispatch to Triton. Between them travel only the records below,
+``msgspec`` structs:
+
+* a shell sends a ``Call`` per inference request (decoded, identified, validated), a
+  ``Cancel`` when its client goes away, a ``Tally`` of what it answered itself (requests
+  refused before the core saw them), and queries (``InfoQuery``, ``StatsQuery``);
+* the core answers each ``Call`` with exactly one final ``Answer`` (a decoupled model's
+  stream: parts with ``final=False`` first), each query with its answer, and pushes
+  ``Settings`` (the config a shell needs, at start and on reload), ``Draining`` and
+  ``Stop`` (shutdown).
+
+With ``--workers 1`` the shell lives in the core's process and the records are passed as
+objects; with several shell processes ``fair_frontend.ipc`` frames them as msgpack over a
+Unix socket, tensors as Triton's raw bytes (row-major, little-endian; BYTES elements
+each a 4-byte length and the bytes), decoded on arrival as numpy views of the frame.
+
+Times are ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process of a host)
+and ``time.time()`` where a deadline goes to the model as a wall-clock instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import grpc
+import msgspec
+
+from fair_frontend import errors
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import InferRequest, ParamValue, Tensor
+
+
+class Call(msgspec.Struct, tag=1, array_like=True):
+    """One inference request, decoded, identified and validated by a shell."""
+
+    id: int  # the shell's number for it: answers and cancels carry it
+    tenant: str
+    priority: int  # effective level, 1 = highest (the shell resolved the default)
+    arrived: float  # time.monotonic() when the shell received it
+    arrived_wall: float  # time.time() at the same moment (deadline_us for the model)
+    rows: int  # batch rows it occupies (>= 1)
+    tokens: int  # its token count, for cost and limits
+    nbytes: int  # its tensor bytes, for byte caps
+    lengths: list[int] | None  # per-row token lengths of its token input, if any
+    request: InferRequest  # as decoded (the model's defaults filled in)
+    stream: bool = False  # ModelStreamInfer: answers may come in parts (decoupled)
+
+    @property
+    def deadline(self) -> float | None:
+        """Triton's timeout is relative to arrival: the deadline on the monotonic clock."""
+        timeout_us = self.request.timeout_us
+        return self.arrived + timeout_us / 1e6 if timeout_us else None
+
+
+class Cancel(msgspec.Struct, tag=2, array_like=True):
+    """The client of call ``id`` went away: drop it if still queued."""
+
+    id: int
+
+
+class Fault(msgspec.Struct, array_like=True, frozen=True):
+    """A ``FrontendError``, as it crosses to the shell that answers the client."""
+
+    kind: str  # the error class's name (``Unavailable``, ``RateLimited``...)
+    message: str
+    grpc_code: int  # grpc.StatusCode's number
+    http_status: int
+    outcome: str
+    retry_after: float | None = None
+
+    @classmethod
+    def of(cls, err: errors.FrontendError) -> Fault:
+        return cls(
+            type(err).__name__,
+            err.message,
+            err.grpc_code.value[0],
+            err.http_status,
+            err.outcome.value,
+            err.retry_after,
+        )
+
+    def error(self) -> errors.FrontendError:
+        """The same error again, for the client: status, message and retry hint."""
+        err = errors.FrontendError(self.message, retry_after=self.retry_after)
+        err.grpc_code = _GRPC_CODES.get(self.grpc_code, grpc.StatusCode.INTERNAL)
+        err.http_status = self.http_status
+        err.outcome = Outcome(self.outcome)
+        return err
+
+
+_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Answer(msgspec.Struct, tag=3, array_like=True):
+    """The core's answer to call ``id``: outputs, or the error it is answered with.
+
+    Exactly one answer per call has ``final=True``; a decoupled model's responses come
+    before it as parts (``final=False``), each as the model sent it.
+    """
+
+    id: int
+    version: str = ""
+    outputs: list[Tensor] = []
+    final: bool = True
+    fault: Fault | None = None
+    queued_s: float = -1.0  # time from admission to dispatch; < 0: never queued
+    parameters: dict[str, ParamValue] = {}  # response parameters (decoupled: final flag)
+
+
+class TallyEntry(msgspec.Struct, array_like=True, frozen=True):
+    """Requests a shell answered itself, of one kind, since its last tally."""
+
+    tenant: str | None  # None: refused before the tenant was known
+    model: str
+    outcome: str
+    count: int
+    failed_version: str | None = None  # Triton's statistics count a failure (a tenant)
+    failed_s: float = 0.0  # their total duration, for the statistics
+
+
+class Tally(msgspec.Struct, tag=4, array_like=True):
+    """What a shell answered without the core: counted in the one ``/metrics``."""
+
+    entries: list[TallyEntry]
+
+
+class InfoQuery(msgspec.Struct, tag=5, array_like=True):
+    """What is model ``model``? (the core asks Triton once and keeps the answer)."""
+
+    id: int
+    model: str
+
+
+class InfoAnswer(msgspec.Struct, tag=6, array_like=True):
+    id: int
+    config: bytes = b""  # the serialized ModelConfig
+    versions: tuple[str, ...] = ()
+    fault: Fault | None = None
+
+
+class StatsQuery(msgspec.Struct, tag=7, array_like=True):
+    """Triton's statistics extension, for what went through the frontend."""
+
+    id: int
+    model: str
+    version: str
+
+
+class StatsAnswer(msgspec.Struct, tag=8, array_like=True):
+    id: int
+    message: bytes = b""  # the serialized ModelStatisticsResponse
+    fault: Fault | None = None
+
+
+class Hello(msgspec.Struct, tag=9, array_like=True):
+    """A shell process has connected (the first record on its connection)."""
+
+    index: int
+    pid: int
+
+
+class Settings(msgspec.Struct, tag=10, array_like=True):
+    """What a shell needs of the config: sent when it connects and on every reload.
+
+    ``config`` is the validated config as JSON-able data; ``keys`` the API keys' SHA-256
+    digests (hex) by tenant, read once by the core from inline entries, key files and
+    environment variables.
+    """
+
+    config: dict[str, Any]
+    keys: dict[str, str]
+    triton_url: str
+
+
+class Ready(msgspec.Struct, tag=11, array_like=True):
+    """The shell listens: sent once, after its first ``Settings``."""
+
+    http_port: int
+    grpc_port: int
+
+
+class Draining(msgspec.Struct, tag=12, array_like=True):
+    """The core stops admitting (shutdown): readiness turns false; answers still come."""
+
+
+class Stop(msgspec.Struct, tag=13, array_like=True):
+    """Close the listeners and exit (the core has drained)."""
+
+
+class FlushTally(msgspec.Struct, tag=14, array_like=True):
+    """Send your tally now (the metrics port is being scraped); answer ``Flushed``."""
+
+    id: int
+
+
+class Flushed(msgspec.Struct, tag=15, array_like=True):
+    """The tally up to now has been sent (it precedes this on the connection)."""
+
+    id: int
+
+
+ToCore = Union[Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed]  # noqa: UP007
+ToShell = Union[Answer, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally]  # noqa: UP007

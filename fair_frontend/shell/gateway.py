@@ -1,0 +1,216 @@
+"""The shell's side of the service: what both transports call, in every shell.
+
+One inference request: identity (API key) -> the model's description (from the core,
+kept) -> validation against it -> a ``Call`` to the core -> its answer. What is refused
+here (no key, bad input, an unknown model) never reaches the core: the shell answers it,
+logs it, and tallies it for the core's metrics and statistics. What reaches the core is
+counted and logged there, once, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Any
+
+from fair_frontend.auth import Authenticator, KeyRing
+from fair_frontend.config import Config
+from fair_frontend.errors import FrontendError, InvalidArgument, UnknownModel, Unsupported
+from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.logs import RequestLog
+from fair_frontend.models import ModelInfo, validate
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import FINAL_RESPONSE, InferRequest, InferResponse, ParamValue
+from fair_frontend.records import Call, TallyEntry
+from fair_frontend.shell.link import CoreLink
+
+# Server metadata extensions the frontend implements (a subset of Triton's: no shared
+# memory, which cannot cross hosts; no repository control or tracing, which stay with
+# the operator of Triton itself).
+EXTENSIONS = (
+    "classification",
+    "statistics",
+    "sequence",
+    "schedule_policy",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+)
+SERVER_NAME = "fair_frontend"
+
+
+class Gateway:
+    """Decoded requests in, answers out: identity, validation, the call to the core."""
+
+    def __init__(
+        self, config: Config, keyring: KeyRing, link: CoreLink, triton: TritonForwarder
+    ) -> None:
+        self.link = link
+        self.triton = triton  # metadata, config and readiness come from Triton itself
+        self.log = RequestLog()
+        self._infos: dict[str, ModelInfo] = {}
+        self.configure(config, keyring)
+
+    def configure(self, config: Config, keyring: KeyRing) -> None:
+        """Apply a (re)loaded config: keys, tenants, endpoints' policies."""
+        self.config = config
+        self.auth = Authenticator(
+            keyring, set(config.tenants), trusted_gateway=config.auth.trusted_gateway
+        )
+
+    # ---- inference ----------------------------------------------------------------------
+
+    async def infer(self, req: InferRequest, headers: Mapping[str, str]) -> InferResponse:
+        """One request, one response (ModelInfer, HTTP infer)."""
+        replies = self._handle(req, headers, streaming=False)
+        try:
+            return await anext(replies)
+        finally:
+            await replies.aclose()
+
+    def stream_infer(
+        self, req: InferRequest, headers: Mapping[str, str]
+    ) -> AsyncIterator[InferResponse]:
+        """One request on a stream (ModelStreamInfer): its responses; several for a
+        decoupled model, exactly one otherwise."""
+        return self._handle(req, headers, streaming=True)
+
+    async def _handle(
+        self, req: InferRequest, headers: Mapping[str, str], *, streaming: bool
+    ) -> AsyncGenerator[InferResponse, None]:
+        arrived = time.monotonic()
+        arrived_wall = time.time()
+        tenant: str | None = None
+        info: ModelInfo | None = None
+        try:
+            tenant = self.auth.identify(headers, req.tenant_claim)
+            info = await self._model_info(req.model)
+            if info.decoupled and not streaming:
+                raise Unsupported(
+                    "ModelInfer RPC doesn't support models with decoupled transaction policy"
+                )
+            checked = validate(req, info, self.config.endpoint(req.model))
+            priority = self._priority(req.priority, tenant, req.model)
+        except FrontendError as err:
+            self._refused(tenant, req, err, arrived, info)
+            raise
+        except asyncio.CancelledError:
+            self._refused(tenant, req, None, arrived, info)
+            raise
+        call = Call(
+            self.link.new_id(),
+            tenant,
+            priority,
+            arrived,
+            arrived_wall,
+            checked.rows,
+            checked.tokens,
+            req.nbytes,
+            checked.lengths,
+            req,
+            streaming,
+        )
+        # From here on the core counts and logs the request, whatever its outcome.
+        inbox = self.link.submit(call)
+        try:
+            final: dict[str, ParamValue] = (
+                {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
+            )
+            if info.decoupled:
+                version = req.version or info.latest_version
+                while not (answer := await inbox.get()).final:
+                    version = answer.version or version
+                    last = bool(answer.parameters.get(FINAL_RESPONSE, False))
+                    if not answer.outputs and not (last and final):
+                        continue  # Triton's empty final: only for clients that asked
+                    params: dict[str, ParamValue] = {FINAL_RESPONSE: last} if final else {}
+                    yield InferResponse(req.model, version, req.id, answer.outputs, params)
+                if answer.fault is not None:
+                    raise answer.fault.error()
+            else:
+                answer = await inbox.get()
+                if answer.fault is not None:
+                    raise answer.fault.error()
+                yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
+        finally:
+            inbox.cancel()  # no-op once the final answer was read
+
+    def rejected(
+        self, model: str, headers: Mapping[str, str], err: FrontendError, latency_s: float
+    ) -> None:
+        """A request the transport refused before ``infer`` (it could not be decoded)."""
+        try:
+            tenant: str | None = self.auth.identify(headers, None)
+        except FrontendError:
+            tenant = None
+        self.log.request_finished(
+            tenant=tenant, model=model, outcome=err.outcome, queued_s=None,
+            latency_s=latency_s, error=err.message,
+        )  # fmt: skip
+        self.link.tally(TallyEntry(tenant, model, err.outcome.value, 1))
+
+    def _refused(
+        self,
+        tenant: str | None,
+        req: InferRequest,
+        err: FrontendError | None,
+        arrived: float,
+        info: ModelInfo | None,
+    ) -> None:
+        """Count and log a request this shell answered itself (``err`` None: cancelled)."""
+        outcome = err.outcome if err is not None else Outcome.CANCELLED
+        latency_s = time.monotonic() - arrived
+        self.log.request_finished(
+            tenant=tenant, model=req.model, outcome=outcome, queued_s=None,
+            request_id=req.id, latency_s=latency_s,
+            error=err.message if err is not None else None,
+        )  # fmt: skip
+        failed: str | None = None
+        if tenant is not None and err is not None and not isinstance(err, UnknownModel):
+            failed = req.version or (info.latest_version if info is not None else "1")
+        self.link.tally(
+            TallyEntry(tenant, req.model, outcome.value, 1, failed, latency_s if failed else 0.0)
+        )
+
+    async def _model_info(self, model: str) -> ModelInfo:
+        info = self._infos.get(model)
+        if info is None:
+            info = self._infos[model] = await self.link.model_info(model)
+        return info
+
+    def _priority(self, requested: int, tenant: str, model: str) -> int:
+        levels = self.config.priority_levels
+        if requested > levels:
+            raise InvalidArgument(
+                f"priority {requested} is out of range: 1 (highest) to {levels}, or 0 for "
+                "the default level"
+            )
+        return requested or self.config.default_priority(tenant, model)
+
+    # ---- health and metadata ------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        return self.link.accepting and await self.triton.server_ready()
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        try:
+            return bool(
+                await self.triton.call("is_model_ready", model_name=model, model_version=version)
+            )
+        except FrontendError:
+            return False
+
+    async def server_metadata(self) -> dict[str, Any]:
+        from fair_frontend import __version__
+
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    async def model_metadata(self, model: str, version: str = "") -> Any:
+        return await self.triton.call("get_model_metadata", model_name=model, model_version=version)
+
+    async def model_config(self, model: str, version: str = "") -> Any:
+        return await self.triton.call("get_model_config", model_name=model, model_version=version)
+
+    async def statistics(self, model: str = "", version: str = "") -> Any:
+        return await self.link.statistics(model, version)

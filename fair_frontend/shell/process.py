@@ -1,0 +1,142 @@
+"""A shell process: ``python -m fair_frontend.shell``, started and supervised by the core.
+
+It connects to the core's socket, says ``Hello``, takes its ``Settings`` (the config,
+the API keys' digests, Triton's address), serves HTTP on the listening socket it
+inherited (every shell accepts from the same one) and gRPC on the shared port (each
+shell binds it with SO_REUSEPORT; the kernel spreads connections over them), and says
+``Ready``. It exits when the core says ``Stop`` or when the core is gone.
+
+Signals: the core coordinates shutdown (it drains first, while the shells still carry
+answers), so a shell ignores Ctrl-C's SIGINT and a SIGTERM sent to the whole process
+group; the kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), and
+then, its parent gone, it exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+
+import uvloop
+from aiohttp import web
+
+from fair_frontend.auth import KeyRing
+from fair_frontend.config import parse_config
+from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.ipc import SocketLink
+from fair_frontend.records import Hello, Ready, Settings
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.grpc_server import make_server
+from fair_frontend.shell.http_server import HttpShell, max_body_bytes
+
+log = logging.getLogger("fair_frontend.shell")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def keyring_of(settings: Settings) -> KeyRing:
+    return KeyRing({bytes.fromhex(d): tenant for d, tenant in settings.keys.items()})
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the lost connection ends it instead
+        pass
+
+
+class ShellProcess:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.parent = os.getppid()
+        self.gateway: Gateway | None = None
+        self.settings: asyncio.Future[Settings] | None = None
+        self.done: asyncio.Event | None = None
+
+    def on_settings(self, settings: Settings) -> None:
+        if self.settings is not None and not self.settings.done():
+            self.settings.set_result(settings)
+        elif self.gateway is not None:  # a reload
+            self.gateway.configure(parse_config(settings.config), keyring_of(settings))
+            log.info("shell %d: config reloaded", self.args.index)
+
+    def on_end(self) -> None:
+        assert self.done is not None and self.settings is not None
+        self.done.set()
+        if not self.settings.done():
+            self.settings.cancel()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.settings = loop.create_future()
+        self.done = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        link = await SocketLink.connect(self.args.core, self.on_settings, self.on_end, self.on_end)
+        link.send(Hello(self.args.index, os.getpid()))
+        try:
+            settings = await self.settings
+        except asyncio.CancelledError:
+            log.error("shell %d: the core went away before it sent settings", self.args.index)
+            return 1
+        config = parse_config(settings.config)
+        triton = TritonForwarder(
+            settings.triton_url, request_timeout_s=config.triton.request_timeout_s
+        )
+        self.gateway = Gateway(config, keyring_of(settings), link, triton)
+
+        shell = HttpShell(self.gateway, max_body_bytes=max_body_bytes(config))
+        runner = web.AppRunner(
+            shell.app(), handler_cancellation=True, access_log=None, auto_decompress=False
+        )
+        await runner.setup()
+        sock = socket.socket(fileno=self.args.http_fd)
+        site = web.SockSite(runner, sock)
+        await site.start()
+        grpc_server = make_server(self.gateway)
+        grpc_port = grpc_server.add_insecure_port(f"{self.args.grpc_host}:{self.args.grpc_port}")
+        if grpc_port == 0:
+            log.error("shell %d: cannot bind gRPC port %d", self.args.index, self.args.grpc_port)
+            return 1
+        await grpc_server.start()
+        link.send(Ready(sock.getsockname()[1], grpc_port))
+        await self.done.wait()
+        link.flush_tally()
+        await grpc_server.stop(1.0)
+        await runner.cleanup()
+        await triton.close()
+        link.close()
+        return 0
+
+    def _on_sigterm(self) -> None:
+        if os.getppid() != self.parent:  # the core is gone: nothing to coordinate with
+            assert self.done is not None
+            self.done.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fair_frontend.shell")
+    parser.add_argument("--core", required=True, help="the core's Unix socket")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--http-fd", type=int, required=True, help="inherited listening socket")
+    parser.add_argument("--grpc-host", required=True)
+    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="json")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from fair_frontend.logs import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    return uvloop.run(ShellProcess(args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
