@@ -338,6 +338,7 @@ class ShellConnection(_Framed):
 
     async def _stats(self, query: StatsQuery) -> None:
         try:
+            await self.server.flush_tallies()  # failures the shells answered count too
             msg = await self.core.statistics(query.model, query.version)
             self.send(StatsAnswer(query.id, msg.SerializeToString()))
         except FrontendError as err:

@@ -35,12 +35,20 @@ def triton() -> Iterator[EmbeddedTriton]:
         server.stop()
 
 
+@pytest.fixture(scope="session", params=[1, 2], ids=["one-process", "two-shells"])
+def workers(request: pytest.FixtureRequest) -> int:
+    """Shell processes of the frontends under test: the integration tests run twice, with
+    the whole frontend in one process (``--workers 1``) and with two shell processes in
+    front of the core (the transport split over processes)."""
+    return int(request.param)
+
+
 @pytest.fixture(scope="session")
-def frontend(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+def frontend(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     """The frontend (test tenants, no rate limits) in front of the session's Triton.
 
     Shared by the whole session: tests label their traffic with their own tenant where
     they read counters, and must leave no requests queued behind them.
     """
-    with running_frontend(make_config(), triton.grpc_url) as running:
+    with running_frontend(make_config(), triton.grpc_url, workers=workers) as running:
         yield running

@@ -113,8 +113,12 @@ class RunningFrontend:
 
 
 @contextlib.contextmanager
-def running_frontend(config: Config, triton_url: str) -> Iterator[RunningFrontend]:
-    server = FrontendServer(config, triton_url, Listen())
+def running_frontend(
+    config: Config, triton_url: str, *, workers: int = 1
+) -> Iterator[RunningFrontend]:
+    """The frontend, its core on a thread of this process (its state readable here), with
+    ``workers`` shells: 1 in this process too, more as processes of their own."""
+    server = FrontendServer(config, triton_url, Listen(), workers=workers)
     background = BackgroundServer(server)
     with background:
         yield RunningFrontend(server, background)

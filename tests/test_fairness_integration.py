@@ -24,9 +24,11 @@ ROWS_PER_BATCH = 8
 
 
 @pytest.fixture(params=["fair", "fifo"])
-def mode_frontend(request: pytest.FixtureRequest, triton: Any) -> Iterator[RunningFrontend]:
+def mode_frontend(
+    request: pytest.FixtureRequest, triton: Any, workers: int
+) -> Iterator[RunningFrontend]:
     config = make_config(scheduling=request.param)
-    with running_frontend(config, triton.grpc_url) as running:
+    with running_frontend(config, triton.grpc_url, workers=workers) as running:
         yield running
 
 
@@ -149,8 +151,8 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:  # ty
     assert finished < queued / 2, (finished, queued, time.perf_counter() - t0)
 
 
-async def test_batches_carry_several_tenants_and_accounting_adds_up(triton) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url) as fe:
+async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
         seen: list[dict[str, int]] = []
         observer = fe.frontend.observer
         original = observer.batch_finished
@@ -184,8 +186,8 @@ async def test_batches_carry_several_tenants_and_accounting_adds_up(triton) -> N
         assert counters.expired == counters.cancelled == 0
 
 
-async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url) as fe:
+async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         victim_client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
@@ -229,13 +231,13 @@ async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton) ->
         assert counters.admitted == 321
 
 
-async def test_queue_caps_reject_with_the_cap_named(triton) -> None:  # type: ignore[no-untyped-def]
+async def test_queue_caps_reject_with_the_cap_named(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
     config = make_config()
     data = config.model_dump(mode="json")
     data["tenants"]["hooli"]["max_queued"] = 5
     from fair_frontend.config import parse_config
 
-    with running_frontend(parse_config(data), triton.grpc_url) as fe:
+    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             results = await asyncio.gather(

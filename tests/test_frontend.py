@@ -101,7 +101,7 @@ def test_missing_or_unknown_key(frontend, protocol, headers) -> None:  # type: i
     mod = grpcclient if protocol == "grpc" else httpclient
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
     with pytest.raises(InferenceServerException) as info:
-        _front(frontend, protocol).infer("embed", [ids_input(mod, ids)], headers=headers)
+        _front(frontend, protocol).infer("embed", [ids_input(mod, ids)], headers=dict(headers))
     expected = "StatusCode.UNAUTHENTICATED" if protocol == "grpc" else "401"
     assert info.value.status() == expected
     assert "wrong" not in info.value.message()
@@ -229,12 +229,12 @@ def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:  # typ
     assert info.value.status() == ("StatusCode.UNAUTHENTICATED" if protocol == "grpc" else "401")
 
 
-def test_trusted_gateway_names_the_tenant(triton) -> None:  # type: ignore[no-untyped-def]
+def test_trusted_gateway_names_the_tenant(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
     from tests.support import make_config, running_frontend
 
     config = make_config(auth={"trusted_gateway": True})
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
         client = grpcclient.InferenceServerClient(fe.grpc_url)
         result = client.infer(
             "embed",

@@ -177,7 +177,7 @@ def _tenant_config(names: dict[str, tuple[str, str]]) -> dict[str, Any]:
 
 
 async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
-    triton: EmbeddedTriton, tenants: dict[str, tuple[str, str]]
+    triton: EmbeddedTriton, tenants: dict[str, tuple[str, str]], workers: int
 ) -> None:
     (a, tier_a), (b, tier_b), (c, tier_c) = tenants["a"], tenants["b"], tenants["c"]
     tenant_cfg = _tenant_config(tenants)
@@ -191,7 +191,7 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
     exp = Expected()
     triton_before = await ascrape(triton.metrics_url)
 
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
         rpc = grpcaio.InferenceServerClient(fe.grpc_url)
         http = httpaio.InferenceServerClient(fe.http_url)
         try:
@@ -329,6 +329,7 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
 
 async def test_cardinality_guard_folds_later_tenants_into_other_and_keeps_totals(
     triton: EmbeddedTriton,
+    workers: int,
 ) -> None:
     names = [unique(f"obs-g{i}") for i in range(4)]
     config = make_config(
@@ -336,7 +337,7 @@ async def test_cardinality_guard_folds_later_tenants_into_other_and_keeps_totals
         observability={"max_metric_tenants": 2},
     )
     widths = [10, 20, 30, 40]
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             # An unauthenticated request first: "-" must not take one of the 2 slots.
@@ -372,11 +373,13 @@ async def test_cardinality_guard_folds_later_tenants_into_other_and_keeps_totals
     assert got.sum("fair_batch_rows_sum", endpoint="embed") == 16
 
 
-async def test_unknown_model_names_do_not_become_metric_labels(triton: EmbeddedTriton) -> None:
+async def test_unknown_model_names_do_not_become_metric_labels(
+    triton: EmbeddedTriton, workers: int
+) -> None:
     """The endpoint label comes from the config and Triton's models, never from client input."""
     name = unique("obs-u")
     config = make_config(tenants={name: {"tier": "standard", "api_keys": [f"{name}-key"]}})
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             for i in range(3):
@@ -401,11 +404,11 @@ async def test_unknown_model_names_do_not_become_metric_labels(triton: EmbeddedT
     assert got.sum("fair_requests_total", endpoint="sleeper", outcome="dispatched") == 1
 
 
-async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton) -> None:
+async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton, workers: int) -> None:
     name = unique("obs-m")
     config = make_config(tenants={name: {"tier": "standard", "api_keys": [f"{name}-key"]}})
     auth = {"authorization": f"Bearer {name}-key"}
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
 
         def post() -> int:
             req = urllib.request.Request(
@@ -435,10 +438,12 @@ async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton) ->
     assert got.sum("fair_requests_total", tenant=name, outcome="rejected_invalid") == 2
 
 
-async def test_a_tenant_added_by_reload_is_counted_under_its_tier(triton: EmbeddedTriton) -> None:
+async def test_a_tenant_added_by_reload_is_counted_under_its_tier(
+    triton: EmbeddedTriton, workers: int
+) -> None:
     first, added = unique("obs-r1"), unique("obs-r2")
     tenants = {first: {"tier": "standard", "api_keys": [f"{first}-key"]}}
-    with running_frontend(make_config(tenants=tenants), triton.grpc_url) as fe:
+    with running_frontend(make_config(tenants=tenants), triton.grpc_url, workers=workers) as fe:
         tenants[added] = {"tier": "trial", "api_keys": [f"{added}-key"]}
         reloaded = make_config(tenants=tenants)
 
@@ -586,9 +591,12 @@ def _source(got: Samples, endpoint: str) -> dict[str, float]:
 
 async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
     triton: EmbeddedTriton,
+    workers: int,
 ) -> None:
     tenant = unique("obs-f")
-    with running_frontend(_sleeper_config(tenant, triton.metrics_url), triton.grpc_url) as fe:
+    with running_frontend(
+        _sleeper_config(tenant, triton.metrics_url), triton.grpc_url, workers=workers
+    ) as fe:
 
         async def from_triton() -> Samples | None:
             # Keep batches coming: Triton's counters must move between two scrapes.
@@ -614,6 +622,7 @@ async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
 
 async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_so(
     triton: EmbeddedTriton,
+    workers: int,
 ) -> None:
     tenant = unique("obs-s")
     nowhere = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
@@ -621,7 +630,9 @@ async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_s
     scrape_logger = logging.getLogger("fair_frontend.feedback.triton")
     scrape_logger.addHandler(scrape_log)
     try:
-        with running_frontend(_sleeper_config(tenant, nowhere), triton.grpc_url) as fe:
+        with running_frontend(
+            _sleeper_config(tenant, nowhere), triton.grpc_url, workers=workers
+        ) as fe:
             for _ in range(3):
                 await _one_sleeper_request(fe, tenant)
 

@@ -15,8 +15,8 @@ from benchmarks.harness import perf_analyzer_binary, token_data_file
 from tests.support import KEYS, ids_input, make_config, running_frontend
 
 
-def test_statistics_count_what_the_frontend_answered(triton) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url) as fe:
+def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
         grpc = grpcclient.InferenceServerClient(fe.grpc_url)
         meta = grpc.get_server_metadata()
         assert "statistics" in meta.extensions
@@ -59,10 +59,10 @@ def test_statistics_count_what_the_frontend_answered(triton) -> None:  # type: i
         assert "unknown model" in info.value.message()
 
 
-def test_perf_analyzer_reads_the_frontends_statistics(triton, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_perf_analyzer_reads_the_frontends_statistics(triton, tmp_path: Path, workers: int) -> None:  # type: ignore[no-untyped-def]
     """perf_analyzer asks for statistics when the server lists the extension."""
     data = token_data_file(32, tmp_path)
-    with running_frontend(make_config(), triton.grpc_url) as fe:
+    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
         proc = subprocess.run(
             [
                 perf_analyzer_binary(),

@@ -53,8 +53,12 @@ def limited_config(
 
 
 @contextlib.contextmanager
-def limited_frontend(triton: Any, tier_limits: dict[str, Any], **kw: Any) -> Iterator[Any]:
-    with running_frontend(limited_config(tier_limits, **kw), triton.grpc_url) as fe:
+def limited_frontend(
+    triton: Any, workers: int, tier_limits: dict[str, Any], **kw: Any
+) -> Iterator[Any]:
+    with running_frontend(
+        limited_config(tier_limits, **kw), triton.grpc_url, workers=workers
+    ) as fe:
         yield fe
 
 
@@ -89,10 +93,10 @@ def assert_rate_limited(reply: Reply, limit: str, tenant: str, model: str) -> No
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_over_the_limit_is_refused_with_a_retry_hint_and_costs_nothing(
-    triton: Any, kserve: KServe, protocol: str
+    triton: Any, kserve: KServe, protocol: str, workers: int
 ) -> None:
     limit = {"standard": {"embed": {"requests_per_minute": 3}}}
-    with limited_frontend(triton, limit) as fe:
+    with limited_frontend(triton, workers, limit) as fe:
         before = triton_rows(kserve, triton, "embed")
         admitted = [await kserve.infer(protocol, urls(fe), KEYS["initech"], "embed", 1, 8)]
         admitted += [await kserve.infer(protocol, urls(fe), KEYS["initech"], "embed", 1, 8)]
@@ -120,10 +124,10 @@ async def test_over_the_limit_is_refused_with_a_retry_hint_and_costs_nothing(
         assert other.ok, other
 
 
-async def test_token_limits_count_input_tokens(triton: Any, kserve: KServe) -> None:
+async def test_token_limits_count_input_tokens(triton: Any, kserve: KServe, workers: int) -> None:
     """``tokens_per_minute`` on ``embed`` counts each request's input tokens, rows included."""
     limit = {"standard": {"embed": {"tokens_per_minute": 300}}}
-    with limited_frontend(triton, limit) as fe:
+    with limited_frontend(triton, workers, limit) as fe:
         key, u = KEYS["initech"], urls(fe)
         assert (await kserve.infer("grpc", u, key, "embed", 1, 128)).ok  # 128
         assert (await kserve.infer("http", u, key, "embed", 2, 64)).ok  # 256: rows x tokens
@@ -138,10 +142,12 @@ async def test_token_limits_count_input_tokens(triton: Any, kserve: KServe) -> N
         assert_rate_limited(refused, "300 tokens per minute", "initech", "embed")
 
 
-async def test_generate_counts_max_tokens_and_its_default(triton: Any, kserve: KServe) -> None:
+async def test_generate_counts_max_tokens_and_its_default(
+    triton: Any, kserve: KServe, workers: int
+) -> None:
     """On ``generate`` a request costs its input tokens plus MAX_TOKENS (16 when absent)."""
     limit = {"standard": {"generate": {"tokens_per_minute": 100}}}
-    with limited_frontend(triton, limit) as fe:
+    with limited_frontend(triton, workers, limit) as fe:
         key, u = KEYS["initech"], urls(fe)
         assert (await kserve.infer("grpc", u, key, "generate", 1, 32)).ok  # 32 + 16 = 48
         assert (await kserve.infer("http", u, key, "generate", 1, 32)).ok  # 96
@@ -155,14 +161,16 @@ async def test_generate_counts_max_tokens_and_its_default(triton: Any, kserve: K
         assert_rate_limited(refused, "100 tokens per minute", "initech", "generate")
 
 
-async def test_example_config_limits_generate_before_embed(triton: Any, kserve: KServe) -> None:
+async def test_example_config_limits_generate_before_embed(
+    triton: Any, kserve: KServe, workers: int
+) -> None:
     """The shipped example: a trial tenant's ``generate`` (the heavier endpoint) is refused
     after 10 requests a minute while the same pace on ``embed`` is admitted throughout."""
     tier_limits = yaml.safe_load(EXAMPLE_CONFIG.read_text())["tier_limits"]
     trial = tier_limits["trial"]
     assert trial["generate"]["requests_per_minute"] == 10
     assert trial["embed"]["requests_per_second"] == 20
-    with limited_frontend(triton, tier_limits) as fe:
+    with limited_frontend(triton, workers, tier_limits) as fe:
         key, u = KEYS["umbrella"], urls(fe)
         generate: list[Reply] = []
         embed: list[Reply] = []
@@ -219,7 +227,7 @@ REFUSED = {"StatusCode.RESOURCE_EXHAUSTED", "429"}
 
 @pytest.mark.parametrize("where", ["memory", "redis"])
 async def test_concurrent_burst_admits_exactly_the_limit(
-    triton: Any, kserve: KServe, where: str, request: pytest.FixtureRequest
+    triton: Any, kserve: KServe, where: str, request: pytest.FixtureRequest, workers: int
 ) -> None:
     limit, burst = 12, 48
     storage = "memory://"
@@ -228,7 +236,7 @@ async def test_concurrent_burst_admits_exactly_the_limit(
         flush(redis_server)
         storage = redis_server.url
     tier_limits = {"standard": {"embed": {"requests_per_minute": limit}}}
-    with limited_frontend(triton, tier_limits, storage=storage) as fe:
+    with limited_frontend(triton, workers, tier_limits, storage=storage) as fe:
         before = triton_rows(kserve, triton, "embed")
         [statuses] = await _burst([fe], KEYS["initech"], burst)
         assert statuses.count("OK") == limit, statuses
@@ -245,6 +253,7 @@ async def test_two_frontends_sharing_redis_never_exceed_the_limit_together(
     where: str,
     admitted: int,
     request: pytest.FixtureRequest,
+    workers: int,
 ) -> None:
     """Concurrent traffic split across two frontends: with one Redis, one limit in all.
 
@@ -259,8 +268,8 @@ async def test_two_frontends_sharing_redis_never_exceed_the_limit_together(
         storage = redis_server.url
     tier_limits = {"standard": {"embed": {"requests_per_minute": limit}}}
     with (
-        limited_frontend(triton, tier_limits, storage=storage) as a,
-        limited_frontend(triton, tier_limits, storage=storage) as b,
+        limited_frontend(triton, workers, tier_limits, storage=storage) as a,
+        limited_frontend(triton, workers, tier_limits, storage=storage) as b,
     ):
         before = triton_rows(kserve, triton, "embed")
         split = await _burst([a, b], KEYS["initech"], burst)

@@ -95,9 +95,11 @@ class Traffic:
 
 @pytest.fixture
 def outage_frontend(
-    triton: Any, redis_process: RedisProcess, request: pytest.FixtureRequest
+    triton: Any, redis_process: RedisProcess, request: pytest.FixtureRequest, workers: int
 ) -> Iterator[RunningFrontend]:
-    with running_frontend(outage_config(redis_process.url, request.param), triton.grpc_url) as fe:
+    with running_frontend(
+        outage_config(redis_process.url, request.param), triton.grpc_url, workers=workers
+    ) as fe:
         yield fe
 
 

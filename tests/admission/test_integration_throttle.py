@@ -50,10 +50,10 @@ OVERLOADED = re.compile(
 
 
 @pytest.fixture
-def throttled(triton: Any) -> Iterator[RunningFrontend]:
+def throttled(triton: Any, workers: int) -> Iterator[RunningFrontend]:
     data = config_dict()
     data["endpoints"]["embed"].update(throttle=True, latency_target_ms=TARGET_S * 1000)
-    with running_frontend(parse_config(data), triton.grpc_url) as fe:
+    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
         yield fe
 
 
@@ -168,10 +168,10 @@ LOWER_TIER_TARGET_S = 1.0  # room for the higher tier's Poisson bursts (full bat
 
 
 @pytest.fixture
-def throttled_1s(triton: Any) -> Iterator[RunningFrontend]:
+def throttled_1s(triton: Any, workers: int) -> Iterator[RunningFrontend]:
     data = config_dict()
     data["endpoints"]["embed"].update(throttle=True, latency_target_ms=LOWER_TIER_TARGET_S * 1e3)
-    with running_frontend(parse_config(data), triton.grpc_url) as fe:
+    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
         yield fe
 
 

@@ -470,14 +470,14 @@ MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def small(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+def small(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     """Small per-endpoint limits; the default endpoint's too, so the transport limits
     (2 x the largest max_request_bytes + 1 MiB) are small enough to reach."""
     data = config_dict()
     data["endpoints"]["embed"].update(max_request_bytes=MAX_BYTES, max_request_tokens=MAX_TOKENS)
     data["endpoints"]["generate"]["max_request_bytes"] = MAX_BYTES
     data["default_endpoint"] = {"max_request_bytes": MAX_BYTES}
-    with running_frontend(parse_config(data), triton.grpc_url) as running:
+    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as running:
         yield running
 
 
