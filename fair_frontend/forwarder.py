@@ -13,18 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 from tritonclient.grpc import (
     InferenceServerException,
-    InferInput,
-    InferRequestedOutput,
 )
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.protocol import (
-    DTYPES,
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
     ParamValue,
@@ -80,8 +76,9 @@ def upstream_message_error(message: str) -> FrontendError:
     return UpstreamError(message, grpc.StatusCode.INTERNAL, 500)
 
 
-def _bf16_words_to_float(words: np.ndarray) -> np.ndarray:
-    return (words.astype(np.uint32) << 16).view(np.float32)
+def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
+    """tritonclient's form of a failed call (as its own clients raise it)."""
+    return InferenceServerException(err.details(), str(err.code()))
 
 
 class TritonForwarder:
@@ -119,43 +116,18 @@ class TritonForwarder:
         """One inference request; returns (the model version that ran, its outputs).
 
         ``sequence``: the client's ``sequence_id`` / ``sequence_start`` / ``sequence_end``,
-        passed through for sequence-batched (stateful) models.
+        passed through for sequence-batched (stateful) models. The request is built with
+        raw contents straight from the tensors and sent on the generated stub: one batch
+        costs one protobuf message and one call, nothing per element.
         """
-        infer_inputs = []
-        for t in inputs:
-            inp = InferInput(t.name, list(t.shape), t.datatype)
-            data = _bf16_words_to_float(t.data) if t.datatype == "BF16" else t.data
-            inp.set_data_from_numpy(np.ascontiguousarray(data))
-            infer_inputs.append(inp)
-        infer_outputs = (
-            [InferRequestedOutput(o.name, class_count=o.classification) for o in outputs]
-            if outputs
-            else None
+        msg = grpc_codec.encode_request(
+            model, version, request_id, inputs, outputs, parameters, sequence
         )
-        seq = sequence or {}
         try:
-            result = await self._client.infer(
-                model,
-                infer_inputs,
-                model_version=version,
-                outputs=infer_outputs,
-                request_id=request_id,
-                sequence_id=seq.get("sequence_id", 0),
-                sequence_start=bool(seq.get("sequence_start", False)),
-                sequence_end=bool(seq.get("sequence_end", False)),
-                parameters=parameters or None,
-                client_timeout=self.request_timeout_s,
-            )
-        except InferenceServerException as err:
-            raise upstream_error(err) from None
-        response = result.get_response()
-        out = []
-        for spec in response.outputs:
-            arr = result.as_numpy(spec.name)
-            if spec.datatype == "BF16":
-                arr = (arr.view(np.uint32) >> 16).astype(DTYPES["BF16"])
-            out.append(Tensor(spec.name, spec.datatype, tuple(spec.shape), arr))
-        return response.model_version, out
+            response = await self.stub.ModelInfer(msg, timeout=self.request_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise upstream_error(_rpc_exception(err)) from None
+        return response.model_version, grpc_codec.decode_outputs(response)
 
     async def stream(
         self,
@@ -197,9 +169,7 @@ class TritonForwarder:
                 if final:
                     return
         except grpc.aio.AioRpcError as err:
-            yield StreamReply(
-                error=upstream_error(InferenceServerException(err.details(), str(err.code())))
-            )
+            yield StreamReply(error=upstream_error(_rpc_exception(err)))
         finally:
             call.cancel()
 

@@ -142,6 +142,9 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:  # ty
         "initech",
         flood=240,
         timeout=1000,  # 1 ms, microseconds
+        # The lowest level: behind the whole flood (earliest-deadline-first alone would put
+        # it at the head of its tenant's queue, next in line within the same millisecond).
+        priority=10,
     )
     assert isinstance(probe, InferenceServerException)
     assert probe.status() == "StatusCode.UNAVAILABLE"

@@ -264,6 +264,8 @@ class EndpointRuntime:
         self.admission = admission
         self.on_batch = on_batch
         self.on_done = on_done
+        configured = endpoint.max_inflight_batches
+        self._max_inflight = configured if configured is not None else info.instances
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -281,8 +283,7 @@ class EndpointRuntime:
 
     @property
     def max_inflight(self) -> int:
-        configured = self.endpoint.max_inflight_batches
-        return configured if configured is not None else self.info.instances
+        return self._max_inflight
 
     def now(self) -> float:
         return self.clock.now()
@@ -292,8 +293,17 @@ class EndpointRuntime:
     def submit(self, req: CoreRequest) -> None:
         """Queue a request (raises ``QueueFull`` before anything is queued); its answers go
         to ``req.route``."""
-        self.scheduler.enqueue(req, self.clock.now())
-        self.kick()
+        now = self.clock.now()
+        self.scheduler.enqueue(req, now)
+        if self.backend.available and self._may_send(now):
+            self.kick()
+            return
+        # No batch can go now (the hot path under load): only its timers may change.
+        lead = self._lead()
+        if lead > 0 and self.inflight == self.max_inflight:
+            self._arm(self._busy_until - lead)
+        if req.deadline is not None:
+            self._arm(req.deadline)
 
     def cancel(self, req: CoreRequest) -> None:
         """The client went away. Still queued: it leaves and is never sent. In a batch: the

@@ -1,0 +1,189 @@
+"""The core's own CPU per request, without the transport and without Triton.
+
+What one core process can admit, schedule, batch and answer per second bounds the whole
+frontend however many shells feed it. This drives ``Core`` in-process with the example
+config's ``embed`` endpoint (throttle and metrics on, as deployed), calls built as a shell
+builds them (128-token requests, several tenants), and a stand-in for Triton that answers
+every batch at once with the right outputs; it measures the process CPU time per request
+over the whole path: ``Core.submit`` -> scheduler -> batch -> pack -> (stand-in) ->
+unpack -> answer -> metrics, statistics, request outcome. Also the same for the shell's
+side (``Gateway``: identity, validation, the Call) and the IPC codec (one frame each way).
+
+    .venv/bin/python -m benchmarks.bench_core [--requests 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import uvloop
+from tritonclient.grpc import model_config_pb2
+
+from benchmarks.harness import load_example_config, progress, write_result
+from fair_frontend.config import parse_config
+from fair_frontend.core import Core
+from fair_frontend.ipc import _to_core, _to_shell, encode
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import InferRequest, Tensor
+from fair_frontend.records import Answer, Call
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.link import LocalLink
+
+TOKENS = 128
+TENANTS = 8
+
+
+def embed_info() -> ModelInfo:
+    cfg = model_config_pb2.ModelConfig(name="embed", max_batch_size=32)
+    cfg.input.add(name="INPUT_IDS", data_type=model_config_pb2.TYPE_INT32, dims=[-1])
+    cfg.input.add(
+        name="INPUT_LENGTHS", data_type=model_config_pb2.TYPE_INT32, dims=[1], optional=True
+    )
+    cfg.output.add(name="EMBEDDING", data_type=model_config_pb2.TYPE_FP32, dims=[128])
+    cfg.instance_group.add(count=1)
+    return ModelInfo.from_config(cfg, ("1",))
+
+
+class InstantTriton:
+    """Answers every batch at once: EMBEDDING [rows, 128]."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    async def infer(self, model: str, version: str, inputs: Any, *args: Any, **kw: Any) -> Any:
+        self.batches += 1
+        rows = inputs[0].shape[0]
+        data = np.zeros((rows, 128), dtype=np.float32)
+        return "1", [Tensor("EMBEDDING", "FP32", (rows, 128), data)]
+
+    async def server_ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+class Sink:
+    """A route that counts answers."""
+
+    def __init__(self) -> None:
+        self.answers = 0
+
+    def answer(self, answer: Answer) -> None:
+        self.answers += 1
+
+
+def config() -> Any:
+    data = load_example_config()
+    data.pop("tier_limits", None)
+    data["tenants"] = {
+        f"t{i}": {"tier": "standard", "api_keys": [f"key-{i}"], "max_queued": 1_000_000}
+        for i in range(TENANTS)
+    }
+    data["queues"] = {"max_queued": 10_000_000}
+    return parse_config(data)
+
+
+def request(i: int) -> InferRequest:
+    ids = np.full((1, TOKENS), i % 4000, dtype=np.int32)
+    return InferRequest("embed", inputs=[Tensor("INPUT_IDS", "INT32", (1, TOKENS), ids)])
+
+
+def make_call(i: int) -> Call:
+    """What a shell hands the core for request i (tenant i mod TENANTS)."""
+    tokens, nbytes = TOKENS, 4 * TOKENS
+    arrived, wall = time.monotonic(), time.time()
+    return Call(i, f"t{i % TENANTS}", 5, arrived, wall, 1, tokens, nbytes, [tokens], request(i))
+
+
+async def core_per_request(n: int) -> dict[str, float]:
+    """Submit n calls in waves of 256 (a burst at a time, answered as Triton frees)."""
+    triton = InstantTriton()
+    core = Core(config(), triton)  # type: ignore[arg-type]
+    core._runtime("embed", embed_info())
+    core.models._infos["embed"] = _done(embed_info())
+    sink = Sink()
+    calls = [make_call(i) for i in range(n)]
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    for start in range(0, n, 256):
+        for call in calls[start : start + 256]:
+            core.submit(call, sink)
+        while sink.answers < min(n, start + 256):
+            await asyncio.sleep(0)
+    cpu = time.process_time() - cpu0
+    wall = time.perf_counter() - wall0
+    assert sink.answers == n
+    return {"us_per_request": cpu / n * 1e6, "requests_per_s": n / wall, "batches": triton.batches}
+
+
+async def gateway_per_request(n: int) -> dict[str, float]:
+    """The shell's side: identify, validate, build the Call, read the answer."""
+    triton = InstantTriton()
+    cfg = config()
+    core = Core(cfg, triton)  # type: ignore[arg-type]
+    core._runtime("embed", embed_info())
+    core.models._infos["embed"] = _done(embed_info())
+    gateway = Gateway(cfg, core.keyring, LocalLink(core), triton)  # type: ignore[arg-type]
+    headers = [{"authorization": f"Bearer key-{i}"} for i in range(TENANTS)]
+    cpu0 = time.process_time()
+    for start in range(0, n, 256):
+        await asyncio.gather(
+            *(
+                gateway.infer(request(i), headers[i % TENANTS])
+                for i in range(start, min(n, start + 256))
+            )
+        )
+    cpu = time.process_time() - cpu0
+    return {"us_per_request_with_core": cpu / n * 1e6}
+
+
+def ipc_per_request(n: int) -> dict[str, float]:
+    """One Call frame encoded and decoded, one Answer frame encoded and decoded."""
+    call = make_call(1)
+    out = Tensor("EMBEDDING", "FP32", (1, 128), np.zeros((1, 128), dtype=np.float32))
+    answer = Answer(1, "1", [out], queued_s=0.01)
+    cpu0 = time.process_time()
+    for _ in range(n):
+        _to_core.decode(encode(call)[4:])
+        _to_shell.decode(encode(answer)[4:])
+    return {"us_per_request": (time.process_time() - cpu0) / n * 1e6}
+
+
+def _done(value: Any) -> asyncio.Future[Any]:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+async def main_async(n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"requests": n, "tokens": TOKENS, "tenants": TENANTS}
+    import logging
+
+    logging.getLogger("fair_frontend.requests").setLevel(logging.WARNING)
+    progress(f"core: {n} requests through Core.submit .. answer (instant Triton)")
+    await core_per_request(n // 4)  # warm-up
+    out["core"] = await core_per_request(n)
+    progress(f"  {out['core']['us_per_request']:.1f} us of CPU per request")
+    progress("shell gateway + core, in one process")
+    out["gateway"] = await gateway_per_request(n)
+    progress(f"  {out['gateway']['us_per_request_with_core']:.1f} us of CPU per request")
+    out["ipc"] = ipc_per_request(n)
+    progress(f"IPC codec: {out['ipc']['us_per_request']:.1f} us per request (both frames)")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    args = parser.parse_args()
+    results = uvloop.run(main_async(args.requests))
+    write_result("core", results)
+
+
+if __name__ == "__main__":
+    main()
