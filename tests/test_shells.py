@@ -1,0 +1,185 @@
+"""Shell processes in front of one core: a shell that dies, and the order of the intake.
+
+A shell killed mid-load: its clients' calls end (UNAVAILABLE, their connection dropped),
+the other shell's go on, the core drops the dead shell's queued work and answers nothing
+twice, its books balance, and the pool starts the shell again.
+
+The intake: calls a core has read but not admitted yet are admitted per tenant in turn,
+so another tenant's call waits behind at most one call of each tenant with calls waiting,
+not behind a burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from fair_frontend.core import Core
+from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.ipc import INTAKE_SLICE, Intake
+from fair_frontend.observe import Observer
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import InferRequest
+from fair_frontend.records import Call
+from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from tests.support import KEYS, RunningFrontend, ids_input, make_config
+
+IDS = np.full((1, 256), 5, dtype=np.int32)
+
+
+class Outcomes(Observer):
+    """Every outcome the core reports, by request id (the clients give unique ids)."""
+
+    def __init__(self) -> None:
+        self.by_id: Counter[str] = Counter()
+        self.outcome: dict[str, Outcome] = {}
+
+    def request_finished(self, *, request_id: str = "", outcome: Outcome, **kw: Any) -> None:
+        self.by_id[request_id] += 1
+        self.outcome[request_id] = outcome
+
+
+async def _send(client: grpcaio.InferenceServerClient, request_id: str) -> Any:
+    try:
+        return await client.infer(
+            "embed",
+            [ids_input(grpcaio, IDS)],
+            headers={"x-api-key": KEYS["initech"]},
+            request_id=request_id,
+            client_timeout=60,
+        )
+    except InferenceServerException as err:
+        return err
+
+
+async def test_a_shell_killed_mid_load_loses_nothing_else(triton: EmbeddedTriton) -> None:
+    outcomes = Outcomes()
+    server = FrontendServer(
+        make_config(),
+        triton.grpc_url,
+        Listen(),
+        workers=2,
+        core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
+    )
+    with BackgroundServer(server):
+        fe = RunningFrontend(server, None)  # type: ignore[arg-type]
+        assert server.shells is not None
+        victim = server.shells.processes[0]
+        # Many connections: the kernel spreads them over both shells (SO_REUSEPORT). gRPC
+        # shares one connection between identical channels unless told not to.
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        clients = [grpcaio.InferenceServerClient(fe.grpc_url, channel_args=own) for _ in range(16)]
+        try:
+            calls = [
+                asyncio.ensure_future(_send(clients[i % len(clients)], f"r{i}")) for i in range(600)
+            ]
+            # Both shells have calls in the core before one of them dies.
+            deadline = time.monotonic() + 30
+            while not all(conn.calls for conn in list(server.shells.server.connections)):
+                assert time.monotonic() < deadline, "the load did not reach both shells"
+                await asyncio.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*calls), 90)
+        finally:
+            for c in clients:
+                await c.close()
+
+        ok = {f"r{i}" for i, r in enumerate(results) if not isinstance(r, Exception)}
+        failed = [r for r in results if isinstance(r, InferenceServerException)]
+        assert ok and failed, (len(ok), len(failed))
+        # The dead shell's clients see their calls end, as a dropped connection does.
+        assert {f.status() for f in failed} <= {"StatusCode.UNAVAILABLE"}, failed[:3]
+        # Nothing answered twice; everything a client got was dispatched by the core.
+        assert max(outcomes.by_id.values()) == 1
+        assert all(outcomes.outcome[i] is Outcome.DISPATCHED for i in ok)
+        # The core's books balance: nothing left queued or held for the dead shell.
+        runtime = server.core.runtimes["embed"]  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while not runtime.idle:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        c = runtime.scheduler.counters
+        assert c.admitted == c.dispatched + c.expired + c.cancelled
+        # The pool started the shell again, and it serves.
+        while server.shells.restarts < 1 or len(server.shells.server.connections) < 2:
+            assert time.monotonic() < deadline, "the dead shell was not restarted"
+            await asyncio.sleep(0.05)
+        assert server.shells.processes[0].pid != victim.pid
+        client = grpcaio.InferenceServerClient(fe.grpc_url)
+        try:
+            again = await asyncio.gather(*(_send(client, f"after{i}") for i in range(20)))
+        finally:
+            await client.close()
+        assert not [r for r in again if isinstance(r, Exception)]
+
+
+# ---- the intake ---------------------------------------------------------------------------
+
+
+class AdmitsInOrder:
+    """Stands in for the core: records which calls it was given, in order."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def submit(self, call: Call, route: Any) -> None:
+        self.order.append(call.tenant)
+
+
+class Conn:
+    """Stands in for a shell connection: hands calls to the stand-in core."""
+
+    closed = False
+
+    def __init__(self, core: AdmitsInOrder) -> None:
+        self.core = core
+
+    def admit(self, call: Call) -> None:
+        self.core.submit(call, self)
+
+
+def _call(i: int, tenant: str) -> Call:
+    request = InferRequest("embed")
+    return Call(i, tenant, 5, time.monotonic(), time.time(), 1, 1, 0, None, request)
+
+
+@pytest.mark.parametrize("burst", [10, 1000, 20_000])
+async def test_the_intake_admits_another_tenant_after_at_most_one_call_per_tenant(
+    burst: int,
+) -> None:
+    core = AdmitsInOrder()
+    intake = Intake(core)  # type: ignore[arg-type]
+    conn = Conn(core)
+    for i in range(burst):
+        intake.push(_call(i, "noisy"), conn)  # type: ignore[arg-type]
+    intake.push(_call(burst, "quiet"), conn)  # type: ignore[arg-type]
+    intake.push(_call(burst + 1, "other"), conn)  # type: ignore[arg-type]
+    while len(intake):
+        await asyncio.sleep(0)
+    # Read after the whole burst, admitted after at most one call of each other tenant.
+    assert core.order.index("quiet") <= 2
+    assert core.order.index("other") <= 2
+    assert core.order.count("noisy") == burst
+
+
+async def test_the_intake_lets_the_loop_run_between_slices() -> None:
+    core = AdmitsInOrder()
+    intake = Intake(core)  # type: ignore[arg-type]
+    conn = Conn(core)
+    for i in range(10 * INTAKE_SLICE):
+        intake.push(_call(i, f"t{i % 3}"), conn)  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    # One slice per loop iteration: answers and batches interleave with a large intake.
+    assert len(core.order) == INTAKE_SLICE
+    while len(intake):
+        await asyncio.sleep(0)
+    assert len(core.order) == 10 * INTAKE_SLICE
