@@ -40,9 +40,6 @@ TENANTS = 8
 def embed_info() -> ModelInfo:
     cfg = model_config_pb2.ModelConfig(name="embed", max_batch_size=32)
     cfg.input.add(name="INPUT_IDS", data_type=model_config_pb2.TYPE_INT32, dims=[-1])
-    cfg.input.add(
-        name="INPUT_LENGTHS", data_type=model_config_pb2.TYPE_INT32, dims=[1], optional=True
-    )
     cfg.output.add(name="EMBEDDING", data_type=model_config_pb2.TYPE_FP32, dims=[128])
     cfg.instance_group.add(count=1)
     return ModelInfo.from_config(cfg, ("1",))

@@ -1,7 +1,8 @@
 """Throughput and latency: perf_analyzer against Triton directly and through the frontend.
 
 One run, one Triton (its dynamic batcher on, as a Triton user runs it), ``embed`` over
-gRPC with 128-token requests:
+gRPC with 128-token requests: perf_analyzer's plain command (``--shape INPUT_IDS:128``,
+random ids, no data file), as users run it:
 
 1. concurrency 1 and 16, direct vs the frontend (fair mode): throughput ratio and p50
    latency difference;
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
@@ -25,7 +24,6 @@ from benchmarks.harness import (
     load_example_config,
     perf_analyzer,
     progress,
-    token_data_file,
     triton,
     write_result,
 )
@@ -33,7 +31,6 @@ from benchmarks.harness import (
 MODEL = "embed"
 WARMUP_MS = 1500
 TOKENS = 128
-DATA = token_data_file(TOKENS, Path(tempfile.mkdtemp(prefix="fair-bench-data-")))
 KEYS = {"alpha": "alpha-bench-key", "beta": "beta-bench-key"}
 
 
@@ -51,7 +48,7 @@ def run_pa(url: str, concurrency: int, key: str | None, interval_ms: int) -> dic
         MODEL,
         url,
         concurrency=concurrency,
-        extra=["--input-data", str(DATA)],
+        shapes=[f"INPUT_IDS:{TOKENS}"],
         headers=headers,
         interval_ms=interval_ms,
     )

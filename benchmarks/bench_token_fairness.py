@@ -41,7 +41,6 @@ from benchmarks.harness import (
     load_example_config,
     perf_analyzer_binary,
     progress,
-    token_data_file,
     triton,
     write_result,
 )
@@ -97,12 +96,11 @@ def load(grpc_url: str, tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = []
     try:
         for tenant in (BIG, SMALL):
-            data = token_data_file(TOKENS[tenant], tmp)
             cmd = [
                 perf_analyzer_binary(),
-                *("-m", MODEL, "-u", grpc_url, "-i", "grpc"),
+                *("-m", MODEL, "--shape", f"INPUT_IDS:{TOKENS[tenant]}"),
+                *("-u", grpc_url, "-i", "grpc"),
                 *("--concurrency-range", f"{CONCURRENCY[tenant]}:{CONCURRENCY[tenant]}"),
-                *("--input-data", str(data)),
                 *("-H", f"authorization: Bearer {KEYS[tenant]}"),
                 *("--measurement-interval", "600000", "--max-trials", "10"),
             ]

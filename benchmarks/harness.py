@@ -147,32 +147,6 @@ def frontend(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def token_data_file(tokens: int, directory: Path, *, samples: int = 16, **fixed: int) -> Path:
-    """perf_analyzer ``--input-data`` JSON with only ``INPUT_IDS`` (and any fixed inputs).
-
-    perf_analyzer fills every input the model declares, optional ones included, with
-    random data unless a data file names the inputs; random ``INPUT_LENGTHS`` would be
-    rejected by the models (even by Triton directly). Token ids are seeded.
-    """
-    import random
-
-    rng = random.Random(tokens)
-    rows = []
-    for _ in range(samples):
-        row: dict[str, Any] = {
-            "INPUT_IDS": {
-                "content": [rng.randrange(4096) for _ in range(tokens)],
-                "shape": [tokens],
-            }
-        }
-        for name, value in fixed.items():
-            row[name] = {"content": [value], "shape": [1]}
-        rows.append(row)
-    path = directory / f"tokens_{tokens}.json"
-    path.write_text(json.dumps({"data": rows}))
-    return path
-
-
 def perf_analyzer_binary() -> str:
     exe = ROOT / ".venv" / "bin" / "perf_analyzer"
     if exe.exists():

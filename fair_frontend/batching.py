@@ -2,19 +2,26 @@
 
 Which requests may share a batch is decided by ``batch_key``: the same model version,
 input names, datatypes and non-batch shapes (a padded dimension excepted), the same
-requested outputs and the same custom parameters. Requests that differ in any of these
-cannot be one Triton request without changing what the model sees.
+requested outputs and the same custom parameters (the endpoint's per-row max tokens
+parameter excepted). Requests that differ in any of these cannot be one Triton request
+without changing what the model sees.
+
+Per-row metadata travels in the ``fair_rows`` parameter, a JSON object of per-row lists:
+tenant, priority, deadline and id always; each row's true length where a padded input
+names a ``lengths_field``; each row's tokens to generate under the name of the endpoint's
+``max_tokens_parameter``, which is taken out of the request parameters (``validate`` has
+checked it and filled in the default). Nothing per row is added as a model input: a model
+input is something a load generator such as perf_analyzer fills with random data.
 
 Ragged rows are right-padded to the longest row only where the endpoint declares how
-(``padding.inputs``); the frontend then adds each row's true length as the declared
-lengths input, and cuts padded outputs back by the model's lengths output. Per-row
-metadata (tenant, priority, deadline, id) travels in the ``fair_rows`` parameter.
+(``padding.inputs``); padded outputs are cut back by the model's lengths output
+(``padding.outputs``), which the frontend asks for and never hands back to a client.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,7 +63,8 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
         )
     )
     outputs = tuple((o.name, o.classification) for o in req.outputs)
-    params = tuple(sorted(req.parameters.items()))
+    per_row = endpoint.max_tokens_parameter  # travels per row in fair_rows
+    params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
 
 
@@ -72,42 +80,44 @@ class Packed:
 def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
     """One Triton request for the whole batch."""
     first = items[0].request
+    columns: dict[str, list[object]] = {}  # fair_rows lists beyond the metadata
     if not info.batching:
         assert len(items) == 1, "a non-batching model takes one request at a time"
         inputs = list(first.inputs)
     else:
-        # By name: a padded input brings its lengths input along, which the client may
-        # also have sent (then the client's lengths are used, and sent once).
         by_name: dict[str, Tensor] = {}
         for t0 in first.inputs:
             pad = endpoint.padding.inputs.get(t0.name)
             if pad is None or len(t0.shape) < 2:
-                if t0.name not in by_name:
-                    by_name[t0.name] = _concat([it.request for it in items], t0.name, t0.datatype)
+                by_name[t0.name] = _concat([it.request for it in items], t0.name, t0.datatype)
             else:
-                for t in _pad_concat(items, t0, pad.pad_value, pad.lengths_input, info):
-                    by_name[t.name] = t
+                by_name[t0.name], lengths = _pad_concat(items, t0, pad.pad_value)
+                if pad.lengths_field is not None:
+                    columns[pad.lengths_field] = list(lengths)
         inputs = list(by_name.values())
-    # Lengths the frontend added make the model emit lengths outputs: a client that sent
-    # no lengths gets none back (as from Triton directly), even where it named them.
-    sent = {t.name for t in first.inputs}
-    stripped: set[str] = set()
-    if any(
-        spec.lengths_input and spec.lengths_input not in sent
-        for spec in endpoint.padding.inputs.values()
-    ):
-        stripped.update(o.lengths_output for o in endpoint.padding.outputs.values())
-    # The frontend needs the lengths outputs of padded outputs whenever it sent lengths.
+    params: dict[str, ParamValue] = dict(first.parameters)
+    per_row = endpoint.max_tokens_parameter
+    if per_row is not None:
+        # validate() wrote every request's value (or the default) as an integer.
+        params.pop(per_row, None)
+        columns[per_row] = [
+            it.request.parameters.get(per_row, endpoint.max_tokens_default)
+            for it in items
+            for _ in range(it.rows)
+        ]
+    # The lengths outputs are the frontend's: the model emits them for its batches only,
+    # so a client never gets them, as from Triton directly, even where it named them.
+    stripped = {o.lengths_output for o in endpoint.padding.outputs.values()}
     outputs: list[RequestedOutput] | None = None
     if first.outputs:
+        # The cut-back needs the lengths output wherever the padded output is asked for.
         outputs = list(first.outputs)
         asked = {o.name for o in outputs}
         for name, pout in endpoint.padding.outputs.items():
             if name in asked and pout.lengths_output not in asked:
                 outputs.append(RequestedOutput(pout.lengths_output))
-                stripped.add(pout.lengths_output)
-    params: dict[str, ParamValue] = dict(first.parameters)
-    params[ROWS_PARAMETER] = rows_parameter(items)
+                asked.add(pout.lengths_output)
+    params[ROWS_PARAMETER] = rows_parameter(items, columns)
     named = [o.name for o in first.outputs]
     if named and set(named) != set(info.outputs):
         # What the client named, before the frontend's own additions (lengths outputs),
@@ -120,7 +130,11 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
     return Packed(inputs, outputs, params, frozenset(stripped), sequence)
 
 
-def rows_parameter(items: Sequence[Item]) -> str:
+def rows_parameter(
+    items: Sequence[Item], columns: Mapping[str, Sequence[object]] | None = None
+) -> str:
+    """``fair_rows``: per-row tenant, priority, deadline and id, then ``columns`` (per-row
+    lists the caller built, one entry per row of ``items`` in order)."""
     meta: dict[str, list[object]] = {"tenant": [], "priority": [], "deadline_us": [], "id": []}
     for it in items:
         for _ in range(it.rows):
@@ -128,6 +142,8 @@ def rows_parameter(items: Sequence[Item]) -> str:
             meta["priority"].append(it.priority)
             meta["deadline_us"].append(it.deadline_us)
             meta["id"].append(it.request.id)
+    for name, values in (columns or {}).items():
+        meta[name] = list(values)
     return json.dumps(meta, separators=(",", ":"))
 
 
@@ -141,31 +157,22 @@ def _concat(reqs: Sequence[InferRequest], name: str, datatype: str) -> Tensor:
     return Tensor(name, datatype, tuple(data.shape), data)
 
 
-def _pad_concat(
-    items: Sequence[Item], t0: Tensor, pad_value: float, lengths_input: str | None, info: ModelInfo
-) -> list[Tensor]:
-    """Right-pad every row of a ragged input to the longest and stack; add true lengths."""
+def _pad_concat(items: Sequence[Item], t0: Tensor, pad_value: float) -> tuple[Tensor, list[int]]:
+    """Right-pad every row of a ragged input to the longest and stack; each row's width."""
     tensors = [it.request.input(t0.name) for it in items]
     total = sum(t.shape[0] for t in tensors if t is not None)
     width = max(t.shape[1] for t in tensors if t is not None)
     rest = t0.shape[2:]
     data = np.full((total, width, *rest), pad_value, dtype=DTYPES[t0.datatype])
-    lengths = np.empty((total, 1), dtype=np.int32)
+    lengths: list[int] = []
     row = 0
-    for it, t in zip(items, tensors, strict=True):
-        assert t is not None
+    for t in tensors:
+        assert t is not None, "batch_key guarantees every request has the same inputs"
         n, w = t.shape[0], t.shape[1]
         data[row : row + n, :w] = t.data
-        own = it.request.input(lengths_input) if lengths_input else None
-        lengths[row : row + n, 0] = own.data.reshape(-1) if own is not None else w
+        lengths.extend([w] * n)
         row += n
-    out = [Tensor(t0.name, t0.datatype, tuple(data.shape), data)]
-    if lengths_input is not None:
-        spec = info.inputs.get(lengths_input)
-        dtype = spec.datatype if spec else "INT32"
-        arr = lengths.astype(DTYPES[dtype])
-        out.append(Tensor(lengths_input, dtype, tuple(arr.shape), arr))
-    return out
+    return Tensor(t0.name, t0.datatype, tuple(data.shape), data), lengths
 
 
 def unpack(

@@ -29,6 +29,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fair_frontend.protocol import (
+    FRONTEND_PREFIX,
+    RESERVED_PARAMETERS,
+    RESERVED_PREFIX,
+    TENANT_PARAMETER,
+)
+
 # ---- defaults, named once -------------------------------------------------------------
 
 DEFAULT_HTTP_PORT = 8000
@@ -130,10 +137,12 @@ class PaddedInput(_Strict):
     """How ragged rows of one input are batched: right-padded to the longest row."""
 
     pad_value: float = Field(default=0, description="Value the padding is filled with.")
-    lengths_input: str | None = Field(
+    lengths_field: str | None = Field(
         default=None,
-        description="Input the frontend adds with each row's true length ([B, 1] INT32). "
-        "Must be optional in the model config so direct clients need not send it.",
+        description="Per-row list of the fair_rows request parameter in which the frontend "
+        "sends each row's true length (the shipped models read `length`; without it a row "
+        "is as long as the input is wide, as for a direct client). Unset: the model is not "
+        "told, and sees the padding.",
     )
 
 
@@ -141,8 +150,9 @@ class PaddedOutput(_Strict):
     """How a padded output is cut back to each row's true length."""
 
     lengths_output: str = Field(
-        description="Output holding each row's true length ([B, 1] INT32). The model emits it "
-        "only when the frontend sent lengths; it is returned to clients only if they ask."
+        description="Output holding each row's true length ([B, 1] INT32), which the model "
+        "emits for the frontend's batches only. The frontend asks for it, cuts the padded "
+        "output back by it, and never returns it: a direct client does not get it either.",
     )
 
 
@@ -229,9 +239,24 @@ class Endpoint(_Strict):
         default=DEFAULT_TOKEN_INPUT,
         description="Input whose element count per row is the row's token count.",
     )
-    max_tokens_input: str | None = Field(
+    max_tokens_parameter: str | None = Field(
         default=None,
-        description="Input holding the tokens a row asks to generate; added to its token count.",
+        description="Request parameter in which a client asks how many tokens to generate "
+        "(`max_tokens`, as Triton's vLLM backend takes it); added to each row's token "
+        "count. The frontend moves it into each row's fair_rows entry, so requests asking "
+        "for different counts share a batch.",
+    )
+    max_tokens_default: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens a request that does not send max_tokens_parameter asks for (the "
+        "model's own default); required with max_tokens_parameter.",
+    )
+    max_tokens_limit: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest max_tokens_parameter accepted (the model's own limit); beyond, "
+        "400. Unset: no limit but the integer range.",
     )
     input_defaults: dict[str, list[float]] = Field(
         default_factory=dict,
@@ -541,9 +566,64 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"endpoints.{ename}.default_priority: exceeds priority_levels ({levels})"
             )
-        mt = ep.get("max_tokens_input")
-        if mt is not None and mt == ep.get("token_input", DEFAULT_TOKEN_INPUT):
-            problems.append(f"endpoints.{ename}.max_tokens_input: must differ from token_input")
+        problems.extend(_endpoint_problems(f"endpoints.{ename}", ep))
+    default_ep = data.get("default_endpoint")
+    if isinstance(default_ep, Mapping):
+        problems.extend(_endpoint_problems("default_endpoint", default_ep))
+    return problems
+
+
+# Fields of earlier versions, and what replaced them (said instead of "extra inputs").
+REMOVED_FIELDS = {
+    "lengths_input": "removed: row lengths travel in the fair_rows request parameter, not "
+    "as a model input; name its list with lengths_field (the shipped models: `length`)",
+    "max_tokens_input": "removed: tokens to generate are a request parameter, not a model "
+    "input; use max_tokens_parameter (the shipped generate: `max_tokens`), "
+    "max_tokens_default and max_tokens_limit",
+}
+# fair_rows lists the frontend always sends; a model's own lists must not reuse them.
+ROW_FIELDS = ("tenant", "priority", "deadline_us", "id")
+
+
+def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
+    """An endpoint's cross-field problems: the max_tokens fields, the fair_rows lists."""
+    problems: list[str] = []
+    param = ep.get("max_tokens_parameter")
+    default, limit = ep.get("max_tokens_default"), ep.get("max_tokens_limit")
+    if isinstance(param, str):
+        reserved = param in RESERVED_PARAMETERS or param == TENANT_PARAMETER
+        if reserved or param.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)) or not param:
+            problems.append(
+                f"{where}.max_tokens_parameter: {param!r} is reserved (Triton's, the "
+                "frontend's or the tenant's parameter)"
+            )
+        if default is None:
+            problems.append(
+                f"{where}.max_tokens_default: required with max_tokens_parameter (the "
+                "tokens a request that does not send it asks for: the model's default)"
+            )
+    else:
+        for name in ("max_tokens_default", "max_tokens_limit"):
+            if ep.get(name) is not None:
+                problems.append(f"{where}.{name}: needs max_tokens_parameter")
+    if isinstance(default, int) and isinstance(limit, int) and default > limit:
+        problems.append(f"{where}.max_tokens_default: {default} exceeds max_tokens_limit ({limit})")
+    padding = ep.get("padding")
+    inputs = padding.get("inputs") if isinstance(padding, Mapping) else None
+    fields: dict[str, str] = {}
+    for name, spec in (inputs if isinstance(inputs, Mapping) else {}).items():
+        field = spec.get("lengths_field") if isinstance(spec, Mapping) else None
+        if not isinstance(field, str):
+            continue
+        at = f"{where}.padding.inputs.{name}.lengths_field"
+        if field in ROW_FIELDS or field == param:
+            problems.append(
+                f"{at}: {field!r} is already a fair_rows list (taken: "
+                f"{', '.join([*ROW_FIELDS, *([param] if isinstance(param, str) else [])])})"
+            )
+        elif field in fields:
+            problems.append(f"{at}: {field!r} is also the lengths_field of {fields[field]}")
+        fields.setdefault(field, name)
     return problems
 
 
@@ -552,7 +632,10 @@ def _format_validation_error(err: ValidationError) -> list[str]:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "value_error" and "; " in msg:
+        last = e["loc"][-1] if e["loc"] else None
+        if e["type"] == "extra_forbidden" and last in REMOVED_FIELDS:
+            problems.append(f"{loc}: {REMOVED_FIELDS[str(last)]}")
+        elif e["type"] == "value_error" and "; " in msg:
             problems.extend(msg.split("; "))
         else:
             problems.append(f"{loc}: {msg}")

@@ -8,6 +8,7 @@ them keep working.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,9 @@ from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.protocol import DTYPES, InferRequest, Tensor
+from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, Tensor
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def triton_datatype(config_type: int) -> str:
@@ -179,12 +182,8 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
 
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
-    if endpoint.max_tokens_input is not None:
-        wanted = req.input(endpoint.max_tokens_input)
-        if wanted is not None and wanted.data.size:
-            if (wanted.data < 0).any():
-                raise InvalidArgument(f"input '{wanted.name}' must not be negative")
-            tokens += int(wanted.data.sum())
+    if endpoint.max_tokens_parameter is not None:
+        tokens += max(rows, 1) * _max_tokens(req, endpoint)
     if endpoint.cost is CostUnit.TOKENS and lengths is None:
         raise InvalidArgument(
             f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "
@@ -207,20 +206,42 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
 def _row_lengths(
     req: InferRequest, info: ModelInfo, endpoint: Endpoint, rows: int
 ) -> list[int] | None:
-    """Per-row token counts: the token input's width, or the lengths the client sent."""
+    """Per-row token counts: the token input's elements per row (every row of a client's
+    request is as long as the tensor is wide; only the frontend pads)."""
     t = req.input(endpoint.token_input)
     if t is None:
         return None
     width = int(np.prod(t.shape[1:])) if info.batching else int(np.prod(t.shape))
-    pad = endpoint.padding.inputs.get(t.name)
-    if pad is not None and pad.lengths_input is not None:
-        given = req.input(pad.lengths_input)
-        if given is not None:
-            lens = [int(v) for v in given.data.reshape(-1)]
-            if len(lens) != rows or any(n < 0 or n > width for n in lens):
-                raise InvalidArgument(
-                    f"input '{pad.lengths_input}' must hold one length per row, each between "
-                    f"0 and the width of '{t.name}' ({width})"
-                )
-            return lens
     return [width] * rows
+
+
+def _max_tokens(req: InferRequest, endpoint: Endpoint) -> int:
+    """The tokens each row of the request asks to generate, checked as the model checks it,
+    and written back into the request's parameters as an integer (``pack`` moves it into
+    each row's ``fair_rows`` entry); the endpoint's default when the request has none."""
+    name = endpoint.max_tokens_parameter
+    assert name is not None and endpoint.max_tokens_default is not None  # config checks both
+    value = req.parameters.get(name)
+    if value is None:
+        n = endpoint.max_tokens_default
+    else:
+        parsed = integer_parameter(value)
+        limit = endpoint.max_tokens_limit
+        if parsed is None or parsed < 1 or (limit is not None and parsed > limit):
+            bounds = f"between 1 and {limit}" if limit is not None else "of at least 1"
+            raise InvalidArgument(f"parameter '{name}' must be an integer {bounds}, got {value!r}")
+        n = parsed
+    req.parameters[name] = n
+    return n
+
+
+def integer_parameter(value: ParamValue) -> int | None:
+    """An integer request parameter: int64 (not a boolean), or a string of decimal digits
+    (as Triton's vLLM backend takes its ``int()``); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        return int(value)
+    return None

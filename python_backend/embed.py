@@ -1,7 +1,8 @@
 """The ``embed`` model: token ids -> one 128-float embedding per row (token-cost endpoint).
 
-Inputs ``INPUT_IDS`` INT32 ``[B, W]`` and optional ``INPUT_LENGTHS`` INT32 ``[B, 1]``;
-output ``EMBEDDING`` FP32 ``[B, 128]``, and ``ROW_META`` on explicit request (see
+Input ``INPUT_IDS`` INT32 ``[B, W]`` (each row's real length in the ``fair_rows``
+parameter's ``length`` list where the frontend padded; else the full width); output
+``EMBEDDING`` FP32 ``[B, 128]``, and ``ROW_META`` on explicit request (see
 ``rows.wants_row_meta``). Accounting: one row and ``length`` tokens per row.
 """
 
@@ -16,13 +17,12 @@ import torch
 from python_backend import nets
 from python_backend.rows import (
     INPUT_IDS,
-    INPUT_LENGTHS,
     ROW_META,
     Packed,
     RequestData,
     RowMeta,
     Rows,
-    decode_rows,
+    decode_request,
     pack,
     row_meta_tensor,
     row_metadata,
@@ -32,7 +32,7 @@ from python_backend.rows import (
 from python_backend.settings import ModelSettings
 
 EMBEDDING = "EMBEDDING"
-INPUTS = (INPUT_IDS, INPUT_LENGTHS)
+INPUTS = (INPUT_IDS,)
 OUTPUTS = frozenset({EMBEDDING, ROW_META})
 MAX_ROW_TOKENS = nets.MAX_POSITIONS
 # Rows x padded width one forward pass may take: a full frontend batch (32 x 128) is one
@@ -70,9 +70,9 @@ class EmbedModel:
 
     def decode(self, data: RequestData) -> EmbedRequest:
         """Validate one request; raise ``RequestError`` naming what is wrong."""
-        rows = decode_rows(data.inputs, vocab=self.net.vocab, max_row_tokens=MAX_ROW_TOKENS)
-        meta = row_metadata(data.parameters, rows.count, data.request_id)
-        return EmbedRequest(rows, meta, wants_row_meta_of(data, OUTPUTS))
+        rows, params = decode_request(data, vocab=self.net.vocab, max_row_tokens=MAX_ROW_TOKENS)
+        meta = row_metadata(params, rows.count, data.request_id)
+        return EmbedRequest(rows, meta, wants_row_meta_of(data, params, OUTPUTS))
 
     def run(self, requests: Sequence[EmbedRequest]) -> list[dict[str, np.ndarray]]:
         """Outputs per request, in order, from one padded batch of all their rows."""

@@ -9,15 +9,16 @@ Python in the request path. ``DIR/generate``: the Python-backend ``generate`` wi
 with a cache does not fit one TorchScript ``forward`` call, so it stays in Python.
 
 Naming for the libtorch backend: inputs are matched to ``forward``'s argument names
-(``forward(self, INPUT_IDS, INPUT_LENGTHS)``, the backend's FORWARD_ARGUMENT convention);
+(``forward(self, INPUT_IDS)``, the backend's FORWARD_ARGUMENT convention);
 the single output has no ``__<index>`` suffix, so the backend maps outputs by their order
 in the config (STRICT_CONFIG_ORDERING): ``EMBEDDING`` is output 0.
 
 Differences from the Python-backend ``embed``, all forced by the libtorch backend:
-- ``INPUT_LENGTHS`` is required (the backend passes every configured input positionally; it
-  has no optional inputs). A direct client sends ``[[width]]`` per row.
-- no ``ROW_META`` output, no per-tenant counters, no ``fair_rows`` parameter (the backend
-  does not pass request parameters to TorchScript).
+- no ``fair_rows`` parameter (the backend does not pass request parameters to
+  TorchScript), hence no row lengths: every row is as long as ``INPUT_IDS`` is wide. A
+  frontend in front of it must not pad ragged rows together: leave ``padding`` out of its
+  ``embed`` endpoint, so that only rows of equal width share a batch.
+- no ``ROW_META`` output, no per-tenant counters.
 - Triton's batcher only combines requests of equal width (no ``allow_ragged_batch``: the
   backend would concatenate ragged rows into one flat tensor).
 """
@@ -38,14 +39,14 @@ REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 
 EMBED_LIBTORCH_CONFIG = """\
 # embed as TorchScript for the PyTorch (libtorch) backend; written by
-# python -m python_backend.export_torchscript. INPUT_LENGTHS is required here.
+# python -m python_backend.export_torchscript. Rows are never padded here: every row is
+# as long as INPUT_IDS is wide (a frontend in front must not pad: no padding on embed).
 name: "embed"
 platform: "pytorch_libtorch"
 max_batch_size: 32
 dynamic_batching {{}}
 input [
-  {{ name: "INPUT_IDS", data_type: TYPE_INT32, dims: [ -1 ] }},
-  {{ name: "INPUT_LENGTHS", data_type: TYPE_INT32, dims: [ 1 ] }}
+  {{ name: "INPUT_IDS", data_type: TYPE_INT32, dims: [ -1 ] }}
 ]
 output [
   {{ name: "EMBEDDING", data_type: TYPE_FP32, dims: [ {dim} ] }}
@@ -57,8 +58,8 @@ instance_group [ {{ kind: {kind}, count: 1 }} ]
 class ScriptedEmbed(nn.Module):
     """The encoder with the Python backend's input handling, in TorchScript.
 
-    Same arithmetic as ``EmbedModel`` for one request: ids modulo the vocabulary (never
-    negative), width trimmed to the longest row, lengths in ``[1, width]``.
+    Same arithmetic as ``EmbedModel`` for one request of a direct client: ids modulo the
+    vocabulary (never negative), every row as long as the input is wide.
     """
 
     def __init__(self, encoder: nets.TokenEncoder) -> None:
@@ -66,13 +67,10 @@ class ScriptedEmbed(nn.Module):
         self.encoder = encoder
         self.vocab = encoder.vocab
 
-    def forward(self, INPUT_IDS: Tensor, INPUT_LENGTHS: Tensor) -> Tensor:
-        lengths = INPUT_LENGTHS.reshape(-1).to(torch.int64)
-        width = INPUT_IDS.shape[1]
-        if bool((lengths < 1).any()) or bool((lengths > width).any()):
-            raise ValueError("INPUT_LENGTHS must be between 1 and the width of INPUT_IDS")
-        longest = int(lengths.max())
-        ids = torch.remainder(INPUT_IDS[:, :longest].to(torch.int64), self.vocab)
+    def forward(self, INPUT_IDS: Tensor) -> Tensor:
+        rows, width = INPUT_IDS.shape[0], INPUT_IDS.shape[1]
+        lengths = torch.full((rows,), width, dtype=torch.int64, device=INPUT_IDS.device)
+        ids = torch.remainder(INPUT_IDS.to(torch.int64), self.vocab)
         return self.encoder(ids, lengths)
 
 

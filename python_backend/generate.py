@@ -1,38 +1,47 @@
-"""The ``generate`` model: greedy decoding of ``MAX_TOKENS`` new tokens (request-cost endpoint).
+"""The ``generate`` model: greedy decoding of ``max_tokens`` new tokens (request-cost endpoint).
 
-Inputs ``INPUT_IDS`` INT32 ``[B, W]``, optional ``MAX_TOKENS`` INT32 ``[B, 1]`` (default 16,
-1..256), optional ``INPUT_LENGTHS`` INT32 ``[B, 1]``. Outputs ``OUTPUT_IDS`` INT32
-``[B, T]``: the generated tokens only (no prompt, no EOS), ``T`` the request's largest
-``MAX_TOKENS``, each row right-padded with 0 after its own count; ``OUTPUT_LENGTHS`` INT32
-``[B, 1]`` (each row's count) only when ``INPUT_LENGTHS`` was sent, so a direct client that
-sends only ``INPUT_IDS`` gets exactly ``OUTPUT_IDS`` even when it names no outputs (Triton
-accepts a declared output being absent from the response). ``ROW_META`` on explicit request.
+Input ``INPUT_IDS`` INT32 ``[B, W]`` (each row's real length in the ``fair_rows``
+parameter's ``length`` list where the frontend padded; else the full width). How many
+tokens to generate is the request parameter ``max_tokens`` (default 16, 1..256), as
+Triton's vLLM backend and the generate extension take it: one count for every row of a
+request. The frontend, whose batches hold rows of several clients, sends each row's own
+count in ``fair_rows`` (``max_tokens`` list) instead.
+
+Outputs ``OUTPUT_IDS`` INT32 ``[B, T]``: the generated tokens only (no prompt, no EOS),
+``T`` the request's largest count, each row right-padded with 0 after its own count;
+``OUTPUT_LENGTHS`` INT32 ``[B, 1]`` (each row's count) only when the counts came per row
+in ``fair_rows``, the one case where they can differ within a request: a direct client
+gets exactly ``OUTPUT_IDS`` even when it names no outputs (Triton accepts a declared
+output being absent from the response). ``ROW_META`` on explicit request.
 
 Greedy decoding is deterministic per row: a row's first ``n`` tokens do not depend on how
 many steps the batch runs or on its neighbours (``nets.CausalDecoder`` masks everything
-right of each row's position), so rows with different ``MAX_TOKENS`` share one decode loop
-of ``max(MAX_TOKENS)`` steps and each keeps its own prefix.
-Accounting: one row and ``length + MAX_TOKENS`` tokens per row.
+right of each row's position), so rows with different counts share one decode loop of
+``max(max_tokens)`` steps and each keeps its own prefix.
+Accounting: one row and ``length + max_tokens`` tokens per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from python_backend import nets
 from python_backend.rows import (
+    FAIR_ROWS_PARAM,
     INPUT_IDS,
-    INPUT_LENGTHS,
     ROW_META,
+    Parameters,
     RequestData,
     RequestError,
     RowMeta,
     Rows,
-    decode_rows,
+    decode_request,
+    integer,
     pack,
     row_meta_tensor,
     row_metadata,
@@ -40,10 +49,10 @@ from python_backend.rows import (
 )
 from python_backend.settings import ModelSettings
 
-MAX_TOKENS = "MAX_TOKENS"
+MAX_TOKENS_PARAM = "max_tokens"  # request parameter, and fair_rows list
 OUTPUT_IDS = "OUTPUT_IDS"
 OUTPUT_LENGTHS = "OUTPUT_LENGTHS"
-INPUTS = (INPUT_IDS, MAX_TOKENS, INPUT_LENGTHS)
+INPUTS = (INPUT_IDS,)
 OUTPUTS = frozenset({OUTPUT_IDS, OUTPUT_LENGTHS, ROW_META})
 DEFAULT_MAX_TOKENS = 16
 MAX_MAX_TOKENS = 256
@@ -56,6 +65,7 @@ class GenerateRequest:
 
     rows: Rows
     max_tokens: np.ndarray  # [B] int64 in [1, MAX_MAX_TOKENS]
+    per_row: bool  # the counts came per row (fair_rows): answer OUTPUT_LENGTHS
     meta: list[RowMeta]
     echo_meta: bool
 
@@ -65,22 +75,30 @@ class GenerateRequest:
         return [(m.tenant, int(n + t)) for m, n, t in rows]
 
 
-def decode_max_tokens(inputs: Mapping[str, np.ndarray], count: int) -> np.ndarray:
-    """Tokens to generate per row: ``MAX_TOKENS`` (one per row) or the default, in range."""
-    raw = inputs.get(MAX_TOKENS)
-    if raw is None:
-        return np.full(count, DEFAULT_MAX_TOKENS, dtype=np.int64)
-    if raw.size != count:
-        raise RequestError(f"input '{MAX_TOKENS}' has {raw.size} values for {count} rows")
-    values = raw.reshape(count).astype(np.int64)
-    bad = np.flatnonzero((values < 1) | (values > MAX_MAX_TOKENS))
-    if bad.size:
-        i = int(bad[0])
+def decode_max_tokens(params: Parameters, count: int) -> tuple[np.ndarray, bool]:
+    """Tokens to generate per row, and whether they came per row.
+
+    The ``fair_rows`` list ``max_tokens`` (the frontend's batches), else the request
+    parameter ``max_tokens`` for every row, else the default; each in range.
+    """
+    column = params.column(MAX_TOKENS_PARAM)
+    if column is not None:
+        where = f"parameter '{FAIR_ROWS_PARAM}': {MAX_TOKENS_PARAM}"
+        values = [_count(v, f"{where}[{i}]") for i, v in enumerate(column)]
+        return np.array(values, dtype=np.int64), True
+    if MAX_TOKENS_PARAM in params.values:
+        n = _count(params.values[MAX_TOKENS_PARAM], f"parameter '{MAX_TOKENS_PARAM}'")
+        return np.full(count, n, dtype=np.int64), False
+    return np.full(count, DEFAULT_MAX_TOKENS, dtype=np.int64), False
+
+
+def _count(value: Any, where: str) -> int:
+    n = integer(value)
+    if n is None or not 1 <= n <= MAX_MAX_TOKENS:
         raise RequestError(
-            f"input '{MAX_TOKENS}' must be between 1 and {MAX_MAX_TOKENS}, got {values[i]} "
-            f"(row {i})"
+            f"{where} must be an integer between 1 and {MAX_MAX_TOKENS}, got {value!r}"
         )
-    return values
+    return n
 
 
 class GenerateModel:
@@ -100,11 +118,11 @@ class GenerateModel:
 
     def decode(self, data: RequestData) -> GenerateRequest:
         """Validate one request; raise ``RequestError`` naming what is wrong."""
-        rows = decode_rows(data.inputs, vocab=self.net.vocab, max_row_tokens=MAX_PROMPT_TOKENS)
-        max_tokens = decode_max_tokens(data.inputs, rows.count)
-        meta = row_metadata(data.parameters, rows.count, data.request_id)
-        echo = wants_row_meta_of(data, OUTPUTS)
-        return GenerateRequest(rows, max_tokens, meta, echo)
+        rows, params = decode_request(data, vocab=self.net.vocab, max_row_tokens=MAX_PROMPT_TOKENS)
+        max_tokens, per_row = decode_max_tokens(params, rows.count)
+        meta = row_metadata(params, rows.count, data.request_id)
+        echo = wants_row_meta_of(data, params, OUTPUTS)
+        return GenerateRequest(rows, max_tokens, per_row, meta, echo)
 
     def run(self, requests: Sequence[GenerateRequest]) -> list[dict[str, np.ndarray]]:
         """Outputs per request, in order, from one decode loop over all their rows."""
@@ -117,7 +135,7 @@ class GenerateModel:
             out = tokens[rows, : int(counts.max())].astype(np.int32)
             out[np.arange(out.shape[1]) >= counts[:, None]] = 0
             outputs = {OUTPUT_IDS: out}
-            if request.rows.lengths_sent:
+            if request.per_row:
                 outputs[OUTPUT_LENGTHS] = counts.astype(np.int32).reshape(-1, 1)
             if request.echo_meta:
                 outputs[ROW_META] = row_meta_tensor(request.meta)

@@ -1,10 +1,24 @@
 """From Triton requests to rows and back: decoding, per-row metadata, packing.
 
-One Triton request carries ``B >= 1`` rows. ``decode_rows`` turns its ``INPUT_IDS``
-(``[B, W]``) and optional ``INPUT_LENGTHS`` (``[B, 1]``) into token ids and lengths;
-``row_metadata`` reads who each row belongs to from the request parameters; ``pack`` pads
-the rows of every request in one ``execute`` call into one tensor and remembers where
-each request's rows are, so the model runs once and the answer is split back per request.
+One Triton request carries ``B >= 1`` rows: ``INPUT_IDS`` ``[B, W]``, and nothing else as
+an input. Everything else about the rows travels in request parameters (``Parameters``):
+
+- ``fair_rows``, which the frontend adds: a JSON object of per-row lists, ``tenant``
+  (required), ``priority``, ``deadline_us``, ``id``, and, where it padded ragged rows,
+  ``length`` (each row's real length) and the model's own per-row values (``generate``:
+  ``max_tokens``). Every list present must have one entry per row.
+- a direct client's own parameters (``tenant``; ``generate``: ``max_tokens``), which hold
+  for every row of its request.
+
+``decode_request`` reads ids, lengths and parameters; without a ``length`` list every row
+is as long as ``INPUT_IDS`` is wide, which is exactly what a client sending one request
+per row width gets. ``row_metadata`` reads who each row belongs to; ``pack`` pads the rows
+of every request in one ``execute`` call into one tensor and remembers where each
+request's rows are, so the model runs once and the answer is split back per request.
+
+No row property is a model input on purpose: a load generator such as perf_analyzer fills
+every declared input, optional ones too, with random data, and random lengths or counts
+are garbage the model would have to refuse.
 
 Every problem with one request raises ``RequestError`` with a message for the client; the
 caller answers that request with the error and serves the others.
@@ -13,14 +27,14 @@ caller answers that request with the error and serves the others.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 INPUT_IDS = "INPUT_IDS"
-INPUT_LENGTHS = "INPUT_LENGTHS"
 ROW_META = "ROW_META"
 FAIR_ROWS_PARAM = "fair_rows"
 # The outputs the frontend's client named (JSON list), when it named any: the frontend may
@@ -28,7 +42,9 @@ FAIR_ROWS_PARAM = "fair_rows"
 FAIR_OUTPUTS_PARAM = "fair_outputs"
 TENANT_PARAM = "tenant"
 UNKNOWN_TENANT = "unknown"
+LENGTH_COLUMN = "length"  # fair_rows: each row's real length, where the frontend padded
 _META_FIELDS = ("tenant", "priority", "deadline_us", "id")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 class RequestError(ValueError):
@@ -47,6 +63,19 @@ class RequestData:
     parameters: str = "{}"
     request_id: str = ""
     requested_outputs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A request's parameters: ``values`` as sent (JSON object), and ``rows``, the
+    frontend's ``fair_rows`` lists (each checked to hold one entry per row), or None."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+    rows: Mapping[str, list[Any]] | None = None
+
+    def column(self, name: str) -> list[Any] | None:
+        """The ``fair_rows`` list ``name``, one entry per row; None if not sent."""
+        return None if self.rows is None else self.rows.get(name)
 
 
 @dataclass(frozen=True)
@@ -80,44 +109,68 @@ class Rows:
 
     ids: np.ndarray
     lengths: np.ndarray
-    lengths_sent: bool
 
     @property
     def count(self) -> int:
         return int(self.ids.shape[0])
 
 
-def decode_rows(inputs: Mapping[str, np.ndarray], *, vocab: int, max_row_tokens: int) -> Rows:
-    """Token ids (modulo ``vocab``, never negative) and lengths of one request's rows.
+def integer(value: Any) -> int | None:
+    """An integer parameter value: a JSON integer (not a boolean) or a string of decimal
+    digits (as Triton's vLLM backend takes its ``int()``); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        return int(value)
+    return None
 
-    Without ``INPUT_LENGTHS`` every row is as long as ``INPUT_IDS`` is wide: exactly what
-    the frontend would send for that row alone, which is what makes the answers match.
-    """
+
+def decode_request(
+    data: RequestData, *, vocab: int, max_row_tokens: int
+) -> tuple[Rows, Parameters]:
+    """The rows (ids and lengths) and parameters of one request."""
+    raw = input_ids(data.inputs)
+    params = read_parameters(data.parameters, int(raw.shape[0]))
+    rows = decode_rows(
+        raw, params.column(LENGTH_COLUMN), vocab=vocab, max_row_tokens=max_row_tokens
+    )
+    return rows, params
+
+
+def input_ids(inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``INPUT_IDS`` as sent, checked to be ``[B, W]`` with ``B, W >= 1``."""
     raw = inputs.get(INPUT_IDS)
     if raw is None:
         raise RequestError(f"input '{INPUT_IDS}' is required")
     if raw.ndim != 2:
         raise RequestError(f"input '{INPUT_IDS}' must be [batch, tokens], got shape {raw.shape}")
-    count, width = raw.shape
-    if count < 1 or width < 1:
+    if raw.shape[0] < 1 or raw.shape[1] < 1:
         raise RequestError(f"input '{INPUT_IDS}' must hold at least one token per row")
-    lengths_in = inputs.get(INPUT_LENGTHS)
+    return raw
+
+
+def decode_rows(
+    raw: np.ndarray, lengths_in: Sequence[Any] | None, *, vocab: int, max_row_tokens: int
+) -> Rows:
+    """Token ids (modulo ``vocab``, never negative) and lengths of one request's rows.
+
+    ``lengths_in``: the ``fair_rows`` ``length`` list (one per row, in ``[1, W]``), or None:
+    then every row is as long as ``INPUT_IDS`` is wide, exactly what the frontend would
+    send for that row alone, which is what makes the answers match.
+    """
+    count, width = raw.shape
     if lengths_in is None:
         lengths = np.full(count, width, dtype=np.int64)
     else:
-        if lengths_in.size != count:
-            raise RequestError(
-                f"input '{INPUT_LENGTHS}' has {lengths_in.size} values for {count} rows of "
-                f"'{INPUT_IDS}'"
-            )
-        lengths = lengths_in.reshape(count).astype(np.int64)
-        bad = np.flatnonzero((lengths < 1) | (lengths > width))
-        if bad.size:
-            i = int(bad[0])
-            raise RequestError(
-                f"input '{INPUT_LENGTHS}': row {i} has length {lengths[i]}; lengths must be "
-                f"between 1 and the width of '{INPUT_IDS}' ({width})"
-            )
+        for i, n in enumerate(lengths_in):
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= width:
+                raise RequestError(
+                    f"parameter '{FAIR_ROWS_PARAM}': {LENGTH_COLUMN}[{i}] is {n!r}; lengths "
+                    f"must be integers between 1 and the width of '{INPUT_IDS}' ({width})"
+                )
+        lengths = np.array(lengths_in, dtype=np.int64)
     longest = int(lengths.max())
     if longest > max_row_tokens:
         i = int(np.argmax(lengths))
@@ -129,32 +182,23 @@ def decode_rows(inputs: Mapping[str, np.ndarray], *, vocab: int, max_row_tokens:
     # (including negative values) maps onto valid ids.
     ids = np.mod(raw[:, :longest].astype(np.int64), vocab)
     ids[np.arange(longest) >= lengths[:, None]] = 0  # canonical padding, whatever was sent
-    return Rows(ids=ids, lengths=lengths, lengths_sent=lengths_in is not None)
+    return Rows(ids=ids, lengths=lengths)
 
 
-def row_metadata(parameters_json: str, count: int, request_id: str) -> list[RowMeta]:
-    """Per-row metadata: the frontend's ``fair_rows``, else a direct client's ``tenant``.
-
-    ``fair_rows`` is a JSON object of per-row lists ``tenant`` (required), ``priority``,
-    ``deadline_us``, ``id`` (each optional; default 0, 0, the request id); every list
-    present must have one entry per row. Without it, all rows belong to the ``tenant``
-    string parameter, else to ``"unknown"``.
-    """
+def read_parameters(parameters_json: str, count: int) -> Parameters:
+    """The request parameters, and the ``fair_rows`` lists checked against ``count`` rows."""
     try:
-        params = json.loads(parameters_json or "{}")
+        values = json.loads(parameters_json or "{}")
     except ValueError as err:
         raise RequestError(f"request parameters are not valid JSON: {err}") from None
-    if not isinstance(params, dict):
+    if not isinstance(values, dict):
         raise RequestError("request parameters must be a JSON object")
-    if FAIR_ROWS_PARAM in params:
-        return _fair_rows(params[FAIR_ROWS_PARAM], count, request_id)
-    tenant = params.get(TENANT_PARAM, UNKNOWN_TENANT)
-    if not isinstance(tenant, str) or not tenant:
-        raise RequestError(f"parameter '{TENANT_PARAM}' must be a non-empty string")
-    return [RowMeta(tenant=tenant, id=request_id) for _ in range(count)]
+    if FAIR_ROWS_PARAM not in values:
+        return Parameters(values)
+    return Parameters(values, _row_lists(values[FAIR_ROWS_PARAM], count))
 
 
-def _fair_rows(value: Any, count: int, request_id: str) -> list[RowMeta]:
+def _row_lists(value: Any, count: int) -> dict[str, list[Any]]:
     where = f"parameter '{FAIR_ROWS_PARAM}'"
     if not isinstance(value, str):
         raise RequestError(f"{where} must be a string holding a JSON object")
@@ -166,18 +210,33 @@ def _fair_rows(value: Any, count: int, request_id: str) -> list[RowMeta]:
         raise RequestError(f"{where} must be a JSON object of per-row lists {_META_FIELDS}")
     if "tenant" not in table:
         raise RequestError(f"{where} has no 'tenant' list")
-    columns: dict[str, Sequence[Any]] = {}
-    for name in _META_FIELDS:
-        if name not in table:
-            continue
-        column = table[name]
+    for name, column in table.items():
         if not isinstance(column, list):
             raise RequestError(f"{where}: '{name}' must be a list, one entry per row")
         if len(column) != count:
             raise RequestError(
                 f"{where}: '{name}' has {len(column)} entries, but the request has {count} rows"
             )
-        columns[name] = column
+    return table
+
+
+def row_metadata(params: Parameters, count: int, request_id: str) -> list[RowMeta]:
+    """Per-row metadata: the frontend's ``fair_rows``, else a direct client's ``tenant``.
+
+    From ``fair_rows``: ``tenant`` (required), ``priority``, ``deadline_us``, ``id`` (each
+    optional; default 0, 0, the request id). Without it, all rows belong to the ``tenant``
+    string parameter, else to ``"unknown"``.
+    """
+    if params.rows is not None:
+        return _fair_rows_meta(params.rows, count, request_id)
+    tenant = params.values.get(TENANT_PARAM, UNKNOWN_TENANT)
+    if not isinstance(tenant, str) or not tenant:
+        raise RequestError(f"parameter '{TENANT_PARAM}' must be a non-empty string")
+    return [RowMeta(tenant=tenant, id=request_id) for _ in range(count)]
+
+
+def _fair_rows_meta(columns: Mapping[str, list[Any]], count: int, request_id: str) -> list[RowMeta]:
+    where = f"parameter '{FAIR_ROWS_PARAM}'"
     rows = []
     for i in range(count):
         tenant = columns["tenant"][i]
@@ -195,14 +254,10 @@ def _fair_rows(value: Any, count: int, request_id: str) -> list[RowMeta]:
     return rows
 
 
-def wants_row_meta_of(data: RequestData, declared: frozenset[str]) -> bool:
+def wants_row_meta_of(data: RequestData, params: Parameters, declared: frozenset[str]) -> bool:
     """Whether ``ROW_META`` was asked for: the frontend says so in ``fair_outputs``;
     otherwise Triton's view of the requested outputs decides (``wants_row_meta``)."""
-    try:
-        params = json.loads(data.parameters or "{}")
-    except ValueError:
-        params = {}
-    named = params.get(FAIR_OUTPUTS_PARAM) if isinstance(params, dict) else None
+    named = params.values.get(FAIR_OUTPUTS_PARAM)
     if isinstance(named, str):
         try:
             names = json.loads(named)

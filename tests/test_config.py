@@ -112,3 +112,77 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(scalar)
+
+
+def test_max_tokens_fields_are_checked_together() -> None:
+    config = load_config(EXAMPLE)
+    generate = config.endpoints["generate"]
+    assert (generate.max_tokens_parameter, generate.max_tokens_default) == ("max_tokens", 16)
+    assert generate.max_tokens_limit == 256
+    bad = {
+        "tiers": ["t"],
+        "endpoints": {
+            "no_default": {"max_tokens_parameter": "max_tokens"},
+            "no_parameter": {"max_tokens_default": 16, "max_tokens_limit": 64},
+            "over": {"max_tokens_parameter": "n", "max_tokens_default": 65, "max_tokens_limit": 64},
+            "reserved": {"max_tokens_parameter": "fair_rows", "max_tokens_default": 1},
+        },
+        "default_endpoint": {"max_tokens_parameter": "priority", "max_tokens_default": 1},
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(bad)
+    text = str(info.value)
+    for expected in (
+        "endpoints.no_default.max_tokens_default: required with max_tokens_parameter",
+        "endpoints.no_parameter.max_tokens_default: needs max_tokens_parameter",
+        "endpoints.no_parameter.max_tokens_limit: needs max_tokens_parameter",
+        "endpoints.over.max_tokens_default: 65 exceeds max_tokens_limit (64)",
+        "endpoints.reserved.max_tokens_parameter: 'fair_rows' is reserved",
+        "default_endpoint.max_tokens_parameter: 'priority' is reserved",
+    ):
+        assert expected in text, expected
+
+
+def test_lengths_fields_must_not_clash_in_fair_rows() -> None:
+    def endpoint(**inputs: str) -> dict[str, object]:
+        padding = {name: {"lengths_field": f} for name, f in inputs.items()}
+        return {
+            "max_tokens_parameter": "max_tokens",
+            "max_tokens_default": 16,
+            "padding": {"inputs": padding},
+        }
+
+    bad = {
+        "tiers": ["t"],
+        "endpoints": {
+            "meta": endpoint(INPUT_IDS="tenant"),
+            "count": endpoint(INPUT_IDS="max_tokens"),
+            "twice": endpoint(A="length", B="length"),
+        },
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(bad)
+    text = str(info.value)
+    assert "endpoints.meta.padding.inputs.INPUT_IDS.lengths_field: 'tenant' is already" in text
+    assert "endpoints.count.padding.inputs.INPUT_IDS.lengths_field: 'max_tokens'" in text
+    assert "endpoints.twice.padding.inputs.B.lengths_field: 'length' is also" in text
+
+
+def test_fields_of_the_former_model_inputs_say_what_replaced_them() -> None:
+    """Configs written for INPUT_LENGTHS / MAX_TOKENS inputs fail with the migration."""
+    old = {
+        "tiers": ["t"],
+        "endpoints": {
+            "generate": {
+                "max_tokens_input": "MAX_TOKENS",
+                "padding": {"inputs": {"INPUT_IDS": {"lengths_input": "INPUT_LENGTHS"}}},
+            }
+        },
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(old)
+    text = str(info.value)
+    assert "endpoints.generate.max_tokens_input: removed" in text
+    assert "use max_tokens_parameter" in text
+    assert "endpoints.generate.padding.inputs.INPUT_IDS.lengths_input: removed" in text
+    assert "lengths_field" in text

@@ -95,6 +95,70 @@ async def test_concurrent_requests_are_batched_and_answered_right(triton, fronte
     assert batches_sent < len(batches), "concurrent requests should have shared batches"
 
 
+async def test_rows_asking_different_max_tokens_share_batches(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    """generate, ragged prompts, every request its own ``max_tokens`` (a request parameter),
+    all at once: they share batches (the count travels per row in ``fair_rows``, not in
+    the batch key), and each gets Triton's answer for it alone: its own count of tokens."""
+    counts = list(range(1, 13))  # all different: one batch per count if they could not mix
+    widths = [int(n) for n in RNG.integers(1, 40, size=len(counts))]
+    prompts = [RNG.integers(0, 4000, size=(1, w), dtype=np.int32) for w in widths]
+    direct = grpcaio.InferenceServerClient(triton.grpc_url)
+    front = grpcaio.InferenceServerClient(frontend.grpc_url)
+    batches_before = await frontend.acall(frontend.batch_count("generate"))
+    try:
+        expected = [
+            await direct.infer("generate", [ids_input(grpcaio, p)], parameters={"max_tokens": n})
+            for p, n in zip(prompts, counts, strict=True)
+        ]
+        got = await asyncio.gather(
+            *(
+                front.infer(
+                    "generate",
+                    [ids_input(grpcaio, p)],
+                    parameters={"max_tokens": n},
+                    headers={"x-api-key": KEYS["hooli"]},
+                )
+                for p, n in zip(prompts, counts, strict=True)
+            )
+        )
+    finally:
+        await direct.close()
+        await front.close()
+    for n, e, g in zip(counts, expected, got, strict=True):
+        assert g.as_numpy("OUTPUT_IDS").shape == (1, n)
+        assert np.array_equal(g.as_numpy("OUTPUT_IDS"), e.as_numpy("OUTPUT_IDS"))
+        # The model's OUTPUT_LENGTHS (the frontend's cut-back) is not handed back.
+        assert [o.name for o in g.get_response().outputs] == ["OUTPUT_IDS"]
+    batches_sent = await frontend.acall(frontend.batch_count("generate")) - batches_before
+    assert batches_sent < len(counts), "requests of different max_tokens should share batches"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("bad", [0, 257, "lots"])
+def test_bad_max_tokens_is_refused_as_triton_refuses_it(triton, frontend, protocol, bad) -> None:  # type: ignore[no-untyped-def]
+    """400 / INVALID_ARGUMENT with the model's own wording, before it is queued."""
+    mod = grpcclient if protocol == "grpc" else httpclient
+    ids = np.arange(4, dtype=np.int32).reshape(1, 4)
+    batches_before = frontend.call(frontend.batch_count("generate"))
+    errors = []
+    for client, headers in (
+        (_direct(triton, protocol), {}),
+        (_front(frontend, protocol), {"x-api-key": KEYS["acme"]}),
+    ):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(
+                "generate", [ids_input(mod, ids)], parameters={"max_tokens": bad}, headers=headers
+            )
+        errors.append(info.value)
+    direct, through = errors
+    expected = "StatusCode.INVALID_ARGUMENT" if protocol == "grpc" else "400"
+    assert direct.status() == through.status() == expected
+    wording = f"parameter 'max_tokens' must be an integer between 1 and 256, got {bad!r}"
+    assert wording in direct.message()
+    assert wording in through.message()
+    assert frontend.call(frontend.batch_count("generate")) == batches_before
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}])
 def test_missing_or_unknown_key(frontend, protocol, headers) -> None:  # type: ignore[no-untyped-def]

@@ -39,6 +39,7 @@ from python_backend.rows import (
     RequestError,
     decode_rows,
     pack,
+    read_parameters,
     row_metadata,
     width_groups,
 )
@@ -126,6 +127,17 @@ def col(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int32).reshape(-1, 1)
 
 
+def fair_rows(tenants: list[str], **columns: list[Any]) -> dict[str, str]:
+    """The ``fair_rows`` parameter as the frontend sends it (per-row lists)."""
+    return {"fair_rows": json.dumps({"tenant": tenants, **columns})}
+
+
+def padded(lengths: list[int] | np.ndarray, **columns: list[Any]) -> dict[str, str]:
+    """``fair_rows`` for a padded batch: each row's real length (and other lists)."""
+    values = [int(n) for n in np.asarray(lengths).reshape(-1)]
+    return fair_rows(["t"] * len(values), length=values, **columns)
+
+
 # ---- embed ---------------------------------------------------------------------------------
 
 
@@ -158,11 +170,11 @@ def test_embed_token_ids_are_taken_modulo_the_vocabulary(grpc_direct: Direct) ->
 def test_embed_one_row_is_bit_identical_with_and_without_lengths(direct: Direct) -> None:
     row, _ = random_rows([37], seed=3)
     alone = direct.infer("embed", {"INPUT_IDS": row})["EMBEDDING"]
-    with_lengths = direct.infer("embed", {"INPUT_IDS": row, "INPUT_LENGTHS": col([37])})
+    with_lengths = direct.infer("embed", {"INPUT_IDS": row}, parameters=padded([37]))
     assert np.array_equal(with_lengths["EMBEDDING"], alone)
     # The same row right-padded in a wider tensor: the padding is trimmed away, bit for bit.
-    padded = np.concatenate([row, np.full((1, 27), 999, np.int32)], axis=1)
-    out = direct.infer("embed", {"INPUT_IDS": padded, "INPUT_LENGTHS": col([37])})
+    wide = np.concatenate([row, np.full((1, 27), 999, np.int32)], axis=1)
+    out = direct.infer("embed", {"INPUT_IDS": wide}, parameters=padded([37]))
     assert np.array_equal(out["EMBEDDING"], alone)
 
 
@@ -170,7 +182,7 @@ def test_embed_one_row_is_bit_identical_with_and_without_lengths(direct: Direct)
 def test_embed_padded_batch_equals_each_row_alone(direct: Direct, pad: int) -> None:
     lengths = [1, 7, 33, 128, 64]
     batch, lens = random_rows(lengths, seed=4, pad=pad)
-    together = direct.infer("embed", {"INPUT_IDS": batch, "INPUT_LENGTHS": lens})["EMBEDDING"]
+    together = direct.infer("embed", {"INPUT_IDS": batch}, parameters=padded(lens))["EMBEDDING"]
     assert together.shape == (len(lengths), 128)
     for i, n in enumerate(lengths):
         alone = direct.infer("embed", {"INPUT_IDS": batch[i : i + 1, :n]})["EMBEDDING"]
@@ -181,7 +193,7 @@ def test_embed_rows_differ_when_only_padding_length_differs(grpc_direct: Direct)
     # Guards the test above: a mask that ignored lengths would embed padding zeros too.
     batch, _ = random_rows([10], seed=5)
     wide = np.concatenate([batch, np.zeros((1, 10), np.int32)], axis=1)
-    masked = grpc_direct.infer("embed", {"INPUT_IDS": wide, "INPUT_LENGTHS": col([10])})
+    masked = grpc_direct.infer("embed", {"INPUT_IDS": wide}, parameters=padded([10]))
     unmasked = grpc_direct.infer("embed", {"INPUT_IDS": wide})
     assert not np.allclose(masked["EMBEDDING"], unmasked["EMBEDDING"], rtol=RTOL, atol=ATOL)
 
@@ -197,12 +209,41 @@ def test_embed_serves_2048_token_rows_and_rejects_longer_than_positions(
     assert "INPUT_IDS" in message and str(nets.MAX_POSITIONS) in message
 
 
-@pytest.mark.parametrize("bad", [0, 9])
-def test_embed_lengths_out_of_range_are_rejected(direct: Direct, bad: int) -> None:
+@pytest.mark.parametrize("bad", [0, 9, "3", None])
+def test_embed_lengths_out_of_range_are_rejected(direct: Direct, bad: Any) -> None:
     message = direct.error(
-        "embed", {"INPUT_IDS": ids([1, 2, 3, 4, 5, 6, 7, 8]), "INPUT_LENGTHS": col([bad])}
+        "embed",
+        {"INPUT_IDS": ids([1, 2, 3, 4, 5, 6, 7, 8])},
+        parameters=fair_rows(["t"], length=[bad]),
     )
-    assert "INPUT_LENGTHS" in message
+    assert "fair_rows" in message and "length[0]" in message and "(8)" in message
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [("embed", "INPUT_LENGTHS"), ("generate", "INPUT_LENGTHS"), ("generate", "MAX_TOKENS")],
+)
+def test_former_inputs_are_unexpected_inputs_to_triton(
+    direct: Direct, model: str, name: str
+) -> None:
+    """Row lengths and token counts are parameters now: Triton itself refuses them as
+    inputs (400 / INVALID_ARGUMENT), before the model sees the request (a breaking change
+    of the interface). Triton 2.51 counts the inputs before it names an unknown one: with
+    INPUT_IDS beside it, the answer is "expected 1 inputs but got 2 inputs for model ...
+    Got input(s) [...]"; alone, "unexpected inference input '<name>' for model ...".
+    """
+    message = direct.error(model, {"INPUT_IDS": ids([1, 2, 3]), name: col([3])})
+    assert f"expected 1 inputs but got 2 inputs for model '{model}'" in message
+    assert f"'{name}'" in message
+    alone = direct.error(model, {name: col([3])})
+    assert f"unexpected inference input '{name}' for model '{model}'" in alone
+
+
+def test_the_only_model_input_is_input_ids() -> None:
+    """What perf_analyzer fills with random data: every declared input, optional or not."""
+    for name in ("embed", "generate"):
+        for path in (REPO / name / "config.pbtxt", REPO / name / "configs" / "gpu.pbtxt"):
+            assert [i.name for i in parse_config(path).input] == ["INPUT_IDS"], path
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -210,18 +251,22 @@ def test_embed_lengths_out_of_range_are_rejected(direct: Direct, bad: int) -> No
 
 def test_generate_defaults_to_16_tokens_and_only_output_ids(direct: Direct) -> None:
     out = direct.infer("generate", {"INPUT_IDS": ids([5, 6, 7, 8])})
-    # OUTPUT_LENGTHS is declared but absent: no INPUT_LENGTHS was sent.
+    # OUTPUT_LENGTHS is declared but absent: the counts did not come per row (fair_rows).
     assert set(out) == {"OUTPUT_IDS"}
     assert out["OUTPUT_IDS"].shape == (1, 16)
     assert out["OUTPUT_IDS"].dtype == np.int32
     assert ((out["OUTPUT_IDS"] >= 0) & (out["OUTPUT_IDS"] < VOCAB)).all()
 
 
-def test_generate_explicitly_requested_lengths_are_absent_without_input_lengths(
-    direct: Direct,
+@pytest.mark.parametrize("parameters", [None, {"max_tokens": 5}, padded([4])])
+def test_generate_explicitly_requested_lengths_are_absent_without_per_row_counts(
+    direct: Direct, parameters: dict[str, Any] | None
 ) -> None:
     out = direct.infer(
-        "generate", {"INPUT_IDS": ids([5, 6, 7, 8])}, outputs=["OUTPUT_IDS", "OUTPUT_LENGTHS"]
+        "generate",
+        {"INPUT_IDS": ids([5, 6, 7, 8])},
+        outputs=["OUTPUT_IDS", "OUTPUT_LENGTHS"],
+        parameters=parameters,
     )
     assert set(out) == {"OUTPUT_IDS"}
 
@@ -230,7 +275,7 @@ def test_generate_makes_exactly_max_tokens_and_greedy_prefixes_agree(direct: Dir
     prompt, _ = random_rows([12], seed=7)
     by_count = {}
     for n in (1, 5, 16, 40):
-        out = direct.infer("generate", {"INPUT_IDS": prompt, "MAX_TOKENS": col([n])})
+        out = direct.infer("generate", {"INPUT_IDS": prompt}, parameters={"max_tokens": n})
         assert out["OUTPUT_IDS"].shape == (1, n)
         by_count[n] = out["OUTPUT_IDS"][0]
     for n in (1, 5, 16):
@@ -248,23 +293,29 @@ def test_generate_is_deterministic_and_depends_on_the_prompt(grpc_direct: Direct
     assert not np.array_equal(first, other)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 257])
+@pytest.mark.parametrize("bad", [0, -3, 257, "many", 2.5, True])
 def test_generate_rejects_max_tokens_out_of_range_and_keeps_serving(
-    direct: Direct, bad: int
+    direct: Direct, bad: Any
 ) -> None:
-    message = direct.error("generate", {"INPUT_IDS": ids([1, 2]), "MAX_TOKENS": col([bad])})
-    assert "MAX_TOKENS" in message and "256" in message
+    message = direct.error("generate", {"INPUT_IDS": ids([1, 2])}, parameters={"max_tokens": bad})
+    assert "parameter 'max_tokens' must be an integer between 1 and 256" in message
     assert direct.infer("generate", {"INPUT_IDS": ids([1, 2])})["OUTPUT_IDS"].shape == (1, 16)
 
 
-def test_generate_one_row_is_bit_identical_with_and_without_lengths(direct: Direct) -> None:
+def test_generate_takes_max_tokens_as_a_string_of_digits(grpc_direct: Direct) -> None:
+    """As Triton's vLLM backend does (``int(value)``): some clients send only strings."""
+    out = grpc_direct.infer("generate", {"INPUT_IDS": ids([1, 2])}, parameters={"max_tokens": "5"})
+    assert out["OUTPUT_IDS"].shape == (1, 5)
+
+
+def test_generate_one_row_is_bit_identical_with_and_without_fair_rows(direct: Direct) -> None:
     row, _ = random_rows([21], seed=10)
-    alone = direct.infer("generate", {"INPUT_IDS": row, "MAX_TOKENS": col([24])})
-    both = direct.infer(
-        "generate", {"INPUT_IDS": row, "MAX_TOKENS": col([24]), "INPUT_LENGTHS": col([21])}
-    )
+    alone = direct.infer("generate", {"INPUT_IDS": row}, parameters={"max_tokens": 24})
+    # As the frontend sends it: length and count per row, the row padded wider.
+    wide = np.concatenate([row, np.full((1, 11), 77, np.int32)], axis=1)
+    both = direct.infer("generate", {"INPUT_IDS": wide}, parameters=padded([21], max_tokens=[24]))
     assert set(alone) == {"OUTPUT_IDS"}
-    assert set(both) == {"OUTPUT_IDS", "OUTPUT_LENGTHS"}
+    assert set(both) == {"OUTPUT_IDS", "OUTPUT_LENGTHS"}  # counts per row: lengths answered
     assert np.array_equal(both["OUTPUT_IDS"], alone["OUTPUT_IDS"])
     assert both["OUTPUT_LENGTHS"].tolist() == [[24]]
 
@@ -273,24 +324,18 @@ def test_generate_padded_batch_equals_each_row_alone(direct: Direct) -> None:
     lengths = [3, 10, 32, 17, 1]
     counts = [16, 4, 20, 1, 7]
     batch, lens = random_rows(lengths, seed=11)
-    out = direct.infer(
-        "generate", {"INPUT_IDS": batch, "MAX_TOKENS": col(counts), "INPUT_LENGTHS": lens}
-    )
+    out = direct.infer("generate", {"INPUT_IDS": batch}, parameters=padded(lens, max_tokens=counts))
     assert out["OUTPUT_IDS"].shape == (len(lengths), max(counts))
     assert out["OUTPUT_LENGTHS"].reshape(-1).tolist() == counts
     for i, (n, count) in enumerate(zip(lengths, counts, strict=True)):
         alone = direct.infer(
-            "generate", {"INPUT_IDS": batch[i : i + 1, :n], "MAX_TOKENS": col([count])}
+            "generate", {"INPUT_IDS": batch[i : i + 1, :n]}, parameters={"max_tokens": count}
         )["OUTPUT_IDS"][0]
         assert np.array_equal(out["OUTPUT_IDS"][i, :count], alone), f"row {i}"
         assert not out["OUTPUT_IDS"][i, count:].any(), "padding after a row's count is 0"
 
 
 # ---- per-row metadata ------------------------------------------------------------------------
-
-
-def fair_rows(tenants: list[str], **columns: list[Any]) -> dict[str, str]:
-    return {"fair_rows": json.dumps({"tenant": tenants, **columns})}
 
 
 def test_row_meta_is_absent_unless_asked_for(direct: Direct) -> None:
@@ -319,9 +364,9 @@ def test_row_meta_echoes_fair_rows(direct: Direct) -> None:
 def test_row_meta_for_direct_clients_uses_tenant_parameter_or_unknown(direct: Direct) -> None:
     named = direct.infer(
         "generate",
-        {"INPUT_IDS": ids([1, 2], [3, 4]), "MAX_TOKENS": col([2, 2])},
+        {"INPUT_IDS": ids([1, 2], [3, 4])},
         outputs=["OUTPUT_IDS", "ROW_META"],
-        parameters={"tenant": "initech"},
+        parameters={"tenant": "initech", "max_tokens": 2},
         request_id="req-7",
     )
     assert named["OUTPUT_IDS"].shape == (2, 2)
@@ -340,6 +385,8 @@ def test_row_meta_for_direct_clients_uses_tenant_parameter_or_unknown(direct: Di
         (json.dumps({"tenant": ["a"]}), "has 1 entries, but the request has 2 rows"),
         (json.dumps({"tenant": ["a", "b"], "priority": [0, -1]}), "priority[1]"),
         (json.dumps({"tenant": ["a", 7]}), "tenant[1]"),
+        (json.dumps({"tenant": ["a", "b"], "length": 1}), "'length' must be a list"),
+        (json.dumps({"tenant": ["a", "b"], "length": [1, 2]}), "length[1] is 2"),
     ],
 )
 def test_malformed_fair_rows_is_a_per_request_error(direct: Direct, value: str, says: str) -> None:
@@ -372,23 +419,18 @@ def test_metrics_count_rows_and_real_tokens_per_tenant(
     a, b, c = (f"t-{uuid.uuid4().hex[:8]}" for _ in range(3))
     before = counters(triton)
     batch, lens = random_rows([3, 5, 7], seed=12)
-    direct.infer(
-        "embed", {"INPUT_IDS": batch, "INPUT_LENGTHS": lens}, parameters=fair_rows([a, b, a])
-    )
+    lengths = lens[:, 0].tolist()
+    direct.infer("embed", {"INPUT_IDS": batch}, parameters=fair_rows([a, b, a], length=lengths))
     direct.infer("embed", {"INPUT_IDS": ids([1, 2, 3, 4])}, parameters={"tenant": b})
     # generate: prompt tokens + generated tokens; a rejected request counts nothing.
-    direct.infer(
-        "generate", {"INPUT_IDS": ids([1] * 6), "MAX_TOKENS": col([4])}, parameters={"tenant": c}
-    )
+    direct.infer("generate", {"INPUT_IDS": ids([1] * 6)}, parameters={"tenant": c, "max_tokens": 4})
     batch, lens = random_rows([2, 9], seed=13)
     direct.infer(
         "generate",
-        {"INPUT_IDS": batch, "INPUT_LENGTHS": lens, "MAX_TOKENS": col([1, 3])},
-        parameters=fair_rows([c, a]),
+        {"INPUT_IDS": batch},
+        parameters=fair_rows([c, a], length=lens[:, 0].tolist(), max_tokens=[1, 3]),
     )
-    direct.error(
-        "generate", {"INPUT_IDS": ids([1]), "MAX_TOKENS": col([0])}, parameters={"tenant": c}
-    )
+    direct.error("generate", {"INPUT_IDS": ids([1])}, parameters={"tenant": c, "max_tokens": 0})
     after = counters(triton)
 
     def delta(sample: str, model: str, tenant: str) -> float:
@@ -501,16 +543,16 @@ def test_execute_answers_each_request_and_isolates_a_bad_one(
     first, _ = random_rows([5], seed=14)
     second, _ = random_rows([11, 11], seed=15)
     requests = [
-        _Request({"INPUT_IDS": first, "MAX_TOKENS": col([3])}, {"tenant": "x"}),
-        _Request({"INPUT_IDS": ids([1, 2]), "MAX_TOKENS": col([300])}, {"tenant": "x"}),
+        _Request({"INPUT_IDS": first}, {"tenant": "x", "max_tokens": 3}),
+        _Request({"INPUT_IDS": ids([1, 2])}, {"tenant": "x", "max_tokens": 300}),
         _Request({"INPUT_IDS": second}, {"tenant": "y"}),  # a different width, batched along
     ]
     responses = model.execute(requests)
     assert len(responses) == 3
     assert responses[1].error is not None and responses[1].error.code == "INVALID_ARG"
-    assert "MAX_TOKENS" in responses[1].error.message
+    assert "max_tokens" in responses[1].error.message
     assert responses[0].error is None and responses[2].error is None
-    alone = model.execute([_Request({"INPUT_IDS": first, "MAX_TOKENS": col([3])})])
+    alone = model.execute([_Request({"INPUT_IDS": first}, {"max_tokens": 3})])
     assert np.array_equal(responses[0].outputs["OUTPUT_IDS"], alone[0].outputs["OUTPUT_IDS"])
     assert responses[2].outputs["OUTPUT_IDS"].shape == (2, 16)
     assert sink[("fair_model_rows_total", "generate", "x")] == 1
@@ -541,7 +583,7 @@ def test_execute_turns_a_failing_forward_pass_into_internal_errors(
 def test_requests_of_different_widths_in_one_run_equal_each_alone() -> None:
     model = EmbedModel()
     parts = [random_rows(lengths, seed=16 + i) for i, lengths in enumerate([[4], [40, 2], [900]])]
-    decoded = [model.decode(RequestData({"INPUT_IDS": b, "INPUT_LENGTHS": n})) for b, n in parts]
+    decoded = [model.decode(RequestData({"INPUT_IDS": b}, json.dumps(padded(n)))) for b, n in parts]
     together = model.run(decoded)
     for request, (batch, lens) in zip(together, parts, strict=True):
         for i, n in enumerate(lens[:, 0]):
@@ -560,12 +602,8 @@ def test_width_groups_keep_a_full_batch_together_and_long_rows_apart() -> None:
 
 
 def test_pack_pads_with_zero_and_remembers_each_requests_rows() -> None:
-    a = decode_rows({"INPUT_IDS": ids([1, 2, 3])}, vocab=VOCAB, max_row_tokens=100)
-    b = decode_rows(
-        {"INPUT_IDS": ids([4, 9], [5, 6]), "INPUT_LENGTHS": col([1, 2])},
-        vocab=VOCAB,
-        max_row_tokens=100,
-    )
+    a = decode_rows(ids([1, 2, 3]), None, vocab=VOCAB, max_row_tokens=100)
+    b = decode_rows(ids([4, 9], [5, 6]), [1, 2], vocab=VOCAB, max_row_tokens=100)
     packed = pack([a, b])
     assert packed.ids.tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
     assert packed.lengths.tolist() == [3, 1, 2]
@@ -573,13 +611,29 @@ def test_pack_pads_with_zero_and_remembers_each_requests_rows() -> None:
 
 
 def test_row_metadata_defaults() -> None:
-    rows = row_metadata(json.dumps({"fair_rows": json.dumps({"tenant": ["a", "b"]})}), 2, "r")
+    params = read_parameters(json.dumps(fair_rows(["a", "b"])), 2)
+    rows = row_metadata(params, 2, "r")
     assert [(m.tenant, m.priority, m.deadline_us, m.id) for m in rows] == [
         ("a", 0, 0, "r"),
         ("b", 0, 0, "r"),
     ]
     with pytest.raises(RequestError, match="tenant"):
-        row_metadata(json.dumps({"tenant": 5}), 1, "")
+        row_metadata(read_parameters(json.dumps({"tenant": 5}), 1), 1, "")
+
+
+def test_generate_reads_max_tokens_per_row_then_per_request_then_default() -> None:
+    model = GenerateModel()
+
+    def decode(params: dict[str, Any]) -> Any:
+        return model.decode(RequestData({"INPUT_IDS": ids([1, 2], [3, 4])}, json.dumps(params)))
+
+    per_row = decode({"max_tokens": 9, **fair_rows(["a", "b"], max_tokens=[2, 7])})
+    assert (per_row.max_tokens.tolist(), per_row.per_row) == ([2, 7], True)
+    per_request = decode({"max_tokens": " 9"})
+    assert (per_request.max_tokens.tolist(), per_request.per_row) == ([9, 9], False)
+    assert decode({}).max_tokens.tolist() == [16, 16]
+    with pytest.raises(RequestError, match=r"fair_rows': max_tokens\[1\] must be an integer"):
+        decode(fair_rows(["a", "b"], max_tokens=[2, 257]))
 
 
 def test_settings_from_model_config_parameters() -> None:
@@ -624,22 +678,21 @@ def test_gpu_config_differs_from_the_cpu_one_only_in_instance_kind(name: str) ->
 def test_torchscript_embed_equals_the_python_backend_model(tmp_path: Path) -> None:
     scripted = script_embed()
     model = EmbedModel()
-    batch, lens = random_rows([1, 19, 64, 40], seed=20)
+    batch, _ = random_rows([40, 40, 40, 40], seed=20)  # no lengths there: full-width rows
     batch[0, 0] = -7  # modulo, as in the Python backend
-    expected = model.run([model.decode(RequestData({"INPUT_IDS": batch, "INPUT_LENGTHS": lens}))])
+    expected = model.run([model.decode(RequestData({"INPUT_IDS": batch}))])
     with torch.inference_mode():
         for _ in range(3):  # past the TorchScript profiling runs, which may re-optimise
-            got = scripted(torch.from_numpy(batch), torch.from_numpy(lens)).numpy()
+            got = scripted(torch.from_numpy(batch)).numpy()
             np.testing.assert_allclose(got, expected[0]["EMBEDDING"], rtol=1e-5, atol=1e-6)
     out = export(tmp_path / "repo", "KIND_GPU")
     loaded = torch.jit.load(str(out / "embed" / "1" / "model.pt"))
     with torch.inference_mode():
-        again = loaded(torch.from_numpy(batch), torch.from_numpy(lens)).numpy()
+        again = loaded(torch.from_numpy(batch)).numpy()
     np.testing.assert_allclose(again, expected[0]["EMBEDDING"], rtol=1e-5, atol=1e-6)
     config = parse_config(out / "embed" / "config.pbtxt")
     assert config.platform == "pytorch_libtorch"
-    assert [i.name for i in config.input] == ["INPUT_IDS", "INPUT_LENGTHS"]
-    assert not any(i.optional for i in config.input)
+    assert [i.name for i in config.input] == ["INPUT_IDS"]
     generate = parse_config(out / "generate" / "config.pbtxt")
     assert generate.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert (out / "generate" / "1" / "model.py").is_file()

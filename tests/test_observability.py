@@ -109,12 +109,6 @@ def ids(rows: int, width: int, value: int = 7) -> np.ndarray:
     return np.full((rows, width), value, dtype=np.int32)
 
 
-def max_tokens(values: list[int]) -> grpcaio.InferInput:
-    inp = grpcaio.InferInput("MAX_TOKENS", [len(values), 1], "INT32")
-    inp.set_data_from_numpy(np.array(values, dtype=np.int32).reshape(-1, 1))
-    return inp
-
-
 @dataclass
 class Expected:
     """What the workload should have produced, counted by the test as it sends."""
@@ -200,11 +194,12 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
                 inp = [ids_input(grpcaio, ids(rows, width))]
                 assert await grpc_call(rpc, "embed", inp, key[a]) is None
                 exp.served(a, tier_a, "embed", rows, rows * width)
-            # a: generate; tokens = prompt + generated (MAX_TOKENS, default 16).
+            # a: generate; tokens = prompt + generated (max_tokens, default 16).
             assert await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 8))], key[a]) is None
             exp.served(a, tier_a, "generate", 1, 8 + 16)
-            inp = [ids_input(grpcaio, ids(2, 5)), max_tokens([4, 4])]
-            assert await grpc_call(rpc, "generate", inp, key[a]) is None
+            inp = [ids_input(grpcaio, ids(2, 5))]
+            err = await grpc_call(rpc, "generate", inp, key[a], parameters={"max_tokens": 4})
+            assert err is None
             exp.served(a, tier_a, "generate", 2, 2 * (5 + 4))
             # b: embed over HTTP (binary tensors), generate over gRPC.
             for width in (12, 300):

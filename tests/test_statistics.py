@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from benchmarks.harness import perf_analyzer_binary, token_data_file
+from benchmarks.harness import perf_analyzer_binary
 from tests.support import KEYS, ids_input, make_config, running_frontend
 
 
@@ -59,21 +58,20 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
         assert "unknown model" in info.value.message()
 
 
-def test_perf_analyzer_reads_the_frontends_statistics(triton, tmp_path: Path, workers: int) -> None:  # type: ignore[no-untyped-def]
+def test_perf_analyzer_reads_the_frontends_statistics(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
     """perf_analyzer asks for statistics when the server lists the extension."""
-    data = token_data_file(32, tmp_path)
     with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
         proc = subprocess.run(
             [
                 perf_analyzer_binary(),
                 "-m",
                 "embed",
+                "--shape",
+                "INPUT_IDS:32",
                 "-u",
                 fe.grpc_url,
                 "-i",
                 "grpc",
-                "--input-data",
-                str(data),
                 "-H",
                 f"authorization: Bearer {KEYS['acme']}",
                 "--measurement-mode",

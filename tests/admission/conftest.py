@@ -180,14 +180,14 @@ class Reply:
 def infer_request(
     model: str, rows: int, tokens: int, *, max_tokens: int | None = None
 ) -> service_pb2.ModelInferRequest:
-    """A KServe v2 ModelInfer request: INPUT_IDS [rows, tokens] (and MAX_TOKENS [rows, 1])."""
+    """A KServe v2 ModelInfer request: INPUT_IDS [rows, tokens] (and the ``max_tokens``
+    request parameter, as an int64 like tritonclient sends an int)."""
     req = service_pb2.ModelInferRequest(model_name=model)
     # Tensors' bytes go in raw_input_contents, in input order (what tritonclient sends).
     req.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[rows, tokens])
     req.raw_input_contents.append(np.full((rows, tokens), 7, np.int32).tobytes())
     if max_tokens is not None:
-        req.inputs.add(name="MAX_TOKENS", datatype="INT32", shape=[rows, 1])
-        req.raw_input_contents.append(np.full((rows, 1), max_tokens, np.int32).tobytes())
+        req.parameters["max_tokens"].int64_param = max_tokens
     return req
 
 
@@ -197,12 +197,10 @@ def http_body(model: str, rows: int, tokens: int, *, max_tokens: int | None = No
         {"name": "INPUT_IDS", "datatype": "INT32", "shape": [rows, tokens],
          "data": [7] * (rows * tokens)},
     ]  # fmt: skip
+    doc: dict[str, Any] = {"inputs": inputs}
     if max_tokens is not None:
-        inputs.append(
-            {"name": "MAX_TOKENS", "datatype": "INT32", "shape": [rows, 1],
-             "data": [max_tokens] * rows}
-        )  # fmt: skip
-    return json.dumps({"inputs": inputs}).encode()
+        doc["parameters"] = {"max_tokens": max_tokens}
+    return json.dumps(doc).encode()
 
 
 def scrape(url: str, family: str, **labels: str) -> float:

@@ -1,10 +1,10 @@
 """Rate limits on the real stack: real Triton, the real frontend, real clients, real Redis.
 
 What a client sees when its tenant is over a limit (429 / RESOURCE_EXHAUSTED, the retry
-hint, a message naming the limit and window), what is counted (input tokens; plus
-MAX_TOKENS on ``generate``), that a rejected request costs nothing downstream, and that the
-limit is exact under concurrency, with ``memory://`` and with ``redis://``, for one
-frontend and for two sharing one Redis. Redis dying mid-run is in
+hint, a message naming the limit and window), what is counted (input tokens; plus the
+``max_tokens`` request parameter on ``generate``), that a rejected request costs nothing
+downstream, and that the limit is exact under concurrency, with ``memory://`` and with
+``redis://``, for one frontend and for two sharing one Redis. Redis dying mid-run is in
 ``test_integration_redis_down``.
 
 Limits here are per minute: nothing a test admits leaves its window while the test runs,
@@ -145,7 +145,8 @@ async def test_token_limits_count_input_tokens(triton: Any, kserve: KServe, work
 async def test_generate_counts_max_tokens_and_its_default(
     triton: Any, kserve: KServe, workers: int
 ) -> None:
-    """On ``generate`` a request costs its input tokens plus MAX_TOKENS (16 when absent)."""
+    """On ``generate`` a request costs its input tokens plus ``max_tokens`` (16 when absent),
+    a request parameter (gRPC int64_param, HTTP JSON)."""
     limit = {"standard": {"generate": {"tokens_per_minute": 100}}}
     with limited_frontend(triton, workers, limit) as fe:
         key, u = KEYS["initech"], urls(fe)
@@ -156,7 +157,7 @@ async def test_generate_counts_max_tokens_and_its_default(
         assert_rate_limited(refused, "100 tokens per minute", "initech", "generate")
         # 96 + 1 + 3 = 100: fits exactly.
         assert (await kserve.infer("http", u, key, "generate", 1, 1, max_tokens=3)).ok
-        # One token of prompt and no MAX_TOKENS still costs 17.
+        # One token of prompt and no max_tokens still costs 17.
         refused = await kserve.infer("http", u, key, "generate", 1, 1)
         assert_rate_limited(refused, "100 tokens per minute", "initech", "generate")
 

@@ -216,25 +216,3 @@ def simple_still_served_grpc(url: str) -> None:
     assert answer.code == grpc.StatusCode.OK, answer
     sums = np.frombuffer(answer.response.raw_output_contents[0], dtype=np.int32)
     assert sums.tolist() == (SIMPLE_VALUES + 1).tolist()
-
-
-def perf_analyzer_data(path: Any, model: str, tokens: int, samples: int = 4) -> Any:
-    """perf_analyzer ``--input-data`` naming only ``INPUT_IDS`` (and ``MAX_TOKENS``).
-
-    perf_analyzer fills every declared input, optional ones too, with random data unless a
-    data file names the inputs; random ``INPUT_LENGTHS`` are invalid even for Triton.
-    """
-    rng = np.random.default_rng(tokens)
-    rows = []
-    for _ in range(samples):
-        row: dict[str, Any] = {
-            "INPUT_IDS": {
-                "content": rng.integers(0, 4096, size=tokens).tolist(),
-                "shape": [tokens],
-            }
-        }
-        if model == "generate":
-            row["MAX_TOKENS"] = {"content": [4], "shape": [1]}
-        rows.append(row)
-    path.write_text(json.dumps({"data": rows}))
-    return path

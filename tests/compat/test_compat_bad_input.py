@@ -117,12 +117,19 @@ def identity_http(payload: bytes, count: int, outputs: Any = None) -> Callable[[
     return build
 
 
-def ids_http(model: str, **extra: list[int]) -> Callable[[], HttpInfer]:
+def ids_http(
+    model: str, parameters: dict[str, Any] | None = None, **extra: list[int]
+) -> Callable[[], HttpInfer]:
+    """INPUT_IDS [1, 4], any ``extra`` [1, 1] inputs, any request ``parameters``."""
+
     def build() -> HttpInfer:
         inputs = [{"name": "INPUT_IDS", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]}]
         for name, values in extra.items():
             inputs.append({"name": name, "shape": [1, 1], "datatype": "INT32", "data": values})
-        return HttpInfer(model, {"inputs": inputs})
+        doc: dict[str, Any] = {"inputs": inputs}
+        if parameters is not None:
+            doc["parameters"] = parameters
+        return HttpInfer(model, doc)
 
     return build
 
@@ -261,9 +268,16 @@ HTTP_CASES = [
         "classification",
         None,
     ),
-    HttpBad("max-tokens-negative", ids_http("generate", MAX_TOKENS=[-5]), "MAX_TOKENS", 400),
-    HttpBad("max-tokens-zero", ids_http("generate", MAX_TOKENS=[0]), "MAX_TOKENS", 400),
-    HttpBad("lengths-past-width", ids_http("embed", INPUT_LENGTHS=[9]), "INPUT_LENGTHS", 400),
+    # Former model inputs (now request parameters): unexpected, to Triton and to us.
+    HttpBad("former-max-tokens-input", ids_http("generate", MAX_TOKENS=[4]), "MAX_TOKENS", 400),
+    HttpBad("former-lengths-input", ids_http("embed", INPUT_LENGTHS=[4]), "INPUT_LENGTHS", 400),
+    # max_tokens, the request parameter: the model's range (1..256), an integer.
+    HttpBad("max-tokens-negative", ids_http("generate", {"max_tokens": -5}), "max_tokens", 400),
+    HttpBad("max-tokens-zero", ids_http("generate", {"max_tokens": 0}), "max_tokens", 400),
+    HttpBad("max-tokens-too-many", ids_http("generate", {"max_tokens": 257}), "max_tokens", 400),
+    HttpBad("max-tokens-fraction", ids_http("generate", {"max_tokens": 2.5}), "max_tokens", 400),
+    HttpBad("max-tokens-word", ids_http("generate", {"max_tokens": "many"}), "max_tokens", 400),
+    HttpBad("max-tokens-bool", ids_http("generate", {"max_tokens": True}), "max_tokens", 400),
 ]
 
 
@@ -339,11 +353,24 @@ def _uint64_class(value: int) -> Callable[[service_pb2.ModelInferRequest], None]
     return apply
 
 
-def _with_max_tokens(value: int) -> Callable[[], Any]:
+def _with_input(model: str, name: str) -> Callable[[], Any]:
+    """INPUT_IDS [1, 4] and an INT32 [1, 1] input ``name``."""
+
+    def build() -> service_pb2.ModelInferRequest:
+        msg = ids_grpc(model, np.arange(4, dtype=np.int32).reshape(1, 4))
+        msg.inputs.add(name=name, datatype="INT32", shape=[1, 1])
+        msg.raw_input_contents.append(np.array([4], dtype=np.int32).tobytes())
+        return msg
+
+    return build
+
+
+def _with_max_tokens(**value: Any) -> Callable[[], Any]:
+    """generate with the ``max_tokens`` request parameter set as ``value`` says."""
+
     def build() -> service_pb2.ModelInferRequest:
         msg = ids_grpc("generate", np.arange(4, dtype=np.int32).reshape(1, 4))
-        msg.inputs.add(name="MAX_TOKENS", datatype="INT32", shape=[1, 1])
-        msg.raw_input_contents.append(np.array([value], dtype=np.int32).tobytes())
+        msg.parameters["max_tokens"].MergeFrom(service_pb2.InferParameter(**value))
         return msg
 
     return build
@@ -447,7 +474,12 @@ GRPC_CASES = [
     GrpcBad("classification-negative", gedit(_output("OUTPUT0", -1)), "classification", IA),
     GrpcBad("classification-uint64", gedit(_uint64_class(2**63)), "classification", IA),
     GrpcBad("classification-of-bytes", _bytes_classified, "classification", None),
-    GrpcBad("max-tokens-negative", _with_max_tokens(-5), "MAX_TOKENS", IA),
+    GrpcBad("former-max-tokens-input", _with_input("generate", "MAX_TOKENS"), "MAX_TOKENS", IA),
+    GrpcBad("former-lengths-input", _with_input("embed", "INPUT_LENGTHS"), "INPUT_LENGTHS", IA),
+    GrpcBad("max-tokens-negative", _with_max_tokens(int64_param=-5), "max_tokens", IA),
+    GrpcBad("max-tokens-too-many", _with_max_tokens(int64_param=300), "max_tokens", IA),
+    GrpcBad("max-tokens-double", _with_max_tokens(double_param=4.0), "max_tokens", IA),
+    GrpcBad("max-tokens-word", _with_max_tokens(string_param="four"), "max_tokens", IA),
 ]
 
 

@@ -102,9 +102,13 @@ def model_inputs(model: str, rows: int) -> dict[str, np.ndarray]:
             )
         }
     ids = RNG.integers(0, 4096, size=(rows, 12 if model == "embed" else 6), dtype=np.int32)
-    if model == "embed":
-        return {"INPUT_IDS": ids}
-    return {"INPUT_IDS": ids, "MAX_TOKENS": np.full((rows, 1), 4, dtype=np.int32)}
+    return {"INPUT_IDS": ids}
+
+
+def model_parameters(model: str) -> dict[str, Any] | None:
+    """Request parameters a model is sent: ``generate`` asks for 4 tokens (quick answers;
+    through the frontend the count travels per row in ``fair_rows``)."""
+    return {"max_tokens": 4} if model == "generate" else None
 
 
 # The outputs a client may name explicitly (a strict subset where the model has several).
@@ -187,6 +191,7 @@ def test_same_answer_as_triton(
                 outputs=make_outputs(protocol, names),
                 request_id=rid,
                 headers=side.headers,
+                parameters=model_parameters(model),
             )
 
         direct, through = side_by_side(sides, call)
@@ -321,7 +326,12 @@ async def test_grpc_aio_concurrent_requests_get_their_own_answers(
             return list(
                 await asyncio.gather(
                     *(
-                        client.infer(m, make_inputs("grpc", a), headers=side.headers)
+                        client.infer(
+                            m,
+                            make_inputs("grpc", a),
+                            headers=side.headers,
+                            parameters=model_parameters(m),
+                        )
                         for m, a in jobs
                     )
                 )
@@ -523,27 +533,58 @@ def test_grpc_model_ready_for_a_version_is_tritons(sides: tuple[Side, Side]) -> 
         assert [a.response.ready for a in answers] == [ready, ready]
 
 
-# ---- outputs and optional inputs: what the frontend adds must not show ------------------------
+# ---- former inputs, parameters, outputs: what the frontend adds must not show -----------------
 
 
 @pytest.mark.parametrize("protocol", ["http-binary", "grpc"])
-@pytest.mark.parametrize("model", ["embed", "generate"])
-def test_client_sent_lengths_same_answer(
-    sides: tuple[Side, Side], protocol: str, model: str
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [("embed", "INPUT_LENGTHS"), ("generate", "INPUT_LENGTHS"), ("generate", "MAX_TOKENS")],
+)
+def test_former_inputs_are_refused_alike(
+    sides: tuple[Side, Side], protocol: str, model: str, name: str
 ) -> None:
-    """A client may send the optional INPUT_LENGTHS itself (the frontend also adds it)."""
+    """A client still sending the inputs the models had before (row lengths, tokens to
+    generate; now request parameters) gets 400 / INVALID_ARGUMENT naming the input from
+    both. Wording: Triton 2.51 counts inputs first ("expected 1 inputs but got 2 inputs
+    ... Got input(s) [...]"); the frontend names the stray input ("unexpected inference
+    input"), which is what Triton says when the count is right."""
     arrays = model_inputs(model, 2)
-    arrays["INPUT_LENGTHS"] = np.array([[arrays["INPUT_IDS"].shape[1]], [3]], dtype=np.int32)
+    arrays[name] = np.array([[3], [4]], dtype=np.int32)
 
-    def call(side: Side) -> Any:
-        return side.client(protocol).infer(
-            model, make_inputs(protocol, arrays), headers=side.headers
-        )
+    def call(side: Side) -> InferenceServerException:
+        with pytest.raises(InferenceServerException) as info:
+            side.client(protocol).infer(model, make_inputs(protocol, arrays), headers=side.headers)
+        return info.value
 
     direct, through = side_by_side(sides, call)
-    assert_same_answer(direct, through)
-    if model == "generate":  # the model answers lengths for lengths
-        assert through.as_numpy("OUTPUT_LENGTHS").reshape(-1).tolist() == [4, 4]
+    bad = "StatusCode.INVALID_ARGUMENT" if protocol == "grpc" else "400"
+    assert direct.status() == through.status() == bad
+    assert f"'{name}'" in direct.message()
+    assert f"unexpected inference input '{name}' for model '{model}'" in through.message()
+
+
+@pytest.mark.parametrize("protocol", ["http-binary", "grpc"])
+def test_max_tokens_parameter_same_answer(sides: tuple[Side, Side], protocol: str) -> None:
+    """``max_tokens`` as a request parameter: through the frontend it travels per row in
+    ``fair_rows`` (OUTPUT_LENGTHS comes back from the model), and the client still gets
+    Triton's answer: exactly OUTPUT_IDS, as many tokens as it asked for."""
+    arrays = model_inputs("generate", 2)
+    for count in (1, 7):
+
+        def call(side: Side, n: int = count) -> Any:
+            return side.client(protocol).infer(
+                "generate",
+                make_inputs(protocol, arrays),
+                headers=side.headers,
+                parameters={"max_tokens": n},
+            )
+
+        direct, through = side_by_side(sides, call)
+        assert_same_answer(direct, through)
+        assert [(n, shape) for n, _, shape in response_fields(through)[3]] == [
+            ("OUTPUT_IDS", [2, count])
+        ]
 
 
 @pytest.mark.parametrize("protocol", ["http-binary", "http-json", "grpc"])
@@ -555,8 +596,9 @@ def test_client_sent_lengths_same_answer(
 def test_named_outputs_the_model_leaves_out_are_left_out(
     sides: tuple[Side, Side], protocol: str, names: list[str]
 ) -> None:
-    """Without INPUT_LENGTHS, generate leaves OUTPUT_LENGTHS (and here ROW_META) out even
-    when named; through the frontend, whose own lengths make the model emit them, too."""
+    """A client's counts do not come per row, so generate leaves OUTPUT_LENGTHS (and here
+    ROW_META) out even when named; through the frontend, whose per-row counts in
+    ``fair_rows`` make the model emit OUTPUT_LENGTHS, too."""
     arrays = model_inputs("generate", 2)
 
     def call(side: Side) -> Any:
@@ -565,6 +607,7 @@ def test_named_outputs_the_model_leaves_out_are_left_out(
             make_inputs(protocol, arrays),
             outputs=make_outputs(protocol, names),
             headers=side.headers,
+            parameters=model_parameters("generate"),
         )
 
     direct, through = side_by_side(sides, call)
@@ -581,6 +624,7 @@ def test_generate_row_meta_with_output_ids(sides: tuple[Side, Side]) -> None:
             make_inputs("grpc", arrays),
             outputs=make_outputs("grpc", ["OUTPUT_IDS", "ROW_META"]),
             headers=side.headers,
+            parameters=model_parameters("generate"),
         )
 
     direct, through = side_by_side(sides, call)

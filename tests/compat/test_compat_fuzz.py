@@ -61,6 +61,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 MODELS = ["simple", "simple_identity", "simple_nobatch", "embed", "generate", "no_such_model"]
+# INPUT_LENGTHS and MAX_TOKENS: former inputs of embed/generate, refused as inputs now.
 INPUT_NAMES = ["INPUT0", "INPUT1", "INPUT_IDS", "INPUT_LENGTHS", "MAX_TOKENS"]
 OUTPUT_NAMES = ["OUTPUT0", "OUTPUT1", "EMBEDDING", "ROW_META", "OUTPUT_IDS", "OUTPUT_LENGTHS"]
 # Names with a meaning somewhere in the protocol, so mutations reach the checks behind them.
@@ -68,7 +69,7 @@ PROTOCOL_WORDS = [
     "inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "id",
     "binary_data_size", "binary_data", "binary_data_output", "classification", "priority",
     "timeout", "sequence_id", "sequence_start", "headers", "tenant", "triton_x", "fair_rows",
-    "shared_memory_region", "triton_enable_empty_final_response",
+    "shared_memory_region", "triton_enable_empty_final_response", "max_tokens",
 ]  # fmt: skip
 DATATYPES = [*DTYPES, "", "NOPE", "STRING"]
 DIMS = st.one_of(st.integers(-2, 5), st.sampled_from([0, 16, 2**31, 2**40, 2**62]))

@@ -1,9 +1,14 @@
-"""perf_analyzer 2.46, unchanged, measures through the frontend on embed and generate.
+"""perf_analyzer 2.46, unchanged, measures embed and generate, directly and through us.
 
-The key travels as ``-H 'authorization: Bearer KEY'`` (perf_analyzer splits at the first
-':' and does not trim, so the value arrives as ' Bearer KEY'). Runs are short: count
-windows of 20 requests at concurrency 2. What perf_analyzer asks the server, recorded on a
-private frontend: ServerMetadata (the extensions list), ModelMetadata and ModelConfig;
+The command is the plain one users start with, ``-m embed --shape INPUT_IDS:<n>``, no data
+file: perf_analyzer then fills every input the model declares (optional ones too) with
+random data, which works because ``INPUT_IDS`` is the models' only input (random ids are
+taken modulo the vocabulary; row lengths and ``max_tokens`` are request parameters).
+The same command runs against Triton directly and through the frontend, where the key
+travels as ``-H 'authorization: Bearer KEY'`` (perf_analyzer splits at the first ':' and
+does not trim, so the value arrives as ' Bearer KEY'). Runs are short: count windows of
+20 requests at concurrency 2. What perf_analyzer asks the server, recorded on a private
+frontend: ServerMetadata (the extensions list), ModelMetadata and ModelConfig;
 ModelStatistics around every measurement window, because ``statistics`` is listed.
 """
 
@@ -12,11 +17,10 @@ from __future__ import annotations
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from compat_support import TENANT, perf_analyzer_data
+from compat_support import TENANT
 
 from benchmarks.harness import perf_analyzer, perf_analyzer_binary
 from fair_frontend.embedded import EmbeddedTriton
@@ -24,6 +28,8 @@ from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 COUNTED = ("server_metadata", "model_metadata", "model_config", "statistics")
 SHORT_RUN = ["--measurement-mode", "count_windows", "--measurement-request-count", "20"]
+# The widths users start with (README): a 128-token embedding, a 32-token prompt.
+SHAPES = {"embed": "INPUT_IDS:128", "generate": "INPUT_IDS:32"}
 
 
 @pytest.fixture(scope="module")
@@ -43,26 +49,47 @@ def counted(triton: EmbeddedTriton) -> Iterator[tuple[RunningFrontend, Counter[s
         yield running, calls
 
 
-def _url(running: RunningFrontend, protocol: str) -> str:
-    return running.grpc_url if protocol == "grpc" else running.http_url
+def _url(running: RunningFrontend | EmbeddedTriton, protocol: str) -> str:
+    if protocol == "grpc":
+        return running.grpc_url
+    return running.http_url.removeprefix("http://")
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("model", ["embed", "generate"])
-def test_perf_analyzer_measures_through_the_frontend(
-    counted: tuple[RunningFrontend, Counter[str]], tmp_path: Path, model: str, protocol: str
+def test_perf_analyzer_plain_command_measures_triton_directly(
+    triton: EmbeddedTriton, model: str, protocol: str
+) -> None:
+    """The reference: what users run first, against Triton itself, succeeds."""
+    result = perf_analyzer(
+        model,
+        _url(triton, protocol),
+        protocol=protocol,
+        concurrency=2,
+        shapes=[SHAPES[model]],
+        extra=SHORT_RUN,
+        timeout_s=120,
+    )  # raises with perf_analyzer's output on any error (it exits non-zero then)
+    assert result["throughput"] > 0
+    assert result["p50_ms"] > 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("model", ["embed", "generate"])
+def test_perf_analyzer_plain_command_measures_through_the_frontend(
+    counted: tuple[RunningFrontend, Counter[str]], model: str, protocol: str
 ) -> None:
     running, calls = counted
     before = Counter(calls)
     batches_before = running.call(running.batch_count(model))
-    data = perf_analyzer_data(tmp_path / "data.json", model, tokens=16)
     result = perf_analyzer(
         model,
         _url(running, protocol),
         protocol=protocol,
         concurrency=2,
+        shapes=[SHAPES[model]],
         headers=[f"authorization: Bearer {KEYS[TENANT]}"],
-        extra=["--input-data", str(data), *SHORT_RUN],
+        extra=SHORT_RUN,
         timeout_s=120,
     )  # raises with perf_analyzer's output on any error (it exits non-zero then)
     assert result["throughput"] > 0
@@ -78,24 +105,23 @@ def test_perf_analyzer_measures_through_the_frontend(
 
 
 def test_perf_analyzer_without_a_key_is_refused(
-    counted: tuple[RunningFrontend, Counter[str]], tmp_path: Path
+    counted: tuple[RunningFrontend, Counter[str]],
 ) -> None:
     """The negative control: the runs above pass because the -H key is honoured."""
     running, _ = counted
-    data = perf_analyzer_data(tmp_path / "data.json", "embed", tokens=16)
     proc = subprocess.run(
         [
             perf_analyzer_binary(),
             "-m",
             "embed",
+            "--shape",
+            SHAPES["embed"],
             "-u",
             running.grpc_url,
             "-i",
             "grpc",
             "--concurrency-range",
             "2:2",
-            "--input-data",
-            str(data),
             *SHORT_RUN,
         ],
         capture_output=True,

@@ -20,6 +20,7 @@ and the fitted model must reproduce Triton's mean time of every batch shape.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -83,16 +84,15 @@ def ids(rows: int, width: int) -> grpcclient.InferInput:
     return tensor
 
 
-def lengths(values: list[int]) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput("INPUT_LENGTHS", [len(values), 1], "INT32")
-    tensor.set_data_from_numpy(np.array(values, dtype=np.int32).reshape(-1, 1))
-    return tensor
+def padded(tenant: str, lengths: list[int]) -> dict[str, str]:
+    """Real row lengths as the frontend sends them: in the ``fair_rows`` parameter."""
+    return {"fair_rows": json.dumps({"tenant": [tenant] * len(lengths), "length": lengths})}
 
 
 async def test_sleeper_answers_each_rows_token_count(
     client: aioclient.InferenceServerClient,
 ) -> None:
-    result = await client.infer("sleeper", [ids(3, 10), lengths([10, 4, 1])])
+    result = await client.infer("sleeper", [ids(3, 10)], parameters=padded("t", [10, 4, 1]))
     assert result.as_numpy("OUT").tolist() == [[10], [4], [1]]
     result = await client.infer("sleeper", [ids(2, 7)])
     assert result.as_numpy("OUT").tolist() == [[7], [7]]
@@ -211,11 +211,11 @@ async def test_tenant_totals_equal_what_was_sent(
         assert await metrics.scrape_once()
         assert tenant not in metrics.tenant_totals("embed")
         for rows, width, real in sent:
-            inputs = [ids(rows, width)] + ([lengths(real)] if real else [])
-            await client.infer("embed", inputs, parameters={"tenant": tenant})
+            params = padded(tenant, real) if real else {"tenant": tenant}
+            await client.infer("embed", [ids(rows, width)], parameters=params)
         assert await metrics.scrape_once()
         rows_sent = sum(rows for rows, _, _ in sent)
-        # Real tokens only: padding (beyond INPUT_LENGTHS) is never counted.
+        # Real tokens only: padding (beyond each row's length) is never counted.
         tokens_sent = sum(sum(real) if real else rows * width for rows, width, real in sent)
         assert metrics.tenant_totals("embed")[tenant] == TenantUsage(rows_sent, tokens_sent)
     (d,) = deltas

@@ -1,7 +1,8 @@
 """Busy-waits a known time per execute(): fixed_ms + per_token_us * tokens of the whole call.
 
 A busy wait (a perf_counter loop, not sleep) so it occupies a core like real compute.
-A row's tokens are its INPUT_LENGTHS entry when sent, else the width of INPUT_IDS. OUT is
+A row's tokens are its entry in the ``length`` list of the ``fair_rows`` request parameter
+(as the frontend sends it where it pads ragged rows), else the width of INPUT_IDS. OUT is
 each row's token count. The cost parameters come from config.pbtxt (defaults 2 ms, 20 us).
 """
 
@@ -26,9 +27,9 @@ class TritonPythonModel:
         lengths = []
         for request in requests:
             ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
-            given = pb_utils.get_input_tensor_by_name(request, "INPUT_LENGTHS")
-            if given is not None:
-                lengths.append(given.as_numpy().reshape(-1, 1).astype(np.int32))
+            rows = json.loads(json.loads(request.parameters() or "{}").get("fair_rows", "{}"))
+            if "length" in rows:
+                lengths.append(np.array(rows["length"], dtype=np.int32).reshape(-1, 1))
             else:
                 lengths.append(np.full((ids.shape[0], 1), ids.shape[1], dtype=np.int32))
         tokens = sum(int(n.sum()) for n in lengths)
