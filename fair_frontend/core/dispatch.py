@@ -273,6 +273,9 @@ class EndpointRuntime:
         self._timer_at: float | None = None
         self._held: list[list[CoreRequest]] = []  # batches that never reached Triton
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
+        # Per batch in Triton: (sent at, predicted seconds); _busy_until is derived from
+        # them and recomputed as each batch comes back, early or late.
+        self._predicted: dict[asyncio.Task[None], tuple[float, float]] = {}
         backend.listeners.append(self.kick)
         backend.give_up_listeners.append(self.give_up)
 
@@ -299,9 +302,7 @@ class EndpointRuntime:
             self.kick()
             return
         # No batch can go now (the hot path under load): only its timers may change.
-        lead = self._lead()
-        if lead > 0 and self.inflight == self.max_inflight:
-            self._arm(self._busy_until - lead)
+        self._arm_lead()
         if req.deadline is not None:
             self._arm(req.deadline)
 
@@ -343,21 +344,40 @@ class EndpointRuntime:
             if not batch:
                 break
             self._launch(batch, now)
-        if self.inflight >= self.max_inflight and self.scheduler.queued_requests:
-            lead = self._lead()
-            if lead > 0 and self.inflight == self.max_inflight:
-                self._arm(self._busy_until - lead)
+        if self.scheduler.queued_requests:
+            self._arm_lead()
         due = self._next_deadline()
         if due is not None:
             self._arm(due)
 
+    def _arm_lead(self) -> None:
+        """The early send's timer, while every slot is taken and Triton is there (while it
+        is not, nothing is sent: the moment passes, and a timer for it would fire at once,
+        for ever; ``kick`` runs again when Triton is back)."""
+        lead = self._lead()
+        if lead > 0 and self.inflight == self.max_inflight and self.backend.available:
+            self._arm(self._busy_until - lead)
+
     def _launch(self, batch: list[CoreRequest], now: float) -> None:
         self.inflight += 1
         self.batches_sent += 1
-        self._busy_until = max(now, self._busy_until) + self._predict(batch)
         task = asyncio.get_running_loop().create_task(self._run(batch))
         self._tasks[task] = batch
-        task.add_done_callback(self._tasks.pop)
+        self._predicted[task] = (now, self._predict(batch))
+        self._busy_until = self._predicted_end(now)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        self._predicted.pop(task, None)
+
+    def _predicted_end(self, now: float) -> float:
+        """When the batches in Triton are predicted to be done: one instance runs them one
+        after another, each from when it was sent or the one before it ends."""
+        busy = now
+        for sent, seconds in sorted(self._predicted.values()):
+            busy = max(busy, sent) + seconds
+        return busy
 
     def _may_send(self, now: float) -> bool:
         """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
@@ -392,9 +412,13 @@ class EndpointRuntime:
         oldest = self.scheduler.oldest_arrival()
         if oldest is None or oldest + delay <= now:
             return None
-        limit = self.scheduler.policy.max_batch_size or 1
-        if self.scheduler.queued_rows >= limit:
-            return None
+        policy = self.scheduler.policy
+        if self.scheduler.queued_rows >= (policy.max_batch_size or 1):
+            return None  # a full batch by rows
+        if policy.max_batch_tokens is not None and (
+            self.scheduler.queued_tokens >= policy.max_batch_tokens
+        ):
+            return None  # ... or by tokens
         return oldest + delay
 
     def _next_deadline(self) -> float | None:
@@ -450,6 +474,10 @@ class EndpointRuntime:
             for r in batch:
                 self._fail(r, Internal(f"internal error: {type(err).__name__}"))
         finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self._forget(task)
+            self._busy_until = self._predicted_end(self.clock.now())
             if not held:
                 self.inflight -= 1
                 self.on_batch(_report(self.model, batch, started, self.clock.now(), ok))
@@ -478,7 +506,10 @@ class EndpointRuntime:
                 self._fail(batch[0], err)
                 return False, False
             # One bad row must not fail its neighbours: isolate by sending each alone.
-            await self._send_one_by_one(batch)
+            unsent = await self._send_one_by_one(batch)
+            if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
+                self._held.append(unsent)
+                return False, True
             return False, False
         for r, outs in zip(
             batch, unpack(outputs, batch, self.info, self.endpoint, packed.stripped), strict=True
@@ -521,20 +552,34 @@ class EndpointRuntime:
         self._finish(req, version, [])
         return True
 
-    async def _send_one_by_one(self, batch: list[CoreRequest]) -> None:
-        for r in batch:
+    async def _send_one_by_one(self, batch: list[CoreRequest]) -> list[CoreRequest]:
+        """Each request alone, so only a culprit gets a model's error; returns the ones not
+        sent because Triton became unreachable (to hold), [] if every one was answered."""
+        for i, r in enumerate(batch):
             if r.answered:
+                continue
+            if r.cancelled:  # its client went away: no work for an answer nobody reads
+                self._done(r, Outcome.CANCELLED, None, "")
                 continue
             try:
                 packed = pack([r], self.info, self.endpoint)
                 version, outputs = await self._forward(packed, [r])
+            except Unavailable as err:
+                self.backend.mark_down()
+                if not err.never_sent:  # it may have run: never sent twice
+                    self._fail(r, err)
+                rest = [q for q in batch[i if err.never_sent else i + 1 :] if not q.answered]
+                if not self.backend.gave_up:
+                    return rest
+                for q in rest:
+                    self._fail(q, self.outage_error())
+                return []
             except FrontendError as err:
-                if isinstance(err, Unavailable):
-                    self.backend.mark_down()
                 self._fail(r, err)
                 continue
             (outs,) = unpack(outputs, [r], self.info, self.endpoint, packed.stripped)
             self._finish(r, version, outs)
+        return []
 
     async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
         first = batch[0].request
@@ -590,8 +635,9 @@ class EndpointRuntime:
 
     def fail_queued(self, err: FrontendError) -> int:
         """Answer everything queued or held with ``err`` (shutdown, a given-up outage);
-        returns how many. They leave the scheduler as cancelled: neither dispatched nor
-        charged to anyone's DRR budget."""
+        returns how many. The queued leave the scheduler as cancelled: neither dispatched
+        nor charged to anyone's DRR budget. The held were dispatched (and charged) when
+        their batch was assembled; they are answered all the same."""
         failed = 0
         for req in self.scheduler.cancel_all(self.clock.now()):
             self._fail(req, err)  # type: ignore[arg-type]

@@ -20,7 +20,6 @@ from dispatch_support import (
     FixedService,
     Harness,
     RecordingRoute,
-    TimerStorm,
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -376,13 +375,6 @@ async def test_no_dispatch_lead_when_the_lead_is_zero(make: Callable[..., Harnes
     assert h.triton.batches() == [ids(r1)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimerStorm,
-    reason="busy loop: while Triton is down, kick() re-arms the dispatch-lead timer at "
-    "_busy_until - lead, which is already due, so the timer fires and re-arms for ever "
-    "(a call_later(0) spin on the real clock) until Triton is back",
-)
 async def test_no_busy_loop_when_the_lead_time_passes_while_triton_is_down(
     make: Callable[..., Harness],
 ) -> None:
@@ -397,13 +389,6 @@ async def test_no_busy_loop_when_the_lead_time_passes_while_triton_is_down(
     assert len(h.triton.sent) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stale prediction: _busy_until is never brought back when batches finish "
-    "earlier than predicted, so the next batch's predicted end is counted from the old "
-    "one's predicted end (20 ms instead of 12 ms) and the early send comes at 17 ms "
-    "instead of 9 ms",
-)
 async def test_dispatch_lead_counts_from_the_batches_still_in_flight(
     make: Callable[..., Harness],
 ) -> None:
@@ -465,11 +450,6 @@ async def test_queue_delay_does_not_hold_while_a_batch_is_in_flight(
     assert h.triton.batches() == [ids(r1), ids(r2)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_hold_until counts only rows (queued_rows >= max_batch_size): a batch that "
-    "max_batch_tokens has already filled still waits the whole max_queue_delay_ms",
-)
 async def test_queue_delay_sends_a_batch_full_by_tokens_at_once(
     make: Callable[..., Harness],
 ) -> None:
@@ -638,12 +618,6 @@ async def test_an_unavailable_answer_after_sending_is_not_resent(
     assert h.triton.batches() == [ids(r1), ids(r2)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_send_one_by_one keeps sending the rest of a batch after Triton is marked "
-    "down, and answers a request whose retry never reached Triton with UNAVAILABLE "
-    "instead of holding it until Triton is back",
-)
 async def test_an_outage_during_the_one_by_one_retry_holds_the_rest(
     make: Callable[..., Harness],
 ) -> None:
@@ -843,12 +817,6 @@ async def test_a_request_cancelled_while_held_leaves_its_batch(
     assert h.outcomes(r1) == [Outcome.CANCELLED]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_send_one_by_one skips only answered requests: one whose client went away "
-    "while its batch was in flight is still sent to Triton alone when the batch is "
-    "retried, work for an answer that is dropped",
-)
 async def test_a_request_cancelled_in_flight_is_not_resent_in_the_one_by_one_retry(
     make: Callable[..., Harness],
 ) -> None:
