@@ -47,6 +47,10 @@ saw at least this many of its batches finish in it. Two, not one: a batch that T
 finished just before a scrape may reach the frontend just after it."""
 
 
+REFIT_INTERVAL_S = 0.05
+"""The batch-time model is refitted at most this often (of the learning clock)."""
+
+
 class Source(str, enum.Enum):
     """Where the current estimates come from (exported as a label: keep values stable)."""
 
@@ -126,6 +130,7 @@ class ServiceModel:
         default_batch_seconds: float = DEFAULT_BATCH_SECONDS,
         stale_after_intervals: float = DEFAULT_STALE_AFTER_INTERVALS,
         min_memory_batches: float = DEFAULT_MIN_MEMORY_BATCHES,
+        refit_interval_s: float = REFIT_INTERVAL_S,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha {alpha} is not in (0, 1]")
@@ -156,6 +161,9 @@ class ServiceModel:
         self._source = Source.DEFAULT
         self._stale_reason: str | None = "no scrape of Triton's metrics yet"
         self._fit: BatchTime | None = None  # cache for the current source; None = stale cache
+        self.refit_interval_s = refit_interval_s
+        self._fit_at: float | None = None  # the learning time the cached fit includes
+        self._learned_at: float | None = None
 
     @classmethod
     def for_endpoint(
@@ -268,6 +276,7 @@ class ServiceModel:
         """The current batch-time model (the defaults without data)."""
         if self._fit is None:
             self._fit = self._current_fit()
+            self._fit_at = self._learned_at
         return self._fit
 
     def predict_batch_seconds(self, rows: int | float, tokens: int | float) -> float:
@@ -355,7 +364,12 @@ class ServiceModel:
             stats.decay(max(by_time, self._keep_per_batch**weight))
         stats.add(rows, tokens, seconds, weight)
         stats.updated_at = now if stats.updated_at is None else max(now, stats.updated_at)
-        self._fit = None
+        self._learned_at = now
+        # Refit at most every REFIT_INTERVAL_S (the fit moves over many batches; small
+        # batches come back hundreds of times a second and refitting each costs more than
+        # the request); the first observations are always fitted at once.
+        if self._fit_at is None or not 0 <= now - self._fit_at < self.refit_interval_s:
+            self._fit = None
 
     def _tokens_per_row(self, delta: TritonDelta) -> float | None:
         """Tokens per row of the delta's items; consumes the frontend's unmatched rows."""

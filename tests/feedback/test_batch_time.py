@@ -150,7 +150,7 @@ def test_service_time_of_a_batch_sent_to_an_idle_instance_is_its_round_trip() ->
 
 
 def test_failed_and_out_of_order_batches() -> None:
-    model = token_model()
+    model = token_model(refit_interval_s=0.0)  # every batch refits: the accounting shows
     model.observe_batch(4, 100, 0.0, 0.010, 0.010)
     # A failed batch is not learned from, but the next batch waited behind it.
     model.observe_batch(4, 100, 0.001, 0.011, 0.011, ok=False)
@@ -161,6 +161,26 @@ def test_failed_and_out_of_order_batches() -> None:
     model.observe_batch(4, 100, 0.015, 0.020, 0.022)
     assert model.status().frontend_batches == pytest.approx(3.0, rel=0.05)
     assert model.predict_batch_seconds(4, 100) < 0.010
+
+
+def test_the_model_is_refitted_at_most_every_refit_interval() -> None:
+    """Small batches come back hundreds of times a second; refitting after each cost more
+    than the requests themselves. The fit may lag the data by one interval, no more."""
+    model = token_model(refit_interval_s=0.05)
+    t = 0.0
+    for _ in range(50):
+        model.observe_batch(4, 100, t, t + 0.004, t + 0.004)
+        t += 0.004
+    assert model.predict_batch_seconds(4, 100) == pytest.approx(0.004, rel=0.01)
+    slower = t
+    for _ in range(5):  # 40 ms of batches twice as slow: within one interval of the fit
+        model.observe_batch(4, 100, t, t + 0.008, t + 0.008)
+        t += 0.008
+    assert model.predict_batch_seconds(4, 100) == pytest.approx(0.004, rel=0.01)
+    while t < slower + 0.06:
+        model.observe_batch(4, 100, t, t + 0.008, t + 0.008)
+        t += 0.008
+    assert model.predict_batch_seconds(4, 100) > 0.0045  # refitted: it learns the change
 
 
 def test_memory_floor_keeps_slow_traffic_from_forgetting_everything() -> None:
