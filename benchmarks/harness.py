@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -128,7 +129,7 @@ def frontend(
         "--metrics-port",
         str(ports[2]),
         "--log-level",
-        "WARNING",
+        os.environ.get("FAIR_BENCH_LOG_LEVEL", "WARNING"),
     ]
     if workers is not None:
         cmd += ["--workers", str(workers)]

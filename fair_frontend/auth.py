@@ -22,6 +22,7 @@ from fair_frontend.config import SHA256_PREFIX, Config, ConfigError
 from fair_frontend.errors import PermissionDenied, Unauthenticated
 
 TENANT_HEADER = "x-tenant-id"
+MISSING_KEY = "missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 
 def digest_of(stored: str) -> bytes:
@@ -121,6 +122,14 @@ class Authenticator:
         self.tenants = tenants
         self.trusted_gateway = trusted_gateway
 
+    def identify_by_headers(self, headers: Mapping[str, str]) -> str | None:
+        """The tenant, as far as the headers alone tell (before a body is read or decoded):
+        raises what ``identify`` would raise for these headers whatever the body says; None
+        when only the body can tell (a trusted gateway's ``tenant`` parameter)."""
+        if extract_key(headers) is None and self.trusted_gateway:
+            return None  # the gateway may name the tenant in the body too
+        return self.identify(headers, None)
+
     def identify(self, headers: Mapping[str, str], tenant_claim: str | None) -> str:
         """The tenant, or raise Unauthenticated (401) / PermissionDenied (403).
 
@@ -148,6 +157,4 @@ class Authenticator:
             if tenant not in self.tenants:
                 raise Unauthenticated("unknown tenant")
             return tenant
-        raise Unauthenticated(
-            "missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'"
-        )
+        raise Unauthenticated(MISSING_KEY)

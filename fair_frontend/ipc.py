@@ -49,6 +49,7 @@ from fair_frontend.records import (
     Hello,
     InfoAnswer,
     InfoQuery,
+    QueueView,
     Ready,
     Settings,
     StatsAnswer,
@@ -74,6 +75,7 @@ MAX_UNSENT_BYTES = 256 << 20
 TALLY_INTERVAL_S = 0.25
 TALLY_MAX_KEYS = 1024  # distinct (tenant, model, outcome) before a tally goes early
 INTAKE_SLICE = 64  # calls admitted before the loop runs anything else
+QUEUE_VIEW_INTERVAL_S = 0.05  # how stale a shell's view of the full queues may be
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -295,6 +297,8 @@ class ShellConnection(_Framed):
         elif isinstance(record, Hello):
             self.index, self.pid = record.index, record.pid
             self.send(self.server.settings())
+            if self.server._view:
+                self.send(QueueView(self.server._view))
         elif isinstance(record, Ready):
             self.ready = record
             self.server.shell_ready(self)
@@ -388,6 +392,8 @@ class CoreServer:
         self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
         self._server: asyncio.AbstractServer | None = None
         self.stopping = False
+        self._view: list[tuple[str, str, str]] = []
+        self._viewer: asyncio.Task[None] | None = None
 
     async def flush_tallies(self, timeout_s: float = 1.0) -> None:
         """Every shell's tally, in the core's metrics before this returns (or the timeout)."""
@@ -399,6 +405,16 @@ class CoreServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: ShellConnection(self), self.path)
         os.chmod(self.path, 0o600)  # only this user's processes may act as shells
+        self._viewer = loop.create_task(self._publish_queue_view())
+
+    async def _publish_queue_view(self) -> None:
+        """Tell the shells which queues are full, when that changes (``QueueView``)."""
+        while True:
+            await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
+            view = self.core.full_queues()
+            if view != self._view:
+                self._view = view
+                self.broadcast(QueueView(view))
 
     def shell_ready(self, conn: ShellConnection) -> None:
         self.on_ready(conn)
@@ -413,6 +429,8 @@ class CoreServer:
             conn.send(record)
 
     async def close(self) -> None:
+        if self._viewer is not None:
+            self._viewer.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -445,6 +463,7 @@ class SocketLink(_Framed):
         self._queries: dict[int, asyncio.Future[Any]] = {}
         self._tally: dict[tuple[str | None, str, str, str | None], list[float]] = {}
         self._tally_timer: asyncio.TimerHandle | None = None
+        self._full: dict[tuple[str, str], str] = {}
         self.accepting = True
 
     @classmethod
@@ -523,6 +542,12 @@ class SocketLink(_Framed):
             loop = asyncio.get_running_loop()
             self._tally_timer = loop.call_later(TALLY_INTERVAL_S, self.flush_tally)
 
+    def queue_full(self, tenant: str, model: str) -> str | None:
+        full = self._full
+        if not full:
+            return None
+        return full.get((tenant, model)) or full.get(("*", "*"))
+
     def flush_tally(self) -> None:
         if self._tally_timer is not None:
             self._tally_timer.cancel()
@@ -550,6 +575,8 @@ class SocketLink(_Framed):
             fut = self._queries.get(record.id)
             if fut is not None and not fut.done():
                 fut.set_result(record)
+        elif isinstance(record, QueueView):
+            self._full = {(tenant, model): cap for tenant, model, cap in record.full}
         elif isinstance(record, Settings):
             self.on_settings(record)
         elif isinstance(record, FlushTally):

@@ -203,5 +203,16 @@ class Flushed(msgspec.Struct, tag=15, array_like=True):
     id: int
 
 
+class QueueView(msgspec.Struct, tag=16, array_like=True):
+    """Which queues are full now: (tenant, model, the cap) for each, tenant "*" and model
+    "*" for the process-wide cap. A shell sheds a request for a full queue at once (before
+    it reads an HTTP body, or validates), as the core would refuse it. Sent when it
+    changes, checked every ``QUEUE_VIEW_INTERVAL_S``."""
+
+    full: list[tuple[str, str, str]]
+
+
 ToCore = Union[Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed]  # noqa: UP007
-ToShell = Union[Answer, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally]  # noqa: UP007
+ToShell = Union[  # noqa: UP007
+    Answer, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
+]

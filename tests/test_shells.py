@@ -183,3 +183,78 @@ async def test_the_intake_lets_the_loop_run_between_slices() -> None:
     while len(intake):
         await asyncio.sleep(0)
     assert len(core.order) == 10 * INTAKE_SLICE
+
+
+# ---- refused before the body is read ------------------------------------------------------
+
+
+async def _raw_http(port: int, head: str, wait_s: float) -> str:
+    """Send an HTTP request head announcing a body that never comes; the answer, or "" if
+    none came within ``wait_s`` (the server is waiting for the body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head.encode())
+        await writer.drain()
+        try:
+            return (await asyncio.wait_for(reader.read(4096), wait_s)).decode()
+        except asyncio.TimeoutError:
+            return ""
+    finally:
+        writer.close()
+
+
+def _head(model: str, key: str) -> str:
+    return (
+        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: x\r\nx-api-key: {key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
+    )
+
+
+async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body(
+    triton: EmbeddedTriton, workers: int
+) -> None:
+    data = make_config().model_dump(mode="json")
+    data["tenants"]["hooli"]["max_queued"] = 5
+    from fair_frontend.config import parse_config
+
+    with BackgroundServer(
+        FrontendServer(parse_config(data), triton.grpc_url, Listen(), workers=workers)
+    ) as server:
+        fe = RunningFrontend(server, None)  # type: ignore[arg-type]
+        port = server.http_port
+        # A key nobody has: 401 at once, the 50 MB body never read.
+        refused = await _raw_http(port, _head("sleeper", "no-such-key"), 5.0)
+        assert refused.startswith("HTTP/1.1 401"), refused
+        # A good key and a queue with room: the server waits for the body (the control).
+        assert await _raw_http(port, _head("sleeper", KEYS["hooli"]), 0.5) == ""
+        # Fill hooli's queue on a slow model: 20,000 tokens a row at 20 us a token.
+        client = grpcaio.InferenceServerClient(fe.grpc_url)
+        ids = np.ones((1, 20_000), dtype=np.int32)
+
+        async def slow() -> Any:
+            try:
+                return await client.infer(
+                    "sleeper", [ids_input(grpcaio, ids)], headers={"x-api-key": KEYS["hooli"]}
+                )
+            except InferenceServerException as err:
+                return err
+
+        flood = [asyncio.ensure_future(slow()) for _ in range(12)]
+        try:
+            deadline = time.monotonic() + 30
+            while server.core.runtimes.get("sleeper") is None or (  # type: ignore[union-attr]
+                server.core.runtimes["sleeper"].scheduler.depth("hooli") < 5  # type: ignore[union-attr]
+            ):
+                assert time.monotonic() < deadline, "hooli's queue did not fill"
+                await asyncio.sleep(0.01)
+            # Full: shed at once (a shell learns it within QUEUE_VIEW_INTERVAL_S).
+            shed = ""
+            while not shed.startswith("HTTP/1.1 503"):
+                assert time.monotonic() < deadline, shed
+                shed = await _raw_http(port, _head("sleeper", KEYS["hooli"]), 0.5)
+            assert "Exceeds maximum queue size: tenant 'hooli' max_queued=5" in shed, shed
+        finally:
+            results = await asyncio.gather(*flood)
+            await client.close()
+        refused_flood = [r for r in results if isinstance(r, InferenceServerException)]
+        assert all("Exceeds maximum queue size" in r.message() for r in refused_flood)

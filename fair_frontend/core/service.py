@@ -224,6 +224,28 @@ class Core:
             if e.failed_version is not None:
                 self.stats.failures(e.model, e.failed_version, e.failed_s, e.count)
 
+    def queue_full(self, tenant: str, model: str) -> str | None:
+        """The queue cap a new request of ``tenant`` for ``model`` would hit, if any."""
+        runtime = self.runtimes.get(model)
+        if runtime is not None:
+            return runtime.scheduler.full(tenant)
+        if self.caps.queued >= self.caps.max_queued:
+            return f"global max_queued={self.caps.max_queued}"
+        return None
+
+    def full_queues(self) -> list[tuple[str, str, str]]:
+        """Every full queue: (tenant, model, cap); ("*", "*", cap) for the global cap."""
+        if self.caps.queued >= self.caps.max_queued:
+            return [("*", "*", f"global max_queued={self.caps.max_queued}")]
+        out = []
+        for model, runtime in self.runtimes.items():
+            scheduler = runtime.scheduler
+            for tenant in scheduler.depths():
+                cap = scheduler.full(tenant)
+                if cap is not None:
+                    out.append((tenant, model, cap))
+        return out
+
     async def model_info(self, model: str) -> ModelInfo:
         info = await self.models.get(model)
         self._runtime(model, info)  # ready before the shell's first call arrives

@@ -212,6 +212,18 @@ class Scheduler:
 
     # ---- views --------------------------------------------------------------------------
 
+    def full(self, tenant: str) -> str | None:
+        """The cap a new request of ``tenant`` would hit for its count alone, if any (the
+        tenant's ``max_queued`` here, or the process-wide one): what ``enqueue`` would
+        name in its ``QueueFull``. Byte caps depend on the request and are not told."""
+        queue = self._queues.get(tenant)
+        if queue is not None and queue.requests and queue.requests >= queue.max_queued:
+            return f"tenant {tenant!r} max_queued={queue.max_queued}"
+        caps = self._caps
+        if caps.queued >= caps.max_queued:
+            return f"global max_queued={caps.max_queued}"
+        return None
+
     def queued(self) -> list[QueuedRequest]:
         """Every queued request, oldest first (O(queued): for rare events, not per request)."""
         return self._arrivals.requests()

@@ -16,7 +16,13 @@ from typing import Any
 
 from fair_frontend.auth import Authenticator, KeyRing
 from fair_frontend.config import Config
-from fair_frontend.errors import FrontendError, InvalidArgument, UnknownModel, Unsupported
+from fair_frontend.errors import (
+    FrontendError,
+    InvalidArgument,
+    QueueFull,
+    UnknownModel,
+    Unsupported,
+)
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo, validate
@@ -85,6 +91,7 @@ class Gateway:
         info: ModelInfo | None = None
         try:
             tenant = self.auth.identify(headers, req.tenant_claim)
+            self._shed(tenant, req.model)
             info = await self._model_info(req.model)
             if info.decoupled and not streaming:
                 raise Unsupported(
@@ -135,6 +142,19 @@ class Gateway:
                 yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
         finally:
             inbox.cancel()  # no-op once the final answer was read
+
+    def admit_early(self, model: str, headers: Mapping[str, str]) -> None:
+        """Refuse what the headers alone decide, before a body is read: no key or an
+        unknown one (401/403), or a queue that is full (503). A flood of either then costs
+        no body read, decompression or decoding."""
+        tenant = self.auth.identify_by_headers(headers)
+        if tenant is not None:
+            self._shed(tenant, model)
+
+    def _shed(self, tenant: str, model: str) -> None:
+        cap = self.link.queue_full(tenant, model)
+        if cap is not None:
+            raise QueueFull(cap)
 
     def rejected(
         self, model: str, headers: Mapping[str, str], err: FrontendError, latency_s: float

@@ -224,6 +224,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
+            self.gateway.admit_early(model, headers)
             body = self._decompress(await request.read(), headers.get("content-encoding"))
             header_length = parse_header_length(
                 headers.get(HEADER_CONTENT_LENGTH.lower()), len(body)

@@ -84,6 +84,11 @@ class CoreLink(Protocol):
         """Count a request this shell answered itself (in the core's metrics)."""
         ...
 
+    def queue_full(self, tenant: str, model: str) -> str | None:
+        """The queue cap a new request would hit now, as far as this shell knows (then it
+        is shed here: the core would refuse it)."""
+        ...
+
     @property
     def accepting(self) -> bool:
         """False once the core drains for shutdown (readiness turns false)."""
@@ -115,6 +120,9 @@ class LocalLink:
 
     def tally(self, entry: TallyEntry) -> None:
         self.core.tally(Tally([entry]))
+
+    def queue_full(self, tenant: str, model: str) -> str | None:
+        return self.core.queue_full(tenant, model)
 
     @property
     def accepting(self) -> bool:
