@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             uvloop.run(
-                _serve(config, args.triton_url, _listen(args, config), _workers(args), args.config)
+                _serve(
+                    config,
+                    args.triton_url,
+                    _listen(args, config),
+                    _workers(args, config),
+                    args.config,
+                )
             )
         else:
             uvloop.run(_up(config, args))
@@ -132,8 +138,10 @@ class StartupError(RuntimeError):
     pass
 
 
-def _workers(args: argparse.Namespace) -> int:
-    workers: int = args.workers if args.workers is not None else default_workers()
+def _workers(args: argparse.Namespace, config: Config) -> int:
+    workers: int | None = args.workers if args.workers is not None else config.server.workers
+    if workers is None:
+        workers = default_workers()
     if workers < 1:
         raise ConfigError("--workers", [f"must be at least 1, got {workers}"])
     return workers
@@ -209,7 +217,9 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         config = config.model_copy(update={"triton": triton_cfg})
     watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
     try:
-        await _serve(config, triton.grpc_url, _listen(args, config), _workers(args), args.config)
+        await _serve(
+            config, triton.grpc_url, _listen(args, config), _workers(args, config), args.config
+        )
     finally:
         watchdog.cancel()
         print("stopping Triton ...", flush=True)

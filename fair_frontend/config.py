@@ -334,6 +334,13 @@ class Server(_Strict):
     metrics_host: str = Field(
         default="0.0.0.0", description="Bind to 127.0.0.1 to keep metrics off the network."
     )
+    workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Shell processes serving HTTP and gRPC in front of the one core process "
+        "(--workers overrides). Unset: the cores this process may use, at most 8. 1: the "
+        "whole frontend in one process.",
+    )
 
 
 class Triton(_Strict):
