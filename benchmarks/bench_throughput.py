@@ -1,44 +1,79 @@
-"""Throughput and latency: perf_analyzer against Triton directly and through the frontend.
+"""Throughput, latency and CPU per request: perf_analyzer against Triton and the frontend.
 
 One run, one Triton (its dynamic batcher on, as a Triton user runs it), ``embed`` over
-gRPC with 128-token requests: perf_analyzer's plain command (``--shape INPUT_IDS:128``,
-random ids, no data file), as users run it:
+gRPC with 128-token requests, perf_analyzer's plain command (``--shape INPUT_IDS:128``,
+random ids, no data file), as users run it, at concurrency 16 and 128, against:
 
-1. concurrency 1 and 16, direct vs the frontend (fair mode): throughput ratio and p50
-   latency difference;
-2. work conservation: two tenants each driven by its own perf_analyzer (concurrency 8
-   each) at the same time, through the frontend in ``fair`` and in ``fifo`` mode: total
-   throughput of fair over fifo (target >= 0.97).
+- Triton directly;
+- a bare grpc.aio KServe server that answers without doing anything
+  (``benchmarks/echo_server.py``): the CPU one call costs in grpc.aio itself, the floor
+  of any shell;
+- the frontend as it was before the transport split (``--baseline-ref``, one process,
+  run from a git worktree of that commit), unless ``--no-baseline``;
+- the frontend with ``--workers 1`` (one process) and with shell processes (``--shells``,
+  2 by default: the cores of these machines).
 
-    .venv/bin/python -m benchmarks.bench_throughput [--interval-ms 5000]
+For each: throughput (ratio to direct), p50 latency, and the CPU the frontend's processes
+(core and shells) spent per request, from /proc over the run, per request counted by the
+frontend's own metrics. Then work conservation: two tenants, each driven by its own
+perf_analyzer (concurrency 8 each) at once, through the frontend in ``fair`` and in
+``fifo`` mode, alternating which goes first: total throughput fair / fifo (target >= 0.97).
+
+    .venv/bin/python -m benchmarks.bench_throughput [--interval-ms 5000] [--shells 2]
+        [--baseline-ref REF | --no-baseline] [--model-config-name gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from benchmarks.harness import (
+    FrontendProcess,
+    baseline_checkout,
     frontend,
     load_example_config,
     perf_analyzer,
+    process_tree_cpu_s,
     progress,
     triton,
     write_result,
 )
+from fair_frontend.embedded import free_port
 
 MODEL = "embed"
 WARMUP_MS = 1500
 TOKENS = 128
+CONCURRENCY = (16, 128)
 KEYS = {"alpha": "alpha-bench-key", "beta": "beta-bench-key"}
+# The last commit with the frontend in one process only (before the shells/core split).
+BASELINE_REF = "c309e4d"
 
 
-def bench_config(mode: str) -> dict[str, Any]:
+def bench_config(mode: str, *, padding: bool = True) -> dict[str, Any]:
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = mode
     cfg["tenants"] = {name: {"tier": "standard", "api_keys": [key]} for name, key in KEYS.items()}
+    if not padding:
+        # The baseline's config schema differs (lengths travelled as a model input then);
+        # every request here is 128 tokens wide, so no endpoint needs to pad.
+        for endpoint in cfg["endpoints"].values():
+            endpoint.pop("padding", None)
+            endpoint.pop("max_tokens_parameter", None)
+            endpoint.pop("max_tokens_default", None)
+            endpoint.pop("max_tokens_limit", None)
     return cfg
 
 
@@ -51,36 +86,137 @@ def run_pa(url: str, concurrency: int, key: str | None, interval_ms: int) -> dic
         shapes=[f"INPUT_IDS:{TOKENS}"],
         headers=headers,
         interval_ms=interval_ms,
+        timeout_s=600,
     )
+
+
+def _counter(url: str, family: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    total = f"{family}_total"
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == total
+    )
+
+
+def measure(
+    url: str,
+    concurrency: int,
+    key: str | None,
+    interval_ms: int,
+    fe: FrontendProcess | EchoProcess | None,
+) -> dict[str, float]:
+    """One perf_analyzer run; with ``fe``, the frontend's CPU per request over the run."""
+    if fe is None:
+        return run_pa(url, concurrency, key, interval_ms)
+    pid = fe.process.pid
+    if isinstance(fe, EchoProcess):  # no metrics: count by perf_analyzer's own figures
+        cpu0, t0 = process_tree_cpu_s(pid), time.time()
+        result = run_pa(url, concurrency, key, interval_ms)
+        cpu1, t1 = process_tree_cpu_s(pid), time.time()
+        spent = sum(cpu1.values()) - sum(cpu0.values())
+        result["cpu_us_per_request"] = spent / (t1 - t0) / result["throughput"] * 1e6
+        result["cores"] = spent / (t1 - t0)
+        return result
+    metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
+    cpu0, n0, t0 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
+    result = run_pa(url, concurrency, key, interval_ms)
+    cpu1, n1, t1 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
+    requests = max(1.0, n1 - n0)
+    for part in ("core", "shells"):
+        result[f"{part}_cpu_us_per_request"] = (cpu1[part] - cpu0[part]) / requests * 1e6
+    spent = sum(cpu1.values()) - sum(cpu0.values())
+    result["cpu_us_per_request"] = spent / requests * 1e6
+    result["cores"] = spent / (t1 - t0)
+    return result
+
+
+@dataclass
+class EchoProcess:
+    """Quacks like ``FrontendProcess`` for ``measure``: the echo server's process."""
+
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[EchoProcess]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.echo_server", str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the echo server did not start")
+            time.sleep(0.05)
+        yield EchoProcess(proc, port)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def target(name: str, tri_url: str, shells: int, ref: str | None) -> Iterator[Any]:
+    if name == "direct":
+        yield None
+    elif name == "echo floor":
+        with echo_server() as echo:
+            yield echo
+    elif name == "before":
+        assert ref is not None
+        with (
+            baseline_checkout(ref) as source,
+            frontend(
+                bench_config("fair", padding=False), tri_url, workers=None, source=source
+            ) as fe,
+        ):
+            yield fe
+    else:
+        workers = 1 if name == "workers 1" else shells
+        with frontend(bench_config("fair"), tri_url, workers=workers) as fe:
+            yield fe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interval-ms", type=int, default=5000)
+    parser.add_argument("--shells", type=int, default=2)
+    parser.add_argument("--baseline-ref", default=BASELINE_REF)
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--model-config-name", default=None, help="e.g. gpu (on a GPU host)")
     args = parser.parse_args()
     iv = args.interval_ms
-    out: dict[str, Any] = {"model": MODEL, "tokens": TOKENS, "interval_ms": iv}
-    with triton() as tri:
-        progress("warm-up, direct")
-        run_pa(tri.grpc_url, 16, None, WARMUP_MS)
-        direct: dict[int, dict[str, float]] = {}
-        for c in (1, 16):
-            progress(f"perf_analyzer direct, concurrency {c}")
-            direct[c] = run_pa(tri.grpc_url, c, None, iv)
-            progress(f"  {direct[c]['throughput']:.1f} infer/s, p50 {direct[c]['p50_ms']:.1f} ms")
-        with frontend(bench_config("fair"), tri.grpc_url) as fe:
-            progress("warm-up, through the frontend")
-            run_pa(fe.grpc_url, 16, KEYS["alpha"], WARMUP_MS)
-            through: dict[int, dict[str, float]] = {}
-            for c in (1, 16):
-                progress(f"perf_analyzer through the frontend (fair), concurrency {c}")
-                through[c] = run_pa(fe.grpc_url, c, KEYS["alpha"], iv)
-                progress(
-                    f"  {through[c]['throughput']:.1f} infer/s, p50 {through[c]['p50_ms']:.1f} ms"
-                )
+    names = ["direct", "echo floor", *([] if args.no_baseline else ["before"]), "workers 1"]
+    names.append(f"workers {args.shells}")
+    out: dict[str, Any] = {"model": MODEL, "tokens": TOKENS, "interval_ms": iv, "runs": {}}
+    out["baseline_ref"] = None if args.no_baseline else args.baseline_ref
+    kwargs = {"model_config_name": args.model_config_name} if args.model_config_name else {}
+    with triton(**kwargs) as tri:
+        for name in names:
+            with target(name, tri.grpc_url, args.shells, args.baseline_ref) as fe:
+                url = tri.grpc_url if fe is None else fe.grpc_url
+                key = KEYS["alpha"] if isinstance(fe, FrontendProcess) else None
+                progress(f"{name}: warm-up")
+                run_pa(url, 16, key, WARMUP_MS)
+                out["runs"][name] = {}
+                for c in CONCURRENCY:
+                    progress(f"{name}: perf_analyzer, concurrency {c}")
+                    r = measure(url, c, key, iv, fe)
+                    out["runs"][name][str(c)] = r
+                    cpu = f", {r['cpu_us_per_request']:.0f} us CPU/request" if fe else ""
+                    progress(f"  {r['throughput']:.1f} infer/s, p50 {r['p50_ms']:.1f} ms{cpu}")
         # Work conservation: fair and fifo alternate (fifo first, then fair first), each
         # frontend warmed up first, so neither gains from going second.
-        results: dict[str, Any] = {"fair": [], "fifo": []}
+        two: dict[str, Any] = {"fair": [], "fifo": []}
         for order in (("fifo", "fair"), ("fair", "fifo")):
             for mode in order:
                 with frontend(bench_config(mode), tri.grpc_url) as fe:
@@ -93,33 +229,32 @@ def main() -> None:
                         }
                         per_tenant = {t: f.result() for t, f in futs.items()}
                     total = sum(r["throughput"] for r in per_tenant.values())
-                    results[mode].append({"per_tenant": per_tenant, "total_throughput": total})
+                    two[mode].append({"per_tenant": per_tenant, "total_throughput": total})
                     progress(f"  total {total:.1f} infer/s")
-    out["direct"] = direct
-    out["frontend"] = through
-    out["two_tenants"] = results
-    for c in (1, 16):
-        out[f"ratio_c{c}"] = through[c]["throughput"] / direct[c]["throughput"]
-        out[f"p50_diff_ms_c{c}"] = through[c]["p50_ms"] - direct[c]["p50_ms"]
-    totals = {m: sum(r["total_throughput"] for r in runs) for m, runs in results.items()}
+    out["two_tenants"] = two
+    totals = {m: sum(r["total_throughput"] for r in runs) for m, runs in two.items()}
     out["fair_over_fifo"] = totals["fair"] / totals["fifo"]
+    direct = out["runs"]["direct"]
+    for runs in out["runs"].values():
+        for c, r in runs.items():
+            r["ratio_to_direct"] = r["throughput"] / direct[c]["throughput"]
     print()
-    print(f"embed, gRPC, {TOKENS}-token requests, measurement windows of {iv} ms")
-    print(
-        f"{'':<6} {'direct':>12} {'frontend':>12} {'ratio':>7} {'p50 direct':>11} "
-        f"{'p50 frontend':>13} {'p50 diff':>9}"
-    )
-    for c in (1, 16):
-        d, f = direct[c], through[c]
-        print(
-            f"c={c:<4} {d['throughput']:>10.1f}/s {f['throughput']:>10.1f}/s "
-            f"{out[f'ratio_c{c}']:>7.2f} {d['p50_ms']:>9.1f}ms {f['p50_ms']:>11.1f}ms "
-            f"{out[f'p50_diff_ms_c{c}']:>+7.1f}ms"
-        )
-    print(
-        f"work conservation (two tenants, 8+8, two rounds each): fair {totals['fair'] / 2:.1f}/s, "
-        f"fifo {totals['fifo'] / 2:.1f}/s, fair/fifo {out['fair_over_fifo']:.3f}"
-    )
+    print(f"embed, gRPC, perf_analyzer --shape INPUT_IDS:{TOKENS}, windows of {iv} ms")
+    print(f"{'target':<12} {'c':>4} {'infer/s':>9} {'/ direct':>9} {'p50':>8} {'CPU/request':>12}")
+    for name, runs in out["runs"].items():
+        for c, r in runs.items():
+            cpu = f"{r['cpu_us_per_request']:>10.0f}us" if "cpu_us_per_request" in r else ""
+            print(
+                f"{name:<12} {c:>4} {r['throughput']:>9.1f} {r['ratio_to_direct']:>9.3f} "
+                f"{r['p50_ms']:>6.1f}ms {cpu:>12}"
+            )
+    if "before" in out["runs"]:
+        for c in map(str, CONCURRENCY):
+            before = out["runs"]["before"][c]["cpu_us_per_request"]
+            for name in names[3:]:
+                now = out["runs"][name][c]["cpu_us_per_request"]
+                print(f"CPU per request, before / {name}, c={c}: {before / now:.2f}x")
+    print(f"work conservation (two tenants, 8+8): fair/fifo {out['fair_over_fifo']:.3f}")
     write_result("throughput", out)
 
 

@@ -103,10 +103,15 @@ def load_example_config() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def frontend(
-    config: dict[str, Any] | Path, triton_url: str, *, workers: int | None = 1
+    config: dict[str, Any] | Path,
+    triton_url: str,
+    *,
+    workers: int | None = 1,
+    source: Path | None = None,
 ) -> Iterator[FrontendProcess]:
     """``fair-frontend serve`` as its own process, as a user runs it (``workers`` shell
-    processes; None: its default)."""
+    processes; None: its default, and no ``--workers`` flag). ``source``: run the package
+    of another checkout (``baseline_checkout``) instead of this one."""
     tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
     path = config if isinstance(config, Path) else write_config(config, tmp)
     ports = [free_port() for _ in range(3)]
@@ -133,8 +138,13 @@ def frontend(
     ]
     if workers is not None:
         cmd += ["--workers", str(workers)]
+    env = None
+    if source is not None:
+        env = {**os.environ, "PYTHONPATH": str(source)}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=source or None, env=env
+        )
     try:
         wait_http_ready(f"http://127.0.0.1:{ports[0]}/v2/health/ready", proc)
         yield FrontendProcess(ports[0], ports[1], ports[2], proc, log_path)
@@ -146,6 +156,43 @@ def frontend(
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def process_tree_cpu_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of a process (``core``: the frontend's) and of its live
+    children together (``shells``), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(p: int) -> float:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick
+        return 0.0
+
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return {"core": cpu(pid), "shells": sum(cpu(c) for c in children)}
+
+
+@contextlib.contextmanager
+def baseline_checkout(ref: str) -> Iterator[Path]:
+    """The project at git ``ref`` in a temporary worktree (to run an earlier version
+    beside this one in the same benchmark run)."""
+    path = Path(tempfile.mkdtemp(prefix="fair-baseline-"))
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), ref],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True
+        )
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def perf_analyzer_binary() -> str:

@@ -37,7 +37,8 @@ def _add_listen_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="shell processes serving HTTP and gRPC (default: server.workers, else the "
-        "cores this process may use, at most 8); 1 keeps the whole frontend in one process",
+        "cores this process may use less one, at most 8); 1 keeps the whole frontend in one "
+        "process",
     )
     p.add_argument("--log-level", default="INFO")
 

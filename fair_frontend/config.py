@@ -338,8 +338,8 @@ class Server(_Strict):
         default=None,
         ge=1,
         description="Shell processes serving HTTP and gRPC in front of the one core process "
-        "(--workers overrides). Unset: the cores this process may use, at most 8. 1: the "
-        "whole frontend in one process.",
+        "(--workers overrides). Unset: the cores this process may use less one, at most 8 "
+        "(so 1 on 2 cores). 1: the whole frontend in one process.",
     )
 
 

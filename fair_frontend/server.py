@@ -45,13 +45,15 @@ RESTART_BACKOFF_S = (0.1, 5.0)  # first delay before restarting a dead shell, an
 
 
 def default_workers() -> int:
-    """Shell processes by default: the cores this process may use, at most 8 (beyond,
-    one core's admission, not the shells, is the limit; measured in benchmarks/)."""
+    """Shell processes by default: one per core this process may use, less the core's own,
+    at most 8 (beyond that, the one core process is the limit; ``benchmarks/bench_core``).
+    So one process on a machine of 2 cores or fewer: there, a shell process and the core
+    would share the cores Triton and the clients need (``benchmarks/bench_throughput``)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_DEFAULT_WORKERS))
+    return max(1, min(cpus - 1, MAX_DEFAULT_WORKERS))
 
 
 @dataclass

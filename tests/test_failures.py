@@ -248,13 +248,16 @@ async def test_up_mode_restarts_a_dead_triton(tmp_path: Path) -> None:
         assert _stop(proc) == 0, log.read_text()[-3000:]
 
 
-async def test_sighup_reloads_keys_without_dropping_a_request(triton: Any, tmp_path: Path) -> None:
+async def test_sighup_reloads_keys_without_dropping_a_request(
+    triton: Any, tmp_path: Path, workers: int
+) -> None:
     data = config_dict()
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     ports = _ports()
     log = tmp_path / "serve.log"
-    proc = _cli(["serve", "--config", str(config), "--triton-url", triton.grpc_url, *ports], log)
+    serve = ["serve", "--config", str(config), "--triton-url", triton.grpc_url, *ports]
+    proc = _cli([*serve, "--workers", str(workers)], log)
     grpc = f"127.0.0.1:{ports[ports.index('--grpc-port') + 1]}"
     try:
         _wait_ready(int(ports[ports.index("--http-port") + 1]), proc, log)
@@ -300,21 +303,25 @@ async def _send_key(client: grpcaio.InferenceServerClient, key: str) -> Any:
         return err
 
 
-async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path) -> None:
+async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, workers: int) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(config_dict()))
     ports = _ports()
     log = tmp_path / "serve.log"
-    proc = _cli(["serve", "--config", str(config), "--triton-url", triton.grpc_url, *ports], log)
+    serve = ["serve", "--config", str(config), "--triton-url", triton.grpc_url, *ports]
+    proc = _cli([*serve, "--workers", str(workers)], log)
     grpc = f"127.0.0.1:{ports[ports.index('--grpc-port') + 1]}"
     _wait_ready(int(ports[ports.index("--http-port") + 1]), proc, log)
     client = grpcaio.InferenceServerClient(grpc)
     try:
-        flood = [asyncio.ensure_future(_send(client, "initech")) for _ in range(150)]
+        flood = [asyncio.ensure_future(_send(client, "initech")) for _ in range(300)]
         # SIGTERM with plenty queued: what was accepted is served; what arrives after is
         # refused with UNAVAILABLE (answered, not dropped).
         metrics = f"http://127.0.0.1:{ports[ports.index('--metrics-port') + 1]}/metrics"
+        deadline = time.monotonic() + 60
         while (queued := _scrape_sum(metrics, "fair_queue_depth")) < 60:
+            assert time.monotonic() < deadline, "the flood never queued 60 requests"
+            assert not all(f.done() for f in flood), "the flood was served before it queued"
             await asyncio.sleep(0.01)
         done_before = sum(f.done() for f in flood)
         proc.send_signal(signal.SIGTERM)
