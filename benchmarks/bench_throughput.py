@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,19 +103,15 @@ def _counter(url: str, family: str) -> float:
 
 
 def measure(
-    url: str,
-    concurrency: int,
-    key: str | None,
-    interval_ms: int,
-    fe: FrontendProcess | EchoProcess | None,
+    run: Callable[[], dict[str, float]], fe: FrontendProcess | EchoProcess | None
 ) -> dict[str, float]:
-    """One perf_analyzer run; with ``fe``, the frontend's CPU per request over the run."""
+    """One perf_analyzer run (``run``); with ``fe``, its server's CPU per request over it."""
     if fe is None:
-        return run_pa(url, concurrency, key, interval_ms)
+        return run()
     pid = fe.process.pid
     if isinstance(fe, EchoProcess):  # no metrics: count by perf_analyzer's own figures
         cpu0, t0 = process_tree_cpu_s(pid), time.time()
-        result = run_pa(url, concurrency, key, interval_ms)
+        result = run()
         cpu1, t1 = process_tree_cpu_s(pid), time.time()
         spent = sum(cpu1.values()) - sum(cpu0.values())
         result["cpu_us_per_request"] = spent / (t1 - t0) / result["throughput"] * 1e6
@@ -123,7 +119,7 @@ def measure(
         return result
     metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
     cpu0, n0, t0 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
-    result = run_pa(url, concurrency, key, interval_ms)
+    result = run()
     cpu1, n1, t1 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
     requests = max(1.0, n1 - n0)
     for part in ("core", "shells"):
@@ -210,7 +206,7 @@ def main() -> None:
                 out["runs"][name] = {}
                 for c in CONCURRENCY:
                     progress(f"{name}: perf_analyzer, concurrency {c}")
-                    r = measure(url, c, key, iv, fe)
+                    r = measure(lambda: run_pa(url, c, key, iv), fe)  # noqa: B023
                     out["runs"][name][str(c)] = r
                     cpu = f", {r['cpu_us_per_request']:.0f} us CPU/request" if fe else ""
                     progress(f"  {r['throughput']:.1f} infer/s, p50 {r['p50_ms']:.1f} ms{cpu}")

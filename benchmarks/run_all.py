@@ -16,10 +16,12 @@ import time
 
 BENCHMARKS = [
     "bench_scheduler",
+    "bench_core",
     "bench_ratelimit",
     "bench_noisy_neighbour",
     "bench_token_fairness",
     "bench_throughput",
+    "bench_scaling",
     "bench_overload",
     "bench_feedback",
 ]
