@@ -237,7 +237,9 @@ async def main_async(burst: int, shells: int, model_config_name: str | None) -> 
         setups = [("frontend fifo", "fifo", 1), ("frontend fair, 1 process", "fair", 1)]
         setups.append((f"frontend fair, {shells} shells", "fair", shells))
         for name, mode, workers in setups:
-            with frontend(bench_config(mode, burst), tri.grpc_url, workers=workers) as fe:
+            with frontend(
+                bench_config(mode, burst), tri.grpc_url, workers=workers, http_url=tri.http_url
+            ) as fe:
                 metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
                 out["targets"][name] = {
                     moment: await run_target(

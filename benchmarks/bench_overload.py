@@ -592,7 +592,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config()
     target_s = cfg["endpoints"][MODEL]["latency_target_ms"] / 1000
     out: dict[str, Any] = {"target_ms": target_s * 1000}
-    with triton() as server, frontend(cfg, server.grpc_url) as fe:
+    with triton() as server, frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
         progress(f"frontend on {fe.grpc_url} (log: {fe.log_path})")
         out["capacity"] = await measure_capacity(
             fe.grpc_url, server.metrics_url, args.tokens, args.depth, args.capacity_seconds,

@@ -68,7 +68,7 @@ def main() -> None:
         out["direct"] = perf_analyzer(MODEL, tri.grpc_url, concurrency=c, interval_ms=iv)
         progress(f"  {out['direct']['throughput']:.0f} infer/s")
         for n in counts:
-            with frontend(bench_config(), tri.grpc_url, workers=n) as fe:
+            with frontend(bench_config(), tri.grpc_url, workers=n, http_url=tri.http_url) as fe:
                 headers = [f"authorization: Bearer {KEY}"]
                 perf_analyzer(MODEL, fe.grpc_url, concurrency=c, headers=headers, interval_ms=1500)
                 progress(f"{n} shell(s): perf_analyzer, concurrency {c}")

@@ -161,7 +161,8 @@ def echo_server() -> Iterator[EchoProcess]:
 
 
 @contextlib.contextmanager
-def target(name: str, tri_url: str, shells: int, ref: str | None) -> Iterator[Any]:
+def target(name: str, tri: Any, shells: int, ref: str | None) -> Iterator[Any]:
+    tri_url = tri.grpc_url
     if name == "direct":
         yield None
     elif name == "echo floor":
@@ -178,7 +179,7 @@ def target(name: str, tri_url: str, shells: int, ref: str | None) -> Iterator[An
             yield fe
     else:
         workers = 1 if name == "workers 1" else shells
-        with frontend(bench_config("fair"), tri_url, workers=workers) as fe:
+        with frontend(bench_config("fair"), tri_url, workers=workers, http_url=tri.http_url) as fe:
             yield fe
 
 
@@ -198,7 +199,7 @@ def main() -> None:
     kwargs = {"model_config_name": args.model_config_name} if args.model_config_name else {}
     with triton(**kwargs) as tri:
         for name in names:
-            with target(name, tri.grpc_url, args.shells, args.baseline_ref) as fe:
+            with target(name, tri, args.shells, args.baseline_ref) as fe:
                 url = tri.grpc_url if fe is None else fe.grpc_url
                 key = KEYS["alpha"] if isinstance(fe, FrontendProcess) else None
                 progress(f"{name}: warm-up")
@@ -215,7 +216,7 @@ def main() -> None:
         two: dict[str, Any] = {"fair": [], "fifo": []}
         for order in (("fifo", "fair"), ("fair", "fifo")):
             for mode in order:
-                with frontend(bench_config(mode), tri.grpc_url) as fe:
+                with frontend(bench_config(mode), tri.grpc_url, http_url=tri.http_url) as fe:
                     run_pa(fe.grpc_url, 16, KEYS["alpha"], WARMUP_MS)
                     progress(f"two tenants at once through the frontend ({mode}), 8 + 8")
                     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -108,10 +108,14 @@ def frontend(
     *,
     workers: int | None = 1,
     source: Path | None = None,
+    http_url: str | None = None,
 ) -> Iterator[FrontendProcess]:
     """``fair-frontend serve`` as its own process, as a user runs it (``workers`` shell
     processes; None: its default, and no ``--workers`` flag). ``source``: run the package
-    of another checkout (``baseline_checkout``) instead of this one."""
+    of another checkout (``baseline_checkout``) instead of this one. ``http_url``: Triton's
+    HTTP address, where batches then go (``triton.http_url``, as ``up`` mode sets it)."""
+    if http_url is not None and not isinstance(config, Path):
+        config = {**config, "triton": {**config.get("triton", {}), "http_url": http_url}}
     tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
     path = config if isinstance(config, Path) else write_config(config, tmp)
     ports = [free_port() for _ in range(3)]

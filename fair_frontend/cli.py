@@ -212,10 +212,11 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         await asyncio.to_thread(triton.start)
     except TritonStartError as err:
         raise StartupError(str(err)) from err
-    if config.triton.metrics_url is None:
-        # The feedback loop reads the embedded Triton's own metrics.
-        triton_cfg = config.triton.model_copy(update={"metrics_url": triton.metrics_url})
-        config = config.model_copy(update={"triton": triton_cfg})
+    # The feedback loop reads the embedded Triton's own metrics; batches go over its HTTP.
+    own = {"metrics_url": triton.metrics_url, "http_url": triton.http_url}
+    update = {k: v for k, v in own.items() if getattr(config.triton, k) is None}
+    if update:
+        config = config.model_copy(update={"triton": config.triton.model_copy(update=update)})
     watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
     try:
         await _serve(

@@ -345,6 +345,12 @@ class Server(_Strict):
 
 class Triton(_Strict):
     url: str = Field(default="localhost:8001", description="Triton's gRPC address (serve mode).")
+    http_url: str | None = Field(
+        default=None,
+        description="Triton's HTTP address, e.g. http://localhost:8000: where set, batches go "
+        "there (an HTTP request costs the core a third of the CPU of a gRPC call); metadata "
+        "and decoupled streams stay on gRPC. up mode sets it to its own Triton.",
+    )
     metrics_url: str | None = Field(
         default=None, description="Triton's Prometheus endpoint, e.g. http://localhost:8002/metrics"
     )

@@ -296,7 +296,9 @@ def dtype_of(name: str, datatype: Any) -> np.dtype[Any]:
         ) from None
 
 
-def tensor_from_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> Tensor:
+def tensor_from_raw(
+    name: str, datatype: str, shape: tuple[int, ...], raw: bytes | memoryview
+) -> Tensor:
     """Decode one tensor's raw bytes (binary extension / gRPC raw contents)."""
     dtype = dtype_of(name, datatype)
     count = element_count(shape)

@@ -99,7 +99,9 @@ class FrontendServer:
 
     async def start(self) -> None:
         forwarder = TritonForwarder(
-            self.triton_url, request_timeout_s=self.config.triton.request_timeout_s
+            self.triton_url,
+            request_timeout_s=self.config.triton.request_timeout_s,
+            http_url=self.config.triton.http_url,
         )
         self.core = self._factory(self.config, forwarder)
         await self.core.start()

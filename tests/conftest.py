@@ -50,5 +50,5 @@ def frontend(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     Shared by the whole session: tests label their traffic with their own tenant where
     they read counters, and must leave no requests queued behind them.
     """
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as running:
+    with running_frontend(make_config(), triton, workers=workers) as running:
         yield running

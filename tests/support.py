@@ -13,6 +13,7 @@ import numpy as np
 import yaml
 
 from fair_frontend.config import Config, parse_config
+from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,11 +115,18 @@ class RunningFrontend:
 
 @contextlib.contextmanager
 def running_frontend(
-    config: Config, triton_url: str, *, workers: int = 1
+    config: Config, triton: EmbeddedTriton | str, *, workers: int = 1
 ) -> Iterator[RunningFrontend]:
     """The frontend, its core on a thread of this process (its state readable here), with
-    ``workers`` shells: 1 in this process too, more as processes of their own."""
-    server = FrontendServer(config, triton_url, Listen(), workers=workers)
+    ``workers`` shells: 1 in this process too, more as processes of their own.
+
+    ``triton``: a running ``EmbeddedTriton`` (batches go over its HTTP endpoint, as in
+    ``up`` mode, unless the config names one), or a gRPC address (batches over gRPC)."""
+    url = triton if isinstance(triton, str) else triton.grpc_url
+    if not isinstance(triton, str) and config.triton.http_url is None:
+        http = config.triton.model_copy(update={"http_url": triton.http_url})
+        config = config.model_copy(update={"triton": http})
+    server = FrontendServer(config, url, Listen(), workers=workers)
     background = BackgroundServer(server)
     with background:
         yield RunningFrontend(server, background)

@@ -470,7 +470,7 @@ def live_metrics(triton: EmbeddedTriton, workers: int) -> dict[str, set[str]]:
     )
     for endpoint in data["endpoints"].values():
         endpoint["throttle"] = True
-    with running_frontend(make_config(**data), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(**data), triton, workers=workers) as fe:
         client = grpcclient.InferenceServerClient(fe.grpc_url)
         try:
             for model in ("embed", "generate"):
@@ -496,7 +496,7 @@ def live_metrics(triton: EmbeddedTriton, workers: int) -> dict[str, set[str]]:
         "storage": f"redis://127.0.0.1:{free_port()}/0",
         "on_storage_error": "fail_open",
     }
-    with running_frontend(make_config(**data), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(**data), triton, workers=workers) as fe:
         client = grpcclient.InferenceServerClient(fe.grpc_url)
         try:
             client.infer(
@@ -593,7 +593,7 @@ def test_every_metric_and_label_in_promql_exists(
 
 @pytest.fixture(scope="module")
 def frontend_http(triton: EmbeddedTriton, workers: int) -> Iterator[str]:
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), triton, workers=workers) as fe:
         yield f"http://{fe.http_url}"
 
 

@@ -58,7 +58,7 @@ def _kill(triton: EmbeddedTriton) -> None:
 
 
 async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, workers: int) -> None:
-    with running_frontend(make_config(), own_triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), own_triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             assert (await _send(client, "acme")).as_numpy("EMBEDDING").shape == (1, 128)
@@ -106,7 +106,7 @@ async def test_an_outage_longer_than_max_outage_is_answered_not_held(
 ) -> None:
     data = config_dict()
     data["triton"] = {"max_outage_s": 1.0}
-    with running_frontend(parse_config(data), own_triton.grpc_url, workers=workers) as fe:
+    with running_frontend(parse_config(data), own_triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             assert not isinstance(await _send(client, "acme"), InferenceServerException)

@@ -28,7 +28,7 @@ def mode_frontend(
     request: pytest.FixtureRequest, triton: Any, workers: int
 ) -> Iterator[RunningFrontend]:
     config = make_config(scheduling=request.param)
-    with running_frontend(config, triton.grpc_url, workers=workers) as running:
+    with running_frontend(config, triton, workers=workers) as running:
         yield running
 
 
@@ -155,7 +155,7 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:  # ty
 
 
 async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), triton, workers=workers) as fe:
         seen: list[dict[str, int]] = []
         observer = fe.frontend.observer
         original = observer.batch_finished
@@ -190,7 +190,7 @@ async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, work
 
 
 async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         victim_client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
@@ -240,7 +240,7 @@ async def test_queue_caps_reject_with_the_cap_named(triton, workers: int) -> Non
     data["tenants"]["hooli"]["max_queued"] = 5
     from fair_frontend.config import parse_config
 
-    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(parse_config(data), triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             results = await asyncio.gather(

@@ -298,7 +298,7 @@ def test_trusted_gateway_names_the_tenant(triton, workers: int) -> None:  # type
 
     config = make_config(auth={"trusted_gateway": True})
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
-    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
+    with running_frontend(config, triton, workers=workers) as fe:
         client = grpcclient.InferenceServerClient(fe.grpc_url)
         result = client.infer(
             "embed",

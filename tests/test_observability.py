@@ -185,7 +185,7 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
     exp = Expected()
     triton_before = await ascrape(triton.metrics_url)
 
-    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
+    with running_frontend(config, triton, workers=workers) as fe:
         rpc = grpcaio.InferenceServerClient(fe.grpc_url)
         http = httpaio.InferenceServerClient(fe.http_url)
         try:
@@ -332,7 +332,7 @@ async def test_cardinality_guard_folds_later_tenants_into_other_and_keeps_totals
         observability={"max_metric_tenants": 2},
     )
     widths = [10, 20, 30, 40]
-    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
+    with running_frontend(config, triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             # An unauthenticated request first: "-" must not take one of the 2 slots.
@@ -374,7 +374,7 @@ async def test_unknown_model_names_do_not_become_metric_labels(
     """The endpoint label comes from the config and Triton's models, never from client input."""
     name = unique("obs-u")
     config = make_config(tenants={name: {"tier": "standard", "api_keys": [f"{name}-key"]}})
-    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
+    with running_frontend(config, triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             for i in range(3):
@@ -403,7 +403,7 @@ async def test_requests_the_codec_rejects_are_counted(triton: EmbeddedTriton, wo
     name = unique("obs-m")
     config = make_config(tenants={name: {"tier": "standard", "api_keys": [f"{name}-key"]}})
     auth = {"authorization": f"Bearer {name}-key"}
-    with running_frontend(config, triton.grpc_url, workers=workers) as fe:
+    with running_frontend(config, triton, workers=workers) as fe:
 
         def post() -> int:
             req = urllib.request.Request(
@@ -438,9 +438,11 @@ async def test_a_tenant_added_by_reload_is_counted_under_its_tier(
 ) -> None:
     first, added = unique("obs-r1"), unique("obs-r2")
     tenants = {first: {"tier": "standard", "api_keys": [f"{first}-key"]}}
-    with running_frontend(make_config(tenants=tenants), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(tenants=tenants), triton, workers=workers) as fe:
         tenants[added] = {"tier": "trial", "api_keys": [f"{added}-key"]}
         reloaded = make_config(tenants=tenants)
+        # The same Triton section as the running one (running_frontend set its HTTP address).
+        reloaded = reloaded.model_copy(update={"triton": fe.server.config.triton})
 
         async def reload() -> list[str]:
             notes: list[str] = fe.server.reload(reloaded)
@@ -503,7 +505,7 @@ async def test_request_log_is_one_json_line_per_request_without_keys(
             b: {"tier": "standard", "api_keys": [secret[b]]},
         }
     )
-    with running_frontend(config, triton.grpc_url) as fe:
+    with running_frontend(config, triton) as fe:
         rpc = grpcaio.InferenceServerClient(fe.grpc_url)
         http = httpaio.InferenceServerClient(fe.http_url)
         try:
@@ -590,7 +592,7 @@ async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
 ) -> None:
     tenant = unique("obs-f")
     with running_frontend(
-        _sleeper_config(tenant, triton.metrics_url), triton.grpc_url, workers=workers
+        _sleeper_config(tenant, triton.metrics_url), triton, workers=workers
     ) as fe:
 
         async def from_triton() -> Samples | None:
@@ -625,9 +627,7 @@ async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_s
     scrape_logger = logging.getLogger("fair_frontend.feedback.triton")
     scrape_logger.addHandler(scrape_log)
     try:
-        with running_frontend(
-            _sleeper_config(tenant, nowhere), triton.grpc_url, workers=workers
-        ) as fe:
+        with running_frontend(_sleeper_config(tenant, nowhere), triton, workers=workers) as fe:
             for _ in range(3):
                 await _one_sleeper_request(fe, tenant)
 

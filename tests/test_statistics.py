@@ -15,7 +15,7 @@ from tests.support import KEYS, ids_input, make_config, running_frontend
 
 
 def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), triton, workers=workers) as fe:
         grpc = grpcclient.InferenceServerClient(fe.grpc_url)
         meta = grpc.get_server_metadata()
         assert "statistics" in meta.extensions
@@ -60,7 +60,7 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
 
 def test_perf_analyzer_reads_the_frontends_statistics(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
     """perf_analyzer asks for statistics when the server lists the extension."""
-    with running_frontend(make_config(), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(make_config(), triton, workers=workers) as fe:
         proc = subprocess.run(
             [
                 perf_analyzer_binary(),

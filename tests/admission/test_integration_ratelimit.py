@@ -56,9 +56,7 @@ def limited_config(
 def limited_frontend(
     triton: Any, workers: int, tier_limits: dict[str, Any], **kw: Any
 ) -> Iterator[Any]:
-    with running_frontend(
-        limited_config(tier_limits, **kw), triton.grpc_url, workers=workers
-    ) as fe:
+    with running_frontend(limited_config(tier_limits, **kw), triton, workers=workers) as fe:
         yield fe
 
 

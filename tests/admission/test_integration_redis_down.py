@@ -98,7 +98,7 @@ def outage_frontend(
     triton: Any, redis_process: RedisProcess, request: pytest.FixtureRequest, workers: int
 ) -> Iterator[RunningFrontend]:
     with running_frontend(
-        outage_config(redis_process.url, request.param), triton.grpc_url, workers=workers
+        outage_config(redis_process.url, request.param), triton, workers=workers
     ) as fe:
         yield fe
 

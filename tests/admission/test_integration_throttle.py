@@ -53,7 +53,7 @@ OVERLOADED = re.compile(
 def throttled(triton: Any, workers: int) -> Iterator[RunningFrontend]:
     data = config_dict()
     data["endpoints"]["embed"].update(throttle=True, latency_target_ms=TARGET_S * 1000)
-    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(parse_config(data), triton, workers=workers) as fe:
         yield fe
 
 
@@ -171,7 +171,7 @@ LOWER_TIER_TARGET_S = 1.0  # room for the higher tier's Poisson bursts (full bat
 def throttled_1s(triton: Any, workers: int) -> Iterator[RunningFrontend]:
     data = config_dict()
     data["endpoints"]["embed"].update(throttle=True, latency_target_ms=LOWER_TIER_TARGET_S * 1e3)
-    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as fe:
+    with running_frontend(parse_config(data), triton, workers=workers) as fe:
         yield fe
 
 

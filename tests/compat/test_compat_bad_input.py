@@ -509,7 +509,7 @@ def small(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     data["endpoints"]["embed"].update(max_request_bytes=MAX_BYTES, max_request_tokens=MAX_TOKENS)
     data["endpoints"]["generate"]["max_request_bytes"] = MAX_BYTES
     data["default_endpoint"] = {"max_request_bytes": MAX_BYTES}
-    with running_frontend(parse_config(data), triton.grpc_url, workers=workers) as running:
+    with running_frontend(parse_config(data), triton, workers=workers) as running:
         yield running
 
 

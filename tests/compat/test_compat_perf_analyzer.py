@@ -36,7 +36,7 @@ SHAPES = {"embed": "INPUT_IDS:128", "generate": "INPUT_IDS:32"}
 def counted(triton: EmbeddedTriton) -> Iterator[tuple[RunningFrontend, Counter[str]]]:
     """A frontend of its own whose metadata calls are counted (wrapping, not replacing)."""
     calls: Counter[str] = Counter()
-    with running_frontend(make_config(), triton.grpc_url) as running:
+    with running_frontend(make_config(), triton) as running:
         service = running.gateway
         for name in COUNTED:
             original = getattr(service, name)
