@@ -8,6 +8,7 @@ them keep working.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -211,7 +212,7 @@ def _row_lengths(
     t = req.input(endpoint.token_input)
     if t is None:
         return None
-    width = int(np.prod(t.shape[1:])) if info.batching else int(np.prod(t.shape))
+    width = math.prod(t.shape[1:]) if info.batching else math.prod(t.shape)
     return [width] * rows
 
 

@@ -90,7 +90,12 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
 
             await asyncio.to_thread(own_triton.restart)
             results = await asyncio.gather(*flood)
-            assert client_ready(fe)
+            # Ready again once the shell's own channel to Triton has reconnected (its
+            # back-off after an outage is at most 1 s).
+            deadline = time.monotonic() + 10
+            while not client_ready(fe):
+                assert time.monotonic() < deadline, "not ready after Triton came back"
+                await asyncio.sleep(0.05)
         finally:
             await client.close()
     ok = [r for r in results if not isinstance(r, InferenceServerException)]
