@@ -50,7 +50,13 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
 from fair_frontend.records import Answer, Call, Fault, Tally
-from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, cost_model_for
+from fair_frontend.scheduler import (
+    EndpointPolicy,
+    GlobalCaps,
+    QueueState,
+    Scheduler,
+    cost_model_for,
+)
 from fair_frontend.stats import Statistics
 
 log = logging.getLogger(__name__)
@@ -205,7 +211,7 @@ class Core:
     def cancel(self, req: CoreRequest) -> None:
         """The client of ``req`` went away (it is answered no more)."""
         runtime = self.runtimes.get(req.request.model)
-        if req.state.value == "new":  # admission still running: it stops there
+        if req.state is QueueState.NEW:  # admission still running: it stops there
             req.cancelled = True
         elif runtime is not None:
             runtime.cancel(req)
