@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shutil
 import socket
@@ -21,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -49,11 +51,23 @@ def default_workers() -> int:
     at most 8 (beyond that, the one core process is the limit; ``benchmarks/bench_core``).
     So one process on a machine of 2 cores or fewer: there, a shell process and the core
     would share the cores Triton and the clients need (``benchmarks/bench_throughput``)."""
+    return max(1, min(usable_cpus() - 1, MAX_DEFAULT_WORKERS))
+
+
+def usable_cpus(cgroup: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The CPUs this process may use: its affinity, bounded by its cgroup's CPU quota (a
+    container limited to 2 CPUs on a 64-core node sees 64 in its affinity)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus - 1, MAX_DEFAULT_WORKERS))
+    try:
+        quota, period = Path(cgroup).read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota != "max" and int(period) > 0:
+        cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    return cpus
 
 
 @dataclass

@@ -186,3 +186,15 @@ def test_fields_of_the_former_model_inputs_say_what_replaced_them() -> None:
     assert "use max_tokens_parameter" in text
     assert "endpoints.generate.padding.inputs.INPUT_IDS.lengths_input: removed" in text
     assert "lengths_field" in text
+
+
+def test_default_shells_follow_the_cpus_a_container_may_use(tmp_path: Path) -> None:
+    """Affinity counts a node's cores; a cgroup quota (a container's CPU limit) bounds it."""
+    from fair_frontend.server import usable_cpus
+
+    affinity = usable_cpus(str(tmp_path / "absent"))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")  # 1.5 CPUs: 2 may run at once
+    assert usable_cpus(str(quota)) == min(affinity, 2)
+    quota.write_text("max 100000\n")
+    assert usable_cpus(str(quota)) == affinity
