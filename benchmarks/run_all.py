@@ -22,6 +22,7 @@ BENCHMARKS = [
     "bench_token_fairness",
     "bench_throughput",
     "bench_scaling",
+    "bench_streams",
     "bench_overload",
     "bench_feedback",
 ]
