@@ -13,7 +13,7 @@ best and median microseconds per request are reported, and the ratios 10,000 / 1
 tenants from the same run. Variants: fair mode with a deadline on every request (the
 deadline heap), and fifo mode (the baseline).
 
-Memory: tracemalloc growth while 100,000 requests (payload None, 1,000 tenants) are built
+Memory: tracemalloc growth while 100,000 requests (bare QueuedRequests, 1,000 tenants) are built
 and queued, divided by 100,000; and the resident set size growth of the same, from
 ``/proc/self/statm``. With and without deadlines.
 
