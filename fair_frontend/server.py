@@ -309,6 +309,7 @@ class ShellPool:
             fut = self._ready.get(index)
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(f"shell {index} exited with {code} at start"))
+                fut.exception()  # start() reads it; a restart's readiness nobody awaits
             if self._stopping:
                 return
             log.error("shell %d (pid %d) exited with %s; restarting it", index, proc.pid, code)
