@@ -297,8 +297,8 @@ class ShellConnection(_Framed):
         elif isinstance(record, Hello):
             self.index, self.pid = record.index, record.pid
             self.send(self.server.settings())
-            if self.server._view:
-                self.send(QueueView(self.server._view))
+            if self.server.queue_view:
+                self.send(QueueView(self.server.queue_view))
         elif isinstance(record, Ready):
             self.ready = record
             self.server.shell_ready(self)
@@ -406,6 +406,11 @@ class CoreServer:
         self._server = await loop.create_unix_server(lambda: ShellConnection(self), self.path)
         os.chmod(self.path, 0o600)  # only this user's processes may act as shells
         self._viewer = loop.create_task(self._publish_queue_view())
+
+    @property
+    def queue_view(self) -> list[tuple[str, str, str]]:
+        """The full queues the shells were last told of."""
+        return self._view
 
     async def _publish_queue_view(self) -> None:
         """Tell the shells which queues are full, when that changes (``QueueView``)."""

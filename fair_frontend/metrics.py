@@ -189,26 +189,25 @@ class FrontendMetrics(Observer):
         latency_s: float | None = None,
         error: str | None = None,
     ) -> None:
-        if outcome in _MODEL_EXISTS:
-            self.endpoint_label.confirm(model)
-        label = self.tenant_label(tenant)
-        tier = self.tier_of(tenant)
-        endpoint = self.endpoint_label(model)
-        self._child(self.requests, label, tier, endpoint, outcome.value).inc()
+        labels = self._count(tenant, model, outcome, 1)
         if queued_s is not None:
-            self._child(self.queue_wait, label, tier, endpoint).observe(queued_s)
+            self._child(self.queue_wait, *labels).observe(queued_s)
 
     def requests_answered(
         self, tenant: str | None, model: str, outcome: Outcome, count: int
     ) -> None:
         """``count`` requests a shell answered itself, before the core (its tally)."""
+        self._count(tenant, model, outcome, count)
+
+    def _count(
+        self, tenant: str | None, model: str, outcome: Outcome, count: int
+    ) -> tuple[str, str, str]:
+        """Count requests by outcome; returns their (tenant, tier, endpoint) labels."""
         if outcome in _MODEL_EXISTS:
             self.endpoint_label.confirm(model)
-        label = self.tenant_label(tenant)
-        tier = self.tier_of(tenant)
-        self._child(self.requests, label, tier, self.endpoint_label(model), outcome.value).inc(
-            count
-        )
+        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
+        self._child(self.requests, *labels, outcome.value).inc(count)
+        return labels
 
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model

@@ -74,6 +74,12 @@ class ModelInfo:
             raw_config=cfg,
         )
 
+    @staticmethod
+    def version_for(requested: str, info: ModelInfo | None) -> str:
+        """The version a request is counted under: its own, else the model's latest ("1"
+        for a model not looked up)."""
+        return requested or (info.latest_version if info is not None else "1")
+
     @property
     def latest_version(self) -> str:
         return max(self.versions, key=lambda v: int(v) if v.isdigit() else -1)

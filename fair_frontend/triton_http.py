@@ -43,6 +43,7 @@ from fair_frontend.protocol import (
     ParamValue,
     RequestedOutput,
     Tensor,
+    tensor_from_list,
     tensor_from_raw,
     tensor_to_raw,
 )
@@ -275,8 +276,6 @@ def decode_answer(headers: Mapping[str, str], body: bytes) -> tuple[str, list[Te
         shape = tuple(spec["shape"])
         size = (spec.get("parameters") or {}).get("binary_data_size")
         if size is None:  # JSON data (Triton sends binary when asked; kept for safety)
-            from fair_frontend.protocol import tensor_from_list
-
             out.append(tensor_from_list(spec["name"], spec["datatype"], shape, spec["data"]))
             continue
         raw = view[offset : offset + size]

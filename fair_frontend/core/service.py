@@ -410,8 +410,7 @@ class Core:
                 request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
             )
         elif err is not None and not isinstance(err, UnknownModel):
-            info = self.models.cached(request.model)
-            failed = request.version or (info.latest_version if info is not None else "1")
+            failed = ModelInfo.version_for(request.version, self.models.cached(request.model))
             self.stats.failure(request.model, failed, total_s)
         self.observer.request_finished(
             tenant=call.tenant,

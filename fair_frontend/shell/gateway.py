@@ -188,7 +188,7 @@ class Gateway:
         )  # fmt: skip
         failed: str | None = None
         if tenant is not None and err is not None and not isinstance(err, UnknownModel):
-            failed = req.version or (info.latest_version if info is not None else "1")
+            failed = ModelInfo.version_for(req.version, info)
         self.link.tally(
             TallyEntry(tenant, req.model, outcome.value, 1, failed, latency_s if failed else 0.0)
         )
