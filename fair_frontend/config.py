@@ -211,6 +211,43 @@ class Endpoint(_Strict):
         "compared with the target: a margin for the noise in batch times, so that admitted "
         "requests' tail (not only their median) stays within the target.",
     )
+    max_inflight: int | None = Field(
+        default=None,
+        ge=1,
+        description="Engine mode, for a model that batches inside itself (continuous "
+        "batching: Triton's vLLM and TensorRT-LLM backends, the shipped `llm`): each request "
+        "goes to Triton alone, and at most this many are in the engine at once (its slots, "
+        "e.g. 64-256). Who gets a free slot is decided here: tier, then fair share, then "
+        "priority; with `cost: tokens` the fair share is over tokens served (virtual token "
+        "counters: input tokens when a request gets its slot, output tokens as they "
+        "stream). Unset: batches are built here (max_inflight_batches).",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="A `tokenizers` JSON file (tokenizer.json; relative paths are from the "
+        "config file's folder): a BYTES token_input is counted in its tokens (text prompts), "
+        "and so is a BYTES token_output that comes in one piece.",
+    )
+    token_output: str | None = Field(
+        default=None,
+        description="Output holding the generated tokens, for charge-back: each streamed "
+        "response that carries it counts one token (engines stream one per decode step); a "
+        "response in one piece counts its elements (numeric ids) or its text's tokens "
+        "(BYTES, with the tokenizer; a prompt echoed at its start is not counted). Unset: "
+        "no output is counted, and what admission charged stands.",
+    )
+    sampling_parameters_input: str | None = Field(
+        default=None,
+        description="BYTES input holding a JSON object of sampling parameters (Triton's vLLM "
+        "backend: `sampling_parameters`), whose max_tokens_parameter key is read first.",
+    )
+    output_token_weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="What one output token costs relative to an input token, in token "
+        "cost and charge-back (decoding a token costs more than prefilling one; VTC's "
+        "paper uses 2, as API prices do).",
+    )
     max_inflight_batches: int | None = Field(
         default=None,
         ge=1,
@@ -621,6 +658,14 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
                 problems.append(f"{where}.{name}: needs max_tokens_parameter")
     if isinstance(default, int) and isinstance(limit, int) and default > limit:
         problems.append(f"{where}.max_tokens_default: {default} exceeds max_tokens_limit ({limit})")
+    if ep.get("max_inflight") is not None and ep.get("max_inflight_batches") is not None:
+        problems.append(
+            f"{where}: max_inflight (engine mode: requests in the engine) and "
+            "max_inflight_batches (batches built here) exclude each other"
+        )
+    tokenizer = ep.get("tokenizer")
+    if isinstance(tokenizer, str) and not os.path.isfile(tokenizer):
+        problems.append(f"{where}.tokenizer: no such file: {tokenizer}")
     padding = ep.get("padding")
     inputs = padding.get("inputs") if isinstance(padding, Mapping) else None
     fields: dict[str, str] = {}
@@ -681,7 +726,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(str(p), [f"not valid YAML: {err}"]) from None
     if not isinstance(data, dict):
         raise ConfigError(str(p), ["the top level must be a mapping"])
+    _resolve_tokenizers(data, p.parent)
     return parse_config(data, str(p))
+
+
+def _resolve_tokenizers(data: dict[str, Any], folder: Path) -> None:
+    """Relative tokenizer paths are from the config file's folder: made absolute here."""
+    endpoints = data.get("endpoints")
+    eps = list(endpoints.values()) if isinstance(endpoints, dict) else []
+    eps.append(data.get("default_endpoint"))
+    for ep in eps:
+        path = ep.get("tokenizer") if isinstance(ep, dict) else None
+        if isinstance(path, str) and path and not os.path.isabs(path):
+            ep["tokenizer"] = str((folder / path).resolve())
 
 
 def reference() -> str:

@@ -8,6 +8,7 @@ them keep working.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from tritonclient.grpc import model_config_pb2
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, Tensor
+from fair_frontend.tokens import count_text_tokens
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
@@ -101,6 +103,7 @@ class Checked:
     rows: int
     tokens: int
     lengths: list[int] | None  # per row, of the endpoint's token input (None if absent)
+    max_tokens: int = 0  # of ``tokens``, the output tokens asked for (all rows together)
 
 
 def _dims_match(expected: tuple[int, ...], got: tuple[int, ...]) -> bool:
@@ -189,8 +192,10 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
 
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
+    max_tokens = 0
     if endpoint.max_tokens_parameter is not None:
-        tokens += max(rows, 1) * _max_tokens(req, endpoint)
+        max_tokens = max(rows, 1) * _max_tokens(req, endpoint, write_back=info.batching)
+        tokens += max_tokens
     if endpoint.cost is CostUnit.TOKENS and lengths is None:
         raise InvalidArgument(
             f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "
@@ -207,7 +212,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
             f"request too large: {tokens} tokens, the limit for '{model}' is "
             f"{endpoint.max_request_tokens}"
         )
-    return Checked(rows=max(rows, 1), tokens=tokens, lengths=lengths)
+    return Checked(rows=max(rows, 1), tokens=tokens, lengths=lengths, max_tokens=max_tokens)
 
 
 def _row_lengths(
@@ -218,17 +223,27 @@ def _row_lengths(
     t = req.input(endpoint.token_input)
     if t is None:
         return None
+    if t.datatype == "BYTES" and endpoint.tokenizer is not None:
+        # Text: each element's tokens, with the endpoint's own tokenizer.
+        counts = count_text_tokens(endpoint.tokenizer, t.data.flat)
+        per_row = max(1, len(counts) // rows) if counts else 1
+        return [sum(counts[i * per_row : (i + 1) * per_row]) for i in range(rows)]
     width = math.prod(t.shape[1:]) if info.batching else math.prod(t.shape)
     return [width] * rows
 
 
-def _max_tokens(req: InferRequest, endpoint: Endpoint) -> int:
-    """The tokens each row of the request asks to generate, checked as the model checks it,
-    and written back into the request's parameters as an integer (``pack`` moves it into
-    each row's ``fair_rows`` entry); the endpoint's default when the request has none."""
+def _max_tokens(req: InferRequest, endpoint: Endpoint, *, write_back: bool) -> int:
+    """The tokens each row of the request asks to generate, checked as the model checks it:
+    from the sampling parameters input (JSON) if the endpoint names one and it has the key,
+    else the request parameter, else the endpoint's default. ``write_back`` (batching
+    models): written into the request's parameters as an integer (``pack`` moves it into
+    each row's ``fair_rows`` entry). A model that takes requests one at a time gets its
+    parameters exactly as the client sent them."""
     name = endpoint.max_tokens_parameter
     assert name is not None and endpoint.max_tokens_default is not None  # config checks both
-    value = req.parameters.get(name)
+    value = _sampling_parameter(req, endpoint, name)
+    if value is None:
+        value = req.parameters.get(name)
     if value is None:
         n = endpoint.max_tokens_default
     else:
@@ -238,8 +253,31 @@ def _max_tokens(req: InferRequest, endpoint: Endpoint) -> int:
             bounds = f"between 1 and {limit}" if limit is not None else "of at least 1"
             raise InvalidArgument(f"parameter '{name}' must be an integer {bounds}, got {value!r}")
         n = parsed
-    req.parameters[name] = n
+    if write_back:
+        req.parameters[name] = n
     return n
+
+
+def _sampling_parameter(req: InferRequest, endpoint: Endpoint, name: str) -> ParamValue | None:
+    """``name`` in the endpoint's sampling parameters input (a JSON object), if sent."""
+    if endpoint.sampling_parameters_input is None:
+        return None
+    t = req.input(endpoint.sampling_parameters_input)
+    if t is None or t.data.size == 0:
+        return None
+    raw = t.data.flat[0]
+    try:
+        doc = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument(
+            f"input '{endpoint.sampling_parameters_input}' must be a JSON object"
+        ) from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument(f"input '{endpoint.sampling_parameters_input}' must be a JSON object")
+    value = doc.get(name)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)  # a float or a list: refused by the integer check, with its value
 
 
 def integer_parameter(value: ParamValue) -> int | None:

@@ -48,6 +48,7 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     lengths: list[int] | None  # per-row token lengths of its token input, if any
     request: InferRequest  # as decoded (the model's defaults filled in)
     stream: bool = False  # ModelStreamInfer: answers may come in parts (decoupled)
+    max_tokens: int = 0  # of ``tokens``, the output tokens it asks for (charged back later)
 
     @property
     def deadline(self) -> float | None:

@@ -186,6 +186,7 @@ from fair_frontend.scheduler.types import (
     TenantSpec,
     TenantTerms,
 )
+from fair_frontend.scheduler.vtc import VirtualTokenCounter, VtcState
 
 __all__ = [
     "DEFAULT_TIER_SHARE_WINDOW_ROWS",
@@ -216,5 +217,7 @@ __all__ = [
     "Tier",
     "TierSelector",
     "TokenCost",
+    "VirtualTokenCounter",
+    "VtcState",
     "cost_model_for",
 ]

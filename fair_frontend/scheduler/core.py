@@ -210,7 +210,27 @@ class Scheduler:
             self.cancel(req, now)
         return out
 
+    def charge_back(self, tenant: str, cost: float) -> None:
+        """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
+        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody)."""
+        if not self._fair or not cost:
+            return
+        queue = self._queues.get(tenant)
+        if queue is not None:
+            tier = queue.tier
+        else:
+            terms = self._tenants.get(tenant)
+            if terms is None:
+                return  # removed by a reload: nobody to correct
+            tier = self._tier_of(tenant, terms)
+        self._fairness.credit(tier.fair_state, tenant, cost)
+
     # ---- views --------------------------------------------------------------------------
+
+    @property
+    def fairness(self) -> FairnessPolicy[Any]:
+        """Selector 2 (deficit round robin, or virtual token counters in engine mode)."""
+        return self._fairness
 
     def full(self, tenant: str) -> str | None:
         """The cap a new request of ``tenant`` would hit for its count alone, if any (the

@@ -41,6 +41,10 @@ class FairnessPolicy(Protocol[S]):
     def charge(self, state: S, queue: TenantQueue, cost: float) -> None:
         """The picked tenant's head request, of this cost, was dispatched."""
 
+    def credit(self, state: S, tenant: str, cost: float) -> None:
+        """Charge-back: the tenant's requests cost ``cost`` more (less, if negative) than
+        was charged when they were dispatched (output tokens, known only as they come)."""
+
     def deficits(self, state: S) -> dict[str, float]:
         """Tenant -> its current budget, for tenants with queued work (for metrics)."""
         ...
@@ -162,6 +166,16 @@ class DeficitRoundRobin:
         turn = state.current
         assert turn is not None and turn.queue is queue, "charge follows pick"
         turn.deficit -= cost
+
+    def credit(self, state: DrrState, tenant: str, cost: float) -> None:
+        """Charge-back, from the budget of a tenant still in the round: a debt (a budget
+        below 0) is paid off by its next grants before it sends again, so (I1) becomes
+        D_f >= -debt, and the bounds hold with C_f including what was charged back. A
+        tenant that has left the round has no budget to correct (it saved nothing either:
+        its queue was empty)."""
+        turn = state.turns.get(tenant)
+        if turn is not None and turn.listed:
+            turn.deficit -= cost
 
     def deficits(self, state: DrrState) -> dict[str, float]:
         jumps = state.jumps

@@ -1,0 +1,134 @@
+"""Selector 2 in engine mode: fair shares over tokens served (virtual token counters).
+
+Engine mode (``Endpoint.max_inflight``) sends each request to a model that batches inside
+itself (continuous batching: vLLM, TensorRT-LLM, the shipped ``llm``); the frontend decides
+who gets the engine's next free slot. What a request costs is only known as it runs: its
+output tokens stream one decode step at a time. So, as VTC does (Sheng et al., "Fairness
+in Serving Large Language Models", OSDI 2024), each tenant f of a tier has a counter
+``c_f`` of the service it got, in weighted tokens:
+
+* when one of f's requests gets a slot, ``c_f += w_in * input_tokens / weight_f``
+  (``charge``: the request's cost, fixed at enqueue, is its input tokens);
+* as its output streams, ``c_f += w_out * tokens / weight_f`` (``credit``: charge-back,
+  from the core, per response);
+* the next free slot goes to the tenant with the least counter among those with queued
+  work (ties: a tenant not yet served since it joined first, then the one charged
+  longest ago);
+* a tenant whose queue was empty is lifted when it queues again: ``c_f = max(c_f, min of
+  the active counters)``, or ``max(c_f, the counter of the last tenant to leave)`` if no
+  one is active. Idle time banks no credit: a tenant back from lunch does not get the
+  engine to itself until it has caught up.
+
+Bounds (one tier; ``S`` slots; ``I`` the largest input and ``O`` the largest output of a
+request, in tokens; ``U_f = (w_in * I + w_out * O * S) / weight_f``):
+
+(N) A tenant that joins, with no other newly joined tenant of its tier, gets one of the
+    next free slots: the first one, unless a tenant whose counter is lower still is
+    waiting; its counter is the least of all at the moment it joins, and every other
+    tenant's counter can only grow. Its first token therefore waits for one slot to
+    turn over, not for the other tenants' queues: the noisy-neighbour guarantee.
+(B) For two tenants f and g continuously backlogged over an interval, the weighted
+    service they get differs by at most ``U_f + U_g``. Proof: while both are
+    backlogged nobody is lifted, so each counter grows by exactly the weighted service.
+    At f's last pick its counter was at most g's; since then it grew by at most one
+    input charge and the output of its requests in flight (at most S of them, O tokens
+    each), while g's did not shrink: ``c_f - c_g <= U_f`` at every moment, and
+    symmetrically; the difference of the growths over the interval is then at most
+    ``U_f + U_g``. With one slot this is VTC's own bound, 2 * max(w_in * I, w_out * O)
+    for equal weights; the S * O term is the engine's memory, as VTC's M.
+
+Complexity: a lazy heap of (counter, rank, order, tenant) entries; ``pick`` pops stale
+entries (a tenant charged or credited since, or gone), so O(log n) amortised; a credit
+pushes an entry (only for a tenant with queued work), and the heap is rebuilt when stale
+entries outnumber live ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from fair_frontend.scheduler.queues import TenantQueue
+
+
+class VtcState:
+    """One tier's counters, active tenants and heap."""
+
+    __slots__ = ("active", "counters", "heap", "last_left", "live", "order", "weights")
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.active: dict[str, TenantQueue] = {}  # tenants with queued work
+        self.heap: list[tuple[float, int, int, str]] = []
+        self.live: dict[str, int] = {}  # tenant -> order of its one live heap entry
+        self.order = itertools.count()
+        self.last_left = 0.0
+
+
+class VirtualTokenCounter:
+    """Least served first, in weighted tokens (the module docstring)."""
+
+    __slots__ = ()
+
+    def new_state(self) -> VtcState:
+        return VtcState()
+
+    def join(self, state: VtcState, queue: TenantQueue) -> None:
+        tenant = queue.tenant
+        floor = self._least(state)
+        if floor is None:
+            floor = state.last_left
+        state.counters[tenant] = max(state.counters.get(tenant, 0.0), floor)
+        state.weights[tenant] = queue.weight
+        state.active[tenant] = queue
+        self._push(state, tenant, rank=0)
+
+    def leave(self, state: VtcState, queue: TenantQueue) -> None:
+        tenant = queue.tenant
+        state.active.pop(tenant, None)
+        state.live.pop(tenant, None)
+        state.last_left = state.counters.get(tenant, 0.0)
+
+    def pick(self, state: VtcState) -> TenantQueue | None:
+        heap = state.heap
+        while heap:
+            _, _, order, tenant = heap[0]
+            if state.live.get(tenant) == order:
+                return state.active[tenant]
+            heapq.heappop(heap)
+        return None
+
+    def charge(self, state: VtcState, queue: TenantQueue, cost: float) -> None:
+        tenant = queue.tenant
+        state.counters[tenant] = state.counters.get(tenant, 0.0) + cost / queue.weight
+        if tenant in state.active:
+            self._push(state, tenant, rank=1)
+
+    def credit(self, state: VtcState, tenant: str, cost: float) -> None:
+        """Service its requests got after their slot: output tokens, as they stream (a
+        negative cost refunds what admission charged beyond the real cost)."""
+        weight = state.weights.get(tenant)
+        if weight is None:
+            return  # never queued on this tier: nothing to correct
+        state.counters[tenant] = state.counters.get(tenant, 0.0) + cost / weight
+        if tenant in state.active:
+            self._push(state, tenant, rank=1)
+
+    def deficits(self, state: VtcState) -> dict[str, float]:
+        """Tenant -> its counter, for tenants with queued work."""
+        return {t: state.counters[t] for t in state.active}
+
+    def _least(self, state: VtcState) -> float | None:
+        """The least counter among the active tenants (None: none is active)."""
+        if self.pick(state) is None:
+            return None
+        return state.heap[0][0]
+
+    def _push(self, state: VtcState, tenant: str, rank: int) -> None:
+        order = next(state.order)
+        state.live[tenant] = order
+        heapq.heappush(state.heap, (state.counters[tenant], rank, order, tenant))
+        if len(state.heap) > 4 * len(state.active) + 64:
+            state.heap = [e for e in state.heap if state.live.get(e[3]) == e[2]]
+            heapq.heapify(state.heap)
