@@ -185,7 +185,8 @@ class Endpoint(_Strict):
         default=None,
         gt=0,
         description="DRR budget per turn, in cost units, before weight. Unset: one request for "
-        "request-cost endpoints, a full batch (max_batch_tokens) for token-cost endpoints.",
+        "request-cost endpoints, a full batch for token-cost endpoints: max_batch_tokens, or "
+        "without it max_batch_size rows of the mean tokens per row seen so far.",
     )
     max_queue_delay_ms: float = Field(
         default=0.0,
@@ -313,15 +314,18 @@ class Endpoint(_Strict):
         default=None, gt=0, description="Largest request in tokens; beyond, 400."
     )
 
-    def effective_quantum(self, max_batch_size: int) -> float:
-        """The DRR quantum: configured, else derived from the batching policy."""
+    def effective_quantum(self, max_batch_size: int) -> float | None:
+        """The DRR quantum: configured, else derived from the batching policy; None for a
+        token-cost endpoint without max_batch_tokens, whose full batch in tokens is
+        learned from its requests (``Scheduler``: max_batch_size rows of the mean tokens
+        per row)."""
         if self.quantum is not None:
             return self.quantum
         if self.cost is CostUnit.REQUESTS:
             return 1.0
         if self.max_batch_tokens is not None:
             return float(self.max_batch_tokens)
-        return float(max(1, max_batch_size))
+        return None
 
 
 class Tenant(_Strict):
@@ -726,12 +730,13 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(str(p), [f"not valid YAML: {err}"]) from None
     if not isinstance(data, dict):
         raise ConfigError(str(p), ["the top level must be a mapping"])
-    _resolve_tokenizers(data, p.parent)
+    resolve_relative_paths(data, p.parent)
     return parse_config(data, str(p))
 
 
-def _resolve_tokenizers(data: dict[str, Any], folder: Path) -> None:
-    """Relative tokenizer paths are from the config file's folder: made absolute here."""
+def resolve_relative_paths(data: dict[str, Any], folder: Path) -> None:
+    """Relative tokenizer paths are from the config file's folder: made absolute in
+    ``data`` (the raw mapping, before validation)."""
     endpoints = data.get("endpoints")
     eps = list(endpoints.values()) if isinstance(endpoints, dict) else []
     eps.append(data.get("default_endpoint"))

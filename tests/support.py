@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fair_frontend.config import Config, parse_config
+from fair_frontend.config import Config, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 
@@ -44,6 +44,7 @@ def config_dict(**overrides: Any) -> dict[str, Any]:
     must not depend on how fast these machines serve today.
     """
     data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    resolve_relative_paths(data, EXAMPLE_CONFIG.parent)
     data.pop("tier_limits", None)
     for endpoint in data["endpoints"].values():
         endpoint["throttle"] = False

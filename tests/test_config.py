@@ -85,6 +85,9 @@ def test_quantum_follows_the_batching_policy() -> None:
     assert config.endpoints["gen"].effective_quantum(8) == 1
     assert config.endpoints["emb"].effective_quantum(32) == 4096
     assert config.endpoints["fixed"].effective_quantum(32) == 7
+    # A token-cost endpoint without a token cap: a full batch in tokens, learned.
+    learned = parse_config({"tiers": ["t"], "endpoints": {"e": {"cost": "tokens"}}})
+    assert learned.endpoints["e"].effective_quantum(32) is None
 
 
 def test_default_priority_resolution() -> None:

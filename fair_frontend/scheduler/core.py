@@ -79,7 +79,13 @@ class Scheduler:
                 tier_selector = StrictTierOrder()
         self._tier_selector: TierSelector[Any] = tier_selector
         self._tier_state = tier_selector.new_state()
-        self._fairness: FairnessPolicy[Any] = fairness or DeficitRoundRobin(policy.quantum)
+        # A token-cost endpoint without a token cap learns its full batch in tokens:
+        # max_batch_size rows (1 if it does not batch) of the mean cost per row so far.
+        self._learn_quantum = policy.quantum is None
+        self._batch_rows = max(1, policy.max_batch_size)
+        self._mean_row_cost = 0.0
+        self._seen_rows = 0
+        self._fairness: FairnessPolicy[Any] = fairness or DeficitRoundRobin(policy.quantum or 1.0)
         self._ordering: OrderingPolicy = ordering or PriorityDeadlineArrival()
         self._tiers = [
             Tier(name, i, self._fairness.new_state()) for i, name in enumerate(policy.tiers)
@@ -142,6 +148,8 @@ class Scheduler:
         req.arrival = now
         req.seq = seq
         req.cost = self._cost.cost(req.rows, req.tokens)
+        if self._learn_quantum:
+            self._learn(req.cost, req.rows)
         req.state = _QUEUED
         handle: Handle = [req]
         req._handle = handle
@@ -209,6 +217,20 @@ class Scheduler:
         for req in out:
             self.cancel(req, now)
         return out
+
+    @property
+    def quantum(self) -> float:
+        """The DRR quantum now (configured, or the full batch learned so far)."""
+        return float(getattr(self._fairness, "quantum", self.policy.quantum or 1.0))
+
+    def _learn(self, cost: float, rows: int) -> None:
+        """A full batch in the cost unit: mean cost per row (a moving mean over about the
+        last thousand rows) times the batch's rows."""
+        self._seen_rows += rows
+        alpha = max(rows / self._seen_rows, min(1.0, rows / 1000))
+        self._mean_row_cost += (cost / rows - self._mean_row_cost) * alpha
+        if isinstance(self._fairness, DeficitRoundRobin) and self._mean_row_cost > 0:
+            self._fairness.quantum = self._batch_rows * self._mean_row_cost
 
     def charge_back(self, tenant: str, cost: float) -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
@@ -357,7 +379,7 @@ class Scheduler:
                 share = (own_cost + self._cost.cost(rows, tokens)) * others_weight / weight
                 # What is left of the others' current grants: half a grant each on average
                 # while they are backlogged, scaled down as their queues run short.
-                grants = self.policy.quantum * others_weight
+                grants = self.quantum * others_weight
                 share += grants / 2 * min(1.0, others_cost / grants)
                 # In rows and tokens at the tier's queued mix (the others' alone can be a
                 # request or two, too few to stand for what they will send).

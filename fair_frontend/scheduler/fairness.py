@@ -53,11 +53,12 @@ class FairnessPolicy(Protocol[S]):
 class _Turn:
     """One tenant's DRR record in one tier's state."""
 
-    __slots__ = ("deficit", "entries", "grant", "listed", "queue", "seen_jumps")
+    __slots__ = ("deficit", "entries", "grant", "listed", "queue", "seen_jumps", "weight")
 
     def __init__(self, queue: TenantQueue) -> None:
         self.queue = queue
-        self.grant = 0.0  # quantum * weight, fixed while listed
+        self.weight = queue.weight  # fixed while listed
+        self.grant = 0.0  # quantum * weight, as of its latest turn
         self.deficit = 0.0  # excludes round jumps after seen_jumps (see effective())
         self.seen_jumps = 0
         self.listed = False  # has queued work, so is in the active list
@@ -87,7 +88,12 @@ class DrrState:
 
 
 class DeficitRoundRobin:
-    """Deficit round robin with weights: each turn adds ``quantum * weight`` to a budget."""
+    """Deficit round robin with weights: each turn adds ``quantum * weight`` to a budget.
+
+    ``quantum`` may be changed between picks (a learned full batch, ``Scheduler``): each
+    turn is granted the quantum of the moment it starts; the bounds then hold with ``q``
+    the largest quantum granted over the interval.
+    """
 
     __slots__ = ("quantum",)
 
@@ -104,6 +110,7 @@ class DeficitRoundRobin:
         if turn is None:
             turn = state.turns[queue.tenant] = _Turn(queue)
         turn.queue = queue
+        turn.weight = queue.weight
         turn.grant = self.quantum * queue.weight
         turn.deficit = 0.0
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
@@ -138,7 +145,9 @@ class DeficitRoundRobin:
                     active.popleft()  # stale: the tenant left (and maybe rejoined behind)
                     turn.entries -= 1
                     continue
-                # A new turn: one quantum, plus any skipped rounds it has not seen.
+                # A new turn: one quantum, plus any skipped rounds it has not seen (at
+                # the quantum of now, which a learned quantum may have moved).
+                turn.grant = self.quantum * turn.weight
                 turn.deficit += (state.jumps - turn.seen_jumps + 1) * turn.grant
                 turn.seen_jumps = state.jumps
                 state.current = turn

@@ -128,7 +128,7 @@ class EndpointPolicy:
     cost: CostUnit
     max_batch_size: int  # rows per batch; 0: the model does not batch (one request each)
     max_batch_tokens: int | None  # tokens per batch; None: no token cap
-    quantum: float  # DRR budget per turn before weight (Endpoint.effective_quantum)
+    quantum: float | None  # DRR budget per turn before weight; None: a full batch, learned
     tiers: tuple[str, ...]  # highest first
     tier_min_share: Mapping[str, float] = field(default_factory=dict)  # empty: guard off
     share_window_rows: int = DEFAULT_TIER_SHARE_WINDOW_ROWS
@@ -139,7 +139,7 @@ class EndpointPolicy:
             problems.append(f"max_batch_size {self.max_batch_size} < 0")
         if self.max_batch_tokens is not None and self.max_batch_tokens <= 0:
             problems.append(f"max_batch_tokens {self.max_batch_tokens} <= 0")
-        if not (self.quantum > 0 and math.isfinite(self.quantum)):
+        if self.quantum is not None and not (self.quantum > 0 and math.isfinite(self.quantum)):
             problems.append(f"quantum {self.quantum} is not a positive number")
         if not self.tiers or len(set(self.tiers)) != len(self.tiers):
             problems.append(f"tiers {self.tiers} must be non-empty and distinct")

@@ -36,7 +36,7 @@ def make_policy(
     cost: CostUnit = CostUnit.REQUESTS,
     max_batch_size: int = 32,
     max_batch_tokens: int | None = None,
-    quantum: float = 1.0,
+    quantum: float | None = 1.0,
     tiers: tuple[str, ...] = TIERS,
     min_share: Mapping[str, float] | None = None,
     window: int = 100,

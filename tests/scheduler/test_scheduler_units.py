@@ -569,3 +569,18 @@ def test_policy_from_config() -> None:
     assert (unbatched.max_batch_size, unbatched.quantum) == (0, 1.0)
     with pytest.raises(ValueError, match="unknown tier"):
         EndpointPolicy(CostUnit.REQUESTS, 8, None, 1.0, ("paid",), {"gold": 0.1})
+
+
+def test_token_cost_without_a_token_cap_grants_a_full_batch_of_tokens_per_turn() -> None:
+    """The quantum is max_batch_size rows of the mean tokens per row (learned), not
+    max_batch_size read as tokens: a turn sends a full batch of one tenant's rows."""
+    s = make_scheduler(
+        {"a": "paid", "b": "paid"}, cost=CostUnit.TOKENS, max_batch_size=4, quantum=None
+    )
+    for tenant in ("a", "b"):
+        for i in range(8):
+            s.enqueue(make_request(tenant, tokens=100, tag=f"{tenant}{i}"), 0.0)
+    assert s.quantum == 400
+    batches = drain(s)
+    assert batches[0] == ["a0", "a1", "a2", "a3"]
+    assert batches[1] == ["b0", "b1", "b2", "b3"]
