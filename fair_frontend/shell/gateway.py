@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from fair_frontend.auth import Authenticator, KeyRing
@@ -77,9 +77,9 @@ class Gateway:
 
     def stream_infer(
         self, req: InferRequest, headers: Mapping[str, str]
-    ) -> AsyncIterator[InferResponse]:
+    ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer): its responses; several for a
-        decoupled model, exactly one otherwise."""
+        decoupled model, exactly one otherwise. ``aclose()`` cancels it."""
         return self._handle(req, headers, streaming=True)
 
     async def _handle(
@@ -192,6 +192,10 @@ class Gateway:
         self.link.tally(
             TallyEntry(tenant, req.model, outcome.value, 1, failed, latency_s if failed else 0.0)
         )
+
+    async def model_info(self, model: str) -> ModelInfo:
+        """The model's description (kept once looked up); raises ``UnknownModel``."""
+        return await self._model_info(model)
 
     async def _model_info(self, model: str) -> ModelInfo:
         info = self._infos.get(model)
