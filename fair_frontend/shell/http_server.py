@@ -10,13 +10,30 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
 from google.protobuf import json_format
 
 from fair_frontend.config import Config
-from fair_frontend.errors import FrontendError, InvalidArgument, Unsupported
+from fair_frontend.errors import (
+    FrontendError,
+    InvalidArgument,
+    UnknownModel,
+    Unsupported,
+)
+from fair_frontend.generate_codec import (
+    MSG_NOT_ONE_RESPONSE,
+    SSE_CONTENT_TYPE,
+    ModelNotFound,
+    check_encoding,
+    check_model,
+    decode_generate,
+    encode_generate,
+    sse_event,
+)
+from fair_frontend.generate_codec import encode_error as generate_error
 from fair_frontend.http_codec import (
     HEADER_CONTENT_LENGTH,
     decode_infer,
@@ -24,6 +41,8 @@ from fair_frontend.http_codec import (
     encode_infer,
     parse_header_length,
 )
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import InferResponse
 from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -138,6 +157,8 @@ class HttpShell:
             r.add_get(prefix + "/config", self.model_config)
             r.add_get(prefix + "/stats", self.statistics)
             r.add_post(prefix + "/infer", self.infer)
+            r.add_post(prefix + "/generate", self.generate)
+            r.add_post(prefix + "/generate_stream", self.generate_stream)
         return app
 
     @web.middleware
@@ -245,3 +266,109 @@ class HttpShell:
         if request.headers.get("Accept-Encoding"):
             out.enable_compression()
         return out
+
+    # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """One JSON object; a model that answers other than once gets Triton's error."""
+        try:
+            return await self._generate(request)
+        except FrontendError as err:
+            return _generate_failure(err)
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events, one per response, each written as it arrives. Triton starts
+        the stream with the first response: a request refused before any answer gets a
+        plain JSON error; a model's own error as the first answer sets the status of the
+        stream it starts; an error later is one more event, under the 200 already sent."""
+        try:
+            return await self._generate_stream(request)
+        except FrontendError as err:
+            return _generate_failure(err)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        replies = await self._generate_request(request)
+        try:
+            answers = []
+            try:
+                async for resp in replies:
+                    answers.append(encode_generate(resp))
+            except FrontendError:
+                if not answers:
+                    raise  # the first answer failed: its status and message, as Triton
+                answers.append(b"")  # a response, then an error: more than one
+        finally:
+            await replies.aclose()
+        if len(answers) == 1:
+            return _generate_json(answers[0])
+        # Triton has sent its 200 with the first response by then, and only learns at
+        # the final flag that there was not exactly one (SendChunkResponse).
+        return _generate_json(generate_error(MSG_NOT_ONE_RESPONSE))
+
+    async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
+        replies = await self._generate_request(request)
+        out = web.StreamResponse()
+        try:
+            try:
+                first: bytes | None = sse_event(encode_generate(await anext(replies)))
+            except StopAsyncIteration:
+                first = None
+            except FrontendError as err:
+                if err.outcome is not Outcome.FAILED:
+                    raise  # refused before inference (queue, deadline, validation)
+                # Triton or the model answered an error: Triton's first "response".
+                out.set_status(err.http_status)
+                first = sse_event(generate_error(err.message))
+                await replies.aclose()
+            out.content_type, out.charset = SSE_CONTENT_TYPE.split("; charset=")
+            await out.prepare(request)
+            if first is not None:
+                await out.write(first)
+            try:
+                async for resp in replies:
+                    await out.write(sse_event(encode_generate(resp)))
+            except FrontendError as err:
+                await out.write(sse_event(generate_error(err.message)))
+            await out.write_eof()
+            return out
+        finally:
+            # On a client's disconnect aiohttp cancels this handler (handler_cancellation):
+            # closing the generator cancels the request in the core, which ends its stream
+            # to Triton and frees the slot. A no-op once the last answer was read.
+            await replies.aclose()
+
+    async def _generate_request(self, request: web.Request) -> AsyncGenerator[InferResponse, None]:
+        model, version = _model_version(request)
+        headers = _headers(request)
+        started = time.monotonic()
+        try:
+            self.gateway.admit_early(model, headers)
+            try:
+                info = await self.gateway.model_info(model)
+            except FrontendError as err:
+                # In a shell process the core's UnknownModel arrives rebuilt: by message.
+                if err.message == UnknownModel(model).message:
+                    raise ModelNotFound(model) from None
+                raise
+            check_model(info, version)
+            check_encoding(headers.get("content-encoding"))
+            req = decode_generate(model, version, await request.read(), info)
+        except FrontendError as err:
+            # Answered before the gateway's stream: still one counted, logged outcome.
+            self.gateway.rejected(model, headers, err, time.monotonic() - started)
+            raise
+        return self.gateway.stream_infer(req, headers)
+
+
+def _generate_failure(err: FrontendError) -> web.Response:
+    """An error before any answer: Triton's compact ``{"error":...}``, the status (and
+    retry hint) of ``fair_frontend.errors``."""
+    out = _generate_json(generate_error(err.message), err.http_status)
+    if err.retry_after_header is not None:
+        out.headers["Retry-After"] = err.retry_after_header
+    return out
+
+
+def _generate_json(body: bytes, status: int = 200) -> web.Response:
+    # Triton does not compress generate's answers (its "[FIXME] compression").
+    return web.Response(status=status, body=body, content_type="application/json")

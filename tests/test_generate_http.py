@@ -1,0 +1,216 @@
+"""Triton's generate extension on the frontend's HTTP port, side by side with Triton's own.
+
+The same body goes straight to Triton and through the frontend; status, content type and
+body bytes must be the same (for ``/generate_stream`` the whole event stream), except
+where the frontend adds what Triton lacks (the API key).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.support import KEYS
+
+KEY = {"x-api-key": KEYS["hooli"]}
+SSE = "text/event-stream; charset=utf-8"
+ONE_RESPONSE = (
+    "generate expects model to produce exactly 1 response, use generate stream for model "
+    "that generates various number of responses"
+)
+
+
+def _hostport(url: str) -> str:
+    return url.split("//", 1)[-1]
+
+
+def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
+    """(status, content type, body bytes) of one POST; ``body`` as JSON unless bytes."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(_hostport(url), timeout=60)
+    try:
+        conn.request("POST", path, body=raw, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type"), resp.read()
+    finally:
+        conn.close()
+
+
+def both(triton: Any, frontend: Any, path: str, body: Any) -> tuple[Any, Any]:
+    return post(triton.http_url, path, body), post(frontend.http_url, path, body, KEY)
+
+
+SIXTEEN = list(range(1, 17))
+ANSWERS = [
+    ("repeat_decoupled", {"IN": [5]}),
+    ("repeat_decoupled", {"IN": 7, "id": "req-1"}),
+    ("repeat_decoupled", {"parameters": {"IN": [9]}}),  # an input named in parameters
+    ("simple", {"INPUT0": SIXTEEN, "INPUT1": [1] * 16}),
+    ("simple_nobatch", {"INPUT0": SIXTEEN, "INPUT1": [2] * 16, "parameters": {"a": 1.5}}),
+    ("simple_identity", {"INPUT0": ["a", 'b"\u00e9\n\u0001\\']}),
+    ("simple_identity", {"INPUT0": "one"}),
+    ("generate", {"INPUT_IDS": [1, 2, 3], "parameters": {"max_tokens": 4}}),
+    ("generate", {"INPUT_IDS": 7, "max_tokens": 1}),  # a scalar: one element, one token
+]
+
+
+@pytest.mark.parametrize(("model", "body"), ANSWERS)
+def test_generate_answers_as_triton_does(triton, frontend, model: str, body: Any) -> None:  # type: ignore[no-untyped-def]
+    direct, through = both(triton, frontend, f"/v2/models/{model}/generate", body)
+    assert direct[0] == 200, direct
+    assert through == direct
+    assert through[1] == "application/json"
+    doc = json.loads(through[2])
+    assert doc["model_name"] == model and doc["model_version"] == "1"
+
+
+@pytest.mark.parametrize(("model", "body"), ANSWERS)
+def test_generate_stream_sends_the_same_events(triton, frontend, model: str, body: Any) -> None:  # type: ignore[no-untyped-def]
+    path = f"/v2/models/{model}/versions/1/generate_stream"
+    direct, through = both(triton, frontend, path, body)
+    assert direct[:2] == (200, SSE), direct
+    assert through == direct
+    assert through[2].startswith(b"data: {") and through[2].endswith(b"}\n\n")
+
+
+def test_a_decoupled_model_streams_one_event_per_response(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    path = "/v2/models/repeat_decoupled/generate_stream"
+    direct, through = both(triton, frontend, path, {"IN": [1, 2, 3]})
+    assert through == direct
+    events = through[2].split(b"\n\n")
+    assert events[-1] == b""
+    assert [json.loads(e.removeprefix(b"data: "))["OUT"] for e in events[:-1]] == [1, 2, 3]
+    # No response at all: an empty 200 event stream, as Triton's.
+    assert both(triton, frontend, path, {"IN": []}) == ((200, SSE, b""),) * 2
+
+
+@pytest.mark.parametrize("values", [[1, 2, 3], []])
+def test_generate_refuses_other_than_one_response_like_triton(triton, frontend, values) -> None:  # type: ignore[no-untyped-def]
+    direct, through = both(triton, frontend, "/v2/models/repeat_decoupled/generate", {"IN": values})
+    # Triton's quirk: the status went out with the first response, the error at the end.
+    assert direct == (200, "application/json", b'{"error":"' + ONE_RESPONSE.encode() + b'"}')
+    assert through == direct
+
+
+ERRORS = [
+    # unknown model and version: generate looks up the model's metadata first (404)
+    ("no_such_model", {"IN": [1]}),
+    ("repeat_decoupled/versions/7", {"IN": [1]}),
+    # missing input (Triton core's message, request id prefix included)
+    ("simple", {"INPUT0": SIXTEEN}),
+    ("repeat_decoupled", {"id": "r9", "x": 1}),
+    # wrong types: Triton's JSON accessors answer 500
+    ("repeat_decoupled", {"IN": ["a"]}),
+    ("repeat_decoupled", {"IN": [1.5]}),
+    ("repeat_decoupled", {"IN": [[1, 2]]}),
+    ("simple_identity", {"INPUT0": [1]}),
+    ("simple_identity", {"INPUT0": [["a", "b"]]}),
+    ("repeat_decoupled", {"IN": [1], "id": 5}),
+    # shapes and keys Triton rejects
+    ("simple", {"INPUT0": 1, "INPUT1": 2}),
+    ("repeat_decoupled", {"IN": [1], "x": [1]}),
+    ("repeat_decoupled", {"IN": [1], "x": None}),
+    ("repeat_decoupled", {"IN": [1], "parameters": 5}),
+    ("repeat_decoupled", {"IN": [1], "parameters": {"a": {}}}),
+    # bodies that are not a JSON object
+    ("repeat_decoupled", b""),
+    ("repeat_decoupled", b"[1]"),
+]
+
+
+@pytest.mark.parametrize(("model", "body"), ERRORS)
+@pytest.mark.parametrize("route", ["generate", "generate_stream"])
+def test_errors_have_tritons_status_and_message(triton, frontend, model, body, route) -> None:  # type: ignore[no-untyped-def]
+    direct, through = both(triton, frontend, f"/v2/models/{model}/{route}", body)
+    assert direct[0] >= 400, direct
+    assert through == direct
+
+
+def test_a_body_that_is_not_json_is_refused_as_triton_does(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    direct, through = both(triton, frontend, "/v2/models/simple/generate", b"not json")
+    assert through[:2] == direct[:2] == (500, "application/json")
+    prefix = "failed to parse the request JSON buffer: "
+    assert json.loads(direct[2])["error"].startswith(prefix)
+    assert json.loads(through[2])["error"].startswith(prefix)
+
+
+def test_a_model_error_starts_the_stream_as_an_event(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    direct, through = both(triton, frontend, "/v2/models/raiser/generate_stream", {"X": [13]})
+    assert direct[:2] == (400, SSE)
+    # The same event, with the model's message. The status is the one the core's
+    # forwarder gives a failed batch (500 where Triton says 400, as on /infer).
+    assert through[1:] == direct[1:]
+    assert through[0] >= 400
+    assert b"refusing the value 13" in through[2]
+
+
+@pytest.mark.parametrize("route", ["generate", "generate_stream"])
+def test_no_api_key_is_refused_before_the_body(frontend, route: str) -> None:  # type: ignore[no-untyped-def]
+    status, ctype, body = post(
+        frontend.http_url, f"/v2/models/repeat_decoupled/{route}", b"not even json"
+    )
+    assert (status, ctype) == (401, "application/json")
+    assert "API key" in json.loads(body)["error"]
+
+
+def _cancelled(frontend: Any, tenant: str) -> float:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+        frontend.metrics_url, timeout=10
+    ) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith("fair_requests_total{")
+            and f'tenant="{tenant}"' in line
+            and 'outcome="cancelled"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None:  # type: ignore[no-untyped-def]
+    before = _cancelled(frontend, "hooli")
+    conn = http.client.HTTPConnection(_hostport(frontend.http_url), timeout=60)
+    body = json.dumps({"IN": list(range(200_000))}).encode()
+    conn.request("POST", "/v2/models/repeat_decoupled/generate_stream", body=body, headers=KEY)
+    resp = conn.getresponse()
+    assert (resp.status, resp.getheader("Content-Type")) == (200, SSE)
+    assert (
+        resp.readline() == b'data: {"OUT":0,"model_name":"repeat_decoupled","model_version":"1"}\n'
+    )
+    conn.sock.close()  # leave with ~200k responses still to come
+    conn.close()
+    # The frontend counts it, once, as cancelled (polled: the close reaches it
+    # asynchronously); a request still streaming would never be counted.
+    deadline = time.monotonic() + 30
+    while _cancelled(frontend, "hooli") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cancelled(frontend, "hooli") == before + 1
+    # ... and serves the next one.
+    status, ctype, out = post(
+        frontend.http_url, "/v2/models/repeat_decoupled/generate_stream", {"IN": [4, 2]}, KEY
+    )
+    assert (status, ctype) == (200, SSE)
+    assert out.count(b"data: ") == 2
+
+
+def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    conn = http.client.HTTPConnection(_hostport(triton.http_url), timeout=10)
+    conn.request("GET", "/v2/models/llm/ready")
+    ready = conn.getresponse().status == 200
+    conn.close()
+    if not ready:
+        pytest.skip("model_repository/llm is not served by this Triton (absent or not loading)")
+    body = {
+        "text_input": "The quick brown fox",
+        "parameters": {"stream": True, "max_tokens": 8, "temperature": 0},
+    }
+    direct, through = both(triton, frontend, "/v2/models/llm/generate_stream", body)
+    assert direct[:2] == (200, SSE), direct
+    assert through == direct
