@@ -37,6 +37,7 @@ OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docs
 UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity was known
 
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
@@ -161,6 +162,27 @@ class FrontendMetrics(Observer):
             registry=r,
         )
 
+        self.first_token = Histogram(
+            "fair_time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token (engine endpoints).",
+            ["tenant", "tier", "endpoint"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "fair_inter_token_seconds",
+            "Time between a streamed request's consecutive output tokens.",
+            ["tenant", "tier", "endpoint"],
+            buckets=_INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "fair_output_tokens",
+            "Output tokens produced (Endpoint.token_output), as they stream.",
+            ["tenant", "tier", "endpoint"],
+            registry=r,
+        )
+
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -230,6 +252,22 @@ class FrontendMetrics(Observer):
     def rate_limit_degraded(self, *, mode: str) -> None:
         self._child(self.rate_limit_storage_errors, mode).inc()
 
+    def tokens_produced(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        tokens: int,
+        first_token_s: float | None,
+        inter_token_s: float | None,
+    ) -> None:
+        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
+        self._child(self.output_tokens, *labels).inc(tokens)
+        if first_token_s is not None:
+            self._child(self.first_token, *labels).observe(first_token_s)
+        if inter_token_s is not None:
+            self._child(self.inter_token, *labels).observe(inter_token_s)
+
     def throttle_decision(self, *, model: str, decision: Any) -> None:
         self.endpoint_label.confirm(model)
         self._child(self.throttle, model, decision.reason.replace(" ", "_")).inc()
@@ -242,6 +280,8 @@ class FrontendMetrics(Observer):
 STATE_GAUGES: dict[str, str] = {
     "fair_queue_depth": "Requests queued, by endpoint and tier.",
     "fair_drr_deficit": "DRR deficit of tenants with queued work, in cost units.",
+    "fair_vtc_counter": "Virtual token counter of tenants with queued work (engine "
+    "endpoints in token cost): weighted tokens served, lifted on return from idle.",
     "fair_inflight_batches": "Batches in Triton now, by endpoint.",
     "fair_backend_available": "1 while Triton is reachable.",
     # fair_frontend.feedback.ServiceStatus.samples():

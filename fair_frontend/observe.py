@@ -48,6 +48,19 @@ class Observer:
     def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
         """The throttle admitted or rejected a request."""
 
+    def tokens_produced(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        tokens: int,
+        first_token_s: float | None,
+        inter_token_s: float | None,
+    ) -> None:
+        """A request's output produced ``tokens`` tokens (a streamed response, or a whole
+        answer): ``first_token_s`` from its arrival, on its first; ``inter_token_s`` since
+        its previous token, on each later streamed one."""
+
 
 class Observers(Observer):
     """Tells every observer; one that raises is logged and does not stop the others."""
@@ -76,3 +89,6 @@ class Observers(Observer):
 
     def throttle_decision(self, **kwargs: Any) -> None:  # type: ignore[override]
         self._each("throttle_decision", **kwargs)
+
+    def tokens_produced(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self._each("tokens_produced", **kwargs)

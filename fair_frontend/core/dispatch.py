@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,9 +45,10 @@ from fair_frontend.protocol import (
 )
 from fair_frontend.records import Answer, Call, Fault
 from fair_frontend.scheduler import QueuedRequest, Scheduler
+from fair_frontend.tokens import count_text_tokens, text_of
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Mapping
 
     from fair_frontend.core.admission import EndpointAdmission
     from fair_frontend.feedback import ServiceModel
@@ -76,6 +77,8 @@ class CoreRequest(QueuedRequest):
     dispatched_at: float | None = None  # when its batch went to Triton (the clock's time)
     cancelled: bool = False  # its client went away while it was in a batch
     answered: bool = False
+    produced: int = 0  # output tokens counted so far (Endpoint.token_output)
+    last_token_at: float | None = None  # time.monotonic() of its latest output token
 
     @property
     def request(self) -> InferRequest:
@@ -235,6 +238,8 @@ class Backend:
 
 Done = Callable[[CoreRequest, Outcome, "FrontendError | None", str], None]
 """(request, outcome, the error it was answered with, model version): once per request."""
+Tokens = Callable[[CoreRequest, int], None]
+"""(request, output tokens it just produced): as a stream's responses arrive, or once."""
 
 
 class EndpointRuntime:
@@ -253,6 +258,7 @@ class EndpointRuntime:
         admission: EndpointAdmission | None = None,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         on_done: Done = lambda req, outcome, err, version: None,
+        on_tokens: Tokens = lambda req, n: None,
     ) -> None:
         self.model = model
         self.info = info
@@ -264,8 +270,12 @@ class EndpointRuntime:
         self.admission = admission
         self.on_batch = on_batch
         self.on_done = on_done
-        configured = endpoint.max_inflight_batches
+        self.on_tokens = on_tokens
+        # Engine mode (max_inflight): requests in the engine at once, each alone.
+        self.engine = endpoint.max_inflight is not None
+        configured = endpoint.max_inflight or endpoint.max_inflight_batches
         self._max_inflight = configured if configured is not None else info.instances
+        self._token_output = endpoint.token_output
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -392,8 +402,8 @@ class EndpointRuntime:
 
     def _lead(self) -> float:
         service = self.service
-        if service is None or not service.has_data:
-            return 0.0
+        if self.engine or service is None or not service.has_data:
+            return 0.0  # an engine's slot frees when a request ends: no batch time to lead
         return self.endpoint.dispatch_lead_ms / 1000.0
 
     def _predict(self, batch: list[CoreRequest]) -> float:
@@ -539,6 +549,15 @@ class EndpointRuntime:
                 self._fail(req, reply.error)
                 return False
             version = reply.version
+            name = self._token_output
+            if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
+                # An engine streams one response per decode step; a whole answer in one
+                # response (its final and first: not streamed) is counted in tokens.
+                n = 1
+                if reply.final and not req.produced:
+                    n = output_tokens(reply.outputs, name, self.endpoint.tokenizer, req)
+                req.produced += n
+                self.on_tokens(req, n)
             if not req.cancelled:
                 req.route.answer(
                     Answer(
@@ -598,6 +617,11 @@ class EndpointRuntime:
     def _finish(self, req: CoreRequest, version: str, outputs: list[Tensor]) -> None:
         if req.answered:
             return
+        if outputs and self._token_output is not None:
+            n = output_tokens(outputs, self._token_output, self.endpoint.tokenizer, req)
+            if n:
+                req.produced += n
+                self.on_tokens(req, n)
         if req.cancelled:
             self._done(req, Outcome.CANCELLED, None, version)
             return
@@ -669,6 +693,32 @@ class EndpointRuntime:
         """Wait for every batch in flight (shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def output_tokens(
+    outputs: Sequence[Tensor], name: str, tokenizer: str | None, req: CoreRequest
+) -> int:
+    """Output tokens in a response that came in one piece: the elements of a numeric
+    output (token ids), the tokens of a text output (BYTES, with the endpoint's tokenizer;
+    without one, one per element). A prompt echoed at the start of the text (Triton's vLLM
+    backend does unless told ``exclude_input_in_output``) is not counted."""
+    out = next((t for t in outputs if t.name == name), None)
+    if out is None:
+        return 0
+    if out.datatype != "BYTES":
+        return int(out.data.size)
+    if tokenizer is None:
+        return int(out.data.size)
+    texts = [text_of(e) for e in out.data.flat]
+    prompts = [
+        text_of(e) for t in req.request.inputs if t.datatype == "BYTES" for e in t.data.flat
+    ]
+    for i, text in enumerate(texts):
+        for prompt in prompts:
+            if prompt and text.startswith(prompt):
+                texts[i] = text[len(prompt) :]
+                break
+    return sum(count_text_tokens(tokenizer, texts))
 
 
 def _report(

@@ -33,7 +33,7 @@ from fair_frontend.admission.ratelimit import Decision
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
-from fair_frontend.config import Config, ConfigError, Endpoint, Tenant
+from fair_frontend.config import Config, ConfigError, CostUnit, Endpoint, Tenant
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
 from fair_frontend.errors import (
@@ -55,6 +55,7 @@ from fair_frontend.scheduler import (
     GlobalCaps,
     QueueState,
     Scheduler,
+    VirtualTokenCounter,
     cost_model_for,
 )
 from fair_frontend.stats import Statistics
@@ -69,7 +70,8 @@ def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> Endp
     (sequence batching, decoupled), go one request per batch.
     """
     configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
-    if not info.batching or info.passthrough or configured == 0:
+    engine = endpoint.max_inflight is not None  # the model batches inside: one at a time
+    if not info.batching or info.passthrough or configured == 0 or engine:
         max_batch = 0
     else:
         max_batch = min(configured, info.max_batch_size)
@@ -266,7 +268,7 @@ class Core:
         return CoreRequest(
             call.tenant,
             call.rows,
-            call.tokens,
+            _scheduled_tokens(call, runtime),
             call.nbytes,
             call.priority,
             call.deadline,
@@ -351,6 +353,7 @@ class Core:
             if runtime is None:
                 runtime = self._runtime(model, await self.models.get(model))
                 req.shape_key = batch_key(call.request, runtime.info, runtime.endpoint)
+                req.tokens = _scheduled_tokens(call, runtime)
             if lookup:
                 self._throttle(runtime, req)
             decision = self._rate_limits_now(req)
@@ -392,7 +395,54 @@ class Core:
         infer_s = None
         if req.dispatched_at is not None:
             infer_s = self.clock.now() - req.dispatched_at
+            runtime = self.runtimes.get(req.request.model)
+            if runtime is not None and runtime.endpoint.token_output is not None:
+                self._charge_back_limits(req)
         self._record(req.call, outcome, err, version, req.queued_s, infer_s)
+
+    def _on_tokens(self, req: CoreRequest, tokens: int) -> None:
+        """Output tokens of a dispatched request, as they come: its tenant's fair share is
+        charged for them (engine mode: as they stream; a batch endpoint in token cost: the
+        difference to what was charged at enqueue), and its latency is observed."""
+        runtime = self.runtimes.get(req.request.model)
+        if runtime is None:
+            return
+        endpoint = runtime.endpoint
+        if endpoint.cost is CostUnit.TOKENS:
+            if runtime.engine:
+                cost = tokens * endpoint.output_token_weight
+            elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
+                cost = float(tokens - req.call.max_tokens)
+            else:
+                cost = float(tokens)
+            runtime.scheduler.charge_back(req.tenant, cost)
+        now = time.monotonic()
+        first = req.produced == tokens
+        self.observer.tokens_produced(
+            tenant=req.tenant,
+            model=req.request.model,
+            tokens=tokens,
+            first_token_s=now - req.call.arrived if first else None,
+            inter_token_s=(
+                now - req.last_token_at if req.last_token_at is not None and tokens == 1 else None
+            ),
+        )
+        req.last_token_at = now
+
+    def _charge_back_limits(self, req: CoreRequest) -> None:
+        """Token limits count what was produced: admission counted the output tokens asked
+        for (max_tokens), the difference to what came is corrected now."""
+        delta = req.produced - req.call.max_tokens
+        items = self._limits(req)
+        if not delta or not any(item.unit == "tokens" for item in items):
+            return
+        key = limit_key(req.tenant, req.request.model)
+        admitted_at = req.call.arrived_wall
+        now = time.time()
+        if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
+            self._spawn(
+                self.limiter.adjust(key, items, tokens=delta, admitted_at=admitted_at, now=now)
+            )
 
     def _record(
         self,
@@ -434,9 +484,16 @@ class Core:
             cost_model = None
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
+            engine = endpoint.max_inflight is not None
+            fairness = None
+            if engine and endpoint.cost is CostUnit.TOKENS:
+                fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
+            # The throttle predicts waits from batch times, one batch after another; an
+            # engine serves max_inflight requests at once, which it does not model.
+            throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
-                throttle=Throttle.for_endpoint(endpoint, batch) if endpoint.throttle else None,
+                throttle=Throttle.for_endpoint(endpoint, batch) if throttled else None,
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
                 tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
@@ -451,6 +508,7 @@ class Core:
                     self.caps,
                     mode=self.config.scheduling,
                     cost_model=cost_model,
+                    fairness=fairness,
                 ),
                 forwarder=self.forwarder,
                 backend=self.backend,
@@ -458,6 +516,7 @@ class Core:
                 admission=admission,
                 on_batch=self._on_batch,
                 on_done=self._on_done,
+                on_tokens=self._on_tokens,
             )
             self.runtimes[model] = runtime
         return runtime
@@ -524,9 +583,13 @@ class Core:
             out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
             for tier, depth in sched.tier_depths().items():
                 out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
+            gauge = (
+                "fair_vtc_counter"
+                if isinstance(sched.fairness, VirtualTokenCounter)
+                else ("fair_drr_deficit")
+            )
             for tenant, deficit in sched.deficits().items():
-                name = label(tenant)
-                out.append(("fair_drr_deficit", {"endpoint": model, "tenant": name}, deficit))
+                out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
             if rt.admission is not None:
                 out.extend(rt.admission.service.status().samples())
         return out
@@ -601,3 +664,11 @@ class Core:
 
 
 _NO_LIMITS = Decision(True)
+
+
+def _scheduled_tokens(call: Call, runtime: EndpointRuntime | None) -> int:
+    """The tokens the scheduler charges at dispatch: in engine mode the input only (output
+    tokens are charged as they stream), elsewhere input plus the output asked for."""
+    if runtime is not None and runtime.engine:
+        return call.tokens - call.max_tokens
+    return call.tokens

@@ -117,6 +117,7 @@ class Gateway:
             checked.lengths,
             req,
             streaming,
+            checked.max_tokens,
         )
         # From here on the core counts and logs the request, whatever its outcome.
         inbox = self.link.submit(call)

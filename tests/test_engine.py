@@ -1,0 +1,284 @@
+"""Engine mode on the real stack: the streaming ``llm`` model behind the frontend.
+
+``llm`` batches inside itself (continuous batching, as vLLM does); the frontend gives it
+at most ``max_inflight`` requests at once and decides who gets the next free slot (tier,
+then virtual token counters, then priority). Each client is a gRPC stream of its own, as
+a tenant's client would be; tokens are timed where the client sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+
+from fair_frontend.config import Config, CostUnit
+from fair_frontend.tokens import count_text_tokens
+from tests.support import KEYS, make_config, running_frontend
+
+PROMPT = "the quiet tenant asks a short question"
+
+
+def llm_inputs(prompt: str, max_tokens: int, *, stream: bool = True) -> list[Any]:
+    text = grpcaio.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    flag = grpcaio.InferInput("stream", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([stream]))
+    sampling = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+    params = {"max_tokens": max_tokens, "temperature": 0}
+    sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+    return [text, flag, sampling]
+
+
+@dataclass
+class Stream:
+    """One request's stream as its client saw it."""
+
+    tenant: str
+    sent: float = 0.0
+    prompt: str = ""
+    tokens: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.monotonic() of each token
+    error: str | None = None
+
+    @property
+    def first_token_at(self) -> float:
+        return self.times[0]
+
+
+async def generate(
+    url: str, tenant: str | None, prompt: str, max_tokens: int, *, log: list[Any] | None = None
+) -> Stream:
+    """Stream one generation (one gRPC stream, one request); ``log`` gets
+    (time, tenant) per token, in arrival order across concurrent streams."""
+    client = grpcaio.InferenceServerClient(url)
+    headers = {"x-api-key": KEYS[tenant]} if tenant is not None else None
+    out = Stream(tenant or "-", sent=time.monotonic())
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": "llm", "inputs": llm_inputs(prompt, max_tokens)}
+
+    try:
+        async for result, error in client.stream_infer(one(), headers=headers):
+            if error is not None:
+                out.error = str(error)
+                break
+            text = result.as_numpy("text_output")
+            if text is None or not text.size:
+                continue
+            now = time.monotonic()
+            out.tokens.append(b"".join(text.reshape(-1)).decode())
+            out.times.append(now)
+            if log is not None:
+                log.append((now, out.tenant))
+            if len(out.tokens) == max_tokens:
+                break
+    finally:
+        await client.close()
+    return out
+
+
+async def generate_many(
+    url: str, tenant: str, count: int, max_tokens: int, log: list[Any]
+) -> dict[str, Stream]:
+    """``count`` generations on one gRPC stream (queued at once, as a busy client's
+    are); ``log`` gets (time, tenant) per token."""
+    client = grpcaio.InferenceServerClient(url)
+    streams = {
+        str(i): Stream(tenant, sent=time.monotonic(), prompt=f"{PROMPT} {i}") for i in range(count)
+    }
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        for i in range(count):
+            yield {
+                "model_name": "llm",
+                "inputs": llm_inputs(streams[str(i)].prompt, max_tokens),
+                "request_id": str(i),
+            }
+
+    left = count * max_tokens
+    try:
+        async for result, error in client.stream_infer(
+            requests(), headers={"x-api-key": KEYS[tenant]}
+        ):
+            assert error is None, error
+            text = result.as_numpy("text_output")
+            if text is None or not text.size:
+                continue
+            now = time.monotonic()
+            s = streams[result.get_response().id]
+            s.tokens.append(b"".join(text.reshape(-1)).decode())
+            s.times.append(now)
+            log.append((now, tenant))
+            left -= 1
+            if not left:
+                break
+    finally:
+        await client.close()
+    return streams
+
+
+def engine_config(max_inflight: int, **endpoint: Any) -> Config:
+    base = make_config()
+    llm = base.endpoints["llm"].model_copy(update={"max_inflight": max_inflight, **endpoint})
+    return base.model_copy(update={"endpoints": {**base.endpoints, "llm": llm}})
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample of the frontend's /metrics (0 when absent)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+async def test_grpc_stream_gives_the_same_tokens_as_triton_direct(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    direct = await generate(triton.grpc_url, None, PROMPT, 12)
+    through = await generate(frontend.grpc_url, "acme", PROMPT, 12)
+    assert direct.error is None and through.error is None
+    assert len(through.tokens) == 12
+    assert through.tokens == direct.tokens
+
+
+async def test_streams_interleave_tenants_token_by_token(frontend) -> None:  # type: ignore[no-untyped-def]
+    log: list[tuple[float, str]] = []
+    a, b = await asyncio.gather(
+        generate(frontend.grpc_url, "acme", PROMPT, 40, log=log),
+        generate(frontend.grpc_url, "globex", PROMPT, 40, log=log),
+    )
+    assert a.error is None and b.error is None
+    order = [tenant for _, tenant in sorted(log)]
+    # One decode step serves both streams: neither finishes before the other starts.
+    assert order.index("globex") < order.index("acme") + 40 - 1
+    assert order.index("acme") < order.index("globex") + 40 - 1
+    switches = sum(1 for x, y in itertools.pairwise(order) if x != y)
+    assert switches >= 20, order  # token by token, not stream after stream
+
+
+@pytest.mark.parametrize("scheduling", ["fair", "fifo"])
+async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
+    triton, scheduling: str
+) -> None:  # type: ignore[no-untyped-def]
+    """acme queues 12 long generations on 4 slots; globex's one short request gets the
+    next slot that frees (the documented bound), before acme's queued ones. fifo, the
+    negative control, serves it after them."""
+    config = engine_config(4).model_copy(update={"scheduling": scheduling})
+    with running_frontend(config, triton) as fe:
+        log: list[tuple[float, str]] = []
+        hogs = [
+            asyncio.ensure_future(generate(fe.grpc_url, "acme", f"{PROMPT} {i}", 60, log=log))
+            for i in range(12)
+        ]
+        while len({t for t, _ in log}) < 4 and len(log) < 4 * 3:  # all 4 slots streaming
+            await asyncio.sleep(0.005)
+        newcomer = await generate(fe.grpc_url, "globex", PROMPT, 4)
+        streams = await asyncio.gather(*hogs)
+    assert newcomer.error is None and all(s.error is None for s in streams)
+    later = sorted(s.first_token_at for s in streams)[4:]  # acme's queued 8
+    if scheduling == "fair":
+        assert newcomer.first_token_at < later[0]
+    else:
+        assert newcomer.first_token_at > later[-1]
+
+
+async def test_a_cancelled_stream_frees_its_slot(triton) -> None:  # type: ignore[no-untyped-def]
+    """One slot: a long stream is cancelled by its client; the next request gets the
+    slot at once, not when the long generation would have ended."""
+    with running_frontend(engine_config(1), triton) as fe:
+        client = grpcaio.InferenceServerClient(fe.grpc_url)
+
+        async def one() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": "llm", "inputs": llm_inputs(PROMPT, 400)}
+
+        stream = client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]})
+        started = time.monotonic()
+        got = 0
+        async for _result, error in stream:
+            assert error is None
+            got += 1
+            if got == 10:
+                break
+        per_token = (time.monotonic() - started) / got
+        stream.cancel()
+        await client.close()
+        short = await generate(fe.grpc_url, "globex", PROMPT, 2)
+        waited = time.monotonic() - started
+        cancelled = metric(
+            fe.metrics_url, "fair_requests_total", tenant="acme", outcome="cancelled"
+        )
+    assert short.error is None and len(short.tokens) == 2
+    # Had the slot stayed taken, the short request would have waited for ~390 more tokens.
+    assert waited < per_token * 200, (waited, per_token)
+    assert cancelled == 1
+
+
+async def backlogged_shares(
+    triton: Any, cost: CostUnit, weights: tuple[float, float]
+) -> dict[str, int]:
+    """acme asks 8 output tokens per request, globex 64 (1:8); both keep 4 slots' worth
+    of requests queued. Output tokens each got while both were backlogged."""
+    base = engine_config(4, cost=cost)
+    tenants = dict(base.tenants)
+    for name, w in zip(("acme", "globex"), weights, strict=True):
+        tenants[name] = tenants[name].model_copy(update={"weight": w})
+    config = base.model_copy(update={"tenants": tenants})
+    with running_frontend(config, triton) as fe:
+        log: list[tuple[float, str]] = []
+        by_tenant = await asyncio.gather(
+            generate_many(fe.grpc_url, "acme", 80, 8, log),
+            generate_many(fe.grpc_url, "globex", 20, 64, log),
+        )
+    streams = [s for streams in by_tenant for s in streams.values()]
+    # Up to the moment the first tenant runs out of queued work: both were backlogged.
+    last_first = max(s.first_token_at for s in streams if s.tenant == "acme")
+    last_first = min(last_first, max(s.first_token_at for s in streams if s.tenant == "globex"))
+    # Tokens served: output as it came, input when a request got its slot (VTC's measure).
+    served = {"acme": 0, "globex": 0}
+    for at, tenant in log:
+        if at <= last_first:
+            served[tenant] += 1
+    tokenizer = config.endpoints["llm"].tokenizer
+    assert tokenizer is not None
+    for s in streams:
+        if s.first_token_at <= last_first:
+            served[s.tenant] += count_text_tokens(tokenizer, [s.prompt])[0]
+    return served
+
+
+async def test_charge_back_gives_equal_tokens_to_outputs_1_to_8(triton) -> None:  # type: ignore[no-untyped-def]
+    served = await backlogged_shares(triton, CostUnit.TOKENS, (1.0, 1.0))
+    share = served["acme"] / sum(served.values())
+    assert abs(share - 0.5) < 0.1, served
+
+
+async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(triton) -> None:  # type: ignore[no-untyped-def]
+    served = await backlogged_shares(triton, CostUnit.REQUESTS, (1.0, 1.0))
+    assert served["globex"] > 3 * served["acme"], served
+
+
+async def test_tokens_and_latency_per_tenant_are_in_the_metrics(frontend) -> None:  # type: ignore[no-untyped-def]
+    before = metric(frontend.metrics_url, "fair_output_tokens_total", tenant="hooli")
+    ttft = metric(frontend.metrics_url, "fair_time_to_first_token_seconds_count", tenant="hooli")
+    itl = metric(frontend.metrics_url, "fair_inter_token_seconds_count", tenant="hooli")
+    out = await generate(frontend.grpc_url, "hooli", PROMPT, 9)
+    assert out.error is None
+    url = frontend.metrics_url
+    assert metric(url, "fair_output_tokens_total", tenant="hooli") - before == 9
+    assert metric(url, "fair_time_to_first_token_seconds_count", tenant="hooli") - ttft == 1
+    assert metric(url, "fair_inter_token_seconds_count", tenant="hooli") - itl == 8
