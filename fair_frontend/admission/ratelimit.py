@@ -6,6 +6,24 @@ The promise, for every limit, with times as the replicas' clocks give them:
     in ANY window of length T (sliding, not aligned to the clock; closed at both ends)
     the amount admitted never exceeds N.
 
+That holds as stated for ``requests`` limits, and for ``tokens`` limits as long as no
+request's tokens are adjusted after admission. ``tokens_per_*`` counts what was produced:
+a request is counted at admission with an estimate (prompt + ``max_tokens``) and, when it
+finishes, ``RateLimiter.adjust`` corrects that by ``used - counted`` (see "Adjustments"
+below). With adjustments the promise for a ``tokens`` limit is precisely:
+
+    (a) at every admission at t, what is counted in [t - T, t], this request included,
+        is at most N (a request that would take it over N is refused);
+    (b) in ANY closed window of length T, what is counted there exceeds N by at most the
+        positive adjustments made in it after its last admission.
+
+"Counted" places each amount at a time: an admission's cost at its admission, a positive
+adjustment at the moment it is made (when those tokens were produced), a refund (negative
+adjustment) at the refunded request's admission, and a refund that arrives after its
+admission bucket has left every window counts nowhere (dropped). An admitted request is
+never refused afterwards: a window that adjustments took over N only delays the next
+admissions until enough of it has left.
+
 Options weighed
 ---------------
 - Fixed-window counter: N just before a boundary and N just after: 2N within T. Fails.
@@ -38,6 +56,22 @@ admission in ``[t - T, t]``. Take any closed window ``[s, s + T]`` and its last 
 ``t``: every admission in the window lies in ``[t - T, t]`` and was made before it (or is
 it), so it was counted when ``t`` was admitted, and that admission kept the sum at most N.
 
+With adjustments (``tokens`` limits only), the same argument gives (a) and (b). A positive
+adjustment is counted like an admission, in the bucket of the moment it is made, so at
+``t`` the buckets hold every positive adjustment made in ``[t - T, t]`` so far. A refund
+lowers only the bucket its request was counted in, by at most what that request counted
+(the caller's contract): per request, cost minus refund stays >= 0 at the request's own
+time, so no bucket goes negative and the part of the oldest, partly counted bucket that lies
+inside ``[t - T, t]`` still holds at most that bucket's sum. Hence the sum at ``t`` is at
+least what is counted in ``[t - T, t]``, and the admission keeps it at most N: (a). In a
+window ``[s, s + T]`` with last admission ``t``, what was counted in it by the time of
+``t`` is at most N by (a); afterwards it can only gain the positive adjustments made in
+``(t, s + T]`` (refunds only lower it; later admissions would contradict "last"): (b). A
+window with no admission holds only positive adjustments. Refunds are clamped at the
+bucket's sum, so a bucket never goes below zero; a request that a clock stepped back
+counted into a later bucket is refunded from its admission bucket, which weakens (a) by the
+skew exactly as the storage docstring says for admissions.
+
 Lateness. An admission at ``a`` (bucket ``j``) stops counting when the current bucket
 exceeds ``j + K``, i.e. at ``(j + K + 1) w``. Since ``a - w < j w <= a``, that is in
 ``(a + T, a + T + w]``: strictly after the exact moment (so exact in closed windows) and at
@@ -47,8 +81,30 @@ always justified by admissions made within the last ``T + w``.
 
 ``retry_after`` is exact under this rule: for the binding limit, walk the counted buckets
 oldest first until they hold ``sum + cost - N``; the request fits once that bucket has left,
-at ``(j + K + 1) w`` (assuming no other admissions meanwhile). Of several violated limits the
-longest wait binds. A cost above ``N`` never fits: ``retry_after`` is ``None``.
+at ``(j + K + 1) w`` (assuming no other admissions nor adjustments meanwhile). Of several
+violated limits the longest wait binds. A cost above ``N`` never fits: ``retry_after`` is
+``None``. The sum may exceed N after positive adjustments; the walk is the same (it frees
+``sum + cost - N <= sum`` whenever ``cost <= N``).
+
+Adjustments
+-----------
+``adjust(key, items, tokens=used - counted, admitted_at=, now=)`` touches only the
+``tokens`` items, without a check, atomically over them (one Lua round trip on Redis):
+
+- ``tokens > 0`` (more produced than counted): added to the bucket of ``now``, like an
+  admission (a clock that stepped back: to the newest bucket). It stops counting a window
+  plus at most one bucket after it was made, as an admission would.
+- ``tokens < 0`` (fewer): taken out of the bucket of ``admitted_at`` (the ``now`` the
+  request was checked with), at most what that bucket holds, if that bucket is still
+  counted at ``now`` (``j >= floor(now / w) - K``); otherwise dropped, since it no longer
+  counts anyway. The capacity comes back at once: the next check sees it.
+- ``tokens == 0``, or no ``tokens`` item: nothing, and no round trip.
+
+A storage failure during ``adjust`` never reaches the caller (the request was admitted
+already; ``on_storage_error`` applies to admissions only): the correction is lost, logged,
+counted in ``storage_errors``, and starts the back-off as a failed check does; during the
+back-off adjustments are skipped at once. ``adjust_now`` is the synchronous form for
+``memory://`` (False where the storage must be awaited, as ``check_now`` returns None).
 
 Why not the ``limits`` library
 ------------------------------
@@ -60,12 +116,12 @@ so a request's several limits (requests/s AND tokens/day) cannot be checked-and-
 atomically together; and it reads the clock itself, so tests cannot drive it on a fake clock.
 
 Storage (``storage.py``): ``memory://`` (one replica) or ``redis://`` (shared, one Lua round
-trip per check). If the storage fails or is slower than its timeout, the limiter applies
-``on_storage_error``: ``fail_open`` admits (``Decision.degraded``, counted in
+trip per check or adjustment). If the storage fails or is slower than its timeout, the
+limiter applies ``on_storage_error``: ``fail_open`` admits (``Decision.degraded``, counted in
 ``storage_errors``) or ``fail_closed`` raises ``Unavailable`` (503). After a failure it backs
 off for ``backoff_s`` (on the caller's clock): meanwhile every check takes the mode at once,
 without paying the timeout; then one check probes the storage again (the others still take
-the mode until it answers).
+the mode until it answers). Adjustments never take a mode: see "Adjustments".
 """
 
 from __future__ import annotations
@@ -199,32 +255,124 @@ class RateLimiter:
             return ALLOWED
         if requests < 0 or tokens < 0:
             raise ValueError("costs must be >= 0")
-        probe = False
-        if self._failed_at is not None:
-            since = now - self._failed_at
-            if 0 <= since < self.backoff_s or self._probing:
-                return self._degraded(now)
-            self._probing = probe = True
+        probe = self._may_probe(now)
+        if probe is None:
+            return self._degraded(now)
         costs = [requests if item.unit == "requests" else tokens for item in items]
         try:
             rejection = await self.storage.acquire(key, items, costs, round(now * 1_000_000))
         except StorageError as err:
-            if self._failed_at is None or probe:
-                log.warning(
-                    "rate-limit storage failed (%s); %s for %g s, then retrying",
-                    err,
-                    self.on_storage_error,
-                    self.backoff_s,
-                )
-            self._failed_at = now
+            self._failed(err, now, probe)
             return self._degraded(now)
         finally:
             if probe:
                 self._probing = False
+        self._answered()
+        return _decision(items, rejection)
+
+    async def adjust(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        *,
+        tokens: int,
+        admitted_at: float,
+        now: float,
+    ) -> None:
+        """Charge back: correct the tokens an admitted request counted; never refuses.
+
+        ``tokens``: what the request really used minus what ``check`` counted for it
+        (``used - counted``). ``> 0``: counted now, in the current bucket (when they were
+        produced); ``< 0``: a refund, taken out of the bucket the request was counted in
+        (``admitted_at``: the ``now`` its ``check`` was given), never below zero, and
+        dropped once that bucket has left every window. Only ``tokens`` items change;
+        ``requests`` items never. No token item, or ``tokens == 0``: no storage round trip.
+        Call it once per request, and only for one ``check`` counted (allowed, not
+        ``degraded``), with ``-tokens`` at most what it counted: the guarantee in the
+        module docstring rests on that.
+
+        Never raises for the storage: a failure or timeout (bounded by the storage's
+        timeout) is logged, counted in ``storage_errors`` and the correction is lost;
+        during the back-off after a failure it is skipped at once (and counted).
+        """
+        targets = _token_items(items) if tokens else []
+        if not targets:
+            return
+        probe = self._may_probe(now)
+        if probe is None:
+            self.storage_errors += 1
+            log.debug("rate-limit storage backing off: %+d tokens for %s dropped", tokens, key)
+            return
+        try:
+            await self.storage.adjust(
+                key,
+                targets,
+                [tokens] * len(targets),
+                round(admitted_at * 1_000_000),
+                round(now * 1_000_000),
+            )
+        except StorageError as err:
+            self.storage_errors += 1
+            self._failed(err, now, probe)
+            log.warning("rate-limit adjustment lost: %+d tokens for %s (%s)", tokens, key, err)
+            return
+        finally:
+            if probe:
+                self._probing = False
+        self._answered()
+
+    def adjust_now(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        *,
+        tokens: int,
+        admitted_at: float,
+        now: float,
+    ) -> bool:
+        """``adjust`` without a coroutine, where the storage answers at once (``memory://``):
+        True when done (or nothing to do); False where the storage must be waited for
+        (Redis): then call ``adjust``. Mirrors ``check_now``."""
+        targets = _token_items(items) if tokens else []
+        if not targets:
+            return True
+        adjust_now = getattr(self.storage, "adjust_now", None)
+        if adjust_now is None:
+            return False
+        adjust_now(
+            key,
+            targets,
+            [tokens] * len(targets),
+            round(admitted_at * 1_000_000),
+            round(now * 1_000_000),
+        )
+        return True
+
+    def _may_probe(self, now: float) -> bool | None:
+        """None: backing off, skip the storage. Else whether this call probes it (and then
+        it holds the probe until it clears ``_probing``)."""
+        if self._failed_at is None:
+            return False
+        since = now - self._failed_at
+        if 0 <= since < self.backoff_s or self._probing:
+            return None
+        self._probing = True
+        return True
+
+    def _failed(self, err: StorageError, now: float, probe: bool) -> None:
+        if self._failed_at is None or probe:
+            log.warning(
+                "rate-limit storage failed (%s); %s for %g s, then retrying",
+                err,
+                self.on_storage_error,
+                self.backoff_s,
+            )
+        self._failed_at = now
+
+    def _answered(self) -> None:
         if self._failed_at is not None:
             log.warning("rate-limit storage answers again")
             self._failed_at = None
-        return _decision(items, rejection)
 
     def check_now(
         self,
@@ -262,6 +410,10 @@ class RateLimiter:
 
     async def close(self) -> None:
         await self.storage.close()
+
+
+def _token_items(items: Sequence[RateLimitItem]) -> list[RateLimitItem]:
+    return [item for item in items if item.unit == "tokens"]
 
 
 def _decision(items: Sequence[RateLimitItem], rejection: Rejection | None) -> Decision:

@@ -7,7 +7,8 @@ buckets are kept and how one check stays atomic:
 - ``MemoryStorage``: plain synchronous Python behind an ``async`` method that never awaits,
   so a check-and-count runs without interleaving on the event loop (and under a lock, so
   threads are safe too). One replica only: each process counts on its own.
-- ``RedisStorage``: one Lua script per check, ONE round trip, atomic on the Redis server.
+- ``RedisStorage``: one Lua script per check (another per adjustment), ONE round trip,
+  atomic on the Redis server.
   One hash per (key, limit) holds the buckets and their running sum, so a check costs O(1)
   Redis work (buckets are read only when one leaves the window, and to compute
   ``retry_after`` on a rejection). All the keys of one check share the hash tag
@@ -16,11 +17,13 @@ buckets are kept and how one check stays atomic:
   the window).
 
 Storage answers one question: "do these costs fit every one of these limits at ``now``? If
-so, count them". Time always comes from the caller (integer microseconds), never from the
-storage, so tests drive both storages on one fake clock. Replicas sharing Redis must keep
-their clocks synchronised (NTP): the guarantee holds on the timestamps the replicas pass,
-so with a skew of ``d`` between replicas it holds for every window of real time ``T - d``
-(a window of real time ``T`` may hold what the limit admits in a further ``d``).
+so, count them"; and takes one correction without a question, ``adjust`` (the charge-back
+of an admitted request's tokens: "Adjustments" in ``ratelimit``). Time always comes from
+the caller (integer microseconds), never from the storage, so tests drive both storages on
+one fake clock. Replicas sharing Redis must keep their clocks synchronised (NTP): the
+guarantee holds on the timestamps the replicas pass, so with a skew of ``d`` between
+replicas it holds for every window of real time ``T - d`` (a window of real time ``T`` may
+hold what the limit admits in a further ``d``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import threading
 from collections import deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -87,6 +90,24 @@ class Storage(Protocol):
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
     ) -> Rejection | None: ...
 
+    async def adjust(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        deltas: Sequence[int],
+        admitted_us: int,
+        now_us: int,
+    ) -> None:
+        """Correct what an admitted request counted, without a check (never refuses).
+
+        ``deltas[i] > 0`` is counted against ``items[i]`` at ``now_us`` (the current bucket,
+        or the newest one if the clock stepped back), exactly as ``acquire`` counts.
+        ``deltas[i] < 0`` is taken out of the bucket of ``admitted_us``, at most what that
+        bucket holds, and only while that bucket is still counted at ``now_us``; otherwise
+        it is dropped. Atomic over all items; raises ``StorageError`` within the timeout.
+        """
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -134,6 +155,41 @@ class _Window:
         self.buckets: deque[list[int]] = deque()
         self.total = 0
 
+    def prune(self, now_us: int) -> int:
+        """Drop the buckets that have left the window at ``now_us``; the current bucket."""
+        current = now_us // self.width
+        oldest_counted = current - self.span
+        held = self.buckets
+        while held and held[0][0] < oldest_counted:
+            self.total -= held.popleft()[1]
+        return current
+
+    def count(self, current: int, amount: int) -> None:
+        """Add ``amount`` (> 0) to bucket ``current`` (pruned already)."""
+        held = self.buckets
+        # A clock that stepped back counts into the newest bucket: later, never earlier.
+        if held and held[-1][0] >= current:
+            held[-1][1] += amount
+        else:
+            held.append([current, amount])
+        self.total += amount
+
+    def refund(self, bucket: int, amount: int, now_us: int) -> None:
+        """Take up to ``amount`` (> 0) out of ``bucket``: never below zero, and nothing once
+        that bucket has left the window (it no longer counts anyway). A bucket emptied
+        stays as a zero entry until it leaves (the deque is at most K + 1 long)."""
+        current = now_us // self.width
+        if bucket < current - self.span:
+            return
+        self.prune(now_us)
+        for entry in reversed(self.buckets):
+            if entry[0] <= bucket:
+                if entry[0] == bucket:
+                    taken = min(entry[1], amount)
+                    entry[1] -= taken
+                    self.total -= taken
+                return
+
 
 class MemoryStorage:
     """Counters in this process: the default, right for one replica."""
@@ -171,15 +227,9 @@ class MemoryStorage:
             cost = costs[i]
             window = windows.get((key, item.unit, item.seconds))
             if window is None:
-                width = self._widths.get(item.seconds)
-                if width is None:
-                    width = self._widths[item.seconds] = bucket_width_us(item.seconds, self.buckets)
-                window = windows[(key, item.unit, item.seconds)] = _Window(width, self.buckets)
-            current = now_us // window.width
-            oldest_counted = current - window.span
+                window = self._window(key, item)
+            current = window.prune(now_us)
             held = window.buckets
-            while held and held[0][0] < oldest_counted:
-                window.total -= held.popleft()[1]
             touched.append((window, current))
             if cost > item.amount:
                 if worst is None or worst.wait_us is not None:
@@ -194,16 +244,49 @@ class MemoryStorage:
         if worst is not None:
             return worst
         for (window, current), cost in zip(touched, costs, strict=True):
-            if cost == 0:
-                continue
-            held = window.buckets
-            # A clock that stepped back counts into the newest bucket: later, never earlier.
-            if held and held[-1][0] >= current:
-                held[-1][1] += cost
-            else:
-                held.append([current, cost])
-            window.total += cost
+            if cost:
+                window.count(current, cost)
         return None
+
+    async def adjust(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        deltas: Sequence[int],
+        admitted_us: int,
+        now_us: int,
+    ) -> None:
+        with self._lock:
+            self.adjust_now(key, items, deltas, admitted_us, now_us)
+
+    def adjust_now(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        deltas: Sequence[int],
+        admitted_us: int,
+        now_us: int,
+    ) -> None:
+        """``adjust`` without the coroutine (see ``Storage.adjust``)."""
+        if now_us >= self._next_sweep_us:
+            self._sweep(now_us)
+        for item, delta in zip(items, deltas, strict=True):
+            if delta > 0:
+                window = self._window(key, item)
+                window.count(window.prune(now_us), delta)
+            elif delta < 0:
+                found = self._windows.get((key, item.unit, item.seconds))
+                if found is not None:
+                    found.refund(admitted_us // found.width, -delta, now_us)
+
+    def _window(self, key: str, item: RateLimitItem) -> _Window:
+        window = self._windows.get((key, item.unit, item.seconds))
+        if window is None:
+            width = self._widths.get(item.seconds)
+            if width is None:
+                width = self._widths[item.seconds] = bucket_width_us(item.seconds, self.buckets)
+            window = self._windows[(key, item.unit, item.seconds)] = _Window(width, self.buckets)
+        return window
 
     def _sweep(self, now_us: int) -> None:
         """Drop windows whose every bucket has left the window (idle keys)."""
@@ -227,10 +310,17 @@ class MemoryStorage:
 # 't' = the sum of the buckets, 'o' = no bucket is older than this, 'n' = the newest bucket.
 # The running sum keeps a check O(1): buckets are read only when one has left the window
 # (about once per bucket width and key) and to compute retry_after on a rejection.
-# ARGV[1] = now (µs); then per key 4 values: limit, bucket width (µs), span (K), cost.
-# Returns {1} when counted, {0, i, wait_us} when limit i binds (wait_us = -1: never fits).
-# Same algorithm and tie-breaks as MemoryStorage.acquire_now; see ratelimit.py.
-_ACQUIRE_LUA = """
+# Both scripts below start with these functions; same algorithm and tie-breaks as
+# MemoryStorage (``_Window.prune`` / ``count`` / ``refund``); see ratelimit.py.
+_BUCKETS_LUA = """
+local function bucket_of(t, width)
+  -- floor(t / width), exact for the integer µs a double holds (t < 2^53).
+  local b = math.floor(t / width)
+  if b * width > t then b = b - 1
+  elseif (b + 1) * width <= t then b = b + 1 end
+  return b
+end
+
 local function prune(key, oldest, span, current)
   -- Drop the buckets older than `oldest`. Returns the sum, the lower bound, the newest
   -- bucket left and the amount in bucket `current` (nil, nil, nil, 0 for an empty key).
@@ -270,6 +360,28 @@ local function prune(key, oldest, span, current)
   return total, oldest, newest, here
 end
 
+local function count(key, width, span, amount, total, low, newest, here, current)
+  -- Add `amount` (> 0) to bucket `current`, given what prune(..., current) returned.
+  if newest and newest > current then
+    -- A clock that stepped back counts into the newest bucket: later, never earlier.
+    redis.call('HINCRBY', key, string.format('%d', newest), amount)
+    redis.call('HSET', key, 't', total + amount)
+  else
+    local bucket = string.format('%d', current)
+    redis.call('HSET', key, bucket, here + amount, 't', total + amount, 'o', low or bucket,
+               'n', bucket)
+    if newest ~= current then  -- a new bucket: the key must outlive it by a window
+      redis.call('PEXPIRE', key, math.ceil((span + 1) * width / 1000) + 1000)
+    end
+  end
+end
+"""
+
+# ARGV[1] = now (µs); then per key 4 values: limit, bucket width (µs), span (K), cost.
+# Returns {1} when counted, {0, i, wait_us} when limit i binds (wait_us = -1: never fits).
+_ACQUIRE_LUA = (
+    _BUCKETS_LUA
+    + """
 local function release_wait(key, need, width, span, now)
   -- Oldest buckets first until they hold `need`: the request fits once that one has left.
   local flat = redis.call('HGETALL', key)
@@ -296,9 +408,7 @@ for i = 1, #KEYS do
   local width = tonumber(ARGV[a + 2])
   local span = tonumber(ARGV[a + 3])
   local cost = tonumber(ARGV[a + 4])
-  local current = math.floor(now / width)
-  if current * width > now then current = current - 1
-  elseif (current + 1) * width <= now then current = current + 1 end
+  local current = bucket_of(now, width)
   local total, low, newest, here = prune(KEYS[i], current - span, span, current)
   state[i] = {total, low, newest, here, current}
   if cost > limit then
@@ -313,25 +423,55 @@ for i = 1, #KEYS do
   local a = 1 + (i - 1) * 4
   local cost = tonumber(ARGV[a + 4])
   if cost > 0 then
-    local key, width, span = KEYS[i], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local width, span = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
     local total, low, newest, here, current = unpack(state[i])
-    if newest and newest > current then
-      -- A clock that stepped back counts into the newest bucket: later, never earlier.
-      redis.call('HINCRBY', key, string.format('%d', newest), cost)
-      redis.call('HSET', key, 't', total + cost)
-    else
-      local bucket = string.format('%d', current)
-      redis.call('HSET', key, bucket, here + cost, 't', total + cost, 'o', low or bucket,
-                 'n', bucket)
-      if newest ~= current then  -- a new bucket: the key must outlive it by a window
-        redis.call('PEXPIRE', key, math.ceil((span + 1) * width / 1000) + 1000)
-      end
-    end
+    count(KEYS[i], width, span, cost, total, low, newest, here, current)
   end
 end
 return {1}
 """
+)
 _ACQUIRE_SHA = hashlib.sha1(_ACQUIRE_LUA.encode()).hexdigest()
+
+# ARGV[1] = now (µs), ARGV[2] = admitted at (µs); then per key 3 values: bucket width (µs),
+# span (K), delta. No check: a delta > 0 is counted at now like an admission; a delta < 0
+# is taken out of the admission's bucket, at most what it holds, while it is still counted
+# (a bucket emptied is deleted; 'n' may then name a bucket gone, which every reader takes
+# as 0). Returns 1.
+_ADJUST_LUA = (
+    _BUCKETS_LUA
+    + """
+local now, admitted = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 3
+  local width = tonumber(ARGV[a + 1])
+  local span = tonumber(ARGV[a + 2])
+  local delta = tonumber(ARGV[a + 3])
+  local current = bucket_of(now, width)
+  if delta > 0 then
+    local total, low, newest, here = prune(KEYS[i], current - span, span, current)
+    count(KEYS[i], width, span, delta, total, low, newest, here, current)
+  elseif delta < 0 then
+    local bucket = bucket_of(admitted, width)
+    if bucket >= current - span then  -- else it left every window: nothing to take back
+      local total, _, _, here = prune(KEYS[i], current - span, span, bucket)
+      local taken = math.min(here, -delta)
+      if taken > 0 then
+        local field = string.format('%d', bucket)
+        if taken == here then
+          redis.call('HDEL', KEYS[i], field)
+        else
+          redis.call('HSET', KEYS[i], field, here - taken)
+        end
+        redis.call('HSET', KEYS[i], 't', total - taken)
+      end
+    end
+  end
+end
+return 1
+"""
+)
+_ADJUST_SHA = hashlib.sha1(_ADJUST_LUA.encode()).hexdigest()
 
 
 async def _within(timeout_s: float, work: Awaitable[_T]) -> _T:
@@ -423,23 +563,45 @@ class RedisStorage:
             name, width = self._name(key, item)
             keys.append(name)
             args += (item.amount, width, self.buckets, cost)
-        try:
-            reply = await _within(self.timeout_s, self._eval(keys, args))
-        except TimeoutError:
-            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
-        except (RedisError, OSError) as err:
-            raise StorageError(f"{type(err).__name__}: {err}") from err
+        reply = await self._run(_ACQUIRE_SHA, _ACQUIRE_LUA, keys, args)
         if reply[0] == 1:
             return None
         wait = int(reply[2])
         return Rejection(int(reply[1]), None if wait < 0 else wait)
 
-    async def _eval(self, keys: list[str], args: list[int]) -> list[int]:
+    async def adjust(
+        self,
+        key: str,
+        items: Sequence[RateLimitItem],
+        deltas: Sequence[int],
+        admitted_us: int,
+        now_us: int,
+    ) -> None:
+        keys: list[str] = []
+        args: list[int] = [now_us, admitted_us]
+        for item, delta in zip(items, deltas, strict=True):
+            if delta:
+                name, width = self._name(key, item)
+                keys.append(name)
+                args += (width, self.buckets, delta)
+        if keys:
+            await self._run(_ADJUST_SHA, _ADJUST_LUA, keys, args)
+
+    async def _run(self, sha: str, body: str, keys: list[str], args: list[int]) -> Any:
+        """One script, one round trip, within the timeout; ``StorageError`` otherwise."""
         try:
-            return await self._client.evalsha(_ACQUIRE_SHA, len(keys), *keys, *args)  # type: ignore[no-any-return]
+            return await _within(self.timeout_s, self._eval(sha, body, keys, args))
+        except TimeoutError:
+            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
+        except (RedisError, OSError) as err:
+            raise StorageError(f"{type(err).__name__}: {err}") from err
+
+    async def _eval(self, sha: str, body: str, keys: list[str], args: list[int]) -> Any:
+        try:
+            return await self._client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:
             # Redis restarted or SCRIPT FLUSH: EVAL sends the body and caches it again.
-            return await self._client.eval(_ACQUIRE_LUA, len(keys), *keys, *args)  # type: ignore[no-any-return]
+            return await self._client.eval(body, len(keys), *keys, *args)
 
     async def ping(self) -> None:
         """Raise ``StorageError`` unless Redis answers within the timeout (readiness)."""
