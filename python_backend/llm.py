@@ -582,6 +582,11 @@ class Engine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Whether anything is submitted, waiting or running."""
+        return bool(self._running or self._waiting or not self._inbox.empty())
+
     # -- engine thread
 
     def run(self) -> None:

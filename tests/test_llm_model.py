@@ -1,0 +1,666 @@
+"""The ``llm`` model: vLLM-backend interface, streaming, continuous batching, cancellation.
+
+Unit tests drive ``python_backend.llm`` without Triton: request decoding, incremental
+detokenisation, and the engine's iterations (``Engine.step``) with fake senders. The rest
+talk to the session's real Triton (fixture ``triton``) over gRPC streaming
+(``start_stream`` / ``async_stream_infer``) and over Triton's own HTTP generate extension
+(``/generate``, ``/generate_stream``). Nothing waits by sleeping: tests block on the
+responses themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from google.protobuf import text_format
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import model_config_pb2
+
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from python_backend import nets
+from python_backend import tokenizer as tokenizer_module
+from python_backend.llm import (
+    Answer,
+    Engine,
+    EngineConfig,
+    ErrorCode,
+    IncrementalDetokenizer,
+    Limits,
+    LlmRequest,
+    SamplingParams,
+    choose_tokens,
+    decode_request,
+    decode_sampling_parameters,
+)
+from python_backend.rows import RequestError
+
+LLM_DIR = default_model_repository() / "llm"
+TIMEOUT_S = 30.0  # a response that takes this long means the model is stuck
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return tokenizer_module.load(LLM_DIR / tokenizer_module.TOKENIZER_FILE)
+
+
+@pytest.fixture(scope="module")
+def net() -> nets.CausalDecoder:
+    return nets.build_decoder()
+
+
+# ---- request decoding --------------------------------------------------------------------
+
+
+def test_sampling_defaults_are_vllms() -> None:
+    p = decode_sampling_parameters(None, "{}")
+    assert p == SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False
+    )
+    assert not p.greedy
+    assert decode_sampling_parameters('{"temperature": 0}', "{}").greedy
+
+
+def test_sampling_parameters_first_then_request_parameters_then_default() -> None:
+    params = json.dumps({"max_tokens": 5, "seed": 3, "fair_rows": '{"tenant": ["a"]}'})
+    p = decode_sampling_parameters('{"max_tokens": 9, "temperature": 0.5}', params)
+    assert (p.max_tokens, p.temperature, p.seed, p.top_p) == (9, 0.5, 3, 1.0)
+    assert decode_sampling_parameters(None, params).max_tokens == 5
+    # Strings convert as vLLM's int()/float() do; -1 is vLLM's "top_k off" too.
+    p = decode_sampling_parameters('{"max_tokens": "7", "top_k": -1, "ignore_eos": true}', "{}")
+    assert (p.max_tokens, p.top_k, p.ignore_eos) == (7, 0, True)
+    # null leaves the default (vLLM drops None values).
+    assert decode_sampling_parameters('{"max_tokens": null}', params).max_tokens == 5
+
+
+def test_request_parameters_other_than_sampling_keys_are_ignored() -> None:
+    params = json.dumps({"stream": True, "tenant": "t", "fair_rows": "{bad", "anything": [1]})
+    assert decode_sampling_parameters(None, params) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "params", "names"),
+    [
+        ('{"max_tokens": 0}', "{}", "max_tokens"),
+        ('{"max_tokens": "x"}', "{}", "max_tokens"),
+        (None, '{"max_tokens": 2.5}', "parameter 'max_tokens'"),
+        ('{"temperature": -1}', "{}", "temperature"),
+        ('{"top_p": 0}', "{}", "top_p"),
+        ('{"top_p": 1.5}', "{}", "top_p"),
+        ('{"top_k": -2}', "{}", "top_k"),
+        ('{"seed": "s"}', "{}", "seed"),
+        ('{"ignore_eos": "maybe"}', "{}", "ignore_eos"),
+        ('{"best_of": 2}', "{}", "best_of"),
+        ("{not json", "{}", "sampling_parameters"),
+        ("[1]", "{}", "sampling_parameters"),
+    ],
+)
+def test_bad_sampling_parameters_name_the_field(
+    sampling: str | None, params: str, names: str
+) -> None:
+    with pytest.raises(RequestError, match=names):
+        decode_sampling_parameters(sampling, params)
+
+
+def _inputs(prompt: str, **flags: bool) -> dict[str, np.ndarray]:
+    inputs = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
+    for name, value in flags.items():
+        inputs[name] = np.array([value])
+    return inputs
+
+
+def test_decode_request_modes_and_limits(tokenizer: Any) -> None:
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text).ids)
+
+    limits = Limits(max_model_len=64)
+    plain = decode_request(_inputs("Hello"), "{}", encode, limits)
+    assert (plain.stream, plain.prepend_input, plain.sampling.max_tokens) == (False, True, 16)
+    streamed = decode_request(_inputs("Hello", stream=True), "{}", encode, limits)
+    assert (streamed.stream, streamed.prepend_input) == (True, False)
+    excluded = decode_request(_inputs("Hello", exclude_input_in_output=True), "{}", encode, limits)
+    assert not excluded.prepend_input
+    with pytest.raises(RequestError, match="exclude_input_in_output"):  # vLLM refuses it too
+        decode_request(
+            _inputs("Hello", stream=True, exclude_input_in_output=False), "{}", encode, limits
+        )
+    with pytest.raises(RequestError, match="text_input"):
+        decode_request(_inputs(""), "{}", encode, limits)
+    with pytest.raises(RequestError, match=r"text_input.*maximum context length is 64"):
+        decode_request(_inputs("word " * 100), "{}", encode, limits)
+    n = len(encode("Hello"))
+    with pytest.raises(RequestError, match=rf"max_tokens.*at most {64 - n}"):
+        decode_request(_inputs("Hello"), '{"max_tokens": 64}', encode, limits)
+    assert decode_request(_inputs("Hello"), f'{{"max_tokens": {64 - n}}}', encode, limits)
+
+
+def test_tenant_comes_from_fair_rows_and_never_fails(tokenizer: Any) -> None:
+    def tenant(params: dict[str, Any]) -> str:
+        encode = lambda text: list(tokenizer.encode(text).ids)  # noqa: E731
+        return decode_request(_inputs("Hi"), json.dumps(params), encode, Limits()).tenant
+
+    assert tenant({"fair_rows": json.dumps({"tenant": ["acme"], "id": ["1"]})}) == "acme"
+    assert tenant({"tenant": "beta"}) == "beta"
+    assert tenant({}) == "unknown"
+    assert tenant({"fair_rows": "{not json"}) == "unknown"
+    assert tenant({"fair_rows": json.dumps({"tenant": [3]})}) == "unknown"
+
+
+# ---- incremental detokenisation -----------------------------------------------------------
+
+
+def test_incremental_detokenisation_never_splits_a_character(tokenizer: Any) -> None:
+    text = "Fair 🙂 scheduling für Mandanten, 公平な調度 ✓ done"
+    ids = tokenizer.encode(text).ids
+    # Byte-level tokens split these characters: decoding tokens alone gives U+FFFD.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    deltas = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some tokens were held back until their character completed
+
+
+def test_incomplete_bytes_at_the_end_come_out_as_decode_does(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ok 🙂").ids[:-1]  # the emoji cut short
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    deltas = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert deltas[-1].endswith("\ufffd")
+
+
+# ---- the engine, without Triton ---------------------------------------------------------------
+
+
+@dataclass
+class FakeSink:
+    """Collects answers, tagged with the engine's iteration; ``cancel()`` as a client would."""
+
+    engine: Engine | None = None
+    answers: list[tuple[int, Answer]] = field(default_factory=list)
+    cancelled: bool = False
+
+    def send(self, answer: Answer) -> None:
+        assert self.engine is not None
+        assert not (self.answers and self.answers[-1][1].final), "answer after the final one"
+        self.answers.append((self.engine.steps, answer))
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    @property
+    def text(self) -> str:
+        return "".join(a.text or "" for _, a in self.answers)
+
+    @property
+    def steps(self) -> list[int]:
+        return [step for step, _ in self.answers]
+
+
+def make_engine(tokenizer: Any, net: nets.CausalDecoder, **config: int) -> Engine:
+    settings = {"max_num_seqs": 4, "max_model_len": 128, **config}
+    return Engine(EngineConfig(**settings), tokenizer.decode, tokenizer.get_vocab_size(), net=net)
+
+
+def request(
+    tokenizer: Any, prompt: str = "Once upon a time", stream: bool = True, **sampling: Any
+) -> LlmRequest:
+    return LlmRequest(
+        prompt=prompt,
+        prompt_ids=tuple(tokenizer.encode(prompt).ids),
+        sampling=SamplingParams(**{"temperature": 0.0, **sampling}),
+        stream=stream,
+        prepend_input=not stream,
+    )
+
+
+def submit(engine: Engine, req: LlmRequest) -> FakeSink:
+    sink = FakeSink(engine)
+    engine.submit(req, sink)
+    return sink
+
+
+def drain(engine: Engine, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if not engine.busy:
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def test_engine_streams_one_answer_per_token_final_on_the_last(
+    tokenizer: Any, net: nets.CausalDecoder
+) -> None:
+    engine = make_engine(tokenizer, net)
+    sink = submit(engine, request(tokenizer, max_tokens=5))
+    drain(engine)
+    assert sink.steps == [1, 2, 3, 4, 5]  # one token per iteration
+    assert [a.final for _, a in sink.answers] == [False] * 4 + [True]
+    assert engine.steps == 5
+
+
+def test_a_request_joins_the_running_batch_and_leaves_it(
+    tokenizer: Any, net: nets.CausalDecoder
+) -> None:
+    engine = make_engine(tokenizer, net)
+    alone = submit(engine, request(tokenizer, "a long one", max_tokens=12))
+    drain(engine)
+    engine = make_engine(tokenizer, net)
+    long = submit(engine, request(tokenizer, "a long one", max_tokens=12))
+    for _ in range(3):
+        engine.step()
+    short = submit(engine, request(tokenizer, "short", max_tokens=3))
+    engine.step()  # the short one is admitted at the next iteration: no waiting for long
+    assert engine.running == 2
+    drain(engine)
+    assert short.steps == [4, 5, 6]  # joined at iteration 4, one token per iteration
+    assert long.steps == list(range(1, 13))  # never paused for the newcomer
+    assert long.text == alone.text  # greedy: neighbours do not change a sequence's tokens
+    assert engine.running == 0
+
+
+def test_at_most_max_num_seqs_run_others_wait(tokenizer: Any, net: nets.CausalDecoder) -> None:
+    engine = make_engine(tokenizer, net, max_num_seqs=2)
+    sinks = [submit(engine, request(tokenizer, max_tokens=m)) for m in (2, 4, 3)]
+    engine.step()
+    assert (engine.running, engine.waiting) == (2, 1)
+    drain(engine)
+    assert sinks[2].steps == [3, 4, 5]  # admitted when the first left (after iteration 2)
+
+
+def test_cancelled_sequences_leave_at_the_next_iteration(
+    tokenizer: Any, net: nets.CausalDecoder
+) -> None:
+    engine = make_engine(tokenizer, net)
+    streamed = submit(engine, request(tokenizer, max_tokens=50))
+    whole = submit(engine, request(tokenizer, stream=False, max_tokens=50))
+    other = submit(engine, request(tokenizer, max_tokens=6))
+    engine.step()
+    engine.step()
+    streamed.cancelled = whole.cancelled = True
+    engine.step()
+    assert engine.running == 1
+    # vLLM: a stream ends with a CANCELLED error (final); a non-streamed request gets the
+    # text generated so far (final).
+    last = streamed.answers[-1][1]
+    assert (last.final, last.code, last.error) == (
+        True,
+        ErrorCode.CANCELLED,
+        "Request was cancelled",
+    )
+    assert len(streamed.answers) == 3  # two tokens, then the cancellation
+    assert whole.answers[-1][1].final and whole.answers[-1][1].error is None
+    assert whole.answers[-1][1].text == whole_text_of_two_tokens(tokenizer, net)
+    drain(engine)
+    assert len(other.answers) == 6 and other.answers[-1][1].final
+
+
+def whole_text_of_two_tokens(tokenizer: Any, net: nets.CausalDecoder) -> str:
+    engine = make_engine(tokenizer, net)
+    sink = submit(engine, request(tokenizer, stream=False, max_tokens=2))
+    drain(engine)
+    return sink.text
+
+
+def test_stream_and_whole_text_agree(tokenizer: Any, net: nets.CausalDecoder) -> None:
+    engine = make_engine(tokenizer, net)
+    prompt = "Tenants 🙂 share"
+    streamed = submit(engine, request(tokenizer, prompt, max_tokens=40))
+    whole = submit(engine, request(tokenizer, prompt, stream=False, max_tokens=40))
+    drain(engine)
+    assert len(whole.answers) == 1 and whole.answers[0][1].final
+    assert whole.text == prompt + streamed.text
+
+
+def test_seeded_sampling_is_deterministic_whatever_the_batch(
+    tokenizer: Any, net: nets.CausalDecoder
+) -> None:
+    engine = make_engine(tokenizer, net)
+    a = submit(engine, request(tokenizer, max_tokens=20, temperature=1.0, seed=7))
+    drain(engine)
+    engine = make_engine(tokenizer, net)
+    b = submit(engine, request(tokenizer, max_tokens=20, temperature=1.0, seed=7))
+    noise = submit(engine, request(tokenizer, "other", max_tokens=20, temperature=1.0))
+    c = submit(engine, request(tokenizer, max_tokens=20, temperature=1.0, seed=8))
+    drain(engine)
+    assert a.text == b.text
+    assert c.text != a.text and noise.text != a.text
+
+
+def test_top_k_one_is_greedy() -> None:
+    import torch
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0.0)] * 1
+    params.append(SamplingParams(temperature=2.0, top_p=1e-6))  # nucleus of one token
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert choose_tokens(logits, params, generators) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_failing_step_fails_its_sequences_not_the_engine(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(tokenizer, net)
+    victim = submit(engine, request(tokenizer, max_tokens=5))
+    engine.step()
+    monkeypatch.setattr(engine.net, "step", lambda *a: (_ for _ in ()).throw(MemoryError()))
+    engine.step()
+    assert victim.answers[-1][1].code == ErrorCode.INTERNAL and victim.answers[-1][1].final
+    monkeypatch.undo()
+    survivor = submit(engine, request(tokenizer, max_tokens=3))
+    drain(engine)
+    assert len(survivor.answers) == 3
+
+
+def test_config_parameters_are_checked_together() -> None:
+    config = {
+        "parameters": {
+            "max_num_seqs": {"string_value": "0"},
+            "max_model_len": {"string_value": "9999"},
+            "max_num_batched_tokens": {"string_value": "x"},
+        }
+    }
+    with pytest.raises(ValueError) as info:
+        EngineConfig.from_model_config(config)
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        assert name in str(info.value)
+    assert EngineConfig.from_model_config({}).max_num_seqs == 64
+
+
+def test_tokenizer_is_the_shipped_build(tokenizer: Any) -> None:
+    assert tokenizer.get_vocab_size() <= nets.VOCAB_SIZE
+    rebuilt = tokenizer_module.build(tokenizer_module.training_text())
+    assert rebuilt.to_str() == tokenizer.to_str()
+    text = "any string encodes: \x00 Ω 🙂"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_gpu_config_differs_only_in_instance_kind() -> None:
+    def parse(path: Path) -> model_config_pb2.ModelConfig:
+        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+    cpu, gpu = parse(LLM_DIR / "config.pbtxt"), parse(LLM_DIR / "configs" / "gpu.pbtxt")
+    assert cpu.model_transaction_policy.decoupled and cpu.max_batch_size == 0
+    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    gpu.ClearField("instance_group")
+    cpu.ClearField("instance_group")
+    assert cpu == gpu
+
+
+# ---- against the real Triton ---------------------------------------------------------------
+
+
+@dataclass
+class Streamed:
+    """One request's responses on a gRPC stream, with arrival times."""
+
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    finals: list[bool] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    error: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or (bool(self.finals) and self.finals[-1])
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class Stream:
+    """A gRPC bidirectional stream to Triton; responses sorted by request id."""
+
+    def __init__(self, triton: EmbeddedTriton) -> None:
+        self.client = grpcclient.InferenceServerClient(triton.grpc_url)
+        self.events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
+        self.results: dict[str, Streamed] = {}
+        self.client.start_stream(
+            callback=lambda result, error: self.events.put((time.perf_counter(), result, error))
+        )
+
+    def send(
+        self,
+        request_id: str,
+        prompt: str,
+        *,
+        stream: bool = True,
+        sampling: dict[str, Any] | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
+        tensors = [
+            _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+            _tensor("stream", np.array([stream]), "BOOL"),
+            _tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+        ]
+        if sampling is not None:
+            value = np.array([json.dumps(sampling).encode()], dtype=np.object_)
+            tensors.append(_tensor("sampling_parameters", value, "BYTES"))
+        self.results[request_id] = Streamed()
+        self.client.async_stream_infer(
+            "llm",
+            tensors,
+            request_id=request_id,
+            parameters=parameters,
+            enable_empty_final_response=True,  # the final flag reaches the client
+        )
+
+    def until_done(self, *request_ids: str) -> None:
+        while not all(self.results[r].done for r in request_ids):
+            self.next()
+
+    def next(self) -> None:
+        at, result, error = self.events.get(timeout=TIMEOUT_S)
+        if error is not None:  # tritonclient gives errors no request id: one pending request
+            pending = [s for s in self.results.values() if not s.done]
+            assert len(pending) == 1, "an error on a stream with several requests"
+            pending[0].error = error
+            return
+        response = result.get_response()
+        streamed = self.results[response.id]
+        final = response.parameters["triton_final_response"].bool_param
+        text = result.as_numpy("text_output")
+        if text is None:  # an empty final response would have no outputs
+            assert final
+        else:
+            streamed.texts.append(text[0].decode())
+            streamed.counts.append(int(result.as_numpy("num_output_tokens")[0]))
+            streamed.times.append(at)
+        streamed.finals.append(final)
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def _tensor(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+@pytest.fixture
+def stream(triton: EmbeddedTriton) -> Iterator[Stream]:
+    s = Stream(triton)
+    yield s
+    s.close()
+
+
+def generate(triton: EmbeddedTriton, body: dict[str, Any], path: str = "generate") -> Any:
+    """POST Triton's generate extension; ``(status, JSON)`` or, for SSE, the events."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"{triton.http_url}/v2/models/llm/{path}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as response:
+            raw = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode())
+    if path == "generate_stream":
+        events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+        return status, events
+    return status, json.loads(raw)
+
+
+def metric(triton: EmbeddedTriton, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(triton.metrics_url, timeout=TIMEOUT_S).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+GREEDY = {"temperature": 0}
+
+
+def test_streams_one_response_per_token_final_on_the_last(
+    triton: EmbeddedTriton, stream: Stream
+) -> None:
+    stream.send("s", "Fair scheduling", sampling={"max_tokens": 8, **GREEDY})
+    stream.send("w", "Fair scheduling", stream=False, sampling={"max_tokens": 8, **GREEDY})
+    stream.until_done("s", "w")
+    s, w = stream.results["s"], stream.results["w"]
+    assert s.finals == [False] * 7 + [True]  # the flag rides on the last token (as vLLM)
+    assert s.counts == [1] * 8
+    assert (w.finals, w.counts) == ([True], [8])
+    assert w.text == "Fair scheduling" + s.text  # non-streamed text includes the prompt
+    status, events = generate(
+        triton,
+        {
+            "text_input": "Fair scheduling",
+            "stream": True,
+            "parameters": {"max_tokens": 8, **GREEDY},
+        },
+        "generate_stream",
+    )
+    assert status == 200 and len(events) == 8
+    assert "".join(e["text_output"] for e in events) == s.text
+    status, body = generate(
+        triton,
+        {"text_input": "Fair scheduling", "exclude_input_in_output": True,
+         "parameters": {"max_tokens": 8, **GREEDY}},
+    )  # fmt: skip
+    assert (status, body["text_output"]) == (200, s.text)
+
+
+def test_max_tokens_from_sampling_parameters_then_request_parameters(
+    triton: EmbeddedTriton, stream: Stream, tokenizer: Any
+) -> None:
+    stream.send("a", "Hi", stream=False, sampling={"max_tokens": 5}, parameters={"max_tokens": 9})
+    stream.send("b", "Hi", stream=False, parameters={"max_tokens": 9})
+    stream.send("c", "Hi", stream=False)
+    stream.until_done("a", "b", "c")
+    assert [stream.results[r].counts for r in "abc"] == [[5], [9], [16]]
+    status, body = generate(
+        triton,
+        {"text_input": "Hi", "return_num_output_tokens": True, "return_num_input_tokens": True,
+         "parameters": {"max_tokens": 7, "fair_rows": json.dumps({"tenant": ["acme"]})}},
+    )  # fmt: skip
+    assert status == 200
+    prompt_tokens = len(tokenizer.encode("Hi").ids)
+    # Triton's generate extension answers a one-element tensor as a JSON scalar.
+    assert (body["num_output_tokens"], body["num_input_tokens"]) == (7, prompt_tokens)
+
+
+def test_requests_are_metered_per_tenant(triton: EmbeddedTriton, tokenizer: Any) -> None:
+    labels = {"model": "llm", "tenant": "llm-metering"}
+    before = metric(triton, "fair_model_tokens_total", **labels)
+    status, _ = generate(
+        triton,
+        {"text_input": "Hi", "parameters": {
+            "max_tokens": 6, "fair_rows": json.dumps({"tenant": ["llm-metering"], "id": ["x"]})}},
+    )  # fmt: skip
+    assert status == 200
+    prompt_tokens = len(tokenizer.encode("Hi").ids)
+    assert metric(triton, "fair_model_tokens_total", **labels) - before == prompt_tokens + 6
+
+
+def test_a_short_request_joins_a_running_long_one_and_finishes_first(
+    triton: EmbeddedTriton, stream: Stream
+) -> None:
+    stream.send("long", "A long story", sampling={"max_tokens": 200, **GREEDY})
+    while not stream.results["long"].texts:  # the long one is running
+        stream.next()
+    stream.send("short", "Quick", sampling={"max_tokens": 4, **GREEDY})
+    stream.until_done("short")
+    long, short = stream.results["long"], stream.results["short"]
+    assert not long.done, "the short request waited for the long one"
+    stream.until_done("long")
+    assert len(long.texts) == 200 and len(short.texts) == 4
+    # Interleaved in time: the long stream kept producing while the short one ran.
+    during = [t for t in long.times if short.times[0] < t < short.times[-1]]
+    assert during, "no token of the long stream arrived while the short one ran"
+    assert long.times[0] < short.times[0] and long.times[-1] > short.times[-1]
+
+
+def test_a_cancelled_stream_leaves_the_batch(triton: EmbeddedTriton) -> None:
+    cancelled_before = metric(triton, "fair_llm_cancelled_total", model="llm")
+    doomed = Stream(triton)
+    doomed.send("doomed", "Endless", sampling={"max_tokens": 480, **GREEDY})
+    while len(doomed.results["doomed"].texts) < 3:
+        doomed.next()
+    doomed.close(cancel=True)
+    after = Stream(triton)
+    try:
+        after.send("after", "Next", sampling={"max_tokens": 16, **GREEDY})
+        after.until_done("after")
+    finally:
+        after.close()
+    assert len(after.results["after"].texts) == 16
+    # Had the cancelled sequence stayed, it would still run (464 tokens were left).
+    assert metric(triton, "fair_llm_cancelled_total", model="llm") - cancelled_before == 1
+    assert metric(triton, "fair_llm_running_sequences", model="llm") == 0
+
+
+def test_a_bad_request_fails_alone(triton: EmbeddedTriton, stream: Stream) -> None:
+    stream.send("good", "Still fine", sampling={"max_tokens": 20, **GREEDY})
+    while not stream.results["good"].texts:
+        stream.next()
+    bad = Stream(triton)
+    try:
+        bad.send("bad", "Hi", sampling={"max_tokens": 0})
+        bad.until_done("bad")
+    finally:
+        bad.close()
+    error = bad.results["bad"].error
+    assert error is not None and "max_tokens" in error.message(), error
+    assert not stream.results["good"].done  # answered while "good" still runs
+    stream.until_done("good")
+    assert len(stream.results["good"].texts) == 20 and stream.results["good"].error is None
+    for body, names in [
+        ({"text_input": "Hi", "parameters": {"max_tokens": "many"}}, "max_tokens"),
+        ({"text_input": "word " * 600}, "text_input"),
+        ({"text_input": "Hi", "sampling_parameters": "{oops"}, "sampling_parameters"),
+        ({"text_input": "Hi", "sampling_parameters": '{"n": 2}'}, "'n'"),
+    ]:
+        status, answer = generate(triton, body)
+        assert status == 400 and names in answer["error"], answer
+
+
+def test_deterministic_with_temperature_zero_or_a_seed(triton: EmbeddedTriton) -> None:
+    def text(parameters: dict[str, Any]) -> str:
+        status, body = generate(
+            triton, {"text_input": "Same prompt", "parameters": {"max_tokens": 12, **parameters}}
+        )
+        assert status == 200, body
+        return str(body["text_output"])
+
+    assert text(GREEDY) == text(GREEDY)
+    assert text({"temperature": 1.0, "seed": 11}) == text({"temperature": 1.0, "seed": 11})
+    assert text({"temperature": 1.0, "seed": 11}) != text({"temperature": 1.0, "seed": 12})
