@@ -78,6 +78,7 @@ class CoreRequest(QueuedRequest):
     cancelled: bool = False  # its client went away while it was in a batch
     answered: bool = False
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
+    limits_at: float | None = None  # time.time() its tokens were counted against its limits
     last_token_at: float | None = None  # time.monotonic() of its latest output token
 
     @property

@@ -311,26 +311,39 @@ class Core:
         items = self._limits(req)
         if not items:
             return _NO_LIMITS
-        return self.limiter.check_now(
+        now = time.time()
+        decision = self.limiter.check_now(
             limit_key(req.tenant, req.request.model),
             items,
             requests=1,
-            tokens=req.tokens,
-            now=time.time(),
+            tokens=req.call.tokens,
+            now=now,
         )
+        self._counted(req, decision, now)
+        return decision
 
     async def _rate_limits(self, req: CoreRequest) -> Decision:
         try:
-            return await self.limiter.check(
+            now = time.time()
+            decision = await self.limiter.check(
                 limit_key(req.tenant, req.request.model),
                 self._limits(req),
                 requests=1,
-                tokens=req.tokens,
-                now=time.time(),
+                tokens=req.call.tokens,
+                now=now,
             )
+            self._counted(req, decision, now)
+            return decision
         except Unavailable:  # the storage failed and the mode is fail_closed
             self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
             raise
+
+    @staticmethod
+    def _counted(req: CoreRequest, decision: Decision | None, now: float) -> None:
+        """Remember when a request's tokens were counted against its limits (to correct
+        them by what it produced); not when refused, or admitted unchecked (degraded)."""
+        if decision is not None and decision.allowed and not decision.degraded:
+            req.limits_at = now
 
     def _apply_rate_limits(self, req: CoreRequest, decision: Decision) -> None:
         """Count a degraded check; raise the 429 of a refused one."""
@@ -433,11 +446,11 @@ class Core:
         """Token limits count what was produced: admission counted the output tokens asked
         for (max_tokens), the difference to what came is corrected now."""
         delta = req.produced - req.call.max_tokens
+        admitted_at = req.limits_at
+        if not delta or admitted_at is None:
+            return  # nothing to correct, or nothing was counted
         items = self._limits(req)
-        if not delta or not any(item.unit == "tokens" for item in items):
-            return
         key = limit_key(req.tenant, req.request.model)
-        admitted_at = req.call.arrived_wall
         now = time.time()
         if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
             self._spawn(
