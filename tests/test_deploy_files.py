@@ -588,6 +588,9 @@ def test_every_metric_and_label_in_promql_exists(
             "nv_inference_pending_request_count",
             "fair_model_rows_total",
             "fair_model_tokens_total",
+            "fair_time_to_first_token_seconds_bucket",
+            "fair_inter_token_seconds_bucket",
+            "fair_output_tokens_total",
         }
 
 
