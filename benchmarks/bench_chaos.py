@@ -40,11 +40,9 @@ TIERS = ["enterprise", "standard", "trial"]
 
 def chaos_config(tenants: int) -> tuple[Config, dict[str, str]]:
     """Tenants spread over three tiers; every fifth one on a tight rate limit."""
-    import yaml
+    from benchmarks.harness import load_example_config
 
-    from benchmarks.harness import EXAMPLE_CONFIG
-
-    data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    data = load_example_config()
     data.pop("tier_limits", None)
     keys = {f"t{i:02d}": f"chaos-key-{i:02d}" for i in range(tenants)}
     data["tenants"] = {}

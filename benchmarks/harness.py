@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from fair_frontend.config import resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +98,10 @@ def write_config(data: dict[str, Any], directory: Path) -> Path:
 
 
 def load_example_config() -> dict[str, Any]:
+    """The example config as data, its relative paths (tokenizers) made absolute: the
+    benchmarks write it to a folder of their own."""
     data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    resolve_relative_paths(data, EXAMPLE_CONFIG.parent)
     return data
 
 
