@@ -63,7 +63,8 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
         )
     )
     outputs = tuple((o.name, o.classification) for o in req.outputs)
-    per_row = endpoint.max_tokens_parameter  # travels per row in fair_rows
+    # Travels per row in fair_rows (batching models; the others get it as the client sent it).
+    per_row = endpoint.max_tokens_parameter if info.batching else None
     params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
 
@@ -97,7 +98,7 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
         inputs = list(by_name.values())
     params: dict[str, ParamValue] = dict(first.parameters)
     per_row = endpoint.max_tokens_parameter
-    if per_row is not None:
+    if per_row is not None and info.batching:
         # validate() wrote every request's value (or the default) as an integer.
         params.pop(per_row, None)
         columns[per_row] = [

@@ -200,12 +200,6 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None: 
     assert out.count(b"data: ") == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: batching.pack moves the request parameter max_tokens into fair_rows "
-    "even for llm (one request at a time), which the model does not read there: through the "
-    "frontend it generates its default 16 tokens, Triton 8 (the first 8 events match)",
-)
 def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
     conn = http.client.HTTPConnection(_hostport(triton.http_url), timeout=10)
     conn.request("GET", "/v2/models/llm/ready")
