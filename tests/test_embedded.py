@@ -127,11 +127,11 @@ def test_a_model_failing_to_load_is_named_with_the_log_tail(tmp_path: Path) -> N
 
 
 def test_gpu_configs_are_selected_by_model_config_name() -> None:
-    # No GPU here: Triton rejects both KIND_GPU configs, which shows it read configs/gpu.pbtxt.
+    # No GPU here: Triton rejects every KIND_GPU config, which shows it read configs/gpu.pbtxt.
     server = EmbeddedTriton(default_model_repository(), model_config_name="gpu")
     with pytest.raises(TritonStartError) as info:
         server.start()
-    assert set(info.value.failed_models) == {"embed", "generate"}
+    assert set(info.value.failed_models) == {"embed", "generate", "llm"}
     assert all("KIND_GPU" in reason for reason in info.value.failed_models.values())
 
 
