@@ -28,20 +28,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
+from benchmarks.harness import (
+    frontend,
+    load_example_config,
+    process_tree_cpu_s,
+    progress,
+    triton,
+    write_result,
+)
+from fair_frontend.embedded import process_group_members
 
 MODEL = "llm"
 PROMPT = "a tenant asks the engine for a story about"
@@ -170,7 +180,10 @@ async def client_main(url: str, key: str | None) -> None:
                     tenant.send(cmd["tokens"])
                 except TimeoutError:
                     pass
-            answer = {"tokens_per_s": (tenant.total - (base or 0)) / cmd["window_s"]}
+            answer = {
+                "tokens_per_s": (tenant.total - (base or 0)) / cmd["window_s"],
+                "tokens": tenant.total,
+            }
         else:
             raise ValueError(kind)
         print(json.dumps(answer), flush=True)
@@ -336,7 +349,46 @@ async def scenario_shares(
     return out
 
 
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto ``cpus`` (affinity is per thread in Linux)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def pinned(server: Any) -> Iterator[None]:
+    """Triton (the engine) on CPU 0, this process and what it starts next (frontend,
+    clients) on the others: on a GPU host the engine computes on the GPU, not on the
+    frontend's cores. Restored afterwards."""
+    cpus = sorted(os.sched_getaffinity(0))
+    engine, rest = {cpus[0]}, set(cpus[1:])
+    triton_pids = process_group_members(server.pid)
+    for pid in triton_pids:
+        pin_threads(pid, engine)
+    os.sched_setaffinity(0, rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+        for pid in triton_pids:
+            pin_threads(pid, set(cpus))
+
+
 async def scenario_throughput(
+    server: Any, concurrency: int, tokens: int, warmup_s: float, window_s: float
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if len(os.sched_getaffinity(0)) >= 2:
+        with pinned(server):
+            progress("throughput, pinned: Triton on one CPU, frontend and clients on the rest")
+            out["pinned"] = await throughput_pair(server, concurrency, tokens, warmup_s, window_s)
+    progress("throughput, unpinned: every process on every CPU")
+    out["unpinned"] = await throughput_pair(server, concurrency, tokens, warmup_s, window_s)
+    return out
+
+
+async def throughput_pair(
     server: Any, concurrency: int, tokens: int, warmup_s: float, window_s: float
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -358,6 +410,7 @@ async def scenario_throughput(
             with frontend(bench_config("fair"), server.grpc_url, http_url=server.http_url) as fe:
                 c = Client(fe.grpc_url, KEYS["a"])
                 try:
+                    cpu0 = process_tree_cpu_s(fe.process.pid)["core"]
                     r = await c.ask(
                         do="closed",
                         concurrency=concurrency,
@@ -365,8 +418,11 @@ async def scenario_throughput(
                         warmup_s=warmup_s,
                         window_s=window_s,
                     )
+                    cpu = process_tree_cpu_s(fe.process.pid)["core"] - cpu0
                 finally:
                     c.close()
+            out["frontend_cpu_us_per_token"] = cpu / r["tokens"] * 1e6
+            progress(f"  frontend CPU {out['frontend_cpu_us_per_token']:.0f} µs per token")
         out[name] = r["tokens_per_s"]
         progress(f"  {out[name]:.0f} tokens/s")
     out["ratio"] = out["frontend"] / out["triton"]

@@ -267,11 +267,14 @@ class Endpoint(_Strict):
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for priority 0; unset: the middle level."
     )
-    normalize_cost: bool = Field(
-        default=False,
+    normalize_cost: bool | None = Field(
+        default=None,
         description="Charge each request its predicted service seconds, in cost units "
         "(predicted seconds / EMA of observed seconds per unit; fair_frontend.feedback): "
-        "a long generation costs more than a short one on a request-cost endpoint.",
+        "a long generation costs more than a short one on a request-cost endpoint. Unset: "
+        "on where the frontend batches generations (a max_tokens_parameter and no "
+        "max_inflight: a request's cost depends on the tokens it asks for), off elsewhere "
+        "(engine mode charges the tokens actually produced instead).",
     )
     token_input: str = Field(
         default=DEFAULT_TOKEN_INPUT,
@@ -313,6 +316,13 @@ class Endpoint(_Strict):
     max_request_tokens: int | None = Field(
         default=None, gt=0, description="Largest request in tokens; beyond, 400."
     )
+
+    @property
+    def normalizes_cost(self) -> bool:
+        """normalize_cost, or its default: on for batched generation (see the field)."""
+        if self.normalize_cost is not None:
+            return self.normalize_cost
+        return self.max_tokens_parameter is not None and self.max_inflight is None
 
     def effective_quantum(self, max_batch_size: int) -> float | None:
         """The DRR quantum: configured, else derived from the batching policy; None for a

@@ -67,6 +67,7 @@ class Observers(Observer):
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = list(observers)
+        self._token_listeners: list[Any] | None = None
 
     def _each(self, method: str, **kwargs: Any) -> None:
         for observer in self.observers:
@@ -91,4 +92,16 @@ class Observers(Observer):
         self._each("throttle_decision", **kwargs)
 
     def tokens_produced(self, **kwargs: Any) -> None:  # type: ignore[override]
-        self._each("tokens_produced", **kwargs)
+        # Per streamed token: the observers' methods are looked up once, not per call.
+        listeners = self._token_listeners
+        if listeners is None:
+            listeners = self._token_listeners = [
+                o.tokens_produced
+                for o in self.observers
+                if type(o).tokens_produced is not Observer.tokens_produced
+            ]
+        for listener in listeners:
+            try:
+                listener(**kwargs)
+            except Exception:
+                log.exception("observer failed in tokens_produced")

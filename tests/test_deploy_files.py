@@ -489,6 +489,16 @@ def live_metrics(triton: EmbeddedTriton, workers: int) -> dict[str, set[str]]:
                     )
         finally:
             client.close()
+        # A streamed generation (engine mode): time to first token, inter-token latency.
+        stream = urllib.request.Request(
+            f"http://{fe.http_url}/v2/models/llm/generate_stream",
+            data=json.dumps(
+                {"text_input": "hello", "parameters": {"stream": True, "max_tokens": 3}}
+            ).encode(),
+            headers={"x-api-key": "deploy-a-key", "content-type": "application/json"},
+        )
+        with _HTTP.open(stream, timeout=30) as response:
+            assert response.read().count(b"data: ") == 3
         names = _names_and_labels(_fetch(f"http://127.0.0.1:{fe.server.metrics_port}/metrics"))
     # Rate-limit storage that fails (a Redis where nothing listens), in fail_open mode:
     # the request is served and the storage error counted.

@@ -180,6 +180,7 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
     # The throttle on generate only (its decisions are counted); it never rejects here:
     # requests go one at a time, a short queue.
     endpoints["generate"]["throttle"] = True
+    endpoints["generate"]["normalize_cost"] = False  # plain cost: 1 per row, checked below
     config = make_config(tenants=tenant_cfg, endpoints=endpoints)
     key = {t: f"{t}-key" for t in (a, b, c)}
     exp = Expected()

@@ -506,8 +506,9 @@ def small(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     """Small per-endpoint limits; the default endpoint's too, so the transport limits
     (2 x the largest max_request_bytes + 1 MiB) are small enough to reach."""
     data = config_dict()
-    data["endpoints"]["embed"].update(max_request_bytes=MAX_BYTES, max_request_tokens=MAX_TOKENS)
-    data["endpoints"]["generate"]["max_request_bytes"] = MAX_BYTES
+    for endpoint in data["endpoints"].values():
+        endpoint["max_request_bytes"] = MAX_BYTES
+    data["endpoints"]["embed"]["max_request_tokens"] = MAX_TOKENS
     data["default_endpoint"] = {"max_request_bytes": MAX_BYTES}
     with running_frontend(parse_config(data), triton, workers=workers) as running:
         yield running

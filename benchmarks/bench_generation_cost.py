@@ -1,0 +1,154 @@
+"""Normalised cost on batched generation: is it the right default for ``generate``?
+
+``generate`` is a request-cost endpoint whose batches the frontend builds: plain request
+cost charges a request asking 128 new tokens what it charges one asking 16, so a tenant of
+long generations gets most of the model's time. ``normalize_cost`` (on by default where an
+endpoint batches generations: ``max_tokens_parameter`` set, no ``max_inflight``) charges
+each request its predicted service seconds instead.
+
+Two tenants kept backlogged by perf_analyzer's plain command (one process each, 32-token
+prompts, ``--request-parameter max_tokens:N:int``): ``long`` asks 128 tokens, ``short``
+16. One Triton; one frontend process per config, one after the other:
+
+- ``normalized``: the default (``normalize_cost`` unset on ``generate``).
+- ``plain``: ``normalize_cost: false``, the negative control.
+
+Measured over a window after a warm-up, from Triton's own per-tenant accounting (the
+model's ``fair_model_tokens_total{model="generate"}``: prompt + generated tokens, what the
+decoder computes) and from the frontend's requests served: the long tenant's share of
+the tokens computed. Target: near 0.5 with normalised cost (equal service), while plain
+cost gives the long tenant about (32 + 128) / (32 + 16) = 3.3 times the short one's.
+
+    .venv/bin/python -m benchmarks.bench_generation_cost [--warmup-s 15] [--window-s 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.harness import (
+    frontend,
+    load_example_config,
+    perf_analyzer_binary,
+    progress,
+    triton,
+    write_result,
+)
+
+MODEL = "generate"
+LONG, SHORT = "long", "short"
+MAX_TOKENS = {LONG: 128, SHORT: 16}
+KEYS = {LONG: "long-generation-key", SHORT: "short-generation-key"}
+CONCURRENCY = 16  # per tenant: two full batches of 8 outstanding
+CONFIGS = {"normalized": None, "plain": False}
+
+
+def bench_config(normalize: bool | None) -> dict[str, Any]:
+    cfg = load_example_config()
+    cfg.pop("tier_limits", None)
+    gen = cfg["endpoints"][MODEL]
+    gen["throttle"] = False  # backlogged on purpose
+    if normalize is not None:
+        gen["normalize_cost"] = normalize
+    cfg["endpoints"] = {MODEL: gen}
+    cfg["tenants"] = {t: {"tier": "standard", "api_keys": [KEYS[t]]} for t in (LONG, SHORT)}
+    return cfg
+
+
+def scrape(url: str, name: str, label: str, model: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels.get(label) == model:
+                tenant = s.labels.get("tenant", "")
+                out[tenant] = out.get(tenant, 0.0) + s.value
+    return out
+
+
+@contextlib.contextmanager
+def load(grpc_url: str, tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = []
+    try:
+        for tenant in (LONG, SHORT):
+            cmd = [
+                perf_analyzer_binary(),
+                *("-m", MODEL, "--shape", "INPUT_IDS:32"),
+                *("-u", grpc_url, "-i", "grpc"),
+                *("--request-parameter", f"max_tokens:{MAX_TOKENS[tenant]}:int"),
+                *("--concurrency-range", f"{CONCURRENCY}:{CONCURRENCY}"),
+                *("-H", f"authorization: Bearer {KEYS[tenant]}"),
+                *("--measurement-interval", "600000", "--max-trials", "10"),
+            ]
+            log = (tmp / f"perf_analyzer_{tenant}.log").open("wb")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_config(
+    name: str, normalize: bool | None, server: Any, warmup_s: float, window_s: float
+) -> dict[str, Any]:
+    progress(f"{name}: normalize_cost={'default' if normalize is None else normalize}")
+    with (
+        frontend(bench_config(normalize), server.grpc_url, http_url=server.http_url) as fe,
+        tempfile.TemporaryDirectory() as tmp,
+        load(fe.grpc_url, Path(tmp)) as procs,
+    ):
+        fe_metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
+        time.sleep(warmup_s)
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"perf_analyzer exited early: see {tmp}")
+        t0 = scrape(server.metrics_url, "fair_model_tokens_total", "model", MODEL)
+        r0 = scrape(fe_metrics, "fair_served_rows_total", "endpoint", MODEL)
+        for i in range(int(window_s // 5)):
+            time.sleep(5)
+            progress(f"  {5 * (i + 1)} s of {window_s:.0f}")
+        t1 = scrape(server.metrics_url, "fair_model_tokens_total", "model", MODEL)
+        r1 = scrape(fe_metrics, "fair_served_rows_total", "endpoint", MODEL)
+    tokens = {t: t1.get(t, 0.0) - t0.get(t, 0.0) for t in (LONG, SHORT)}
+    requests = {t: r1.get(t, 0.0) - r0.get(t, 0.0) for t in (LONG, SHORT)}
+    share = tokens[LONG] / sum(tokens.values())
+    progress(
+        f"  tokens computed long/short = {tokens[LONG]:,.0f} / {tokens[SHORT]:,.0f} "
+        f"(long's share {share:.3f}); requests {requests[LONG]:,.0f} / {requests[SHORT]:,.0f}"
+    )
+    return {"tokens": tokens, "requests": requests, "long_share_of_tokens": share}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--warmup-s", type=float, default=15.0)
+    parser.add_argument("--window-s", type=float, default=30.0)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"warmup_s": args.warmup_s, "window_s": args.window_s}
+    with triton() as server:
+        for name, normalize in CONFIGS.items():
+            results[name] = run_config(name, normalize, server, args.warmup_s, args.window_s)
+    write_result("generation_cost", results)
+
+
+if __name__ == "__main__":
+    main()
