@@ -58,16 +58,24 @@ PROMPT = "a tenant asks the engine for a story about"
 KEYS = {"a": "tenant-a-bench-key", "b": "tenant-b-bench-key"}
 SLOTS = 64  # the model's max_num_seqs: the frontend's max_inflight matches it
 B_REQUESTS = 5
+RESERVED = 4  # fair_reserved: slots kept for tenants with nothing in the engine
 B_TOKENS = 16
 
 
 def bench_config(
-    mode: str, *, cost: str = "tokens", weights: tuple[float, float] = (1, 1), slots: int = SLOTS
+    mode: str,
+    *,
+    cost: str = "tokens",
+    weights: tuple[float, float] = (1, 1),
+    slots: int = SLOTS,
+    reserved: int = 0,
 ) -> dict[str, Any]:
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = mode
-    cfg["endpoints"][MODEL].update({"cost": cost, "max_inflight": slots, "throttle": False})
+    cfg["endpoints"][MODEL].update(
+        {"cost": cost, "max_inflight": slots, "reserved_slots": reserved, "throttle": False}
+    )
     cfg["queues"] = {"max_queued": 100_000}
     cfg["tenants"] = {
         name: {"tier": "standard", "api_keys": [key], "weight": w}
@@ -218,12 +226,14 @@ class Client:
 # ---- scenarios ----------------------------------------------------------------------------
 
 
-async def noisy_target(url: str, keyed: bool, hog: int, hog_tokens: int) -> dict[str, Any]:
+async def noisy_target(
+    url: str, keyed: bool, hog: int, hog_tokens: int, reserved: int = 0
+) -> dict[str, Any]:
     a = Client(url, KEYS["a"] if keyed else None)
     b = Client(url, KEYS["b"] if keyed else None)
     try:
         solo = (await b.ask(do="probe", n=B_REQUESTS, tokens=B_TOKENS))["ttft_s"]
-        await a.ask(do="burst", n=hog, tokens=hog_tokens, started=min(hog, SLOTS))
+        await a.ask(do="burst", n=hog, tokens=hog_tokens, started=min(hog, SLOTS - reserved))
         during = (await b.ask(do="probe", n=B_REQUESTS, tokens=B_TOKENS))["ttft_s"]
         generation = (await a.ask(do="generation"))["generation_s"]
     finally:
@@ -242,10 +252,12 @@ async def scenario_noisy(server: Any, hog: int, hog_tokens: int) -> dict[str, An
     out: dict[str, Any] = {}
     progress(f"noisy: Triton direct, A {hog} x {hog_tokens} tokens, B {B_REQUESTS} x {B_TOKENS}")
     out["triton"] = await noisy_target(server.grpc_url, False, hog, hog_tokens)
-    for mode in ("fifo", "fair"):
-        with frontend(bench_config(mode), server.grpc_url, http_url=server.http_url) as fe:
-            progress(f"noisy: frontend {mode}")
-            out[mode] = await noisy_target(fe.grpc_url, True, hog, hog_tokens)
+    targets = (("fifo", "fifo", 0), ("fair", "fair", 0), ("fair_reserved", "fair", RESERVED))
+    for name, mode, reserved in targets:
+        cfg = bench_config(mode, reserved=reserved)
+        with frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
+            progress(f"noisy: frontend {name}")
+            out[name] = await noisy_target(fe.grpc_url, True, hog, hog_tokens, reserved)
     for name, r in out.items():
         progress(
             f"  {name}: B worst TTFT {r['worst_ttft_s']:.3f} s (solo {max(r['solo_ttft_s']):.3f}"

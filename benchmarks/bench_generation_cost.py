@@ -1,23 +1,23 @@
-"""Normalised cost on batched generation: is it the right default for ``generate``?
+"""Normalised cost on batched generation: should it be the default for ``generate``?
 
 ``generate`` is a request-cost endpoint whose batches the frontend builds: plain request
-cost charges a request asking 128 new tokens what it charges one asking 16, so a tenant of
-long generations gets most of the model's time. ``normalize_cost`` (on by default where an
-endpoint batches generations: ``max_tokens_parameter`` set, no ``max_inflight``) charges
-each request its predicted service seconds instead.
+cost charges a request asking 128 new tokens what it charges one asking 16.
+``normalize_cost`` charges each request its predicted service seconds instead (the
+batch-time model's marginal seconds of a request over the EMA of seconds per row).
 
 Two tenants kept backlogged by perf_analyzer's plain command (one process each, 32-token
 prompts, ``--request-parameter max_tokens:N:int``): ``long`` asks 128 tokens, ``short``
 16. One Triton; one frontend process per config, one after the other:
+``normalized`` (``normalize_cost: true``) and ``plain`` (``false``, the default).
 
-- ``normalized``: the default (``normalize_cost`` unset on ``generate``).
-- ``plain``: ``normalize_cost: false``, the negative control.
-
-Measured over a window after a warm-up, from Triton's own per-tenant accounting (the
-model's ``fair_model_tokens_total{model="generate"}``: prompt + generated tokens, what the
-decoder computes) and from the frontend's requests served: the long tenant's share of
-the tokens computed. Target: near 0.5 with normalised cost (equal service), while plain
-cost gives the long tenant about (32 + 128) / (32 + 16) = 3.3 times the short one's.
+Measured over a window after a warm-up: requests served per tenant (the frontend's
+``fair_served_rows_total``) and the tokens the decoder produced for each (the model's
+own ``fair_model_tokens_total{model="generate"}``: prompt + generated). What decides:
+whether normalisation changes who is served. (Finding, see benchmarks/README.md: it does
+not: a batch runs as many decode steps as its longest row, so in the mixed batches DRR
+builds a short row occupies the decoder as long as a long one, the learned per-token
+cost is ~0 and both configs serve equal requests. Engine mode, where rows leave when
+done, is where output length is charged: by the tokens actually produced.)
 
     .venv/bin/python -m benchmarks.bench_generation_cost [--warmup-s 15] [--window-s 30]
 """
@@ -51,16 +51,15 @@ LONG, SHORT = "long", "short"
 MAX_TOKENS = {LONG: 128, SHORT: 16}
 KEYS = {LONG: "long-generation-key", SHORT: "short-generation-key"}
 CONCURRENCY = 16  # per tenant: two full batches of 8 outstanding
-CONFIGS = {"normalized": None, "plain": False}
+CONFIGS = {"normalized": True, "plain": False}
 
 
-def bench_config(normalize: bool | None) -> dict[str, Any]:
+def bench_config(normalize: bool) -> dict[str, Any]:
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     gen = cfg["endpoints"][MODEL]
     gen["throttle"] = False  # backlogged on purpose
-    if normalize is not None:
-        gen["normalize_cost"] = normalize
+    gen["normalize_cost"] = normalize
     cfg["endpoints"] = {MODEL: gen}
     cfg["tenants"] = {t: {"tier": "standard", "api_keys": [KEYS[t]]} for t in (LONG, SHORT)}
     return cfg
@@ -108,9 +107,9 @@ def load(grpc_url: str, tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def run_config(
-    name: str, normalize: bool | None, server: Any, warmup_s: float, window_s: float
+    name: str, normalize: bool, server: Any, warmup_s: float, window_s: float
 ) -> dict[str, Any]:
-    progress(f"{name}: normalize_cost={'default' if normalize is None else normalize}")
+    progress(f"{name}: normalize_cost={normalize}")
     with (
         frontend(bench_config(normalize), server.grpc_url, http_url=server.http_url) as fe,
         tempfile.TemporaryDirectory() as tmp,

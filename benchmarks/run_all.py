@@ -25,6 +25,8 @@ BENCHMARKS = [
     "bench_streams",
     "bench_overload",
     "bench_feedback",
+    "bench_engine",
+    "bench_generation_cost",
 ]
 
 

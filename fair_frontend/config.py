@@ -223,6 +223,15 @@ class Endpoint(_Strict):
         "counters: input tokens when a request gets its slot, output tokens as they "
         "stream). Unset: batches are built here (max_inflight_batches).",
     )
+    reserved_slots: int = Field(
+        default=0,
+        ge=0,
+        description="Engine mode: of the max_inflight slots, this many are kept for tenants "
+        "with nothing in the engine, so a newcomer's first token does not wait for a slot "
+        "to turn over (a hog's generations can be long); a tenant with requests in the "
+        "engine fills only max_inflight - reserved_slots. Costs a lone tenant that many "
+        "slots of the engine's batch.",
+    )
     tokenizer: str | None = Field(
         default=None,
         description="A `tokenizers` JSON file (tokenizer.json; relative paths are from the "
@@ -267,14 +276,13 @@ class Endpoint(_Strict):
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for priority 0; unset: the middle level."
     )
-    normalize_cost: bool | None = Field(
-        default=None,
+    normalize_cost: bool = Field(
+        default=False,
         description="Charge each request its predicted service seconds, in cost units "
-        "(predicted seconds / EMA of observed seconds per unit; fair_frontend.feedback): "
-        "a long generation costs more than a short one on a request-cost endpoint. Unset: "
-        "on where the frontend batches generations (a max_tokens_parameter and no "
-        "max_inflight: a request's cost depends on the tokens it asks for), off elsewhere "
-        "(engine mode charges the tokens actually produced instead).",
+        "(predicted seconds / EMA of observed seconds per unit; fair_frontend.feedback). "
+        "Off by default: on batched generation it changes nothing measurable (a batch runs "
+        "as long as its longest row, so every row occupies the decoder alike: "
+        "bench_generation_cost), and engine mode charges the tokens actually produced.",
     )
     token_input: str = Field(
         default=DEFAULT_TOKEN_INPUT,
@@ -316,13 +324,6 @@ class Endpoint(_Strict):
     max_request_tokens: int | None = Field(
         default=None, gt=0, description="Largest request in tokens; beyond, 400."
     )
-
-    @property
-    def normalizes_cost(self) -> bool:
-        """normalize_cost, or its default: on for batched generation (see the field)."""
-        if self.normalize_cost is not None:
-            return self.normalize_cost
-        return self.max_tokens_parameter is not None and self.max_inflight is None
 
     def effective_quantum(self, max_batch_size: int) -> float | None:
         """The DRR quantum: configured, else derived from the batching policy; None for a
@@ -677,6 +678,14 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
             f"{where}: max_inflight (engine mode: requests in the engine) and "
             "max_inflight_batches (batches built here) exclude each other"
         )
+    kept, slots = ep.get("reserved_slots"), ep.get("max_inflight")
+    if isinstance(kept, int) and kept:
+        if not isinstance(slots, int):
+            problems.append(f"{where}.reserved_slots: needs max_inflight (engine mode)")
+        elif kept >= slots:
+            problems.append(
+                f"{where}.reserved_slots: {kept} must be less than max_inflight ({slots})"
+            )
     tokenizer = ep.get("tokenizer")
     if isinstance(tokenizer, str) and not os.path.isfile(tokenizer):
         problems.append(f"{where}.tokenizer: no such file: {tokenizer}")

@@ -197,6 +197,31 @@ async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
         assert newcomer.first_token_at > later[-1]
 
 
+async def test_a_reserved_slot_serves_a_newcomer_without_waiting_for_a_turnover(triton) -> None:  # type: ignore[no-untyped-def]
+    """4 slots, 1 reserved for tenants with nothing in the engine: acme's 12 long
+    generations hold 3; globex's request takes the fourth at once, before any of acme's
+    ends (without the reservation it waits for one to end: the test above)."""
+    with running_frontend(engine_config(4, reserved_slots=1), triton) as fe:
+        log: list[tuple[float, str]] = []
+        hogs = [
+            asyncio.ensure_future(generate(fe.grpc_url, "acme", f"{PROMPT} {i}", 60, log=log))
+            for i in range(12)
+        ]
+        while len(log) < 3 * 3:  # acme streaming in its 3 slots
+            await asyncio.sleep(0.005)
+        in_engine = await fe.acall(_in_engine(fe, "acme"))
+        newcomer = await generate(fe.grpc_url, "globex", PROMPT, 4)
+        streams = await asyncio.gather(*hogs)
+    assert in_engine == 3  # the reserved slot stayed free for a tenant with none in it
+    assert newcomer.error is None and all(s.error is None for s in streams)
+    assert newcomer.times[-1] < min(s.times[-1] for s in streams)
+
+
+async def _in_engine(fe: Any, tenant: str) -> int:
+    runtime = fe.frontend.runtimes["llm"]
+    return sum(1 for batch in runtime._tasks.values() if batch[0].tenant == tenant)
+
+
 async def test_a_cancelled_stream_frees_its_slot(triton) -> None:  # type: ignore[no-untyped-def]
     """One slot: a long stream is cancelled by its client; the next request gets the
     slot at once, not when the long generation would have ended."""

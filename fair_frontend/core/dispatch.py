@@ -277,6 +277,7 @@ class EndpointRuntime:
         configured = endpoint.max_inflight or endpoint.max_inflight_batches
         self._max_inflight = configured if configured is not None else info.instances
         self._token_output = endpoint.token_output
+        self._reserved = endpoint.reserved_slots if self.engine else 0
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -378,6 +379,14 @@ class EndpointRuntime:
         self._busy_until = self._predicted_end(now)
         task.add_done_callback(self._forget)
 
+    def in_engine(self, tenant: str) -> bool:
+        """Has ``tenant`` a request in Triton (or held for it)? A scan of the slots, made
+        only while the reserved slots are in question."""
+        for batch in (*self._tasks.values(), *self._held):
+            if any(r.tenant == tenant for r in batch):
+                return True
+        return False
+
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
         self._predicted.pop(task, None)
@@ -393,9 +402,15 @@ class EndpointRuntime:
     def _may_send(self, now: float) -> bool:
         """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
         batches in flight are predicted to finish, so that Triton starts it without a gap
-        while it is still assembled at the last moment (late binding)."""
-        if self.inflight < self.max_inflight:
+        while it is still assembled at the last moment (late binding). In engine mode the
+        last ``reserved_slots`` go only to a tenant with nothing in the engine."""
+        if self.inflight < self.max_inflight - self._reserved:
             return True
+        if self.inflight < self.max_inflight:
+            if not self._reserved:
+                return True
+            head = self.scheduler.peek(now)
+            return head is not None and not self.in_engine(head.tenant)
         if self._held:
             return True  # a held batch kept its slot
         lead = self._lead()

@@ -495,7 +495,7 @@ class Core:
             batch = policy.max_batch_size or 1
             service = ServiceModel.for_endpoint(model, endpoint, batch, self.config)
             cost_model = None
-            if endpoint.normalizes_cost:
+            if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
             engine = endpoint.max_inflight is not None
             fairness = None

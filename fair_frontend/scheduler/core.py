@@ -180,6 +180,14 @@ class Scheduler:
             self._expire_due(now, self._expired)
         return self._assembler.assemble(self._peek, self._take, now)
 
+    def peek(self, now: float) -> QueuedRequest | None:
+        """The request ``next_batch`` would send first, left queued (the selectors may
+        grant or rotate as they would on the way to sending it: it stays the answer until
+        it is sent); None if nothing is queued."""
+        if self._deadlines.live:
+            self._expire_due(now, self._expired)
+        return self._peek()
+
     def expire(self, now: float) -> list[QueuedRequest]:
         """Remove and return every request whose deadline is ``<= now``."""
         out = self._expired
