@@ -226,11 +226,10 @@ class Endpoint(_Strict):
     reserved_slots: int = Field(
         default=0,
         ge=0,
-        description="Engine mode: of the max_inflight slots, this many are kept for tenants "
-        "with nothing in the engine, so a newcomer's first token does not wait for a slot "
-        "to turn over (a hog's generations can be long); a tenant with requests in the "
-        "engine fills only max_inflight - reserved_slots. Costs a lone tenant that many "
-        "slots of the engine's batch.",
+        description="Engine mode: no one tenant holds more than max_inflight - "
+        "reserved_slots of the slots, so another tenant's first request finds one free "
+        "instead of waiting for a slot to turn over (a hog's generations can be long). "
+        "Costs a lone tenant that many slots of the engine's batch.",
     )
     tokenizer: str | None = Field(
         default=None,

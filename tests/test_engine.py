@@ -198,9 +198,9 @@ async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
 
 
 async def test_a_reserved_slot_serves_a_newcomer_without_waiting_for_a_turnover(triton) -> None:  # type: ignore[no-untyped-def]
-    """4 slots, 1 reserved for tenants with nothing in the engine: acme's 12 long
-    generations hold 3; globex's request takes the fourth at once, before any of acme's
-    ends (without the reservation it waits for one to end: the test above)."""
+    """4 slots, 1 reserved: acme's 12 long generations hold at most 3; globex's request
+    takes the fourth at once, before any of acme's ends (without the reservation it waits
+    for one to end: the test above)."""
     with running_frontend(engine_config(4, reserved_slots=1), triton) as fe:
         log: list[tuple[float, str]] = []
         hogs = [
@@ -212,7 +212,7 @@ async def test_a_reserved_slot_serves_a_newcomer_without_waiting_for_a_turnover(
         in_engine = await fe.acall(_in_engine(fe, "acme"))
         newcomer = await generate(fe.grpc_url, "globex", PROMPT, 4)
         streams = await asyncio.gather(*hogs)
-    assert in_engine == 3  # the reserved slot stayed free for a tenant with none in it
+    assert in_engine == 3  # the reserved slot stayed free for another tenant
     assert newcomer.error is None and all(s.error is None for s in streams)
     assert newcomer.times[-1] < min(s.times[-1] for s in streams)
 

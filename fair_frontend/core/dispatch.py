@@ -379,13 +379,12 @@ class EndpointRuntime:
         self._busy_until = self._predicted_end(now)
         task.add_done_callback(self._forget)
 
-    def in_engine(self, tenant: str) -> bool:
-        """Has ``tenant`` a request in Triton (or held for it)? A scan of the slots, made
-        only while the reserved slots are in question."""
-        for batch in (*self._tasks.values(), *self._held):
-            if any(r.tenant == tenant for r in batch):
-                return True
-        return False
+    def in_engine(self, tenant: str) -> int:
+        """``tenant``'s requests in Triton (or held for it): a scan of the slots, made only
+        where slots are reserved."""
+        return sum(
+            1 for batch in (*self._tasks.values(), *self._held) for r in batch if r.tenant == tenant
+        )
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
@@ -403,14 +402,14 @@ class EndpointRuntime:
         """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
         batches in flight are predicted to finish, so that Triton starts it without a gap
         while it is still assembled at the last moment (late binding). In engine mode the
-        last ``reserved_slots`` go only to a tenant with nothing in the engine."""
-        if self.inflight < self.max_inflight - self._reserved:
-            return True
+        ``reserved_slots`` are kept from any one tenant: none holds more than
+        ``max_inflight - reserved_slots``, so the others always find a slot."""
         if self.inflight < self.max_inflight:
             if not self._reserved:
                 return True
             head = self.scheduler.peek(now)
-            return head is not None and not self.in_engine(head.tenant)
+            cap = self.max_inflight - self._reserved
+            return head is not None and self.in_engine(head.tenant) < cap
         if self._held:
             return True  # a held batch kept its slot
         lead = self._lead()
@@ -726,9 +725,7 @@ def output_tokens(
     if tokenizer is None:
         return int(out.data.size)
     texts = [text_of(e) for e in out.data.flat]
-    prompts = [
-        text_of(e) for t in req.request.inputs if t.datatype == "BYTES" for e in t.data.flat
-    ]
+    prompts = [text_of(e) for t in req.request.inputs if t.datatype == "BYTES" for e in t.data.flat]
     for i, text in enumerate(texts):
         for prompt in prompts:
             if prompt and text.startswith(prompt):
