@@ -278,6 +278,7 @@ class EndpointRuntime:
         self._max_inflight = configured if configured is not None else info.instances
         self._token_output = endpoint.token_output
         self._reserved = endpoint.reserved_slots if self.engine else 0
+        self._capped = False  # a free slot waits: the next in line holds its cap
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -409,7 +410,10 @@ class EndpointRuntime:
                 return True
             head = self.scheduler.peek(now)
             cap = self.max_inflight - self._reserved
-            return head is not None and self.in_engine(head.tenant) < cap
+            # The next in line holds its cap: wait until the order changes (its counter
+            # grows as its streams produce: _send_stream kicks again meanwhile).
+            self._capped = head is not None and self.in_engine(head.tenant) >= cap
+            return head is not None and not self._capped
         if self._held:
             return True  # a held batch kept its slot
         lead = self._lead()
@@ -573,6 +577,8 @@ class EndpointRuntime:
                     n = output_tokens(reply.outputs, name, self.endpoint.tokenizer, req)
                 req.produced += n
                 self.on_tokens(req, n)
+                if self._capped:
+                    self.kick()  # the charge may have moved a tenant under its cap ahead
             if not req.cancelled:
                 req.route.answer(
                     Answer(
