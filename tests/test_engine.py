@@ -129,7 +129,8 @@ async def generate_many(
 
 def engine_config(max_inflight: int, **endpoint: Any) -> Config:
     base = make_config()
-    llm = base.endpoints["llm"].model_copy(update={"max_inflight": max_inflight, **endpoint})
+    update = {"max_inflight": max_inflight, "reserved_slots": 0, **endpoint}
+    llm = base.endpoints["llm"].model_copy(update=update)
     return base.model_copy(update={"endpoints": {**base.endpoints, "llm": llm}})
 
 
