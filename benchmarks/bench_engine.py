@@ -402,44 +402,42 @@ async def scenario_throughput(
     return out
 
 
+async def closed_loop(url: str, key: str | None, **load: Any) -> dict[str, Any]:
+    """One client keeping ``concurrency`` streams outstanding; its tokens/s."""
+    c = Client(url, key)
+    try:
+        return await c.ask(do="closed", **load)
+    finally:
+        c.close()
+
+
 async def throughput_pair(
     server: Any, concurrency: int, tokens: int, warmup_s: float, window_s: float
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("triton", "frontend"):
-        progress(f"throughput: {name}, {concurrency} streams x {tokens} tokens")
-        if name == "triton":
-            c = Client(server.grpc_url, None)
-            try:
-                r = await c.ask(
-                    do="closed",
-                    concurrency=concurrency,
-                    tokens=tokens,
-                    warmup_s=warmup_s,
-                    window_s=window_s,
-                )
-            finally:
-                c.close()
-        else:
-            with frontend(bench_config("fair"), server.grpc_url, http_url=server.http_url) as fe:
-                c = Client(fe.grpc_url, KEYS["a"])
-                try:
-                    cpu0 = process_tree_cpu_s(fe.process.pid)["core"]
-                    r = await c.ask(
-                        do="closed",
-                        concurrency=concurrency,
-                        tokens=tokens,
-                        warmup_s=warmup_s,
-                        window_s=window_s,
-                    )
-                    cpu = process_tree_cpu_s(fe.process.pid)["core"] - cpu0
-                finally:
-                    c.close()
-            out["frontend_cpu_us_per_token"] = cpu / r["tokens"] * 1e6
-            progress(f"  frontend CPU {out['frontend_cpu_us_per_token']:.0f} µs per token")
-        out[name] = r["tokens_per_s"]
-        progress(f"  {out[name]:.0f} tokens/s")
-    out["ratio"] = out["frontend"] / out["triton"]
+    load = {
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "warmup_s": warmup_s,
+        "window_s": window_s,
+    }
+    progress(f"throughput: Triton direct, {concurrency} streams x {tokens} tokens")
+    direct = await closed_loop(server.grpc_url, None, **load)
+    progress(f"  {direct['tokens_per_s']:.0f} tokens/s")
+    progress(f"throughput: frontend, {concurrency} streams x {tokens} tokens")
+    with frontend(bench_config("fair"), server.grpc_url, http_url=server.http_url) as fe:
+        cpu0 = process_tree_cpu_s(fe.process.pid)["core"]
+        through = await closed_loop(fe.grpc_url, KEYS["a"], **load)
+        cpu = process_tree_cpu_s(fe.process.pid)["core"] - cpu0
+    out = {
+        "triton": direct["tokens_per_s"],
+        "frontend": through["tokens_per_s"],
+        "ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+        "frontend_cpu_us_per_token": cpu / through["tokens"] * 1e6,
+    }
+    progress(
+        f"  {out['frontend']:.0f} tokens/s; frontend CPU "
+        f"{out['frontend_cpu_us_per_token']:.0f} µs per token"
+    )
     progress(f"  frontend / Triton direct: {out['ratio']:.3f}")
     return out
 

@@ -25,13 +25,9 @@ done, is where output length is charged: by the tokens actually produced.)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
-import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.harness import (
     frontend,
     load_example_config,
+    load_generators,
     perf_analyzer_binary,
     progress,
     triton,
@@ -77,33 +74,20 @@ def scrape(url: str, name: str, label: str, model: str) -> dict[str, float]:
     return out
 
 
-@contextlib.contextmanager
-def load(grpc_url: str, tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = []
-    try:
-        for tenant in (LONG, SHORT):
-            cmd = [
-                perf_analyzer_binary(),
-                *("-m", MODEL, "--shape", "INPUT_IDS:32"),
-                *("-u", grpc_url, "-i", "grpc"),
-                *("--request-parameter", f"max_tokens:{MAX_TOKENS[tenant]}:int"),
-                *("--concurrency-range", f"{CONCURRENCY}:{CONCURRENCY}"),
-                *("-H", f"authorization: Bearer {KEYS[tenant]}"),
-                *("--measurement-interval", "600000", "--max-trials", "10"),
-            ]
-            log = (tmp / f"perf_analyzer_{tenant}.log").open("wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def commands(grpc_url: str) -> dict[str, list[str]]:
+    """perf_analyzer's plain command per tenant (its own max_tokens as a parameter)."""
+    return {
+        tenant: [
+            perf_analyzer_binary(),
+            *("-m", MODEL, "--shape", "INPUT_IDS:32"),
+            *("-u", grpc_url, "-i", "grpc"),
+            *("--request-parameter", f"max_tokens:{MAX_TOKENS[tenant]}:int"),
+            *("--concurrency-range", f"{CONCURRENCY}:{CONCURRENCY}"),
+            *("-H", f"authorization: Bearer {KEYS[tenant]}"),
+            *("--measurement-interval", "600000", "--max-trials", "10"),
+        ]
+        for tenant in (LONG, SHORT)
+    }
 
 
 def run_config(
@@ -113,11 +97,11 @@ def run_config(
     with (
         frontend(bench_config(normalize), server.grpc_url, http_url=server.http_url) as fe,
         tempfile.TemporaryDirectory() as tmp,
-        load(fe.grpc_url, Path(tmp)) as procs,
+        load_generators(commands(fe.grpc_url), Path(tmp)) as procs,
     ):
         fe_metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
         time.sleep(warmup_s)
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is not None:
                 raise RuntimeError(f"perf_analyzer exited early: see {tmp}")
         t0 = scrape(server.metrics_url, "fair_model_tokens_total", "model", MODEL)

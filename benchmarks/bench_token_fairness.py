@@ -22,13 +22,9 @@ backlogged is checked on the same scrapes: a tenant with queued work is in
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
-import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +35,7 @@ from benchmarks.harness import (
     ROOT,
     frontend,
     load_example_config,
+    load_generators,
     perf_analyzer_binary,
     progress,
     triton,
@@ -90,33 +87,19 @@ def scrape(url: str) -> dict[str, Any]:
     return {"tokens": tokens, "backlogged": sorted(backlogged)}
 
 
-@contextlib.contextmanager
-def load(grpc_url: str, tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+def commands(grpc_url: str) -> dict[str, list[str]]:
     """One perf_analyzer per tenant, running until stopped (one long measurement window)."""
-    procs = []
-    try:
-        for tenant in (BIG, SMALL):
-            cmd = [
-                perf_analyzer_binary(),
-                *("-m", MODEL, "--shape", f"INPUT_IDS:{TOKENS[tenant]}"),
-                *("-u", grpc_url, "-i", "grpc"),
-                *("--concurrency-range", f"{CONCURRENCY[tenant]}:{CONCURRENCY[tenant]}"),
-                *("-H", f"authorization: Bearer {KEYS[tenant]}"),
-                *("--measurement-interval", "600000", "--max-trials", "10"),
-            ]
-            log = (tmp / f"perf_analyzer_{tenant}.log").open("wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return {
+        tenant: [
+            perf_analyzer_binary(),
+            *("-m", MODEL, "--shape", f"INPUT_IDS:{TOKENS[tenant]}"),
+            *("-u", grpc_url, "-i", "grpc"),
+            *("--concurrency-range", f"{CONCURRENCY[tenant]}:{CONCURRENCY[tenant]}"),
+            *("-H", f"authorization: Bearer {KEYS[tenant]}"),
+            *("--measurement-interval", "600000", "--max-trials", "10"),
+        ]
+        for tenant in (BIG, SMALL)
+    }
 
 
 def run_config(
@@ -130,13 +113,13 @@ def run_config(
             f"{name}: cost={spec['cost']}, weights big:small = "
             f"{spec['weights'][BIG]}:{spec['weights'][SMALL]}"
         )
-        with load(fe.grpc_url, Path(tmp)) as procs:
+        with load_generators(commands(fe.grpc_url), Path(tmp)) as procs:
             start = time.monotonic()
             next_print = start + 5
             while (now := time.monotonic()) < start + warmup_s + window_s:
-                for proc in procs:
+                for tenant, proc in procs.items():
                     if proc.poll() is not None:
-                        log = Path(tmp) / f"perf_analyzer_{BIG if proc is procs[0] else SMALL}.log"
+                        log = Path(tmp) / f"{tenant}.log"
                         raise RuntimeError(
                             f"perf_analyzer exited early:\n{log.read_text()[-3000:]}"
                         )

@@ -166,6 +166,31 @@ def frontend(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def load_generators(
+    commands: dict[str, list[str]], logs: Path
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Load generators (perf_analyzer) running until stopped, one per name, each logging to
+    ``logs/<name>.log``; stopped with SIGINT (perf_analyzer prints its summary), then
+    killed if they do not exit."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, cmd in commands.items():
+            log = (logs / f"{name}.log").open("wb")
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in procs.values():
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def process_tree_cpu_s(pid: int) -> dict[str, float]:
     """User + system CPU seconds of a process (``core``: the frontend's) and of its live
     children together (``shells``), from /proc."""

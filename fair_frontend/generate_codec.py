@@ -48,6 +48,7 @@ from fair_frontend.protocol import (
     InferResponse,
     ParamValue,
     Tensor,
+    leaves,
     split_parameters,
 )
 
@@ -222,30 +223,14 @@ def _shape(name: str, dims: tuple[int, ...], count: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _leaves(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        return [value]
-    out: list[Any] = []
-    stack = [iter(value)]
-    while stack:
-        for v in stack[-1]:
-            if isinstance(v, list):
-                stack.append(iter(v))
-                break
-            out.append(v)
-        else:
-            stack.pop()
-    return out
-
-
 def _tensor(
     name: str, datatype: str, dims: tuple[int, ...], value: Any, rid: str, *, model: str
 ) -> Tensor:
     # Triton counts the outer array only; nested arrays are read element by element.
     count = len(value) if isinstance(value, list) else 1
-    leaves = _leaves(value)
+    elements = leaves(value)
     if datatype == "BYTES":
-        for leaf in leaves:
+        for leaf in elements:
             if not isinstance(leaf, str):
                 raise TritonJsonError(f"Unable to parse JSON bytes array: {_NOT_STRING}")
     shape = _shape(name, dims, count)
@@ -256,13 +241,13 @@ def _tensor(
         )
     if datatype == "BYTES":
         expected = math.prod(shape)
-        if len(leaves) != expected:
+        if len(elements) != expected:
             raise InvalidArgument(
-                f"{_request_prefix(rid)}unexpected number of string elements {len(leaves)} "
+                f"{_request_prefix(rid)}unexpected number of string elements {len(elements)} "
                 f"for inference input '{name}' for model '{model}', expecting {expected}"
             )
-        arr = np.empty(len(leaves), dtype=object)
-        for i, leaf in enumerate(leaves):
+        arr = np.empty(len(elements), dtype=object)
+        for i, leaf in enumerate(elements):
             arr[i] = leaf.encode()
         return Tensor(name, datatype, shape, arr.reshape(shape))
     kind = (
@@ -272,21 +257,21 @@ def _tensor(
         if datatype.startswith("FP")
         else ("UINT" if datatype.startswith("UINT") else "INT")
     )
-    for i, leaf in enumerate(leaves):
+    for i, leaf in enumerate(elements):
         if i >= count:
             raise TritonJsonError(f"{_PARSE_DATA}: {_SHAPE_MISMATCH}")
         if not _is_kind(kind, leaf):
             raise TritonJsonError(f"{_PARSE_DATA}: {_NOT_TYPE[kind]}")
-    if len(leaves) != count:
+    if len(elements) != count:
         raise TritonJsonError(f"{_PARSE_DATA}: {_SHAPE_MISMATCH}")
     dtype = DTYPES[datatype]
     if kind == "INT":
         # Triton stores int64 into the narrower type as C does: wrapping.
-        arr = np.array(leaves, dtype=np.int64).astype(dtype)
+        arr = np.array(elements, dtype=np.int64).astype(dtype)
     elif kind == "UINT":
-        arr = np.array(leaves, dtype=np.uint64).astype(dtype)
+        arr = np.array(elements, dtype=np.uint64).astype(dtype)
     else:
-        arr = np.array(leaves, dtype=dtype)
+        arr = np.array(elements, dtype=dtype)
     return Tensor(name, datatype, shape, arr.reshape(shape))
 
 

@@ -369,8 +369,16 @@ def _check_json_elements(name: str, datatype: str, flat: list[Any]) -> None:
 def _flatten(values: Any, name: str) -> list[Any]:
     if not isinstance(values, list):
         raise InvalidArgument(f"input '{name}': 'data' must be a list")
+    return leaves(values)
+
+
+def leaves(value: Any) -> list[Any]:
+    """The non-list elements of nested lists, row-major, without recursion (a deeply
+    nested body cannot exhaust the stack); a non-list is its own one leaf."""
+    if not isinstance(value, list):
+        return [value]
     out: list[Any] = []
-    stack = [iter(values)]
+    stack = [iter(value)]
     while stack:
         for v in stack[-1]:
             if isinstance(v, list):
