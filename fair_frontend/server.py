@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,7 @@ class FrontendServer:
                 await asyncio.wait_for(self.core.shutdown(grace_s), grace_s + 5.0)
             except asyncio.TimeoutError:
                 log.warning("shutdown: gave up waiting for in-flight batches")
+            await self._quiet(self.core)
         if self.shells is not None:
             await self.shells.stop()
         if self._grpc is not None:
@@ -204,6 +206,17 @@ class FrontendServer:
             await self._metrics_runner.cleanup()
         if self.core is not None:
             await self.core.forwarder.close()
+
+
+    @staticmethod
+    async def _quiet(core: Core, quiet_s: float = 0.25, limit_s: float = 5.0) -> None:
+        """Keep the listeners while calls still arrive (each answered UNAVAILABLE: the
+        frontend is shutting down), until none has for ``quiet_s``: calls a busy server
+        had accepted but not yet handed to a handler would be cancelled by closing the
+        listener, unanswered."""
+        until = time.monotonic() + limit_s
+        while time.monotonic() < until and time.monotonic() - core.last_call_at < quiet_s:
+            await asyncio.sleep(0.05)
 
 
 class ShellPool:

@@ -155,6 +155,7 @@ class Core:
         self.stats = Statistics()
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
+        self.last_call_at = 0.0  # time.monotonic() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
 
     @property
@@ -181,6 +182,7 @@ class Core:
         was answered at once (refused)."""
         model = call.request.model
         runtime = self.runtimes.get(model)
+        self.last_call_at = time.monotonic()
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
