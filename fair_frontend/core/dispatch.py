@@ -278,7 +278,7 @@ class EndpointRuntime:
         self._max_inflight = configured if configured is not None else info.instances
         self._token_output = endpoint.token_output
         self._reserved = endpoint.reserved_slots if self.engine else 0
-        self._capped = False  # a free slot waits: the next in line holds its cap
+        self._capped: str | None = None  # holds its cap while next in line (a slot waits)
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -409,11 +409,13 @@ class EndpointRuntime:
             if not self._reserved:
                 return True
             head = self.scheduler.peek(now)
-            cap = self.max_inflight - self._reserved
+            if head is None:
+                return False
             # The next in line holds its cap: wait until the order changes (its counter
             # grows as its streams produce: _send_stream kicks again meanwhile).
-            self._capped = head is not None and self.in_engine(head.tenant) >= cap
-            return head is not None and not self._capped
+            capped = self.in_engine(head.tenant) >= self.max_inflight - self._reserved
+            self._capped = head.tenant if capped else None
+            return not capped
         if self._held:
             return True  # a held batch kept its slot
         lead = self._lead()
@@ -577,8 +579,11 @@ class EndpointRuntime:
                     n = output_tokens(reply.outputs, name, self.endpoint.tokenizer, req)
                 req.produced += n
                 self.on_tokens(req, n)
-                if self._capped:
-                    self.kick()  # the charge may have moved a tenant under its cap ahead
+                capped = self._capped
+                if capped is not None and self.scheduler.queued_requests > (
+                    self.scheduler.depth(capped)
+                ):
+                    self.kick()  # the charge may have moved another tenant ahead of it
             if not req.cancelled:
                 req.route.answer(
                     Answer(
