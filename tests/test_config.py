@@ -201,3 +201,30 @@ def test_default_shells_follow_the_cpus_a_container_may_use(tmp_path: Path) -> N
     assert usable_cpus(str(quota)) == min(affinity, 2)
     quota.write_text("max 100000\n")
     assert usable_cpus(str(quota)) == affinity
+
+
+def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
+    """reserved_slots needs max_inflight and must leave a slot; max_inflight and
+    max_inflight_batches exclude each other; a tokenizer must exist, relative paths
+    being from the config file's folder."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {
+                "tiers": ["t"],
+                "endpoints": {
+                    "a": {"reserved_slots": 2},
+                    "b": {"max_inflight": 4, "reserved_slots": 4},
+                    "c": {"max_inflight": 4, "max_inflight_batches": 2},
+                    "d": {"tokenizer": str(tmp_path / "missing.json")},
+                },
+            }
+        )
+    problems = "\n".join(info.value.problems)
+    assert "endpoints.a.reserved_slots: needs max_inflight" in problems
+    assert "endpoints.b.reserved_slots: 4 must be less than max_inflight (4)" in problems
+    assert "endpoints.c: max_inflight" in problems and "exclude each other" in problems
+    assert "endpoints.d.tokenizer: no such file" in problems
+    (tmp_path / "tok.json").write_text("{}")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("tiers: [t]\nendpoints:\n  e: {tokenizer: tok.json, max_inflight: 4}\n")
+    assert load_config(config_file).endpoints["e"].tokenizer == str(tmp_path / "tok.json")
