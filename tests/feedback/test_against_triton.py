@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -213,13 +214,22 @@ async def test_tenant_totals_equal_what_was_sent(
         for rows, width, real in sent:
             params = padded(tenant, real) if real else {"tenant": tenant}
             await client.infer("embed", [ids(rows, width)], parameters=params)
-        assert await metrics.scrape_once()
+        # Triton counts a request's success after its response went out: scrape until
+        # the last one shows (a deadline, not a sleep), adding up the deltas.
+        deadline = time.monotonic() + 10
+        while sum(d.request_success for d in deltas) < len(sent):
+            assert time.monotonic() < deadline, deltas
+            assert await metrics.scrape_once()
         rows_sent = sum(rows for rows, _, _ in sent)
         # Real tokens only: padding (beyond each row's length) is never counted.
         tokens_sent = sum(sum(real) if real else rows * width for rows, width, real in sent)
         assert metrics.tenant_totals("embed")[tenant] == TenantUsage(rows_sent, tokens_sent)
-    (d,) = deltas
-    assert (d.rows, d.tokens, d.request_success) == (rows_sent, tokens_sent, len(sent))
+    totals = (
+        sum(d.rows for d in deltas),
+        sum(d.tokens for d in deltas),
+        sum(d.request_success for d in deltas),
+    )
+    assert totals == (rows_sent, tokens_sent, len(sent))
 
 
 def test_a_restarted_triton_is_a_counter_reset() -> None:
