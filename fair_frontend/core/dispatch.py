@@ -279,6 +279,9 @@ class EndpointRuntime:
         self._token_output = endpoint.token_output
         self._reserved = endpoint.reserved_slots if self.engine else 0
         self._capped: str | None = None  # holds its cap while next in line (a slot waits)
+        self._isolating = 0  # batches being retried one request at a time
+        self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
+        self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
         self._busy_until = 0.0  # when the batches in flight are predicted to be done
@@ -368,13 +371,21 @@ class EndpointRuntime:
         is not, nothing is sent: the moment passes, and a timer for it would fire at once,
         for ever; ``kick`` runs again when Triton is back)."""
         lead = self._lead()
-        if lead > 0 and self.inflight == self.max_inflight and self.backend.available:
+        if (
+            lead > 0
+            and not self._isolating
+            and self.inflight == self.max_inflight
+            and self.backend.available
+        ):
             self._arm(self._busy_until - lead)
 
     def _launch(self, batch: list[CoreRequest], now: float) -> None:
         self.inflight += 1
         self.batches_sent += 1
         task = asyncio.get_running_loop().create_task(self._run(batch))
+        if self._tasks and not self.engine:  # batches that meet in Triton's queue
+            self._overlapped.update(self._tasks)
+            self._overlapped.add(task)
         self._tasks[task] = batch
         self._predicted[task] = (now, self._predict(batch))
         self._busy_until = self._predicted_end(now)
@@ -390,6 +401,7 @@ class EndpointRuntime:
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
         self._predicted.pop(task, None)
+        self._overlapped.discard(task)
 
     def _predicted_end(self, now: float) -> float:
         """When the batches in Triton are predicted to be done: one instance runs them one
@@ -419,7 +431,12 @@ class EndpointRuntime:
         if self._held:
             return True  # a held batch kept its slot
         lead = self._lead()
-        return lead > 0 and self.inflight == self.max_inflight and now >= self._busy_until - lead
+        return (
+            lead > 0
+            and not self._isolating
+            and self.inflight == self.max_inflight
+            and now >= self._busy_until - lead
+        )
 
     def _lead(self) -> float:
         service = self.service
@@ -533,11 +550,23 @@ class EndpointRuntime:
                 self._fail(r, err)
             return False, False
         except FrontendError as err:
-            if len(batch) == 1:
+            task = asyncio.current_task()
+            if len(batch) == 1 and task not in self._overlapped:
                 self._fail(batch[0], err)
                 return False, False
-            # One bad row must not fail its neighbours: isolate by sending each alone.
-            unsent = await self._send_one_by_one(batch)
+            # One bad row must not fail its neighbours: isolate by sending each alone
+            # (also a request alone whose batch overlapped another in Triton, whose own
+            # batcher may have run them as one execution: it is tried once more alone),
+            # and nothing beside them (no early send: Triton's own batcher would put a
+            # request sent meanwhile into the same execution as the culprit).
+            self._isolating += 1
+            try:
+                if self._isolation is None:
+                    self._isolation = asyncio.Lock()
+                async with self._isolation:  # one batch at a time: none meets another's
+                    unsent = await self._send_one_by_one(batch)
+            finally:
+                self._isolating -= 1
             if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
                 self._held.append(unsent)
                 return False, True
