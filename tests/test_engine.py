@@ -127,6 +127,14 @@ async def generate_many(
     return streams
 
 
+async def streaming(log: list[Any], tokens: int, timeout_s: float = 60.0) -> None:
+    """Until ``tokens`` tokens have arrived (a deadline, not a sleep: a hang fails)."""
+    deadline = time.monotonic() + timeout_s
+    while len(log) < tokens:
+        assert time.monotonic() < deadline, f"only {len(log)} of {tokens} tokens arrived"
+        await asyncio.sleep(0.005)
+
+
 def engine_config(max_inflight: int, **endpoint: Any) -> Config:
     base = make_config()
     update = {"max_inflight": max_inflight, "reserved_slots": 0, **endpoint}
@@ -186,8 +194,7 @@ async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
             asyncio.ensure_future(generate(fe.grpc_url, "acme", f"{PROMPT} {i}", 60, log=log))
             for i in range(12)
         ]
-        while len({t for t, _ in log}) < 4 and len(log) < 4 * 3:  # all 4 slots streaming
-            await asyncio.sleep(0.005)
+        await streaming(log, 4 * 3)  # all 4 slots streaming
         newcomer = await generate(fe.grpc_url, "globex", PROMPT, 4)
         streams = await asyncio.gather(*hogs)
     assert newcomer.error is None and all(s.error is None for s in streams)
@@ -208,8 +215,7 @@ async def test_reserved_slots_serve_a_newcomer_without_waiting_for_a_turnover(tr
             asyncio.ensure_future(generate(fe.grpc_url, "acme", f"{PROMPT} {i}", 60, log=log))
             for i in range(12)
         ]
-        while len(log) < 2 * 3:  # acme streaming in its 2 slots
-            await asyncio.sleep(0.005)
+        await streaming(log, 2 * 3)  # acme streaming in its 2 slots
         in_engine = await fe.acall(_in_engine(fe, "acme"))
         newcomers = await asyncio.gather(
             generate(fe.grpc_url, "globex", PROMPT, 4), generate(fe.grpc_url, "globex", PROMPT, 4)
