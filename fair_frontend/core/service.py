@@ -86,32 +86,45 @@ def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> Endp
 
 
 class ModelRegistry:
-    """What is this model? Fetched from Triton once, shared by concurrent first callers."""
+    """What is this model? Fetched from Triton once, shared by concurrent first callers.
+
+    The lookup runs in a task of its own, not in the first caller: a caller that goes
+    away (a client disconnects, its request is cancelled) only stops waiting, and every
+    other caller still gets the answer. Only the lookup's own error (an unknown model,
+    Triton unreachable) reaches them, and it is not kept: the next caller asks again.
+    """
 
     def __init__(self, forwarder: TritonForwarder) -> None:
         self.forwarder = forwarder
-        self._infos: dict[str, asyncio.Future[ModelInfo]] = {}
+        self._infos: dict[str, asyncio.Task[ModelInfo]] = {}
 
     def cached(self, model: str) -> ModelInfo | None:
-        fut = self._infos.get(model)
-        if fut is None or not fut.done() or fut.exception() is not None:
+        task = self._infos.get(model)
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
             return None
-        return fut.result()
+        return task.result()
 
     async def get(self, model: str) -> ModelInfo:
-        fut = self._infos.get(model)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._infos[model] = fut
-            try:
-                cfg = await self.forwarder.model_config(model)
-                meta = await self.forwarder.call("get_model_metadata", model_name=model)
-                fut.set_result(ModelInfo.from_config(cfg, tuple(meta.versions)))
-            except BaseException as err:
-                del self._infos[model]
-                fut.set_exception(_unknown_model(model, err))
-                fut.exception()  # the error is raised below; mark it retrieved
-        return await asyncio.shield(fut)
+        task = self._infos.get(model)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._lookup(model))
+            task.add_done_callback(lambda done: self._settled(model, done))
+            self._infos[model] = task
+        return await asyncio.shield(task)
+
+    async def _lookup(self, model: str) -> ModelInfo:
+        try:
+            cfg = await self.forwarder.model_config(model)
+            meta = await self.forwarder.call("get_model_metadata", model_name=model)
+        except FrontendError as err:
+            raise _unknown_model(model, err) from None
+        return ModelInfo.from_config(cfg, tuple(meta.versions))
+
+    def _settled(self, model: str, task: asyncio.Task[ModelInfo]) -> None:
+        """Keep a found model; forget a failed (or, at shutdown, cancelled) lookup."""
+        failed = task.cancelled() or task.exception() is not None  # exception(): retrieved
+        if failed and self._infos.get(model) is task:
+            del self._infos[model]
 
 
 def _unknown_model(model: str, err: BaseException) -> BaseException:
