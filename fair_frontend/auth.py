@@ -7,22 +7,48 @@ keys, and the confirming comparison is constant-time. Keys never appear in logs,
 errors or metrics: errors say "unknown API key" without a hint whether it exists.
 
 Headers: ``authorization: Bearer <key>`` or ``x-api-key: <key>``, any header-name case,
-whitespace around the value stripped (perf_analyzer's ``-H`` does not trim).
+whitespace around the value stripped (perf_analyzer's ``-H`` does not trim). A request that
+repeats an identity header, or sends two different keys, is refused (401): which one would
+win depends on the parser (aiohttp's ``dict()`` keeps the last, a proxy may keep the first),
+and an attacker could make a gateway check one and this frontend trust the other.
+
+The trusted gateway (``auth.trusted_gateway``): without a key, a request may name its
+tenant (``x-tenant-id`` or the ``tenant`` parameter) only with proof that it comes from the
+gateway: the shared secret in ``x-gateway-secret`` (compared as a digest, constant-time),
+a peer address in ``trusted_gateway_peers``, or both where both are configured. The peer
+is the transport's (the TCP connection's), never a header a client writes
+(``X-Forwarded-For`` is not read): the transports put it in the headers mapping under
+``PEER_HEADER``, a name no client can send (``identity_headers``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
-from fair_frontend.config import SHA256_PREFIX, Config, ConfigError
+from fair_frontend.config import SHA256_PREFIX, Auth, Config, ConfigError
 from fair_frontend.errors import PermissionDenied, Unauthenticated
 
 TENANT_HEADER = "x-tenant-id"
+GATEWAY_SECRET_HEADER = "x-gateway-secret"
+# Set by the transports, never by a client: HTTP/1.1 header names and gRPC metadata keys
+# cannot start with ':' (HTTP/2's pseudo-headers never reach the handlers).
+PEER_HEADER = ":peer"  # the connection's remote address
+REPEATED_HEADER = ":repeated"  # identity headers the request sent more than once
+IDENTITY_HEADERS = frozenset({"authorization", "x-api-key", TENANT_HEADER, GATEWAY_SECRET_HEADER})
 MISSING_KEY = "missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+UNPROVEN_GATEWAY = (
+    "missing API key: a tenant named without a key is trusted only from the configured "
+    "gateway, and this request does not come from it"
+)
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def digest_of(stored: str) -> bytes:
@@ -93,40 +119,157 @@ class KeyRing:
         return {d: tenant for entries in self._index.values() for d, tenant in entries}
 
     def tenant_for(self, key: str) -> str | None:
-        d = hashlib.sha256(key.encode()).digest()
+        d = hashlib.sha256(_raw(key)).digest()
         for stored, tenant in self._index.get(d[:8], ()):
             if hmac.compare_digest(stored, d):
                 return tenant
         return None
 
 
-def extract_key(headers: Mapping[str, str]) -> str | None:
-    """The API key from lower-cased headers / gRPC metadata, or None."""
-    auth = headers.get("authorization")
-    if auth is not None:
-        scheme, _, value = auth.strip().partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-        return ""  # present but malformed: treated as an unknown key
-    key = headers.get("x-api-key")
-    if key is not None:
-        return key.strip()
+def identity_headers(pairs: Iterable[tuple[str, str]], peer: str | None) -> dict[str, str]:
+    """The headers mapping ``Authenticator`` reads, from a transport's (name, value) pairs
+    (HTTP headers, gRPC metadata, both of which may repeat a name) and the connection's
+    peer address. Names are lower-cased; a repeated identity header is recorded under
+    ``REPEATED_HEADER`` (``identify`` refuses it) instead of one copy silently winning."""
+    out: dict[str, str] = {}
+    repeated: set[str] = set()
+    for name, value in pairs:
+        key = name.lower()
+        if key.startswith(":"):
+            continue  # only the transport says what the pseudo-headers hold
+        if key in out and key in IDENTITY_HEADERS:
+            repeated.add(key)
+        out[key] = value
+    if repeated:
+        out[REPEATED_HEADER] = ", ".join(sorted(repeated))
+    if peer:
+        out[PEER_HEADER] = peer
+    return out
+
+
+def grpc_peer_address(peer: str | None) -> str | None:
+    """The IP address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, either
+    possibly percent-encoded), or None for another kind (``unix:``)."""
+    if not peer:
+        return None
+    kind, _, rest = unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or None
+    if kind == "ipv6":
+        host = rest.rpartition(":")[0] if rest.startswith("[") else rest
+        return host.strip("[]") or None
     return None
+
+
+def _raw(value: str) -> bytes:
+    """A header value's bytes: any str encodes (a client's undecodable bytes arrive as
+    surrogates, which a plain ``encode()`` refuses with an exception, a 500)."""
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _bearer(value: str) -> str:
+    scheme, _, key = value.strip().partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return ""  # present but malformed: treated as an unknown key
+
+
+def extract_key(headers: Mapping[str, str]) -> str | None:
+    """The API key from lower-cased headers / gRPC metadata, or None. Raises
+    ``Unauthenticated`` when ``authorization`` and ``x-api-key`` carry different keys."""
+    auth = headers.get("authorization")
+    api_key = headers.get("x-api-key")
+    key = _bearer(auth) if auth is not None else None
+    other = api_key.strip() if api_key is not None else None
+    if key is not None and other is not None and not hmac.compare_digest(_raw(key), _raw(other)):
+        raise Unauthenticated(
+            "ambiguous identity: 'authorization' and 'x-api-key' carry different keys; send one key"
+        )
+    return key if key is not None else other
+
+
+@dataclass(frozen=True)
+class GatewayTrust:
+    """Does this request come from the trusted gateway?
+
+    Proof is what ``auth`` configures: the shared secret (held as its SHA-256 digest, so
+    the comparison's time says nothing of it), the peer networks, or both (then both must
+    hold). The peer is the transport's, under ``PEER_HEADER``.
+    """
+
+    secret_digest: bytes | None
+    networks: tuple[IpNetwork, ...]
+
+    @classmethod
+    def from_config(
+        cls, auth: Auth, environ: Mapping[str, str] | None = None
+    ) -> GatewayTrust | None:
+        """The trust ``auth`` describes; None where the trusted gateway is off. Raises
+        ``ConfigError`` when neither proof is configured or the secret cannot be read
+        (``Config`` validation reports the same up front)."""
+        if not auth.trusted_gateway:
+            return None
+        env = os.environ if environ is None else environ
+        secret = auth.trusted_gateway_secret
+        if auth.trusted_gateway_secret_env:
+            secret = env.get(auth.trusted_gateway_secret_env)
+            if not secret:
+                raise ConfigError(
+                    "(auth)",
+                    [
+                        f"auth.trusted_gateway_secret_env: variable "
+                        f"{auth.trusted_gateway_secret_env} is not set"
+                    ],
+                )
+        networks = tuple(ipaddress.ip_network(p, strict=False) for p in auth.trusted_gateway_peers)
+        if secret is None and not networks:
+            raise ConfigError("(auth)", ["auth.trusted_gateway: needs a secret or peers"])
+        return cls(digest_of(secret) if secret is not None else None, networks)
+
+    def vouches_for(self, headers: Mapping[str, str]) -> bool:
+        if self.networks and not self._peer_allowed(headers.get(PEER_HEADER)):
+            return False
+        if self.secret_digest is None:
+            return True
+        presented = headers.get(GATEWAY_SECRET_HEADER)
+        if presented is None:
+            return False
+        digest = hashlib.sha256(_raw(presented.strip())).digest()
+        return hmac.compare_digest(digest, self.secret_digest)
+
+    def _peer_allowed(self, peer: str | None) -> bool:
+        if not peer:
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack listener reports ::ffff:a.b.c.d
+        return any(address in network for network in self.networks)
 
 
 class Authenticator:
     """Who is the tenant of this request?"""
 
-    def __init__(self, keyring: KeyRing, tenants: set[str], *, trusted_gateway: bool) -> None:
+    def __init__(
+        self, keyring: KeyRing, tenants: set[str], *, gateway: GatewayTrust | None = None
+    ) -> None:
         self.keyring = keyring
         self.tenants = tenants
-        self.trusted_gateway = trusted_gateway
+        self.gateway = gateway
+
+    @classmethod
+    def from_config(cls, config: Config, keyring: KeyRing) -> Authenticator:
+        return cls(keyring, set(config.tenants), gateway=GatewayTrust.from_config(config.auth))
 
     def identify_by_headers(self, headers: Mapping[str, str]) -> str | None:
         """The tenant, as far as the headers alone tell (before a body is read or decoded):
         raises what ``identify`` would raise for these headers whatever the body says; None
         when only the body can tell (a trusted gateway's ``tenant`` parameter)."""
-        if extract_key(headers) is None and self.trusted_gateway:
+        _refuse_repeated(headers)
+        gateway = self.gateway
+        if extract_key(headers) is None and gateway is not None and gateway.vouches_for(headers):
             return None  # the gateway may name the tenant in the body too
         return self.identify(headers, None)
 
@@ -137,6 +280,7 @@ class Authenticator:
         from the headers. With a key, a claim naming another tenant is refused. Without
         a key, a claim is honoured only from a trusted gateway.
         """
+        _refuse_repeated(headers)
         header_claim = headers.get(TENANT_HEADER)
         claims = {c.strip() for c in (header_claim, tenant_claim) if c is not None}
         key = extract_key(headers)
@@ -150,7 +294,9 @@ class Authenticator:
                     f"({', '.join(sorted(claims - {tenant}))})"
                 )
             return tenant
-        if self.trusted_gateway and claims:
+        if self.gateway is not None and claims:
+            if not self.gateway.vouches_for(headers):
+                raise Unauthenticated(UNPROVEN_GATEWAY)
             if len(claims) > 1:
                 raise PermissionDenied("x-tenant-id and the tenant parameter disagree")
             (tenant,) = claims
@@ -158,3 +304,11 @@ class Authenticator:
                 raise Unauthenticated("unknown tenant")
             return tenant
         raise Unauthenticated(MISSING_KEY)
+
+
+def _refuse_repeated(headers: Mapping[str, str]) -> None:
+    repeated = headers.get(REPEATED_HEADER)
+    if repeated:
+        raise Unauthenticated(
+            f"ambiguous identity: the request repeats {repeated}; send each identity header once"
+        )

@@ -20,6 +20,7 @@ Shape (see ``examples/config.yaml`` for a complete, commented example)::
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -50,12 +51,21 @@ DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+# Requests of one ModelStreamInfer stream handled at once: above any engine's slots
+# (64-256) and a client's usual pipelining depth, so a legitimate client never waits on
+# it; it bounds one stream's tasks and undelivered replies.
+DEFAULT_GRPC_STREAM_MAX_INFLIGHT = 1024
+DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
 DEFAULT_RATELIMIT_STORAGE = "memory://"
 DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
 DEFAULT_METRICS_INTERVAL_S = 1.0
 DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_MAX_METRIC_TENANTS = 1000
+DEFAULT_METADATA_TTL_S = 60.0
+DEFAULT_READY_TTL_S = 1.0
+DEFAULT_NEGATIVE_TTL_S = 1.0
+DEFAULT_SIDE_DOOR_CACHE_ENTRIES = 1024
 
 SHA256_PREFIX = "sha256:"
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -392,6 +402,22 @@ class Server(_Strict):
         "(--workers overrides). Unset: the cores this process may use less one, at most 8 "
         "(so 1 on 2 cores). 1: the whole frontend in one process.",
     )
+    grpc_stream_max_inflight: int = Field(
+        default=DEFAULT_GRPC_STREAM_MAX_INFLIGHT,
+        ge=1,
+        description="Requests of one gRPC stream (ModelStreamInfer) handled at once. At the "
+        "bound, and while the replies the client has not read fill the stream's small "
+        "buffer, the stream's next messages are not read (gRPC flow control holds the "
+        "client back) and start no work: a client that sends and never reads costs a "
+        "bounded amount of memory.",
+    )
+    http_body_timeout_s: float = Field(
+        default=DEFAULT_HTTP_BODY_TIMEOUT_S,
+        gt=0,
+        description="Longest an HTTP request's body may take to arrive, counted from its "
+        "headers; beyond, 408 and the connection is closed (a client trickling its body "
+        "holds a connection and a buffer no longer than this).",
+    )
 
 
 class Triton(_Strict):
@@ -469,8 +495,26 @@ class RateLimiting(_Strict):
 class Auth(_Strict):
     trusted_gateway: bool = Field(
         default=False,
-        description="Trust x-tenant-id / the tenant parameter from an authenticating gateway. "
-        "Off by default: never trust a tenant a client names.",
+        description="Trust x-tenant-id / the tenant parameter of a request without an API key "
+        "when it comes from the authenticating gateway, as trusted_gateway_secret and/or "
+        "trusted_gateway_peers prove (one is required). Off by default: never trust a "
+        "tenant a client names.",
+    )
+    trusted_gateway_secret: str | None = Field(
+        default=None,
+        description="Shared secret the gateway sends in the x-gateway-secret header "
+        '(plain, or "sha256:<hex>" of it); compared constant-time. With '
+        "trusted_gateway_peers, both must hold.",
+    )
+    trusted_gateway_secret_env: str | None = Field(
+        default=None,
+        description="Environment variable holding trusted_gateway_secret instead (read at "
+        "start and on reload).",
+    )
+    trusted_gateway_peers: list[str] = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks the gateway connects from (the TCP peer; "
+        "X-Forwarded-For is never read). With trusted_gateway_secret, both must hold.",
     )
 
 
@@ -488,6 +532,35 @@ class Observability(_Strict):
         gt=0,
         le=1,
         description="Weight of the newest interval in the feedback loop's moving averages.",
+    )
+
+
+class SideDoors(_Strict):
+    """Model metadata, config, readiness and statistics calls: what each shell keeps of
+    Triton's answers, so that a flood of them reaches Triton once per question and TTL."""
+
+    metadata_ttl_s: float = Field(
+        default=DEFAULT_METADATA_TTL_S,
+        ge=0,
+        description="How long a model's metadata and config (per model and version) are kept "
+        "before Triton is asked again; 0: not kept (concurrent identical calls still share "
+        "one lookup). A config reload empties the cache.",
+    )
+    ready_ttl_s: float = Field(
+        default=DEFAULT_READY_TTL_S,
+        ge=0,
+        description="How long a model's (and the server's) readiness is kept.",
+    )
+    negative_ttl_s: float = Field(
+        default=DEFAULT_NEGATIVE_TTL_S,
+        ge=0,
+        description="How long Triton's answer that a model or version does not exist is kept "
+        "(model names are client input).",
+    )
+    max_entries: int = Field(
+        default=DEFAULT_SIDE_DOOR_CACHE_ENTRIES,
+        ge=1,
+        description="Answers kept per shell at most; the least recently used go first.",
     )
 
 
@@ -514,6 +587,10 @@ class Config(_Strict):
     auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
     observability: Observability = Field(
         default_factory=Observability, description="Metrics labels, logs, feedback."
+    )
+    side_doors: SideDoors = Field(
+        default_factory=SideDoors,
+        description="Caching of model metadata, config and readiness answers.",
     )
     endpoints: dict[str, Endpoint] = Field(
         default_factory=dict, description="Scheduling policy per model (Triton model name)."
@@ -634,6 +711,42 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
     default_ep = data.get("default_endpoint")
     if isinstance(default_ep, Mapping):
         problems.extend(_endpoint_problems("default_endpoint", default_ep))
+    problems.extend(_auth_problems(mapping(data.get("auth"))))
+    return problems
+
+
+def _auth_problems(auth: Mapping[str, Any]) -> list[str]:
+    """The trusted gateway needs proof of who sends: a secret, peers, or both."""
+    problems: list[str] = []
+    secret, env = auth.get("trusted_gateway_secret"), auth.get("trusted_gateway_secret_env")
+    peers = auth.get("trusted_gateway_peers")
+    peers = peers if isinstance(peers, list) else []
+    if secret is not None and env is not None:
+        problems.append(
+            "auth: trusted_gateway_secret and trusted_gateway_secret_env exclude each other"
+        )
+    if isinstance(secret, str) and not secret.strip():
+        problems.append("auth.trusted_gateway_secret: empty secret")
+    hashed = isinstance(secret, str) and secret.startswith(SHA256_PREFIX)
+    if hashed and not _SHA256_RE.match(str(secret)):
+        problems.append(
+            "auth.trusted_gateway_secret: 'sha256:' must be followed by 64 lowercase hex digits"
+        )
+    if isinstance(env, str) and not os.environ.get(env):
+        problems.append(f"auth.trusted_gateway_secret_env: variable {env} is not set")
+    for i, peer in enumerate(peers):
+        try:
+            ipaddress.ip_network(str(peer), strict=False)
+        except ValueError:
+            problems.append(
+                f"auth.trusted_gateway_peers[{i}]: {peer!r} is not an address or CIDR network"
+            )
+    if auth.get("trusted_gateway") is True and secret is None and env is None and not peers:
+        problems.append(
+            "auth.trusted_gateway: set trusted_gateway_secret (or trusted_gateway_secret_env), "
+            "trusted_gateway_peers, or both: without proof that a request comes from the "
+            "gateway, anyone who reaches the port could name any tenant"
+        )
     return problems
 
 

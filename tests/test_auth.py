@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fair_frontend.auth import Authenticator, KeyRing, extract_key, hash_key
+from fair_frontend.auth import PEER_HEADER, Authenticator, KeyRing, extract_key, hash_key
 from fair_frontend.config import ConfigError, parse_config
 from fair_frontend.errors import PermissionDenied, Unauthenticated
 
@@ -18,10 +18,14 @@ CONFIG = {
 }
 
 
+GATEWAY = {"trusted_gateway": True, "trusted_gateway_peers": ["10.0.0.0/8"]}
+FROM_GATEWAY = {PEER_HEADER: "10.1.2.3"}  # what a transport adds for the gateway's connection
+
+
 def authenticator(trusted: bool = False) -> Authenticator:
-    config = parse_config({**CONFIG, "auth": {"trusted_gateway": trusted}})
+    config = parse_config({**CONFIG, "auth": GATEWAY if trusted else {}})
     ring = KeyRing.from_config(config, environ={"INITECH_KEYS": "k1, k2"})
-    return Authenticator(ring, set(config.tenants), trusted_gateway=trusted)
+    return Authenticator.from_config(config, ring)
 
 
 @pytest.mark.parametrize(
@@ -64,18 +68,20 @@ def test_claims_are_ignored_without_a_trusted_gateway() -> None:
 
 def test_trusted_gateway_names_the_tenant() -> None:
     auth = authenticator(trusted=True)
-    assert auth.identify({"x-tenant-id": "acme"}, None) == "acme"
-    assert auth.identify({}, "globex") == "globex"
+    assert auth.identify({"x-tenant-id": "acme", **FROM_GATEWAY}, None) == "acme"
+    assert auth.identify(FROM_GATEWAY, "globex") == "globex"
     with pytest.raises(Unauthenticated):
-        auth.identify({"x-tenant-id": "nobody"}, None)
+        auth.identify({"x-tenant-id": "nobody", **FROM_GATEWAY}, None)
     with pytest.raises(PermissionDenied):
-        auth.identify({"x-tenant-id": "acme"}, "globex")
+        auth.identify({"x-tenant-id": "acme", **FROM_GATEWAY}, "globex")
 
 
-def test_extract_key_prefers_authorization() -> None:
-    assert extract_key({"authorization": "Bearer a", "x-api-key": "b"}) == "a"
+def test_extract_key_reads_either_header_but_not_two_keys() -> None:
+    assert extract_key({"authorization": "Bearer a", "x-api-key": "a"}) == "a"
     assert extract_key({"x-api-key": "b"}) == "b"
     assert extract_key({}) is None
+    with pytest.raises(Unauthenticated):
+        extract_key({"authorization": "Bearer a", "x-api-key": "b"})
 
 
 def test_key_sources_report_problems_without_secrets(tmp_path: object) -> None:

@@ -296,7 +296,7 @@ def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:  # typ
 def test_trusted_gateway_names_the_tenant(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
     from tests.support import make_config, running_frontend
 
-    config = make_config(auth={"trusted_gateway": True})
+    config = make_config(auth={"trusted_gateway": True, "trusted_gateway_peers": ["127.0.0.1"]})
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
     with running_frontend(config, triton, workers=workers) as fe:
         client = grpcclient.InferenceServerClient(fe.grpc_url)
