@@ -51,21 +51,12 @@ DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
-# Requests of one ModelStreamInfer stream handled at once: above any engine's slots
-# (64-256) and a client's usual pipelining depth, so a legitimate client never waits on
-# it; it bounds one stream's tasks and undelivered replies.
-DEFAULT_GRPC_STREAM_MAX_INFLIGHT = 1024
-DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
 DEFAULT_RATELIMIT_STORAGE = "memory://"
 DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
 DEFAULT_METRICS_INTERVAL_S = 1.0
 DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_MAX_METRIC_TENANTS = 1000
-DEFAULT_METADATA_TTL_S = 60.0
-DEFAULT_READY_TTL_S = 1.0
-DEFAULT_NEGATIVE_TTL_S = 1.0
-DEFAULT_SIDE_DOOR_CACHE_ENTRIES = 1024
 
 SHA256_PREFIX = "sha256:"
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -402,22 +393,6 @@ class Server(_Strict):
         "(--workers overrides). Unset: the cores this process may use less one, at most 8 "
         "(so 1 on 2 cores). 1: the whole frontend in one process.",
     )
-    grpc_stream_max_inflight: int = Field(
-        default=DEFAULT_GRPC_STREAM_MAX_INFLIGHT,
-        ge=1,
-        description="Requests of one gRPC stream (ModelStreamInfer) handled at once. At the "
-        "bound, and while the replies the client has not read fill the stream's small "
-        "buffer, the stream's next messages are not read (gRPC flow control holds the "
-        "client back) and start no work: a client that sends and never reads costs a "
-        "bounded amount of memory.",
-    )
-    http_body_timeout_s: float = Field(
-        default=DEFAULT_HTTP_BODY_TIMEOUT_S,
-        gt=0,
-        description="Longest an HTTP request's body may take to arrive, counted from its "
-        "headers; beyond, 408 and the connection is closed (a client trickling its body "
-        "holds a connection and a buffer no longer than this).",
-    )
 
 
 class Triton(_Strict):
@@ -535,35 +510,6 @@ class Observability(_Strict):
     )
 
 
-class SideDoors(_Strict):
-    """Model metadata, config, readiness and statistics calls: what each shell keeps of
-    Triton's answers, so that a flood of them reaches Triton once per question and TTL."""
-
-    metadata_ttl_s: float = Field(
-        default=DEFAULT_METADATA_TTL_S,
-        ge=0,
-        description="How long a model's metadata and config (per model and version) are kept "
-        "before Triton is asked again; 0: not kept (concurrent identical calls still share "
-        "one lookup). A config reload empties the cache.",
-    )
-    ready_ttl_s: float = Field(
-        default=DEFAULT_READY_TTL_S,
-        ge=0,
-        description="How long a model's (and the server's) readiness is kept.",
-    )
-    negative_ttl_s: float = Field(
-        default=DEFAULT_NEGATIVE_TTL_S,
-        ge=0,
-        description="How long Triton's answer that a model or version does not exist is kept "
-        "(model names are client input).",
-    )
-    max_entries: int = Field(
-        default=DEFAULT_SIDE_DOOR_CACHE_ENTRIES,
-        ge=1,
-        description="Answers kept per shell at most; the least recently used go first.",
-    )
-
-
 class Config(_Strict):
     scheduling: Literal["fair", "fifo"] = Field(
         default="fair",
@@ -587,10 +533,6 @@ class Config(_Strict):
     auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
     observability: Observability = Field(
         default_factory=Observability, description="Metrics labels, logs, feedback."
-    )
-    side_doors: SideDoors = Field(
-        default_factory=SideDoors,
-        description="Caching of model metadata, config and readiness answers.",
     )
     endpoints: dict[str, Endpoint] = Field(
         default_factory=dict, description="Scheduling policy per model (Triton model name)."
