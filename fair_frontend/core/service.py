@@ -36,6 +36,7 @@ from fair_frontend.clock import Clock, LoopClock
 from fair_frontend.config import Config, ConfigError, CostUnit, Endpoint, Tenant
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.sequences import SequenceIds
 from fair_frontend.errors import (
     FrontendError,
     Internal,
@@ -166,6 +167,7 @@ class Core:
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
         self.runtimes: dict[str, EndpointRuntime] = {}
         self.stats = Statistics()
+        self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
         self.last_call_at = 0.0  # time.monotonic() of the latest call (shutdown's quiet)
@@ -218,6 +220,7 @@ class Core:
                 self._spawn(self._admit_later(req, route, lookup=False))
                 return req
             self._apply_rate_limits(req, decision)
+            self._own_sequence(runtime, req)
             runtime.submit(req)
             return req
         except FrontendError as err:
@@ -393,6 +396,7 @@ class Core:
                 return
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
+            self._own_sequence(runtime, req)
             runtime.submit(req)
         except FrontendError as err:
             if not req.cancelled:
@@ -404,6 +408,19 @@ class Core:
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(error)))
             self._record(call, Outcome.FAILED, error, "", -1.0, None)
+
+    def _own_sequence(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+        """A stateful model's request goes under the frontend's id for its tenant's
+        sequence, never the client's (``core.sequences``); mapped last, once admitted."""
+        request = req.request
+        if runtime.info.sequence_batching and request.sequence:
+            request.sequence = self.sequences.assign(
+                runtime.model,
+                req.tenant,
+                request.sequence,
+                idle_s=runtime.info.sequence_idle_s,
+                now=self.clock.now(),
+            )
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
