@@ -16,11 +16,19 @@ input is something a load generator such as perf_analyzer fills with random data
 Ragged rows are right-padded to the longest row only where the endpoint declares how
 (``padding.inputs``); padded outputs are cut back by the model's lengths output
 (``padding.outputs``), which the frontend asks for and never hands back to a client.
+
+Padding must not let one row decide what its neighbours cost: a row 16M wide would pad
+every row of its batch to 16M. So the padded width is part of ``batch_key``, coarsely
+(``width_class``): rows narrow enough that a full batch of them, all padded to the
+widest, stays within ``max_request_bytes`` share class 0, the usual case, where nothing
+changes; a wider row shares a batch only with rows of its power-of-two class, each
+padded to less than twice its own width.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,10 +63,14 @@ class Item(Protocol):
 
 
 def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:
+    """What requests must have in common to share a batch (module docstring)."""
     padded = endpoint.padding.inputs
+    rows = _max_rows(info, endpoint)
     inputs = tuple(
         sorted(
-            (t.name, t.datatype, t.shape[2:] if t.name in padded else t.shape[1:])
+            (t.name, t.datatype, t.shape[2:], width_class(t, rows, endpoint.max_request_bytes))
+            if t.name in padded and len(t.shape) >= 2
+            else (t.name, t.datatype, t.shape[1:], 0)
             for t in req.inputs
         )
     )
@@ -67,6 +79,26 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
     per_row = endpoint.max_tokens_parameter if info.batching else None
     params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
+
+
+def width_class(t: Tensor, max_rows: int, max_bytes: int) -> int:
+    """Which rows a padded input's rows may be batched with: 0 for rows whose full batch,
+    padded to this width, stays within ``max_bytes``; else the power of two the width
+    rounds up to (its bit length), so that rows of one class are padded to less than
+    twice their width."""
+    width = t.shape[1]
+    row_element_bytes = max(1, DTYPES[t.datatype].itemsize * math.prod(t.shape[2:]))
+    if max_rows * width * row_element_bytes <= max_bytes:
+        return 0
+    return (width - 1).bit_length()
+
+
+def _max_rows(info: ModelInfo, endpoint: Endpoint) -> int:
+    """Rows a batch of this endpoint may have (the smaller of the two configs)."""
+    configured = endpoint.max_batch_size
+    if configured is None or configured == 0:
+        return max(1, info.max_batch_size)
+    return max(1, min(configured, info.max_batch_size or configured))
 
 
 @dataclass(slots=True)
