@@ -208,6 +208,30 @@ def process_tree_cpu_s(pid: int) -> dict[str, float]:
     return {"core": cpu(pid), "shells": sum(cpu(c) for c in children)}
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (the frontend's shells), from /proc; none if it is
+    gone."""
+    with contextlib.suppress(OSError):
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process (``VmRSS``), 0 if it is gone: what the machine
+    actually holds for it, which is what a memory attack has to grow."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_tree_rss_bytes(pid: int) -> dict[str, int]:
+    """Resident memory of a process (``core``: the frontend's) and of its live children
+    together (``shells``), as ``process_tree_cpu_s`` splits CPU."""
+    return {"core": rss_bytes(pid), "shells": sum(rss_bytes(c) for c in child_pids(pid))}
+
+
 @contextlib.contextmanager
 def baseline_checkout(ref: str) -> Iterator[Path]:
     """The project at git ``ref`` in a temporary worktree (to run an earlier version
