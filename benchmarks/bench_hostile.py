@@ -38,6 +38,12 @@ fixes of issue 11 alike.
 
     .venv/bin/python -m benchmarks.bench_hostile            # about 3.5 min
     .venv/bin/python -m benchmarks.bench_hostile --quick    # smoke run, about 1.5 min
+        [--workers 2] [--ref REF: the frontend of that commit, e.g. before a fix]
+
+Results: ``results/hostile.json`` (windows in seconds from each part's start, RSS series),
+``results/hostile_flood.png`` (the keyed tenant's latency per window; CPU per refusal),
+``results/hostile_memory.png`` (RSS and the keyed tenant's latency over time); a quick run
+writes ``hostile_quick*`` instead.
 """
 
 from __future__ import annotations
@@ -350,11 +356,12 @@ async def http_large(urls: Urls, tally: Tally) -> None:
     await asyncio.gather(*(worker(i) for i in range(LARGE_CONNECTIONS)))
 
 
-def grpc_outcome(tally: Tally, err: grpc.aio.AioRpcError) -> None:
-    code = err.code()
+def grpc_outcome(tally: Tally, code: grpc.StatusCode, details: str | None) -> None:
+    """A call's status: the server's answer, unless the client gave up or never
+    connected."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         tally.failed("timeout")
-    elif code == grpc.StatusCode.UNAVAILABLE and "connect" in (err.details() or "").lower():
+    elif code == grpc.StatusCode.UNAVAILABLE and "connect" in (details or "").lower():
         tally.failed("connect")
     else:
         tally.answered(code.name)
@@ -374,7 +381,7 @@ async def grpc_badkey(urls: Urls, tally: Tally) -> None:
                     await stub.ModelInfer(req, metadata=metadata, timeout=REQUEST_TIMEOUT_S)
                     tally.answered("OK")
                 except grpc.aio.AioRpcError as err:
-                    grpc_outcome(tally, err)
+                    grpc_outcome(tally, err.code(), err.details())
 
         await asyncio.gather(*(worker() for _ in range(GRPC_FLOOD_CONCURRENCY)))
 
@@ -415,23 +422,25 @@ async def trickle(urls: Urls, tally: Tally) -> None:
 
 async def stream_noread(urls: Urls, tally: Tally) -> None:
     """``ModelStreamInfer`` streams that write requests as fast as flow control lets
-    them and never read a reply: whatever the server queues for them stays queued."""
+    them and never read a reply: whatever the server queues for them stays queued. A
+    stream the server ends (its status is counted) is opened again."""
     req = grpc_infer_request()
     metadata = (("authorization", f"Bearer {KEYS['hog']}"),)
 
     async def one_stream() -> None:
         async with grpc.aio.insecure_channel(urls.grpc) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            call = stub.ModelStreamInfer(metadata=metadata)
-            try:
-                while True:
-                    await call.write(req)
-                    tally.sent += 1
-                    tally.started.set()
-            except grpc.aio.AioRpcError as err:
-                grpc_outcome(tally, err)
-            finally:
-                call.cancel()
+            while True:
+                call = stub.ModelStreamInfer(metadata=metadata)
+                try:
+                    while True:
+                        await call.write(req)
+                        tally.sent += 1
+                        tally.started.set()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    grpc_outcome(tally, await call.code(), await call.details())
+                finally:
+                    call.cancel()
 
     await asyncio.gather(*(one_stream() for _ in range(NOREAD_STREAMS)))
 
@@ -763,8 +772,9 @@ async def run_flood(urls: Urls, pid: int, timing: Timing) -> dict[str, Any]:
         windows[name] = {"t0": t0, "t1": t1, "cpu_s": cpu1 - cpu0, **delta}
         progress(
             f"flood {name}: {delta['refused'] / (t1 - t0):,.0f} refusals/s, "
-            f"{(cpu1 - cpu0) / max(delta['refused'], 1) * 1e6:,.0f} µs CPU each (gross); "
-            f"{dict(delta['outcomes'])}"
+            f"{(cpu1 - cpu0) / max(delta['refused'], 1) * 1e6:,.0f} µs CPU each (gross), "
+            f"{delta['bytes_sent'] / MIB / max(delta['refused'], 1):,.1f} MiB sent each; "
+            f"{delta['accepted']} accepted; {dict(delta['outcomes'])}"
         )
     return windows
 

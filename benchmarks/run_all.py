@@ -27,6 +27,7 @@ BENCHMARKS = [
     "bench_feedback",
     "bench_engine",
     "bench_generation_cost",
+    "bench_hostile",
 ]
 
 
