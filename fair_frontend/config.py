@@ -57,6 +57,10 @@ DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
 DEFAULT_METRICS_INTERVAL_S = 1.0
 DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_MAX_METRIC_TENANTS = 1000
+DEFAULT_METADATA_TTL_S = 60.0
+DEFAULT_READY_TTL_S = 1.0
+DEFAULT_NEGATIVE_TTL_S = 1.0
+DEFAULT_SIDE_DOOR_CACHE_ENTRIES = 1024
 
 SHA256_PREFIX = "sha256:"
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -510,6 +514,35 @@ class Observability(_Strict):
     )
 
 
+class SideDoors(_Strict):
+    """Model metadata, config, readiness and statistics calls: what each shell keeps of
+    Triton's answers, so that a flood of them reaches Triton once per question and TTL."""
+
+    metadata_ttl_s: float = Field(
+        default=DEFAULT_METADATA_TTL_S,
+        ge=0,
+        description="How long a model's metadata and config (per model and version) are kept "
+        "before Triton is asked again; 0: not kept (concurrent identical calls still share "
+        "one lookup). A config reload empties the cache.",
+    )
+    ready_ttl_s: float = Field(
+        default=DEFAULT_READY_TTL_S,
+        ge=0,
+        description="How long a model's (and the server's) readiness is kept.",
+    )
+    negative_ttl_s: float = Field(
+        default=DEFAULT_NEGATIVE_TTL_S,
+        ge=0,
+        description="How long Triton's answer that a model or version does not exist is kept "
+        "(model names are client input).",
+    )
+    max_entries: int = Field(
+        default=DEFAULT_SIDE_DOOR_CACHE_ENTRIES,
+        ge=1,
+        description="Answers kept per shell at most; the least recently used go first.",
+    )
+
+
 class Config(_Strict):
     scheduling: Literal["fair", "fifo"] = Field(
         default="fair",
@@ -533,6 +566,10 @@ class Config(_Strict):
     auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
     observability: Observability = Field(
         default_factory=Observability, description="Metrics labels, logs, feedback."
+    )
+    side_doors: SideDoors = Field(
+        default_factory=SideDoors,
+        description="Caching of model metadata, config and readiness answers.",
     )
     endpoints: dict[str, Endpoint] = Field(
         default_factory=dict, description="Scheduling policy per model (Triton model name)."

@@ -466,7 +466,7 @@ class SocketLink(_Framed):
         self._ids = itertools.count(1)
         self._inboxes: dict[int, Inbox] = {}
         self._queries: dict[int, asyncio.Future[Any]] = {}
-        self._tally: dict[tuple[str | None, str, str, str | None], list[float]] = {}
+        self._tally: dict[tuple[str | None, str, str, str | None, str], list[float]] = {}
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
         self.accepting = True
@@ -534,7 +534,7 @@ class SocketLink(_Framed):
     def tally(self, entry: TallyEntry) -> None:
         """Aggregated, and sent every ``TALLY_INTERVAL_S``: a flood of refusals costs the
         core one record per interval, not one per request."""
-        key = (entry.tenant, entry.model, entry.outcome, entry.failed_version)
+        key = (entry.tenant, entry.model, entry.outcome, entry.failed_version, entry.door)
         counts = self._tally.get(key)
         if counts is None:
             self._tally[key] = [entry.count, entry.failed_s]
@@ -560,8 +560,8 @@ class SocketLink(_Framed):
         if not self._tally:
             return
         entries = [
-            TallyEntry(tenant, model, outcome, int(n), version, failed_s)
-            for (tenant, model, outcome, version), (n, failed_s) in self._tally.items()
+            TallyEntry(tenant, model, outcome, int(n), version, failed_s, door)
+            for (tenant, model, outcome, version, door), (n, failed_s) in self._tally.items()
         ]
         self._tally.clear()
         super().send(Tally(entries))

@@ -31,6 +31,7 @@ from fair_frontend.config import Config
 from fair_frontend.core.dispatch import BatchReport
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
+from fair_frontend.records import SIDE_DOOR_LOOKUP
 
 OTHER_TENANT = "other"
 OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docstring
@@ -183,6 +184,23 @@ class FrontendMetrics(Observer):
             registry=r,
         )
 
+        # Side doors: labels are the door and the answer (frontend constants, bounded) and
+        # the tenant once authenticated (a configured one, under the guard): no model name.
+        self.side_door_calls = Counter(
+            "fair_side_door_calls",
+            "Health, metadata, config, readiness and statistics calls, by door and answer "
+            "(ok, or the error's gRPC code in lower case, e.g. unauthenticated).",
+            ["tenant", "door", "outcome"],
+            registry=r,
+        )
+        self.side_door_lookups = Counter(
+            "fair_side_door_lookups",
+            "Side-door calls that asked Triton; the others were answered from a shell's "
+            "cache or joined a lookup already in flight.",
+            ["door"],
+            registry=r,
+        )
+
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -230,6 +248,13 @@ class FrontendMetrics(Observer):
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
         self._child(self.requests, *labels, outcome.value).inc(count)
         return labels
+
+    def side_door(self, tenant: str | None, door: str, outcome: str, count: int) -> None:
+        """``count`` side-door calls a shell answered (or lookups it sent to Triton)."""
+        if outcome == SIDE_DOOR_LOOKUP:
+            self._child(self.side_door_lookups, door).inc(count)
+        else:
+            self._child(self.side_door_calls, self.tenant_label(tenant), door, outcome).inc(count)
 
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model

@@ -112,8 +112,14 @@ class Answer(msgspec.Struct, tag=3, array_like=True):
     parameters: dict[str, ParamValue] = {}  # response parameters (decoupled: final flag)
 
 
+# A side-door tally entry's outcome for a call that asked Triton (a cache miss).
+SIDE_DOOR_LOOKUP = "lookup"
+
+
 class TallyEntry(msgspec.Struct, array_like=True, frozen=True):
-    """Requests a shell answered itself, of one kind, since its last tally."""
+    """Requests a shell answered itself, of one kind, since its last tally; or, with
+    ``door`` set, its side-door calls (metadata, config, readiness, statistics, health):
+    ``outcome`` is then "ok", the error's gRPC code in lower case, or ``SIDE_DOOR_LOOKUP``."""
 
     tenant: str | None  # None: refused before the tenant was known
     model: str
@@ -121,6 +127,7 @@ class TallyEntry(msgspec.Struct, array_like=True, frozen=True):
     count: int
     failed_version: str | None = None  # Triton's statistics count a failure (a tenant)
     failed_s: float = 0.0  # their total duration, for the statistics
+    door: str = ""  # a side door's name: counted in fair_side_door_*, not fair_requests
 
 
 class Tally(msgspec.Struct, tag=4, array_like=True):

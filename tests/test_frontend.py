@@ -248,18 +248,19 @@ def test_tenant_priority_and_deadline_reach_the_model(frontend) -> None:  # type
 
 
 def test_health_and_metadata(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    key = {"x-api-key": KEYS["acme"]}  # model doors are keyed; health and server metadata open
     for client in (_front(frontend, "grpc"), _front(frontend, "http")):
         assert client.is_server_live()
         assert client.is_server_ready()
-        assert client.is_model_ready("embed")
-        assert not client.is_model_ready("no_such_model")
+        assert client.is_model_ready("embed", headers=key)
+        assert not client.is_model_ready("no_such_model", headers=key)
     direct = _direct(triton, "http").get_model_config("generate")
-    through = _front(frontend, "http").get_model_config("generate")
+    through = _front(frontend, "http").get_model_config("generate", headers=key)
     assert through == direct
     direct_md = _direct(triton, "grpc").get_model_metadata("embed")
-    through_md = _front(frontend, "grpc").get_model_metadata("embed")
+    through_md = _front(frontend, "grpc").get_model_metadata("embed", headers=key)
     assert through_md == direct_md
-    assert _front(frontend, "http").get_model_metadata("embed") == _direct(
+    assert _front(frontend, "http").get_model_metadata("embed", headers=key) == _direct(
         triton, "http"
     ).get_model_metadata("embed")
     meta = _front(frontend, "http").get_server_metadata()

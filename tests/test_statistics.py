@@ -19,12 +19,12 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
         grpc = grpcclient.InferenceServerClient(fe.grpc_url)
         meta = grpc.get_server_metadata()
         assert "statistics" in meta.extensions
+        headers = {"x-api-key": KEYS["acme"]}  # statistics are keyed
         # Known but unused: one entry of zeros, as Triton gives.
-        empty = grpc.get_inference_statistics("generate").model_stats
+        empty = grpc.get_inference_statistics("generate", headers=headers).model_stats
         assert [(m.name, m.inference_count, m.execution_count) for m in empty] == [
             ("generate", 0, 0)
         ]
-        headers = {"x-api-key": KEYS["acme"]}
         for rows in (1, 2, 3):
             ids = np.arange(rows * 8, dtype=np.int32).reshape(rows, 8)
             grpc.infer("embed", [ids_input(grpcclient, ids)], headers=headers)
@@ -34,7 +34,7 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
             inp.set_data_from_numpy(bad)
             grpc.infer("embed", [inp], headers=headers)
 
-        (stats,) = grpc.get_inference_statistics("embed").model_stats
+        (stats,) = grpc.get_inference_statistics("embed", headers=headers).model_stats
         assert stats.name == "embed" and stats.version == "1"
         assert stats.inference_count == 6  # rows
         assert stats.execution_count == 3  # one batch each, sent one after another
@@ -46,15 +46,15 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
         assert sorted(b.batch_size for b in stats.batch_stats) == [1, 2, 3]
         assert stats.last_inference > 0
 
-        http = httpclient.InferenceServerClient(fe.http_url).get_inference_statistics("embed")
-        (doc,) = http["model_stats"]
+        http = httpclient.InferenceServerClient(fe.http_url)
+        (doc,) = http.get_inference_statistics("embed", headers=headers)["model_stats"]
         assert doc["inference_count"] == 6 and isinstance(doc["inference_count"], int)
         assert doc["inference_stats"]["success"]["count"] == 3
-        everything = httpclient.InferenceServerClient(fe.http_url).get_inference_statistics()
+        everything = http.get_inference_statistics(headers=headers)
         assert {m["name"] for m in everything["model_stats"]} == {"embed"}
 
         with pytest.raises(InferenceServerException) as info:
-            grpc.get_inference_statistics("no_such_model")
+            grpc.get_inference_statistics("no_such_model", headers=headers)
         assert "unknown model" in info.value.message()
 
 

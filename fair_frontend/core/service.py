@@ -246,6 +246,9 @@ class Core:
     def tally(self, tally: Tally) -> None:
         """Requests a shell answered itself (refused before they reached the core)."""
         for e in tally.entries:
+            if e.door:  # a side door's calls, not requests
+                self.metrics.side_door(e.tenant, e.door, e.outcome, e.count)
+                continue
             self.metrics.requests_answered(e.tenant, e.model, Outcome(e.outcome), e.count)
             if e.failed_version is not None:
                 self.stats.failures(e.model, e.failed_version, e.failed_s, e.count)

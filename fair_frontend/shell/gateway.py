@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from fair_frontend.auth import Authenticator, KeyRing
-from fair_frontend.config import Config
+from fair_frontend.config import Config, SideDoors
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
@@ -28,8 +28,11 @@ from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo, validate
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import FINAL_RESPONSE, InferRequest, InferResponse, ParamValue
-from fair_frontend.records import Call, TallyEntry
+from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, TallyEntry
 from fair_frontend.shell.link import CoreLink
+from fair_frontend.shell.lookup_cache import Key, LookupCache
+
+T = TypeVar("T")
 
 # Server metadata extensions the frontend implements (a subset of Triton's: no shared
 # memory, which cannot cross hosts; no repository control or tracing, which stay with
@@ -48,6 +51,10 @@ SERVER_NAME = "fair_frontend"
 
 class Gateway:
     """Decoded requests in, answers out: identity, validation, the call to the core."""
+
+    # The side doors' cache and the config it was made for (``_lookups``).
+    _cache: LookupCache | None = None
+    _cache_config: Config | None = None
 
     def __init__(
         self, config: Config, keyring: KeyRing, link: CoreLink, triton: TritonForwarder
@@ -197,9 +204,14 @@ class Gateway:
         return await self._model_info(model)
 
     async def _model_info(self, model: str) -> ModelInfo:
+        """Kept once found; concurrent first lookups share one (a caller that goes away
+        does not fail the others), and "no such model" is kept briefly: model names are
+        client input, and a flood of unknown ones must not reach the core one by one."""
         info = self._infos.get(model)
         if info is None:
-            info = self._infos[model] = await self.link.model_info(model)
+            key = ("model_info", model, "")
+            info = await self._lookups.get(key, 0.0, lambda: self.link.model_info(model))
+            self._infos[model] = info
         return info
 
     def _priority(self, requested: int, tenant: str, model: str) -> int:
@@ -211,29 +223,138 @@ class Gateway:
             )
         return requested or self.config.default_priority(tenant, model)
 
-    # ---- health and metadata ------------------------------------------------------------
+    # ---- health and metadata: the side doors -------------------------------------------
+    #
+    # Who may ask. Health (live, ready) stays open: Kubernetes probes and load balancers
+    # carry no key. Server metadata stays open too: the frontend's name, version and
+    # extensions, the same for every caller, answered here without Triton, and read
+    # without a key by Triton's own examples (simple_*_health_metadata.py) beside health.
+    # Model metadata, config, readiness and statistics need the tenant's key, under the
+    # identity rules of inference (401 without one, 403 when it names another tenant):
+    # they tell which models sit behind the frontend, and each would reach Triton or the
+    # core. Statistics are the model's over every tenant, as Triton's are (and perf_analyzer
+    # reads them so): keyed, not split per tenant; the frontend does not keep them per
+    # tenant. Not rate-limited: the limiter lives in the core, and with the cache below a
+    # flood costs a shell's CPU, not Triton's.
+    #
+    # What reaches Triton. Its static answers (metadata, config) are kept per model and
+    # version for side_doors.metadata_ttl_s, readiness for ready_ttl_s, "no such model or
+    # version" for negative_ttl_s, at most max_entries of them (``LookupCache``);
+    # concurrent identical calls share one lookup. Every call is counted by door and
+    # answer (fair_side_door_calls), every lookup sent to Triton too (fair_side_door_lookups).
+
+    async def live(self) -> bool:
+        self._count_door("live", None, "ok")
+        return True
 
     async def ready(self) -> bool:
-        return self.link.accepting and await self.triton.server_ready()
+        """Ready while the core admits and Triton is ready (kept ready_ttl_s: probes
+        need no key, so a flood of them must not reach Triton one call each)."""
+        triton_ready = await self._from_triton(
+            "ready",
+            ("server_ready", "", ""),
+            self._side_doors.ready_ttl_s,
+            self.triton.server_ready,
+        )
+        self._count_door("ready", None, "ok")
+        return self.link.accepting and triton_ready
 
-    async def model_ready(self, model: str, version: str = "") -> bool:
-        try:
-            return bool(
-                await self.triton.call("is_model_ready", model_name=model, model_version=version)
-            )
-        except FrontendError:
-            return False
+    async def model_ready(self, model: str, version: str, headers: Mapping[str, str]) -> bool:
+        async def answer() -> bool:
+            try:
+                return bool(
+                    await self._from_triton(
+                        "model_ready",
+                        ("model_ready", model, version),
+                        self._side_doors.ready_ttl_s,
+                        lambda: self.triton.call(
+                            "is_model_ready", model_name=model, model_version=version
+                        ),
+                    )
+                )
+            except FrontendError:
+                return False  # Triton cannot tell (or has no such model): not ready
+
+        return await self._keyed("model_ready", headers, answer)
 
     async def server_metadata(self) -> dict[str, Any]:
         from fair_frontend import __version__
 
+        self._count_door("server_metadata", None, "ok")
         return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
-    async def model_metadata(self, model: str, version: str = "") -> Any:
-        return await self.triton.call("get_model_metadata", model_name=model, model_version=version)
+    async def model_metadata(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
+        return await self._keyed(
+            "model_metadata",
+            headers,
+            lambda: self._static("model_metadata", "get_model_metadata", model, version),
+        )
 
-    async def model_config(self, model: str, version: str = "") -> Any:
-        return await self.triton.call("get_model_config", model_name=model, model_version=version)
+    async def model_config(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
+        return await self._keyed(
+            "model_config",
+            headers,
+            lambda: self._static("model_config", "get_model_config", model, version),
+        )
 
-    async def statistics(self, model: str = "", version: str = "") -> Any:
-        return await self.link.statistics(model, version)
+    async def statistics(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
+        """From the core, never kept (they change); "no such model" is kept briefly."""
+        return await self._keyed(
+            "statistics",
+            headers,
+            lambda: self._lookups.get(
+                ("statistics", model, version), 0.0, lambda: self.link.statistics(model, version)
+            ),
+        )
+
+    async def _keyed(
+        self, door: str, headers: Mapping[str, str], answer: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``answer()`` for the tenant the headers prove, counted by how it ended."""
+        tenant: str | None = None
+        try:
+            tenant = self.auth.identify(headers, None)
+            result = await answer()
+        except FrontendError as err:
+            self._count_door(door, tenant, err.grpc_code.name.lower())
+            raise
+        self._count_door(door, tenant, "ok")
+        return result
+
+    async def _static(self, door: str, method: str, model: str, version: str) -> Any:
+        return await self._from_triton(
+            door,
+            (door, model, version),
+            self._side_doors.metadata_ttl_s,
+            lambda: self.triton.call(method, model_name=model, model_version=version),
+        )
+
+    async def _from_triton(
+        self, door: str, key: Key, ttl_s: float, ask: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Triton's answer to ``key``, kept ``ttl_s``; each real call counted."""
+
+        async def lookup() -> T:
+            self._count_door(door, None, SIDE_DOOR_LOOKUP)
+            return await ask()
+
+        return await self._lookups.get(key, ttl_s, lookup)
+
+    def _count_door(self, door: str, tenant: str | None, outcome: str) -> None:
+        self.link.tally(TallyEntry(tenant, "", outcome, 1, door=door))
+
+    @property
+    def _side_doors(self) -> SideDoors:
+        return self.config.side_doors
+
+    @property
+    def _lookups(self) -> LookupCache:
+        """The side doors' cache, made anew for each (re)loaded config: a reload (of
+        Triton's models too, as operators do it) empties it."""
+        if self._cache is None or self._cache_config is not self.config:
+            self._cache = LookupCache(
+                max_entries=self._side_doors.max_entries,
+                negative_ttl_s=self._side_doors.negative_ttl_s,
+            )
+            self._cache_config = self.config
+        return self._cache

@@ -59,15 +59,23 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
+    # Health and server metadata are open; the model doors need the tenant's key (the
+    # side doors of ``Gateway``).
+
     async def ServerLive(self, request: Any, context: Any) -> Any:
-        return service_pb2.ServerLiveResponse(live=True)
+        return service_pb2.ServerLiveResponse(live=await self.gateway.live())
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerReadyResponse(ready=await self.gateway.ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        ready = await self.gateway.model_ready(request.name, request.version)
-        return service_pb2.ModelReadyResponse(ready=ready)
+        async def ready() -> Any:
+            answer = await self.gateway.model_ready(
+                request.name, request.version, _headers(context)
+            )
+            return service_pb2.ModelReadyResponse(ready=answer)
+
+        return await _guard(context, ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         doc = await self.gateway.server_metadata()
@@ -75,16 +83,21 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         return await _guard(
-            context, lambda: self.gateway.model_metadata(request.name, request.version)
+            context,
+            lambda: self.gateway.model_metadata(request.name, request.version, _headers(context)),
         )
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         return await _guard(
-            context, lambda: self.gateway.model_config(request.name, request.version)
+            context,
+            lambda: self.gateway.model_config(request.name, request.version, _headers(context)),
         )
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        return await _guard(context, lambda: self.gateway.statistics(request.name, request.version))
+        return await _guard(
+            context,
+            lambda: self.gateway.statistics(request.name, request.version, _headers(context)),
+        )
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def call() -> Any:

@@ -185,7 +185,8 @@ class HttpShell:
             raise
 
     async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        # Open, as ready and server metadata are: see Gateway's side doors.
+        return web.Response(status=200 if await self.gateway.live() else 400)
 
     async def ready(self, request: web.Request) -> web.Response:
         # Triton answers 400 when not ready; Kubernetes probes treat it as failing.
@@ -196,17 +197,18 @@ class HttpShell:
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        return _json(proto_to_json(await self.gateway.model_metadata(model, version)))
+        response = await self.gateway.model_metadata(model, version, _headers(request))
+        return _json(proto_to_json(response))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        if await self.gateway.model_ready(model, version):
+        if await self.gateway.model_ready(model, version, _headers(request)):
             return web.Response(status=200)
         return error_response(InvalidArgument("Model version not ready"))
 
     async def model_config(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        response = await self.gateway.model_config(model, version)
+        response = await self.gateway.model_config(model, version, _headers(request))
         return _json(proto_to_json(response.config))
 
     def _decompress(self, raw: bytes, encoding: str | None) -> bytes:
@@ -241,7 +243,8 @@ class HttpShell:
     async def statistics(self, request: web.Request) -> web.Response:
         model = request.match_info.get("model", "")
         version = request.match_info.get("version", "")
-        return _json(proto_to_json(await self.gateway.statistics(model, version)))
+        response = await self.gateway.statistics(model, version, _headers(request))
+        return _json(proto_to_json(response))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         model, version = _model_version(request)

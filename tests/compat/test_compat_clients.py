@@ -446,7 +446,8 @@ def test_model_metadata_and_config_are_tritons(
         assert through == direct
     if protocol == "grpc":
         direct, through = side_by_side(
-            sides, lambda s: s.client("grpc").get_model_config("embed", as_json=True)
+            sides,
+            lambda s: s.client("grpc").get_model_config("embed", as_json=True, headers=s.headers),
         )
         assert through == direct
 
@@ -468,20 +469,23 @@ def test_unknown_version_is_the_same_error(
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_health_and_readiness_are_tritons(sides: tuple[Side, Side], protocol: str) -> None:
-    probes: list[Callable[[Any], Any]] = [
-        lambda c: c.is_server_live(),
-        lambda c: c.is_server_ready(),
-        lambda c: [c.is_model_ready(m) for m in MODELS],
-        lambda c: [c.is_model_ready(m, model_version="1") for m in MODELS],
-        lambda c: c.is_model_ready("simple", model_version="7"),
-        lambda c: c.is_model_ready("no_such_model"),
+    """Health is open; a model's readiness is keyed (the frontend's side doors)."""
+    probes: list[Callable[[Any, dict[str, str]], Any]] = [
+        lambda c, h: c.is_server_live(),
+        lambda c, h: c.is_server_ready(),
+        lambda c, h: [c.is_model_ready(m, headers=h) for m in MODELS],
+        lambda c, h: [c.is_model_ready(m, model_version="1", headers=h) for m in MODELS],
+        lambda c, h: c.is_model_ready("simple", model_version="7", headers=h),
+        lambda c, h: c.is_model_ready("no_such_model", headers=h),
     ]
     for probe in probes:
-        direct, through = side_by_side(sides, lambda s, p=probe: p(s.client(protocol)))
+        direct, through = side_by_side(sides, lambda s, p=probe: p(s.client(protocol), s.headers))
         assert through == direct
     assert through is False  # the last probe: an unknown model is not ready
     for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/simple/versions/1/ready"):
-        direct, through = side_by_side(sides, lambda s, p=path: http_request(s.http_url, "GET", p))
+        direct, through = side_by_side(
+            sides, lambda s, p=path: http_request(s.http_url, "GET", p, headers=s.headers)
+        )
         assert through.status == direct.status == 200
 
 
@@ -529,7 +533,7 @@ def test_grpc_model_ready_for_a_version_is_tritons(sides: tuple[Side, Side]) -> 
         answers = []
         for side in sides:
             with grpc_stub(side.grpc_url) as stub:
-                answers.append(grpc_call(stub, request, "ModelReady"))
+                answers.append(grpc_call(stub, request, "ModelReady", tuple(side.key.items())))
         assert [a.response.ready for a in answers] == [ready, ready]
 
 
