@@ -20,10 +20,19 @@ from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, Tensor
+from fair_frontend.protocol import (
+    DTYPES,
+    INT64_MAX,
+    InferRequest,
+    ParamValue,
+    Tensor,
+    check_id,
+)
 from fair_frontend.tokens import count_text_tokens
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+# Triton's default max_sequence_idle_microseconds (model_config.proto): 1 s.
+TRITON_SEQUENCE_IDLE_US = 1_000_000
 
 
 def triton_datatype(config_type: int) -> str:
@@ -77,10 +86,27 @@ class ModelInfo:
         )
 
     @staticmethod
-    def version_for(requested: str, info: ModelInfo | None) -> str:
-        """The version a request is counted under: its own, else the model's latest ("1"
-        for a model not looked up)."""
-        return requested or (info.latest_version if info is not None else "1")
+    def version_for(requested: str, info: ModelInfo | None) -> str | None:
+        """The version a request's statistics are counted under: its own, else the model's
+        latest; None (not counted) for a version the model does not have, or a model not
+        looked up. The version string is the client's choice: counting under each one
+        would let a client add statistics entries without end (Triton keeps none for a
+        version it does not serve either)."""
+        if info is None:
+            return None
+        if not requested:
+            return info.latest_version
+        return requested if requested in info.versions else None
+
+    @property
+    def sequence_idle_s(self) -> float:
+        """How long Triton keeps an idle sequence of this model (its sequence batcher's
+        ``max_sequence_idle_microseconds``; Triton's default, 1 s, where unset)."""
+        cfg = self.raw_config
+        idle_us = 0
+        if cfg is not None and cfg.HasField("sequence_batching"):
+            idle_us = cfg.sequence_batching.max_sequence_idle_microseconds
+        return (idle_us or TRITON_SEQUENCE_IDLE_US) / 1e6
 
     @property
     def latest_version(self) -> str:
@@ -119,6 +145,7 @@ def _fmt(dims: tuple[int, ...]) -> str:
 def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     """Check a request against its model; fill configured defaults; count rows and tokens."""
     model = info.name
+    check_id("request id", req.id)  # copied into every row's fair_rows entry
     names = [t.name for t in req.inputs]
     for t in req.inputs:
         if t.name not in info.inputs:
@@ -194,8 +221,17 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     tokens = sum(lengths) if lengths is not None else 0
     max_tokens = 0
     if endpoint.max_tokens_parameter is not None:
-        max_tokens = max(rows, 1) * _max_tokens(req, endpoint, write_back=info.batching)
+        per_row = _max_tokens(req, endpoint, write_back=info.batching)
+        max_tokens = max(rows, 1) * per_row
         tokens += max_tokens
+        if tokens > INT64_MAX:
+            # Token counts travel and are counted as 64-bit integers (the records between
+            # processes, Redis): a wider sum would be refused there, or wrap.
+            raise InvalidArgument(
+                f"request too large: {max(rows, 1)} rows of {per_row} tokens to generate "
+                f"(parameter '{endpoint.max_tokens_parameter}') make {tokens} tokens, more "
+                f"than a signed 64-bit integer holds"
+            )
     if endpoint.cost is CostUnit.TOKENS and lengths is None:
         raise InvalidArgument(
             f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "
@@ -248,9 +284,9 @@ def _max_tokens(req: InferRequest, endpoint: Endpoint, *, write_back: bool) -> i
         n = endpoint.max_tokens_default
     else:
         parsed = integer_parameter(value)
-        limit = endpoint.max_tokens_limit
-        if parsed is None or parsed < 1 or (limit is not None and parsed > limit):
-            bounds = f"between 1 and {limit}" if limit is not None else "of at least 1"
+        limit = endpoint.max_tokens_limit if endpoint.max_tokens_limit is not None else INT64_MAX
+        if parsed is None or not 1 <= parsed <= limit:
+            bounds = f"between 1 and {limit}"
             raise InvalidArgument(f"parameter '{name}' must be an integer {bounds}, got {value!r}")
         n = parsed
     if write_back:

@@ -71,6 +71,10 @@ ParamValue = bool | int | float | str
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UINT64_MAX = (1 << 64) - 1
 MAX_DIMS = 32  # numpy's limit on array dimensions
+# Longest request id and string sequence id, in UTF-8 bytes. Triton sets no limit, but the
+# frontend copies a request id into every row's ``fair_rows`` entry and keeps a sequence
+# id for the sequence's life: unbounded, a client would choose how much memory they take.
+MAX_ID_BYTES = 1024
 
 
 @dataclass(slots=True)
@@ -190,10 +194,21 @@ def reject_shared_memory(where: str, params: Container[str]) -> None:
         )
 
 
+def check_id(what: str, value: str) -> str:
+    """``value`` (a request or sequence id) if it is at most ``MAX_ID_BYTES`` long."""
+    size = len(value.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise InvalidArgument(
+            f"{what} is too long: {size} bytes, the limit is {MAX_ID_BYTES} bytes"
+        )
+    return value
+
+
 def _sequence_id(value: ParamValue) -> ParamValue:
-    """A string, or an integer Triton can take on (it travels on as gRPC int64_param)."""
+    """A string of at most ``MAX_ID_BYTES``, or an integer Triton can take on (it travels
+    on as gRPC int64_param)."""
     if isinstance(value, str):
-        return value
+        return check_id("parameter 'sequence_id'", value)
     n = _non_negative_int("sequence_id", value)
     if n > INT64_MAX:
         raise InvalidArgument(

@@ -72,12 +72,17 @@ class Statistics:
         s.queue.add(queue_s)
         s.compute_infer.add(infer_s)
 
-    def failure(self, model: str, version: str, total_s: float) -> None:
-        self._get(model, version).fail.add(total_s)
+    def failure(self, model: str, version: str | None, total_s: float) -> None:
+        """A failed request; ``version`` None: not counted (``ModelInfo.version_for``)."""
+        self.failures(model, version, total_s, 1)
 
-    def failures(self, model: str, version: str, total_s: float, count: int) -> None:
-        """``count`` failures that took ``total_s`` together (a shell's tally)."""
-        self._get(model, version).fail.add(total_s, count)
+    def failures(self, model: str, version: str | None, total_s: float, count: int) -> None:
+        """``count`` failures that took ``total_s`` together (a shell's tally). ``version``
+        None: a version the model does not have (or a model not looked up), which gets
+        no entry: the names of failed requests are the client's choice, and an entry per
+        name would grow without bound."""
+        if version is not None:
+            self._get(model, version).fail.add(total_s, count)
 
     def execution(self, model: str, version: str, rows: int, seconds: float) -> None:
         s = self._get(model, version)
