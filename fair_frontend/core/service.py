@@ -41,6 +41,7 @@ from fair_frontend.errors import (
     FrontendError,
     Internal,
     InvalidArgument,
+    Unauthenticated,
     Unavailable,
     UnknownModel,
     UpstreamError,
@@ -62,6 +63,8 @@ from fair_frontend.scheduler import (
 from fair_frontend.stats import Statistics
 
 log = logging.getLogger(__name__)
+
+REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
 
 
 def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
@@ -201,6 +204,7 @@ class Core:
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
+            self._known(call.tenant)
             backend = self.backend
             if backend.gave_up:
                 raise Unavailable(f"Triton has been unavailable for {backend.outage_s:.0f} s")
@@ -319,8 +323,16 @@ class Core:
         if not decision.admitted:
             raise overloaded_error(decision, runtime.model)
 
+    def _known(self, tenant: str) -> None:
+        """Refuse a tenant a reload removed (its identity was checked before the reload: a
+        shell's, or before an await in admission) as identity would refuse it now."""
+        if tenant not in self.tenants:
+            raise Unauthenticated(REMOVED_TENANT)
+
     def _limits(self, req: CoreRequest) -> list[RateLimitItem]:
         key = (req.tenant, req.request.model)
+        if req.tenant not in self.config.tenants:
+            return []  # removed by a reload: admission refuses it, a charge-back is moot
         items = self._limit_items.get(key)
         if items is None:
             items = items_from_limits(self.config.limits_for(*key))
@@ -388,6 +400,7 @@ class Core:
                 runtime = self._runtime(model, await self.models.get(model))
                 req.shape_key = batch_key(call.request, runtime.info, runtime.endpoint)
                 req.tokens = _scheduled_tokens(call, runtime)
+                self._known(req.tenant)  # a reload may have removed it meanwhile
             if lookup:
                 self._throttle(runtime, req)
             decision = self._rate_limits_now(req)
@@ -400,6 +413,7 @@ class Core:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
             self._own_sequence(runtime, req)
+            self._known(req.tenant)  # a reload may have removed it during the check
             runtime.submit(req)
         except FrontendError as err:
             if not req.cancelled:
