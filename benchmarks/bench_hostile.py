@@ -878,14 +878,24 @@ def rebase(windows: dict[str, Any], origin: float) -> None:
                 w[key] = [x - origin for x in w[key]]
 
 
+@dataclass
+class Part:
+    """One part's figures: its windows, the keyed tenant's samples, its start (the
+    time axis's origin), and the frontend's exit code if an attack killed it."""
+
+    windows: dict[str, Any]
+    samples: list[dict[str, Any]]
+    origin: float
+    frontend_exit: int | None
+
+
 async def part(
     name: str,
     tri_urls: tuple[str, str],
     args: argparse.Namespace,
     body: Callable[[Urls, int], Awaitable[dict[str, Any]]],
-) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
-    """One frontend and the keyed tenant's probe around ``body``; returns its windows,
-    the probe's samples and the part's start time."""
+) -> Part:
+    """One frontend and the keyed tenant's probe around ``body``."""
     grpc_url, http_url = tri_urls
     workers = args.workers
     with frontend(
@@ -906,7 +916,11 @@ async def part(
             samples = (final or {}).get("samples", [])
             if final is None or "error" in final:
                 progress(f"{name}: the probe ended badly: {(final or {}).get('error')}")
-    return windows, samples, origin
+        # An attack that kills the frontend is a finding, not a crash of the benchmark.
+        code = fe.process.poll()
+        if code is not None:
+            progress(f"{name}: THE FRONTEND EXITED ({code}) during the attacks")
+    return Part(windows, samples, origin, code)
 
 
 def log_scale(ax: Any) -> None:
@@ -1042,9 +1056,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async def flood_body(urls: Urls, pid: int) -> dict[str, Any]:
             return await run_flood(urls, pid, timing)
 
-        flood, samples, origin = await part("flood", tri_urls, args, flood_body)
-        out["flood"] = flood_figures(flood, samples)
-        rebase(out["flood"], origin)
+        flood = await part("flood", tri_urls, args, flood_body)
+        out["flood"] = flood_figures(flood.windows, flood.samples)
+        out["flood_frontend_exit"] = flood.frontend_exit
+        rebase(out["flood"], flood.origin)
 
         samplers: list[RssSampler] = []
 
@@ -1053,8 +1068,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 samplers.append(rss)
                 return await run_memory(urls, rss, timing)
 
-        memory, samples, origin = await part("memory", tri_urls, args, memory_body)
-    out["memory"] = memory_figures(memory, samples)
+        memory = await part("memory", tri_urls, args, memory_body)
+    out["memory"] = memory_figures(memory.windows, memory.samples)
+    out["memory_frontend_exit"] = memory.frontend_exit
+    origin = memory.origin
+    samples = memory.samples
     rebase(out["memory"], origin)
     rss = samplers[0]
     out["rss_series"] = {
