@@ -176,11 +176,14 @@ class FrontendServer:
         return app
 
     def reload(self, config: Config) -> list[str]:
-        """Apply a new config (SIGHUP) in the core and in every shell; see ``Core.reload``."""
+        """Apply a new config (SIGHUP) in the core and in every shell; see ``Core.reload``.
+        The shells get the config the core runs: ``config`` with the running values of
+        what needs a restart (the notes name them)."""
         assert self.core is not None
         notes = self.core.reload(config)
+        self.config = self.core.config
         if self.gateway is not None:
-            self.gateway.configure(config, self.core.keyring)
+            self.gateway.configure(self.core.config, self.core.keyring)
         if self.shells is not None:
             self.shells.server.broadcast(self.shells.settings())
         return notes
@@ -206,7 +209,6 @@ class FrontendServer:
             await self._metrics_runner.cleanup()
         if self.core is not None:
             await self.core.forwarder.close()
-
 
     @staticmethod
     async def _quiet(core: Core, quiet_s: float = 0.25, limit_s: float = 5.0) -> None:

@@ -33,7 +33,7 @@ from fair_frontend.admission.ratelimit import Decision
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
-from fair_frontend.config import Config, ConfigError, CostUnit, Endpoint, Tenant
+from fair_frontend.config import Config, ConfigError, CostUnit, Endpoint, Tenant, parse_config
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
 from fair_frontend.core.sequences import SequenceIds
@@ -659,35 +659,41 @@ class Core:
     # ---- config, statistics, shutdown ---------------------------------------------------
 
     def reload(self, config: Config, keyring: KeyRing | None = None) -> list[str]:
-        """Apply a new config's tenants, API keys and limits without dropping a request.
+        """Apply a new config without dropping a request; say loudly what waits for a restart.
 
-        Keys (inline, files, environment) are read again; tenants can be added, and a
-        tenant's weight, tier and caps apply once its queue has drained (the scheduler's
-        snapshot rule). Changes that need a restart (tiers, endpoints, scheduling mode,
-        listeners) are not applied: the returned notes say which. Raises ``ConfigError``
-        (and changes nothing) if the new keys cannot be loaded or the tiers changed.
+        Applied at once (``LIVE_SECTIONS``): tenants and their API keys (inline, files,
+        environment: read again), rate limits, identity (``auth``), priority levels, the
+        global queue caps, and the rate limiter's ``on_storage_error``. A tenant's weight,
+        tier and caps apply once its queue has drained (the scheduler's snapshot rule).
+        Every other change (endpoints, scheduling, listeners, Triton, tier_guard,
+        observability, the rate-limit storage and its timeout, and any section added
+        later) needs a restart: its running value is kept, ``self.config`` says what
+        runs, and each such key is logged as an error and returned in the notes. Raises
+        ``ConfigError`` (and changes nothing) if the new keys cannot be loaded, the tiers
+        changed, or the config with the running values kept is not valid.
         """
         if list(config.tiers) != list(self.config.tiers):
             raise ConfigError("(reload)", ["tiers changed: restart the frontend to apply"])
+        kept = restart_only_changes(self.config, config)
+        config = with_running_values(self.config, config, kept)
         keyring = keyring or KeyRing.from_config(config)  # raises before anything changes
-        notes = [
-            f"{name} changed: restart the frontend to apply"
-            for name in ("endpoints", "default_endpoint", "scheduling", "server", "triton")
-            if getattr(config, name) != getattr(self.config, name)
-        ]
         self.tenants.update(config.tenants)
         for gone in set(self.tenants) - set(config.tenants):
             del self.tenants[gone]
         self.keyring = keyring
+        self.caps.max_queued = config.queues.max_queued
+        self.caps.max_queued_bytes = config.queues.max_queued_bytes
+        self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants
         self._limit_items.clear()
-        log.info(
-            "reloaded: %d tenants, %d API keys%s",
-            len(config.tenants),
-            keyring.size,
-            "; " + "; ".join(notes) if notes else "",
-        )
+        notes = [f"{key} changed: restart the frontend to apply" for key in kept]
+        if notes:
+            log.error(
+                "reload: not applied, the running values are kept until a restart: %s",
+                "; ".join(notes),
+            )
+        log.info("reloaded: %d tenants, %d API keys", len(config.tenants), keyring.size)
         return notes
 
     async def statistics(self, model: str = "", version: str = "") -> Any:
@@ -726,6 +732,48 @@ class Core:
 
 
 _NO_LIMITS = Decision(True)
+
+# What a reload applies at once (``Core.reload``); every other section, and any added
+# later, keeps its running value until a restart, and the reload says so.
+LIVE_SECTIONS = frozenset({"tenants", "tier_limits", "auth", "priority_levels", "queues"})
+# Sections applied in part: these fields at once, the section's others at a restart.
+LIVE_FIELDS: dict[str, frozenset[str]] = {"rate_limiting": frozenset({"on_storage_error"})}
+# Not applied, and refused outright: tenants name tiers, so the rest cannot apply alone.
+REFUSED_SECTIONS = frozenset({"tiers"})
+
+
+def restart_only_changes(running: Config, new: Config) -> list[str]:
+    """The keys whose change ``new`` asks for but only a restart applies (dotted names)."""
+    kept: list[str] = []
+    for name in Config.model_fields:
+        if name in LIVE_SECTIONS or name in REFUSED_SECTIONS:
+            continue
+        old_value, new_value = getattr(running, name), getattr(new, name)
+        live = LIVE_FIELDS.get(name)
+        if live is None:
+            if old_value != new_value:
+                kept.append(name)
+            continue
+        for field in type(old_value).model_fields:
+            if field not in live and getattr(old_value, field) != getattr(new_value, field):
+                kept.append(f"{name}.{field}")
+    return kept
+
+
+def with_running_values(running: Config, new: Config, kept: Sequence[str]) -> Config:
+    """``new`` with the ``kept`` keys at their running values, validated again (a live
+    change may not fit a kept value: ``ConfigError``)."""
+    if not kept:
+        return new
+    data = new.model_dump(mode="json")
+    old = running.model_dump(mode="json")
+    for key in kept:
+        section, _, field = key.partition(".")
+        if field:
+            data[section][field] = old[section][field]
+        else:
+            data[section] = old[section]
+    return parse_config(data, "(reload, with the running values of what needs a restart)")
 
 
 def _scheduled_tokens(call: Call, runtime: EndpointRuntime | None) -> int:
