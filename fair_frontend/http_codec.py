@@ -110,7 +110,7 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
                     f"input '{name}': binary_data_size {size} runs past the end of the "
                     f"binary data ({len(binary) - offset} bytes left)"
                 )
-            raw = bytes(binary[offset : offset + size])
+            raw = binary[offset : offset + size]  # a view: frombuffer reads it in place
             offset += size
             req.inputs.append(tensor_from_raw(name, str(datatype), shape, raw))
         else:
