@@ -51,6 +51,7 @@ DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
 DEFAULT_RATELIMIT_STORAGE = "memory://"
 DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
@@ -396,6 +397,13 @@ class Server(_Strict):
         description="Shell processes serving HTTP and gRPC in front of the one core process "
         "(--workers overrides). Unset: the cores this process may use less one, at most 8 "
         "(so 1 on 2 cores). 1: the whole frontend in one process.",
+    )
+    http_body_timeout_s: float = Field(
+        default=DEFAULT_HTTP_BODY_TIMEOUT_S,
+        gt=0,
+        description="Longest an HTTP request's body may take to arrive, counted from its "
+        "headers; beyond, 408 and the connection is closed (a client trickling its body "
+        "holds a connection and a buffer no longer than this).",
     )
 
 

@@ -1,23 +1,34 @@
 """KServe v2 over HTTP (aiohttp): the thin shell around ``Gateway``.
 
-Bodies may be gzip/deflate-encoded (aiohttp decodes them); responses are compressed
-when the client's ``Accept-Encoding`` allows, as Triton does. Errors are
+Bodies may be gzip/deflate-encoded (the shell inflates them, size-capped); responses are
+compressed when the client's ``Accept-Encoding`` allows, as Triton does. Errors are
 ``{"error": "<message>"}`` with the status of ``fair_frontend.errors``.
+
+The door (issue 11: a hostile client must not cost more than its headers entitle it to):
+a request is refused from its headers alone where they decide (no key, an unknown one, an
+unknown tenant from the trusted gateway, a full queue, a declared Content-Length over its
+model's limit) before any of its body is read, and ``Expect: 100-continue`` is granted only
+then. A body is read against its own model's ``body_limit`` (chunked bodies cut off at it,
+inflated ones too) and within ``server.http_body_timeout_s`` (then 408); a body abandoned
+midway gets ``Connection: close``. Large bodies are decoded on a worker thread, so the
+event loop keeps serving other clients meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from google.protobuf import json_format
 
-from fair_frontend.auth import identity_headers
-from fair_frontend.config import Config
+from fair_frontend.auth import TENANT_HEADER, extract_key, identity_headers
+from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
@@ -43,7 +54,7 @@ from fair_frontend.http_codec import (
     parse_header_length,
 )
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import InferResponse
+from fair_frontend.protocol import InferRequest, InferResponse
 from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -58,11 +69,89 @@ _WBITS = {
 }
 
 
+# A model's body may be this many times its tensor payload limit (JSON text of numbers
+# runs to about twice their binary size), plus this much for the JSON around the tensors.
+JSON_EXPANSION = 2
+FRAMING_BYTES = 1 << 20
+# Bodies larger than this (or compressed ones) are decoded on a worker thread: parsing a
+# megabyte of JSON into tensors holds the thread running it for about 20 ms on these
+# CPUs, which on the event loop would stall every other client of this shell.
+OFF_LOOP_BYTES = 256 << 10
+# Marks a request whose body was abandoned midway (too large, too slow): its connection is
+# closed after the answer, since the rest of the body would only be read to be discarded.
+_BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("body_abandoned", bool)
+_T = TypeVar("_T")
+
+
+def body_limit(endpoint: Endpoint) -> int:
+    """The largest body read for a request to a model with this policy: its tensor
+    payload limit (``max_request_bytes``), as JSON text, with room for the JSON header and
+    the binary framing around it. Each request is read against its own model's limit, so a
+    model that takes small requests is not exposed to the largest limit of any other."""
+    return endpoint.max_request_bytes * JSON_EXPANSION + FRAMING_BYTES
+
+
 def max_body_bytes(config: Config) -> int:
-    """The largest body read: the largest tensor payload any endpoint accepts, with room
-    for the JSON header and the binary framing around it."""
+    """The largest body any model accepts (aiohttp's own cap: a backstop, since each
+    request is read against its own model's ``body_limit``)."""
     eps = [*config.endpoints.values(), config.default_endpoint]
-    return max(ep.max_request_bytes for ep in eps) * 2 + (1 << 20)
+    return max(body_limit(ep) for ep in eps)
+
+
+class BodyTimeout(InvalidArgument):
+    """The body did not arrive in time: HTTP's 408 Request Timeout (the client's fault,
+    counted as invalid input)."""
+
+    http_status = 408
+
+
+def _too_large(model: str, limit: int, what: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"request too large: {what} exceeds {limit} bytes, the body limit for '{model}'"
+    )
+
+
+async def _expect_after_checks(request: web.Request) -> None:
+    """``Expect`` handler of the POST routes: grants nothing itself. ``100 Continue`` is
+    sent by ``_read_body``, once the headers passed, so a client that waits for it (curl,
+    for large bodies) sends no body to be refused; aiohttp's default grants it at once."""
+    expect = request.headers.get("Expect", "")
+    if request.version == HttpVersion11 and expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+
+
+async def _grant_continue(request: web.Request) -> None:
+    if (
+        request.version == HttpVersion11
+        and request.headers.get("Expect", "").lower() == "100-continue"
+    ):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper starts after it
+
+
+async def _read_at_most(request: web.Request, limit: int, model: str) -> bytes:
+    """The whole body, refused as soon as more than ``limit`` bytes have arrived (a
+    chunked body declares no length up front)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(model, limit, "the body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _off_loop(size: int, decode: Callable[..., _T], *args: Any) -> _T:
+    """``decode(*args)``: on a worker thread for a body over ``OFF_LOOP_BYTES``, here for a
+    small one (where the hop to a thread would cost more than the decode)."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(decode, *args)
+    return decode(*args)
+
+
+def _encoded(headers: Mapping[str, str]) -> bool:
+    return headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
 
 
 def error_response(err: FrontendError) -> web.Response:
@@ -146,7 +235,8 @@ class HttpShell:
 
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.max_body_bytes, middlewares=[self._errors_middleware]
+            client_max_size=self.max_body_bytes,
+            middlewares=[_close_abandoned, self._errors_middleware],
         )
         app[GATEWAY_KEY] = self.gateway
         r = app.router
@@ -159,9 +249,12 @@ class HttpShell:
             r.add_get(prefix + "/ready", self.model_ready)
             r.add_get(prefix + "/config", self.model_config)
             r.add_get(prefix + "/stats", self.statistics)
-            r.add_post(prefix + "/infer", self.infer)
-            r.add_post(prefix + "/generate", self.generate)
-            r.add_post(prefix + "/generate_stream", self.generate_stream)
+            for door, handler in (
+                ("/infer", self.infer),
+                ("/generate", self.generate),
+                ("/generate_stream", self.generate_stream),
+            ):
+                r.add_post(prefix + door, handler, expect_handler=_expect_after_checks)
         return app
 
     @web.middleware
@@ -211,8 +304,10 @@ class HttpShell:
         response = await self.gateway.model_config(model, version, _headers(request))
         return _json(proto_to_json(response.config))
 
-    def _decompress(self, raw: bytes, encoding: str | None) -> bytes:
-        """The request body, inflated as its Content-Encoding says (gzip, deflate)."""
+    @staticmethod
+    def _decompress(raw: bytes, encoding: str | None, limit: int, model: str) -> bytes:
+        """The request body, inflated as its Content-Encoding says (gzip, deflate), to at
+        most ``limit`` bytes (the model's ``body_limit``: a small bomb inflates no further)."""
         name = (encoding or "identity").strip().lower()
         if name == "identity":
             return raw
@@ -221,7 +316,6 @@ class HttpShell:
                 f"Unsupported compression type '{name}' (Content-Encoding; gzip and deflate "
                 "are supported)"
             )
-        limit = self.max_body_bytes
         for wbits in _WBITS[name]:
             inflater = zlib.decompressobj(wbits)
             try:
@@ -229,10 +323,7 @@ class HttpShell:
             except zlib.error:
                 continue
             if len(body) > limit or inflater.unconsumed_tail:
-                raise InvalidArgument(
-                    f"request too large: the body decoded from Content-Encoding '{name}' "
-                    f"exceeds {limit} bytes"
-                )
+                raise _too_large(model, limit, f"the body decoded from Content-Encoding '{name}'")
             if not inflater.eof:
                 raise InvalidArgument(
                     f"the request body is truncated for its Content-Encoding '{name}'"
@@ -251,12 +342,11 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self.gateway.admit_early(model, headers)
-            body = self._decompress(await request.read(), headers.get("content-encoding"))
-            header_length = parse_header_length(
-                headers.get(HEADER_CONTENT_LENGTH.lower()), len(body)
-            )
-            req = decode_infer(model, version, body, header_length)
+            self._admit(model, headers)
+            raw = await self._read_body(request, model)
+            limit = body_limit(self.gateway.config.endpoint(model))
+            size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
+            req = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
         except FrontendError as err:
             # Answered before Gateway.infer: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
@@ -272,6 +362,50 @@ class HttpShell:
         if request.headers.get("Accept-Encoding"):
             out.enable_compression()
         return out
+
+    def _admit(self, model: str, headers: Mapping[str, str]) -> None:
+        """Refuse what the headers alone decide, before any of the body is read
+        (``Gateway.admit_early``). A trusted gateway's ``x-tenant-id`` is one of those: a
+        tenant it names is known or not whatever the body says."""
+        self.gateway.admit_early(model, headers)
+        if TENANT_HEADER in headers and extract_key(headers) is None:
+            self.gateway.auth.identify(headers, None)
+
+    async def _read_body(self, request: web.Request, model: str) -> bytes:
+        """The body, read against ``model``'s own ``body_limit`` (a declared length over
+        it is refused unread) and within ``server.http_body_timeout_s`` (then 408). A body
+        abandoned midway marks its request to have its connection closed."""
+        limit = body_limit(self.gateway.config.endpoint(model))
+        timeout_s = self.gateway.config.server.http_body_timeout_s
+        try:
+            declared = request.content_length
+            if declared is not None and declared > limit:
+                raise _too_large(model, limit, f"the declared Content-Length of {declared} bytes")
+            await _grant_continue(request)
+            async with asyncio.timeout(timeout_s):
+                return await _read_at_most(request, limit, model)
+        except TimeoutError:
+            request[_BODY_ABANDONED] = True
+            raise BodyTimeout(
+                f"the request body did not arrive within {timeout_s:g} s "
+                "(server.http_body_timeout_s)"
+            ) from None
+        except FrontendError:
+            request[_BODY_ABANDONED] = True
+            raise
+
+    def _decode_infer(
+        self,
+        model: str,
+        version: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        limit: int,
+    ) -> InferRequest:
+        """An infer body, inflated and decoded (on a worker thread when large)."""
+        body = self._decompress(raw, headers.get("content-encoding"), limit, model)
+        header_length = parse_header_length(headers.get(HEADER_CONTENT_LENGTH.lower()), len(body))
+        return decode_infer(model, version, body, header_length)
 
     # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
 
@@ -348,7 +482,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self.gateway.admit_early(model, headers)
+            self._admit(model, headers)
             try:
                 info = await self.gateway.model_info(model)
             except FrontendError as err:
@@ -358,12 +492,24 @@ class HttpShell:
                 raise
             check_model(info, version)
             check_encoding(headers.get("content-encoding"))
-            req = decode_generate(model, version, await request.read(), info)
+            body = await self._read_body(request, model)
+            req = await _off_loop(len(body), decode_generate, model, version, body, info)
         except FrontendError as err:
             # Answered before the gateway's stream: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
             raise
         return self.gateway.stream_infer(req, headers)
+
+
+@web.middleware
+async def _close_abandoned(request: web.Request, handler: Any) -> web.StreamResponse:
+    """``Connection: close`` on the answer to a request whose body was abandoned midway
+    (aiohttp then reads and discards what is still coming for a bounded while, so that
+    the client gets its answer, and closes)."""
+    response: web.StreamResponse = await handler(request)
+    if request.get(_BODY_ABANDONED):
+        response.force_close()
+    return response
 
 
 def _generate_failure(err: FrontendError) -> web.Response:

@@ -1,0 +1,387 @@
+"""Hostile HTTP clients at the door: no work before identity, and no body without bounds.
+
+Issue 11, item 1 on the HTTP transport. What a client sends must not cost the frontend
+more than its headers entitle it to:
+
+- a request whose headers already fail (no key, an unknown key, an unknown tenant from a
+  trusted gateway) is answered from the headers alone: the body is never waited for (the
+  tests send none at all, so an answer proves it was not read);
+- a request is bounded by the limit of the model it names, not by the largest limit of
+  any model: a declared Content-Length over it is refused unread, a chunked body is cut
+  off once it passes it, an inflated body stops inflating at it;
+- a body that trickles in is answered 408 after ``server.http_body_timeout_s`` and its
+  connection closed;
+- decoding a large body does not hold the event loop: other clients are served while it
+  runs, and binary tensors are views of the body (``np.frombuffer``), not copies.
+
+Clients here speak raw HTTP over sockets, so that lying headers, unfinished bodies and
+``Expect: 100-continue`` reach the server exactly as written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gzip
+import http.client
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fair_frontend.config import parse_config
+from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.http_codec import decode_infer
+from fair_frontend.shell import http_server
+from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+
+KEY = {"authorization": f"Bearer {KEYS['acme']}"}
+SMALL_BYTES = 2000  # embed's max_request_bytes here: 500 INT32 tokens
+BODY_TIMEOUT_S = 2.0
+# How long a client here waits for an answer. Far above what any refusal below should
+# take; a server that waits for a body the client never sends runs into it.
+ANSWER_TIMEOUT_S = 20.0
+# A body size between embed's limit here (~1 MiB of body) and the largest any model here
+# allows (the default endpoint's 64 MiB of tensors, ~129 MiB of body).
+BETWEEN_LIMITS = 10 << 20
+DOORS = ["infer", "generate", "generate_stream"]
+
+
+def door_config(**overrides: Any) -> dict[str, Any]:
+    """Test tenants; embed's requests small, every other model's at the default limit."""
+    data = config_dict(**overrides)
+    data["endpoints"]["embed"]["max_request_bytes"] = SMALL_BYTES
+    data["server"] = {**data.get("server", {}), "http_body_timeout_s": BODY_TIMEOUT_S}
+    return data
+
+
+@pytest.fixture(scope="module")
+def door(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    with running_frontend(parse_config(door_config()), triton, workers=workers) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def trusted(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+    """Behind an authenticating gateway: tenants named by ``x-tenant-id``."""
+    auth = {"trusted_gateway": True, "trusted_gateway_peers": ["127.0.0.1"]}
+    config = parse_config(door_config(auth=auth))
+    with running_frontend(config, triton, workers=1) as running:
+        yield running
+
+
+# ---- raw HTTP ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def error(self) -> str:
+        doc = json.loads(self.body)
+        assert isinstance(doc, dict), self.body
+        return str(doc["error"])
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT_S)
+
+
+def send_head(sock: socket.socket, path: str, headers: Mapping[str, str]) -> None:
+    """A POST's request line and headers, no body."""
+    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+
+
+def read_answer(sock: socket.socket) -> Answer:
+    """The final response (http.client skips any 100 Continue)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    body = response.read()
+    return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
+
+
+def request(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    """A whole request on a connection of its own."""
+    with connect(url) as sock:
+        send_head(sock, path, {**headers, "Content-Length": str(len(body))})
+        sock.sendall(body)
+        return read_answer(sock)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server closed the connection (EOF), with nothing more sent."""
+    return sock.recv(1) == b""
+
+
+def door_path(model: str, door: str) -> str:
+    return f"/v2/models/{model}/{door}"
+
+
+def simple_served(url: str) -> None:
+    """A normal request to `simple` is answered with the right sums (the server serves)."""
+    values = list(range(16))
+    doc = {
+        "inputs": [
+            {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": [values]},
+            {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [[1] * 16]},
+        ]
+    }
+    answer = request(url, "/v2/models/simple/infer", json.dumps(doc).encode(), KEY)
+    assert answer.status == 200, answer
+    outputs = {o["name"]: o["data"] for o in json.loads(answer.body)["outputs"]}
+    assert outputs["OUTPUT0"] == [v + 1 for v in values]
+
+
+def embed_body(tokens: int, **extra: Any) -> bytes:
+    ids = [[t % 4096 for t in range(tokens)]]
+    doc = {
+        "inputs": [{"name": "INPUT_IDS", "shape": [1, tokens], "datatype": "INT32", "data": ids}]
+    }
+    return json.dumps({**doc, **extra}).encode()
+
+
+# ---- identity before the body --------------------------------------------------------------
+
+NO_GOOD_KEY = {
+    "no-key": {},
+    "unknown-key": {"authorization": "Bearer not-a-key"},
+    "malformed": {"authorization": "Basic abc"},
+    "unknown-x-api-key": {"x-api-key": "not-a-key"},
+}
+
+
+@pytest.mark.parametrize("door_name", DOORS)
+@pytest.mark.parametrize("headers", NO_GOOD_KEY.values(), ids=NO_GOOD_KEY.keys())
+def test_a_request_without_a_good_key_is_refused_before_its_body(
+    door: RunningFrontend, door_name: str, headers: dict[str, str]
+) -> None:
+    """64 MiB declared, none sent: a 401 can only come from the headers."""
+    with connect(door.http_url) as sock:
+        send_head(sock, door_path("simple", door_name), {**headers, "Content-Length": "67108864"})
+        answer = read_answer(sock)
+    assert answer.status == 401, answer
+    assert "key" in answer.error
+
+
+def test_an_unknown_tenant_from_a_trusted_gateway_is_refused_before_its_body(
+    trusted: RunningFrontend,
+) -> None:
+    """The tenant the gateway names in ``x-tenant-id`` is checked from the header; only a
+    request naming none waits for its body (where a ``tenant`` parameter may name it)."""
+    with connect(trusted.http_url) as sock:
+        headers = {"x-tenant-id": "nobody", "Content-Length": "67108864"}
+        send_head(sock, door_path("simple", "infer"), headers)
+        answer = read_answer(sock)
+    assert answer.status == 401, answer
+    assert "unknown tenant" in answer.error
+    named = request(
+        trusted.http_url, "/v2/models/embed/infer", embed_body(4), {"x-tenant-id": "acme"}
+    )
+    assert named.status == 200, named
+
+
+def test_expect_continue_is_not_granted_to_a_request_refused_by_its_headers(
+    door: RunningFrontend,
+) -> None:
+    """``Expect: 100-continue`` (curl sends it for large bodies): the client is told to
+    send its body only once its headers passed; refused, it gets the refusal instead."""
+    with connect(door.http_url) as sock:
+        headers = {"authorization": "Bearer not-a-key", "Content-Length": "1000"}
+        send_head(sock, door_path("simple", "infer"), {**headers, "Expect": "100-continue"})
+        first = sock.makefile("rb").readline()
+    assert first.split()[1] == b"401", first
+    with connect(door.http_url) as sock:
+        headers = {**KEY, "Content-Length": str(BETWEEN_LIMITS), "Expect": "100-continue"}
+        send_head(sock, door_path("embed", "infer"), headers)
+        first = sock.makefile("rb").readline()
+    assert first.split()[1] == b"400", first
+
+
+def test_expect_continue_is_granted_to_a_request_that_passes(door: RunningFrontend) -> None:
+    body = embed_body(4)
+    with connect(door.http_url) as sock:
+        headers = {**KEY, "Content-Length": str(len(body)), "Expect": "100-continue"}
+        send_head(sock, door_path("embed", "infer"), headers)
+        reader = sock.makefile("rb")
+        assert reader.readline().split()[1] == b"100"
+        assert reader.readline() == b"\r\n"
+        sock.sendall(body)
+        answer = read_answer(sock)
+    assert answer.status == 200, answer
+
+
+# ---- each model's own size bound -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("door_name", DOORS)
+def test_a_declared_length_over_the_model_limit_is_refused_unread(
+    door: RunningFrontend, door_name: str
+) -> None:
+    """embed allows ~1 MiB of body; 10 MiB declared (well within other models' limits)
+    is refused from Content-Length, with none of it sent."""
+    with connect(door.http_url) as sock:
+        send_head(
+            sock, door_path("embed", door_name), {**KEY, "Content-Length": str(BETWEEN_LIMITS)}
+        )
+        answer = read_answer(sock)
+    assert answer.status == 400, answer
+    assert "too large" in answer.error and "'embed'" in answer.error, answer.error
+    assert answer.headers.get("connection") == "close"
+    simple_served(door.http_url)
+
+
+def chunked(data: bytes, size: int = 1 << 16) -> Iterator[bytes]:
+    for at in range(0, len(data), size):
+        part = data[at : at + size]
+        yield f"{len(part):x}\r\n".encode() + part + b"\r\n"
+
+
+@pytest.mark.parametrize("door_name", DOORS)
+def test_a_chunked_body_is_cut_off_at_the_model_limit(
+    door: RunningFrontend, door_name: str
+) -> None:
+    """No length declared: what was read is counted, and the request refused once it
+    passes embed's limit, without waiting for a last chunk that never comes."""
+    with connect(door.http_url) as sock:
+        send_head(sock, door_path("embed", door_name), {**KEY, "Transfer-Encoding": "chunked"})
+        for part in chunked(b"x" * (3 << 19)):  # 1.5 MiB, and no terminating chunk
+            sock.sendall(part)
+        answer = read_answer(sock)
+    assert answer.status == 400, answer
+    assert "too large" in answer.error and "'embed'" in answer.error, answer.error
+
+
+def test_an_inflated_body_stops_at_the_model_limit(door: RunningFrontend) -> None:
+    """8 MiB of JSON in a few KiB of gzip: inflating stops at embed's limit (not at the
+    largest of any model's), and says so."""
+    body = gzip.compress(embed_body(4, pad="x" * (8 << 20)))
+    answer = request(
+        door.http_url, door_path("embed", "infer"), body, {**KEY, "Content-Encoding": "gzip"}
+    )
+    assert answer.status == 400, answer
+    assert "too large" in answer.error and "gzip" in answer.error, answer.error
+    assert "'embed'" in answer.error, answer.error
+
+
+def test_a_body_within_the_limit_of_its_model_is_served(door: RunningFrontend) -> None:
+    """The bound is embed's own, not a smaller one: a body just under it is read whole
+    (and then judged by its tensors: 600 tokens are over embed's 2000 bytes)."""
+    limit = http_server.body_limit(parse_config(door_config()).endpoint("embed"))
+    body = embed_body(4, pad="x" * (limit - len(embed_body(4, pad="")) - 16))
+    assert len(body) < limit
+    answer = request(door.http_url, door_path("embed", "infer"), body, KEY)
+    assert answer.status == 200, answer
+    too_many = request(door.http_url, door_path("embed", "infer"), embed_body(600), KEY)
+    assert too_many.status == 400 and "2400 bytes" in too_many.error, too_many
+
+
+# ---- slow bodies ---------------------------------------------------------------------------
+
+
+def trickle_until_answered(sock: socket.socket, deadline_s: float) -> None:
+    """Send the body a byte at a time, a tenth of a second apart, until the server says
+    something (or ``deadline_s`` passes): the slowloris client, never idle for long."""
+    until = time.monotonic() + deadline_s
+    while time.monotonic() < until:
+        sock.sendall(b" ")
+        readable, _, _ = select.select([sock], [], [], 0.1)
+        if readable:
+            return
+
+
+@pytest.mark.parametrize("door_name", DOORS)
+def test_a_trickled_body_is_answered_408_and_its_connection_closed(
+    door: RunningFrontend, door_name: str
+) -> None:
+    with connect(door.http_url) as sock:
+        send_head(sock, door_path("simple", door_name), {**KEY, "Content-Length": "100000"})
+        trickle_until_answered(sock, ANSWER_TIMEOUT_S)
+        answer = read_answer(sock)
+        assert answer.status == 408, answer
+        assert "body" in answer.error and f"{BODY_TIMEOUT_S:g}" in answer.error, answer.error
+        assert answer.headers.get("connection") == "close"
+        assert closed_by_server(sock)
+    simple_served(door.http_url)
+
+
+# ---- decoding off the event loop -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def in_process(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+    """One process: its HTTP shell runs in this one, where a test can watch it decode."""
+    with running_frontend(parse_config(door_config()), triton, workers=1) as running:
+        yield running
+
+
+@dataclass
+class Gate:
+    """Holds every decode of a body over ``size`` bytes until ``opened``."""
+
+    size: int
+    entered: threading.Event
+    opened: threading.Event
+
+    def wrap(self, decode: Callable[..., Any]) -> Callable[..., Any]:
+        def held(model: str, version: str, body: bytes, header_length: int | None) -> Any:
+            if len(body) > self.size:
+                self.entered.set()
+                self.opened.wait(ANSWER_TIMEOUT_S * 2)
+            return decode(model, version, body, header_length)
+
+        return held
+
+
+def test_a_large_body_decodes_while_other_clients_are_served(
+    in_process: RunningFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large JSON body is decoded off the event loop. The test holds its decode
+    midway (a real decode of a large body holds it for as long as it parses); a small
+    request sent meanwhile is answered all the same. Were the decode on the loop, the
+    hold would stop the whole shell and the small request would get no answer."""
+    gate = Gate(1 << 19, threading.Event(), threading.Event())
+    monkeypatch.setattr(http_server, "decode_infer", gate.wrap(http_server.decode_infer))
+    big = embed_body(4, pad="x" * (3 << 18))  # 768 KiB: within embed's limit
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(request, in_process.http_url, door_path("embed", "infer"), big, KEY)
+        try:
+            assert gate.entered.wait(ANSWER_TIMEOUT_S), "the large request was never decoded"
+            simple_served(in_process.http_url)
+            assert not pending.done()
+        finally:
+            gate.opened.set()
+        answer = pending.result(ANSWER_TIMEOUT_S)
+    assert answer.status == 200, answer
+
+
+def test_binary_tensors_are_views_of_the_body() -> None:
+    """Binary inputs are read in place (``np.frombuffer`` on the body): no copy of the
+    payload, no Python object per element."""
+    ids = np.arange(1000, dtype=np.int32)
+    head = {
+        "inputs": [
+            {
+                "name": "INPUT_IDS",
+                "shape": [1, 1000],
+                "datatype": "INT32",
+                "parameters": {"binary_data_size": ids.nbytes},
+            }
+        ]
+    }
+    header = json.dumps(head).encode()
+    body = header + ids.tobytes()
+    req = decode_infer("embed", "", body, len(header))
+    (tensor,) = req.inputs
+    assert tensor.data.tolist() == [ids.tolist()]
+    assert np.shares_memory(tensor.data, np.frombuffer(body, dtype=np.uint8))
