@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
@@ -329,3 +330,27 @@ def test_side_door_calls_are_counted_without_a_series_per_unknown_key(
         "live", "ready", "server_metadata", "model_metadata", "model_config", "model_ready",
         "statistics",
     }  # fmt: skip
+
+
+def test_inference_for_a_model_that_does_not_exist_asks_triton_once_per_shell(
+    fe: RunningFrontend, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model lookup behind inference keeps "no such model" too: one client naming the
+    same missing model again and again costs Triton one lookup per shell, not one each."""
+    forwarder = fe.frontend.forwarder  # the core's, in this process whatever the shells
+    real_config = forwarder.model_config
+    asked: list[str] = []
+
+    async def counted(model: str, version: str = "") -> Any:
+        asked.append(model)
+        return await real_config(model, version)
+
+    monkeypatch.setattr(forwarder, "model_config", counted)
+    client = grpcclient.InferenceServerClient(fe.grpc_url)
+    model = "no_such_model_infer_flood"
+    inp = grpcclient.InferInput("INPUT_IDS", [1, 4], "INT32")
+    inp.set_data_from_numpy(np.zeros((1, 4), dtype=np.int32))
+    for _ in range(20):  # one after another: nothing to share but what is kept
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            client.infer(model, [inp], headers=dict(KEY))
+    assert 1 <= asked.count(model) <= workers, asked  # without the negative answer: 20
