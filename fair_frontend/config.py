@@ -51,6 +51,10 @@ DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+# Requests of one ModelStreamInfer stream handled at once: above any engine's slots
+# (64-256) and a client's usual pipelining depth, so a legitimate client never waits on
+# it; it bounds one stream's tasks and undelivered replies.
+DEFAULT_GRPC_STREAM_MAX_INFLIGHT = 1024
 DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
 DEFAULT_RATELIMIT_STORAGE = "memory://"
@@ -397,6 +401,15 @@ class Server(_Strict):
         description="Shell processes serving HTTP and gRPC in front of the one core process "
         "(--workers overrides). Unset: the cores this process may use less one, at most 8 "
         "(so 1 on 2 cores). 1: the whole frontend in one process.",
+    )
+    grpc_stream_max_inflight: int = Field(
+        default=DEFAULT_GRPC_STREAM_MAX_INFLIGHT,
+        ge=1,
+        description="Requests of one gRPC stream (ModelStreamInfer) handled at once. At the "
+        "bound, and while the replies the client has not read fill the stream's small "
+        "buffer, the stream's next messages are not read (gRPC flow control holds the "
+        "client back) and start no work: a client that sends and never reads costs a "
+        "bounded amount of memory.",
     )
     http_body_timeout_s: float = Field(
         default=DEFAULT_HTTP_BODY_TIMEOUT_S,

@@ -3,6 +3,12 @@
 The messages are tritonclient's generated stubs (``tritonclient.grpc.service_pb2``).
 Inputs arrive either as ``raw_input_contents`` (what tritonclient and perf_analyzer
 send) or typed ``contents``; responses always use raw contents, as Triton does.
+
+The server takes requests as bytes (``parse_infer_request``), so that it can read the
+model name (``peek_model_name``) and check the caller's key and the message's size before
+it parses anything. Typed numeric contents become numpy arrays straight from their packed
+wire bytes (``packed_array``): never one Python object per element, which for a million
+elements would cost seconds of the event loop and tens of megabytes.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.errors import InvalidArgument
@@ -45,6 +52,26 @@ _CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+
+
+# InferTensorContents' numeric fields: field number, and how an element is laid out in
+# the packed field (a little-endian fixed-width type, or None for a varint).
+_PACKED_FIELDS: dict[str, tuple[int, str | None]] = {
+    "bool_contents": (1, None),
+    "int_contents": (2, None),
+    "int64_contents": (3, None),
+    "uint_contents": (4, None),
+    "uint64_contents": (5, None),
+    "fp32_contents": (6, "<f4"),
+    "fp64_contents": (7, "<f8"),
+}
+_MAX_VARINT_BYTES = 10
+_VARINT_WINDOW = 1 << 18  # bytes of a packed field decoded at a time
+# Fields read past before peek_model_name gives up: serializers write model_name (field
+# 1) first, so a real client's is found at once; a message that hides it deep costs its
+# sender a full parse before its size is checked against the model's bound, not us a scan.
+_PEEK_FIELDS = 8
+_MODEL_NAME_TAG = (1 << 3) | 2  # field 1, length-delimited
 
 
 # Request parameters accepted as uint64_param: Triton's (the clients send priority that
@@ -85,6 +112,63 @@ def set_param(p: service_pb2.InferParameter, value: ParamValue) -> None:
         p.double_param = value
     else:
         p.string_param = str(value)
+
+
+def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """One varint of ``buf`` at ``pos``: (value, position after it); ValueError if cut."""
+    value = shift = 0
+    for i in range(pos, min(pos + _MAX_VARINT_BYTES, len(buf))):
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i + 1
+        shift += 7
+    raise ValueError("truncated or overlong varint")
+
+
+def _skip(buf: bytes | memoryview, pos: int, wire_type: int) -> int:
+    """The position after a field's value of ``wire_type`` at ``pos``."""
+    if wire_type == 0:
+        return _varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        length, pos = _varint(buf, pos)
+        return pos + length
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"wire type {wire_type}")
+
+
+def peek_model_name(raw: bytes) -> str | None:
+    """The ``model_name`` of a serialized ``ModelInferRequest``, read from its first few
+    top-level fields without parsing the message; None if it is not among them (or the
+    bytes are not protobuf). A hint for the checks that come before parsing: the parsed
+    message's own ``model_name`` is the one that counts."""
+    pos = 0
+    try:
+        for _ in range(_PEEK_FIELDS):
+            if pos >= len(raw):
+                return None
+            tag, pos = _varint(raw, pos)
+            if tag == _MODEL_NAME_TAG:
+                length, pos = _varint(raw, pos)
+                if pos + length > len(raw):
+                    return None
+                return raw[pos : pos + length].decode()
+            pos = _skip(raw, pos, tag & 7)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
+    """A ``ModelInferRequest`` from the bytes of a call; INVALID_ARGUMENT if they are not
+    one (gRPC's own deserializer would answer INTERNAL)."""
+    try:
+        return service_pb2.ModelInferRequest.FromString(raw)
+    except DecodeError as err:
+        raise InvalidArgument(f"the request is not a valid ModelInferRequest: {err}") from None
 
 
 def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
@@ -155,11 +239,115 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
         arr = np.empty(count, dtype=object)
         arr[:] = list(values)
     else:
-        try:
-            arr = np.array(list(values), dtype=DTYPES[datatype])
-        except OverflowError:
-            raise InvalidArgument(f"input '{name}': value out of range for {datatype}") from None
+        arr = _in_range(name, datatype, packed_array(contents, field))
     return Tensor(name, datatype, shape, shaped(name, arr, shape))
+
+
+def _in_range(name: str, datatype: str, wide: np.ndarray) -> np.ndarray:
+    """``wide`` (the field's own type) as ``datatype``, refusing elements that do not fit:
+    INT8/INT16 travel in int_contents, UINT8/UINT16 in uint_contents."""
+    dtype = DTYPES[datatype]
+    if wide.dtype == dtype:
+        return wide
+    info = np.iinfo(dtype)
+    if wide.size and (wide.min() < info.min or wide.max() > info.max):
+        raise InvalidArgument(f"input '{name}': value out of range for {datatype}")
+    return wide.astype(dtype)
+
+
+def packed_array(contents: service_pb2.InferTensorContents, field: str) -> np.ndarray:
+    """The elements of one numeric field of ``contents`` as a numpy array of the field's
+    type (bool, int32, int64, uint32, uint64, float32, float64), decoded from the field's
+    packed wire bytes in bulk: no Python object per element.
+
+    The bytes come from serializing ``contents`` (protobuf writes a repeated scalar field
+    as one packed record; a record of any other form falls back to the element-wise
+    reading, which is always right)."""
+    number, fixed = _PACKED_FIELDS[field]
+    wire = memoryview(contents.SerializeToString())
+    chunks: list[memoryview] = []
+    pos = 0
+    while pos < len(wire):
+        tag, pos = _varint(wire, pos)
+        end = _skip(wire, pos, tag & 7)
+        if tag >> 3 == number:
+            if tag & 7 != 2:
+                return np.array(list(getattr(contents, field)), dtype=_FIELD_DTYPES[field])
+            length, start = _varint(wire, pos)
+            chunks.append(wire[start : start + length])
+        pos = end
+    payload = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))
+    if fixed is not None:
+        return np.frombuffer(payload, dtype=fixed)
+    dtype = _FIELD_DTYPES[field]
+    if dtype == np.bool_:
+        return decode_varints(payload, 1) != 0
+    values = decode_varints(payload, dtype.itemsize)
+    return values.view(dtype) if values.dtype.itemsize == dtype.itemsize else values.astype(dtype)
+
+
+_FIELD_DTYPES: dict[str, np.dtype[Any]] = {
+    "bool_contents": np.dtype(np.bool_),
+    "int_contents": np.dtype("<i4"),
+    "int64_contents": np.dtype("<i8"),
+    "uint_contents": np.dtype("<u4"),
+    "uint64_contents": np.dtype("<u8"),
+    "fp32_contents": np.dtype("<f4"),
+    "fp64_contents": np.dtype("<f8"),
+}
+
+
+def decode_varints(payload: bytes | memoryview, width: int) -> np.ndarray:
+    """The unsigned varints of a packed field, vectorized: the low ``width`` bytes of
+    each, as uint32 (width <= 4) or uint64. A negative int32 is a 10-byte varint whose
+    low 4 bytes are its two's complement, so a view as int32 reads it back.
+
+    Each varint ends at a byte below 0x80. Pass k (0..9) takes the k-th byte of every
+    varint still going on (its start + k) and puts its 7 payload bits at bit 7k. The
+    bytes are taken a window at a time, cut after a varint's last byte, so the index
+    arrays stay a few megabytes whatever the field's size."""
+    data = np.frombuffer(payload, dtype=np.uint8)
+    out_type = np.dtype(np.uint32) if width <= 4 else np.dtype(np.uint64)
+    passes = min(_MAX_VARINT_BYTES, -(-out_type.itemsize * 8 // 7))
+    count = sum(
+        int(np.count_nonzero(data[i : i + _VARINT_WINDOW] < 0x80))
+        for i in range(0, data.size, _VARINT_WINDOW)
+    )
+    out = np.empty(count, dtype=out_type)
+    done = lo = 0
+    while done < out.size:
+        window = data[lo : lo + _VARINT_WINDOW]
+        ends = np.flatnonzero(window < 0x80)
+        # Zero padding: a pass may look up to 9 bytes past the window's last varint.
+        padded = np.concatenate([window[: ends[-1] + 1], np.zeros(passes, dtype=np.uint8)])
+        values = _varint_passes(padded, ends, out_type, passes)
+        out[done : done + values.size] = values
+        done += values.size
+        lo += int(ends[-1]) + 1
+    return out
+
+
+def _varint_passes(
+    data: np.ndarray, ends: np.ndarray, out_type: np.dtype[Any], passes: int
+) -> np.ndarray:
+    """The varints ending at ``ends`` of ``data`` (which starts at a varint)."""
+    pos = np.empty(ends.size, dtype=np.int64)
+    pos[0] = 0
+    pos[1:] = ends[:-1] + 1
+    byte = data[pos]
+    acc = (byte & 0x7F).astype(out_type)
+    going = byte >= 0x80
+    for k in range(1, passes):
+        if not going.any():
+            break
+        pos += 1
+        byte = data[pos]
+        part = (byte & 0x7F).astype(out_type)
+        part *= going
+        part <<= out_type.type(7 * k)
+        acc |= part
+        going &= byte >= 0x80
+    return acc
 
 
 def encode_infer(resp: InferResponse) -> service_pb2.ModelInferResponse:

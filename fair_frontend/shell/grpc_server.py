@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -18,13 +20,21 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import grpc_codec
 from fair_frontend.auth import grpc_peer_address, identity_headers
-from fair_frontend.errors import FrontendError, Internal
+from fair_frontend.config import Config, Endpoint
+from fair_frontend.errors import FrontendError, Internal, InvalidArgument
+from fair_frontend.protocol import InferRequest
 from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_PENDING_CALLS = 1 << 20
+# Room in a request message beyond its tensor data (names, shapes, parameters).
+FRAMING_BYTES = 1 << 20
+GRPC_DEFAULT_PENDING_CALLS = 1000  # gRPC core's own max_pending_requests
+# Replies of one stream written ahead of a client that does not read them.
+REPLY_BUFFER = 64
+# Methods whose request arrives as bytes: parsed only after the key and size are checked.
+RAW_REQUEST_METHODS = ("ModelInfer", "ModelStreamInfer")
 
 
 async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> NoReturn:
@@ -99,84 +109,257 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             lambda: self.gateway.statistics(request.name, request.version, _headers(context)),
         )
 
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    async def ModelInfer(self, request: bytes, context: Any) -> Any:
+        """One request as bytes (``make_server`` registers no deserializer): the key and
+        the size are checked before the body is parsed (``_decode``)."""
+
         async def call() -> Any:
             headers = _headers(context)
-            started = time.monotonic()
-            try:
-                req = grpc_codec.decode_infer(request)
-            except FrontendError as err:
-                # Answered before Gateway.infer: still one counted, logged outcome.
-                self.gateway.rejected(request.model_name, headers, err, time.monotonic() - started)
-                raise
+            req = self._decode(request, headers)
             resp = await self.gateway.infer(req, headers)
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
 
-    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[Any]:
         """Bidirectional streaming: every request on the stream is scheduled like any
         other; responses (several for a decoupled model) go back as they come, each
-        request's in order. An error answers that request in-stream, as Triton does."""
-        headers = _headers(context)
-        replies: asyncio.Queue[Any] = asyncio.Queue()
-        handlers: set[asyncio.Task[None]] = set()
+        request's in order. An error answers that request in-stream, as Triton does.
 
-        async def handle(msg: Any) -> None:
-            started = time.monotonic()
-            try:
-                try:
-                    req = grpc_codec.decode_infer(msg)
-                except FrontendError as err:
-                    self.gateway.rejected(msg.model_name, headers, err, time.monotonic() - started)
-                    raise
-                async for resp in self.gateway.stream_infer(req, headers):
+        The key is checked once, from the stream's metadata, before any message is read:
+        without a valid one the stream ends UNAUTHENTICATED (PERMISSION_DENIED for a key
+        naming another tenant) and nothing it sent is parsed. Reading is bounded by
+        ``StreamInfer`` (backpressure on a client that does not read its replies)."""
+        headers = _headers(context)
+        try:
+            self.gateway.auth.identify_by_headers(headers)
+        except FrontendError as err:
+            self.gateway.rejected("", headers, err, 0.0)
+            await abort(context, err)
+        stream = StreamInfer(
+            lambda raw: self._stream_request(raw, headers),
+            self.gateway.config.server.grpc_stream_max_inflight,
+        )
+        async for reply in stream.replies(request_iterator):
+            yield reply
+
+    async def _stream_request(
+        self, raw: bytes, headers: dict[str, str]
+    ) -> AsyncGenerator[Any, None]:
+        """One message of a stream: its replies, an error as an in-stream reply."""
+        try:
+            req = self._decode(raw, headers)
+            # Closed when this generator is (its stream ends): the request is cancelled
+            # in the core at once, not when the generator is collected.
+            async with aclosing(self.gateway.stream_infer(req, headers)) as answers:
+                async for resp in answers:
                     reply = service_pb2.ModelStreamInferResponse()
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
-                    replies.put_nowait(reply)
-            except FrontendError as err:
-                replies.put_nowait(service_pb2.ModelStreamInferResponse(error_message=err.message))
-            except Exception as err:
-                log.exception("internal error on a stream")
-                replies.put_nowait(
-                    service_pb2.ModelStreamInferResponse(
-                        error_message=f"internal error: {type(err).__name__}"
-                    )
-                )
+                    yield reply
+        except FrontendError as err:
+            yield service_pb2.ModelStreamInferResponse(error_message=err.message)
+        except Exception as err:
+            log.exception("internal error on a stream")
+            yield service_pb2.ModelStreamInferResponse(
+                error_message=f"internal error: {type(err).__name__}"
+            )
 
-        async def read() -> None:
-            async for msg in request_iterator:
-                task = asyncio.get_running_loop().create_task(handle(msg))
-                handlers.add(task)
-                task.add_done_callback(handlers.discard)
-            while handlers:
-                await asyncio.gather(*list(handlers), return_exceptions=True)
-            replies.put_nowait(None)
-
-        reader = asyncio.get_running_loop().create_task(read())
+    def _decode(self, raw: bytes, headers: dict[str, str]) -> InferRequest:
+        """A request's bytes, checked in order of cost: the key (and a full queue) from
+        the headers, the size against the model's bound, then the parse and decode. A
+        refusal here is still one counted, logged outcome."""
+        started = time.monotonic()
+        model = grpc_codec.peek_model_name(raw) or ""
         try:
-            while (reply := await replies.get()) is not None:
+            self.gateway.admit_early(model, headers)
+            self._check_size(model, len(raw))
+            msg = grpc_codec.parse_infer_request(raw)
+            if msg.model_name != model:  # it was not among the first fields: check again
+                model = msg.model_name
+                self._check_size(model, len(raw))
+            return grpc_codec.decode_infer(msg)
+        except FrontendError as err:
+            self.gateway.rejected(model, headers, err, time.monotonic() - started)
+            raise
+
+    def _check_size(self, model: str, size: int) -> None:
+        bound = message_bound(self.gateway.config.endpoint(model))
+        if size > bound:
+            raise InvalidArgument(
+                f"request too large: the message is {size} bytes, model '{model}' accepts "
+                f"at most {bound} (max_request_bytes of tensor data, and the framing)"
+            )
+
+
+def message_bound(endpoint: Endpoint) -> int:
+    """The largest serialized request accepted for an endpoint: its tensor bytes twice
+    over (typed contents' varints, BYTES elements' framing), plus room for the rest of
+    the message (names, shapes, parameters). The same allowance as an HTTP body's."""
+    return endpoint.max_request_bytes * 2 + FRAMING_BYTES
+
+
+def max_message_bytes(config: Config) -> int:
+    """gRPC's own receive limit: the largest endpoint's bound. A message above it is
+    refused by gRPC before any of it is buffered whole (RESOURCE_EXHAUSTED, gRPC's own
+    status, like Triton's at its INT32_MAX limit); below it, the endpoint's own bound
+    answers INVALID_ARGUMENT (``GrpcShell._check_size``). Endpoints are fixed at start."""
+    eps = [*config.endpoints.values(), config.default_endpoint]
+    return min(max(message_bound(ep) for ep in eps), 2**31 - 1)
+
+
+def max_pending_calls(config: Config) -> int:
+    """Calls gRPC core may hold before the (single-threaded) asyncio server picks them up.
+
+    A burst of thousands must queue here, where it is scheduled fairly, not be cancelled
+    at the door, so this is not gRPC's default (1000). But a call beyond the global queue
+    cap would be refused anyway: more pending calls than that only cost memory (each holds
+    its connection's buffers), so the cap bounds it, never below gRPC's default."""
+    return max(config.queues.max_queued, GRPC_DEFAULT_PENDING_CALLS)
+
+
+class StreamInfer:
+    """One ModelStreamInfer stream: its reader, its requests in flight, its replies.
+
+    Bounded so that a client that sends and never reads costs a bounded amount:
+    - at most ``max_inflight`` requests handled at once (one task each);
+    - at most ``REPLY_BUFFER`` replies waiting for the client to read them: a request
+      whose reply does not fit waits, holding its slot;
+    - the next message is read only when a slot is free and the buffer is not full; until
+      then gRPC's flow control holds the client back, and nothing new starts.
+
+    Each request's replies keep their order (its task puts them one after another);
+    requests' replies interleave as they finish. When the client half-closes, the
+    requests in flight finish and the stream ends after their replies. If reading fails
+    (the client reset the stream) or the stream is cancelled, the requests in flight are
+    cancelled: each then ends in the core as cancelled, once.
+    """
+
+    def __init__(
+        self, handle: Callable[[bytes], AsyncGenerator[Any, None]], max_inflight: int
+    ) -> None:
+        self._handle = handle
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._buffer: deque[Any] = deque()
+        self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reading = True
+
+    async def replies(self, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        """The stream's replies, as they come, until every request is answered."""
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        try:
+            while (reply := await self._next_reply()) is not None:
                 yield reply
         finally:
             reader.cancel()
-            for task in list(handlers):
+            for task in list(self._tasks):
                 task.cancel()
+
+    async def _next_reply(self) -> Any:
+        """The oldest reply; None once reading ended and every request is answered."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._buffer or self._finished)
+            if not self._buffer:
+                return None
+            reply = self._buffer.popleft()
+            self._changed.notify_all()
+            return reply
+
+    @property
+    def _finished(self) -> bool:
+        return not self._reading and not self._tasks
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        iterator = aiter(requests)
+        try:
+            while True:
+                await self._slots.acquire()
+                async with self._changed:
+                    await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
+                try:
+                    raw = await anext(iterator)
+                except StopAsyncIteration:
+                    self._slots.release()
+                    break
+                task = asyncio.get_running_loop().create_task(self._run(raw))
+                self._tasks.add(task)
+                task.add_done_callback(self._forget)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the client reset the stream: nobody to answer
+            log.info("stream read failed (%s): cancelling its requests", type(err).__name__)
+            for task in list(self._tasks):
+                task.cancel()
+        finally:
+            self._reading = False
+            await self._notify()
+
+    async def _run(self, raw: bytes) -> None:
+        try:
+            async with aclosing(self._handle(raw)) as replies:
+                async for reply in replies:
+                    async with self._changed:
+                        await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
+                        self._buffer.append(reply)
+                        self._changed.notify_all()
+        finally:
+            self._slots.release()
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stream request failed", exc_info=task.exception())
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
 
 def make_server(gateway: Gateway) -> grpc.aio.Server:
+    """The gRPC server: tritonclient's service, ModelInfer and ModelStreamInfer taking
+    their requests as bytes (identity and size come before parsing), bounded messages
+    and pending calls."""
+    config = gateway.config
+    limit = max_message_bytes(config)
+    pending = max_pending_calls(config)
     server = grpc.aio.server(
         options=[
-            # Like Triton (INT32_MAX): the per-endpoint max_request_bytes is the real limit,
-            # answered INVALID_ARGUMENT; gRPC's own would be RESOURCE_EXHAUSTED, which
-            # PROTOCOL.md keeps for a tenant's rate limit.
-            ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.max_receive_message_length", limit),
+            # Responses are Triton's, passed on: as large as Triton sends them.
             ("grpc.max_send_message_length", 2**31 - 1),
-            # gRPC core cancels calls beyond ~1000 not yet picked up by the (single-threaded)
-            # asyncio server: a burst of thousands must queue here, where it is scheduled
-            # fairly, not be cancelled at the door. Queue caps bound it instead.
-            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending),
         ]
     )
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcShell(gateway), server)
+    service, handlers = _method_handlers(GrpcShell(gateway))
+    for name in RAW_REQUEST_METHODS:
+        handlers[name] = handlers[name]._replace(request_deserializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
     return server
+
+
+class _HandlerCapture:
+    """Stands in for a server to take the handlers tritonclient's generated code makes."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _method_handlers(shell: GrpcShell) -> tuple[str, dict[str, Any]]:
+    """The service name and its method handlers, as the generated code registers them."""
+    capture = _HandlerCapture()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(shell, capture)
+    if not capture.handlers:
+        raise RuntimeError("tritonclient's service_pb2_grpc registers no method handlers")
+    return capture.service, capture.handlers

@@ -559,12 +559,16 @@ def test_http_body_over_the_transport_limit(small: RunningFrontend) -> None:
 
 
 def test_grpc_message_over_the_transport_limit(small: RunningFrontend) -> None:
+    """Larger than any endpoint allows: gRPC itself refuses it, before it is buffered
+    whole (its own RESOURCE_EXHAUSTED, as Triton's at its 2 GiB limit). Below that limit,
+    a message over its model's bound is INVALID_ARGUMENT (test_grpc_door)."""
     tokens = (2 * MAX_BYTES + (1 << 20)) // 4 + 1
     ids = np.zeros((1, tokens), dtype=np.int32)
     with grpc_stub(small.grpc_url) as stub:
         reply = grpc_call(stub, ids_grpc("embed", ids), metadata=KEY_METADATA)
     simple_still_served_grpc(small.grpc_url)
-    assert reply.code == IA, reply
+    assert reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED, reply
+    assert "larger than max" in reply.details
 
 
 # ---- Content-Encoding the server cannot decode ----------------------------------------------

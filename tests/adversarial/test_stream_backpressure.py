@@ -1,0 +1,280 @@
+"""Hostile gRPC streams: bounded by what the client reads, gone when the client is.
+
+Issue 11, item 2. ``ModelStreamInfer`` handles at most ``server.grpc_stream_max_inflight``
+requests of a stream at once and buffers at most ``REPLY_BUFFER`` replies the client has
+not read; beyond, it stops reading the stream, and gRPC's flow control holds the client
+back. So:
+
+- a client that sends and never reads gets only a bounded number of requests admitted,
+  its writes stall, the shell's memory stays bounded, and another tenant is served;
+- a stream without a valid key ends UNAUTHENTICATED before any message is read;
+- a client that vanishes (killed, its connection reset) leaves nothing queued or running
+  in the core: each of its requests ends once, dispatched or cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+
+from fair_frontend.config import parse_config
+from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.scheduler import Counters
+from fair_frontend.shell.grpc_server import REPLY_BUFFER
+from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+HOG = (("authorization", f"Bearer {KEYS['acme']}"),)
+QUIET = (("authorization", f"Bearer {KEYS['globex']}"),)
+MAX_INFLIGHT = 8  # server.grpc_stream_max_inflight here
+REPLY_BYTES = 200_000  # what simple_identity echoes to the hog, per request
+HOG_REQUESTS = 600  # 120 MB of replies, were they all held for a client that never reads
+# The shells' memory may grow by what the bounds allow (the buffer, the requests in
+# flight, gRPC's windows: about 25 MB of these replies), far below what the hog sends.
+RSS_GROWTH_LIMIT = 60 << 20
+# Replies gRPC itself carries towards the client before flow control stops it (its
+# windows grow to a few MiB on loopback): beyond the frontend's own bounds.
+IN_TRANSIT = (8 << 20) // REPLY_BYTES
+ANSWER_TIMEOUT_S = 10.0  # far above what a refusal takes
+SETTLE_S = 60.0  # deadline of a condition polled on the core; met far sooner
+
+
+def stream_config() -> dict[str, Any]:
+    data = config_dict()
+    data["server"] = {**data.get("server", {}), "grpc_stream_max_inflight": MAX_INFLIGHT}
+    return data
+
+
+@pytest.fixture(scope="module")
+def streams(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    with running_frontend(parse_config(stream_config()), triton, workers=workers) as running:
+        yield running
+
+
+def _identity(payload: bytes) -> bytes:
+    msg = service_pb2.ModelInferRequest(model_name="simple_identity")
+    msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
+    msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
+    return msg.SerializeToString()
+
+
+def _sleeper(tokens: int) -> bytes:
+    msg = service_pb2.ModelInferRequest(model_name="sleeper")
+    msg.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[1, tokens])
+    msg.raw_input_contents.append(np.ones(tokens, dtype="<i4").tobytes())
+    return msg.SerializeToString()
+
+
+def _embed() -> bytes:
+    msg = service_pb2.ModelInferRequest(model_name="embed")
+    msg.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[1, 8])
+    msg.raw_input_contents.append(np.arange(8, dtype="<i4").tobytes())
+    return msg.SerializeToString()
+
+
+def _open_stream(channel: grpc.aio.Channel, metadata: Any) -> Any:
+    method = channel.stream_stream(
+        STREAM,
+        request_serializer=None,
+        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+    )
+    return method(metadata=metadata)
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _shell_pids(fe: RunningFrontend) -> list[int]:
+    shells = fe.server.shells
+    return [os.getpid()] if shells is None else [p.pid for p in shells.processes.values()]
+
+
+async def _counters(fe: RunningFrontend, model: str) -> Counters:
+    async def read() -> Counters:
+        return fe.frontend.runtimes[model].scheduler.counters
+
+    counters: Counters = await fe.acall(read())
+    return counters
+
+
+async def _idle(fe: RunningFrontend, model: str) -> bool:
+    async def read() -> bool:
+        return bool(fe.frontend.runtimes[model].idle)
+
+    return bool(await fe.acall(read()))
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Poll ``condition`` (an async callable) until true; fail at the deadline."""
+    deadline = time.monotonic() + SETTLE_S
+    while not await condition():
+        assert time.monotonic() < deadline, f"not reached in {SETTLE_S} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_client_that_never_reads_is_held_back_and_others_are_served(
+    triton: EmbeddedTriton,
+) -> None:
+    """Two shell processes, so the shells' memory is theirs alone."""
+    config = parse_config(stream_config())
+    with running_frontend(config, triton, workers=2) as fe:
+        async with (
+            grpc.aio.insecure_channel(fe.grpc_url) as hog_channel,
+            grpc.aio.insecure_channel(fe.grpc_url) as quiet_channel,
+        ):
+            hog = _open_stream(hog_channel, HOG)
+            # One answered request: the model is known, the shells warm.
+            await hog.write(_identity(b"w" * 10))
+            assert not (await hog.read()).error_message
+            before = await _counters(fe, "simple_identity")
+            pids = _shell_pids(fe)
+            rss_before = sum(_rss(p) for p in pids)
+            body = _identity(b"h" * REPLY_BYTES)
+
+            async def flood() -> None:
+                for _ in range(HOG_REQUESTS):
+                    await hog.write(body)
+
+            writer = asyncio.get_running_loop().create_task(flood())
+            try:
+                # Another tenant is served meanwhile, each request in turn.
+                infer = quiet_channel.unary_unary(
+                    MODEL_INFER,
+                    request_serializer=None,
+                    response_deserializer=service_pb2.ModelInferResponse.FromString,
+                )
+                for _ in range(20):
+                    reply = await infer(_embed(), metadata=QUIET, timeout=30)
+                    assert reply.outputs[0].name == "EMBEDDING"
+                # The hog's writes stall: the frontend stopped reading its stream.
+                done, _ = await asyncio.wait({writer}, timeout=5.0)
+                assert not done, "every write of a client that never reads was taken"
+                after = await _counters(fe, "simple_identity")
+                admitted = after.admitted - before.admitted
+                assert admitted <= MAX_INFLIGHT + REPLY_BUFFER + IN_TRANSIT, admitted
+                growth = sum(_rss(p) for p in pids) - rss_before
+                assert growth < RSS_GROWTH_LIMIT, f"shells grew {growth >> 20} MiB"
+            finally:
+                writer.cancel()
+                hog.cancel()
+        await _until(lambda: _idle(fe, "simple_identity"), "the hog's requests end")
+
+
+async def test_a_stream_without_a_valid_key_ends_before_a_message_is_read(
+    streams: RunningFrontend,
+) -> None:
+    async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
+        for metadata in [(), (("authorization", "Bearer wrong"),)]:
+            call = _open_stream(channel, metadata)
+            # Nothing is sent: the stream ends on its metadata alone (a server that
+            # waited for a message to refuse would never answer this).
+            code = await asyncio.wait_for(call.code(), ANSWER_TIMEOUT_S)
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            assert "wrong" not in (await call.details() or "")
+
+
+async def test_a_valid_stream_answers_each_request_in_stream(streams: RunningFrontend) -> None:
+    """More requests than the stream's in-flight bound, read as they come: all answered,
+    bad ones in-stream, and the stream ends when the client is done."""
+    async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
+        call = _open_stream(channel, HOG)
+        count = MAX_INFLIGHT * 4
+        for i in range(count):
+            await call.write(_identity(str(i).encode()) if i % 5 else b"\xff" * 8)
+        await call.done_writing()
+
+        async def every_reply() -> list[Any]:
+            return [reply async for reply in call]
+
+        # A stream whose reading failed (a message it could not parse) and never ended
+        # would hang here: the deadline turns that into a failure.
+        replies = await asyncio.wait_for(every_reply(), SETTLE_S)
+    assert len(replies) == count
+    errors = [r.error_message for r in replies if r.error_message]
+    assert len(errors) == len(range(0, count, 5))
+    assert all("not a valid ModelInferRequest" in e for e in errors)
+    echoed = sorted(
+        int(r.infer_response.raw_output_contents[0][4:]) for r in replies if not r.error_message
+    )
+    assert echoed == [i for i in range(count) if i % 5]
+
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, threading, grpc
+    url, key, body_file, count = sys.argv[1:5]
+    body = open(body_file, "rb").read()
+    channel = grpc.insecure_channel(url)
+    stream = channel.stream_stream("{stream}", request_serializer=None,
+                                   response_deserializer=None)
+    done = threading.Event()
+    def requests():
+        for _ in range(int(count)):
+            yield body
+        print("sent", flush=True)
+        done.wait()  # never half-closes: the process is killed
+    replies = stream(requests(), metadata=(("x-api-key", key),))
+    done.wait()
+    """
+).format(stream=STREAM)
+
+
+async def test_a_vanished_client_leaves_nothing_running_in_the_core(
+    streams: RunningFrontend, tmp_path: Path
+) -> None:
+    """Killed with requests queued and in Triton: they end, each once, and the model's
+    runtime in the core is idle again, long before the queued ones could have run."""
+    count = 160  # five batches of sleeper, over a second each: most still queued at the kill
+    body_file = tmp_path / "body"
+    body_file.write_bytes(_sleeper(2000))
+    # The model is known before the counters are read.
+    async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
+        warm = _open_stream(channel, HOG)
+        await warm.write(_sleeper(4))
+        assert not (await warm.read()).error_message
+        await warm.done_writing()
+    before = await _counters(streams, "sleeper")
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, streams.grpc_url, KEYS["acme"], str(body_file), str(count)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+
+        async def all_admitted() -> bool:
+            return (await _counters(streams, "sleeper")).admitted - before.admitted >= count
+
+        await _until(all_admitted, "the client's requests admitted")
+    finally:
+        client.kill()
+        client.wait()
+    await _until(lambda: _idle(streams, "sleeper"), "the vanished client's requests end")
+    after = await _counters(streams, "sleeper")
+    assert after.admitted - before.admitted == count
+    ended = (
+        after.dispatched
+        - before.dispatched
+        + after.cancelled
+        - before.cancelled
+        + after.expired
+        - before.expired
+    )
+    assert ended == count
+    assert after.cancelled - before.cancelled > 0, "every request ran: none was cancelled"
