@@ -191,7 +191,8 @@ async def _serve(
 
 
 def _reload(server: FrontendServer, path: str) -> None:
-    """SIGHUP: read the config file again and apply keys, tenants and limits."""
+    """SIGHUP: read the config file again and apply what can change live (see
+    ``Core.reload``); the rest is kept, named in an ERROR log line."""
     try:
         server.reload(load_config(path))
     except ConfigError as err:

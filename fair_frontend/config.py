@@ -889,6 +889,7 @@ def reference() -> str:
         ("`rate_limiting`", RateLimiting),
         ("`auth`", Auth),
         ("`observability`", Observability),
+        ("`side_doors`", SideDoors),
         ("`endpoints.<model>` and `default_endpoint`", Endpoint),
         ("`padding` (of an endpoint)", Padding),
         ("`padding.inputs.<input>`", PaddedInput),
