@@ -9,12 +9,15 @@ back. So:
   its writes stall, the shell's memory stays bounded, and another tenant is served;
 - a stream without a valid key ends UNAUTHENTICATED before any message is read;
 - a client that vanishes (killed, its connection reset) leaves nothing queued or running
-  in the core: each of its requests ends once, dispatched or cancelled.
+  in the core: each of its requests ends once, dispatched or cancelled;
+- a stream whose read fails (a message over gRPC's receive limit) ends, and its queued
+  requests are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import subprocess
@@ -53,9 +56,19 @@ ANSWER_TIMEOUT_S = 10.0  # far above what a refusal takes
 SETTLE_S = 60.0  # deadline of a condition polled on the core; met far sooner
 
 
+REQUEST_BYTES = 512 << 10  # every endpoint's max_request_bytes here
+# Over gRPC's own receive limit here (the largest endpoint's bound): reading it fails.
+OVER_TRANSPORT_LIMIT = 3 * REQUEST_BYTES + (1 << 20)
+
+
 def stream_config() -> dict[str, Any]:
+    """Test tenants, a small in-flight bound per stream, and every endpoint's requests
+    small (so gRPC's own limit is a few MiB)."""
     data = config_dict()
     data["server"] = {**data.get("server", {}), "grpc_stream_max_inflight": MAX_INFLIGHT}
+    for endpoint in data["endpoints"].values():
+        endpoint["max_request_bytes"] = REQUEST_BYTES
+    data["default_endpoint"] = {**data["default_endpoint"], "max_request_bytes": REQUEST_BYTES}
     return data
 
 
@@ -278,3 +291,45 @@ async def test_a_vanished_client_leaves_nothing_running_in_the_core(
     )
     assert ended == count
     assert after.cancelled - before.cancelled > 0, "every request ran: none was cancelled"
+
+
+async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
+    streams: RunningFrontend,
+) -> None:
+    """A message over gRPC's receive limit fails the stream's read: the stream ends, and
+    its requests still queued are cancelled in the core, not left to run for nobody."""
+    count = MAX_INFLIGHT - 1  # a slot left: the stream reads its next message
+    async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
+        warm = _open_stream(channel, HOG)
+        await warm.write(_sleeper(4))
+        assert not (await warm.read()).error_message
+        await warm.done_writing()
+        before = await _counters(streams, "sleeper")
+        # Another tenant's full batch of long requests: the stream's wait behind it.
+        blocker = _open_stream(channel, QUIET)
+        for _ in range(32):
+            await blocker.write(_sleeper(4000))
+        await blocker.done_writing()
+
+        async def blocker_in_triton() -> bool:
+            return (await _counters(streams, "sleeper")).dispatched - before.dispatched >= 32
+
+        await _until(blocker_in_triton, "the other tenant's batch sent")
+        call = _open_stream(channel, HOG)
+        for _ in range(count):
+            await call.write(_sleeper(100))
+
+        async def all_admitted() -> bool:
+            admitted = (await _counters(streams, "sleeper")).admitted - before.admitted
+            return admitted >= 32 + count
+
+        await _until(all_admitted, "the stream's requests admitted")
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await call.write(b"\x00" * OVER_TRANSPORT_LIMIT)
+        code = await asyncio.wait_for(call.code(), SETTLE_S)
+        assert code != grpc.StatusCode.OK
+        assert len([r async for r in blocker]) == 32
+    await _until(lambda: _idle(streams, "sleeper"), "the stream's requests end")
+    after = await _counters(streams, "sleeper")
+    assert after.cancelled - before.cancelled == count, "the stream's requests ran for nobody"
+    assert after.dispatched - before.dispatched == 32
