@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import (
     DTYPES,
+    MAX_ID_BYTES,
     InferRequest,
     InferResponse,
     ParamValue,
@@ -72,6 +73,7 @@ _VARINT_WINDOW = 1 << 18  # bytes of a packed field decoded at a time
 # sender a full parse before its size is checked against the model's bound, not us a scan.
 _PEEK_FIELDS = 8
 _MODEL_NAME_TAG = (1 << 3) | 2  # field 1, length-delimited
+_ID_TAG = (3 << 3) | 2  # field 3 (id), length-delimited
 
 
 # Request parameters accepted as uint64_param: Triton's (the clients send priority that
@@ -145,21 +147,36 @@ def peek_model_name(raw: bytes) -> str | None:
     top-level fields without parsing the message; None if it is not among them (or the
     bytes are not protobuf). A hint for the checks that come before parsing: the parsed
     message's own ``model_name`` is the one that counts."""
+    return peek_header(raw)[0]
+
+
+def peek_header(raw: bytes) -> tuple[str | None, str]:
+    """``(model_name, id)`` of a serialized ``ModelInferRequest`` from its first few
+    top-level fields (``peek_model_name``); the id, "" if not among them, is for the log
+    line of a request refused before it is parsed, cut to ``MAX_ID_BYTES``."""
+    model: str | None = None
+    rid = ""
     pos = 0
     try:
         for _ in range(_PEEK_FIELDS):
-            if pos >= len(raw):
-                return None
+            if pos >= len(raw) or (model is not None and rid):
+                break
             tag, pos = _varint(raw, pos)
-            if tag == _MODEL_NAME_TAG:
+            if tag in (_MODEL_NAME_TAG, _ID_TAG):
                 length, pos = _varint(raw, pos)
                 if pos + length > len(raw):
-                    return None
-                return raw[pos : pos + length].decode()
+                    break
+                value = raw[pos : pos + min(length, MAX_ID_BYTES)].decode(errors="replace")
+                if tag == _MODEL_NAME_TAG:
+                    model = raw[pos : pos + length].decode()
+                else:
+                    rid = value
+                pos += length
+                continue
             pos = _skip(raw, pos, tag & 7)
     except (ValueError, UnicodeDecodeError):
-        return None
-    return None
+        pass
+    return model, rid
 
 
 def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:

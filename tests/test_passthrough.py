@@ -26,9 +26,15 @@ def _stream(url: str, requests: list[dict[str, Any]], headers: Any = None) -> li
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: got.put((result, error)), headers=headers)
     try:
-        for r in requests:
-            client.async_stream_infer(enable_empty_final_response=True, **r)
         open_ids = {r["request_id"] for r in requests}
+        for r in requests:
+            try:
+                client.async_stream_infer(enable_empty_final_response=True, **r)
+            except InferenceServerException:
+                # The server ended the stream (e.g. refused its key) before this request
+                # was written: the reason arrives through the callback.
+                open_ids = {"stream"}
+                break
         out = []
         while open_ids:
             result, error = got.get(timeout=60)

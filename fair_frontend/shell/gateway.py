@@ -163,16 +163,23 @@ class Gateway:
             raise QueueFull(cap)
 
     def rejected(
-        self, model: str, headers: Mapping[str, str], err: FrontendError, latency_s: float
+        self,
+        model: str,
+        headers: Mapping[str, str],
+        err: FrontendError,
+        latency_s: float,
+        *,
+        request_id: str = "",
     ) -> None:
-        """A request the transport refused before ``infer`` (it could not be decoded)."""
+        """A request the transport refused before ``infer`` (by its headers or size, or
+        it could not be decoded); ``request_id`` as far as the transport could tell."""
         try:
             tenant: str | None = self.auth.identify(headers, None)
         except FrontendError:
             tenant = None
         self.log.request_finished(
             tenant=tenant, model=model, outcome=err.outcome, queued_s=None,
-            latency_s=latency_s, error=err.message,
+            request_id=request_id, latency_s=latency_s, error=err.message,
         )  # fmt: skip
         self.link.tally(TallyEntry(tenant, model, err.outcome.value, 1))
 

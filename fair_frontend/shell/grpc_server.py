@@ -171,7 +171,8 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         the headers, the size against the model's bound, then the parse and decode. A
         refusal here is still one counted, logged outcome."""
         started = time.monotonic()
-        model = grpc_codec.peek_model_name(raw) or ""
+        peeked, rid = grpc_codec.peek_header(raw)
+        model = peeked or ""
         try:
             self.gateway.admit_early(model, headers)
             self._check_size(model, len(raw))
@@ -181,7 +182,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                 self._check_size(model, len(raw))
             return grpc_codec.decode_infer(msg)
         except FrontendError as err:
-            self.gateway.rejected(model, headers, err, time.monotonic() - started)
+            self.gateway.rejected(model, headers, err, time.monotonic() - started, request_id=rid)
             raise
 
     def _check_size(self, model: str, size: int) -> None:
