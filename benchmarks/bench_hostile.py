@@ -43,7 +43,7 @@ fixes of issue 11 alike.
 Results: ``results/hostile.json`` (windows in seconds from each part's start, RSS series),
 ``results/hostile_flood.png`` (the keyed tenant's latency per window; CPU per refusal),
 ``results/hostile_memory.png`` (RSS and the keyed tenant's latency over time); a quick run
-writes ``hostile_quick*`` instead.
+writes ``hostile_quick*`` instead, and a run with ``--ref REF`` ``hostile[_quick]_REF*``.
 """
 
 from __future__ import annotations
@@ -1107,6 +1107,8 @@ def main() -> None:
     samples = results.pop("_memory_samples")
     report(results)
     name = "hostile_quick" if args.quick else "hostile"
+    if args.ref:  # a baseline beside the working tree's figures, not over them
+        name += "_" + "".join(c if c.isalnum() else "_" for c in args.ref)
     path = write_result(name, results)
     plot_flood(results["flood"], path.with_name(f"{name}_flood.png"))
     plot_memory(
