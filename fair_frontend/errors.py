@@ -122,6 +122,17 @@ class UpstreamError(FrontendError):
         self.http_status = http_status
 
 
+class ModelUnavailable(UpstreamError):
+    """Triton answered that the model (or the version asked for) cannot serve now: not
+    loaded, not at ready state. UNAVAILABLE / 503 as Triton says it, for the requests that
+    asked for that model and version only. Triton itself answered: unlike ``Unavailable``
+    it says nothing about whether Triton is reachable, and marks nothing down (a tenant
+    can ask for a version that is not loaded, on purpose)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE, 503)
+
+
 class Unsupported(FrontendError):
     """A feature the request needs that neither the frontend nor Triton has (Triton: 501)."""
 

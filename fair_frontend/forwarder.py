@@ -2,7 +2,10 @@
 
 Errors come back as ``UpstreamError`` carrying Triton's own gRPC code and the HTTP
 status Triton's HTTP server would have used for it, so a client sees through the
-frontend what it would have seen from Triton. An unreachable Triton is UNAVAILABLE.
+frontend what it would have seen from Triton. An unreachable Triton is ``Unavailable``
+(the dispatch loop then holds work for its return); Triton's own UNAVAILABLE about one
+model or version ("... is not at ready state") is ``ModelUnavailable``, which fails the
+requests that asked for it and nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tritonclient.grpc import (
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
-from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
+from fair_frontend.errors import FrontendError, ModelUnavailable, Unavailable, UpstreamError
 from fair_frontend.protocol import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
@@ -29,17 +32,26 @@ from fair_frontend.protocol import (
 )
 from fair_frontend.triton_http import TritonHttp, carries
 
-# Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError).
+# Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError),
+# and RESOURCE_EXHAUSTED, which Triton's core has no code for (it reaches a gRPC client from
+# gRPC's own limits, e.g. a message over the size limit): 429, as shared/PROTOCOL.md maps
+# it (and grpc-gateway), not the 400 Triton's table gives everything it does not list.
 _HTTP_STATUS = {
     grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
 }
 _CODES = {str(c): c for c in grpc.StatusCode}
 _UNKNOWN_MODEL = re.compile(r"unknown model: '[^']*' is not found")
 # gRPC's words for "no connection was ever made": the request did not reach Triton.
 _NOT_CONNECTED = ("failed to connect", "Connection refused", "connections to all backends")
+# Triton's words for a model or version it knows but cannot serve now (model_repository_
+# manager: "Request for unknown model: 'M' version N is not at ready state", "... is not
+# ready"): an answer from a reachable Triton, about that model only. A tenant can ask for
+# such a version at will: it must not read as Triton being down for everyone.
+_MODEL_STATE = re.compile(r"is not at ready state|is not ready")
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
 
@@ -47,6 +59,8 @@ _MAX_MESSAGE = 2**31 - 1
 def upstream_error(err: InferenceServerException) -> FrontendError:
     code = _CODES.get(str(err.status()), grpc.StatusCode.UNKNOWN)
     message = err.message() or str(err)
+    if code is grpc.StatusCode.UNAVAILABLE and _MODEL_STATE.search(message):
+        return ModelUnavailable(message)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         never_sent = code is grpc.StatusCode.UNAVAILABLE and any(
             s in message for s in _NOT_CONNECTED

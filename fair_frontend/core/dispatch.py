@@ -14,10 +14,20 @@ Invariants:
 * work-conserving: whenever a slot is free and anything is queued, a batch goes out
   (unless ``max_queue_delay_ms`` asks to wait for a fuller batch, Triton-style);
 * a batch whose model call fails for one bad row does not fail its neighbours: on a
-  model error the requests are retried one by one, so only the culprit sees the error;
+  model error it is bisected (each half sent on its own, a failing half split again), so
+  only the culprit sees the error, at about 2 log2(n) extra sends for one culprit among
+  n, not n; a half that succeeded is finished and never sent again. This resends the
+  requests of a failed call, which assumes what Triton's batching assumes of a model: a
+  call that fails as a whole had no effect (the Python backend fails every request of
+  an ``execute`` that raises; a model with side effects per row must answer per-row
+  errors in its responses instead of raising);
+* Triton's answer that a model (version) is not ready fails the batch that asked for it,
+  nothing else: only a failure to reach Triton at all (no connection, a connection
+  lost, no answer in time) marks the backend down;
 * while Triton is unreachable nothing is sent: a batch that never reached it is held
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
-  after ``max_outage_s`` everything waiting is answered UNAVAILABLE.
+  after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
+  held or still in Triton when a shutdown's drain ends (``drain``).
 """
 
 from __future__ import annotations
@@ -32,7 +42,13 @@ from typing import TYPE_CHECKING, Protocol
 from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.clock import Clock, Timer
 from fair_frontend.config import Endpoint
-from fair_frontend.errors import FrontendError, Internal, TimeoutExpired, Unavailable
+from fair_frontend.errors import (
+    FrontendError,
+    Internal,
+    ModelUnavailable,
+    TimeoutExpired,
+    Unavailable,
+)
 from fair_frontend.forwarder import StreamReply
 from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
@@ -279,7 +295,7 @@ class EndpointRuntime:
         self._token_output = endpoint.token_output
         self._reserved = endpoint.reserved_slots if self.engine else 0
         self._capped: str | None = None  # holds its cap while next in line (a slot waits)
-        self._isolating = 0  # batches being retried one request at a time
+        self._isolating = 0  # failed batches being bisected
         self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
         self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
@@ -292,6 +308,9 @@ class EndpointRuntime:
         # Per batch in Triton: (sent at, predicted seconds); _busy_until is derived from
         # them and recomputed as each batch comes back, early or late.
         self._predicted: dict[asyncio.Task[None], tuple[float, float]] = {}
+        # Set when a shutdown's drain ran out of time: the batches it cancels are
+        # answered with it (not dropped as a client's cancellation).
+        self._abandoned: FrontendError | None = None
         backend.listeners.append(self.kick)
         backend.give_up_listeners.append(self.give_up)
 
@@ -514,9 +533,13 @@ class EndpointRuntime:
             else:
                 ok, held = await self._send(batch)
         except asyncio.CancelledError:
-            # A decoupled request whose client went away: its stream is closed.
+            # A decoupled request whose client went away (its stream is closed), or a
+            # batch a shutdown's drain stopped waiting for (answered with the reason).
             for r in batch:
-                self._done(r, Outcome.CANCELLED, None, "")
+                if self._abandoned is not None:
+                    self._fail(r, self._abandoned)
+                else:
+                    self._done(r, Outcome.CANCELLED, None, "")
         except Exception as err:  # never lose an answer, whatever went wrong
             log.exception("batch for %s failed unexpectedly", self.model)
             for r in batch:
@@ -549,22 +572,28 @@ class EndpointRuntime:
             for r in batch:
                 self._fail(r, err)
             return False, False
+        except ModelUnavailable as err:
+            # About the model and version every request of the batch asked for: theirs
+            # alone (nothing to bisect, Triton itself is fine).
+            for r in batch:
+                self._fail(r, err)
+            return False, False
         except FrontendError as err:
             task = asyncio.current_task()
             if len(batch) == 1 and task not in self._overlapped:
                 self._fail(batch[0], err)
                 return False, False
-            # One bad row must not fail its neighbours: isolate by sending each alone
-            # (also a request alone whose batch overlapped another in Triton, whose own
-            # batcher may have run them as one execution: it is tried once more alone),
-            # and nothing beside them (no early send: Triton's own batcher would put a
-            # request sent meanwhile into the same execution as the culprit).
+            # One bad row must not fail its neighbours: find it by bisection (also a
+            # request alone whose batch overlapped another in Triton, whose own batcher
+            # may have run them as one execution: it is tried once more alone), and
+            # nothing beside it (no early send: Triton's own batcher would put a request
+            # sent meanwhile into the same execution as the culprit).
             self._isolating += 1
             try:
                 if self._isolation is None:
                     self._isolation = asyncio.Lock()
                 async with self._isolation:  # one batch at a time: none meets another's
-                    unsent = await self._send_one_by_one(batch)
+                    unsent = await self._bisect(batch)
             finally:
                 self._isolating -= 1
             if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
@@ -626,34 +655,66 @@ class EndpointRuntime:
         self._finish(req, version, [])
         return True
 
-    async def _send_one_by_one(self, batch: list[CoreRequest]) -> list[CoreRequest]:
-        """Each request alone, so only a culprit gets a model's error; returns the ones not
-        sent because Triton became unreachable (to hold), [] if every one was answered."""
-        for i, r in enumerate(batch):
-            if r.answered:
-                continue
-            if r.cancelled:  # its client went away: no work for an answer nobody reads
-                self._done(r, Outcome.CANCELLED, None, "")
+    async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
+        """Answer a batch that failed with a model error, culprits found by halves.
+
+        Each half is sent on its own: one that succeeds is finished (never sent again),
+        one that fails is split again, and a request alone that fails gets its error. One
+        culprit among n costs 2 sends per halving, about 2 log2(n), where one by one cost
+        n. Halves go one after another, in batch order. Returns the requests not sent
+        because Triton became unreachable (to hold), [] when every one was answered.
+        """
+        todo = [batch] if len(batch) == 1 else list(reversed(_halves(batch)))
+        while todo:
+            group = self._still_wanted(todo.pop())
+            if not group:
                 continue
             try:
-                packed = pack([r], self.info, self.endpoint)
-                version, outputs = await self._forward(packed, [r])
+                await self._send_group(group)
             except Unavailable as err:
                 self.backend.mark_down()
                 if not err.never_sent:  # it may have run: never sent twice
-                    self._fail(r, err)
-                rest = [q for q in batch[i if err.never_sent else i + 1 :] if not q.answered]
+                    for r in group:
+                        self._fail(r, err)
+                    group = []
+                rest = [r for g in (group, *reversed(todo)) for r in g if not r.answered]
                 if not self.backend.gave_up:
                     return rest
-                for q in rest:
-                    self._fail(q, self.outage_error())
+                for r in rest:
+                    self._fail(r, self.outage_error())
                 return []
+            except ModelUnavailable as err:
+                for r in group:
+                    self._fail(r, err)
             except FrontendError as err:
-                self._fail(r, err)
-                continue
-            (outs,) = unpack(outputs, [r], self.info, self.endpoint, packed.stripped)
-            self._finish(r, version, outs)
+                if len(group) == 1:
+                    self._fail(group[0], err)
+                else:
+                    todo.extend(reversed(_halves(group)))
         return []
+
+    def _still_wanted(self, group: list[CoreRequest]) -> list[CoreRequest]:
+        """The requests of ``group`` still to send: not answered, and whose client is still
+        there (one that went away is done with, CANCELLED: no work for an answer nobody
+        reads)."""
+        wanted = []
+        for r in group:
+            if r.answered:
+                continue
+            if r.cancelled:
+                self._done(r, Outcome.CANCELLED, None, "")
+                continue
+            wanted.append(r)
+        return wanted
+
+    async def _send_group(self, group: list[CoreRequest]) -> None:
+        """Send part of a failed batch as one call, and finish its requests (raises the
+        call's error, nothing answered, when it fails)."""
+        packed = pack(group, self.info, self.endpoint)
+        version, outputs = await self._forward(packed, group)
+        outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)
+        for r, out in zip(group, outs, strict=True):
+            self._finish(r, version, out)
 
     async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
         first = batch[0].request
@@ -744,10 +805,25 @@ class EndpointRuntime:
                     dropped += 1
         return dropped
 
-    async def drain(self) -> None:
-        """Wait for every batch in flight (shutdown)."""
+    async def drain(self, timeout_s: float | None = None, err: FrontendError | None = None) -> None:
+        """Wait for every batch in flight (shutdown), for at most ``timeout_s``.
+
+        Whatever has no answer when it ends is answered ``err``: batches Triton has not
+        answered by then (their calls are cancelled), and batches held for a Triton that
+        is not back (a batch can come back unsent, held, while the drain waits: one sent
+        just as Triton went away, or the rest of a bisection).
+        """
+        err = err or Unavailable("the frontend is shutting down")
+        loop = asyncio.get_running_loop()  # asyncio.wait's clock: the timeout is real time
+        until = None if timeout_s is None else loop.time() + timeout_s
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            left = None if until is None else until - loop.time()
+            if left is not None and left <= 0:
+                self._abandoned = err
+                for task in self._tasks:
+                    task.cancel()
+            await asyncio.wait(list(self._tasks), timeout=left if left and left > 0 else None)
+        self.fail_queued(err)
 
 
 def output_tokens(
@@ -772,6 +848,12 @@ def output_tokens(
                 texts[i] = text[len(prompt) :]
                 break
     return sum(count_text_tokens(tokenizer, texts))
+
+
+def _halves(batch: list[CoreRequest]) -> list[list[CoreRequest]]:
+    """The two halves of a batch, in order (the first one the larger)."""
+    middle = (len(batch) + 1) // 2
+    return [batch[:middle], batch[middle:]]
 
 
 def _report(

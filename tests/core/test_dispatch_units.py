@@ -618,7 +618,7 @@ async def test_an_unavailable_answer_after_sending_is_not_resent(
     assert h.triton.batches() == [ids(r1), ids(r2)]
 
 
-async def test_an_outage_during_the_one_by_one_retry_holds_the_rest(
+async def test_an_outage_during_the_bisection_holds_the_rest(
     make: Callable[..., Harness],
 ) -> None:
     h = make()
@@ -627,13 +627,14 @@ async def test_an_outage_during_the_one_by_one_retry_holds_the_rest(
     r1, r2, r3 = h.submit("a"), h.submit("b"), h.submit("c")
     h.triton.sent[0].ok()
     await h.settle()
-    h.triton.sent[1].fail(model_error())  # [r1, r2, r3]: retried one by one
+    h.triton.sent[1].fail(model_error())  # [r1, r2, r3]: bisected
     await h.settle()
-    h.triton.sent[2].fail(triton_down())  # r1 alone never reached Triton
+    h.triton.sent[2].fail(triton_down())  # its first half never reached Triton
     await h.settle()
     assert not h.backend.available
-    assert h.triton.batches() == [ids(r0), ids(r1, r2, r3), ids(r1)]  # nothing more sent
+    assert h.triton.batches() == [ids(r0), ids(r1, r2, r3), ids(r1, r2)]  # nothing more sent
     assert_unanswered(h, r1, r2, r3)  # held, not failed
+    assert h.runtime._held == [[r1, r2, r3]]  # as one batch, in order
 
 
 # ---- 7. giving up on an outage -------------------------------------------------------------
@@ -706,7 +707,7 @@ async def test_give_up_fails_a_batch_that_comes_back_unsent_afterwards(
     [model_error("bad row"), InvalidArgument("bad row")],
     ids=["UpstreamError", "InvalidArgument"],
 )
-async def test_a_model_error_is_retried_one_by_one_so_only_the_culprit_fails(
+async def test_a_model_error_is_bisected_so_only_the_culprit_fails(
     make: Callable[..., Harness], error: FrontendError
 ) -> None:
     h = make()
@@ -718,25 +719,27 @@ async def test_a_model_error_is_retried_one_by_one_so_only_the_culprit_fails(
     assert h.triton.batches()[1] == ids(r1, r2, r3)
     h.triton.sent[1].fail(error)
     await h.settle()
-    r4 = h.submit("a")  # the batch keeps its slot while it is retried
+    r4 = h.submit("a")  # the batch keeps its slot while it is bisected
     await h.settle()
-    assert h.triton.batches()[2:] == [ids(r1)]
+    assert h.triton.batches()[2:] == [ids(r1, r2)]  # the first half
 
-    h.triton.sent[2].ok()
+    h.triton.sent[2].fail(error)  # it holds the culprit: split again
     await h.settle()
-    h.triton.sent[3].fail(error)
+    h.triton.sent[3].ok()
     await h.settle()
-    h.triton.sent[4].ok()
+    h.triton.sent[4].fail(error)
     await h.settle()
-    assert h.triton.batches()[2:5] == [ids(r1), ids(r2), ids(r3)]
-    assert [s.request_id for s in h.triton.sent[2:5]] == ids(r1, r2, r3)  # each alone
+    h.triton.sent[5].ok()
+    await h.settle()
+    assert h.triton.batches()[2:6] == [ids(r1, r2), ids(r1), ids(r2), ids(r3)]
+    assert [s.request_id for s in h.triton.sent[3:6]] == ids(r1, r2, r3)  # each alone
     assert_served(h, r1)
     assert_served(h, r3)
     fault = fault_of(h, r2)
     assert fault.kind == type(error).__name__ and fault.message == "bad row"
     assert h.outcomes(r2) == [error.outcome]
 
-    assert h.triton.batches()[5:] == [ids(r4)]  # only now
+    assert h.triton.batches()[6:] == [ids(r4)]  # only now
     assert [report.ok for report in h.reports] == [True, False]
 
 
