@@ -710,21 +710,21 @@ class Core:
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop accepting; finish what is queued and in flight within ``grace_s``; answer
-        what is still queued then with UNAVAILABLE; nothing is left unanswered."""
+        what is still queued then with UNAVAILABLE, and so, at ``grace_s``, whatever is
+        still in a Triton that has not answered or held for one that is unreachable:
+        nothing is left unanswered when this returns."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
         while self._admitting or not all(rt.idle for rt in self.runtimes.values()):
             if time.monotonic() >= deadline or not self.backend.available:
                 break
             await asyncio.sleep(0.02)
-        left = sum(
-            rt.fail_queued(Unavailable("the frontend is shutting down"))
-            for rt in self.runtimes.values()
-        )
+        err = Unavailable("the frontend is shutting down")
+        left = sum(rt.fail_queued(err) for rt in self.runtimes.values())
         if left:
             log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
         for runtime in self.runtimes.values():
-            await runtime.drain()
+            await runtime.drain(max(0.0, deadline - time.monotonic()), err)
         await self.backend.close()
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
