@@ -13,6 +13,8 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -22,7 +24,7 @@ from fair_frontend import grpc_codec
 from fair_frontend.auth import grpc_peer_address, identity_headers
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument
-from fair_frontend.protocol import InferRequest
+from fair_frontend.protocol import InferRequest, ParamValue
 from fair_frontend.shell.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -139,18 +141,44 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.gateway.rejected("", headers, err, 0.0)
             await abort(context, err)
         stream = StreamInfer(
-            lambda raw: self._stream_request(raw, headers),
+            lambda raw: self._stream_call(raw, headers),
             self.gateway.config.server.grpc_stream_max_inflight,
         )
         async for reply in stream.replies(request_iterator):
             yield reply
 
-    async def _stream_request(
-        self, raw: bytes, headers: dict[str, str]
-    ) -> AsyncGenerator[Any, None]:
-        """One message of a stream: its replies, an error as an in-stream reply."""
+    def _stream_call(self, raw: bytes, headers: dict[str, str]) -> StreamCall:
+        """One message of a stream, decoded by the stream's reader (in the order sent):
+        its sequence, if it belongs to one, and how to run it. A refusal is its reply."""
         try:
             req = self._decode(raw, headers)
+        except FrontendError as err:
+            return StreamCall(None, partial(_refusal, _error_reply(err)), _always_in_order)
+        except Exception as err:  # not the client's doing: answered, the stream goes on
+            log.exception("internal error on a stream")
+            return StreamCall(None, partial(_refusal, _internal_reply(err)), _always_in_order)
+        sequence_id = req.sequence.get("sequence_id")
+        # Ids 0 and "" are no sequence to Triton (as to ``core.sequences``).
+        key = (req.model, req.version, sequence_id) if sequence_id not in (None, 0, "") else None
+        return StreamCall(
+            key, lambda: self._stream_request(req, headers), lambda: self._in_order(req.model)
+        )
+
+    async def _in_order(self, model: str) -> bool:
+        """Whether a request's replies keep its place on the stream: Triton's, unless the
+        model is decoupled (``stream_infer_handler.cc`` queues a state for its response,
+        ``EnqueueForResponse``, only for a model that is not). A model Triton does not
+        know is not decoupled there either."""
+        try:
+            return not (await self.gateway.model_info(model)).decoupled
+        except FrontendError:
+            return True
+
+    async def _stream_request(
+        self, req: InferRequest, headers: dict[str, str]
+    ) -> AsyncGenerator[Any, None]:
+        """One request of a stream: its replies, an error as an in-stream reply."""
+        try:
             # Closed when this generator is (its stream ends): the request is cancelled
             # in the core at once, not when the generator is collected.
             async with aclosing(self.gateway.stream_infer(req, headers)) as answers:
@@ -159,12 +187,10 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
                     yield reply
         except FrontendError as err:
-            yield service_pb2.ModelStreamInferResponse(error_message=err.message)
+            yield _error_reply(err)
         except Exception as err:
             log.exception("internal error on a stream")
-            yield service_pb2.ModelStreamInferResponse(
-                error_message=f"internal error: {type(err).__name__}"
-            )
+            yield _internal_reply(err)
 
     def _decode(self, raw: bytes, headers: dict[str, str]) -> InferRequest:
         """A request's bytes, checked in order of cost: the key (and a full queue) from
@@ -220,35 +246,101 @@ def max_pending_calls(config: Config) -> int:
     return max(config.queues.max_queued, GRPC_DEFAULT_PENDING_CALLS)
 
 
+SequenceKey = tuple[str, str, ParamValue]  # model, version, the client's sequence id
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCall:
+    """One message of a stream, as its reader decoded it.
+
+    ``sequence``: the sequence it belongs to (None for none); ``replies`` runs it;
+    ``in_order``: whether its replies keep its place among the stream's replies."""
+
+    sequence: SequenceKey | None
+    replies: Callable[[], AsyncGenerator[Any, None]]
+    in_order: Callable[[], Awaitable[bool]]
+
+
+async def _always_in_order() -> bool:
+    return True
+
+
+async def _refusal(reply: Any) -> AsyncGenerator[Any, None]:
+    yield reply
+
+
+def _error_reply(err: FrontendError) -> Any:
+    """An error answers its request in-stream, as Triton's does (the stream goes on)."""
+    return service_pb2.ModelStreamInferResponse(error_message=err.message)
+
+
+def _internal_reply(err: Exception) -> Any:
+    return service_pb2.ModelStreamInferResponse(
+        error_message=f"internal error: {type(err).__name__}"
+    )
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _settle_after(before: asyncio.Future[None], future: asyncio.Future[None]) -> None:
+    """Settle ``future`` once ``before`` is (at once if it is)."""
+    if before.done():
+        _settle(future)
+    else:
+        before.add_done_callback(lambda _: _settle(future))
+
+
 class StreamInfer:
     """One ModelStreamInfer stream: its reader, its requests in flight, its replies.
 
+    Order, as Triton keeps it (``src/grpc/stream_infer_handler.cc``): Triton reads a
+    stream's messages one after another and issues each into the model's scheduler in that
+    order, and writes the response of a request to a model that is not decoupled only
+    after those of the earlier such requests (a decoupled model's go out as they come).
+    Here every request is a task of its own, and the core schedules (and with several
+    shells, receives) them in an order of its choosing; so:
+    - the reader decodes each message in the order sent (``StreamCall``);
+    - a request of a sequence (same model, version and ``sequence_id``) starts only once
+      the previous request of that sequence on the stream has its answers: a stateful
+      model computes on the sequence as sent, and the core's sequence map sees its start
+      first and its end last. Requests of other sequences, and those of none, still run
+      side by side, as in Triton;
+    - a request that is not decoupled puts its reply only after every earlier such request
+      of the stream has put its own (one chain of futures, in reading order; a decoupled
+      request passes its place on at once).
+
     Bounded so that a client that sends and never reads costs a bounded amount:
-    - at most ``max_inflight`` requests handled at once (one task each);
+    - at most ``max_inflight`` requests handled at once (one task each; a request waiting
+      for its turn holds its slot);
     - at most ``REPLY_BUFFER`` replies waiting for the client to read them: a request
       whose reply does not fit waits, holding its slot;
     - the next message is read only when a slot is free and the buffer is not full; until
       then gRPC's flow control holds the client back, and nothing new starts.
 
-    Each request's replies keep their order (its task puts them one after another);
-    requests' replies interleave as they finish. When the client half-closes, the
-    requests in flight finish and the stream ends after their replies. If reading fails
-    (the client reset the stream) or the stream is cancelled, the requests in flight are
-    cancelled: each then ends in the core as cancelled, once.
+    When the client half-closes, the requests in flight finish and the stream ends after
+    their replies. If reading fails (the client reset the stream) or the stream is
+    cancelled, the requests in flight are cancelled: each then ends in the core as
+    cancelled, once.
     """
 
-    def __init__(
-        self, handle: Callable[[bytes], AsyncGenerator[Any, None]], max_inflight: int
-    ) -> None:
-        self._handle = handle
+    def __init__(self, open_call: Callable[[bytes], StreamCall], max_inflight: int) -> None:
+        self._open = open_call
         self._slots = asyncio.Semaphore(max_inflight)
         self._buffer: deque[Any] = deque()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading = True
+        # Settled once every request read so far that keeps its place has put its replies.
+        self._placed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._placed.set_result(None)
+        # Per open sequence: settled once its latest request read has its answers.
+        self._sequences: dict[SequenceKey, asyncio.Future[None]] = {}
 
     async def replies(self, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-        """The stream's replies, as they come, until every request is answered."""
+        """The stream's replies, in Triton's order, until every request is answered."""
         reader = asyncio.get_running_loop().create_task(self._read(requests))
         try:
             while (reply := await self._next_reply()) is not None:
@@ -273,6 +365,7 @@ class StreamInfer:
         return not self._reading and not self._tasks
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        loop = asyncio.get_running_loop()
         iterator = aiter(requests)
         try:
             while True:
@@ -284,7 +377,15 @@ class StreamInfer:
                 except StopAsyncIteration:
                     self._slots.release()
                     break
-                task = asyncio.get_running_loop().create_task(self._run(raw))
+                # Everything that fixes the request's place happens here, in reading order.
+                call = self._open(raw)
+                before, placed = self._placed, loop.create_future()
+                self._placed = placed
+                previous = answered = None
+                if call.sequence is not None:
+                    previous = self._sequences.get(call.sequence)
+                    answered = self._sequences[call.sequence] = loop.create_future()
+                task = loop.create_task(self._run(call, before, placed, previous, answered))
                 self._tasks.add(task)
                 task.add_done_callback(self._forget)
         except asyncio.CancelledError:
@@ -297,16 +398,53 @@ class StreamInfer:
             self._reading = False
             await self._notify()
 
-    async def _run(self, raw: bytes) -> None:
+    async def _run(
+        self,
+        call: StreamCall,
+        before: asyncio.Future[None],
+        placed: asyncio.Future[None],
+        previous: asyncio.Future[None] | None,
+        answered: asyncio.Future[None] | None,
+    ) -> None:
+        """One request: after its sequence's previous one, replies in its place.
+
+        ``before``/``placed``: the reply chain (settled once every earlier request that
+        keeps its place has put its replies / once this one has too); ``previous``/
+        ``answered``: its sequence's chain (the previous request has its answers / this
+        one has). Both are settled on every way out, a cancellation included, so that
+        no later request waits for one that is gone."""
+        in_order = True
         try:
-            async with aclosing(self._handle(raw)) as replies:
-                async for reply in replies:
-                    async with self._changed:
-                        await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
-                        self._buffer.append(reply)
-                        self._changed.notify_all()
+            if previous is not None:
+                await asyncio.shield(previous)
+            in_order = await call.in_order()
+            if not in_order:
+                _settle_after(before, placed)  # a decoupled request has no place to keep
+            async with aclosing(call.replies()) as replies:
+                if in_order:
+                    # Triton's one response per request: taken whole, then put in turn.
+                    answers = [reply async for reply in replies]
+                    if answered is not None:
+                        _settle(answered)
+                    await asyncio.shield(before)
+                    for reply in answers:
+                        await self._put(reply)
+                else:
+                    async for reply in replies:
+                        await self._put(reply)
         finally:
+            if answered is not None:
+                _settle(answered)
+                if self._sequences.get(call.sequence) is answered:  # type: ignore[arg-type]
+                    del self._sequences[call.sequence]  # type: ignore[arg-type]
+            _settle_after(before, placed)
             self._slots.release()
+
+    async def _put(self, reply: Any) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
+            self._buffer.append(reply)
+            self._changed.notify_all()
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
