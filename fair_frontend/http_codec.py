@@ -4,22 +4,41 @@ Binary extension: the header ``Inference-Header-Content-Length`` gives the lengt
 the JSON part; raw tensors follow in input order, each input naming its size in
 ``parameters.binary_data_size``. The tritonclient HTTP client sends and asks for
 binary data by default, so both directions matter.
+
+Raw binary requests (Triton's ``EVBufferToRawInput``): a header length of 0 (or no header
+and an empty body, where Triton takes the body's length for it) means the whole body is
+the model's one input, deduced from the model's configuration (``decode_raw_infer``); every
+output then comes back binary.
+
+BYTES outputs asked for as JSON are written as Triton writes them (rapidjson, no encoding
+validation): each element's bytes go into the JSON string unchanged, only ``"``, ``\\``
+and control characters escaped, so non-UTF-8 bytes reach the client as they left the
+model (``json_string_bytes``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+import numpy as np
+
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
+    DTYPES,
     INT64_MAX,
     InferRequest,
     InferResponse,
     ParamValue,
     RequestedOutput,
+    Tensor,
+    byte_size_mismatch,
     check_shape,
+    element_count,
     reject_shared_memory,
+    request_prefix,
     split_parameters,
     tensor_from_list,
     tensor_from_raw,
@@ -28,6 +47,9 @@ from fair_frontend.protocol import (
 )
 
 HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
+# The name Triton's HTTP server gives a raw binary request's input until the model's
+# configuration renames it (``EVBufferToRawInput``); some of its errors say it.
+RAW_INPUT = "raw_input"
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
@@ -79,7 +101,7 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
     if not isinstance(rid, str):
         raise InvalidArgument("'id' must be a string")
     req.id = rid
-    split_parameters(req, _parameters(doc.get("parameters"), "request"))
+    split_parameters(req, _parameters(doc.get("parameters"), "request"), http=True)
 
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -148,6 +170,67 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
     return req
 
 
+def is_raw_binary(header_length: int | None, body_length: int) -> bool:
+    """Whether Triton reads this body as one raw input: its header length is 0, given or
+    taken from the body's length when the header is absent (``GetInferenceHeaderLength``)."""
+    return (body_length if header_length is None else header_length) == 0
+
+
+def decode_raw_infer(model: str, version: str, body: bytes, info: ModelInfo) -> InferRequest:
+    """A raw binary request: the whole body is the model's one input, as Triton core's
+    ``InferenceRequest::Normalize`` deduces it. Name and datatype come from the model's
+    configuration; the shape is its dims (after a batch dimension of 1 where the model
+    batches), with the one variable-sized dimension, if any, taken from the byte count.
+    BYTES only for a one-element input, the body then that element. Errors carry
+    Triton's own text: clients and Triton's QA tests match on it."""
+    prefix = request_prefix("")
+    if len(info.inputs) != 1:
+        raise InvalidArgument(
+            f"{prefix}Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(info.inputs)} inputs in '{model}' model configuration"
+        )
+    spec = next(iter(info.inputs.values()))
+    shape = [1] if info.max_batch_size != 0 else []
+    dynamic_axis = -1
+    elements = 1
+    for dim in spec.dims:
+        if dim == -1:
+            if dynamic_axis != -1:
+                raise InvalidArgument(
+                    f"{prefix}The shape of the raw input '{spec.name}' can not be deduced "
+                    "because there are more than one variable-sized dimension"
+                )
+            dynamic_axis = len(shape)
+        else:
+            elements *= dim
+        shape.append(dim)
+    if spec.datatype == "BYTES":
+        if dynamic_axis != -1 or elements != 1:
+            raise InvalidArgument(
+                f"{prefix}For BYTE datatype raw input '{spec.name}', the model must have "
+                "input shape [1]"
+            )
+        # Triton prepends the body's length: one element, the whole body.
+        data = np.empty(1, dtype=object)
+        data[0] = bytes(body)
+        tensor = Tensor(spec.name, spec.datatype, tuple(shape), data.reshape(shape))
+    else:
+        itemsize = DTYPES[spec.datatype].itemsize
+        if dynamic_axis != -1:
+            # Triton's integer division: a body that is no whole number of elements gets
+            # the shape rounded down, then the byte size mismatch below. A fixed zero
+            # dimension would divide by zero there; the shape is then all zeros here.
+            shape[dynamic_axis] = len(body) // elements // itemsize if elements else 0
+        expected = element_count(tuple(shape)) * itemsize
+        if len(body) != expected:
+            # Triton checks the size while the input still has its raw name.
+            raise InvalidArgument(byte_size_mismatch("", RAW_INPUT, model, expected, len(body)))
+        tensor = tensor_from_raw(spec.name, spec.datatype, tuple(shape), memoryview(body))
+    req = InferRequest(model=model, version=version, inputs=[tensor])
+    req.binary_output = True  # Triton answers a raw request's outputs in binary
+    return req
+
+
 def encode_infer(resp: InferResponse, req: InferRequest) -> tuple[bytes, int | None]:
     """Encode a response; returns (body, JSON header length or None when all JSON)."""
     binary_flags = {o.name: o.binary for o in req.outputs}
@@ -157,7 +240,7 @@ def encode_infer(resp: InferResponse, req: InferRequest) -> tuple[bytes, int | N
     if resp.parameters:
         doc["parameters"] = resp.parameters
     chunks: list[bytes] = []
-    outs = []
+    outs: list[bytes] = []
     for t in resp.outputs:
         flag = binary_flags.get(t.name)
         # Triton: binary_data_output is the default for "all outputs" only; an output
@@ -167,15 +250,54 @@ def encode_infer(resp: InferResponse, req: InferRequest) -> tuple[bytes, int | N
         if binary or t.datatype == "BF16":
             raw = tensor_to_raw(t)
             entry["parameters"] = {"binary_data_size": len(raw)}
-            chunks.append(raw)
+            if raw:
+                # Triton sends its header length only with binary data after the JSON:
+                # outputs of no bytes alone leave the answer all JSON.
+                chunks.append(raw)
+            outs.append(_compact(entry))
+        elif t.datatype == "BYTES":
+            # Spliced in as bytes: json.dumps would have to decode the elements first.
+            data = b",".join(json_string_bytes(_element_bytes(b)) for b in t.data.flat)
+            outs.append(_compact(entry)[:-1] + b',"data":[' + data + b"]}")
         else:
             entry["data"] = tensor_to_list(t)
-        outs.append(entry)
-    doc["outputs"] = outs
-    header = json.dumps(doc, separators=(",", ":")).encode()
+            outs.append(_compact(entry))
+    header = _compact(doc)[:-1] + b',"outputs":[' + b",".join(outs) + b"]}"
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)
+
+
+def _compact(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _element_bytes(item: Any) -> bytes:
+    return item if isinstance(item, bytes) else str(item).encode()
+
+
+# rapidjson's escapes (``Writer::WriteString``): the two-character ones where JSON has them,
+# ``\u00XX`` (upper-case hex) for the other control characters; every other byte as is.
+_JSON_ESCAPES = {
+    **{c: b"\\u%04X" % c for c in range(0x20)},
+    0x08: b"\\b",
+    0x09: b"\\t",
+    0x0A: b"\\n",
+    0x0C: b"\\f",
+    0x0D: b"\\r",
+    0x22: b'\\"',
+    0x5C: b"\\\\",
+}
+_NEEDS_ESCAPE = re.compile(rb'[\x00-\x1f"\\]')
+
+
+def json_string_bytes(value: bytes) -> bytes:
+    """``value`` as a JSON string, written as Triton writes a BYTES element (rapidjson
+    without encoding validation): the bytes unchanged, valid UTF-8 or not, but for the
+    escapes JSON requires. A client reading the body as Latin-1 or bytes (as Triton's QA
+    ``L0_string_io`` does) gets back exactly what the model produced."""
+    body = _NEEDS_ESCAPE.sub(lambda m: _JSON_ESCAPES[m.group()[0]], value)
+    return b'"' + body + b'"'
 
 
 def encode_error(message: str) -> bytes:

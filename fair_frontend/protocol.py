@@ -137,11 +137,45 @@ class InferResponse:
     parameters: dict[str, ParamValue] = field(default_factory=dict)
 
 
+# ---- Triton's own error texts (clients and Triton's QA tests match on them) --------------
+
+
+def request_prefix(rid: str) -> str:
+    """Triton core's prefix on a request's errors (``InferenceRequest::LogRequest``)."""
+    return f"[request id: {rid or '<id_unknown>'}] "
+
+
+def byte_size_mismatch(rid: str, name: str, model: str, expected: int, got: int) -> str:
+    """Triton core's answer to tensor data of the wrong size for its shape and datatype
+    (``InferenceRequest::Normalize``)."""
+    return (
+        f"{request_prefix(rid)}input byte size mismatch for input '{name}' for model "
+        f"'{model}'. Expected {expected}, got {got}"
+    )
+
+
 # ---- parameters -------------------------------------------------------------------------
 
 
-def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
-    """Sort request parameters into the fields of ``req``, validating reserved ones."""
+# Triton's answers to a request parameter named ``triton_...``: over HTTP every such name is
+# refused (``ParseJsonTritonParams``), over gRPC all but the ones Triton knows
+# (``TRITON_RESERVED_REQUEST_PARAMS``, in ``SetInferenceRequestMetadata``).
+RESERVED_TRITON_HTTP = (
+    "parameter keys starting with 'triton_' are reserved for Triton usage and should not "
+    "be specified."
+)
+RESERVED_TRITON_GRPC = (
+    "parameter keys starting with 'triton_' are reserved for Triton usage. Only the "
+    f"following keys starting with 'triton_' are allowed: {EMPTY_FINAL_RESPONSE}"
+)
+
+
+def split_parameters(
+    req: InferRequest, params: dict[str, ParamValue], *, http: bool = False
+) -> None:
+    """Sort request parameters into the fields of ``req``, validating reserved ones.
+    ``http``: the parameters of an HTTP infer body, where Triton takes no ``triton_`` name
+    at all (gRPC takes ``triton_enable_empty_final_response``)."""
     for name, value in params.items():
         if name == "priority":
             req.priority = _non_negative_int(name, value)
@@ -159,17 +193,18 @@ def split_parameters(req: InferRequest, params: dict[str, ParamValue]) -> None:
             req.binary_output = value
         elif name == "headers":
             continue  # Triton's HTTP header forwarding map: not a model parameter
+        elif name.startswith(RESERVED_PREFIX) and (http or name != EMPTY_FINAL_RESPONSE):
+            raise InvalidArgument(RESERVED_TRITON_HTTP if http else RESERVED_TRITON_GRPC)
         elif name == EMPTY_FINAL_RESPONSE:
             if not isinstance(value, bool):
                 raise InvalidArgument(
                     f"invalid value type for '{name}' parameter, expected bool_param."
                 )
             req.empty_final_response = value
-        elif name.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)):
-            owner = "Triton" if name.startswith(RESERVED_PREFIX) else "the frontend"
+        elif name.startswith(FRONTEND_PREFIX):
             raise InvalidArgument(
-                f"parameter '{name}' is reserved: names starting with "
-                f"'{name.split('_')[0]}_' belong to {owner}"
+                f"parameter '{name}' is reserved: names starting with '{FRONTEND_PREFIX}' "
+                "belong to the frontend"
             )
         elif name == TENANT_PARAMETER:
             if not isinstance(value, str):

@@ -49,8 +49,10 @@ from fair_frontend.generate_codec import encode_error as generate_error
 from fair_frontend.http_codec import (
     HEADER_CONTENT_LENGTH,
     decode_infer,
+    decode_raw_infer,
     encode_error,
     encode_infer,
+    is_raw_binary,
     parse_header_length,
 )
 from fair_frontend.outcomes import Outcome
@@ -346,7 +348,13 @@ class HttpShell:
             raw = await self._read_body(request, model)
             limit = body_limit(self.gateway.config.endpoint(model))
             size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
-            req = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
+            decoded = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
+            if isinstance(decoded, InferRequest):
+                req = decoded
+            else:
+                # A raw binary body: its one input is deduced from the model's description.
+                info = await self.gateway.model_info(model)
+                req = decode_raw_infer(model, version, decoded, info)
         except FrontendError as err:
             # Answered before Gateway.infer: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
@@ -401,10 +409,14 @@ class HttpShell:
         raw: bytes,
         headers: Mapping[str, str],
         limit: int,
-    ) -> InferRequest:
-        """An infer body, inflated and decoded (on a worker thread when large)."""
+    ) -> InferRequest | bytes:
+        """An infer body, inflated and decoded (on a worker thread when large); a raw binary
+        body (``is_raw_binary``) comes back inflated only, for ``decode_raw_infer``, which
+        needs the model's description."""
         body = self._decompress(raw, headers.get("content-encoding"), limit, model)
         header_length = parse_header_length(headers.get(HEADER_CONTENT_LENGTH.lower()), len(body))
+        if is_raw_binary(header_length, len(body)):
+            return body
         return decode_infer(model, version, body, header_length)
 
     # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
