@@ -124,3 +124,47 @@ async def test_the_sequence_examples_get_tritons_answers_in_tritons_order(
         f"{len(mismatched)} of {2 * ROUNDS} streams differ from Triton ({len(wrong)} with "
         f"answers other than Triton's, the rest out of order); first: {mismatched[0]}"
     )
+
+
+async def test_unrelated_requests_answer_in_tritons_order(
+    triton: EmbeddedTriton, frontend: RunningFrontend
+) -> None:
+    """Beyond sequences: Triton answers every request of a stream to a model that is not
+    decoupled in request order (a fast one waits for the slow one before it), while a
+    decoupled model's responses go out as they come, ahead of both. The same through the
+    frontend, which must not hold the decoupled ones back either."""
+    tokens = 25_000  # sleeper: 2 ms + 20 us a token, about half a second
+
+    def message(model: str, request_id: str, **tensors: np.ndarray) -> dict[str, Any]:
+        inputs = []
+        for name, data in tensors.items():
+            inputs.append(grpcaio.InferInput(name, list(data.shape), "INT32"))
+            inputs[-1].set_data_from_numpy(data)
+        return {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+    row = np.ones((1, 16), dtype=np.int32)
+    messages = [
+        message("sleeper", "slow", INPUT_IDS=np.ones((1, tokens), dtype=np.int32)),
+        message("simple", "fast", INPUT0=row, INPUT1=row),
+        message("repeat_decoupled", "parts", IN=np.array([7, 8, 9], dtype=np.int32)),
+    ]
+
+    async def run(url: str, headers: dict[str, str]) -> list[str]:
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            for m in messages:
+                yield m
+
+        order: list[str] = []
+        async with grpcaio.InferenceServerClient(url) as client:
+            stream = client.stream_infer(inputs_iterator=requests(), headers=headers)
+            async for result, error in stream:
+                assert error is None, error
+                order.append(result.get_response().id)
+                if len(order) == 5:  # a decoupled stream stays open: the client ends it
+                    stream.cancel()
+                    break
+        return order
+
+    direct = await run(triton.grpc_url, {})
+    assert direct == ["parts", "parts", "parts", "slow", "fast"]
+    assert await run(frontend.grpc_url, dict(KEY_HEADER)) == direct
