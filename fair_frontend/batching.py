@@ -13,6 +13,14 @@ names a ``lengths_field``; each row's tokens to generate under the name of the e
 checked it and filled in the default). Nothing per row is added as a model input: a model
 input is something a load generator such as perf_analyzer fills with random data.
 
+Only a model that asks for it (``ModelInfo.takes_rows``, its config's
+``fair_frontend_rows`` parameter) gets ``fair_rows`` (and ``fair_outputs``); every other
+model gets the client's request parameters exactly as sent, as from Triton directly. Such
+a model cannot be told per-row values, so rows that would need them do not share a batch:
+the tokens to generate stay a request parameter (part of ``batch_key`` like any other),
+and rows of a padded input with a ``lengths_field`` are batched only with rows of the
+same width (nothing padded, nothing the model would mistake for tokens).
+
 Ragged rows are right-padded to the longest row only where the endpoint declares how
 (``padding.inputs``); padded outputs are cut back by the model's lengths output
 (``padding.outputs``), which the frontend asks for and never hands back to a client.
@@ -64,7 +72,11 @@ class Item(Protocol):
 
 def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:
     """What requests must have in common to share a batch (module docstring)."""
-    padded = endpoint.padding.inputs
+    if info.batching and not req.inputs:
+        # No inputs (all the model's inputs are optional): nothing to stack rows along, so
+        # Triton could not split the answer between requests: each goes alone.
+        return object()
+    padded = mergeable_padding(info, endpoint)
     rows = _max_rows(info, endpoint)
     inputs = tuple(
         sorted(
@@ -75,10 +87,23 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
         )
     )
     outputs = tuple((o.name, o.classification) for o in req.outputs)
-    # Travels per row in fair_rows (batching models; the others get it as the client sent it).
-    per_row = endpoint.max_tokens_parameter if info.batching else None
+    # Travels per row in fair_rows (batching models that take it; the others get it as
+    # the client sent it).
+    per_row = endpoint.max_tokens_parameter if info.batching and info.takes_rows else None
     params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
+
+
+def mergeable_padding(info: ModelInfo, endpoint: Endpoint) -> frozenset[str]:
+    """The padded inputs whose rows of different widths may share a batch: all of them for
+    a model that takes ``fair_rows``; for one that does not, those without a
+    ``lengths_field`` only (the operator chose that the model sees the padding). A row
+    padded beyond its real length, the model not told so, would be read as longer."""
+    return frozenset(
+        name
+        for name, pad in endpoint.padding.inputs.items()
+        if info.takes_rows or pad.lengths_field is None
+    )
 
 
 def width_class(t: Tensor, max_rows: int, max_bytes: int) -> int:
@@ -130,7 +155,7 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
         inputs = list(by_name.values())
     params: dict[str, ParamValue] = dict(first.parameters)
     per_row = endpoint.max_tokens_parameter
-    if per_row is not None and info.batching:
+    if per_row is not None and info.batching and info.takes_rows:
         # validate() wrote every request's value (or the default) as an integer.
         params.pop(per_row, None)
         columns[per_row] = [
@@ -150,9 +175,10 @@ def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
             if name in asked and pout.lengths_output not in asked:
                 outputs.append(RequestedOutput(pout.lengths_output))
                 asked.add(pout.lengths_output)
-    params[ROWS_PARAMETER] = rows_parameter(items, columns)
+    if info.takes_rows:
+        params[ROWS_PARAMETER] = rows_parameter(items, columns)
     named = [o.name for o in first.outputs]
-    if named and set(named) != set(info.outputs):
+    if info.takes_rows and named and set(named) != set(info.outputs):
         # What the client named, before the frontend's own additions (lengths outputs),
         # as Triton would report it to the model had the client called it directly (all
         # declared outputs named reads as none named there, so it is left out here too).

@@ -191,8 +191,8 @@ def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
 def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
     req = InferRequest(model=msg.model_name, version=msg.model_version, id=msg.id)
     split_parameters(req, _request_parameters(msg))
-    if not msg.inputs:
-        raise InvalidArgument("the request must have at least one input")
+    # No inputs at all is Triton's to judge against the model (``validate``): a model
+    # whose inputs are all optional takes such a request.
     raw = msg.raw_input_contents
     if raw and len(raw) != len(msg.inputs):
         raise InvalidArgument(

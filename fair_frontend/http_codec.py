@@ -104,8 +104,10 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
     split_parameters(req, _parameters(doc.get("parameters"), "request"), http=True)
 
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise InvalidArgument("the request must have a non-empty 'inputs' list")
+    # An empty list is Triton's to judge against the model (``validate``): a model whose
+    # inputs are all optional takes a request without any.
+    if not isinstance(inputs, list):
+        raise InvalidArgument("the request must have an 'inputs' list")
     offset = 0
     seen: set[str] = set()
     for i, spec in enumerate(inputs):

@@ -33,6 +33,12 @@ from fair_frontend.tokens import count_text_tokens
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 # Triton's default max_sequence_idle_microseconds (model_config.proto): 1 s.
 TRITON_SEQUENCE_IDLE_US = 1_000_000
+# The model-config parameter by which a model asks for the frontend's per-row metadata
+# (``fair_rows``, ``fair_outputs``): ``parameters { key: "fair_frontend_rows" value {
+# string_value: "true" } }``. A model that does not ask gets the client's request
+# parameters exactly as sent, as from Triton directly: a model that reads
+# ``request.parameters()`` (Triton's qa/L0_parameters echoes them) must not find ours.
+ROWS_CONFIG_PARAMETER = "fair_frontend_rows"
 
 
 def triton_datatype(config_type: int) -> str:
@@ -63,6 +69,9 @@ class ModelInfo:
     platform: str = ""
     instances: int = 1  # model instances Triton runs (sum of instance_group counts)
     versions: tuple[str, ...] = ("1",)  # ready versions, from the model's metadata
+    # The model asked for ``fair_rows`` (ROWS_CONFIG_PARAMETER): only then may per-row
+    # values (lengths of padded rows, tokens to generate) differ within a batch.
+    takes_rows: bool = False
     raw_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -82,6 +91,7 @@ class ModelInfo:
             platform=cfg.platform or cfg.backend,
             instances=max(1, sum(max(1, g.count) for g in cfg.instance_group)),
             versions=versions or ("1",),
+            takes_rows=_config_flag(cfg, ROWS_CONFIG_PARAMETER),
             raw_config=cfg,
         )
 
@@ -120,6 +130,13 @@ class ModelInfo:
     def passthrough(self) -> bool:
         """Requests that keep Triton's own semantics and go one at a time, unbatched."""
         return self.decoupled or self.sequence_batching
+
+
+def _config_flag(cfg: model_config_pb2.ModelConfig, key: str) -> bool:
+    """A boolean model-config parameter (a string, as Triton's config keeps them all):
+    "true" in any case, surrounding blanks ignored; anything else, or absent, is false."""
+    param = cfg.parameters.get(key)
+    return param is not None and param.string_value.strip().lower() == "true"
 
 
 @dataclass(slots=True)
@@ -197,7 +214,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
                 f"({rows}) for '{model}'"
             )
     if info.batching:
-        if rows < 1:
+        if rows < 1 and req.inputs:
             raise InvalidArgument(f"empty batch: inputs of model '{model}' have batch size 0")
         if rows > info.max_batch_size:
             raise InvalidArgument(
@@ -221,7 +238,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     tokens = sum(lengths) if lengths is not None else 0
     max_tokens = 0
     if endpoint.max_tokens_parameter is not None:
-        per_row = _max_tokens(req, endpoint, write_back=info.batching)
+        per_row = _max_tokens(req, endpoint, write_back=info.batching and info.takes_rows)
         max_tokens = max(rows, 1) * per_row
         tokens += max_tokens
         if tokens > INT64_MAX:

@@ -117,7 +117,7 @@ LYING_SIZE = (
     [
         (b"{not json", None, "failed to parse"),
         (b"[]", None, "must be an object"),
-        (b'{"inputs": []}', None, "non-empty 'inputs'"),
+        (b'{"inputs": {}}', None, "an 'inputs' list"),
         (
             b'{"inputs": [{"name": "X", "shape": [2], "datatype": "INT32", "data": [1]}]}',
             None,

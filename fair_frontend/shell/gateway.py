@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 # Server metadata extensions the frontend implements (a subset of Triton's: no shared
 # memory, which cannot cross hosts; no repository control or tracing, which stay with
-# the operator of Triton itself).
+# the operator of Triton itself). It lists those the Triton behind it has too.
 EXTENSIONS = (
     "classification",
     "statistics",
@@ -46,7 +46,11 @@ EXTENSIONS = (
     "binary_tensor_data",
     "parameters",
 )
-SERVER_NAME = "fair_frontend"
+# Where the frontend names itself: an HTTP response header and a gRPC initial metadata
+# entry beside the server metadata, which answers with the name and version of the Triton
+# behind it, as clients expect (Triton's simple_*_health_metadata.py examples check for
+# the name "triton").
+FRONTEND_HEADER = "x-fair-frontend"
 
 
 class Gateway:
@@ -285,10 +289,26 @@ class Gateway:
         return await self._keyed("model_ready", headers, answer)
 
     async def server_metadata(self) -> dict[str, Any]:
-        from fair_frontend import __version__
-
+        """Triton's name and version (a drop-in answers as the server it stands for), and
+        the extensions both it and the frontend offer, in Triton's order. Triton's answer
+        is static: kept metadata_ttl_s like the models' metadata, so unkeyed callers cost
+        Triton one call per period. Triton unreachable and nothing kept: its error (503)."""
+        try:
+            triton = await self._from_triton(
+                "server_metadata",
+                ("server_metadata", "", ""),
+                self._side_doors.metadata_ttl_s,
+                lambda: self.triton.call("get_server_metadata"),
+            )
+        except FrontendError as err:
+            self._count_door("server_metadata", None, err.grpc_code.name.lower())
+            raise
         self._count_door("server_metadata", None, "ok")
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+        return {
+            "name": triton.name,
+            "version": triton.version,
+            "extensions": [e for e in triton.extensions if e in EXTENSIONS],
+        }
 
     async def model_metadata(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
         return await self._keyed(

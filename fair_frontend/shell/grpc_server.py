@@ -20,12 +20,12 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from fair_frontend import grpc_codec
+from fair_frontend import __version__, grpc_codec
 from fair_frontend.auth import grpc_peer_address, identity_headers
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument
 from fair_frontend.protocol import InferRequest, ParamValue
-from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,13 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await _guard(context, ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        doc = await self.gateway.server_metadata()
-        return service_pb2.ServerMetadataResponse(**doc)
+        async def answer() -> Any:
+            doc = await self.gateway.server_metadata()
+            # The response names the Triton behind; the frontend names itself here.
+            await context.send_initial_metadata(((FRONTEND_HEADER, __version__),))
+            return service_pb2.ServerMetadataResponse(**doc)
+
+        return await _guard(context, answer)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         return await _guard(

@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from google.protobuf import json_format
 
+from fair_frontend import __version__
 from fair_frontend.auth import TENANT_HEADER, extract_key, identity_headers
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import (
@@ -57,7 +58,7 @@ from fair_frontend.http_codec import (
 )
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse
-from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,10 @@ class HttpShell:
         return web.Response(status=200 if await self.gateway.ready() else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(await self.gateway.server_metadata())
+        response = _json(await self.gateway.server_metadata())
+        # The body names the Triton behind; the frontend names itself here.
+        response.headers[FRONTEND_HEADER] = __version__
+        return response
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)

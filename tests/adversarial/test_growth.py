@@ -106,6 +106,7 @@ GENERATE = ModelInfo(
     max_batch_size=8,
     inputs={"INPUT_IDS": TensorSpec("INPUT_IDS", "INT32", (-1,))},
     outputs={"OUTPUT_IDS": TensorSpec("OUTPUT_IDS", "INT32", (-1,))},
+    takes_rows=True,  # as model_repository/generate asks: max_tokens per row in fair_rows
 )
 UNLIMITED = Endpoint(max_tokens_parameter="max_tokens", max_tokens_default=16)
 

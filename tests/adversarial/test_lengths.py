@@ -38,6 +38,7 @@ INFO = ModelInfo(
     max_batch_size=MAX_ROWS,
     inputs={"INPUT_IDS": TensorSpec("INPUT_IDS", "INT32", (-1,))},
     outputs={"EMBEDDING": TensorSpec("EMBEDDING", "FP32", (4,))},
+    takes_rows=True,  # as model_repository/embed asks: its rows' lengths come in fair_rows
 )
 ENDPOINT = Endpoint(
     cost=CostUnit.TOKENS,

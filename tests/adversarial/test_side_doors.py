@@ -252,10 +252,10 @@ def test_health_and_server_metadata_stay_open(fe: RunningFrontend) -> None:
     assert _get(fe, "/v2/health/live")[0] == 200
     assert _get(fe, "/v2/health/ready")[0] == 200
     status, doc = _get(fe, "/v2")
-    assert status == 200 and doc["name"] == "fair_frontend"
+    assert status == 200 and doc["name"] == "triton"  # the Triton behind it
     client = grpcclient.InferenceServerClient(fe.grpc_url)
     assert client.is_server_live() and client.is_server_ready()
-    assert client.get_server_metadata().name == "fair_frontend"
+    assert client.get_server_metadata().name == "triton"
 
 
 async def _flood(fe: RunningFrontend, call: str, model: str, n: int) -> list[Any]:

@@ -51,6 +51,7 @@ def embed_info(*, instances: int = 1) -> ModelInfo:
         inputs={"INPUT_IDS": TensorSpec("INPUT_IDS", "INT32", (-1,))},
         outputs={"EMBEDDING": TensorSpec("EMBEDDING", "FP32", (4,))},
         instances=instances,
+        takes_rows=True,  # as model_repository/embed asks (the fake reads ids from fair_rows)
     )
 
 
