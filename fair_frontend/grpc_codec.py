@@ -213,7 +213,9 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
                 raise InvalidArgument(
                     f"input '{name}': contents and raw_input_contents are mutually exclusive"
                 )
-            req.inputs.append(tensor_from_raw(name, spec.datatype, shape, raw[i]))
+            req.inputs.append(
+                tensor_from_raw(name, spec.datatype, shape, raw[i], model=req.model, rid=req.id)
+            )
         else:
             req.inputs.append(_from_contents(name, spec.datatype, shape, spec.contents))
     for out in msg.outputs:

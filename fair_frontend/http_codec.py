@@ -136,7 +136,9 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
                 )
             raw = binary[offset : offset + size]  # a view: frombuffer reads it in place
             offset += size
-            req.inputs.append(tensor_from_raw(name, str(datatype), shape, raw))
+            req.inputs.append(
+                tensor_from_raw(name, str(datatype), shape, raw, model=model, rid=req.id)
+            )
         else:
             if "data" not in spec:
                 raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")

@@ -27,6 +27,7 @@ from fair_frontend.protocol import (
     ParamValue,
     Tensor,
     check_id,
+    unexpected_shape,
 )
 from fair_frontend.tokens import count_text_tokens
 
@@ -155,10 +156,6 @@ def _dims_match(expected: tuple[int, ...], got: tuple[int, ...]) -> bool:
     )
 
 
-def _fmt(dims: tuple[int, ...]) -> str:
-    return "[" + ",".join(str(d) for d in dims) + "]"
-
-
 def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     """Check a request against its model; fill configured defaults; count rows and tokens."""
     model = info.name
@@ -198,15 +195,8 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
             )
         expected = (-1, *spec.dims) if info.batching else spec.dims
         if not _dims_match(expected, t.shape):
-            note = (
-                " NOTE: Setting a non-zero max_batch_size in the model config requires a "
-                "batch dimension to be prepended to each input shape."
-                if info.batching
-                else ""
-            )
             raise InvalidArgument(
-                f"unexpected shape for input '{t.name}' for model '{model}'. Expected "
-                f"{_fmt(expected)}, got {_fmt(t.shape)}.{note}"
+                unexpected_shape(req.id, t.name, model, expected, t.shape, info.batching)
             )
         if info.batching and t.shape[0] != rows:
             raise InvalidArgument(

@@ -154,6 +154,31 @@ def byte_size_mismatch(rid: str, name: str, model: str, expected: int, got: int)
     )
 
 
+def unexpected_shape(
+    rid: str, name: str, model: str, expected: tuple[int, ...], got: tuple[int, ...], batching: bool
+) -> str:
+    """Triton core's answer to an input whose shape the model does not take
+    (``InferenceRequest::Normalize``); ``expected`` with the batch dimension (-1) where the
+    model batches. Word for word, the trailing ". " where there is no note included."""
+
+    def dims(shape: tuple[int, ...]) -> str:
+        return "[" + ",".join(str(d) for d in shape) + "]"
+
+    note = (
+        "NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+        "dimension to be prepended to each input shape. If you want to specify the full "
+        "shape including the batch dim in your input dims config, try setting "
+        "max_batch_size to zero. See the model configuration docs for more info on "
+        "max_batch_size."
+        if batching
+        else ""
+    )
+    return (
+        f"{request_prefix(rid)}unexpected shape for input '{name}' for model '{model}'. "
+        f"Expected {dims(expected)}, got {dims(got)}. {note}"
+    )
+
+
 # ---- parameters -------------------------------------------------------------------------
 
 
@@ -347,9 +372,17 @@ def dtype_of(name: str, datatype: Any) -> np.dtype[Any]:
 
 
 def tensor_from_raw(
-    name: str, datatype: str, shape: tuple[int, ...], raw: bytes | memoryview
+    name: str,
+    datatype: str,
+    shape: tuple[int, ...],
+    raw: bytes | memoryview,
+    *,
+    model: str | None = None,
+    rid: str = "",
 ) -> Tensor:
-    """Decode one tensor's raw bytes (binary extension / gRPC raw contents)."""
+    """Decode one tensor's raw bytes (binary extension / gRPC raw contents). ``model`` (and
+    the request id ``rid``): a request's input, whose wrong size gets Triton's own answer;
+    None for tensors that are not a client's (Triton's outputs)."""
     dtype = dtype_of(name, datatype)
     count = element_count(shape)
     if datatype == "BYTES":
@@ -357,6 +390,8 @@ def tensor_from_raw(
     else:
         expected = count * dtype.itemsize
         if len(raw) != expected:
+            if model is not None:
+                raise InvalidArgument(byte_size_mismatch(rid, name, model, expected, len(raw)))
             raise InvalidArgument(
                 f"input '{name}': expected {expected} bytes for {datatype} shape "
                 f"{list(shape)}, got {len(raw)}"

@@ -18,6 +18,7 @@ import gzip
 import json
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from compat_support import (
@@ -233,4 +234,73 @@ def test_grpc_triton_parameter_refused_in_tritons_words(
     with grpc_stub(frontend.grpc_url) as stub:
         through = grpc_call(stub, msg, metadata=KEY_METADATA)
     assert "reserved for Triton" in direct.details, direct
+    assert (through.code, through.details) == (direct.code, direct.details)
+
+
+# ---- wording: shapes and sizes ------------------------------------------------------------
+
+
+def _http_simple_wrong_shape() -> tuple[bytes, dict[str, str]]:
+    req = simple_http()
+    req.doc["inputs"][0]["shape"], req.doc["inputs"][0]["data"] = [1, 8], list(range(8))
+    return req.body(), req.wire_headers()
+
+
+def _http_simple_short_binary() -> tuple[bytes, dict[str, str]]:
+    """INPUT0 binary, 4 bytes short of its shape; INPUT1 right (as JSON), so that only
+    INPUT0 is wrong."""
+    req = simple_http()
+    data = np.arange(15, dtype=np.int32).tobytes()
+    req.doc["inputs"][0] = {
+        "name": "INPUT0",
+        "shape": [1, 16],
+        "datatype": "INT32",
+        "parameters": {"binary_data_size": len(data)},
+    }
+    req.binary = data
+    return req.body(), req.wire_headers()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_http_simple_wrong_shape, _http_simple_short_binary],
+    ids=["unexpected-shape", "byte-size-mismatch"],
+)
+def test_http_shape_errors_in_tritons_words(
+    triton: EmbeddedTriton, frontend: RunningFrontend, build: Any
+) -> None:
+    body, headers = build()
+    direct, through = both(triton, frontend, "simple", body, headers)
+    assert direct.status == 400, direct
+    assert (through.status, through.error) == (direct.status, direct.error)
+
+
+def _grpc_wrong_shape(msg: service_pb2.ModelInferRequest) -> None:
+    msg.inputs[0].shape[:] = [1, 8]
+    msg.raw_input_contents[0] = msg.raw_input_contents[0][:32]
+
+
+def _grpc_short_raw(msg: service_pb2.ModelInferRequest) -> None:
+    msg.raw_input_contents[0] = msg.raw_input_contents[0][:60]
+
+
+@pytest.mark.parametrize(
+    ("model", "edit"),
+    [
+        ("simple", _grpc_wrong_shape),
+        ("simple_nobatch", _grpc_wrong_shape),  # no batch dimension: no NOTE
+        ("simple", _grpc_short_raw),
+    ],
+    ids=["unexpected-shape", "unexpected-shape-nobatch", "byte-size-mismatch"],
+)
+def test_grpc_shape_errors_in_tritons_words(
+    triton: EmbeddedTriton, frontend: RunningFrontend, model: str, edit: Any
+) -> None:
+    msg = simple_grpc(0 if model == "simple_nobatch" else 1, model)
+    edit(msg)
+    with grpc_stub(triton.grpc_url) as stub:
+        direct = grpc_call(stub, msg)
+    with grpc_stub(frontend.grpc_url) as stub:
+        through = grpc_call(stub, msg, metadata=KEY_METADATA)
+    assert direct.code == grpc.StatusCode.INVALID_ARGUMENT, direct
     assert (through.code, through.details) == (direct.code, direct.details)
