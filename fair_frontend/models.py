@@ -27,6 +27,7 @@ from fair_frontend.protocol import (
     ParamValue,
     Tensor,
     check_id,
+    request_prefix,
     unexpected_shape,
 )
 from fair_frontend.tokens import count_text_tokens
@@ -156,6 +157,28 @@ def _dims_match(expected: tuple[int, ...], got: tuple[int, ...]) -> bool:
     )
 
 
+def missing_inputs_message(info: ModelInfo, rid: str, names: list[str], missing: list[str]) -> str:
+    """Triton core's answer to a request without all of its model's required inputs
+    (``InferenceRequest::ValidateRequestInputs``), word for word: its two wordings (all
+    inputs required, or some optional), names as ``['A','B']``."""
+
+    def listed(items: list[str]) -> str:
+        return "[" + ",".join(f"'{n}'" for n in items) + "]"
+
+    total = len(info.inputs)
+    required = sum(1 for s in info.inputs.values() if not s.optional)
+    expected = (
+        f"expected {total} inputs"
+        if required == total
+        else f"expected number of inputs between {required} and {total}"
+    )
+    return (
+        f"{request_prefix(rid)}{expected} but got {len(names)} inputs for model "
+        f"'{info.name}'. Got input(s) {listed(names)}, but missing required input(s) "
+        f"{listed(missing)}. Please provide all required input(s)."
+    )
+
+
 def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     """Check a request against its model; fill configured defaults; count rows and tokens."""
     model = info.name
@@ -180,12 +203,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
         names.append(name)
     missing = [n for n, s in info.inputs.items() if not s.optional and n not in names]
     if missing:
-        required = sum(1 for s in info.inputs.values() if not s.optional)
-        raise InvalidArgument(
-            f"expected {required} inputs but got {len(req.inputs)} inputs for model "
-            f"'{model}'. Got input(s) {names}, but missing required input(s) {missing}. "
-            "Please provide all required input(s)."
-        )
+        raise InvalidArgument(missing_inputs_message(info, req.id, names, missing))
     for t in req.inputs:
         spec = info.inputs[t.name]
         if t.datatype != spec.datatype:
