@@ -2,11 +2,15 @@
 
 Triton keys a sequence-batched model's state by the request's ``sequence_id`` (its
 correlation id) alone. Passed through unchanged, tenant A could add to, or restart,
-tenant B's sequence by sending B's id. So the core never sends a client's id: each
-(model, tenant, client id) is given an id of the frontend's own, of the same type
-(an integer for an integer id, a string for a string id: the type the client chose is
-the type the model's sequence batcher expects), random, so that neither another tenant
-nor another frontend in front of the same Triton can name it.
+tenant B's sequence by sending B's id. So the core maps each (model, tenant, client id)
+to the id Triton sees: the client's own while no other open sequence of the model holds
+it (a model that reads its correlation id sees what the client sent, as from Triton),
+else a random one of the frontend's, of the same type (an integer for an integer id, a
+string for a string id: the type the client chose is the type the model's sequence
+batcher expects). A tenant can then never reach another's open sequence: its START under
+a taken id opens a sequence of its own elsewhere, and its continuation of a sequence it
+never opened is refused here. The map is this core's: frontend replicas in front of one
+Triton must route a sequence's requests to one replica (one gRPC connection does).
 
 The map follows Triton's own life cycle of a sequence:
 
@@ -147,7 +151,12 @@ class SequenceIds:
                 f"out ({keep_s:g} s unused)",
                 retry_after=keep_s,
             )
-        assigned = _fresh_id(client_id, seqs.assigned)
+        # The client's own id while no other open sequence holds it (a model that reads
+        # its correlation id, as Triton's dyna-sequence examples do, sees what it was
+        # sent); another tenant's sequence under the same id gets a fresh one.
+        assigned = (
+            client_id if client_id not in seqs.assigned else _fresh_id(client_id, seqs.assigned)
+        )
         entry = _Open(tenant, assigned, now)
         seqs.open[key] = entry
         seqs.assigned.add(assigned)

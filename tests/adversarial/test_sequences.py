@@ -101,13 +101,18 @@ def start(seq: int | str, *, end: bool = False) -> dict[str, Any]:
     return {"sequence_id": seq, "sequence_start": True, "sequence_end": end}
 
 
-def test_ids_are_the_frontends_own_and_keep_their_type() -> None:
+def test_ids_are_the_clients_while_free_else_the_frontends_own_of_their_type() -> None:
     ids = SequenceIds()
     a = ids.assign(MODEL, "a", start(7), idle_s=1.0, now=0.0)["sequence_id"]
     b = ids.assign(MODEL, "b", start(7), idle_s=1.0, now=0.0)["sequence_id"]
     s = ids.assign(MODEL, "a", start("7"), idle_s=1.0, now=0.0)["sequence_id"]
-    assert isinstance(a, int) and isinstance(b, int) and isinstance(s, str)
-    assert len({a, b, 7}) == 3 and 0 < a < 2**63 and 0 < b < 2**63
+    t = ids.assign(MODEL, "b", start("7"), idle_s=1.0, now=0.0)["sequence_id"]
+    assert a == 7 and s == "7"  # free: the model sees the client's own id
+    assert isinstance(b, int) and b != 7 and 0 < b < 2**63  # taken by a: b's own
+    assert isinstance(t, str) and t != "7"
+    # An id the frontend gave b is taken too: a client naming it gets another.
+    c = ids.assign(MODEL, "c", start(b), idle_s=1.0, now=0.0)["sequence_id"]
+    assert c not in (7, b)
     assert ids.assign(MODEL, "a", {"sequence_id": 7}, idle_s=1.0, now=0.5)["sequence_id"] == a
     # Not a sequence to Triton (0, ""): passed on, for Triton's own error.
     assert ids.assign(MODEL, "a", start(0), idle_s=1.0, now=0.5) == start(0)
