@@ -194,6 +194,13 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
     # No inputs at all is Triton's to judge against the model (``validate``): a model
     # whose inputs are all optional takes such a request.
     raw = msg.raw_input_contents
+    if raw:  # Triton checks this first, input by input (grpc/infer_handler.cc)
+        for spec in msg.inputs:
+            if spec.HasField("contents"):
+                raise InvalidArgument(
+                    "contents field must not be specified when using raw_input_contents "
+                    f"for '{spec.name}' for model '{msg.model_name}'"
+                )
     if raw and len(raw) != len(msg.inputs):
         raise InvalidArgument(
             f"expected {len(msg.inputs)} raw_input_contents (one per input), got {len(raw)}"
@@ -209,10 +216,6 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         reject_shared_memory(f"input '{name}'", spec.parameters)
         shape = check_shape(name, list(spec.shape))
         if raw:
-            if spec.HasField("contents"):
-                raise InvalidArgument(
-                    f"input '{name}': contents and raw_input_contents are mutually exclusive"
-                )
             req.inputs.append(
                 tensor_from_raw(name, spec.datatype, shape, raw[i], model=req.model, rid=req.id)
             )

@@ -179,10 +179,25 @@ def missing_inputs_message(info: ModelInfo, rid: str, names: list[str], missing:
     )
 
 
+_VERSION = re.compile(r"\s*[+-]?[0-9]")  # what std::stol, which Triton uses, can read
+
+
+def check_version(version: str) -> None:
+    """A version string Triton can read as a number, refused in Triton's words (its gRPC
+    answer; the frontend's batches go to Triton over HTTP, whose router would say only
+    "Not Found")."""
+    if version and not _VERSION.match(version):
+        raise InvalidArgument(
+            f"failed to get model version from specified version string '{version}' "
+            "(details: stol), version should be an integral value > 0"
+        )
+
+
 def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
     """Check a request against its model; fill configured defaults; count rows and tokens."""
     model = info.name
     check_id("request id", req.id)  # copied into every row's fair_rows entry
+    check_version(req.version)
     names = [t.name for t in req.inputs]
     for t in req.inputs:
         if t.name not in info.inputs:
