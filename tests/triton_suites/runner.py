@@ -170,40 +170,25 @@ EXCEPTIONS: dict[str, Exception_] = {
     "client_examples::simple_grpc_cudashm_client.py": Exception_(_CUDASHM, _GRPC_ANSWER),
     "client_examples::simple_http_model_control.py": Exception_(_CONTROL, _HTTP_ANSWER),
     "client_examples::simple_grpc_model_control.py": Exception_(_CONTROL, _GRPC_ANSWER),
+    "L0_http::HttpTest::test_content_encoding_chunked_manually": Exception_(
+        "a body with both Content-Length and Transfer-Encoding: chunked is refused (400 "
+        "\"Content-Length can't be present with Transfer-Encoding\", aiohttp's parser): "
+        "RFC 9112 section 6.3 makes such a message an error a server ought to refuse, the "
+        "ambiguity request smuggling uses; Triton's HTTP server accepts it",
+        "400 Client Error",
+    ),
+    "L0_http::HttpTest::test_descriptive_status_code": Exception_(
+        "a model's max_queue_size bounds Triton's queue, which the frontend keeps nearly "
+        "empty: it queues requests itself, fairly, and sends Triton only what it dispatches, "
+        "so a second request to a model that queues one waits and succeeds; the frontend's "
+        "own caps (queues.*) answer Triton's 503 'Exceeds maximum queue size'",
+        "HTTPError not raised",
+    ),
 }
 
 # Items still failing through the frontend, and why: an issue 12 item whose fix is not in
 # yet, or a difference nobody has taken up (the lead decides: fix, or name an exception).
-_SEQUENCE_IDS = (
-    "difference, not yet assigned: the frontend renames correlation ids per tenant "
-    "('fair-<hash>', to keep tenants' sequences apart), so a model that reads the id's value "
-    "(dyna_sequence: int(id) added to the last output) fails on a string id"
-)
-KNOWN: dict[str, str] = {
-    "client_examples::simple_http_sequence_sync_infer_client.py -d": _SEQUENCE_IDS,
-    "client_examples::simple_grpc_sequence_sync_infer_client.py -d": _SEQUENCE_IDS,
-    "client_examples::simple_grpc_sequence_stream_infer_client.py -d": _SEQUENCE_IDS,
-    "client_examples::simple_grpc_aio_sequence_stream_infer_client.py -d": _SEQUENCE_IDS,
-    "client_examples::grpc_explicit_int_content_client.py": (
-        "issue 12, wording: contents beside raw_input_contents must be refused with Triton's "
-        "\"contents field must not be specified when using raw_input_contents for 'INPUT0' "
-        "for model 'simple'\"; the frontend counts the raw contents first"
-    ),
-    "client_examples::grpc_explicit_int8_content_client.py": (
-        "issue 12, wording: as grpc_explicit_int_content_client.py"
-    ),
-    "L0_http::HttpTest::test_content_encoding_chunked_manually": (
-        "difference, not yet assigned: requests sends this chunked raw body with both "
-        "Content-Length and Transfer-Encoding: chunked; Triton's HTTP server accepts it, "
-        "aiohttp's parser answers 400 \"Content-Length can't be present with "
-        'Transfer-Encoding" before the frontend sees the request'
-    ),
-    "L0_http::HttpTest::test_descriptive_status_code": (
-        "difference, not yet assigned: Triton answers 503 when a model's queue "
-        "(max_queue_size 1) is full; the frontend queues the request itself and sends Triton "
-        "only what it dispatches, so the second request waits and succeeds"
-    ),
-}
+KNOWN: dict[str, str] = {}
 
 # QA test methods this suite does not run, and why (listed in the report).
 NOT_RUN: dict[str, str] = {
