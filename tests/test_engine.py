@@ -304,7 +304,10 @@ async def test_charge_back_gives_equal_tokens_to_outputs_1_to_8(triton) -> None:
 
 async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(triton) -> None:  # type: ignore[no-untyped-def]
     served = await backlogged_shares(triton, CostUnit.REQUESTS, (1.0, 1.0))
-    assert served["globex"] > 3 * served["acme"], served
+    # Equal requests, 8x the output each: 3.5-4.6x the tokens alone on 2 cores (the window
+    # and the prompts, equal for both, dilute the 8), 2.96x once under a loaded CI run.
+    # Token cost holds the two within 0.4-0.6 of the total (1.5x at most): 2x tells apart.
+    assert served["globex"] > 2 * served["acme"], served
 
 
 async def test_tokens_and_latency_per_tenant_are_in_the_metrics(frontend) -> None:  # type: ignore[no-untyped-def]
