@@ -266,11 +266,17 @@ class Authenticator:
     def identify_by_headers(self, headers: Mapping[str, str]) -> str | None:
         """The tenant, as far as the headers alone tell (before a body is read or decoded):
         raises what ``identify`` would raise for these headers whatever the body says; None
-        when only the body can tell (a trusted gateway's ``tenant`` parameter)."""
+        when only the body can tell (a trusted gateway's ``tenant`` parameter). A tenant
+        the gateway names in ``x-tenant-id`` is known or not whatever the body says."""
         _refuse_repeated(headers)
         gateway = self.gateway
-        if extract_key(headers) is None and gateway is not None and gateway.vouches_for(headers):
-            return None  # the gateway may name the tenant in the body too
+        if (
+            extract_key(headers) is None
+            and TENANT_HEADER not in headers
+            and gateway is not None
+            and gateway.vouches_for(headers)
+        ):
+            return None  # the gateway names the tenant in the body, if at all
         return self.identify(headers, None)
 
     def identify(self, headers: Mapping[str, str], tenant_claim: str | None) -> str:

@@ -166,11 +166,10 @@ def peek_header(raw: bytes) -> tuple[str | None, str]:
                 length, pos = _varint(raw, pos)
                 if pos + length > len(raw):
                     break
-                value = raw[pos : pos + min(length, MAX_ID_BYTES)].decode(errors="replace")
                 if tag == _MODEL_NAME_TAG:
                     model = raw[pos : pos + length].decode()
                 else:
-                    rid = value
+                    rid = raw[pos : pos + min(length, MAX_ID_BYTES)].decode(errors="replace")
                 pos += length
                 continue
             pos = _skip(raw, pos, tag & 7)

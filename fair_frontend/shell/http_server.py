@@ -28,7 +28,7 @@ from aiohttp.http import HttpVersion11
 from google.protobuf import json_format
 
 from fair_frontend import __version__
-from fair_frontend.auth import TENANT_HEADER, extract_key, identity_headers
+from fair_frontend.auth import identity_headers
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import (
     FrontendError,
@@ -348,7 +348,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self._admit(model, headers)
+            self.gateway.admit_early(model, headers)
             raw = await self._read_body(request, model)
             limit = body_limit(self.gateway.config.endpoint(model))
             size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
@@ -374,14 +374,6 @@ class HttpShell:
         if request.headers.get("Accept-Encoding"):
             out.enable_compression()
         return out
-
-    def _admit(self, model: str, headers: Mapping[str, str]) -> None:
-        """Refuse what the headers alone decide, before any of the body is read
-        (``Gateway.admit_early``). A trusted gateway's ``x-tenant-id`` is one of those: a
-        tenant it names is known or not whatever the body says."""
-        self.gateway.admit_early(model, headers)
-        if TENANT_HEADER in headers and extract_key(headers) is None:
-            self.gateway.auth.identify(headers, None)
 
     async def _read_body(self, request: web.Request, model: str) -> bytes:
         """The body, read against ``model``'s own ``body_limit`` (a declared length over
@@ -498,7 +490,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self._admit(model, headers)
+            self.gateway.admit_early(model, headers)
             try:
                 info = await self.gateway.model_info(model)
             except FrontendError as err:
