@@ -51,6 +51,11 @@ DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+# A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
+# payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
+# twice their binary size), plus this much for the rest (names, shapes, parameters).
+WIRE_EXPANSION = 2
+WIRE_FRAMING_BYTES = 1 << 20
 # Requests of one ModelStreamInfer stream handled at once: above any engine's slots
 # (64-256) and a client's usual pipelining depth, so a legitimate client never waits on
 # it; it bounds one stream's tasks and undelivered replies.
@@ -333,6 +338,14 @@ class Endpoint(_Strict):
     max_request_tokens: int | None = Field(
         default=None, gt=0, description="Largest request in tokens; beyond, 400."
     )
+
+    @property
+    def max_wire_bytes(self) -> int:
+        """The largest request read for this model, as an HTTP body or a gRPC message:
+        ``max_request_bytes`` of tensors as they travel, and the rest of the request.
+        Each request is read against its own model's bound, so a model that takes small
+        requests is not exposed to the largest bound of any other."""
+        return self.max_request_bytes * WIRE_EXPANSION + WIRE_FRAMING_BYTES
 
     def effective_quantum(self, max_batch_size: int) -> float | None:
         """The DRR quantum: configured, else derived from the batching policy; None for a
@@ -621,6 +634,12 @@ class Config(_Strict):
     def endpoint(self, model: str) -> Endpoint:
         """The policy for a model: its entry, else the default policy."""
         return self.endpoints.get(model, self.default_endpoint)
+
+    def max_wire_bytes(self) -> int:
+        """The largest request any model accepts (``Endpoint.max_wire_bytes``): the
+        transports' own caps, a backstop behind each request's own model's bound."""
+        eps = [*self.endpoints.values(), self.default_endpoint]
+        return max(ep.max_wire_bytes for ep in eps)
 
     def limits_for(self, tenant: str, endpoint: str) -> Limits:
         """The tenant's effective limits on an endpoint (tier's, overridden by the tenant's)."""

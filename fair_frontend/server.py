@@ -37,7 +37,7 @@ from fair_frontend.ipc import CoreServer, ShellConnection
 from fair_frontend.records import Draining, Settings, Stop
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
-from fair_frontend.shell.http_server import HttpShell, max_body_bytes
+from fair_frontend.shell.http_server import HttpShell
 from fair_frontend.shell.link import LocalLink
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class FrontendServer:
     async def _start_local_shell(self, forwarder: TritonForwarder) -> None:
         assert self.core is not None
         self.gateway = Gateway(self.config, self.core.keyring, LocalLink(self.core), forwarder)
-        shell = HttpShell(self.gateway, max_body_bytes=max_body_bytes(self.config))
+        shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
         # Bodies are inflated by the shell itself (size-capped, Triton's errors for the
         # encodings it does not know), not by aiohttp.
         self._runner = web.AppRunner(

@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__, grpc_codec
 from fair_frontend.auth import grpc_peer_address, identity_headers
-from fair_frontend.config import Config, Endpoint
+from fair_frontend.config import Config
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument
 from fair_frontend.protocol import InferRequest, ParamValue
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
@@ -30,8 +30,6 @@ from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Room in a request message beyond its tensor data (names, shapes, parameters).
-FRAMING_BYTES = 1 << 20
 GRPC_DEFAULT_PENDING_CALLS = 1000  # gRPC core's own max_pending_requests
 # Replies of one stream written ahead of a client that does not read them.
 REPLY_BUFFER = 64
@@ -217,7 +215,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise
 
     def _check_size(self, model: str, size: int) -> None:
-        bound = message_bound(self.gateway.config.endpoint(model))
+        bound = self.gateway.config.endpoint(model).max_wire_bytes
         if size > bound:
             raise InvalidArgument(
                 f"request too large: the message is {size} bytes, model '{model}' accepts "
@@ -225,20 +223,12 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             )
 
 
-def message_bound(endpoint: Endpoint) -> int:
-    """The largest serialized request accepted for an endpoint: its tensor bytes twice
-    over (typed contents' varints, BYTES elements' framing), plus room for the rest of
-    the message (names, shapes, parameters). The same allowance as an HTTP body's."""
-    return endpoint.max_request_bytes * 2 + FRAMING_BYTES
-
-
 def max_message_bytes(config: Config) -> int:
     """gRPC's own receive limit: the largest endpoint's bound. A message above it is
     refused by gRPC before any of it is buffered whole (RESOURCE_EXHAUSTED, gRPC's own
     status, like Triton's at its INT32_MAX limit); below it, the endpoint's own bound
     answers INVALID_ARGUMENT (``GrpcShell._check_size``). Endpoints are fixed at start."""
-    eps = [*config.endpoints.values(), config.default_endpoint]
-    return min(max(message_bound(ep) for ep in eps), 2**31 - 1)
+    return min(config.max_wire_bytes(), 2**31 - 1)
 
 
 def max_pending_calls(config: Config) -> int:

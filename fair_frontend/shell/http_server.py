@@ -8,10 +8,10 @@ The door (issue 11: a hostile client must not cost more than its headers entitle
 a request is refused from its headers alone where they decide (no key, an unknown one, an
 unknown tenant from the trusted gateway, a full queue, a declared Content-Length over its
 model's limit) before any of its body is read, and ``Expect: 100-continue`` is granted only
-then. A body is read against its own model's ``body_limit`` (chunked bodies cut off at it,
-inflated ones too) and within ``server.http_body_timeout_s`` (then 408); a body abandoned
-midway gets ``Connection: close``. Large bodies are decoded on a worker thread, so the
-event loop keeps serving other clients meanwhile.
+then. A body is read against its own model's bound (``Endpoint.max_wire_bytes``: chunked
+bodies cut off at it, inflated ones too) and within ``server.http_body_timeout_s`` (then
+408); a body abandoned midway gets ``Connection: close``. Large bodies are decoded on a
+worker thread, so the event loop keeps serving other clients meanwhile.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from google.protobuf import json_format
 
 from fair_frontend import __version__
 from fair_frontend.auth import identity_headers
-from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
@@ -72,10 +71,6 @@ _WBITS = {
 }
 
 
-# A model's body may be this many times its tensor payload limit (JSON text of numbers
-# runs to about twice their binary size), plus this much for the JSON around the tensors.
-JSON_EXPANSION = 2
-FRAMING_BYTES = 1 << 20
 # Bodies larger than this (or compressed ones) are decoded on a worker thread: parsing a
 # megabyte of JSON into tensors holds the thread running it for about 20 ms on these
 # CPUs, which on the event loop would stall every other client of this shell.
@@ -84,21 +79,6 @@ OFF_LOOP_BYTES = 256 << 10
 # closed after the answer, since the rest of the body would only be read to be discarded.
 _BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("body_abandoned", bool)
 _T = TypeVar("_T")
-
-
-def body_limit(endpoint: Endpoint) -> int:
-    """The largest body read for a request to a model with this policy: its tensor
-    payload limit (``max_request_bytes``), as JSON text, with room for the JSON header and
-    the binary framing around it. Each request is read against its own model's limit, so a
-    model that takes small requests is not exposed to the largest limit of any other."""
-    return endpoint.max_request_bytes * JSON_EXPANSION + FRAMING_BYTES
-
-
-def max_body_bytes(config: Config) -> int:
-    """The largest body any model accepts (aiohttp's own cap: a backstop, since each
-    request is read against its own model's ``body_limit``)."""
-    eps = [*config.endpoints.values(), config.default_endpoint]
-    return max(body_limit(ep) for ep in eps)
 
 
 class BodyTimeout(InvalidArgument):
@@ -313,7 +293,8 @@ class HttpShell:
     @staticmethod
     def _decompress(raw: bytes, encoding: str | None, limit: int, model: str) -> bytes:
         """The request body, inflated as its Content-Encoding says (gzip, deflate), to at
-        most ``limit`` bytes (the model's ``body_limit``: a small bomb inflates no further)."""
+        most ``limit`` bytes (the model's ``Endpoint.max_wire_bytes``: a small bomb inflates
+        no further)."""
         name = (encoding or "identity").strip().lower()
         if name == "identity":
             return raw
@@ -350,7 +331,7 @@ class HttpShell:
         try:
             self.gateway.admit_early(model, headers)
             raw = await self._read_body(request, model)
-            limit = body_limit(self.gateway.config.endpoint(model))
+            limit = self.gateway.config.endpoint(model).max_wire_bytes
             size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
             decoded = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
             if isinstance(decoded, InferRequest):
@@ -376,10 +357,11 @@ class HttpShell:
         return out
 
     async def _read_body(self, request: web.Request, model: str) -> bytes:
-        """The body, read against ``model``'s own ``body_limit`` (a declared length over
-        it is refused unread) and within ``server.http_body_timeout_s`` (then 408). A body
-        abandoned midway marks its request to have its connection closed."""
-        limit = body_limit(self.gateway.config.endpoint(model))
+        """The body, read against ``model``'s own bound (``Endpoint.max_wire_bytes``: a
+        declared length over it is refused unread) and within ``server.http_body_timeout_s``
+        (then 408). A body abandoned midway marks its request to have its connection
+        closed."""
+        limit = self.gateway.config.endpoint(model).max_wire_bytes
         timeout_s = self.gateway.config.server.http_body_timeout_s
         try:
             declared = request.content_length

@@ -33,7 +33,7 @@ from fair_frontend.ipc import SocketLink
 from fair_frontend.records import Hello, Ready, Settings
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
-from fair_frontend.shell.http_server import HttpShell, max_body_bytes
+from fair_frontend.shell.http_server import HttpShell
 
 log = logging.getLogger("fair_frontend.shell")
 
@@ -91,7 +91,7 @@ class ShellProcess:
         )
         self.gateway = Gateway(config, keyring_of(settings), link, triton)
 
-        shell = HttpShell(self.gateway, max_body_bytes=max_body_bytes(config))
+        shell = HttpShell(self.gateway, max_body_bytes=config.max_wire_bytes())
         runner = web.AppRunner(
             shell.app(), handler_cancellation=True, access_log=None, auto_decompress=False
         )

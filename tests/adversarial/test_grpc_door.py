@@ -31,7 +31,6 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES
-from fair_frontend.shell.grpc_server import message_bound
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -99,7 +98,7 @@ async def test_a_body_that_is_not_protobuf_is_invalid_argument(door: RunningFron
 async def test_a_message_over_its_models_bound_is_refused_before_parsing(
     door: RunningFrontend,
 ) -> None:
-    bound = message_bound(parse_config(door_config()).endpoint("simple_identity"))
+    bound = parse_config(door_config()).endpoint("simple_identity").max_wire_bytes
     # The model's name, then garbage past the bound: refused by size, never parsed.
     head = service_pb2.ModelInferRequest(model_name="simple_identity").SerializeToString()
     err = await _infer_raw(door.grpc_url, head + b"\xff" * (bound + 1), KEY)

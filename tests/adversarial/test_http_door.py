@@ -277,7 +277,7 @@ def test_an_inflated_body_stops_at_the_model_limit(door: RunningFrontend) -> Non
 def test_a_body_within_the_limit_of_its_model_is_served(door: RunningFrontend) -> None:
     """The bound is embed's own, not a smaller one: a body just under it is read whole
     (and then judged by its tensors: 600 tokens are over embed's 2000 bytes)."""
-    limit = http_server.body_limit(parse_config(door_config()).endpoint("embed"))
+    limit = parse_config(door_config()).endpoint("embed").max_wire_bytes
     body = embed_body(4, pad="x" * (limit - len(embed_body(4, pad="")) - 16))
     assert len(body) < limit
     answer = request(door.http_url, door_path("embed", "infer"), body, KEY)
