@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,3 +137,14 @@ def running_frontend(
 async def gather_settled(*aws: Any) -> list[Any]:
     """asyncio.gather that returns exceptions as values."""
     return list(await asyncio.gather(*aws, return_exceptions=True))
+
+
+def identity_request(payload: bytes) -> bytes:
+    """A serialized ``ModelInferRequest`` to ``simple_identity``: one BYTES element,
+    ``payload`` (its size is the request's size, for tests of message bounds)."""
+    from tritonclient.grpc import service_pb2
+
+    msg = service_pb2.ModelInferRequest(model_name="simple_identity")
+    msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
+    msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
+    return msg.SerializeToString()

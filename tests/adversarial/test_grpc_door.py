@@ -15,7 +15,6 @@ Issue 11, item 1 on the gRPC transport. ModelInfer takes its request as bytes, s
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,13 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+from tests.support import (
+    KEYS,
+    RunningFrontend,
+    config_dict,
+    identity_request,
+    running_frontend,
+)
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 KEY = (("authorization", f"Bearer {KEYS['acme']}"),)
@@ -64,13 +69,6 @@ async def _infer_raw(url: str, body: bytes, metadata: Any) -> grpc.aio.AioRpcErr
             return await call(body, metadata=metadata, timeout=30)
         except grpc.aio.AioRpcError as err:
             return err
-
-
-def _identity_request(payload: bytes) -> bytes:
-    msg = service_pb2.ModelInferRequest(model_name="simple_identity")
-    msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
-    msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
-    return msg.SerializeToString()
 
 
 @pytest.mark.parametrize(
@@ -107,12 +105,12 @@ async def test_a_message_over_its_models_bound_is_refused_before_parsing(
     assert "request too large" in (err.details() or "")
     assert str(bound) in (err.details() or "")
     # A well-formed request of that size: the same answer.
-    err = await _infer_raw(door.grpc_url, _identity_request(b"x" * bound), KEY)
+    err = await _infer_raw(door.grpc_url, identity_request(b"x" * bound), KEY)
     assert isinstance(err, grpc.aio.AioRpcError), err
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert "request too large" in (err.details() or "")
     # Within the bound, the model answers.
-    ok = await _infer_raw(door.grpc_url, _identity_request(b"y" * 100), KEY)
+    ok = await _infer_raw(door.grpc_url, identity_request(b"y" * 100), KEY)
     assert isinstance(ok, service_pb2.ModelInferResponse), ok
     assert ok.raw_output_contents[0][4:] == b"y" * 100
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -37,7 +36,13 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.scheduler import Counters
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+from tests.support import (
+    KEYS,
+    RunningFrontend,
+    config_dict,
+    identity_request,
+    running_frontend,
+)
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -76,13 +81,6 @@ def stream_config() -> dict[str, Any]:
 def streams(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
     with running_frontend(parse_config(stream_config()), triton, workers=workers) as running:
         yield running
-
-
-def _identity(payload: bytes) -> bytes:
-    msg = service_pb2.ModelInferRequest(model_name="simple_identity")
-    msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
-    msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
-    return msg.SerializeToString()
 
 
 def _sleeper(tokens: int) -> bytes:
@@ -155,12 +153,12 @@ async def test_a_client_that_never_reads_is_held_back_and_others_are_served(
         ):
             hog = _open_stream(hog_channel, HOG)
             # One answered request: the model is known, the shells warm.
-            await hog.write(_identity(b"w" * 10))
+            await hog.write(identity_request(b"w" * 10))
             assert not (await hog.read()).error_message
             before = await _counters(fe, "simple_identity")
             pids = _shell_pids(fe)
             rss_before = sum(_rss(p) for p in pids)
-            body = _identity(b"h" * REPLY_BYTES)
+            body = identity_request(b"h" * REPLY_BYTES)
 
             async def flood() -> None:
                 for _ in range(HOG_REQUESTS):
@@ -211,7 +209,7 @@ async def test_a_valid_stream_answers_each_request_in_stream(streams: RunningFro
         call = _open_stream(channel, HOG)
         count = MAX_INFLIGHT * 4
         for i in range(count):
-            await call.write(_identity(str(i).encode()) if i % 5 else b"\xff" * 8)
+            await call.write(identity_request(str(i).encode()) if i % 5 else b"\xff" * 8)
         await call.done_writing()
 
         async def every_reply() -> list[Any]:
@@ -228,6 +226,15 @@ async def test_a_valid_stream_answers_each_request_in_stream(streams: RunningFro
         int(r.infer_response.raw_output_contents[0][4:]) for r in replies if not r.error_message
     )
     assert echoed == [i for i in range(count) if i % 5]
+
+
+async def _warm(channel: grpc.aio.Channel) -> None:
+    """One short sleeper request answered on a stream: the model is known to the core
+    (its counters exist) before a test reads them."""
+    warm = _open_stream(channel, HOG)
+    await warm.write(_sleeper(4))
+    assert not (await warm.read()).error_message
+    await warm.done_writing()
 
 
 CLIENT = textwrap.dedent(
@@ -261,10 +268,7 @@ async def test_a_vanished_client_leaves_nothing_running_in_the_core(
     body_file.write_bytes(_sleeper(2000))
     # The model is known before the counters are read.
     async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
-        warm = _open_stream(channel, HOG)
-        await warm.write(_sleeper(4))
-        assert not (await warm.read()).error_message
-        await warm.done_writing()
+        await _warm(channel)
     before = await _counters(streams, "sleeper")
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, streams.grpc_url, KEYS["acme"], str(body_file), str(count)],
@@ -300,10 +304,7 @@ async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
     its requests still queued are cancelled in the core, not left to run for nobody."""
     count = MAX_INFLIGHT - 1  # a slot left: the stream reads its next message
     async with grpc.aio.insecure_channel(streams.grpc_url) as channel:
-        warm = _open_stream(channel, HOG)
-        await warm.write(_sleeper(4))
-        assert not (await warm.read()).error_message
-        await warm.done_writing()
+        await _warm(channel)
         before = await _counters(streams, "sleeper")
         # Another tenant's full batch of long requests: the stream's wait behind it.
         blocker = _open_stream(channel, QUIET)
