@@ -120,7 +120,9 @@ async def test_shutdown_answers_requests_stuck_in_a_hung_triton(
             os.killpg(own_triton.pid, signal.SIGSTOP)
             # One request in Triton, the next maybe too (one batch per instance), or queued.
             waiting = [asyncio.ensure_future(_embed(client, t)) for t in ("acme", "globex")]
+            until = asyncio.get_running_loop().time() + DEADLINE_S
             while (await fe.counters("embed")).admitted < 3:
+                assert asyncio.get_running_loop().time() < until, "requests never admitted"
                 await asyncio.sleep(0.01)
             assert await fe.acall(_inflight(fe)) >= 1
             await asyncio.wait_for(fe.acall(fe.frontend.shutdown(grace_s=0.5)), DEADLINE_S)
