@@ -121,6 +121,7 @@ class Secrets:
     redis_password: str = field(default_factory=lambda: secrets.token_hex(32))
 
     def write_k8s(self, folder: Path) -> None:
+        folder.mkdir(exist_ok=True)
         for tenant, key in self.keys.items():
             (folder / f"{tenant}.keys").write_text(hash_key(key) + "\n")
         (folder / "redis.password").write_text(self.redis_password + "\n")
