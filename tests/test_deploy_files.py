@@ -1065,6 +1065,70 @@ def test_compose_services_drop_privileges_and_keep_the_operators_ports_local() -
     assert services["redis"]["user"] == "999:1000"
 
 
+# What the pods' read-only root filesystems allow, tried for real: Triton (the Python
+# backend's stubs, torch models) and the frontend (two shell processes) run in a mount
+# namespace whose root is read-only, with fresh tmpfs on /tmp and /dev/shm only (the
+# emptyDirs of k8s/), with no capability and no new privileges. Not as another user:
+# this machine's Python lives under /root (mode 0700); the images run as 10001.
+_READ_ONLY_STACK = """
+import json, os, pathlib, sys, urllib.request
+import numpy as np, tritonclient.grpc as grpcclient
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from tests.support import KEYS, ids_input, make_config
+
+for where in (pathlib.Path.cwd() / "probe", pathlib.Path("/etc/probe")):
+    try:
+        where.write_text("x")
+        sys.exit(f"{where} is writable: the root is not read-only")
+    except OSError:
+        pass
+triton = EmbeddedTriton(default_model_repository())
+triton.start()
+try:
+    body = json.dumps({"text_input": "hello", "max_tokens": 3}).encode()
+    req = urllib.request.Request(triton.http_url + "/v2/models/llm/generate", data=body)
+    print("llm", urllib.request.urlopen(req, timeout=60).status)
+    config = make_config()
+    config = config.model_copy(update={"triton": config.triton.model_copy(
+        update={"http_url": triton.http_url})})
+    with BackgroundServer(FrontendServer(config, triton.grpc_url, Listen(), workers=2)) as fe:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{fe.grpc_port}")
+        ids = np.ones((2, 8), np.int32)
+        out = client.infer("embed", [ids_input(grpcclient, ids)],
+                           headers={"x-api-key": KEYS["acme"]})
+        print("frontend embed", out.as_numpy("EMBEDDING").shape)
+        client.close()
+finally:
+    triton.stop()
+"""
+
+
+def test_triton_and_the_frontend_serve_on_a_read_only_root_without_capabilities() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, unshare and setpriv to make a read-only mount namespace")
+    setup = (
+        "mount -o remount,bind,ro / && "
+        "mount -t tmpfs -o mode=1777,size=2g tmpfs /tmp && "
+        "mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm && "
+        'exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs "$@"'
+    )
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp"}
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh",
+         "env", "-i", *(f"{k}={v}" for k, v in env.items()),
+         sys.executable, "-c", _READ_ONLY_STACK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    if out.returncode != 0 and re.match(r"(unshare|mount|setpriv): ", out.stderr):
+        pytest.skip(f"no read-only mount namespace here: {out.stderr.strip()[:300]}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "llm 200" in out.stdout and "frontend embed (2, 128)" in out.stdout, out.stdout
+
+
 # ---- NetworkPolicy: who may connect to whom -------------------------------------------------
 #
 # A small evaluator of the NetworkPolicy API's rules (networking.k8s.io/v1), enough for
