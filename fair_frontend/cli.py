@@ -1,9 +1,16 @@
 """``fair-frontend``: run the frontend, alone or with an embedded Triton.
 
-fair-frontend up    [--config F] [--http-port N] [--grpc-port N] [--metrics-port N]
+fair-frontend up    [--config F | --demo] [--http-port N] [--grpc-port N] [--metrics-port N]
 fair-frontend serve --config F --triton-url HOST:PORT [ports as above]
 fair-frontend check-config F
 fair-frontend hash-key KEY
+
+Keys. ``serve``, and ``up`` with an operator's config, refuse to start when no request
+could ever be admitted: no tenant has a key (inline, file, variable) and no trusted gateway
+is configured (``key_set_problem``). ``up``'s demo mode (``--demo``, or the example config,
+which ``up`` defaults to and ``make run`` passes) runs the example config's published demo
+keys, and says so loudly at start; outside it, a config that accepts a demo key gets a
+warning naming its tenants.
 """
 
 from __future__ import annotations
@@ -14,17 +21,22 @@ import contextlib
 import logging
 import signal
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
+from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config, ConfigError, load_config
 from fair_frontend.server import FrontendServer, Listen, default_workers
 
 log = logging.getLogger("fair_frontend")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "config.yaml"
+# The example config's keys, published in it and in the README: anyone may send them.
+DEMO_KEYS = ("acme-demo-key", "globex-demo-key", "initech-demo-key", "umbrella-demo-key")
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _add_listen_flags(p: argparse.ArgumentParser) -> None:
@@ -32,6 +44,12 @@ def _add_listen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 8001)")
     p.add_argument("--metrics-port", type=int, default=None, help="metrics port (default 8002)")
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of the operator's listener: /metrics and the operator's statistics "
+        "(default: config, 127.0.0.1)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -50,7 +68,8 @@ def _listen(args: argparse.Namespace, config: Config) -> Listen:
         http_port=s.http_port if args.http_port is None else args.http_port,
         grpc_port=s.grpc_port if args.grpc_port is None else args.grpc_port,
         metrics_port=s.metrics_port if args.metrics_port is None else args.metrics_port,
-        metrics_host=s.metrics_host,
+        metrics_host=args.metrics_host or s.metrics_host,
+        metrics_grpc_port=s.metrics_grpc_port,
     )
 
 
@@ -59,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start an embedded Triton and the frontend in front of it")
-    up.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config")
+    up.add_argument(
+        "--config", default=None, help="YAML config (default: the example config, in demo mode)"
+    )
+    up.add_argument(
+        "--demo",
+        action="store_true",
+        help="demo mode: the example config (unless --config names another) with its "
+        "published demo keys, said loudly at start; also on when --config is the example",
+    )
     up.add_argument("--model-repository", default=None, help="Triton model repository")
     up.add_argument("--triton-log", default=None, help="file for Triton's log")
     up.add_argument(
@@ -100,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(args, "log_level", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    demo = False
+    if args.command == "up":
+        demo = args.demo or args.config is None or is_example_config(args.config)
+        args.config = args.config or str(DEFAULT_CONFIG)
     try:
         config = load_config(args.config)
     except ConfigError as err:
@@ -114,6 +145,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     try:
+        keyring = KeyRing.from_config(config)
+    except ConfigError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
+    if demo:
+        log.warning("%s", demo_banner(_listen(args, config).host))
+    else:
+        problem = key_set_problem(config, keyring)
+        if problem is not None:
+            print(f"fair-frontend: {problem}", file=sys.stderr)
+            return 2
+        demo_tenants = tenants_with_demo_keys(keyring)
+        if demo_tenants:
+            log.warning(
+                "tenants %s accept the example config's published demo keys: anyone may "
+                "send them; replace them (fair-frontend hash-key KEY)",
+                ", ".join(demo_tenants),
+            )
+    try:
         if args.command == "serve":
             uvloop.run(
                 _serve(
@@ -125,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         else:
-            uvloop.run(_up(config, args))
+            uvloop.run(_up(config, args, demo))
     except ConfigError as err:
         print(f"fair-frontend: {err}", file=sys.stderr)
         return 2
@@ -137,6 +187,43 @@ def main(argv: list[str] | None = None) -> int:
 
 class StartupError(RuntimeError):
     pass
+
+
+def is_example_config(path: str) -> bool:
+    """Is ``path`` the example config (``make run``'s): the one with the demo keys?"""
+    try:
+        return Path(path).resolve() == DEFAULT_CONFIG
+    except OSError:
+        return False
+
+
+def key_set_problem(config: Config, keyring: KeyRing) -> str | None:
+    """Why a frontend with this config and these keys would refuse every request (no
+    tenant has a key, and no trusted gateway names tenants), or None."""
+    if keyring.size or config.auth.trusted_gateway:
+        return None
+    sources = []
+    for name, tenant in config.tenants.items():
+        where = [
+            f"api_keys_file {tenant.api_keys_file}" if tenant.api_keys_file else "",
+            f"api_keys_env {tenant.api_keys_env}" if tenant.api_keys_env else "",
+        ]
+        found = " and ".join(w for w in where if w) or "no api_keys"
+        sources.append(f"{name} ({found}: empty)")
+    tenants = "; ".join(sources) or "no tenants are configured"
+    return (
+        "no API keys: no tenant has one and auth.trusted_gateway is off, so every request "
+        f"would be refused (401). Tenants: {tenants}. Set tenants.<name>.api_keys "
+        '("sha256:<hex>", printed by `fair-frontend hash-key KEY`), api_keys_file (one key '
+        "per line) or api_keys_env (a variable of comma-separated keys), or "
+        "auth.trusted_gateway with its proof; `fair-frontend up --demo` runs the example "
+        "config's demo keys"
+    )
+
+
+def tenants_with_demo_keys(keyring: KeyRing) -> list[str]:
+    """The tenants that accept one of the example config's published demo keys."""
+    return sorted({t for key in DEMO_KEYS if (t := keyring.tenant_for(key)) is not None})
 
 
 def _workers(args: argparse.Namespace, config: Config) -> int:
@@ -154,6 +241,7 @@ async def _serve(
     listen: Listen,
     workers: int,
     config_path: str | None = None,
+    demo: bool = False,
 ) -> None:
     server = FrontendServer(config, triton_url, listen, workers=workers)
     loop = asyncio.get_running_loop()
@@ -182,7 +270,7 @@ async def _serve(
     started = True
     if reloads:
         _reload(server, reloads[-1])
-    _announce(server, listen, triton_url)
+    _announce(server, listen, triton_url, config, demo)
     try:
         await stop.wait()
     finally:
@@ -199,7 +287,7 @@ def _reload(server: FrontendServer, path: str) -> None:
         log.error("reload refused, keeping the running config: %s", err)
 
 
-async def _up(config: Config, args: argparse.Namespace) -> None:
+async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> None:
     from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
 
     repo = Path(args.model_repository) if args.model_repository else default_model_repository()
@@ -221,7 +309,12 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
     watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
     try:
         await _serve(
-            config, triton.grpc_url, _listen(args, config), _workers(args, config), args.config
+            config,
+            triton.grpc_url,
+            _listen(args, config),
+            _workers(args, config),
+            args.config,
+            demo,
         )
     finally:
         watchdog.cancel()
@@ -250,24 +343,57 @@ async def _keep_alive(triton: Any, interval_s: float = 0.5) -> None:
             backoff = min(backoff * 2, 30.0)
 
 
-def _announce(server: FrontendServer, listen: Listen, triton_url: str) -> None:
-    host = "localhost" if listen.host in ("0.0.0.0", "::", "") else listen.host
-    key = "acme-demo-key"
-    print(
-        f"""
-fair_frontend is serving (Triton at {triton_url})
-  HTTP    http://{host}:{server.http_port}
-  gRPC    {host}:{server.grpc_port}
-  metrics http://{host}:{server.metrics_port}/metrics
+def _announce(
+    server: FrontendServer, listen: Listen, triton_url: str, config: Config, demo: bool
+) -> None:
+    host = _shown(listen.host)
+    mhost = _shown(listen.metrics_host or listen.host)
+    lines = [
+        "",
+        f"fair_frontend is serving (Triton at {triton_url})",
+        f"  HTTP    http://{host}:{server.http_port}",
+        f"  gRPC    {host}:{server.grpc_port}",
+        f"  metrics http://{mhost}:{server.metrics_port}/metrics   (operator-only)",
+    ]
+    if config.server.statistics == "operator":
+        lines.append(
+            f"  stats   http://{mhost}:{server.metrics_port}/v2/models/stats   (operator-only; "
+            "not on the tenant ports)"
+        )
+    if demo:
+        key = DEMO_KEYS[0]
+        lines += [
+            "",
+            "*" * 78,
+            *textwrap.wrap(
+                demo_banner(listen.host), 76, initial_indent="* ", subsequent_indent="* "
+            ),
+            "*" * 78,
+            "",
+            "Try it (the demo key for tenant 'acme'):",
+            f"  curl -s -H 'authorization: Bearer {key}' "
+            f"http://{host}:{server.http_port}/v2/models/embed/infer \\",
+            """       -d '{"inputs":[{"name":"INPUT_IDS","shape":[1,4],"datatype":"INT32","""
+            """"data":[1,2,3,4]}]}'""",
+        ]
+    lines += ["", "Ctrl-C stops it.", ""]
+    print("\n".join(lines), flush=True)
 
-Try it (the example config's demo key for tenant 'acme'):
-  curl -s -H 'authorization: Bearer {key}' http://{host}:{server.http_port}/v2/models/embed/infer \\
-       -d '{{"inputs":[{{"name":"INPUT_IDS","shape":[1,4],"datatype":"INT32","data":[1,2,3,4]}}]}}'
 
-Ctrl-C stops it.
-""",
-        flush=True,
+def demo_banner(host: str) -> str:
+    """What demo mode says, at start (a log line) and once serving (framed)."""
+    exposed = host not in LOOPBACK
+    return (
+        "DEMO MODE: the example config's demo keys are accepted ("
+        + ", ".join(DEMO_KEYS)
+        + "). They are published: anyone who reaches these ports may use them"
+        + (f", and the ports listen on {host}, beyond this machine" if exposed else "")
+        + ". For real tenants: fair-frontend up --config YOUR.yaml (or serve)."
     )
+
+
+def _shown(host: str) -> str:
+    return "localhost" if host in ("0.0.0.0", "::", "") else host
 
 
 if __name__ == "__main__":

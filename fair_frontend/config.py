@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -42,6 +43,7 @@ from fair_frontend.protocol import (
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
+DEFAULT_METRICS_HOST = "127.0.0.1"  # the operator's listener: loopback unless asked otherwise
 DEFAULT_PRIORITY_LEVELS = 10
 DEFAULT_LATENCY_TARGET_MS = 5000.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
@@ -406,7 +408,29 @@ class Server(_Strict):
         description="Prometheus /metrics of the frontend (0: any free).",
     )
     metrics_host: str = Field(
-        default="0.0.0.0", description="Bind to 127.0.0.1 to keep metrics off the network."
+        default=DEFAULT_METRICS_HOST,
+        description="Address of the operator's listener: /metrics, and Triton's statistics "
+        "extension over HTTP (/v2/models/stats, no key: every tenant's traffic is on it). "
+        "Operator-only: loopback by default; 0.0.0.0 (the pod network) where Prometheus "
+        "scrapes from elsewhere, with a network policy that lets only Prometheus reach it. "
+        "Apart from host, so the tenant ports can face the world while this does not.",
+    )
+    metrics_grpc_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="A gRPC listener for the operator on metrics_host: ModelStatistics "
+        "(tritonclient's get_inference_statistics), ServerLive, ServerReady, "
+        "ServerMetadata; nothing else (0: any free). Unset: none.",
+    )
+    statistics: Literal["keyed", "operator"] = Field(
+        default="keyed",
+        description="Where Triton's statistics extension (/v2/models/{m}/stats, gRPC "
+        "ModelStatistics: the model's traffic over every tenant) is served. keyed: also on "
+        "the tenant ports, to any tenant's key, as Triton serves it (perf_analyzer reads it "
+        "when the server metadata lists it). operator: only on the operator's listener "
+        "(metrics_host); the tenant ports answer 501 / UNIMPLEMENTED and their server "
+        "metadata no longer lists the extension, so perf_analyzer does not ask.",
     )
     workers: int | None = Field(
         default=None,
@@ -503,6 +527,50 @@ class RateLimiting(_Strict):
         gt=0,
         description="Longest a limit check may wait for its storage before the mode applies.",
     )
+    storage_password_env: str | None = Field(
+        default=None,
+        description="Environment variable holding the Redis password (its requirepass), "
+        "put into storage's URI at start: the password stays out of the config file and "
+        "out of every log line and error. Excludes storage_password_file.",
+    )
+    storage_password_file: str | None = Field(
+        default=None,
+        description="File holding the Redis password (its first line), e.g. a mounted "
+        "Secret; read at start, never logged. Excludes storage_password_env.",
+    )
+
+    def storage_url(self, environ: Mapping[str, str] | None = None) -> str:
+        """``storage`` with the password of ``storage_password_env`` / ``_file`` in it
+        (``redis://[user]:<password>@host:port/db``): what the limiter connects to. Never
+        log it. Raises ``ConfigError`` (naming the field, never the value) when the
+        variable is unset or empty, or the file unreadable or empty."""
+        env = os.environ if environ is None else environ
+        where = "rate_limiting.storage_password_env"
+        if self.storage_password_env is not None:
+            password = env.get(self.storage_password_env, "")
+            if not password:
+                raise ConfigError(
+                    "(rate_limiting)",
+                    [f"{where}: variable {self.storage_password_env} is not set or empty"],
+                )
+        elif self.storage_password_file is not None:
+            where = "rate_limiting.storage_password_file"
+            try:
+                lines = Path(self.storage_password_file).read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as err:
+                reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+                raise ConfigError(
+                    "(rate_limiting)",
+                    [f"{where}: cannot read {self.storage_password_file}: {reason}"],
+                ) from None
+            password = lines[0] if lines else ""
+            if not password:
+                raise ConfigError(
+                    "(rate_limiting)", [f"{where}: {self.storage_password_file} is empty"]
+                )
+        else:
+            return self.storage
+        return url_with_password(self.storage, password)
 
 
 class Auth(_Strict):
@@ -731,7 +799,52 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
     if isinstance(default_ep, Mapping):
         problems.extend(_endpoint_problems("default_endpoint", default_ep))
     problems.extend(_auth_problems(mapping(data.get("auth"))))
+    problems.extend(_storage_problems(mapping(data.get("rate_limiting"))))
     return problems
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _storage_problems(limiting: Mapping[str, Any]) -> list[str]:
+    """The Redis password comes from one place, and only a Redis takes one. Problems name
+    the fields, never the URI (it may hold a password)."""
+    problems: list[str] = []
+    storage = limiting.get("storage")
+    env, file = limiting.get("storage_password_env"), limiting.get("storage_password_file")
+    if env is not None and file is not None:
+        problems.append(
+            "rate_limiting: storage_password_env and storage_password_file exclude each other"
+        )
+    if not isinstance(storage, str) or (env is None and file is None):
+        return problems
+    parts = urlsplit(storage)
+    field = "storage_password_env" if env is not None else "storage_password_file"
+    if parts.scheme not in REDIS_SCHEMES:
+        problems.append(
+            f"rate_limiting.{field}: only a Redis storage (redis://, rediss://, unix://) takes "
+            "a password"
+        )
+    elif parts.password is not None:
+        problems.append(
+            f"rate_limiting.{field}: storage's URI already holds a password; keep it in one "
+            "place (the variable or file, not the URI)"
+        )
+    for name in ("storage_password_env", "storage_password_file"):
+        value = limiting.get(name)
+        if isinstance(value, str) and not value.strip():
+            problems.append(f"rate_limiting.{name}: empty")
+    return problems
+
+
+def url_with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` as its userinfo's password (percent-encoded; redis-py
+    decodes it), keeping a user name the URL has: ``redis://[user]:<password>@host...``."""
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0] if at else ""
+    netloc = f"{user}:{quote(password, safe='')}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _auth_problems(auth: Mapping[str, Any]) -> list[str]:

@@ -29,15 +29,18 @@ from typing import Any
 import grpc
 import uvloop
 from aiohttp import web
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend import __version__
 from fair_frontend.config import Config
 from fair_frontend.core import Core
+from fair_frontend.errors import FrontendError
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.ipc import CoreServer, ShellConnection
 from fair_frontend.records import Draining, Settings, Stop
 from fair_frontend.shell.gateway import Gateway
-from fair_frontend.shell.grpc_server import make_server
-from fair_frontend.shell.http_server import HttpShell
+from fair_frontend.shell.grpc_server import abort, make_server
+from fair_frontend.shell.http_server import HttpShell, error_response, proto_to_json
 from fair_frontend.shell.link import LocalLink
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class Listen:
     grpc_port: int = 0
     metrics_port: int = 0
     metrics_host: str | None = None  # default: host
+    metrics_grpc_port: int | None = None  # the operator's gRPC listener; None: none
 
 
 class FrontendServer:
@@ -103,9 +107,11 @@ class FrontendServer:
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._operator_grpc: grpc.aio.Server | None = None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
+        self.metrics_grpc_port = 0  # the operator's gRPC listener, once started (0: none)
 
     @property
     def frontend(self) -> Core | None:
@@ -149,16 +155,42 @@ class FrontendServer:
         )
         await self._grpc.start()
 
+    # ---- the operator's listener ----------------------------------------------------
+    #
+    # What shows every tenant's traffic lives apart from the tenant ports: /metrics and
+    # Triton's statistics extension (over HTTP on the metrics port; over gRPC on
+    # metrics_grpc_port where set), on metrics_host, in this (the core's) process. No key
+    # is asked there: whoever reaches the address is the operator (loopback by default;
+    # in Kubernetes the pod network, where a NetworkPolicy admits Prometheus only). The
+    # tenant ports serve statistics too only with server.statistics: keyed (Gateway).
+
     async def _start_metrics(self) -> None:
+        host = self.listen.metrics_host or self.listen.host
         self._metrics_runner = web.AppRunner(self.metrics_app(), access_log=None)
         await self._metrics_runner.setup()
-        msite = web.TCPSite(
-            self._metrics_runner,
-            self.listen.metrics_host or self.listen.host,
-            self.listen.metrics_port,
-        )
+        msite = web.TCPSite(self._metrics_runner, host, self.listen.metrics_port)
         await msite.start()
         self.metrics_port = _bound_port(msite)
+        if self.listen.metrics_grpc_port is not None:
+            self._operator_grpc = grpc.aio.server()
+            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+                OperatorGrpc(self), self._operator_grpc
+            )
+            self.metrics_grpc_port = self._operator_grpc.add_insecure_port(
+                f"{_grpc_host(host)}:{self.listen.metrics_grpc_port}"
+            )
+            await self._operator_grpc.start()
+
+    async def collect(self) -> None:
+        """Count what the shells answered themselves before a scrape or statistics call."""
+        if self.shells is not None:
+            await self.shells.collect_tallies()
+
+    async def statistics(self, model: str, version: str) -> Any:
+        """The statistics extension's answer for the operator (every tenant's traffic)."""
+        assert self.core is not None
+        await self.collect()
+        return await self.core.statistics(model, version)
 
     def metrics_app(self) -> web.Application:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -166,13 +198,26 @@ class FrontendServer:
         registry = getattr(self.core, "registry", None)
 
         async def metrics(request: web.Request) -> web.Response:
-            if self.shells is not None:
-                await self.shells.collect_tallies()
+            await self.collect()
             body = generate_latest(registry) if registry is not None else b""
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+        async def statistics(request: web.Request) -> web.Response:
+            model = request.match_info.get("model", "")
+            version = request.match_info.get("version", "")
+            try:
+                answer = await self.statistics(model, version)
+            except FrontendError as err:
+                return error_response(err)
+            return web.json_response(proto_to_json(answer))
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        # Triton's statistics extension, the tenant ports' paths (tritonclient's
+        # get_inference_statistics pointed here works unchanged).
+        app.router.add_get("/v2/models/stats", statistics)
+        app.router.add_get("/v2/models/{model}/stats", statistics)
+        app.router.add_get("/v2/models/{model}/versions/{version}/stats", statistics)
         return app
 
     def reload(self, config: Config) -> list[str]:
@@ -207,6 +252,8 @@ class FrontendServer:
             await self._runner.cleanup()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
+        if self._operator_grpc is not None:
+            await self._operator_grpc.stop(1.0)
         if self.core is not None:
             await self.core.forwarder.close()
 
@@ -219,6 +266,33 @@ class FrontendServer:
         until = time.monotonic() + limit_s
         while time.monotonic() < until and time.monotonic() - core.last_call_at < quiet_s:
             await asyncio.sleep(0.05)
+
+
+class OperatorGrpc(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The operator's gRPC listener (``server.metrics_grpc_port``): the statistics
+    extension (``ModelStatistics``) and what a client checks before it (server health and
+    metadata). Every other method is UNIMPLEMENTED: no inference and no model doors here."""
+
+    def __init__(self, server: FrontendServer) -> None:
+        self.server = server
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        core = self.server.core
+        return service_pb2.ServerReadyResponse(ready=core is not None and core.accepting)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerMetadataResponse(
+            name="fair_frontend", version=__version__, extensions=["statistics"]
+        )
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        try:
+            return await self.server.statistics(request.name, request.version)
+        except FrontendError as err:
+            await abort(context, err)
 
 
 class ShellPool:

@@ -47,6 +47,9 @@ def config_dict(**overrides: Any) -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     resolve_relative_paths(data, EXAMPLE_CONFIG.parent)
     data.pop("tier_limits", None)
+    # The listeners are the tests' own (``Listen``), and statistics stay where Triton
+    # keeps them (keyed, on the tenant ports) unless a test says otherwise.
+    data.pop("server", None)
     for endpoint in data["endpoints"].values():
         endpoint["throttle"] = False
     data["default_endpoint"] = {"throttle": False}
@@ -117,18 +120,23 @@ class RunningFrontend:
 
 @contextlib.contextmanager
 def running_frontend(
-    config: Config, triton: EmbeddedTriton | str, *, workers: int = 1
+    config: Config,
+    triton: EmbeddedTriton | str,
+    *,
+    workers: int = 1,
+    listen: Listen | None = None,
 ) -> Iterator[RunningFrontend]:
     """The frontend, its core on a thread of this process (its state readable here), with
     ``workers`` shells: 1 in this process too, more as processes of their own.
 
     ``triton``: a running ``EmbeddedTriton`` (batches go over its HTTP endpoint, as in
-    ``up`` mode, unless the config names one), or a gRPC address (batches over gRPC)."""
+    ``up`` mode, unless the config names one), or a gRPC address (batches over gRPC).
+    ``listen``: addresses and ports (default: every listener on a free loopback port)."""
     url = triton if isinstance(triton, str) else triton.grpc_url
     if not isinstance(triton, str) and config.triton.http_url is None:
         http = config.triton.model_copy(update={"http_url": triton.http_url})
         config = config.model_copy(update={"triton": http})
-    server = FrontendServer(config, url, Listen(), workers=workers)
+    server = FrontendServer(config, url, listen or Listen(), workers=workers)
     background = BackgroundServer(server)
     with background:
         yield RunningFrontend(server, background)

@@ -7,14 +7,25 @@ in about a second, where the real models import torch), so the failure paths are
 from __future__ import annotations
 
 import os
+import queue
+import re
+import signal
 import socket
 import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import yaml
 
+from fair_frontend.auth import hash_key
+from fair_frontend.cli import demo_banner
 from fair_frontend.embedded import (
     STUB_NAME,
     EmbeddedTriton,
@@ -24,6 +35,7 @@ from fair_frontend.embedded import (
     is_wheel_tritonserver,
     process_group_members,
 )
+from tests.support import config_dict
 
 ECHO_CONFIG = """
 backend: "python"
@@ -184,3 +196,112 @@ def test_a_taken_port_is_a_start_error_even_for_metrics(tmp_path: Path) -> None:
             server.start()
     assert info.value.address_in_use
     assert not server.is_running()
+
+
+# ---- `fair-frontend up`: demo mode, said loudly, and only there ----------------------------
+
+
+class UpProcess:
+    """``fair-frontend up ARGS`` as a process, its output read line by line."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fair_frontend.cli", "up", *args],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def until_serving(self, timeout_s: float = 120.0) -> str:
+        """Its output up to "Ctrl-C stops it." (the announcement's last line)."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("up did not serve in time:\n" + "".join(seen)) from None
+            if line is None:
+                raise AssertionError(f"up exited with {self.proc.wait()}:\n" + "".join(seen))
+            seen.append(line)
+            if line.startswith("Ctrl-C stops it."):
+                return "".join(seen)
+
+    def stop(self) -> None:
+        """SIGTERM: the frontend drains, Triton stops, the process exits 0."""
+        if self.proc.poll() is not None:
+            return  # it ended already (until_serving said how)
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        rest = []
+        while (line := self.lines.get(timeout=10)) is not None:
+            rest.append(line)
+        assert code == 0, "".join(rest)
+
+
+UP_PORTS = ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--workers", "1"]
+
+
+def test_up_runs_the_example_config_in_demo_mode_and_says_so(tmp_path: Path) -> None:
+    """``make run``'s command (``up --config examples/config.yaml``): serves, on loopback,
+    and says loudly that the published demo keys are in force (at start, in the log, and
+    framed beside the example call); the answer to that call is real."""
+    add_model(tmp_path / "repo", "echo")
+    example = Path(__file__).resolve().parent.parent / "examples" / "config.yaml"
+    up = UpProcess(
+        ["--config", str(example), "--model-repository", str(tmp_path / "repo"), *UP_PORTS],
+        tmp_path,
+    )
+    try:
+        out = up.until_serving()
+        assert out.count("DEMO MODE") >= 2, out  # the log line at start, the framed one
+        assert "acme-demo-key, globex-demo-key, initech-demo-key, umbrella-demo-key" in out
+        assert "beyond this machine" not in out  # the example listens on loopback
+        http = re.search(r"HTTP +http://127\.0\.0\.1:(\d+)", out)
+        assert http, out
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http.group(1)}/v2/health/ready", method="GET"
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(req, timeout=10) as response:
+            assert response.status == 200
+        assert "/v2/models/stats   (operator-only" in out
+    finally:
+        up.stop()
+
+
+def test_up_with_an_operators_config_is_not_demo_mode(tmp_path: Path) -> None:
+    add_model(tmp_path / "repo", "echo")
+    config = config_dict(
+        tenants={"acme": {"tier": "enterprise", "api_keys": [hash_key("an-own-key")]}}
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    up = UpProcess(
+        [
+            *("--config", str(path), "--model-repository", str(tmp_path / "repo")),
+            *("--host", "127.0.0.1", *UP_PORTS),
+        ],
+        tmp_path,
+    )
+    try:
+        out = up.until_serving()
+        assert "DEMO MODE" not in out and "demo-key" not in out, out
+    finally:
+        up.stop()
+
+
+def test_the_demo_banner_says_when_the_ports_face_the_network() -> None:
+    assert "beyond this machine" in demo_banner("0.0.0.0")
+    assert "beyond this machine" not in demo_banner("127.0.0.1")

@@ -229,9 +229,11 @@ class RateLimiter:
 
     @classmethod
     def from_config(cls, config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> RateLimiter:
-        """The limiter ``rate_limiting:`` describes: storage URI, timeout, failure mode."""
+        """The limiter ``rate_limiting:`` describes: storage URI (with its password, from
+        ``storage_password_env`` / ``_file``: ``RateLimiting.storage_url``), timeout,
+        failure mode."""
         storage = storage_from_uri(
-            config.storage, timeout_s=config.timeout_ms / 1000.0, buckets=buckets
+            config.storage_url(), timeout_s=config.timeout_ms / 1000.0, buckets=buckets
         )
         return cls(storage, on_storage_error=config.on_storage_error)
 

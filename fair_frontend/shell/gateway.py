@@ -46,6 +46,10 @@ EXTENSIONS = (
     "binary_tensor_data",
     "parameters",
 )
+# What the tenant ports list with ``server.statistics: operator``: statistics
+# then live on the operator's listener only, and perf_analyzer, reading this list, does
+# not ask for them.
+EXTENSIONS_WITHOUT_STATISTICS = tuple(e for e in EXTENSIONS if e != "statistics")
 # Where the frontend names itself: an HTTP response header and a gRPC initial metadata
 # entry beside the server metadata, which answers with the name and version of the Triton
 # behind it, as clients expect (Triton's simple_*_health_metadata.py examples check for
@@ -304,10 +308,15 @@ class Gateway:
             self._count_door("server_metadata", None, err.grpc_code.name.lower())
             raise
         self._count_door("server_metadata", None, "ok")
+        offered = (
+            EXTENSIONS
+            if self.config.server.statistics == "keyed"
+            else EXTENSIONS_WITHOUT_STATISTICS
+        )
         return {
             "name": triton.name,
             "version": triton.version,
-            "extensions": [e for e in triton.extensions if e in EXTENSIONS],
+            "extensions": [e for e in triton.extensions if e in offered],
         }
 
     async def model_metadata(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
@@ -325,7 +334,13 @@ class Gateway:
         )
 
     async def statistics(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
-        """From the core, never kept (they change); "no such model" is kept briefly."""
+        """From the core, never kept (they change); "no such model" is kept briefly.
+        With ``server.statistics: operator`` not here at all: 501 / UNIMPLEMENTED, as a
+        server without the extension (the operator's listener serves them)."""
+        if self.config.server.statistics != "keyed":
+            err = Unsupported("the statistics extension is not offered on this port")
+            self._count_door("statistics", None, err.grpc_code.name.lower())
+            raise err
         return await self._keyed(
             "statistics",
             headers,
