@@ -265,6 +265,45 @@ def test_a_closed_model_is_refused_on_every_door_the_same_whether_it_exists_or_n
     assert side_door_lookups(fe) == lookups
 
 
+def test_a_model_named_late_in_a_grpc_message_is_checked_before_its_lookup(
+    fe: RunningFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message whose ``model_name`` comes after the fields the shell peeks at (bytes
+    concatenated: protobuf merges them) is checked once parsed, still before any lookup of
+    the model; on a stream too."""
+    forwarder = fe.frontend.forwarder
+    real_config = forwarder.model_config
+    asked: list[str] = []
+
+    async def counted(model: str, version: str = "") -> Any:
+        asked.append(model)
+        return await real_config(model, version)
+
+    monkeypatch.setattr(forwarder, "model_config", counted)
+    model = f"{MISSING}_late"
+    front = service_pb2.ModelInferRequest(
+        parameters={f"p{i}": service_pb2.InferParameter(bool_param=True) for i in range(12)}
+    )
+    raw = front.SerializeToString() + infer_request(model).SerializeToString()
+    with grpc.insecure_channel(fe.grpc_url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            call(raw, metadata=tuple(key("umbrella").items()), timeout=ANSWER_TIMEOUT_S)
+        assert (err.value.code(), err.value.details()) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            denied("umbrella", model),
+        )
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        replies = list(
+            stream(iter([raw]), metadata=tuple(key("umbrella").items()), timeout=ANSWER_TIMEOUT_S)
+        )
+    assert [r.error_message for r in replies] == [denied("umbrella", model)]
+    assert model not in asked, asked
+
+
 def test_a_model_no_list_names_is_closed_even_to_the_highest_tier(fe: RunningFrontend) -> None:
     """``simple_identity`` is served by Triton but named by no list: an operator's new
     model is closed until the config opens it."""
