@@ -102,6 +102,9 @@ def load_example_config() -> dict[str, Any]:
     benchmarks write it to a folder of their own."""
     data: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     resolve_relative_paths(data, EXAMPLE_CONFIG.parent)
+    # The benchmarks' own tenants call test models too (simple, sleeper): every model
+    # open to every tier (the example's lists are for its demo tenants).
+    data["tier_models"] = {tier: ["*"] for tier in data["tiers"]}
     return data
 
 

@@ -1,4 +1,4 @@
-"""Who is the tenant? API keys, and the trusted-gateway mode.
+"""Who is the tenant? API keys, and the trusted-gateway mode. May it call this model?
 
 Keys are held only as SHA-256 digests. A presented key is hashed and looked up by
 digest, then confirmed with ``hmac.compare_digest``: the lookup's timing depends only
@@ -19,6 +19,14 @@ a peer address in ``trusted_gateway_peers``, or both where both are configured. 
 is the transport's (the TCP connection's), never a header a client writes
 (``X-Forwarded-For`` is not read): the transports put it in the headers mapping under
 ``PEER_HEADER``, a name no client can send (``identity_headers``).
+
+Model access (``ModelAccess``): a tenant may call the models its tier's ``tier_models``
+list opens, or its own ``models`` list instead, plus its ``extra_models``, less its
+``denied_models``; ``"*"`` opens (or closes) every model. Closed by default: a model no
+list opens, one an operator adds to Triton included, is refused with 403 /
+PERMISSION_DENIED naming it. The shells ask before any model lookup, body read or decode,
+so a refused call costs no more than its headers, and the answer is the same whether or
+not Triton has the model (no existence oracle).
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
-from fair_frontend.config import SHA256_PREFIX, Auth, Config, ConfigError
+from fair_frontend.config import ALL_MODELS, SHA256_PREFIX, Auth, Config, ConfigError
 from fair_frontend.errors import PermissionDenied, Unauthenticated
+from fair_frontend.protocol import MAX_NAME_BYTES, clipped
 
 TENANT_HEADER = "x-tenant-id"
 GATEWAY_SECRET_HEADER = "x-gateway-secret"
@@ -295,9 +304,11 @@ class Authenticator:
             if tenant is None:
                 raise Unauthenticated("unknown API key")
             if claims - {tenant}:
+                # The claims are the client's strings: echoed cut (a tenant parameter is
+                # as long as the body lets it be).
+                named = ", ".join(clipped(c, MAX_NAME_BYTES) for c in sorted(claims - {tenant}))
                 raise PermissionDenied(
-                    f"the API key does not belong to the tenant the request names "
-                    f"({', '.join(sorted(claims - {tenant}))})"
+                    f"the API key does not belong to the tenant the request names ({named})"
                 )
             return tenant
         if self.gateway is not None and claims:
@@ -318,3 +329,58 @@ def _refuse_repeated(headers: Mapping[str, str]) -> None:
         raise Unauthenticated(
             f"ambiguous identity: the request repeats {repeated}; send each identity header once"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGrant:
+    """The models one tenant may call: ``opened`` (or every model, ``every``), less
+    ``denied`` (or none at all, ``none``)."""
+
+    opened: frozenset[str]
+    every: bool
+    denied: frozenset[str]
+    none: bool
+
+    def allows(self, model: str) -> bool:
+        if self.none or model in self.denied:
+            return False
+        return self.every or model in self.opened
+
+
+class ModelAccess:
+    """May this tenant call this model?
+
+    Resolved once per (re)loaded config from ``tier_models`` and each tenant's
+    ``models`` / ``extra_models`` / ``denied_models``: a tenant the config does not name
+    may call nothing.
+    """
+
+    def __init__(self, grants: Mapping[str, ModelGrant]) -> None:
+        self._grants = dict(grants)
+
+    @classmethod
+    def from_config(cls, config: Config) -> ModelAccess:
+        grants = {}
+        for name, tenant in config.tenants.items():
+            base = tenant.models
+            if base is None:
+                base = config.tier_models.get(tenant.tier, [])
+            opened = {*base, *tenant.extra_models}
+            denied = set(tenant.denied_models)
+            grants[name] = ModelGrant(
+                opened=frozenset(opened - {ALL_MODELS}),
+                every=ALL_MODELS in opened,
+                denied=frozenset(denied - {ALL_MODELS}),
+                none=ALL_MODELS in denied,
+            )
+        return cls(grants)
+
+    def allows(self, tenant: str, model: str) -> bool:
+        grant = self._grants.get(tenant)
+        return grant is not None and grant.allows(model)
+
+    def check(self, tenant: str, model: str) -> None:
+        """Raise ``PermissionDenied`` (403) naming the model unless ``tenant`` may call
+        it. ``model`` has passed its length check (``check_name``): it is echoed whole."""
+        if not self.allows(tenant, model):
+            raise PermissionDenied(f"tenant '{tenant}' may not use model '{model}'")

@@ -11,6 +11,9 @@ Shape (see ``examples/config.yaml`` for a complete, commented example)::
       embed:    {cost: tokens,   max_batch_size: 32, latency_target_ms: 1000}
       generate: {cost: requests, max_batch_size: 8,  latency_target_ms: 5000}
     tiers: [enterprise, standard, trial]        # highest first
+    tier_models:                                # who may call what; closed by default
+      enterprise: ["*"]                         # "*": every model, now and later
+      trial: [embed]
     tier_limits:
       trial: {generate: {requests_per_minute: 10, tokens_per_month: 200000}}
     tenants:
@@ -33,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
+    MAX_NAME_BYTES,
     RESERVED_PARAMETERS,
     RESERVED_PREFIX,
     TENANT_PARAMETER,
@@ -75,6 +79,9 @@ DEFAULT_NEGATIVE_TTL_S = 1.0
 DEFAULT_SIDE_DOOR_CACHE_ENTRIES = 1024
 
 SHA256_PREFIX = "sha256:"
+# In a list of models a tenant may call: every model, those Triton serves now and any
+# an operator adds later (an explicit opt-in; without it a model no list names is closed).
+ALL_MODELS = "*"
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -391,6 +398,21 @@ class Tenant(_Strict):
         default_factory=dict,
         description="Per endpoint; overrides the tier's limits field by field.",
     )
+    models: list[str] | None = Field(
+        default=None,
+        description='Models this tenant may call, instead of its tier\'s tier_models list ("*": '
+        "every model). Unset: its tier's list.",
+    )
+    extra_models: list[str] = Field(
+        default_factory=list,
+        description="Models this tenant may call beside its tier's list (widens it; "
+        "excludes models).",
+    )
+    denied_models: list[str] = Field(
+        default_factory=list,
+        description="Models this tenant may not call whatever the lists say (narrows its "
+        'tier\'s list; "*": none at all, e.g. to suspend a tenant and keep its keys).',
+    )
 
 
 class Server(_Strict):
@@ -683,6 +705,15 @@ class Config(_Strict):
     tiers: list[str] = Field(
         min_length=1, description="SLA tiers, highest first; served in strict order."
     )
+    tier_models: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Models each tier's tenants may call (Triton model names; "
+        '"*": every model, those added to Triton later too). Closed by default: a model '
+        "no list opens is refused (403 / PERMISSION_DENIED naming it) on every door: "
+        "inference, streams, generate, model metadata, config, readiness and statistics. "
+        "A tier without an entry may call none; a tenant's models, extra_models and "
+        "denied_models change its own list. Names need no endpoints entry.",
+    )
     tier_limits: dict[str, dict[str, Limits]] = Field(
         default_factory=dict, description="Rate limits per tier and model."
     )
@@ -749,6 +780,10 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
     for tier in mapping(data.get("tier_limits")):
         if tier not in tiers:
             problems.append(f"tier_limits.{tier}: unknown tier (tiers: {tier_list})")
+    for tier, models in mapping(data.get("tier_models")).items():
+        if tier not in tiers:
+            problems.append(f"tier_models.{tier}: unknown tier (tiers: {tier_list})")
+        problems.extend(_model_list_problems(f"tier_models.{tier}", models))
     shares = mapping(mapping(data.get("tier_guard")).get("min_share"))
     for tier, share in shares.items():
         if tier not in tiers:
@@ -771,6 +806,7 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
         level = tenant.get("default_priority")
         if isinstance(level, int) and level > levels:
             problems.append(f"{where}.default_priority: {level} exceeds priority_levels ({levels})")
+        problems.extend(_tenant_models_problems(where, tenant))
         keys = tenant.get("api_keys")
         for i, key in enumerate(keys if isinstance(keys, list) else []):
             if not isinstance(key, str):
@@ -845,6 +881,51 @@ def url_with_password(url: str, password: str) -> str:
     user = userinfo.partition(":")[0] if at else ""
     netloc = f"{user}:{quote(password, safe='')}@{host}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _model_list_problems(where: str, models: Any) -> list[str]:
+    """A list of model names: each a name a request could send (a model name needs no
+    endpoints entry: Triton may serve models the config does not name)."""
+    problems: list[str] = []
+    for i, name in enumerate(models if isinstance(models, list) else []):
+        if not isinstance(name, str):
+            continue
+        if not name.strip():
+            problems.append(f"{where}[{i}]: empty model name")
+        elif name != name.strip():
+            problems.append(f"{where}[{i}]: {name!r} has spaces around it")
+        elif len(name.encode()) > MAX_NAME_BYTES:
+            problems.append(f"{where}[{i}]: a model name is at most {MAX_NAME_BYTES} bytes")
+    return problems
+
+
+def _tenant_models_problems(where: str, tenant: Mapping[str, Any]) -> list[str]:
+    """A tenant's own access lists: valid names, and no model both opened and denied."""
+    problems: list[str] = []
+
+    def names(field: str) -> list[str]:
+        value = tenant.get(field)
+        problems.extend(_model_list_problems(f"{where}.{field}", value))
+        return [n for n in value if isinstance(n, str)] if isinstance(value, list) else []
+
+    own, extra, denied = names("models"), names("extra_models"), names("denied_models")
+    if tenant.get("models") is not None and extra:
+        problems.append(
+            f"{where}: models (instead of the tier's list) and extra_models (beside it) "
+            "exclude each other: list every model in models"
+        )
+    opened = set(own) | set(extra)
+    if ALL_MODELS in denied and opened:
+        problems.append(
+            f"{where}.denied_models: '*' closes every model, but models or extra_models "
+            f"open {sorted(opened)}"
+        )
+    both = opened & set(denied)
+    if both - {ALL_MODELS}:
+        problems.append(
+            f"{where}.denied_models: {sorted(both)} also opened by models or extra_models"
+        )
+    return problems
 
 
 def _auth_problems(auth: Mapping[str, Any]) -> list[str]:

@@ -48,6 +48,7 @@ from fair_frontend.protocol import (
     InferResponse,
     ParamValue,
     Tensor,
+    check_id,
     leaves,
     split_parameters,
 )
@@ -141,7 +142,7 @@ def decode_generate(model: str, version: str, body: bytes, info: ModelInfo) -> I
     if isinstance(doc, dict) and "id" in doc:
         if not isinstance(doc["id"], str):
             raise TritonJsonError(f"Unable to parse 'id': {_NOT_STRING}")
-        req.id = doc["id"]
+        req.id = check_id("request id", doc["id"])  # before any error echoes it
     if not isinstance(doc, dict):
         raise TritonJsonError("attempt to get members for non-object")
     for key, value in doc.items():

@@ -29,6 +29,7 @@ from fair_frontend.protocol import (
     ParamValue,
     RequestedOutput,
     Tensor,
+    check_id,
     check_shape,
     element_count,
     reject_shared_memory,
@@ -188,7 +189,8 @@ def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
 
 
 def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
-    req = InferRequest(model=msg.model_name, version=msg.model_version, id=msg.id)
+    req = InferRequest(model=msg.model_name, version=msg.model_version)
+    req.id = check_id("request id", msg.id)  # before any error echoes it
     split_parameters(req, _request_parameters(msg))
     # No inputs at all is Triton's to judge against the model (``validate``): a model
     # whose inputs are all optional takes such a request.

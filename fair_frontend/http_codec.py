@@ -35,6 +35,7 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
     byte_size_mismatch,
+    check_id,
     check_shape,
     element_count,
     reject_shared_memory,
@@ -100,7 +101,7 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
     rid = doc.get("id", "")
     if not isinstance(rid, str):
         raise InvalidArgument("'id' must be a string")
-    req.id = rid
+    req.id = check_id("request id", rid)  # before any error echoes it
     split_parameters(req, _parameters(doc.get("parameters"), "request"), http=True)
 
     inputs = doc.get("inputs")

@@ -2,7 +2,10 @@
 
 Request lines carry the request id, tenant, endpoint, outcome, latency and queue wait,
 and the error message if any: never an API key (the frontend never puts a key into an
-error message or a log record in the first place). ``observability.log_format: text``
+error message or a log record in the first place). The request id and the model name
+are the client's strings: the frontend refuses ones too long before it echoes them, and
+a line carries at most ``MAX_ID_BYTES`` / ``MAX_NAME_BYTES`` characters of each (and
+``MAX_LOGGED_ERROR_CHARS`` of the error) whatever reaches it. ``observability.log_format: text``
 gives the classic one-line format for humans at a terminal.
 """
 
@@ -14,9 +17,13 @@ from typing import Any
 
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import MAX_ID_BYTES, MAX_NAME_BYTES, clipped
 
 REQUEST_LOGGER = "fair_frontend.requests"
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# An error message in a request's log line is cut beyond this (messages that quote a
+# client's input are bounded where they are made; this bounds the line whatever comes).
+MAX_LOGGED_ERROR_CHARS = 8192
 
 
 class JsonFormatter(logging.Formatter):
@@ -68,9 +75,9 @@ class RequestLog(Observer):
         if not self.log.isEnabledFor(logging.INFO):
             return
         fields: dict[str, Any] = {
-            "request_id": request_id,
+            "request_id": clipped(request_id, MAX_ID_BYTES),
             "tenant": tenant,
-            "endpoint": model,
+            "endpoint": clipped(model, MAX_NAME_BYTES),
             "outcome": outcome.value,
         }
         if latency_s is not None:
@@ -78,5 +85,5 @@ class RequestLog(Observer):
         if queued_s is not None:
             fields["queued_ms"] = round(queued_s * 1e3, 3)
         if error is not None:
-            fields["error"] = error
+            fields["error"] = clipped(error, MAX_LOGGED_ERROR_CHARS)
         self.log.info("request %s", outcome.value, extra=fields)

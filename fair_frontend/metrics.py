@@ -15,7 +15,9 @@ must not mint a label. So an endpoint gets its own label once it is known to exi
 is configured (``endpoints``), or a request for it got as far as the model's scheduler
 (a batch, a throttle decision, a rate-limit hit, an admitted request). Until then it is
 counted as ``endpoint="other"``: a model Triton serves that the config does not name is
-``other`` only for the rejections that precede its first admitted request.
+``other`` only for the rejections that precede its first admitted request. What a shell
+refused itself (its tally) proves nothing: a full queue refuses any name, and a shell
+names the model only where it knows it exists and the tenant may call it (``Gateway``).
 """
 
 from __future__ import annotations
@@ -236,14 +238,17 @@ class FrontendMetrics(Observer):
     def requests_answered(
         self, tenant: str | None, model: str, outcome: Outcome, count: int
     ) -> None:
-        """``count`` requests a shell answered itself, before the core (its tally)."""
-        self._count(tenant, model, outcome, count)
+        """``count`` requests a shell answered itself, before the core (its tally): never
+        proof that the model exists (a shell sheds any name while the global queue is
+        full)."""
+        self._count(tenant, model, outcome, count, confirms=False)
 
     def _count(
-        self, tenant: str | None, model: str, outcome: Outcome, count: int
+        self, tenant: str | None, model: str, outcome: Outcome, count: int, *, confirms: bool = True
     ) -> tuple[str, str, str]:
-        """Count requests by outcome; returns their (tenant, tier, endpoint) labels."""
-        if outcome in _MODEL_EXISTS:
+        """Count requests by outcome; returns their (tenant, tier, endpoint) labels. The
+        core's own outcomes (``confirms``) that reached the model's scheduler confirm it."""
+        if confirms and outcome in _MODEL_EXISTS:
             self.endpoint_label.confirm(model)
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
         self._child(self.requests, *labels, outcome.value).inc(count)

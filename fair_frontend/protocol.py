@@ -75,6 +75,10 @@ MAX_DIMS = 32  # numpy's limit on array dimensions
 # frontend copies a request id into every row's ``fair_rows`` entry and keeps a sequence
 # id for the sequence's life: unbounded, a client would choose how much memory they take.
 MAX_ID_BYTES = 1024
+# Longest model name, in UTF-8 bytes (a Triton model is a directory of its repository,
+# whose names file systems cap at 255 bytes; object stores' keys at 1024). A longer name
+# is refused before it is echoed in an error, a log line or looked up.
+MAX_NAME_BYTES = 1024
 
 
 @dataclass(slots=True)
@@ -262,6 +266,25 @@ def check_id(what: str, value: str) -> str:
             f"{what} is too long: {size} bytes, the limit is {MAX_ID_BYTES} bytes"
         )
     return value
+
+
+def check_name(what: str, value: str) -> str:
+    """``value`` (a model name) if it is at most ``MAX_NAME_BYTES`` long. The refusal
+    says how long it is, never what it is."""
+    size = len(value.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise InvalidArgument(
+            f"{what} is too long: {size} bytes, the limit is {MAX_NAME_BYTES} bytes"
+        )
+    return value
+
+
+def clipped(value: str, limit: int = MAX_ID_BYTES) -> str:
+    """A client's string as it may be echoed (a log line, an error) before its own length
+    check has run or where it failed: at most ``limit`` characters, the cut said."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value)} characters)"
 
 
 def _sequence_id(value: ParamValue) -> ParamValue:

@@ -39,7 +39,8 @@ TIERS = {
 
 
 def config_dict(**overrides: Any) -> dict[str, Any]:
-    """The example config's endpoints and tiers, test tenants, no rate limits, no throttle.
+    """The example config's endpoints and tiers, test tenants, no rate limits, no throttle,
+    every model open to every tenant ("*").
 
     Tests of admission set their own limits and targets; the others test scheduling and
     must not depend on how fast these machines serve today.
@@ -50,6 +51,8 @@ def config_dict(**overrides: Any) -> dict[str, Any]:
     # The listeners are the tests' own (``Listen``), and statistics stay where Triton
     # keeps them (keyed, on the tenant ports) unless a test says otherwise.
     data.pop("server", None)
+    # Every model open to every tier: the tests of model access close them themselves.
+    data["tier_models"] = {tier: ["*"] for tier in data["tiers"]}
     for endpoint in data["endpoints"].values():
         endpoint["throttle"] = False
     data["default_endpoint"] = {"throttle": False}

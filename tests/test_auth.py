@@ -1,12 +1,20 @@
-"""Tenant identity: keys, headers, spoofing, the trusted gateway."""
+"""Tenant identity: keys, headers, spoofing, the trusted gateway; model access."""
 
 from __future__ import annotations
 
 import pytest
 
-from fair_frontend.auth import PEER_HEADER, Authenticator, KeyRing, extract_key, hash_key
+from fair_frontend.auth import (
+    PEER_HEADER,
+    Authenticator,
+    KeyRing,
+    ModelAccess,
+    extract_key,
+    hash_key,
+)
 from fair_frontend.config import ConfigError, parse_config
 from fair_frontend.errors import PermissionDenied, Unauthenticated
+from fair_frontend.protocol import MAX_NAME_BYTES
 
 CONFIG = {
     "tiers": ["paid", "trial"],
@@ -114,3 +122,69 @@ def test_keys_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert ring.tenant_for("file-key-1") == "a"
     assert ring.tenant_for("file-key-2") == "a"
     assert ring.tenant_for("# rotated 2026-11") is None
+
+
+# ---- model access -----------------------------------------------------------------------------
+
+ACCESS = {
+    "tiers": ["paid", "standard", "trial", "closed"],
+    "tier_models": {
+        "paid": ["*"],
+        "standard": ["embed", "generate"],
+        "trial": ["embed"],
+        # "closed" has no entry: its tenants may call nothing.
+    },
+    "tenants": {
+        "acme": {"tier": "paid"},
+        "initech": {"tier": "standard"},
+        "umbrella": {"tier": "trial"},
+        "hooli": {"tier": "standard", "extra_models": ["llm"]},  # widens its tier's list
+        "pied": {"tier": "standard", "denied_models": ["generate"]},  # narrows it
+        "globex": {"tier": "paid", "models": ["embed"]},  # replaces it: narrower
+        "soylent": {"tier": "trial", "models": ["*"], "denied_models": ["llm"]},
+        "suspended": {"tier": "paid", "denied_models": ["*"]},
+        "cyberdyne": {"tier": "closed"},
+    },
+}
+MODELS = ("embed", "generate", "llm", "added_later")
+ALLOWED = {
+    "acme": {"embed", "generate", "llm", "added_later"},
+    "initech": {"embed", "generate"},
+    "umbrella": {"embed"},
+    "hooli": {"embed", "generate", "llm"},
+    "pied": {"embed"},
+    "globex": {"embed"},
+    "soylent": {"embed", "generate", "added_later"},
+    "suspended": set(),
+    "cyberdyne": set(),
+}
+
+
+def test_each_tenant_may_call_what_its_tier_and_its_own_entry_open() -> None:
+    access = ModelAccess.from_config(parse_config(ACCESS))
+    for tenant, allowed in ALLOWED.items():
+        assert {m for m in MODELS if access.allows(tenant, m)} == allowed, tenant
+    assert not access.allows("nobody", "embed")  # a tenant the config does not name
+
+
+def test_a_refusal_is_permission_denied_naming_tenant_and_model() -> None:
+    access = ModelAccess.from_config(parse_config(ACCESS))
+    access.check("umbrella", "embed")
+    with pytest.raises(PermissionDenied) as info:
+        access.check("umbrella", "generate")
+    assert info.value.message == "tenant 'umbrella' may not use model 'generate'"
+    assert info.value.http_status == 403
+
+
+def test_model_access_is_closed_by_default() -> None:
+    """No tier_models at all: every model refused, whatever Triton serves."""
+    access = ModelAccess.from_config(parse_config({**ACCESS, "tier_models": {}}))
+    assert not any(access.allows(t, m) for t in ("acme", "initech") for m in MODELS)
+
+
+def test_a_long_tenant_claim_is_echoed_cut() -> None:
+    claim = "x" * 100_000
+    with pytest.raises(PermissionDenied) as info:
+        authenticator().identify({"x-api-key": "acme-key"}, claim)
+    assert len(info.value.message) < 2 * MAX_NAME_BYTES
+    assert "100000 characters" in info.value.message

@@ -228,3 +228,57 @@ def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
     config_file = tmp_path / "config.yaml"
     config_file.write_text("tiers: [t]\nendpoints:\n  e: {tokenizer: tok.json, max_inflight: 4}\n")
     assert load_config(config_file).endpoints["e"].tokenizer == str(tmp_path / "tok.json")
+
+
+def test_model_access_lists_are_checked_with_every_problem_listed() -> None:
+    bad = {
+        "tiers": ["paid", "trial"],
+        "tier_models": {
+            "paid": ["*"],
+            "trail": ["embed"],  # a typo: no such tier
+            "trial": ["embed", "", " generate", "m" * 1025],
+        },
+        "tenants": {
+            "a": {"tier": "trial", "models": ["embed"], "extra_models": ["llm"]},
+            "b": {"tier": "trial", "extra_models": ["llm"], "denied_models": ["llm", "embed"]},
+            "c": {"tier": "trial", "extra_models": ["llm"], "denied_models": ["*"]},
+            "d": {"tier": "trial", "denied_models": [""], "models": "embed"},
+        },
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(bad)
+    text = str(info.value)
+    for expected in (
+        "tier_models.trail: unknown tier (tiers: ['paid', 'trial'])",
+        "tier_models.trial[1]: empty model name",
+        "tier_models.trial[2]: ' generate' has spaces around it",
+        "tier_models.trial[3]: a model name is at most 1024 bytes",
+        "tenants.a: models (instead of the tier's list) and extra_models (beside it) exclude",
+        "tenants.b.denied_models: ['llm'] also opened by models or extra_models",
+        "tenants.c.denied_models: '*' closes every model, but models or extra_models open",
+        "tenants.d.denied_models[0]: empty model name",
+        "tenants.d.models",  # a string, not a list
+    ):
+        assert expected in text, expected
+    assert "m" * 1025 not in text
+
+
+def test_model_access_names_need_no_endpoint_and_default_to_closed() -> None:
+    """Triton may serve models the config does not name: a list may open them; and a
+    config without tier_models is valid (every model closed)."""
+    config = parse_config(
+        {
+            "tiers": ["t"],
+            "tier_models": {"t": ["not_an_endpoint"]},
+            "tenants": {"a": {"tier": "t", "extra_models": ["*"], "denied_models": ["x"]}},
+        }
+    )
+    assert config.tier_models == {"t": ["not_an_endpoint"]}
+    assert config.tenants["a"].models is None
+    assert parse_config({"tiers": ["t"]}).tier_models == {}
+
+
+def test_the_example_config_says_who_may_call_what() -> None:
+    config = load_config(EXAMPLE)
+    assert set(config.tier_models) == set(config.tiers)
+    assert "llm" not in config.tier_models["trial"]

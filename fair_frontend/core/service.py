@@ -662,7 +662,8 @@ class Core:
         """Apply a new config without dropping a request; say loudly what waits for a restart.
 
         Applied at once (``LIVE_SECTIONS``): tenants and their API keys (inline, files,
-        environment: read again), rate limits, identity (``auth``), priority levels, the
+        environment: read again), rate limits, who may call which model (``tier_models``
+        and the tenants' lists: the shells ask), identity (``auth``), priority levels, the
         global queue caps, and the rate limiter's ``on_storage_error``. A tenant's weight,
         tier and caps apply once its queue has drained (the scheduler's snapshot rule).
         Every other change (endpoints, scheduling, listeners, Triton, tier_guard,
@@ -735,7 +736,9 @@ _NO_LIMITS = Decision(True)
 
 # What a reload applies at once (``Core.reload``); every other section, and any added
 # later, keeps its running value until a restart, and the reload says so.
-LIVE_SECTIONS = frozenset({"tenants", "tier_limits", "auth", "priority_levels", "queues"})
+LIVE_SECTIONS = frozenset(
+    {"tenants", "tier_limits", "tier_models", "auth", "priority_levels", "queues"}
+)
 # Sections applied in part: these fields at once, the section's others at a restart.
 LIVE_FIELDS: dict[str, frozenset[str]] = {"rate_limiting": frozenset({"on_storage_error"})}
 # Not applied, and refused outright: tenants name tiers, so the rest cannot apply alone.

@@ -1,10 +1,17 @@
 """The shell's side of the service: what both transports call, in every shell.
 
-One inference request: identity (API key) -> the model's description (from the core,
+One inference request: identity (API key) -> the model's name (its length, then whether
+the tenant may call it: ``ModelAccess``) -> the model's description (from the core,
 kept) -> validation against it -> a ``Call`` to the core -> its answer. What is refused
-here (no key, bad input, an unknown model) never reaches the core: the shell answers it,
-logs it, and tallies it for the core's metrics and statistics. What reaches the core is
-counted and logged there, once, whatever its outcome.
+here (no key, a model the tenant may not call, bad input, an unknown model) never
+reaches the core: the shell answers it, logs it, and tallies it for the core's metrics
+and statistics. What reaches the core is counted and logged there, once, whatever its
+outcome.
+
+Model names are the client's choice: a refusal is tallied under its model's name only
+where that model is known to exist (configured, or looked up here) and open to the
+tenant; every other refusal under ``UNLABELLED_MODEL``, so that no name a client makes up
+becomes a metric label or a statistics entry.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from fair_frontend.auth import Authenticator, KeyRing
+from tritonclient.grpc import service_pb2
+
+from fair_frontend.auth import Authenticator, KeyRing, ModelAccess
 from fair_frontend.config import Config, SideDoors
 from fair_frontend.errors import (
     FrontendError,
@@ -27,7 +36,13 @@ from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo, validate
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import FINAL_RESPONSE, InferRequest, InferResponse, ParamValue
+from fair_frontend.protocol import (
+    FINAL_RESPONSE,
+    InferRequest,
+    InferResponse,
+    ParamValue,
+    check_name,
+)
 from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, TallyEntry
 from fair_frontend.shell.link import CoreLink
 from fair_frontend.shell.lookup_cache import Key, LookupCache
@@ -55,6 +70,9 @@ EXTENSIONS_WITHOUT_STATISTICS = tuple(e for e in EXTENSIONS if e != "statistics"
 # behind it, as clients expect (Triton's simple_*_health_metadata.py examples check for
 # the name "triton").
 FRONTEND_HEADER = "x-fair-frontend"
+# The model a refusal is tallied under when its own name may not be a label (the metrics
+# count it as ``endpoint="other"``; the statistics not at all).
+UNLABELLED_MODEL = ""
 
 
 class Gateway:
@@ -74,9 +92,11 @@ class Gateway:
         self.configure(config, keyring)
 
     def configure(self, config: Config, keyring: KeyRing) -> None:
-        """Apply a (re)loaded config: keys, tenants, endpoints' policies."""
+        """Apply a (re)loaded config: keys, tenants, who may call which model, endpoints'
+        policies."""
         self.config = config
         self.auth = Authenticator.from_config(config, keyring)
+        self.access = ModelAccess.from_config(config)
 
     # ---- inference ----------------------------------------------------------------------
 
@@ -104,6 +124,7 @@ class Gateway:
         info: ModelInfo | None = None
         try:
             tenant = self.auth.identify(headers, req.tenant_claim)
+            self._admit_model(tenant, req.model)
             self._shed(tenant, req.model)
             info = await self._model_info(req.model)
             if info.decoupled and not streaming:
@@ -158,12 +179,33 @@ class Gateway:
             inbox.cancel()  # no-op once the final answer was read
 
     def admit_early(self, model: str, headers: Mapping[str, str]) -> None:
-        """Refuse what the headers alone decide, before a body is read: no key or an
-        unknown one (401/403), or a queue that is full (503). A flood of either then costs
-        no body read, decompression or decoding."""
+        """Refuse what the headers (and the model's name) alone decide, before a body is
+        read: no key or an unknown one (401/403), a model name too long (400) or one the
+        tenant may not call (403), or a queue that is full (503). A flood of any of them
+        then costs no body read, decompression or decoding. ``model`` "": not known yet
+        (a gRPC message that does not name it first); ``infer`` checks it after decoding."""
         tenant = self.auth.identify_by_headers(headers)
         if tenant is not None:
+            if model:
+                self._admit_model(tenant, model)
             self._shed(tenant, model)
+
+    def _admit_model(self, tenant: str, model: str) -> None:
+        """The model's name is short enough to echo (400), and the tenant may call it
+        (403): asked before any lookup, so the answer is the same whether or not Triton
+        has the model."""
+        check_name("model name", model)
+        self.access.check(tenant, model)
+
+    def _label(self, tenant: str | None, model: str) -> str:
+        """The model a refusal is tallied under: its own name only where it is known to
+        exist (configured, or looked up by this shell) and, for a known tenant, open to
+        it; else ``UNLABELLED_MODEL`` (see the module docstring)."""
+        if model not in self.config.endpoints and model not in self._infos:
+            return UNLABELLED_MODEL
+        if tenant is not None and not self.access.allows(tenant, model):
+            return UNLABELLED_MODEL
+        return model
 
     def _shed(self, tenant: str, model: str) -> None:
         cap = self.link.queue_full(tenant, model)
@@ -189,7 +231,7 @@ class Gateway:
             tenant=tenant, model=model, outcome=err.outcome, queued_s=None,
             request_id=request_id, latency_s=latency_s, error=err.message,
         )  # fmt: skip
-        self.link.tally(TallyEntry(tenant, model, err.outcome.value, 1))
+        self.link.tally(TallyEntry(tenant, self._label(tenant, model), err.outcome.value, 1))
 
     def _refused(
         self,
@@ -210,8 +252,9 @@ class Gateway:
         failed: str | None = None
         if tenant is not None and err is not None and not isinstance(err, UnknownModel):
             failed = ModelInfo.version_for(req.version, info)
+        model = self._label(tenant, req.model)
         self.link.tally(
-            TallyEntry(tenant, req.model, outcome.value, 1, failed, latency_s if failed else 0.0)
+            TallyEntry(tenant, model, outcome.value, 1, failed, latency_s if failed else 0.0)
         )
 
     async def model_info(self, model: str) -> ModelInfo:
@@ -245,12 +288,15 @@ class Gateway:
     # extensions, the same for every caller, answered here without Triton, and read
     # without a key by Triton's own examples (simple_*_health_metadata.py) beside health.
     # Model metadata, config, readiness and statistics need the tenant's key, under the
-    # identity rules of inference (401 without one, 403 when it names another tenant):
-    # they tell which models sit behind the frontend, and each would reach Triton or the
-    # core. Statistics are the model's over every tenant, as Triton's are (and perf_analyzer
-    # reads them so): keyed, not split per tenant; the frontend does not keep them per
-    # tenant. Not rate-limited: the limiter lives in the core, and with the cache below a
-    # flood costs a shell's CPU, not Triton's.
+    # identity rules of inference (401 without one, 403 when it names another tenant),
+    # and a model the tenant may call (403 naming it otherwise, before any lookup: the
+    # same answer whether or not Triton has the model). They tell which models sit behind
+    # the frontend, and each would reach Triton or the core. Statistics are the model's
+    # over every tenant, as Triton's are (and perf_analyzer reads them so): keyed, not
+    # split per tenant; the frontend does not keep them per tenant. Statistics of every
+    # model (no name) list only the models the tenant may call. Not rate-limited: the
+    # limiter lives in the core, and with the cache below a flood costs a shell's CPU,
+    # not Triton's.
     #
     # What reaches Triton. Its static answers (metadata, config) are kept per model and
     # version for side_doors.metadata_ttl_s, readiness for ready_ttl_s, "no such model or
@@ -275,7 +321,7 @@ class Gateway:
         return self.link.accepting and triton_ready
 
     async def model_ready(self, model: str, version: str, headers: Mapping[str, str]) -> bool:
-        async def answer() -> bool:
+        async def answer(tenant: str) -> bool:
             try:
                 return bool(
                     await self._from_triton(
@@ -290,7 +336,7 @@ class Gateway:
             except FrontendError:
                 return False  # Triton cannot tell (or has no such model): not ready
 
-        return await self._keyed("model_ready", headers, answer)
+        return await self._keyed("model_ready", model, headers, answer)
 
     async def server_metadata(self) -> dict[str, Any]:
         """Triton's name and version (a drop-in answers as the server it stands for), and
@@ -322,41 +368,58 @@ class Gateway:
     async def model_metadata(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
         return await self._keyed(
             "model_metadata",
+            model,
             headers,
-            lambda: self._static("model_metadata", "get_model_metadata", model, version),
+            lambda _: self._static("model_metadata", "get_model_metadata", model, version),
         )
 
     async def model_config(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
         return await self._keyed(
             "model_config",
+            model,
             headers,
-            lambda: self._static("model_config", "get_model_config", model, version),
+            lambda _: self._static("model_config", "get_model_config", model, version),
         )
 
     async def statistics(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
         """From the core, never kept (they change); "no such model" is kept briefly.
-        With ``server.statistics: operator`` not here at all: 501 / UNIMPLEMENTED, as a
-        server without the extension (the operator's listener serves them)."""
+        ``model`` "": every model the tenant may call. With ``server.statistics: operator``
+        not here at all: 501 / UNIMPLEMENTED, as a server without the extension (the
+        operator's listener serves them)."""
         if self.config.server.statistics != "keyed":
             err = Unsupported("the statistics extension is not offered on this port")
             self._count_door("statistics", None, err.grpc_code.name.lower())
             raise err
-        return await self._keyed(
-            "statistics",
-            headers,
-            lambda: self._lookups.get(
+
+        async def answer(tenant: str) -> Any:
+            stats = await self._lookups.get(
                 ("statistics", model, version), 0.0, lambda: self.link.statistics(model, version)
-            ),
-        )
+            )
+            if model:
+                return stats
+            visible = service_pb2.ModelStatisticsResponse()
+            visible.model_stats.extend(
+                s for s in stats.model_stats if self.access.allows(tenant, s.name)
+            )
+            return visible
+
+        return await self._keyed("statistics", model, headers, answer)
 
     async def _keyed(
-        self, door: str, headers: Mapping[str, str], answer: Callable[[], Awaitable[T]]
+        self,
+        door: str,
+        model: str,
+        headers: Mapping[str, str],
+        answer: Callable[[str], Awaitable[T]],
     ) -> T:
-        """``answer()`` for the tenant the headers prove, counted by how it ended."""
+        """``answer(tenant)`` for the tenant the headers prove, about a model it may call
+        (``model`` "": about none in particular), counted by how it ended."""
         tenant: str | None = None
         try:
             tenant = self.auth.identify(headers, None)
-            result = await answer()
+            if model:
+                self._admit_model(tenant, model)
+            result = await answer(tenant)
         except FrontendError as err:
             self._count_door(door, tenant, err.grpc_code.name.lower())
             raise

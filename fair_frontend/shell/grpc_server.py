@@ -208,6 +208,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             msg = grpc_codec.parse_infer_request(raw)
             if msg.model_name != model:  # it was not among the first fields: check again
                 model = msg.model_name
+                self.gateway.admit_early(model, headers)  # its length, the tenant's access
                 self._check_size(model, len(raw))
             return grpc_codec.decode_infer(msg)
         except FrontendError as err:

@@ -210,3 +210,35 @@ def test_a_key_that_is_not_utf8_is_an_unknown_key(plain: RunningFrontend) -> Non
         while chunk := sock.recv(65536):
             reply += chunk
     assert reply.split(b"\r\n", 1)[0] == b"HTTP/1.1 401 Unauthorized", reply[:200]
+
+
+# ---- model access for a tenant the gateway names --------------------------------------------
+
+
+async def test_a_tenant_the_gateway_names_gets_its_own_model_access(triton: EmbeddedTriton) -> None:
+    """Named in the ``x-tenant-id`` header (checked from the headers) or in the body's
+    ``tenant`` parameter (checked once the body is decoded): either way the tenant's own
+    list applies, here the trial tier's, which opens ``embed`` only."""
+    config = make_config(
+        auth={"trusted_gateway": True, "trusted_gateway_secret": SECRET},
+        tier_models={"enterprise": ["*"], "standard": ["*"], "trial": ["embed"]},
+    )
+    proof = {"x-gateway-secret": SECRET}
+    body = json.loads(HTTP_BODY)
+    async with aiohttp.ClientSession() as session:
+
+        async def post(model: str, headers: dict[str, str], doc: Any) -> tuple[int, str]:
+            url = f"http://{fe.http_url}/v2/models/{model}/infer"
+            async with session.post(url, json=doc, headers=headers) as response:
+                answer = await response.json(content_type=None)
+                return response.status, str(answer.get("error", "served"))
+
+        with running_frontend(config, triton) as fe:
+            refused = (403, "tenant 'umbrella' may not use model 'generate'")
+            header = {**proof, "x-tenant-id": "umbrella"}
+            assert await post("generate", header, body) == refused
+            in_body = {**body, "parameters": {"tenant": "umbrella"}}
+            assert await post("generate", proof, in_body) == refused
+            assert await post("embed", proof, in_body) == (200, "served")
+            acme = await post("generate", {**proof, "x-tenant-id": "acme"}, body)
+            assert acme[0] != 403, acme  # open to acme's tier (served or refused for its input)
