@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -60,6 +61,8 @@ is at most K + 1 counters. 50 divides every configured window in microseconds ex
 
 DEFAULT_TIMEOUT_S = DEFAULT_RATELIMIT_TIMEOUT_MS / 1000.0
 MEMORY_SWEEP_INTERVAL_US = 60_000_000  # how often the memory storage drops idle windows
+log = logging.getLogger(__name__)
+
 REDIS_KEY_PREFIX = "rl"
 MAX_BATCH = 512
 """Most commands in one Redis round trip. Redis answers a pipeline in chunks as it reads
@@ -635,8 +638,14 @@ class RoundTrips:
                 take = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(take)]
             batch = [c for c in batch if not c.expired]  # answered already: never sent
-            if batch:
-                self._answer(batch, self._round_trip(batch))
+            if not batch:
+                continue
+            try:
+                results = self._round_trip(batch)
+            except Exception as err:  # a bug: still answer every call, and keep serving
+                log.exception("rate-limit storage: a round trip failed unexpectedly")
+                results = [StorageError(f"internal error: {type(err).__name__}")] * len(batch)
+            self._answer(batch, results)
         if self._connection is not None:
             self._connection.disconnect()
 

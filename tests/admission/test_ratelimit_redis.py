@@ -315,3 +315,25 @@ async def test_silent_server_fails_each_round_trip_then_one_probe_at_a_time(
             assert black_hole.connections == 4 and rl.storage_errors == 41
         finally:
             await rl.close()
+
+
+async def test_a_call_the_thread_never_answers_is_answered_by_the_backstop(
+    black_hole: BlackHole,
+) -> None:
+    """The round-trip thread stuck past the backstop (here: a 1 s socket timeout on a
+    server that never answers, and the backstop shortened to 0.2 s: a stand-in for a
+    DNS lookup that hangs, which no local server can produce): the loop answers each
+    call itself, a StorageError the limiter turns into the mode, and the thread's late
+    answer changes nothing."""
+    async with black_hole as url:
+        storage = RedisStorage(url, timeout_s=1.0)
+        storage.round_trips.backstop_s = 0.2
+        rl = RateLimiter(storage, on_storage_error="fail_closed")
+        try:
+            results = await asyncio.gather(*(timed_check(rl, T0) for _ in range(3)))
+            for took, d in results:
+                assert 0.15 < took < 0.9, took  # the backstop, not the 1 s timeout
+                assert reason_of(d) == "timeout"
+            assert rl.storage_errors == 3
+        finally:
+            await rl.close()  # waits for the thread's own timeout: nothing left behind
