@@ -541,13 +541,18 @@ class RateLimiting(_Strict):
     )
     on_storage_error: Literal["fail_open", "fail_closed"] = Field(
         default="fail_open",
-        description="Storage down or slow: admit and count it in a metric (fail_open), or "
-        "answer 503 (fail_closed).",
+        description="A check the storage does not answer (down, or silent past timeout_ms): "
+        "admit it uncounted (fail_open) or answer 503 (fail_closed); decided per check and "
+        "counted in fair_rate_limit_storage_errors_total. After 1 s of nothing but failures "
+        "checks take the mode at once, and one every 0.25 s probes the storage.",
     )
     timeout_ms: float = Field(
         default=DEFAULT_RATELIMIT_TIMEOUT_MS,
         gt=0,
-        description="Longest a limit check may wait for its storage before the mode applies.",
+        description="Longest Redis may stay silent on a round trip (connecting, or for its "
+        "reply, timed from the write on the storage's own connection and thread: this "
+        "process's queueing and event-loop lag never count) before its checks take "
+        "on_storage_error.",
     )
     storage_password_env: str | None = Field(
         default=None,

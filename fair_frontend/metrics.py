@@ -147,8 +147,10 @@ class FrontendMetrics(Observer):
         )
         self.rate_limit_storage_errors = Counter(
             "fair_rate_limit_storage_errors",
-            "Rate-limit checks whose storage failed (admitted in fail_open mode).",
-            ["mode"],
+            "Rate-limit checks the storage did not answer, each decided by the mode "
+            "(fail_open: admitted uncounted; fail_closed: 503); reason: timeout, error, or "
+            "circuit_open (not asked: the storage has answered nothing for a while).",
+            ["tenant", "endpoint", "mode", "reason"],
             registry=r,
         )
         self.throttle = Counter(
@@ -279,8 +281,11 @@ class FrontendMetrics(Observer):
         self.endpoint_label.confirm(model)
         self._child(self.rate_limit_hits, self.tenant_label(tenant), model, limit).inc()
 
-    def rate_limit_degraded(self, *, mode: str) -> None:
-        self._child(self.rate_limit_storage_errors, mode).inc()
+    def rate_limit_degraded(self, *, tenant: str, model: str, mode: str, reason: str) -> None:
+        self.endpoint_label.confirm(model)
+        self._child(
+            self.rate_limit_storage_errors, self.tenant_label(tenant), model, mode, reason
+        ).inc()
 
     def tokens_produced(
         self,

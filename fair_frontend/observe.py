@@ -42,8 +42,10 @@ class Observer:
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
         """A rate limit refused a request."""
 
-    def rate_limit_degraded(self, *, mode: str) -> None:
-        """The rate-limit storage failed; ``mode`` says what was done about it."""
+    def rate_limit_degraded(self, *, tenant: str, model: str, mode: str, reason: str) -> None:
+        """The rate-limit storage did not answer one check of ``tenant`` on ``model``:
+        ``mode`` decided it (``on_storage_error``); ``reason``: timeout, error or
+        circuit_open (``StorageErrorReason``)."""
 
     def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
         """The throttle admitted or rejected a request."""

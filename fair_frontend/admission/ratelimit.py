@@ -102,9 +102,10 @@ Adjustments
 
 A storage failure during ``adjust`` never reaches the caller (the request was admitted
 already; ``on_storage_error`` applies to admissions only): the correction is lost, logged,
-counted in ``storage_errors``, and starts the back-off as a failed check does; during the
-back-off adjustments are skipped at once. ``adjust_now`` is the synchronous form for
-``memory://`` (False where the storage must be awaited, as ``check_now`` returns None).
+and counted in ``storage_errors``; it counts towards a sustained outage as a failed check
+does (see "Storage failures"); while the circuit is open adjustments are skipped at once
+(but one may be the probe). ``adjust_now`` is the synchronous form for ``memory://``
+(False where the storage must be awaited, as ``check_now`` returns None).
 
 Why not the ``limits`` library
 ------------------------------
@@ -115,13 +116,27 @@ pushes 4,000 list entries; ``tokens_per_month`` is unbounded); it checks one lim
 so a request's several limits (requests/s AND tokens/day) cannot be checked-and-counted
 atomically together; and it reads the clock itself, so tests cannot drive it on a fake clock.
 
-Storage (``storage.py``): ``memory://`` (one replica) or ``redis://`` (shared, one Lua round
-trip per check or adjustment). If the storage fails or is slower than its timeout, the
-limiter applies ``on_storage_error``: ``fail_open`` admits (``Decision.degraded``, counted in
-``storage_errors``) or ``fail_closed`` raises ``Unavailable`` (503). After a failure it backs
-off for ``backoff_s`` (on the caller's clock): meanwhile every check takes the mode at once,
-without paying the timeout; then one check probes the storage again (the others still take
-the mode until it answers). Adjustments never take a mode: see "Adjustments".
+Storage (``storage.py``): ``memory://`` (one replica) or ``redis://`` (shared, one atomic Lua
+script per check or adjustment; concurrent checks share pipelined round trips).
+
+Storage failures
+----------------
+A check the storage does not answer (it failed, or stayed silent for longer than its
+timeout: ``storage.RoundTrips`` says what the timeout measures) takes ``on_storage_error``,
+that check alone: ``fail_open`` admits it unchecked and uncounted (``Decision.degraded``,
+with the reason in ``Decision.storage_error``), ``fail_closed`` raises
+``StorageUnavailable`` (503). Either way it is counted in ``storage_errors`` (and the core
+counts it in a metric by tenant, model, mode and reason). One failure decides nothing for
+other checks: the next check, whoever sends it, asks the storage again.
+
+Only a sustained outage opens the circuit (times on the caller's clock): once the storage
+has answered nothing for ``open_after_s`` (1 s: failures at least that far apart, with no
+answer between them), checks take the mode at once, without paying the timeout (reason
+``circuit_open``), and every ``probe_s`` (0.25 s) one check goes to the storage as a probe
+(the others still take the mode); the first answer closes the circuit. So a slow reply or
+a short pause fails the checks it delayed and no others, and after a long outage the
+limits count again within ``probe_s`` of the storage answering. Adjustments never take a
+mode: see "Adjustments".
 """
 
 from __future__ import annotations
@@ -138,6 +153,7 @@ from fair_frontend.admission.storage import (
     Rejection,
     Storage,
     StorageError,
+    StorageFailure,
     storage_from_uri,
 )
 from fair_frontend.config import WINDOWS_S, Limits, RateLimiting
@@ -145,11 +161,17 @@ from fair_frontend.errors import RateLimited, Unavailable
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BACKOFF_S = 1.0
-"""After a storage failure, how long checks take the mode at once before one probes again."""
+DEFAULT_OPEN_AFTER_S = 1.0
+"""The circuit opens once the storage has answered nothing for this long ("Storage
+failures"): failures at least this far apart, no answer between them."""
+DEFAULT_PROBE_S = 0.25
+"""While the circuit is open, one check in this long goes to the storage as a probe."""
 
 Unit = Literal["requests", "tokens"]
 StorageErrorMode = Literal["fail_open", "fail_closed"]
+StorageErrorReason = Literal["timeout", "error", "circuit_open"]
+"""Why a check took ``on_storage_error``: the storage timed out, failed (``error``), or
+was not asked because the circuit is open. A bounded set: it labels a metric."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,18 +217,36 @@ class Decision:
     """The binding limit when rejected."""
     degraded: bool = False
     """The storage failed and ``fail_open`` admitted the request unchecked and uncounted."""
+    storage_error: StorageErrorReason | None = None
+    """Why, when ``degraded``."""
 
 
 ALLOWED = Decision(True)
-DEGRADED = Decision(True, degraded=True)
+DEGRADED: dict[StorageErrorReason, Decision] = {
+    reason: Decision(True, degraded=True, storage_error=reason)
+    for reason in ("timeout", "error", "circuit_open")
+}
+
+
+class StorageUnavailable(Unavailable):
+    """``fail_closed``: the 503 of a check the storage did not answer, and why."""
+
+    def __init__(self, reason: StorageErrorReason, *, retry_after: float | None) -> None:
+        # The detail (host, port, error) goes to the log, not to clients.
+        super().__init__(
+            "rate-limit storage unavailable: requests are refused until it answers again",
+            retry_after=retry_after,
+        )
+        self.reason: StorageErrorReason = reason
 
 
 class RateLimiter:
     """Does this request fit its tenant's limits? If so, count it (atomically).
 
     One instance per process; share it between requests. ``storage_errors`` counts the
-    checks the storage could not answer (failed, timed out, or skipped during back-off);
-    export it as a metric.
+    checks the storage did not answer (failed, timed out, or not asked while the circuit
+    is open) and the adjustments lost; each check's reason is in its ``Decision`` or
+    ``StorageUnavailable`` (the module docstring: "Storage failures").
     """
 
     def __init__(
@@ -214,18 +254,29 @@ class RateLimiter:
         storage: Storage,
         *,
         on_storage_error: StorageErrorMode = "fail_open",
-        backoff_s: float = DEFAULT_BACKOFF_S,
+        open_after_s: float = DEFAULT_OPEN_AFTER_S,
+        probe_s: float = DEFAULT_PROBE_S,
     ) -> None:
         if on_storage_error not in ("fail_open", "fail_closed"):
             raise ValueError(
                 f"on_storage_error must be fail_open or fail_closed, not {on_storage_error!r}"
             )
+        if open_after_s < 0 or probe_s <= 0:
+            raise ValueError("open_after_s must be >= 0 and probe_s > 0")
         self.storage = storage
         self.on_storage_error = on_storage_error
-        self.backoff_s = backoff_s
+        self.open_after_s = open_after_s
+        self.probe_s = probe_s
         self.storage_errors = 0
-        self._failed_at: float | None = None  # caller's clock at the last failure
+        self._failing_since: float | None = None  # the first failure since the last answer
+        self._open = False  # the circuit: checks take the mode without asking
+        self._next_probe = 0.0  # while open, when one may ask again
         self._probing = False
+
+    @property
+    def circuit_open(self) -> bool:
+        """The storage has answered nothing for ``open_after_s``: checks take the mode."""
+        return self._open
 
     @classmethod
     def from_config(cls, config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> RateLimiter:
@@ -251,21 +302,22 @@ class RateLimiter:
         ``key``: whose limits (``limit_key(tenant, endpoint)``); ``items``: distinct
         (unit, window) limits; ``requests``/``tokens``: the request's cost in each unit;
         ``now``: unix seconds from the caller's clock (replicas: NTP-synchronised).
-        Raises ``Unavailable`` only when the storage fails under ``fail_closed``.
+        Raises ``StorageUnavailable`` only when the storage did not answer this check and
+        the mode is ``fail_closed``.
         """
         if not items:
             return ALLOWED
         if requests < 0 or tokens < 0:
             raise ValueError("costs must be >= 0")
-        probe = self._may_probe(now)
+        probe = self._may_ask(now)
         if probe is None:
-            return self._degraded(now)
+            return self._degraded("circuit_open", now)
         costs = [requests if item.unit == "requests" else tokens for item in items]
         try:
             rejection = await self.storage.acquire(key, items, costs, round(now * 1_000_000))
         except StorageError as err:
-            self._failed(err, now, probe)
-            return self._degraded(now)
+            self._failed(err, now)
+            return self._degraded(err.reason, now)
         finally:
             if probe:
                 self._probing = False
@@ -293,17 +345,17 @@ class RateLimiter:
         ``degraded``), with ``-tokens`` at most what it counted: the guarantee in the
         module docstring rests on that.
 
-        Never raises for the storage: a failure or timeout (bounded by the storage's
-        timeout) is logged, counted in ``storage_errors`` and the correction is lost;
-        during the back-off after a failure it is skipped at once (and counted).
+        Never raises for the storage: a failure or timeout is logged, counted in
+        ``storage_errors`` and the correction is lost; while the circuit is open it is
+        skipped at once (and counted).
         """
         targets = _token_items(items) if tokens else []
         if not targets:
             return
-        probe = self._may_probe(now)
+        probe = self._may_ask(now)
         if probe is None:
             self.storage_errors += 1
-            log.debug("rate-limit storage backing off: %+d tokens for %s dropped", tokens, key)
+            log.debug("rate-limit circuit open: %+d tokens for %s dropped", tokens, key)
             return
         try:
             await self.storage.adjust(
@@ -315,7 +367,7 @@ class RateLimiter:
             )
         except StorageError as err:
             self.storage_errors += 1
-            self._failed(err, now, probe)
+            self._failed(err, now)
             log.warning("rate-limit adjustment lost: %+d tokens for %s (%s)", tokens, key, err)
             return
         finally:
@@ -350,31 +402,47 @@ class RateLimiter:
         )
         return True
 
-    def _may_probe(self, now: float) -> bool | None:
-        """None: backing off, skip the storage. Else whether this call probes it (and then
-        it holds the probe until it clears ``_probing``)."""
-        if self._failed_at is None:
+    def _may_ask(self, now: float) -> bool | None:
+        """Whether to ask the storage: False (yes: the circuit is closed), True (yes, as
+        the probe: the caller clears ``_probing`` when it has its answer), None (no: the
+        circuit is open and a probe is in flight or not due)."""
+        if not self._open:
             return False
-        since = now - self._failed_at
-        if 0 <= since < self.backoff_s or self._probing:
+        if self._probing or now < self._next_probe:
             return None
         self._probing = True
+        self._next_probe = now + self.probe_s
         return True
 
-    def _failed(self, err: StorageError, now: float, probe: bool) -> None:
-        if self._failed_at is None or probe:
+    def _failed(self, err: StorageError, now: float) -> None:
+        """The storage did not answer a call made at ``now``: open the circuit once it has
+        answered nothing for ``open_after_s``."""
+        if self._failing_since is None:
+            self._failing_since = now
             log.warning(
-                "rate-limit storage failed (%s); %s for %g s, then retrying",
+                "rate-limit storage did not answer (%s): %s for the checks it fails",
                 err,
                 self.on_storage_error,
-                self.backoff_s,
             )
-        self._failed_at = now
+        elif not self._open and now - self._failing_since >= self.open_after_s:
+            self._open = True
+            self._next_probe = now + self.probe_s
+            log.warning(
+                "rate-limit storage has answered nothing for %.1f s (%s): circuit open, "
+                "checks take %s at once, one probe every %g s",
+                now - self._failing_since,
+                err,
+                self.on_storage_error,
+                self.probe_s,
+            )
 
     def _answered(self) -> None:
-        if self._failed_at is not None:
-            log.warning("rate-limit storage answers again")
-            self._failed_at = None
+        if self._failing_since is not None:
+            log.warning(
+                "rate-limit storage answers again%s", " (circuit closed)" if self._open else ""
+            )
+            self._failing_since = None
+            self._open = False
 
     def check_now(
         self,
@@ -398,17 +466,13 @@ class RateLimiter:
         costs = [requests if item.unit == "requests" else tokens for item in items]
         return _decision(items, acquire_now(key, items, costs, round(now * 1_000_000)))
 
-    def _degraded(self, now: float) -> Decision:
+    def _degraded(self, reason: StorageFailure | StorageErrorReason, now: float) -> Decision:
+        """The mode, for one check the storage did not answer."""
         self.storage_errors += 1
         if self.on_storage_error == "fail_open":
-            return DEGRADED
-        assert self._failed_at is not None
-        retry = max(0.0, self._failed_at + self.backoff_s - now) or None
-        # The detail (host, port, error) goes to the log, not to clients.
-        raise Unavailable(
-            "rate-limit storage unavailable: requests are refused until it answers again",
-            retry_after=retry,
-        )
+            return DEGRADED[reason]
+        retry = (max(0.0, self._next_probe - now) or None) if self._open else None
+        raise StorageUnavailable(reason, retry_after=retry)
 
     async def close(self) -> None:
         await self.storage.close()
@@ -454,12 +518,15 @@ def _seconds(value: float) -> str:
 
 __all__ = [
     "ALLOWED",
-    "DEFAULT_BACKOFF_S",
     "DEFAULT_BUCKETS",
+    "DEFAULT_OPEN_AFTER_S",
+    "DEFAULT_PROBE_S",
     "DEFAULT_TIMEOUT_S",
     "Decision",
     "RateLimitItem",
     "RateLimiter",
+    "StorageErrorReason",
+    "StorageUnavailable",
     "items_from_limits",
     "limit_key",
     "rate_limited_error",

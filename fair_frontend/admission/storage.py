@@ -7,8 +7,11 @@ buckets are kept and how one check stays atomic:
 - ``MemoryStorage``: plain synchronous Python behind an ``async`` method that never awaits,
   so a check-and-count runs without interleaving on the event loop (and under a lock, so
   threads are safe too). One replica only: each process counts on its own.
-- ``RedisStorage``: one Lua script per check (another per adjustment), ONE round trip,
-  atomic on the Redis server.
+- ``RedisStorage``: one Lua script per check (another per adjustment), atomic on the
+  Redis server. The scripts of concurrent checks share round trips: those queued in one
+  event-loop turn (and while a round trip is in flight) go in one pipelined write, on a
+  thread and connection of the storage's own (``RoundTrips``), whose socket timeout is
+  the storage timeout: it measures Redis, never this process's queueing or loop lag.
   One hash per (key, limit) holds the buckets and their running sum, so a check costs O(1)
   Redis work (buckets are read only when one leaves the window, and to compute
   ``retry_after`` on a rejection). All the keys of one check share the hash tag
@@ -29,19 +32,22 @@ hold what the limit admits in a further ``d``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import sys
+import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
+import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from fair_frontend.config import DEFAULT_RATELIMIT_STORAGE, DEFAULT_RATELIMIT_TIMEOUT_MS
 
@@ -55,14 +61,40 @@ is at most K + 1 counters. 50 divides every configured window in microseconds ex
 
 DEFAULT_TIMEOUT_S = DEFAULT_RATELIMIT_TIMEOUT_MS / 1000.0
 MEMORY_SWEEP_INTERVAL_US = 60_000_000  # how often the memory storage drops idle windows
-REDIS_KEY_PREFIX = "rl"
-DEFAULT_REDIS_CONNECTIONS = 64  # per process; checks beyond it wait for a free one
+log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+REDIS_KEY_PREFIX = "rl"
+MAX_BATCH = 512
+"""Most commands in one Redis round trip. Redis answers a pipeline in chunks as it reads
+it (about 16 KiB of commands at a time), so a full batch keeps replies flowing well inside
+the timeout; more queued go in the next round trip."""
+BACKSTOP_S = 1.0
+BACKSTOP_TIMEOUTS = 16
+"""A call the round-trip thread never answers fails after ``BACKSTOP_S`` +
+``BACKSTOP_TIMEOUTS`` x the timeout (``RoundTrips``): far above a round trip's worst case
+(the one ahead of it and its own, each at most a connect, a reconnect and their replies),
+so only a wedged thread (a DNS lookup that hangs) reaches it."""
+
+StorageFailure = Literal["timeout", "error"]
 
 
 class StorageError(Exception):
-    """The storage could not answer in time (down, slow, refused). Never a limit decision."""
+    """The storage could not answer (down, slow, refused). Never a limit decision.
+
+    ``reason``: ``timeout`` (Redis silent for longer than the timeout) or ``error``
+    (connection refused or reset, an error reply, the storage closed).
+    """
+
+    def __init__(self, message: str, *, reason: StorageFailure = "error") -> None:
+        super().__init__(message)
+        self.reason: StorageFailure = reason
+
+    @classmethod
+    def of(cls, error: Exception) -> StorageError:
+        """The storage error for a client library's exception."""
+        if isinstance(error, RedisTimeoutError | TimeoutError):
+            return cls(f"timed out: {error}", reason="timeout")
+        return cls(f"{type(error).__name__}: {error}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +115,7 @@ class Storage(Protocol):
     each has room, and against none when any has not (then it returns the binding
     ``Rejection``). ``items`` must be distinct (unit, window) pairs; ``costs[i]`` is what the
     request costs against ``items[i]``. ``acquire`` returns or raises ``StorageError``
-    within the storage's timeout; it never hangs.
+    (with its ``reason``); it never hangs (Redis: ``RoundTrips`` says how long it may take).
     """
 
     async def acquire(
@@ -104,7 +136,7 @@ class Storage(Protocol):
         or the newest one if the clock stepped back), exactly as ``acquire`` counts.
         ``deltas[i] < 0`` is taken out of the bucket of ``admitted_us``, at most what that
         bucket holds, and only while that bucket is still counted at ``now_us``; otherwise
-        it is dropped. Atomic over all items; raises ``StorageError`` within the timeout.
+        it is dropped. Atomic over all items; raises ``StorageError`` as ``acquire`` does.
         """
         ...
 
@@ -474,14 +506,6 @@ return 1
 _ADJUST_SHA = hashlib.sha1(_ADJUST_LUA.encode()).hexdigest()
 
 
-async def _within(timeout_s: float, work: Awaitable[_T]) -> _T:
-    """``work``, cancelled with ``TimeoutError`` once ``timeout_s`` has passed."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout_s):
-            return await work
-    return await asyncio.wait_for(work, timeout_s)  # pragma: no cover - Python 3.10
-
-
 def _escape_key(key: str) -> str:
     """Keep a hash tag intact: braces in a key would end or open it early."""
     if "{" in key or "}" in key or "%" in key:
@@ -489,16 +513,257 @@ def _escape_key(key: str) -> str:
     return key
 
 
-class RedisStorage:
-    """Counters in Redis, shared by every replica; one atomic Lua round trip per check.
+# ---- round trips: one thread, one connection, one pipelined write per batch ------------------
 
-    Every round trip is bounded twice: socket connect/read timeouts and an overall asyncio
-    deadline of ``timeout_s`` (which also covers the EVALSHA -> EVAL fallback after Redis
-    lost its script cache, and one immediate reconnect after Redis closed a pooled
-    connection). Any failure or timeout raises ``StorageError``; the limiter applies the
-    configured mode. A check that timed out may or may not have been counted. The client
-    reconnects by itself once Redis answers again; a Redis restarted without persistence
-    starts counting from zero.
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One command on its way to Redis and back to the event loop that asked."""
+
+    command: tuple[Any, ...]
+    script: str | None  # the body behind an EVALSHA (sent again after a NOSCRIPT)
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    backstop: asyncio.TimerHandle | None = None
+    answered: bool = False  # set by the thread before the answer is handed to the loop
+    expired: bool = False  # set by the loop when the backstop answered it first
+
+
+class _Broken(Exception):
+    """A round trip that failed after ``replies`` (its first replies, in order) came back."""
+
+    def __init__(self, replies: list[Any], error: Exception) -> None:
+        super().__init__(str(error))
+        self.replies = replies
+        self.error = error
+
+
+class RoundTrips:
+    """Sends commands to Redis in pipelined round trips, on a thread of its own.
+
+    The commands queued in one event-loop turn go to the thread together (one hand-off per
+    turn); the thread writes everything queued since its last round trip, up to
+    ``max_batch`` commands, in one write on its one connection and reads the replies in
+    order. N concurrent checks therefore cost one round trip, not N connections: the
+    frontend's queueing happens before the write, in the queue, never on the clock.
+
+    The timeout measures Redis alone. It is the socket timeout of that connection: a round
+    trip fails when Redis stays silent for ``timeout_s`` while the thread waits for it (to
+    connect, to take the write, or for the next bytes of the replies). The clock starts
+    when the command is written, on a thread the event loop's own lag cannot hold back
+    (a busy loop, or one that holds the GIL, only delays the answer's hand-off, and a
+    reply that arrived is read whatever the hand-off cost). Replies that came back before
+    a failure keep their answers; the rest of the round trip fails (``StorageError``, with
+    its ``reason``). A connection Redis closed (a restart) is opened again once, at once,
+    when it failed before any reply. A NOSCRIPT reply (Redis restarted, SCRIPT FLUSH)
+    sends SCRIPT LOAD and those commands again in one more round trip.
+
+    Every call is answered: by the thread, or, should the thread never answer (a DNS
+    lookup that hangs; ``backstop_s``, far above any round trip), by the loop with a
+    ``StorageError``. Use from one event loop at a time.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float, max_batch: int = MAX_BATCH) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.timeout_s = timeout_s
+        self.max_batch = max_batch
+        self.backstop_s = BACKSTOP_S + BACKSTOP_TIMEOUTS * timeout_s
+        pool = redis.ConnectionPool.from_url(
+            url,
+            max_connections=1,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the one reconnect is ours (``_round_trip``)
+            health_check_interval=0,
+            driver_info=None,  # no CLIENT SETINFO round trips on connect
+        )
+        self._pool = pool
+        self._connection: Any = None
+        self._turn: list[_Call] = []  # queued in this loop turn (loop thread only)
+        self._queue: deque[_Call] = deque()  # handed to the thread (under ``_wake``)
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.round_trips = 0
+        """Round trips sent (a reconnect or a NOSCRIPT resend counts once more)."""
+        self.commands = 0
+        """Commands sent; ``commands / round_trips`` is the mean batch."""
+
+    def call(self, command: tuple[Any, ...], script: str | None = None) -> asyncio.Future[Any]:
+        """Queue ``command``; the future holds its reply, or a ``StorageError``."""
+        if self._closed:
+            raise StorageError("the rate-limit storage is closed")
+        loop = asyncio.get_running_loop()
+        call = _Call(command, script, loop.create_future(), loop)
+        call.backstop = loop.call_later(self.backstop_s, self._expire, call)
+        self._turn.append(call)
+        if len(self._turn) == 1:
+            loop.call_soon(self._hand_off)
+        return call.future
+
+    def _hand_off(self) -> None:
+        """End of a loop turn: what it queued goes to the thread, with one wake-up."""
+        calls, self._turn = self._turn, []
+        with self._wake:
+            self._queue.extend(calls)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._run, name="fair-ratelimit-redis", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def _expire(self, call: _Call) -> None:
+        """The backstop: the thread never answered (the loop's own timer, far above any
+        round trip, so the loop's lag cannot make it fire first for an answered call)."""
+        if call.answered or call.future.done():
+            return
+        call.expired = True
+        call.future.set_exception(
+            StorageError(f"no answer after {self.backstop_s:g} s", reason="timeout")
+        )
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    break
+                take = min(len(self._queue), self.max_batch)
+                batch = [self._queue.popleft() for _ in range(take)]
+            batch = [c for c in batch if not c.expired]  # answered already: never sent
+            if not batch:
+                continue
+            try:
+                results = self._round_trip(batch)
+            except Exception as err:  # a bug: still answer every call, and keep serving
+                log.exception("rate-limit storage: a round trip failed unexpectedly")
+                results = [StorageError(f"internal error: {type(err).__name__}")] * len(batch)
+            self._answer(batch, results)
+        if self._connection is not None:
+            self._connection.disconnect()
+
+    def _answer(self, batch: list[_Call], results: list[Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Call, Any]]] = {}
+        for call, result in zip(batch, results, strict=True):
+            call.answered = True
+            by_loop.setdefault(call.loop, []).append((call, result))
+        for loop, answers in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(_settle, answers)
+
+    def _round_trip(self, batch: list[_Call]) -> list[Any]:
+        """Each call's reply or ``StorageError``, in order (never raises)."""
+        results: list[Any] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        reconnected = reloaded = False
+        while todo:
+            commands = [batch[i].command for i in todo]
+            loads: list[tuple[Any, ...]] = []
+            if reloaded:  # the scripts Redis lost go first, in the same write
+                bodies = dict.fromkeys(s for i in todo if (s := batch[i].script) is not None)
+                loads = [("SCRIPT", "LOAD", body) for body in bodies]
+            try:
+                replies = self._exchange(loads + commands)[len(loads) :]
+            except _Broken as broken:
+                got = broken.replies[len(loads) :]
+                for i, reply in zip(todo, got, strict=False):
+                    results[i] = reply
+                if not broken.replies and not reconnected and _stale(broken.error):
+                    reconnected = True  # Redis closed this connection: once more, anew
+                    continue
+                failed = StorageError.of(broken.error)
+                for i in todo[len(got) :]:
+                    results[i] = failed
+                break
+            for i, reply in zip(todo, replies, strict=True):
+                results[i] = reply
+            todo = [i for i in todo if isinstance(results[i], NoScriptError)]
+            if reloaded:
+                break
+            reloaded = True
+        return [
+            StorageError(f"Redis replied {r}", reason="error")
+            if isinstance(r, ResponseError)
+            else r
+            for r in results
+        ]
+
+    def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One write of ``commands``, then their replies in order (an error reply is a
+        ``ResponseError`` in its place); ``_Broken`` if the connection fails."""
+        replies: list[Any] = []
+        try:
+            if self._connection is None:
+                self._connection = self._pool.make_connection()
+            connection = self._connection
+            self.round_trips += 1
+            self.commands += len(commands)
+            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            for _ in commands:
+                try:
+                    replies.append(connection.read_response())
+                except ResponseError as err:
+                    replies.append(err)
+        except (RedisError, OSError) as err:  # redis-py disconnected it: the next reconnects
+            raise _Broken(replies, err) from err
+        return replies
+
+    async def close(self) -> None:
+        """Answer what is queued, stop the thread, close the connection."""
+        if self._turn:
+            self._hand_off()
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+            thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        elif self._connection is not None:
+            self._connection.disconnect()
+        self._pool.disconnect()
+
+
+def _settle(answers: list[tuple[_Call, Any]]) -> None:
+    """On the loop: hand each call its reply (or error), unless it was answered already."""
+    for call, result in answers:
+        if call.backstop is not None:
+            call.backstop.cancel()
+        if call.future.done():
+            continue
+        if isinstance(result, StorageError):
+            call.future.set_exception(result)
+        else:
+            call.future.set_result(result)
+
+
+def _stale(error: Exception) -> bool:
+    """A connection error (refused, reset, closed by Redis), not a timeout: worth one
+    immediate reconnect."""
+    return isinstance(error, RedisConnectionError | OSError) and not isinstance(
+        error, RedisTimeoutError | TimeoutError
+    )
+
+
+class RedisStorage:
+    """Counters in Redis, shared by every replica; one atomic Lua script per check.
+
+    Checks go to Redis in pipelined round trips (``RoundTrips``): the checks of one
+    event-loop turn, and any queued while a round trip is in flight, share one write and
+    one connection. Each script stays atomic on the server and exact; nothing is merged.
+    A round trip fails when Redis stays silent for ``timeout_s`` (measured on the
+    connection's socket, from the write: the frontend's own queueing and its loop's lag
+    never count), or on a connection error; each of its checks then raises
+    ``StorageError`` and the limiter applies the configured mode to that check alone. A
+    check that failed may or may not have been counted. The client reconnects by itself
+    once Redis answers again; a Redis restarted without persistence starts counting from
+    zero.
     """
 
     def __init__(
@@ -508,7 +773,7 @@ class RedisStorage:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         buckets: int = DEFAULT_BUCKETS,
         prefix: str = REDIS_KEY_PREFIX,
-        max_connections: int = DEFAULT_REDIS_CONNECTIONS,
+        max_batch: int = MAX_BATCH,
     ) -> None:
         if buckets < 1:
             raise ValueError("buckets must be >= 1")
@@ -517,20 +782,7 @@ class RedisStorage:
         self.buckets = buckets
         self.timeout_s = timeout_s
         self._prefix = prefix
-        # A blocking pool: under a burst, checks queue for a connection (inside their
-        # deadline) instead of failing once max_connections are busy.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            # One immediate retry: a pooled connection Redis closed (restart) reconnects
-            # within the same deadline. No back-off sleeps: the deadline is short.
-            retry=Retry(NoBackoff(), 1),
-            health_check_interval=0,
-        )
-        self._client = aioredis.Redis.from_pool(pool)
+        self.round_trips = RoundTrips(url, timeout_s=timeout_s, max_batch=max_batch)
         self._names: dict[tuple[str, str, float], tuple[str, int]] = {}
 
     def key_name(self, key: str, item: RateLimitItem) -> str:
@@ -563,7 +815,9 @@ class RedisStorage:
             name, width = self._name(key, item)
             keys.append(name)
             args += (item.amount, width, self.buckets, cost)
-        reply = await self._run(_ACQUIRE_SHA, _ACQUIRE_LUA, keys, args)
+        reply = await self.round_trips.call(
+            ("EVALSHA", _ACQUIRE_SHA, len(keys), *keys, *args), _ACQUIRE_LUA
+        )
         if reply[0] == 1:
             return None
         wait = int(reply[2])
@@ -585,35 +839,16 @@ class RedisStorage:
                 keys.append(name)
                 args += (width, self.buckets, delta)
         if keys:
-            await self._run(_ADJUST_SHA, _ADJUST_LUA, keys, args)
-
-    async def _run(self, sha: str, body: str, keys: list[str], args: list[int]) -> Any:
-        """One script, one round trip, within the timeout; ``StorageError`` otherwise."""
-        try:
-            return await _within(self.timeout_s, self._eval(sha, body, keys, args))
-        except TimeoutError:
-            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
-        except (RedisError, OSError) as err:
-            raise StorageError(f"{type(err).__name__}: {err}") from err
-
-    async def _eval(self, sha: str, body: str, keys: list[str], args: list[int]) -> Any:
-        try:
-            return await self._client.evalsha(sha, len(keys), *keys, *args)
-        except NoScriptError:
-            # Redis restarted or SCRIPT FLUSH: EVAL sends the body and caches it again.
-            return await self._client.eval(body, len(keys), *keys, *args)
+            await self.round_trips.call(
+                ("EVALSHA", _ADJUST_SHA, len(keys), *keys, *args), _ADJUST_LUA
+            )
 
     async def ping(self) -> None:
         """Raise ``StorageError`` unless Redis answers within the timeout (readiness)."""
-        try:
-            await _within(self.timeout_s, self._client.ping())
-        except TimeoutError:
-            raise StorageError(f"timed out after {self.timeout_s * 1000:g} ms") from None
-        except (RedisError, OSError) as err:
-            raise StorageError(f"{type(err).__name__}: {err}") from err
+        await self.round_trips.call(("PING",))
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self.round_trips.close()
 
 
 def storage_from_uri(

@@ -29,7 +29,7 @@ from fair_frontend.admission import (
     overloaded_error,
     rate_limited_error,
 )
-from fair_frontend.admission.ratelimit import Decision
+from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
@@ -367,8 +367,10 @@ class Core:
             )
             self._counted(req, decision, now)
             return decision
-        except Unavailable:  # the storage failed and the mode is fail_closed
-            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+        except StorageUnavailable as err:  # not answered, and the mode is fail_closed
+            self.observer.rate_limit_degraded(
+                tenant=req.tenant, model=req.request.model, mode="fail_closed", reason=err.reason
+            )
             raise
 
     @staticmethod
@@ -379,9 +381,15 @@ class Core:
             req.limits_at = now
 
     def _apply_rate_limits(self, req: CoreRequest, decision: Decision) -> None:
-        """Count a degraded check; raise the 429 of a refused one."""
+        """Count a check the storage did not answer (fail_open admitted it); raise the 429
+        of a refused one."""
         if decision.degraded:
-            self.observer.rate_limit_degraded(mode=self.config.rate_limiting.on_storage_error)
+            self.observer.rate_limit_degraded(
+                tenant=req.tenant,
+                model=req.request.model,
+                mode="fail_open",
+                reason=decision.storage_error or "error",
+            )
         if not decision.allowed:
             assert decision.violated is not None
             model = req.request.model

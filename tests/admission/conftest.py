@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -112,6 +113,14 @@ def redis_server() -> Iterator[RedisProcess]:
 @pytest.fixture(scope="session")
 def redis_url(redis_server: RedisProcess) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisProcess) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's own on the session's Redis, to read what a storage wrote."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture

@@ -4,8 +4,11 @@ Traffic (two gRPC and two HTTP clients, each sending back to back) runs against 
 whose rate limits live in a Redis of the test's own; then Redis is killed (SIGKILL) or hung
 (SIGSTOP: the connection stays open and nothing answers, the case only the timeout bounds).
 With ``fail_open`` every request is still admitted; with ``fail_closed`` every request is
-answered UNAVAILABLE / 503; ``fair_rate_limit_storage_errors{mode}`` counts them. In both
-modes no request waits longer than the storage timeout plus a generous margin (a
+answered UNAVAILABLE / 503; ``fair_rate_limit_storage_errors{mode, reason}`` counts them:
+each check asks Redis (``error`` when it is killed, ``timeout`` when it is hung) until it
+has answered nothing for a second, then the circuit opens (``circuit_open``: checks take
+the mode at once, one probe at a time). In both modes no request waits longer than the
+storage timeout twice (the round trip ahead of it, and its own) plus a generous margin (a
 behaviour bound: without the timeout a hung Redis holds requests until the test ends).
 Once Redis answers again the limits count again.
 """
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
@@ -28,9 +32,9 @@ if TYPE_CHECKING:
 
 TIMEOUT_S = 0.2  # the storage timeout: above the 50 ms default so that a loaded machine
 # never times out before Redis is down, which would make the "before" phase flaky
-BACKOFF_S = 1.0  # the limiter's back-off (``DEFAULT_BACKOFF_S``)
-BOUND_S = TIMEOUT_S + 1.0  # what any request may take, Redis up, down or hung
-OUTAGE_S = 2.5 * BACKOFF_S  # long enough for two probes after back-offs to fail too
+OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S  # 1 s of failures open the circuit
+BOUND_S = 2 * TIMEOUT_S + 1.0  # what any request may take, Redis up, down or hung
+OUTAGE_S = 2.5 * OPEN_AFTER_S  # long enough for the circuit to open and probes to fail
 RECOVERY_S = 10.0  # how long Redis may take to count again once it answers
 PACE_S = 0.005  # each client's pause between requests (keeps the two cores for the stack)
 TRAFFIC = "initech"  # its limit is far away: every refusal here is the storage's
@@ -103,8 +107,8 @@ def outage_frontend(
         yield fe
 
 
-def storage_errors(kserve: KServe, fe: RunningFrontend, mode: str) -> float:
-    return kserve.counter(fe.metrics_url, "fair_rate_limit_storage_errors", mode=mode)
+def storage_errors(kserve: KServe, fe: RunningFrontend, mode: str, **labels: str) -> float:
+    return kserve.counter(fe.metrics_url, "fair_rate_limit_storage_errors", mode=mode, **labels)
 
 
 async def probe_until_refused(kserve: KServe, fe: RunningFrontend) -> list[Reply]:
@@ -170,17 +174,23 @@ async def test_redis_down_mid_run(
             assert reply.status == ("503" if reply.protocol == "http" else "UNAVAILABLE")
             assert "rate-limit storage unavailable" in reply.message, reply.message
             assert "127.0.0.1" not in reply.message  # no internal address for clients
-            assert reply.retry_after in (None, "1"), reply  # the back-off, whole seconds
+            assert reply.retry_after in (None, "1"), reply  # the next probe, whole seconds
 
     slowest = max(traffic.replies, key=lambda r: r.seconds)
     assert slowest.seconds <= BOUND_S, slowest
     if failure == "hung":
         # The control: a hung Redis was really waited for, up to the timeout, by the
-        # checks that found it hung (the first one, and each probe after a back-off).
+        # checks that found it hung (each one, until the circuit opened; then each probe).
         assert max(r.seconds for r in during) >= 0.9 * TIMEOUT_S
 
+    # Each check asked Redis and failed with the outage's reason, until the circuit opened
+    # (after OPEN_AFTER_S), and was not asked after.
+    asked = "error" if failure == "killed" else "timeout"
+    assert storage_errors(kserve, fe, mode, tenant=TRAFFIC, reason=asked) >= 1
+    assert storage_errors(kserve, fe, mode, tenant=TRAFFIC, reason="circuit_open") >= 1
+
     # Redis answers again (continued, or restarted empty on the same port): the limits count
-    # again once the back-off has passed. The probe tenant's 2 a minute end in a 429.
+    # again at the next probe. The probe tenant's 2 a minute end in a 429.
     if failure == "killed":
         redis_process.start()
     probes = await probe_until_refused(kserve, fe)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
@@ -17,7 +18,7 @@ from fair_frontend.admission import (
     rate_limited_error,
     storage_from_uri,
 )
-from fair_frontend.admission.storage import DEFAULT_BUCKETS
+from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection, StorageError
 from fair_frontend.config import WINDOWS_S, Limits, RateLimiting, parse_config
 from fair_frontend.errors import RateLimited
 
@@ -272,3 +273,54 @@ async def test_memory_storage_drops_idle_windows() -> None:
     # A minute later every one-second window is empty: the sweep forgets them.
     await rl.check("other:e", [item("requests", "second", 5)], requests=1, tokens=0, now=T0 + 61)
     assert len(storage) == 1
+
+
+class ScriptedStorage(MemoryStorage):
+    """A memory storage the test can take down: while ``down``, every call yields to the
+    loop once (a round trip in flight) and fails with ``StorageError(reason)``. The
+    limiter's failure policy on a fake clock, without a Redis to break (the Redis tests
+    break a real one: ``test_ratelimit_redis``, ``test_ratelimit_under_load``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.asked = 0
+
+    async def acquire(
+        self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
+    ) -> Rejection | None:
+        self.asked += 1
+        await asyncio.sleep(0)
+        if self.down:
+            raise StorageError("scripted outage", reason="timeout")
+        return await super().acquire(key, items, costs, now_us)
+
+
+async def test_circuit_opens_only_on_sustained_failure_and_closes_on_the_first_answer() -> None:
+    storage = ScriptedStorage()
+    rl = RateLimiter(storage, on_storage_error="fail_open", open_after_s=1.0, probe_s=0.25)
+    rpm = [item("requests", "minute", 1000)]
+
+    async def check(at: float) -> str:
+        d = await rl.check("c:e", rpm, requests=1, tokens=0, now=T0 + at)
+        return d.storage_error or "ok"
+
+    storage.down = True
+    assert [await check(0.0), await check(0.5)] == ["timeout", "timeout"]
+    storage.down = False
+    assert await check(0.9) == "ok"  # an answer: the failures before it are forgotten
+    storage.down = True
+    assert [await check(t) for t in (1.0, 1.5, 1.99)] == ["timeout"] * 3
+    assert not rl.circuit_open and storage.asked == 6  # each one asked
+    assert await check(2.0) == "timeout"  # 1 s of nothing but failures: open
+    assert rl.circuit_open and storage.asked == 7
+    assert await check(2.1) == "circuit_open" and storage.asked == 7  # not asked
+    assert await check(2.25) == "timeout" and storage.asked == 8  # the probe, failed
+    # Two at once when the next probe is due: one probes, the other does not wait for it.
+    both = await asyncio.gather(check(2.5), check(2.5))
+    assert sorted(both) == ["circuit_open", "timeout"] and storage.asked == 9
+    storage.down = False
+    assert await check(2.6) == "circuit_open"  # no probe due yet
+    assert await check(2.75) == "ok" and not rl.circuit_open  # the probe answers: closed
+    assert [await check(2.76), await check(2.77)] == ["ok", "ok"] and storage.asked == 12
+    assert rl.storage_errors == 11  # every check that took the mode, asked or not

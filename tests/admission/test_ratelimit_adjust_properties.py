@@ -17,6 +17,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +77,7 @@ def live(buckets: dict[int, int], now_us: int, width: int) -> dict[int, int]:
 async def compare(redis_url: str, key: str, items: list[RateLimitItem], ops: list[Op]) -> None:
     memory = MemoryStorage()
     redis = RedisStorage(redis_url, timeout_s=5.0)
+    client = aioredis.Redis.from_url(redis_url)  # reads what the storage wrote
     limiters = [RateLimiter(s, on_storage_error="fail_closed") for s in (memory, redis)]
     checked: list[float] = [BASE_US / 1e6]
     t = BASE_US
@@ -101,7 +103,7 @@ async def compare(redis_url: str, key: str, items: list[RateLimitItem], ops: lis
                 width = bucket_width_us(it.seconds, K)
                 window = memory._windows.get((key, it.unit, it.seconds))
                 mem_all = {b: a for b, a in window.buckets} if window else {}
-                fields = await redis._client.hgetall(redis.key_name(key, it))
+                fields = await client.hgetall(redis.key_name(key, it))
                 red_all = {int(f): int(v) for f, v in fields.items() if f not in (b"t", b"o", b"n")}
                 assert all(a >= 0 for a in mem_all.values()), mem_all
                 assert all(a > 0 for a in red_all.values()), red_all
@@ -114,6 +116,7 @@ async def compare(redis_url: str, key: str, items: list[RateLimitItem], ops: lis
     finally:
         for rl in limiters:
             await rl.close()
+        await client.aclose()
 
 
 _keys = itertools.count()

@@ -13,14 +13,16 @@ import time
 from typing import Protocol
 
 import pytest
+from redis.asyncio import Redis
 
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
+from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
 
 T0 = 1_700_000_123.456789
 TIMEOUT_S = DEFAULT_TIMEOUT_S
 BOUND_S = TIMEOUT_S + 0.1
-BACKOFF_S = 1.0
+OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S
 TPM = RateLimitItem("tokens", "minute", 1000, 60.0)
 RPM = RateLimitItem("requests", "minute", 3, 60.0)
 WIDTH_US = 60_000_000 // DEFAULT_BUCKETS
@@ -39,11 +41,13 @@ def bucket(at: float) -> bytes:
     return str(round(at * 1e6) // WIDTH_US).encode()
 
 
-async def test_hash_keeps_its_running_sum_and_drops_emptied_buckets(redis_url: str) -> None:
+async def test_hash_keeps_its_running_sum_and_drops_emptied_buckets(
+    redis_url: str, redis_client: Redis
+) -> None:
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     name = storage.key_name("hash:e", TPM)
-    client = storage._client
+    client = redis_client
     try:
         assert (await rl.check("hash:e", [TPM], requests=1, tokens=300, now=T0)).allowed
         await rl.adjust("hash:e", [TPM], tokens=200, admitted_at=T0, now=T0 + 5)
@@ -73,27 +77,31 @@ async def test_hash_keeps_its_running_sum_and_drops_emptied_buckets(redis_url: s
         await rl.close()
 
 
-async def test_key_made_by_a_positive_adjustment_expires(redis_url: str) -> None:
+async def test_key_made_by_a_positive_adjustment_expires(
+    redis_url: str, redis_client: Redis
+) -> None:
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     try:
         await rl.adjust("ttl:e", [TPM], tokens=50, admitted_at=T0, now=T0)
         name = storage.key_name("ttl:e", TPM)
-        ttl_ms = await storage._client.pttl(name)
+        ttl_ms = await redis_client.pttl(name)
         assert 0 < ttl_ms <= ((DEFAULT_BUCKETS + 1) * WIDTH_US / 1000) + 1000
         # A refund on a key that does not exist creates nothing.
         await rl.adjust("none:e", [TPM], tokens=-50, admitted_at=T0, now=T0)
-        assert await storage._client.exists(storage.key_name("none:e", TPM)) == 0
+        assert await redis_client.exists(storage.key_name("none:e", TPM)) == 0
     finally:
         await rl.close()
 
 
-async def test_adjust_script_is_loaded_again_after_a_flush(redis_url: str) -> None:
+async def test_adjust_script_is_loaded_again_after_a_flush(
+    redis_url: str, redis_client: Redis
+) -> None:
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     try:
         assert (await rl.check("flush:a", [TPM], requests=1, tokens=1000, now=T0)).allowed
-        await storage._client.script_flush()
+        await redis_client.script_flush()
         await rl.adjust("flush:a", [TPM], tokens=-400, admitted_at=T0, now=T0)
         assert rl.storage_errors == 0
         assert (await rl.check("flush:a", [TPM], requests=1, tokens=400, now=T0)).allowed
@@ -108,29 +116,32 @@ async def timed_adjust(rl: RateLimiter, now: float) -> float:
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
-async def test_redis_killed_adjust_never_raises_and_backs_off(
+async def test_redis_killed_adjust_never_raises_and_counts_towards_the_circuit(
     redis_process: RedisServer, mode: str
 ) -> None:
     server = redis_process
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
         on_storage_error=mode,  # type: ignore[arg-type]
-        backoff_s=BACKOFF_S,
     )
     try:
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed
         server.stop()
-        # The first pays the round trip and fails; the next, within the back-off, skip.
+        # Each adjustment asks Redis and fails on its own: no skip after one failure.
         for n, now in enumerate([T0 + 1, T0 + 1.2, T0 + 1.5], start=1):
             took = await timed_adjust(rl, now)  # must not raise, even under fail_closed
             assert took < BOUND_S, took
             assert rl.storage_errors == n
-        # The failed adjustment started the back-off for admissions too.
+            assert not rl.circuit_open
+        # Failing for open_after_s (1 s) opens the circuit, for admissions too.
+        await timed_adjust(rl, T0 + 1 + OPEN_AFTER_S)
+        assert rl.circuit_open and rl.storage_errors == 4
         if mode == "fail_open":
-            d = await rl.check("acme:gen", [TPM], requests=1, tokens=1, now=T0 + 1.6)
-            assert d.degraded
+            d = await rl.check("acme:gen", [TPM], requests=1, tokens=1, now=T0 + 2.1)
+            assert d.degraded and d.storage_error == "circuit_open"
         server.start()  # back, empty
-        await timed_adjust(rl, T0 + 2.6)  # back-off over: probes, answers, clears
+        await timed_adjust(rl, T0 + 2.6)  # a probe is due: it answers, the circuit closes
+        assert not rl.circuit_open
         errors = rl.storage_errors
         d = await rl.check("acme:gen", [TPM], requests=1, tokens=1, now=T0 + 2.7)
         assert d.allowed and not d.degraded
@@ -149,13 +160,12 @@ async def test_hung_redis_adjust_returns_within_the_timeout(
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
         on_storage_error=mode,  # type: ignore[arg-type]
-        backoff_s=BACKOFF_S,
     )
     try:
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed
         os.kill(pid, signal.SIGSTOP)
         try:
-            for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # a round trip, back-off, a probe
+            for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # two round trips; the third opens it
                 took = await timed_adjust(rl, now)
                 assert took < BOUND_S, took
             assert rl.storage_errors == 3
@@ -168,13 +178,13 @@ async def test_hung_redis_adjust_returns_within_the_timeout(
         await rl.close()
 
 
-async def test_unused_requests_limit_is_not_sent(redis_url: str) -> None:
+async def test_unused_requests_limit_is_not_sent(redis_url: str, redis_client: Redis) -> None:
     """Only token keys appear in Redis after an adjustment on a fresh key."""
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     try:
         await rl.adjust("only:e", [RPM, TPM], tokens=10, admitted_at=T0, now=T0)
-        assert await storage._client.exists(storage.key_name("only:e", RPM)) == 0
-        assert await storage._client.exists(storage.key_name("only:e", TPM)) == 1
+        assert await redis_client.exists(storage.key_name("only:e", RPM)) == 0
+        assert await redis_client.exists(storage.key_name("only:e", TPM)) == 1
     finally:
         await rl.close()

@@ -6,6 +6,9 @@ Liveness: every rejection is justified by admissions within the last T + T/K (ca
 comes back at most one bucket late), or by a cost above N.
 Negative controls: a fixed-window counter must fail the safety check, a limiter that never
 forgets must fail the liveness check; otherwise the checks could pass vacuously.
+Batching: checks made concurrently (all those at one instant) share Redis round trips; they
+must decide exactly what the same checks made one at a time decide (memory, in the same
+order), and so keep both properties.
 """
 
 from __future__ import annotations
@@ -71,6 +74,38 @@ async def run(
     return out
 
 
+async def run_concurrently(
+    storage: Storage, key: str, items: Sequence[RateLimitItem], events: Sequence[Event]
+) -> list[Outcome]:
+    """As ``run``, but the checks at one instant (steps of 0) are made concurrently, in
+    event order: on Redis they share pipelined round trips."""
+    limiter = RateLimiter(storage, on_storage_error="fail_closed")
+    groups: list[list[tuple[int, Event]]] = []
+    t = 0
+    for e in events:
+        t += e.dt_us
+        if e.dt_us == 0 and groups:
+            groups[-1].append((t, e))
+        else:
+            groups.append([(t, e)])
+    out = []
+    try:
+        for group in groups:
+            decisions = await asyncio.gather(
+                *(
+                    limiter.check(key, items, requests=1, tokens=e.tokens, now=(BASE_US + t) / 1e6)
+                    for t, e in group
+                )
+            )
+            out += [
+                Outcome(t, e.tokens, d.allowed, d.retry_after, d.violated)
+                for (t, e), d in zip(group, decisions, strict=True)
+            ]
+    finally:
+        await limiter.close()
+    return out
+
+
 def max_in_any_window(outcomes: Sequence[Outcome], it: RateLimitItem) -> int:
     """The most admitted in any closed window [a, a + T] starting at an admission time."""
     window_us = round(it.seconds * 1e6)
@@ -108,7 +143,8 @@ def unjustified_rejections(
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[list[RateLimitItem], list[Event]]:
+def scenarios(draw: st.DrawFn, bursts: bool = False) -> tuple[list[RateLimitItem], list[Event]]:
+    """Limits and traffic; ``bursts``: mostly steps of 0 (concurrent checks)."""
     windows = list(WINDOWS_S)
     req_window = draw(st.sampled_from(windows))
     tok_window = draw(st.sampled_from(windows))
@@ -127,7 +163,10 @@ def scenarios(draw: st.DrawFn) -> tuple[list[RateLimitItem], list[Event]]:
         st.integers(0, 2 * scale_us),
         st.sampled_from([scale_us, scale_us + 1, scale_us - 1, scale_us // K]),
     )
-    events = draw(st.lists(st.builds(Event, step, st.integers(0, 40)), min_size=1, max_size=60))
+    if bursts:
+        step = st.one_of(st.just(0), st.just(0), st.just(0), step)
+    size = 120 if bursts else 60
+    events = draw(st.lists(st.builds(Event, step, st.integers(0, 40)), min_size=1, max_size=size))
     return items, events
 
 
@@ -165,6 +204,29 @@ def test_redis_never_exceeds_any_sliding_window(
         return await run(storage, key, items, events)
 
     check_properties(items, asyncio.run(go()))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(scenarios(bursts=True))
+def test_concurrent_checks_decide_as_one_at_a_time(
+    redis_url: str, scenario: tuple[list[RateLimitItem], list[Event]]
+) -> None:
+    """Batched on Redis (concurrent checks share round trips) = one at a time in memory."""
+    items, events = scenario
+    key = f"batch{next(_keys)}"
+
+    async def go() -> tuple[list[Outcome], int]:
+        storage = RedisStorage(redis_url, timeout_s=TIMEOUT_S)
+        outcomes = await run_concurrently(storage, key, items, events)
+        return outcomes, storage.round_trips.round_trips
+
+    batched, round_trips = asyncio.run(go())
+    # One round trip per instant (and one more if Redis had to load the script).
+    assert round_trips <= 1 + sum(1 for e in events[1:] if e.dt_us) + 1
+    assert batched == asyncio.run(run(MemoryStorage(), "k", items, events))
+    check_properties(items, batched)
 
 
 # ---- negative controls: the checks above must catch a broken limiter ---------------------

@@ -15,9 +15,15 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import pytest
+from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
+from fair_frontend.admission.ratelimit import (
+    DEFAULT_OPEN_AFTER_S,
+    DEFAULT_PROBE_S,
+    StorageUnavailable,
+)
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
 from fair_frontend.config import WINDOWS_S
 from fair_frontend.errors import Unavailable
@@ -25,7 +31,8 @@ from fair_frontend.errors import Unavailable
 T0 = 1_700_000_123.456789
 TIMEOUT_S = DEFAULT_TIMEOUT_S  # 50 ms, the production default
 BOUND_S = TIMEOUT_S + 0.1  # what any check may take, storage down or not
-BACKOFF_S = 1.0
+OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S
+PROBE_S = DEFAULT_PROBE_S
 RPM = RateLimitItem("requests", "minute", 3, 60.0)
 
 
@@ -65,12 +72,16 @@ async def test_two_replicas_never_exceed_the_limit_together(redis_url: str) -> N
         for _ in range(2)
     ]
     try:
-        decisions = await asyncio.gather(
-            *(
-                replicas[i % 2].check("shared:embed", items, requests=1, tokens=7, now=T0)
-                for i in range(300)
+        # 15 waves of 20 concurrent checks, 10 from each replica (each replica's 10 share a
+        # round trip; the two replicas' round trips race): 5 waves fill the limit.
+        decisions = []
+        for _ in range(15):
+            decisions += await asyncio.gather(
+                *(
+                    replicas[i % 2].check("shared:embed", items, requests=1, tokens=7, now=T0)
+                    for i in range(20)
+                )
             )
-        )
         assert sum(d.allowed for d in decisions) == 100
         # Both replicas admitted some: the limit really was shared, not split.
         assert {i % 2 for i, d in enumerate(decisions) if d.allowed} == {0, 1}
@@ -79,7 +90,7 @@ async def test_two_replicas_never_exceed_the_limit_together(redis_url: str) -> N
             await rl.close()
 
 
-async def test_keys_share_a_cluster_slot_and_expire(redis_url: str) -> None:
+async def test_keys_share_a_cluster_slot_and_expire(redis_url: str, redis_client: Redis) -> None:
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     items = [item("requests", "second", 5), item("tokens", "month", 100)]
@@ -92,7 +103,7 @@ async def test_keys_share_a_cluster_slot_and_expire(redis_url: str) -> None:
         # Escaping keeps distinct keys distinct.
         assert storage.key_name("a{b", items[0]) != storage.key_name("a%7Bb", items[0])
 
-        client = storage._client
+        client = redis_client
         for it in items:
             ttl_ms = await client.pttl(storage.key_name("acme:embed", it))
             width_s = it.seconds / DEFAULT_BUCKETS
@@ -101,20 +112,20 @@ async def test_keys_share_a_cluster_slot_and_expire(redis_url: str) -> None:
         await rl.close()
 
 
-async def test_script_is_loaded_again_after_a_flush(redis_url: str) -> None:
+async def test_script_is_loaded_again_after_a_flush(redis_url: str, redis_client: Redis) -> None:
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
     try:
         for _ in range(2):
             assert (await rl.check("flush:e", [RPM], requests=1, tokens=0, now=T0)).allowed
-        await storage._client.script_flush()
+        await redis_client.script_flush()
         assert (await rl.check("flush:e", [RPM], requests=1, tokens=0, now=T0)).allowed
         assert not (await rl.check("flush:e", [RPM], requests=1, tokens=0, now=T0)).allowed
     finally:
         await rl.close()
 
 
-async def test_running_sum_survives_far_jumps(redis_url: str) -> None:
+async def test_running_sum_survives_far_jumps(redis_url: str, redis_client: Redis) -> None:
     """The script's O(1) path keeps a running sum; stale buckets far back are still dropped."""
     storage = RedisStorage(redis_url, timeout_s=5.0)
     rl = RateLimiter(storage, on_storage_error="fail_closed")
@@ -124,24 +135,31 @@ async def test_running_sum_survives_far_jumps(redis_url: str) -> None:
     now_bucket = round(T0 * 1e6) // width_us
     try:
         # A bound 'o' far older than the index range the script walks: it must scan.
-        await storage._client.hset(
+        await redis_client.hset(
             name,
             mapping={"t": 3, "o": 0, "n": now_bucket, "0": 2, str(now_bucket): 1},
         )
         assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
         assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
         assert not (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0)).allowed
-        assert await storage._client.hget(name, "0") is None
+        assert await redis_client.hget(name, "0") is None
         # Idle for a day: everything left the window, the key starts afresh.
         for _ in range(3):
             assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
         assert not (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
-        assert int(await storage._client.hget(name, "t")) == 3
+        assert int(await redis_client.hget(name, "t")) == 3
     finally:
         await rl.close()
 
 
 # ---- Redis down, hung, back ----------------------------------------------------------------
+
+
+def reason_of(d: object) -> str | None:
+    """The reason a check took the mode: from a Decision or a StorageUnavailable."""
+    if isinstance(d, StorageUnavailable):
+        return d.reason
+    return getattr(d, "storage_error", None)
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
@@ -150,38 +168,44 @@ async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
         on_storage_error=mode,  # type: ignore[arg-type]
-        backoff_s=BACKOFF_S,
     )
     try:
         took, d = await timed_check(rl, T0)
         assert getattr(d, "allowed", False) and not getattr(d, "degraded", True)
 
         server.stop()
-        # The first check after the kill pays the round trip; the next ones, within the
-        # back-off, take the mode at once.
-        for n, now in enumerate([T0 + 1, T0 + 1, T0 + 1.5], start=1):
+        # Each check asks Redis and takes the mode on its own (no skip after one failure)
+        # until Redis has answered nothing for open_after_s; then the circuit opens.
+        for n, now in enumerate([T0 + 1, T0 + 1, T0 + 1.5, T0 + 1 + OPEN_AFTER_S], start=1):
             took, d = await timed_check(rl, now)
             assert took < BOUND_S, took
+            assert reason_of(d) == "error", d
             if mode == "fail_open":
                 assert getattr(d, "allowed", False) and getattr(d, "degraded", False)
             else:
                 assert isinstance(d, Unavailable) and d.http_status == 503
                 assert "rate-limit storage unavailable" in d.message
                 assert "127.0.0.1" not in d.message  # no internal address in a 503
-                assert d.retry_after is not None and 0 < d.retry_after <= BACKOFF_S
+                assert d.retry_after == (PROBE_S if rl.circuit_open else None)
             assert rl.storage_errors == n
+            assert rl.circuit_open == (n == 4)
 
-        server.start()  # same port: Redis is back, empty
-        # Still inside the back-off: the mode applies without trying.
-        took, d = await timed_check(rl, T0 + 1.9)
-        assert rl.storage_errors == 4
-        # Back-off over: the limiter reconnects and counts again.
-        for _ in range(3):
-            took, d = await timed_check(rl, T0 + 2.1)
-            assert getattr(d, "allowed", False) and not getattr(d, "degraded", True), d
+        # Open: the mode at once, without asking, until a probe is due.
         took, d = await timed_check(rl, T0 + 2.1)
+        assert reason_of(d) == "circuit_open" and rl.storage_errors == 5
+        if mode == "fail_closed":
+            assert isinstance(d, Unavailable) and d.retry_after == pytest.approx(0.15)
+        server.start()  # same port: Redis is back, empty
+        took, d = await timed_check(rl, T0 + 2.0 + PROBE_S / 2)  # no probe due yet
+        assert reason_of(d) == "circuit_open" and rl.storage_errors == 6
+        # A probe is due: it reconnects, Redis answers, the circuit closes, limits count.
+        for _ in range(3):
+            took, d = await timed_check(rl, T0 + 2.0 + PROBE_S)
+            assert getattr(d, "allowed", False) and not getattr(d, "degraded", True), d
+        assert not rl.circuit_open
+        took, d = await timed_check(rl, T0 + 2.0 + PROBE_S)
         assert getattr(d, "allowed", True) is False and getattr(d, "violated", None) == RPM
-        assert rl.storage_errors == 4
+        assert rl.storage_errors == 6
     finally:
         await rl.close()
 
@@ -195,13 +219,12 @@ async def test_hung_redis_times_out_then_recovers(redis_process: RedisServer, mo
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
         on_storage_error=mode,  # type: ignore[arg-type]
-        backoff_s=BACKOFF_S,
     )
     try:
         assert (await rl.check("acme:embed", [RPM], requests=1, tokens=0, now=T0)).allowed
         os.kill(pid, signal.SIGSTOP)
         try:
-            for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # a round trip, back-off, a probe
+            for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # each asks; the third opens it
                 took, d = await timed_check(rl, now)
                 assert took < BOUND_S, took
                 if mode == "fail_open":
@@ -250,26 +273,67 @@ async def black_hole() -> AsyncIterator[BlackHole]:
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
-async def test_silent_server_times_out_and_only_one_check_probes(
+async def test_silent_server_fails_each_round_trip_then_one_probe_at_a_time(
     black_hole: BlackHole, mode: str
 ) -> None:
+    """A server that never answers: concurrent checks share one round trip (one connection:
+    the timeout drops it), each takes the mode within the bound; once it has answered
+    nothing for open_after_s the circuit opens and one check per probe_s asks."""
     async with black_hole as url:
         rl = RateLimiter(
             RedisStorage(url, timeout_s=TIMEOUT_S),
             on_storage_error=mode,  # type: ignore[arg-type]
-            backoff_s=BACKOFF_S,
         )
-        try:
-            took, d = await timed_check(rl, T0)
-            assert took < BOUND_S, took
-            assert getattr(d, "degraded", False) or isinstance(d, Unavailable)
-            assert black_hole.connections == 1
-            # Back-off over: of 10 concurrent checks one probes, the others do not wait.
+
+        async def burst(now: float) -> list[tuple[float, object]]:
             start = time.perf_counter()
-            results = await asyncio.gather(*(timed_check(rl, T0 + 1.5) for _ in range(10)))
+            results = await asyncio.gather(*(timed_check(rl, now) for _ in range(10)))
             assert time.perf_counter() - start < BOUND_S
             assert all(took < BOUND_S for took, _ in results)
-            assert black_hole.connections == 2
-            assert rl.storage_errors == 11
+            return results
+
+        try:
+            took, d = await timed_check(rl, T0)
+            assert took >= 0.9 * TIMEOUT_S and reason_of(d) == "timeout"  # really waited
+            assert black_hole.connections == 1
+            # Each asks again (no skip after a failure): ten checks, one round trip.
+            results = await burst(T0 + 0.5)
+            assert [reason_of(d) for _, d in results] == ["timeout"] * 10
+            assert black_hole.connections == 2 and rl.storage_errors == 11
+            assert not rl.circuit_open
+            # 1.5 s of failures: this round trip opens the circuit.
+            await burst(T0 + 1.5)
+            assert black_hole.connections == 3 and rl.circuit_open
+            # Open, no probe due: nobody asks.
+            results = await burst(T0 + 1.5 + PROBE_S / 2)
+            assert [reason_of(d) for _, d in results] == ["circuit_open"] * 10
+            assert black_hole.connections == 3
+            # A probe is due: one of the ten asks (and times out), the others do not wait.
+            results = await burst(T0 + 1.5 + PROBE_S)
+            reasons = sorted(str(reason_of(d)) for _, d in results)
+            assert reasons == ["circuit_open"] * 9 + ["timeout"]
+            assert black_hole.connections == 4 and rl.storage_errors == 41
         finally:
             await rl.close()
+
+
+async def test_a_call_the_thread_never_answers_is_answered_by_the_backstop(
+    black_hole: BlackHole,
+) -> None:
+    """The round-trip thread stuck past the backstop (here: a 1 s socket timeout on a
+    server that never answers, and the backstop shortened to 0.2 s: a stand-in for a
+    DNS lookup that hangs, which no local server can produce): the loop answers each
+    call itself, a StorageError the limiter turns into the mode, and the thread's late
+    answer changes nothing."""
+    async with black_hole as url:
+        storage = RedisStorage(url, timeout_s=1.0)
+        storage.round_trips.backstop_s = 0.2
+        rl = RateLimiter(storage, on_storage_error="fail_closed")
+        try:
+            results = await asyncio.gather(*(timed_check(rl, T0) for _ in range(3)))
+            for took, d in results:
+                assert 0.15 < took < 0.9, took  # the backstop, not the 1 s timeout
+                assert reason_of(d) == "timeout"
+            assert rl.storage_errors == 3
+        finally:
+            await rl.close()  # waits for the thread's own timeout: nothing left behind
