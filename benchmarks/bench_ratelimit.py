@@ -428,6 +428,8 @@ def burst_config(source: Path, redis_url: str) -> dict[str, Any]:
     data["tiers"] = ["standard"]
     data["tier_limits"] = {"standard": {"embed": {"requests_per_minute": LIMIT.amount}}}
     data["tenants"] = {TENANT: {"tier": "standard", "api_keys": [TENANT_KEY]}}
+    if "tier_models" in data:  # model access (issue 17); an older checkout has none
+        data["tier_models"] = {"standard": ["embed"]}
     data["endpoints"]["embed"]["throttle"] = False  # the rate limit alone decides
     data["rate_limiting"] = {
         "storage": redis_url,
