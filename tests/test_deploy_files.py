@@ -225,7 +225,7 @@ def test_every_yaml_and_json_file_parses() -> None:
 
 def test_the_config_is_valid_and_the_same_in_the_k8s_configmap() -> None:
     config = load_config(CONFIG)
-    assert set(config.endpoints) == {"embed", "generate"}
+    assert set(config.endpoints) == {"embed", "generate", "llm"}
     assert config.rate_limiting.storage.startswith("redis://")
     configmap = k8s_object("ConfigMap", "fair-frontend-config")
     assert yaml.safe_load(configmap["data"]["config.yaml"]) == yaml.safe_load(CONFIG.read_text())
