@@ -41,6 +41,7 @@ from fair_frontend.protocol import (
     RESERVED_PREFIX,
     TENANT_PARAMETER,
 )
+from fair_frontend.sampling import KNOWN_KEYS, SamplingRules
 
 # ---- defaults, named once -------------------------------------------------------------
 
@@ -274,6 +275,29 @@ class Endpoint(_Strict):
         description="BYTES input holding a JSON object of sampling parameters (Triton's vLLM "
         "backend: `sampling_parameters`), whose max_tokens_parameter key is read first.",
     )
+    sampling_rules: SamplingRules | None = Field(
+        default=None,
+        description="Check the sampling parameters at admission by these rules, refusing a "
+        "value out of its rule (400 / INVALID_ARGUMENT naming the key and the rule) before "
+        "it queues. `vllm`: the types and ranges of vLLM's SamplingParams, in its words "
+        "(Triton's vLLM backend; the shipped llm): max_tokens >= 1 and, where the model's "
+        "config has a max_model_len parameter, within it with the prompt; temperature "
+        "finite and >= 0; top_p in (0, 1]; top_k -1, 0 or >= 1; min_p in [0, 1]; "
+        "presence_penalty and frequency_penalty in [-2, 2]; repetition_penalty > 0; n >= 1; "
+        "min_tokens in [0, max_tokens]; logprobs >= -1; every integer, seed included, within "
+        "64 bits (fair_frontend.sampling). Each key is read from sampling_parameters_input's "
+        "JSON object first, then from the request parameter of that name (where Triton's HTTP "
+        "generate extension puts a body's top-level keys). Unset: not checked here (the "
+        "max_tokens_parameter still is).",
+    )
+    sampling_keys: list[str] | None = Field(
+        default=None,
+        description="With sampling_rules: the keys the model takes in "
+        "sampling_parameters_input's JSON object (the shipped llm: max_tokens, temperature, "
+        "top_p, top_k, seed, ignore_eos); any other key there is refused, as the model "
+        "would refuse it, and only these are checked. Unset: every key of the rules is "
+        "checked, and keys without a rule are left to the model.",
+    )
     output_token_weight: float = Field(
         default=1.0,
         gt=0,
@@ -496,7 +520,11 @@ class Triton(_Strict):
     request_timeout_s: float = Field(
         default=60.0,
         gt=0,
-        description="Longest a call to Triton may take before it is answered UNAVAILABLE.",
+        description="Longest a call to Triton may take before it is answered UNAVAILABLE; "
+        "for a decoupled model's stream (an engine's generation), the longest time without a "
+        "response from Triton, not a total: a generation may stream for as long as it "
+        "produces. A stream cut for it is answered UNAVAILABLE alone: only a failure to "
+        "reach Triton marks it down for every model.",
     )
     max_outage_s: float = Field(
         default=DEFAULT_MAX_OUTAGE_S,
@@ -1016,6 +1044,18 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"{where}.reserved_slots: {kept} must be less than max_inflight ({slots})"
             )
+    keys, rules = ep.get("sampling_keys"), ep.get("sampling_rules")
+    if isinstance(keys, list):
+        known = KNOWN_KEYS.get(SamplingRules(rules)) if rules in list(SamplingRules) else None
+        if rules is None:
+            problems.append(f"{where}.sampling_keys: needs sampling_rules")
+        elif known is not None:
+            strange = [k for k in keys if k not in known]
+            if strange:
+                problems.append(
+                    f"{where}.sampling_keys: {strange} are not sampling parameters of "
+                    f"{SamplingRules(rules).value} (known: {', '.join(known)})"
+                )
     tokenizer = ep.get("tokenizer")
     if isinstance(tokenizer, str) and not os.path.isfile(tokenizer):
         problems.append(f"{where}.tokenizer: no such file: {tokenizer}")
@@ -1122,7 +1162,13 @@ def reference() -> str:
         out.append("| --- | --- | --- | --- |")
         for name, field in model.model_fields.items():
             annotation = str(field.annotation)
-            for noise in ("typing.", "fair_frontend.config.", "<class '", "'>"):
+            for noise in (
+                "typing.",
+                "fair_frontend.config.",
+                "fair_frontend.sampling.",
+                "<class '",
+                "'>",
+            ):
                 annotation = annotation.replace(noise, "")
             annotation = annotation.replace("|", "or")
             if field.is_required():

@@ -84,6 +84,12 @@ class Unavailable(FrontendError):
         self.never_sent = never_sent
 
 
+class DeadlineExceeded(Unavailable):
+    """Triton did not answer a call within ``triton.request_timeout_s``: Triton may be
+    hung, or the call is simply long. A batch's timeout marks the backend down; in engine
+    mode (one request per call, as long as its generation) it fails that request alone."""
+
+
 class Overloaded(Unavailable):
     """The throttle: the predicted wait exceeds the target."""
 

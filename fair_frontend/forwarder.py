@@ -10,6 +10,7 @@ requests that asked for it and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,13 @@ from tritonclient.grpc import (
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
-from fair_frontend.errors import FrontendError, ModelUnavailable, Unavailable, UpstreamError
+from fair_frontend.errors import (
+    DeadlineExceeded,
+    FrontendError,
+    ModelUnavailable,
+    Unavailable,
+    UpstreamError,
+)
 from fair_frontend.protocol import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
@@ -61,7 +68,9 @@ def upstream_error(err: InferenceServerException) -> FrontendError:
     message = err.message() or str(err)
     if code is grpc.StatusCode.UNAVAILABLE and _MODEL_STATE.search(message):
         return ModelUnavailable(message)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"Triton is unavailable: {message}")
+    if code is grpc.StatusCode.UNAVAILABLE:
         never_sent = code is grpc.StatusCode.UNAVAILABLE and any(
             s in message for s in _NOT_CONNECTED
         )
@@ -85,15 +94,68 @@ class StreamReply:
 
 
 def upstream_message_error(message: str) -> FrontendError:
-    """An error Triton put in a stream response (it carries no status code)."""
+    """An error Triton put in a stream response (it carries no status code): a model that
+    says it is not ready (Triton's words, which the shipped llm uses while its engine
+    restarts) is UNAVAILABLE for this request alone, like Triton's own answer about a
+    model; the rest INTERNAL, as Triton's HTTP generate maps a model's error."""
     if "unknown model" in message:
         return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
+    if _MODEL_STATE.search(message):
+        return ModelUnavailable(message)
     return UpstreamError(message, grpc.StatusCode.INTERNAL, 500)
+
+
+class NoProgress(UpstreamError):
+    """A stream that got no response from Triton for ``request_timeout_s``: cancelled,
+    and answered UNAVAILABLE. It says nothing about Triton as a whole (a model can be
+    stuck while Triton serves the others; a Triton that stops answering altogether is a
+    transport failure, which gRPC's keepalive reports as one), so it marks nothing down."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"no response from Triton for {timeout_s:g} s (triton.request_timeout_s): "
+            "the request was cancelled",
+            grpc.StatusCode.UNAVAILABLE,
+            503,
+        )
 
 
 def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
     """tritonclient's form of a failed call (as its own clients raise it)."""
     return InferenceServerException(err.details(), str(err.code()))
+
+
+class _Watchdog:
+    """Cancels a call that makes no progress for ``timeout_s``: one timer per call, which
+    re-arms itself from the time of the latest response (``progress`` only notes the
+    time: nothing per response but a clock read)."""
+
+    def __init__(self, call: Any, timeout_s: float) -> None:
+        self._call = call
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self.stalled = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last + timeout_s, self._check
+        )
+
+    def progress(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._last + self._timeout_s
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self._timer = None
+        self.stalled = True
+        self._call.cancel()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class TritonForwarder:
@@ -170,14 +232,21 @@ class TritonForwarder:
         Always asks Triton for the empty final response, so the end of a request is known
         even when its last real response does not say so. tritonclient's aio client
         refuses ``triton_`` parameters, so this one call uses the generated stub.
+
+        No deadline on the call: a generation streams for as long as it produces.
+        ``request_timeout_s`` bounds the time without progress instead, each wait for the
+        next response; past it the call is cancelled and the request answered
+        ``NoProgress``.
         """
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
         )
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
-        call = self.stub.ModelStreamInfer(iter([msg]), timeout=self.request_timeout_s)
+        call = self.stub.ModelStreamInfer(iter([msg]))
+        watch = _Watchdog(call, self.request_timeout_s)
         try:
             async for reply in call:
+                watch.progress()
                 if reply.error_message:
                     yield StreamReply(error=upstream_message_error(reply.error_message))
                     return
@@ -194,9 +263,17 @@ class TritonForwarder:
                 )
                 if final:
                     return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not watch.stalled or (task is not None and task.cancelling()):
+                raise  # the request's own cancellation (its client went away)
+            yield StreamReply(error=NoProgress(self.request_timeout_s))
         except grpc.aio.AioRpcError as err:
-            yield StreamReply(error=upstream_error(_rpc_exception(err)))
+            stalled = watch.stalled and err.code() is grpc.StatusCode.CANCELLED
+            error = NoProgress(self.request_timeout_s) if stalled else None
+            yield StreamReply(error=error or upstream_error(_rpc_exception(err)))
         finally:
+            watch.close()
             call.cancel()
 
     async def call(self, method: str, **kwargs: Any) -> Any:

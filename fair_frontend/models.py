@@ -8,7 +8,6 @@ them keep working.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from fair_frontend.protocol import (
     request_prefix,
     unexpected_shape,
 )
+from fair_frontend.sampling import check_sampling, read_sampling_input
 from fair_frontend.tokens import count_text_tokens
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -41,6 +41,9 @@ TRITON_SEQUENCE_IDLE_US = 1_000_000
 # parameters exactly as sent, as from Triton directly: a model that reads
 # ``request.parameters()`` (Triton's qa/L0_parameters echoes them) must not find ours.
 ROWS_CONFIG_PARAMETER = "fair_frontend_rows"
+# The model-config parameter in which an engine declares its context, prompt plus generated
+# tokens (vLLM's name; the shipped llm's config.pbtxt): max_tokens is checked against it.
+CONTEXT_CONFIG_PARAMETER = "max_model_len"
 
 
 def triton_datatype(config_type: int) -> str:
@@ -74,6 +77,8 @@ class ModelInfo:
     # The model asked for ``fair_rows`` (ROWS_CONFIG_PARAMETER): only then may per-row
     # values (lengths of padded rows, tokens to generate) differ within a batch.
     takes_rows: bool = False
+    # Its context in tokens (CONTEXT_CONFIG_PARAMETER), where its config declares one.
+    max_model_len: int | None = None
     raw_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -94,6 +99,7 @@ class ModelInfo:
             instances=max(1, sum(max(1, g.count) for g in cfg.instance_group)),
             versions=versions or ("1",),
             takes_rows=_config_flag(cfg, ROWS_CONFIG_PARAMETER),
+            max_model_len=_config_count(cfg, CONTEXT_CONFIG_PARAMETER),
             raw_config=cfg,
         )
 
@@ -139,6 +145,15 @@ def _config_flag(cfg: model_config_pb2.ModelConfig, key: str) -> bool:
     "true" in any case, surrounding blanks ignored; anything else, or absent, is false."""
     param = cfg.parameters.get(key)
     return param is not None and param.string_value.strip().lower() == "true"
+
+
+def _config_count(cfg: model_config_pb2.ModelConfig, key: str) -> int | None:
+    """A positive integer model-config parameter; None where absent or not one."""
+    param = cfg.parameters.get(key)
+    if param is None:
+        return None
+    text = param.string_value.strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 @dataclass(slots=True)
@@ -259,9 +274,25 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
 
     lengths = _row_lengths(req, info, endpoint, max(rows, 1))
     tokens = sum(lengths) if lengths is not None else 0
+    sampling: dict[str, Any] | None = None
+    if endpoint.sampling_rules is not None or endpoint.max_tokens_parameter is not None:
+        sampling = read_sampling_input(req, endpoint.sampling_parameters_input)  # parsed once
+    checked: dict[str, int | float | bool] = {}
+    if endpoint.sampling_rules is not None:
+        text_prompt = lengths is not None and endpoint.tokenizer is not None and not info.batching
+        checked = check_sampling(
+            sampling,
+            req.parameters,
+            endpoint.sampling_rules,
+            input_name=endpoint.sampling_parameters_input,
+            keys=endpoint.sampling_keys,
+            max_model_len=info.max_model_len,
+            prompt_tokens=lengths[0] if text_prompt and lengths else None,
+        )
     max_tokens = 0
     if endpoint.max_tokens_parameter is not None:
-        per_row = _max_tokens(req, endpoint, write_back=info.batching and info.takes_rows)
+        write_back = info.batching and info.takes_rows
+        per_row = _max_tokens(req, endpoint, sampling, checked, write_back=write_back)
         max_tokens = max(rows, 1) * per_row
         tokens += max_tokens
         if tokens > INT64_MAX:
@@ -308,16 +339,26 @@ def _row_lengths(
     return [width] * rows
 
 
-def _max_tokens(req: InferRequest, endpoint: Endpoint, *, write_back: bool) -> int:
+def _max_tokens(
+    req: InferRequest,
+    endpoint: Endpoint,
+    sampling: dict[str, Any] | None,
+    checked: dict[str, int | float | bool],
+    *,
+    write_back: bool,
+) -> int:
     """The tokens each row of the request asks to generate, checked as the model checks it:
-    from the sampling parameters input (JSON) if the endpoint names one and it has the key,
-    else the request parameter, else the endpoint's default. ``write_back`` (batching
-    models): written into the request's parameters as an integer (``pack`` moves it into
-    each row's ``fair_rows`` entry). A model that takes requests one at a time gets its
-    parameters exactly as the client sent them."""
+    from the sampling parameters input (``sampling``, its JSON object) if the endpoint names
+    one and it has the key, else the request parameter, else the endpoint's default; as the
+    endpoint's sampling rules converted it where they did (``checked``). ``write_back``
+    (batching models): written into the request's parameters as an integer (``pack`` moves
+    it into each row's ``fair_rows`` entry). A model that takes requests one at a time gets
+    its parameters exactly as the client sent them."""
     name = endpoint.max_tokens_parameter
     assert name is not None and endpoint.max_tokens_default is not None  # config checks both
-    value = _sampling_parameter(req, endpoint, name)
+    value: ParamValue | None = checked.get(name)
+    if value is None:
+        value = _sampling_value(sampling, name)
     if value is None:
         value = req.parameters.get(name)
     if value is None:
@@ -334,23 +375,11 @@ def _max_tokens(req: InferRequest, endpoint: Endpoint, *, write_back: bool) -> i
     return n
 
 
-def _sampling_parameter(req: InferRequest, endpoint: Endpoint, name: str) -> ParamValue | None:
-    """``name`` in the endpoint's sampling parameters input (a JSON object), if sent."""
-    if endpoint.sampling_parameters_input is None:
+def _sampling_value(sampling: dict[str, Any] | None, name: str) -> ParamValue | None:
+    """``name`` in the sampling parameters input's object, if sent."""
+    if sampling is None:
         return None
-    t = req.input(endpoint.sampling_parameters_input)
-    if t is None or t.data.size == 0:
-        return None
-    raw = t.data.flat[0]
-    try:
-        doc = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument(
-            f"input '{endpoint.sampling_parameters_input}' must be a JSON object"
-        ) from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument(f"input '{endpoint.sampling_parameters_input}' must be a JSON object")
-    value = doc.get(name)
+    value = sampling.get(name)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     return str(value)  # a float or a list: refused by the integer check, with its value

@@ -38,7 +38,7 @@ from urllib.parse import quote, urlsplit
 
 import grpc
 
-from fair_frontend.errors import FrontendError, Unavailable
+from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable
 from fair_frontend.protocol import (
     ParamValue,
     RequestedOutput,
@@ -176,7 +176,7 @@ class TritonHttp:
         try:
             status, headers, body = await asyncio.wait_for(self._send(data), self.request_timeout_s)
         except asyncio.TimeoutError:
-            raise Unavailable("Triton is unavailable: Deadline Exceeded") from None
+            raise DeadlineExceeded("Triton is unavailable: Deadline Exceeded") from None
         if status != 200:
             raise error_of(status, body)
         return decode_answer(headers, body)

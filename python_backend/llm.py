@@ -49,15 +49,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import queue
 import random
+import re
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -71,6 +73,8 @@ from python_backend import tokenizer as tokenizers_
 from python_backend.metering import TenantMeters
 from python_backend.rows import FAIR_ROWS_PARAM, TENANT_PARAM, UNKNOWN_TENANT, RequestError
 from python_backend.settings import ModelSettings
+
+log = logging.getLogger(__name__)
 
 # ---- interface names (vLLM backend's) -------------------------------------------------------
 
@@ -100,6 +104,8 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0  # 0 or -1: all tokens
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature means greedy
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+RANDOM_SEED = -1  # vLLM: seed -1 is no seed (a random one)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # ---- engine capacity: config.pbtxt parameters ----------------------------------------------
 
@@ -157,6 +163,15 @@ def decode_sampling_parameters(sampling_json: str | None, parameters_json: str) 
     there only the sampling keys are read and everything else is ignored. Values convert
     the way vLLM's ``TritonSamplingParams.from_dict`` does (``int("8")``), but strictly: a
     value that is not a number (or a bool, for ``ignore_eos``) is an error naming the key.
+
+    Ranges are vLLM's (``SamplingParams._verify_args``, and its OpenAI server's bound on
+    ``seed``: a signed 64-bit integer), in its words, so that nothing a request sends can
+    reach the engine thread as a value it cannot take (``torch.Generator.manual_seed``
+    raises on a seed beyond 64 bits): ``max_tokens >= 1``; ``temperature`` finite and
+    ``>= 0``; ``top_p`` in (0, 1]; ``top_k`` -1 or 0 (off) or ``>= 1``; ``seed`` within
+    [-2^63, 2^63), -1 meaning none (vLLM's); every integer within 64 bits. The frontend
+    checks the same rules at its door (``fair_frontend.sampling``) for endpoints that say
+    ``sampling_rules: vllm``; this is the same check for a client that calls Triton directly.
     """
     sampled: dict[str, Any] = {}
     if sampling_json is not None:
@@ -169,34 +184,46 @@ def decode_sampling_parameters(sampling_json: str | None, parameters_json: str) 
             )
     try:
         params = json.loads(parameters_json or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         params = {}  # Triton builds this string itself; never expected
     if not isinstance(params, dict):
         params = {}
     values: dict[str, tuple[Any, str]] = {}  # key -> (value, where it came from)
     for key in SAMPLING_KEYS:
         if sampled.get(key) is not None:  # vLLM drops None values: the default applies
-            values[key] = (sampled[key], f"input '{SAMPLING_PARAMETERS}': {key}")
+            values[key] = (sampled[key], f"input '{SAMPLING_PARAMETERS}'")
         elif params.get(key) is not None:
             values[key] = (params[key], f"parameter '{key}'")
     out: dict[str, Any] = {}
     if "max_tokens" in values:
-        out["max_tokens"] = _int(*values["max_tokens"], minimum=1)
+        max_tokens = _int("max_tokens", *values["max_tokens"])
+        _require(max_tokens >= 1, "max_tokens", values, f"must be at least 1, got {max_tokens}.")
+        out["max_tokens"] = max_tokens
     if "temperature" in values:
-        out["temperature"] = _float(*values["temperature"], minimum=0.0)
+        temperature = _float("temperature", *values["temperature"])
+        _require(
+            temperature >= 0.0, "temperature", values, f"must be non-negative, got {temperature}."
+        )
+        out["temperature"] = temperature
     if "top_p" in values:
-        top_p = _float(*values["top_p"], minimum=0.0)
-        if not 0.0 < top_p <= 1.0:
-            raise RequestError(f"{values['top_p'][1]} must be in (0, 1], got {top_p}")
+        top_p = _float("top_p", *values["top_p"])
+        _require(0.0 < top_p <= 1.0, "top_p", values, f"must be in (0, 1], got {top_p}.")
         out["top_p"] = top_p
     if "top_k" in values:
-        top_k = _int(*values["top_k"], minimum=-1)
-        out["top_k"] = 0 if top_k == -1 else top_k
+        top_k = _int("top_k", *values["top_k"])
+        _require(top_k >= -1, "top_k", values, f"must be 0 (disable), or at least 1, got {top_k}.")
+        out["top_k"] = 0 if top_k == -1 else top_k  # vLLM quietly takes -1 for 0
     if "seed" in values:
-        out["seed"] = _int(*values["seed"], minimum=0)
+        seed = _int("seed", *values["seed"])
+        out["seed"] = None if seed == RANDOM_SEED else seed
     if "ignore_eos" in values:
-        out["ignore_eos"] = _bool(*values["ignore_eos"])
+        out["ignore_eos"] = _bool("ignore_eos", *values["ignore_eos"])
     return SamplingParams(**out)
+
+
+def _require(ok: bool, key: str, values: Mapping[str, tuple[Any, str]], rule: str) -> None:
+    if not ok:
+        raise RequestError(f"{values[key][1]}: {key} {rule}")
 
 
 def _json_object(text: str, where: str) -> dict[str, Any]:
@@ -204,51 +231,72 @@ def _json_object(text: str, where: str) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError as err:
         raise RequestError(f"{where} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError(f"{where} is not valid JSON: nested too deeply") from None
     if not isinstance(value, dict):
         raise RequestError(f"{where} must be a JSON object")
     return value
 
 
-def _int(value: Any, where: str, minimum: int) -> int:
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _int(key: str, value: Any, where: str) -> int:
+    """An integer as vLLM's backend reads one (``int(value)``), strictly: an integer, a
+    float with no fraction, or a string of decimal digits; within 64 bits."""
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
-    elif isinstance(value, str):
+    elif isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
         try:
             number = int(value.strip())
-        except ValueError:
+        except ValueError:  # more digits than Python converts
             number = None
     if number is None:
-        raise RequestError(f"{where} must be an integer, got {value!r}")
-    if number < minimum:
-        raise RequestError(f"{where} must be >= {minimum}, got {number}")
+        raise RequestError(f"{where}: {key} must be an integer, got {_shown(value)}")
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise RequestError(
+            f"{where}: {key} must be an integer in [{INT64_MIN}, {INT64_MAX}] (64 bits), "
+            f"got {_shown(number)}."
+        )
     return number
 
 
-def _float(value: Any, where: str, minimum: float) -> float:
+def _float(key: str, value: Any, where: str) -> float:
+    """A number as vLLM's backend reads one (``float(value)``), strictly: a number or a
+    numeric string; finite."""
     number: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
             number = float(value.strip())
-        except ValueError:
-            number = None
-    if number is None or not math.isfinite(number):
-        raise RequestError(f"{where} must be a number, got {value!r}")
-    if number < minimum:
-        raise RequestError(f"{where} must be >= {minimum}, got {number}")
+    except (ValueError, OverflowError):
+        number = None
+    if number is None:
+        raise RequestError(f"{where}: {key} must be a number, got {_shown(value)}")
+    if not math.isfinite(number):
+        raise RequestError(f"{where}: {key} must be a finite number, got {_shown(value)}.")
     return number
 
 
-def _bool(value: Any, where: str) -> bool:
+def _bool(key: str, value: Any, where: str) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise RequestError(f"{where} must be true or false, got {value!r}")
+    raise RequestError(f"{where}: {key} must be true or false, got {_shown(value)}")
+
+
+def _shown(value: Any, limit: int = 64) -> str:
+    """A value for an error message, cut short: a client's value may be megabytes."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python prints
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def request_tenant(parameters_json: str) -> str:
@@ -273,6 +321,19 @@ class Limits:
     """What one request may ask of the engine."""
 
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # The most bytes of text one token stands for (``max_token_bytes``): a prompt of ``n``
+    # bytes has at least ``n / max_token_bytes`` tokens, known before tokenising it.
+    # None: no bound from the length in bytes (every prompt is tokenised).
+    max_token_bytes: int | None = None
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most bytes any one token of a byte-level BPE tokenizer decodes to.
+
+    Its vocabulary's strings are written in GPT-2's byte alphabet, one character per byte
+    (``tokenizers.pre_tokenizers.ByteLevel``), so a token's length is its byte count.
+    """
+    return max(len(token) for token in tokenizer.get_vocab())
 
 
 def decode_request(
@@ -286,6 +347,7 @@ def decode_request(
     if raw is None or raw.size != 1:
         raise RequestError(f"input '{TEXT_INPUT}' is required: one string")
     prompt_value = raw.reshape(-1)[0]
+    _check_prompt_bytes(prompt_value, limits)
     if isinstance(prompt_value, bytes):
         try:
             prompt = prompt_value.decode("utf-8")
@@ -338,6 +400,23 @@ def decode_request(
         return_num_output_tokens=_flag(inputs, RETURN_NUM_OUTPUT_TOKENS, default=False),
         tenant=request_tenant(parameters_json),
     )
+
+
+def _check_prompt_bytes(prompt: Any, limits: Limits) -> None:
+    """Refuse, before tokenising it, a prompt whose length in bytes already proves it too
+    long: ``n`` bytes are at least ``ceil(n / max_token_bytes)`` tokens, and the context
+    must hold the prompt and one generated token. Tokenising megabytes would hold up
+    ``execute`` (every other request to the model waits for it) for nothing."""
+    if limits.max_token_bytes is None:
+        return
+    size = len(prompt) if isinstance(prompt, bytes) else len(str(prompt).encode())
+    fewest = -(-size // limits.max_token_bytes)
+    if fewest >= limits.max_model_len:
+        raise RequestError(
+            f"input '{TEXT_INPUT}': the prompt has {size} bytes, so at least {fewest} tokens; "
+            f"this model's maximum context length is {limits.max_model_len} tokens "
+            "(prompt + max_tokens)"
+        )
 
 
 def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
@@ -503,7 +582,7 @@ class EngineConfig:
         return Limits(max_model_len=self.max_model_len)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     """One request inside the engine: its tokens so far and where its answers go."""
 
@@ -513,6 +592,8 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     generated: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)  # non-streaming: deltas collected
+    answered: bool = False  # its final answer went out: nothing more is ever sent
+    failed: bool = False  # failed in this iteration: it leaves the batch
 
     @property
     def done(self) -> bool:
@@ -523,15 +604,44 @@ class _Sequence:
         """Where the last generated token goes in the cache (fed by the next step)."""
         return len(self.request.prompt_ids) + len(self.generated) - 1
 
+    def send(self, answer: Answer) -> None:
+        """The one way a sequence's answers leave: in order, none after the final one."""
+        if self.answered:
+            return
+        self.answered = answer.final
+        self.sink.send(answer)
+
 
 _STOP = object()
+# What a request held by an engine that died (or sent while it restarts) is answered:
+# UNAVAILABLE, the client may retry; "is not ready" is Triton's own wording for a model
+# that cannot serve now, which the frontend reads as UNAVAILABLE for this request alone
+# (fair_frontend.forwarder: a stream's error carries no code, only its message).
+ENGINE_DIED = "llm engine is not ready: it failed and is restarting; this request was aborted"
+ENGINE_RESTARTING = "llm engine is not ready: it is restarting after a failure; retry the request"
 
 
 class Engine:
     """Continuous batching over one ``CausalDecoder`` (see the module docstring).
 
     Thread model: ``submit`` and ``stop`` from any thread; ``step`` (or ``run``, which
-    loops over it) from one engine thread only. Unit tests call ``step`` directly.
+    loops over it) from one engine thread only; ``abort`` once that thread is gone. Unit
+    tests call ``step`` directly.
+
+    Failures are blamed where they can be (nothing a request sends may stop the engine,
+    and no traceback reaches a client; each is logged here with its traceback):
+
+    - per-sequence work (seeding its generator, sampling its token, detokenising) that
+      raises fails that sequence alone;
+    - a batched forward pass (prefill or decode) that raises is retried in halves, each
+      on its own (the frontend's bisection of failed batches,
+      ``fair_frontend.core.dispatch``): a half that succeeds is done, one that fails is
+      split again, and only a sequence that fails alone is failed. A decode step over
+      slots ``lo..hi`` is one view of the cache, so a half costs no copy; a failure that
+      is no one's (every sequence fails alone) fails them all, after ``2n - 1`` passes;
+    - anything else that raises inside the forward passes fails the sequences of the
+      iteration with a short message; what escapes ``step`` ends ``run``, for the
+      supervisor (``EngineSupervisor``) to answer what was held and restart it.
     """
 
     def __init__(
@@ -560,6 +670,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # running[i] owns cache slot i
+        self._admitting: list[_Sequence] = []  # left waiting, not yet running (prefill)
         self._stopping = False
         self._entropy = random.Random()  # seeds of requests that send none (like vLLM)
         self.steps = 0  # iterations that ran the network
@@ -607,54 +718,76 @@ class Engine:
         """
         while True:
             try:
-                self._take(self._inbox.get_nowait())
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            self._take(item)
         before = len(self._running)
         self._retire_cancelled()
-        decoding = list(self._running)  # sequences that already have a token to feed
+        decoding = len(self._running)  # sequences that already have a token to feed
         answers: list[tuple[_Sequence, Answer]] = []
+        admitted = False
         try:
             with torch.inference_mode():
                 admitted = self._admit(answers)
                 if decoding:
-                    self._decode_step(len(decoding), answers)
-        except Exception:  # a bug or out of memory: fail these sequences, keep the engine
-            message = f"llm engine step failed: {traceback.format_exc(limit=3)}"
-            for seq in self._running:
-                seq.sink.send(Answer(error=message, code=ErrorCode.INTERNAL, final=True))
-            self._running.clear()
-            self._observer.running(0)
-            return
+                    self._decode_slots(0, decoding, answers)
+        except Exception as err:  # a bug, blamed on no one: fail this iteration's sequences
+            log.error("llm engine step failed", exc_info=err)
+            message = f"llm engine step failed ({type(err).__name__}); this request was aborted"
+            for seq in [*self._running, *self._admitting]:
+                if not seq.failed:
+                    self._fail(seq, answers, message)
+            self._admitting = []
         if admitted or decoding:
             self.steps += 1
-        self._retire_finished()
+        self._retire()
         if len(self._running) != before:
             self._observer.running(len(self._running))
         for seq, answer in answers:
-            seq.sink.send(answer)
+            seq.send(answer)
+
+    def abort(self, answer: Answer) -> int:
+        """Answer every sequence taken and not yet answered with ``answer`` (final) and
+        forget them (the supervisor, once the engine thread died: its state is not to be
+        trusted). What is still in the inbox stays there, for the next ``run``. Returns
+        how many were answered."""
+        held = [*self._running, *self._admitting, *self._waiting]
+        self._running, self._admitting = [], []
+        self._waiting.clear()
+        aborted = 0
+        for seq in held:
+            if not seq.answered:
+                seq.send(answer)
+                aborted += 1
+        self._observer.running(0)
+        return aborted
 
     def _take(self, item: Any) -> None:
         if item is _STOP:
             self._stopping = True
             return
         request, sink = item
-        generator = None
+        seq = _Sequence(request, sink, None, IncrementalDetokenizer(self._decode))
         if not request.sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            seed = request.sampling.seed
-            generator.manual_seed(seed if seed is not None else self._entropy.getrandbits(63))
-        self._waiting.append(
-            _Sequence(request, sink, generator, IncrementalDetokenizer(self._decode))
-        )
+            try:
+                generator = torch.Generator(device=self.device)
+                seed = request.sampling.seed
+                generator.manual_seed(seed if seed is not None else self._entropy.getrandbits(63))
+            except Exception as err:  # decode_request bounds the seed: never expected
+                log.error("llm engine: cannot seed a request's generator", exc_info=err)
+                seq.send(_failure(f"cannot seed this request's sampler ({type(err).__name__})"))
+                return
+            seq.generator = generator
+        self._waiting.append(seq)
 
     def _retire_cancelled(self) -> None:
-        for seq in [s for s in self._waiting if s.sink.is_cancelled()]:
+        for seq in [s for s in self._waiting if _cancelled(s)]:
             self._waiting.remove(seq)
             self._answer_cancelled(seq)
         for i in reversed(range(len(self._running))):
             seq = self._running[i]
-            if seq.sink.is_cancelled():
+            if _cancelled(seq):
                 self._free(i)
                 self._answer_cancelled(seq)
 
@@ -662,16 +795,14 @@ class Engine:
         """vLLM: streaming gets a final CANCELLED error; non-streaming its text so far."""
         self._observer.cancelled()
         if seq.request.stream:
-            seq.sink.send(
-                Answer(error="Request was cancelled", code=ErrorCode.CANCELLED, final=True)
-            )
+            seq.send(Answer(error="Request was cancelled", code=ErrorCode.CANCELLED, final=True))
         else:
-            seq.sink.send(self._whole(seq))
+            seq.send(self._whole(seq))
 
     def _admit(self, answers: list[tuple[_Sequence, Answer]]) -> bool:
         """Prefill waiting sequences into free slots; each gets its first token."""
         budget = self.config.max_num_batched_tokens
-        batch: list[_Sequence] = []
+        batch = self._admitting = []
         while self._waiting and len(self._running) + len(batch) < self.config.max_num_seqs:
             n = len(self._waiting[0].request.prompt_ids)
             if batch and n > budget:
@@ -680,50 +811,105 @@ class Engine:
             batch.append(self._waiting.popleft())
         if not batch:
             return False
-        lengths = [len(s.request.prompt_ids) for s in batch]
-        width = max(lengths)
-        ids = torch.zeros((len(batch), width), dtype=torch.int64)
-        for row, seq in enumerate(batch):
-            ids[row, : lengths[row]] = torch.tensor(seq.request.prompt_ids, dtype=torch.int64)
-        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        logits, cache = self.net.prefill(ids.to(self.device), lengths_t, width=width)
-        first = len(self._running)
-        for slots, kv in zip(self._cache, cache, strict=True):
-            slots[:, first : first + len(batch), :, :width] = kv
-        self._running.extend(batch)
-        self._emit(batch, logits, answers)
+        self._prefill(batch, answers)
+        self._admitting = []
         return True
 
-    def _decode_step(self, count: int, answers: list[tuple[_Sequence, Answer]]) -> None:
-        """ONE forward pass for the first ``count`` running sequences."""
-        seqs = self._running[:count]
-        tokens = torch.tensor(
-            [s.generated[-1] for s in seqs], dtype=torch.int64, device=self.device
-        )
-        pos = torch.tensor([s.position for s in seqs], dtype=torch.int64, device=self.device)
-        logits = self.net.step(tokens, pos, [kv[:, :count] for kv in self._cache])
+    def _prefill(self, batch: list[_Sequence], answers: list[tuple[_Sequence, Answer]]) -> None:
+        """One prefill of ``batch`` into the next free slots; a failed one in halves."""
+        try:
+            lengths = [len(s.request.prompt_ids) for s in batch]
+            width = max(lengths)
+            ids = torch.zeros((len(batch), width), dtype=torch.int64)
+            for row, seq in enumerate(batch):
+                ids[row, : lengths[row]] = torch.tensor(seq.request.prompt_ids, dtype=torch.int64)
+            lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            logits, cache = self.net.prefill(ids.to(self.device), lengths_t, width=width)
+            first = len(self._running)
+            for slots, kv in zip(self._cache, cache, strict=True):
+                slots[:, first : first + len(batch), :, :width] = kv
+        except Exception as err:
+            if len(batch) == 1:
+                log.error("llm engine: prefill failed for one request", exc_info=err)
+                self._fail(batch[0], answers, f"prefill failed for this request ({_kind(err)})")
+                return
+            for half in _halves(batch):
+                self._prefill(half, answers)
+            return
+        self._running.extend(batch)
+        self._emit(batch, logits, answers)
+
+    def _decode_slots(self, lo: int, hi: int, answers: list[tuple[_Sequence, Answer]]) -> None:
+        """ONE forward pass for running slots ``lo..hi-1``; a failed one in halves."""
+        seqs = self._running[lo:hi]
+        try:
+            tokens = torch.tensor(
+                [s.generated[-1] for s in seqs], dtype=torch.int64, device=self.device
+            )
+            pos = torch.tensor([s.position for s in seqs], dtype=torch.int64, device=self.device)
+            logits = self.net.step(tokens, pos, [kv[:, lo:hi] for kv in self._cache])
+        except Exception as err:
+            if hi - lo == 1:
+                log.error("llm engine: decode step failed for one request", exc_info=err)
+                self._fail(seqs[0], answers, f"decode step failed for this request ({_kind(err)})")
+                return
+            middle = lo + (hi - lo + 1) // 2
+            self._decode_slots(lo, middle, answers)
+            self._decode_slots(middle, hi, answers)
+            return
         self._emit(seqs, logits, answers)
 
     def _emit(
         self, seqs: Sequence[_Sequence], logits: Tensor, answers: list[tuple[_Sequence, Answer]]
     ) -> None:
-        """Choose each sequence's next token; queue its answer (a delta, or the whole text)."""
-        tokens = choose_tokens(
-            logits[:, : self._vocab],
-            [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
-        )
+        """Choose each sequence's next token; queue its answer (a delta, or the whole text).
+
+        Sampling is batched; if the batch raises, each row is sampled alone, so that only
+        the rows that raise alone fail."""
+        logits = logits[:, : self._vocab]
+        params = [s.request.sampling for s in seqs]
+        generators = [s.generator for s in seqs]
+        tokens: list[int | Exception]
+        try:
+            tokens = list(choose_tokens(logits, params, generators))
+        except Exception as err:
+            log.warning("llm engine: batched sampling failed; sampling row by row", exc_info=err)
+            tokens = []
+            for row in range(len(seqs)):
+                try:
+                    tokens.extend(
+                        choose_tokens(logits[row : row + 1], [params[row]], [generators[row]])
+                    )
+                except Exception as row_err:
+                    tokens.append(row_err)
         for seq, token in zip(seqs, tokens, strict=True):
-            seq.generated.append(token)
-            delta = seq.detokenizer.push(token)
-            if seq.done:
-                delta += seq.detokenizer.flush()
+            if isinstance(token, Exception):
+                log.error("llm engine: sampling failed for one request", exc_info=token)
+                self._fail(
+                    seq, answers, f"cannot sample this request's next token ({_kind(token)})"
+                )
+                continue
+            try:
+                seq.generated.append(token)
+                delta = seq.detokenizer.push(token)
+                if seq.done:
+                    delta += seq.detokenizer.flush()
+            except Exception as err:
+                log.error("llm engine: detokenising failed for one request", exc_info=err)
+                self._fail(seq, answers, f"cannot detokenise this request's text ({_kind(err)})")
+                continue
             if seq.request.stream:
                 answers.append((seq, self._delta(seq, delta)))
             else:
                 seq.text.append(delta)
                 if seq.done:
                     answers.append((seq, self._whole(seq)))
+
+    def _fail(self, seq: _Sequence, answers: list[tuple[_Sequence, Answer]], what: str) -> None:
+        """``seq`` failed in this iteration: answered with a short error (last, with the
+        others' answers) and out of the batch at the retirement."""
+        seq.failed = True
+        answers.append((seq, _failure(what)))
 
     def _delta(self, seq: _Sequence, delta: str) -> Answer:
         r = seq.request
@@ -744,10 +930,13 @@ class Engine:
             num_output_tokens=len(seq.generated) if r.return_num_output_tokens else None,
         )
 
-    def _retire_finished(self) -> None:
+    def _retire(self) -> None:
+        """Failed and finished sequences leave the batch (their slots are freed)."""
         for i in reversed(range(len(self._running))):
             seq = self._running[i]
-            if seq.done:
+            if seq.failed:
+                self._free(i)
+            elif seq.done:
                 self._free(i)
                 self._observer.finished(seq.request, len(seq.generated))
 
@@ -759,6 +948,111 @@ class Engine:
                 kv[:, i] = kv[:, last]
             self._running[i] = self._running[last]
         self._running.pop()
+
+
+def _failure(what: str) -> Answer:
+    """A sequence's own failure: short (its traceback is in the model's log only)."""
+    return Answer(error=f"llm engine: {what}", code=ErrorCode.INTERNAL, final=True)
+
+
+def _kind(err: BaseException) -> str:
+    return type(err).__name__
+
+
+def _cancelled(seq: _Sequence) -> bool:
+    """Whether the client went away; a sender that cannot tell has lost its client too."""
+    try:
+        return bool(seq.sink.is_cancelled())
+    except Exception as err:
+        log.error("llm engine: a request's cancellation check failed", exc_info=err)
+        return True
+
+
+def _halves(batch: list[_Sequence]) -> list[list[_Sequence]]:
+    """The two halves of a batch, in order (the first one the larger)."""
+    middle = (len(batch) + 1) // 2
+    return [batch[:middle], batch[middle:]]
+
+
+class EngineSupervisor:
+    """Keeps the engine's thread alive: if it dies (anything escaping ``Engine.run``), each
+    sequence it held gets one final UNAVAILABLE answer (``ENGINE_DIED``), and a new thread
+    runs the same engine, after a pause that doubles while it keeps dying soon after each
+    start (``backoff_s``, up to ``max_backoff_s``).
+
+    ``ready`` is False from the death to the restart: the model then answers new requests
+    UNAVAILABLE at once (``ENGINE_RESTARTING``) instead of queueing them for a thread that
+    is not there. (Triton 2.51's Python backend gives a model no say in its readiness:
+    ``pb_utils`` can only unload a model, in explicit model-control mode, for good; later
+    Triton versions ask ``is_model_ready``, which the model answers with ``ready``.)
+    """
+
+    STABLE_S = 10.0  # a thread that ran this long before dying starts the backoff over
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_restart: Callable[[], None] = lambda: None,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.restarts = 0
+        self._on_restart = on_restart
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="llm-supervisor", daemon=True)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self) -> None:
+        self._ready.set()
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine to stop (after ``Engine.stop``)."""
+        self._thread.join(timeout)
+
+    def _supervise(self) -> None:
+        quick_deaths = 0
+        while True:
+            died: list[BaseException] = []
+            started = time.monotonic()
+            worker = threading.Thread(
+                target=self._run, args=(died,), name="llm-engine", daemon=True
+            )
+            worker.start()
+            worker.join()
+            if not died:
+                return  # stopped
+            self._ready.clear()
+            log.error("llm engine thread died; restarting it", exc_info=died[0])
+            self.restarts += 1
+            try:
+                self._on_restart()
+            except Exception as err:
+                log.error("llm engine: counting a restart failed", exc_info=err)
+            try:
+                self.engine.abort(Answer(error=ENGINE_DIED, code=ErrorCode.UNAVAILABLE, final=True))
+            except Exception as err:  # a sink that fails: the others were answered
+                log.error("llm engine: answering the aborted requests failed", exc_info=err)
+            stable = time.monotonic() - started >= self.STABLE_S
+            quick_deaths = 1 if stable else quick_deaths + 1
+            self._pause(min(self._max_backoff_s, self._backoff_s * 2 ** (quick_deaths - 1)))
+            self._ready.set()
+
+    def _pause(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def _run(self, died: list[BaseException]) -> None:
+        try:
+            self.engine.run()
+        except BaseException as err:  # whatever it was, the engine must come back
+            died.append(err)
 
 
 def choose_tokens(
@@ -867,8 +1161,14 @@ class _TritonObserver:
             description="Sequences that left the llm engine because their client cancelled",
             kind=pb.MetricFamily.COUNTER,
         )
+        self._restarts_family = pb.MetricFamily(
+            name="fair_llm_engine_restarts_total",
+            description="Times the llm engine's thread died and was restarted",
+            kind=pb.MetricFamily.COUNTER,
+        )
         self.running_gauge = self._running_family.Metric(labels=labels)
         self.cancelled_counter = self._cancelled_family.Metric(labels=labels)
+        self.restarts_counter = self._restarts_family.Metric(labels=labels)
 
     def running(self, count: int) -> None:
         self.running_gauge.set(float(count))
@@ -880,9 +1180,12 @@ class _TritonObserver:
         tokens = len(request.prompt_ids) + generated
         self._shell.responses.put(lambda: self._shell.meters.record([(request.tenant, tokens)]))
 
+    def restarted(self) -> None:
+        self.restarts_counter.increment(1.0)
+
     def close(self) -> None:
-        self.running_gauge = self.cancelled_counter = None
-        self._running_family = self._cancelled_family = None
+        self.running_gauge = self.cancelled_counter = self.restarts_counter = None
+        self._running_family = self._cancelled_family = self._restarts_family = None
 
 
 class LlmContract:
@@ -890,7 +1193,9 @@ class LlmContract:
 
     ``execute`` decodes each request, answers a bad one at once with its error (final), and
     hands the others to the engine thread; it returns None without waiting, as a decoupled
-    model does. ``finalize`` lets the engine finish what it has, then stops its threads.
+    model does. While the engine's thread is down (``EngineSupervisor``: between its death
+    and its restart) it answers every request UNAVAILABLE at once. ``finalize`` lets the
+    engine finish what it has, then stops its threads.
     """
 
     pb: ClassVar[Any]  # triton_python_backend_utils
@@ -921,9 +1226,9 @@ class LlmContract:
             vocab=self.tokenizer.get_vocab_size(),
             observer=self.observer,
         )
-        self.limits = self.config.limits
-        self.thread = threading.Thread(target=self.engine.run, name="llm-engine", daemon=True)
-        self.thread.start()
+        self.limits = replace(self.config.limits, max_token_bytes=max_token_bytes(self.tokenizer))
+        self.supervisor = EngineSupervisor(self.engine, on_restart=self.observer.restarted)
+        self.supervisor.start()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)
@@ -931,6 +1236,9 @@ class LlmContract:
     def execute(self, requests: list[Any]) -> None:
         pb = self.pb
         for request in requests:
+            if not self.supervisor.ready:
+                self._refuse(request, ENGINE_RESTARTING, pb.TritonError.UNAVAILABLE)
+                continue
             try:
                 inputs = {}
                 for name in INPUTS:
@@ -942,7 +1250,9 @@ class LlmContract:
                 self._refuse(request, str(err), pb.TritonError.INVALID_ARG)
                 continue
             except Exception as err:  # a bug: still only this request
-                self._refuse(request, f"cannot read request: {err!r}", pb.TritonError.INTERNAL)
+                log.error("llm: cannot read a request", exc_info=err)
+                message = f"cannot read request ({_kind(err)})"
+                self._refuse(request, message, pb.TritonError.INTERNAL)
                 continue
             self.engine.submit(decoded, TritonSink(self, request, decoded))
         return None
@@ -972,9 +1282,13 @@ class LlmContract:
             )
         return pb.InferenceResponse(output_tensors=tensors)
 
+    def is_model_ready(self) -> bool:
+        """Readiness, for the Triton versions that ask a Python model (not 2.51)."""
+        return self.supervisor.ready
+
     def finalize(self) -> None:
         self.engine.stop()
-        self.thread.join()
+        self.supervisor.join()
         self.responses.close()  # every answer sent
         self.observer.close()
         self.meters.close()

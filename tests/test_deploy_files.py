@@ -333,7 +333,7 @@ def test_every_yaml_and_json_file_parses() -> None:
 
 def test_the_config_is_valid_and_the_same_in_the_k8s_configmap() -> None:
     config = load_config(CONFIG)
-    assert set(config.endpoints) == {"embed", "generate"}
+    assert set(config.endpoints) == {"embed", "generate", "llm"}
     assert config.rate_limiting.storage.startswith("redis://")
     # Redis's password from the secret's file; metrics and statistics for the operator
     # only, on the pod network (where Prometheus scrapes, behind the network policy).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +23,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import model_config_pb2
 
@@ -31,9 +35,12 @@ from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from python_backend import nets
 from python_backend import tokenizer as tokenizer_module
 from python_backend.llm import (
+    INT64_MAX,
+    INT64_MIN,
     Answer,
     Engine,
     EngineConfig,
+    EngineSupervisor,
     ErrorCode,
     IncrementalDetokenizer,
     Limits,
@@ -42,8 +49,10 @@ from python_backend.llm import (
     choose_tokens,
     decode_request,
     decode_sampling_parameters,
+    max_token_bytes,
 )
 from python_backend.rows import RequestError
+from tests.sampling_strategies import PARAMS, SAMPLING, SHORT_PARAMS, SHORT_SAMPLING
 
 LLM_DIR = default_model_repository() / "llm"
 TIMEOUT_S = 30.0  # a response that takes this long means the model is stuck
@@ -112,6 +121,48 @@ def test_bad_sampling_parameters_name_the_field(
         decode_sampling_parameters(sampling, params)
 
 
+@pytest.mark.parametrize(
+    ("sampling", "params", "names"),
+    [
+        # A seed beyond 64 bits killed the engine thread (torch's manual_seed raised there).
+        ('{"seed": 18446744073709551616}', "{}", r"input 'sampling_parameters': seed .*64 bits"),
+        (None, '{"seed": 1.8446744073709552e19}', r"parameter 'seed': seed .*64 bits"),
+        ('{"seed": -9223372036854775809}', "{}", r"seed .*64 bits"),
+        ('{"seed": "1' + "0" * 30 + '"}', "{}", r"seed .*64 bits"),
+        ('{"top_k": 1e30}', "{}", r"top_k .*64 bits"),
+        ('{"max_tokens": 4.5}', "{}", r"max_tokens must be an integer, got 4.5"),
+        ('{"temperature": NaN}', "{}", r"temperature must be a finite number"),
+        ('{"temperature": "inf"}', "{}", r"temperature must be a finite number"),
+        ('{"temperature": 1e400}', "{}", r"temperature must be a finite number"),
+        (None, '{"temperature": -0.5}', r"parameter 'temperature': temperature must be non-neg"),
+        ('{"top_p": -Infinity}', "{}", r"top_p must be a finite number"),
+        ('{"top_p": 0}', "{}", r"top_p must be in \(0, 1\], got 0.0."),
+        ('{"top_k": -7}', "{}", r"top_k must be 0 \(disable\), or at least 1, got -7."),
+        ('{"max_tokens": 0}', "{}", r"max_tokens must be at least 1, got 0."),
+        ('{"ignore_eos": 1}', "{}", r"ignore_eos must be true or false"),
+        ('{"seed": [1]}', "{}", r"seed must be an integer, got \[1\]"),
+        ('{"seed": {"a": 1}}', "{}", r"seed must be an integer"),
+        ('{"seed": true}', "{}", r"seed must be an integer, got True"),
+        ("[" * 100_000 + "]" * 100_000, "{}", "sampling_parameters.*not valid JSON"),
+    ],
+)
+def test_values_the_engine_cannot_take_are_refused_with_vllms_rule(
+    sampling: str | None, params: str, names: str
+) -> None:
+    with pytest.raises(RequestError, match=names) as info:
+        decode_sampling_parameters(sampling, params)
+    assert len(str(info.value)) < 300  # a client's long value is cut short
+
+
+def test_seed_takes_every_64_bit_integer_and_minus_one_is_none() -> None:
+    for seed in (0, 7, -5, INT64_MAX, INT64_MIN, "42", 3.0):
+        p = decode_sampling_parameters(json.dumps({"seed": seed}), "{}")
+        assert p.seed == int(seed)
+        torch.Generator().manual_seed(p.seed)  # what the engine does with it
+    assert decode_sampling_parameters('{"seed": -1}', "{}").seed is None  # vLLM's "none"
+    assert decode_sampling_parameters(None, '{"seed": -1}').seed is None
+
+
 def _inputs(prompt: str, **flags: bool) -> dict[str, np.ndarray]:
     inputs = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
     for name, value in flags.items():
@@ -142,6 +193,36 @@ def test_decode_request_modes_and_limits(tokenizer: Any) -> None:
     with pytest.raises(RequestError, match=rf"max_tokens.*at most {64 - n}"):
         decode_request(_inputs("Hello"), '{"max_tokens": 64}', encode, limits)
     assert decode_request(_inputs("Hello"), f'{{"max_tokens": {64 - n}}}', encode, limits)
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenised(tokenizer: Any) -> None:
+    """A byte-level BPE token stands for at most ``max_token_bytes`` bytes, so a prompt of
+    n bytes has at least n / max_token_bytes tokens: one proven too long is refused
+    without tokenising it (a 48 MiB prompt held up execute, every request with it)."""
+    most = max_token_bytes(tokenizer)
+    limits = Limits(max_model_len=64, max_token_bytes=most)
+
+    def never(text: str) -> list[int]:
+        raise AssertionError("tokenised a prompt its byte length already refuses")
+
+    for size in (63 * most + 1, 48 << 20):
+        with pytest.raises(RequestError, match=r"text_input.*bytes.*maximum context length is 64"):
+            decode_request(_inputs("x" * size), "{}", never, limits)
+    encode = lambda text: list(tokenizer.encode(text).ids)  # noqa: E731
+    # At the bound it is tokenised, and refused (or not) by its real count.
+    with pytest.raises(RequestError, match=r"the prompt has \d+ tokens"):
+        decode_request(_inputs("x" * (63 * most)), "{}", encode, limits)
+    assert decode_request(_inputs("Hello"), "{}", encode, limits).prompt_ids
+
+
+@given(st.text(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_no_token_stands_for_more_than_max_token_bytes(text: str) -> None:
+    tokenizer = _TOKENIZER
+    most = max_token_bytes(tokenizer)
+    ids = tokenizer.encode(text).ids
+    assert len(ids) * most >= len(text.encode())
+    assert all(len(tokenizer.decode([i]).encode()) <= most for i in ids if i is not None)
 
 
 def test_tenant_comes_from_fair_rows_and_never_fails(tokenizer: Any) -> None:
@@ -338,8 +419,6 @@ def test_seeded_sampling_is_deterministic_whatever_the_batch(
 
 
 def test_top_k_one_is_greedy() -> None:
-    import torch
-
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0.0)] * 1
     params.append(SamplingParams(temperature=2.0, top_p=1e-6))  # nucleus of one token
@@ -360,6 +439,247 @@ def test_a_failing_step_fails_its_sequences_not_the_engine(
     survivor = submit(engine, request(tokenizer, max_tokens=3))
     drain(engine)
     assert len(survivor.answers) == 3
+
+
+# ---- nothing a request sends stops the engine --------------------------------------------
+
+SHORT_CONTEXT = 24  # the property's engine: every generation it admits is short
+
+
+def admit(engine: Engine, tokenizer: Any, sampling: str | None, params: str) -> FakeSink:
+    """What ``LlmContract.execute`` does with one request: decode it; refuse it at once
+    (one final error) or hand it to the engine."""
+    sink = FakeSink(engine)
+    inputs = _inputs("Once upon a time", stream=True)
+    if sampling is not None:
+        inputs["sampling_parameters"] = np.array([sampling.encode()], dtype=np.object_)
+    limits = Limits(max_model_len=SHORT_CONTEXT, max_token_bytes=max_token_bytes(tokenizer))
+    try:
+        req = decode_request(
+            inputs, params, lambda t: list(tokenizer.encode(t).ids), limits
+        )  # anything but RequestError is a bug, and fails the test
+    except RequestError as err:
+        sink.send(Answer(error=str(err), code=ErrorCode.INVALID_ARG, final=True))
+        return sink
+    engine.submit(req, sink)
+    return sink
+
+
+@given(requests=st.lists(st.tuples(st.none() | SAMPLING, PARAMS), min_size=1, max_size=4))
+@settings(max_examples=100, deadline=None)
+def test_any_sampling_parameters_get_one_final_answer_and_the_engine_still_serves(
+    requests: list[tuple[dict[str, Any] | None, dict[str, Any]]],
+) -> None:
+    """Generated values (huge, negative, NaN, inf, strings, lists, objects, floats for
+    integers, booleans, unknown keys) in the sampling_parameters input and as request
+    parameters: each request is answered exactly once, finally (refused at once or run
+    to its end), and a plain request is served after them."""
+    torch.set_num_threads(1)  # as the engine runs in the model (and 2 cores are shared)
+    tokenizer = _TOKENIZER
+    engine = make_engine(tokenizer, _NET, max_model_len=SHORT_CONTEXT)
+    sinks = [
+        admit(engine, tokenizer, None if doc is None else json.dumps(doc), json.dumps(params))
+        for doc, params in requests
+    ]
+    plain = submit(engine, request(tokenizer, max_tokens=3))
+    drain(engine)
+    for sink in sinks:
+        finals = [a for _, a in sink.answers if a.final]
+        assert len(finals) == 1, sink.answers
+        assert finals[0].error is None or "Traceback" not in finals[0].error
+        event("served" if finals[0].error is None else "refused")
+    assert [a.final for _, a in plain.answers] == [False, False, True]
+    assert all(a.error is None for _, a in plain.answers)
+
+
+# The property's (hypothesis runs without function fixtures).
+_NET = nets.build_decoder()
+_TOKENIZER = tokenizer_module.load(LLM_DIR / tokenizer_module.TOKENIZER_FILE)
+
+
+def finals(sink: FakeSink) -> list[Answer]:
+    return [a for _, a in sink.answers if a.final]
+
+
+def assert_short_error(answer: Answer, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+    assert answer.final and answer.code == code and answer.error
+    assert "Traceback" not in answer.error and "File " not in answer.error
+    assert len(answer.error) < 120, answer.error
+
+
+def alone(tokenizer: Any, net: nets.CausalDecoder, prompt: str, max_tokens: int) -> str:
+    engine = make_engine(tokenizer, net)
+    sink = submit(engine, request(tokenizer, prompt, max_tokens=max_tokens))
+    drain(engine)
+    return sink.text
+
+
+LONG_PROMPT = "a prompt long enough to tell apart from the others by its position " * 2
+
+
+def test_sampling_that_raises_fails_that_sequence_alone(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from python_backend import llm
+
+    real = llm.choose_tokens
+
+    def choose(logits: Any, params: Any, generators: Any) -> list[int]:
+        if any(p.seed == 13 for p in params):
+            raise RuntimeError("sampler exploded\nTraceback (most recent call last): ...")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(llm, "choose_tokens", choose)
+    engine = make_engine(tokenizer, net)
+    first = submit(engine, request(tokenizer, "first", max_tokens=6))
+    culprit = submit(engine, request(tokenizer, max_tokens=6, temperature=1.0, seed=13))
+    last = submit(engine, request(tokenizer, "last", max_tokens=6))
+    drain(engine)
+    (answer,) = finals(culprit)
+    assert len(culprit.answers) == 1  # failed at its first token, answered once
+    assert_short_error(answer)
+    assert "sample" in (answer.error or "")
+    assert first.text == alone(tokenizer, net, "first", 6)
+    assert last.text == alone(tokenizer, net, "last", 6)
+    assert engine.running == 0
+
+
+def test_a_decode_pass_that_raises_for_one_row_fails_only_that_row(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bisection: the batch's pass raises; halves are run alone, down to the row that
+    raises alone. Its neighbours keep every token, as they would have alone."""
+    real = net.step
+    culprit_from = len(tokenizer.encode(LONG_PROMPT).ids)
+    passes: list[int] = []
+
+    def step(tokens: Any, pos: Any, cache: Any) -> Any:
+        passes.append(int(tokens.shape[0]))
+        if int(pos.max()) >= culprit_from:  # only the long prompt's row gets this far
+            raise RuntimeError("a kernel failed")
+        return real(tokens, pos, cache)
+
+    monkeypatch.setattr(net, "step", step)
+    engine = make_engine(tokenizer, net)
+    prompts = ["one", "two", "three"]
+    others = [submit(engine, request(tokenizer, p, max_tokens=8)) for p in prompts[:2]]
+    culprit = submit(engine, request(tokenizer, LONG_PROMPT, max_tokens=8))
+    others.append(submit(engine, request(tokenizer, prompts[2], max_tokens=8)))
+    drain(engine)
+    assert [a.final for _, a in culprit.answers] == [False, True]  # its prefill token, then
+    assert_short_error(culprit.answers[-1][1])
+    assert "decode step" in (culprit.answers[-1][1].error or "")
+    monkeypatch.undo()
+    for prompt, sink in zip(prompts, others, strict=True):
+        assert len(sink.answers) == 8 and sink.text == alone(tokenizer, net, prompt, 8)
+    assert passes[:3] == [4, 2, 2]  # the batch, then its halves: [one, two] and [LONG, three]
+    assert engine.running == 0
+
+
+def test_a_prefill_that_raises_for_one_request_fails_only_that_request(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = net.prefill
+    long = len(tokenizer.encode(LONG_PROMPT).ids)
+
+    def prefill(ids: Any, lengths: Any, width: int) -> Any:
+        if int(lengths.max()) >= long:
+            raise RuntimeError("out of memory")
+        return real(ids, lengths, width)
+
+    monkeypatch.setattr(net, "prefill", prefill)
+    engine = make_engine(tokenizer, net)
+    before = submit(engine, request(tokenizer, "before", max_tokens=5))
+    culprit = submit(engine, request(tokenizer, LONG_PROMPT, max_tokens=5))
+    after = submit(engine, request(tokenizer, "after", max_tokens=5))
+    drain(engine)
+    assert len(culprit.answers) == 1
+    assert_short_error(culprit.answers[0][1])
+    monkeypatch.undo()
+    assert before.text == alone(tokenizer, net, "before", 5)
+    assert after.text == alone(tokenizer, net, "after", 5)
+
+
+def test_a_pass_that_fails_for_everyone_fails_each_once_and_the_engine_goes_on(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(tokenizer, net)
+    sinks = [submit(engine, request(tokenizer, p, max_tokens=5)) for p in ("a", "b c", "d e f")]
+    engine.step()
+
+    def broken(*args: Any) -> Any:
+        raise MemoryError()
+
+    monkeypatch.setattr(engine.net, "step", broken)
+    engine.step()
+    for sink in sinks:
+        assert [a.final for _, a in sink.answers] == [False, True]
+        assert_short_error(sink.answers[-1][1])
+    assert engine.running == 0
+    monkeypatch.undo()
+    survivor = submit(engine, request(tokenizer, max_tokens=3))
+    drain(engine)
+    assert len(survivor.answers) == 3
+
+
+class ThreadSink(FakeSink):
+    """A FakeSink the engine's own thread sends to; ``final`` is set on the last answer."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.final = threading.Event()
+        self.first = threading.Event()
+
+    def send(self, answer: Answer) -> None:
+        super().send(answer)
+        self.first.set()
+        if answer.final:
+            self.final.set()
+
+
+def test_the_supervisor_restarts_a_dead_engine_thread(
+    tokenizer: Any, net: nets.CausalDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something escapes ``Engine.step`` (not blamed on a request): the thread dies. Each
+    sequence it held gets one final UNAVAILABLE answer, short; while it is down the
+    supervisor is not ready; then a new thread serves the next request."""
+    engine = make_engine(tokenizer, net, max_model_len=512)
+    resume = threading.Event()
+    restarted: list[int] = []
+    supervisor = EngineSupervisor(
+        engine, on_restart=lambda: restarted.append(1), backoff_s=TIMEOUT_S
+    )
+    monkeypatch.setattr(supervisor, "_pause", lambda seconds: resume.wait(seconds))
+    supervisor.start()
+    try:
+        held = ThreadSink(engine)
+        engine.submit(request(tokenizer, max_tokens=480), held)
+        assert held.first.wait(TIMEOUT_S)
+        real = engine._retire_cancelled
+        calls = iter([True])
+
+        def once() -> None:
+            if next(calls, False):
+                raise RuntimeError("a bug outside the forward passes")
+            real()
+
+        monkeypatch.setattr(engine, "_retire_cancelled", once)
+        assert held.final.wait(TIMEOUT_S)
+        (answer,) = finals(held)
+        assert answer.code == ErrorCode.UNAVAILABLE and "is not ready" in (answer.error or "")
+        assert_short_error(answer, ErrorCode.UNAVAILABLE)
+        assert not supervisor.ready and restarted == [1] and supervisor.restarts == 1
+        resume.set()
+        after = ThreadSink(engine)
+        engine.submit(request(tokenizer, max_tokens=4), after)
+        assert after.final.wait(TIMEOUT_S)
+        assert [a.final for _, a in after.answers] == [False, False, False, True]
+        assert supervisor.ready
+    finally:
+        resume.set()
+        engine.stop()
+        supervisor.join(TIMEOUT_S)
+    assert not supervisor._thread.is_alive()
 
 
 def test_config_parameters_are_checked_together() -> None:
@@ -664,3 +984,41 @@ def test_deterministic_with_temperature_zero_or_a_seed(triton: EmbeddedTriton) -
     assert text(GREEDY) == text(GREEDY)
     assert text({"temperature": 1.0, "seed": 11}) == text({"temperature": 1.0, "seed": 11})
     assert text({"temperature": 1.0, "seed": 11}) != text({"temperature": 1.0, "seed": 12})
+
+
+def test_a_seed_beyond_64_bits_sent_directly_is_refused_and_the_engine_still_serves(
+    triton: EmbeddedTriton, stream: Stream
+) -> None:
+    """Issue 17's one-line denial of service, straight to Triton: the seed reached
+    ``manual_seed`` on the engine thread, which died; every later request hung. Now it is
+    refused, and the engine serves the next request (every wait has a deadline)."""
+    stream.send("big", "hi", sampling={"seed": 2**64, "temperature": 1.0})
+    stream.until_done("big")
+    error = stream.results["big"].error
+    assert error is not None and "seed" in error.message(), error
+    status, body = generate(triton, {"text_input": "hi", "seed": 18446744073709551616})
+    assert status == 400 and "seed" in body["error"], body
+    stream.send("after", "Still serving", sampling={"max_tokens": 4, **GREEDY})
+    stream.until_done("after")
+    assert stream.results["after"].error is None and len(stream.results["after"].texts) == 4
+    status, body = generate(triton, {"text_input": "hi", "max_tokens": 3, **GREEDY})
+    assert status == 200, body
+
+
+@given(doc=st.none() | SHORT_SAMPLING, params=SHORT_PARAMS)
+@settings(max_examples=25, deadline=None)
+def test_generated_sampling_parameters_sent_directly_get_an_answer(
+    triton: EmbeddedTriton, doc: dict[str, Any] | None, params: dict[str, Any]
+) -> None:
+    """A sample of the property above against the real model, over Triton's generate:
+    200 or 400 every time (never an error of the model's own, never a hang), and the
+    engine serves a plain request after each."""
+    body: dict[str, Any] = {"text_input": "Hi", "parameters": params}
+    if doc is not None:
+        body["sampling_parameters"] = json.dumps(doc)
+    status, answer = generate(triton, body)
+    assert status in (200, 400), answer
+    if status == 400:
+        assert "Traceback" not in answer["error"]
+    status, answer = generate(triton, {"text_input": "Hi", "max_tokens": 2, **GREEDY})
+    assert status == 200, answer

@@ -23,7 +23,11 @@ Invariants:
   errors in its responses instead of raising);
 * Triton's answer that a model (version) is not ready fails the batch that asked for it,
   nothing else: only a failure to reach Triton at all (no connection, a connection
-  lost, no answer in time) marks the backend down;
+  lost, a batch not answered in time) marks the backend down. A request's own length
+  never does: a stream's limit is time without progress (``forwarder.NoProgress``, this
+  request's failure alone), and in engine mode a call past its deadline fails only the
+  request it carried (a generation may be long; gRPC's keepalive, not a deadline, finds a
+  Triton that stopped answering);
 * while Triton is unreachable nothing is sent: a batch that never reached it is held
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
@@ -43,6 +47,7 @@ from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.clock import Clock, Timer
 from fair_frontend.config import Endpoint
 from fair_frontend.errors import (
+    DeadlineExceeded,
     FrontendError,
     Internal,
     ModelUnavailable,
@@ -562,6 +567,15 @@ class EndpointRuntime:
         try:
             packed = pack(batch, self.info, self.endpoint)
             version, outputs = await self._forward(packed, batch)
+        except DeadlineExceeded as err:
+            # A call Triton did not answer in time. In engine mode a call is one request,
+            # as long as its generation: its length says nothing of Triton, and only that
+            # request fails. A batch is expected back in time: Triton is taken for down.
+            if not self.engine:
+                self.backend.mark_down()
+            for r in batch:
+                self._fail(r, err)
+            return False, False
         except Unavailable as err:
             self.backend.mark_down()
             if err.never_sent and not self.backend.gave_up:
@@ -623,6 +637,9 @@ class EndpointRuntime:
             sequence=packed.sequence,
         ):
             if reply.error is not None:
+                # Only a failure to reach Triton marks it down: the model's error for this
+                # request, Triton's answer about the model, a stream without progress
+                # for request_timeout_s (forwarder.NoProgress) are this request's alone.
                 if isinstance(reply.error, Unavailable):
                     self.backend.mark_down()
                 self._fail(req, reply.error)

@@ -11,13 +11,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
+import grpc
 import numpy as np
 from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
 
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime
-from fair_frontend.errors import Unavailable
-from fair_frontend.forwarder import StreamReply
+from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable, UpstreamError
+from fair_frontend.forwarder import NoProgress, StreamReply, upstream_message_error
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
 from fair_frontend.records import Call
@@ -207,3 +208,88 @@ async def test_a_held_back_slot_is_given_as_soon_as_the_order_changes() -> None:
     assert len(e.triton.open("b")) == 2
     assert len(e.triton.open("a")) == 2  # none of a's generations has ended
     await e.close()
+
+
+# ---- what marks Triton down: a failure to reach it, never a request's own answer -------
+
+
+async def test_a_streams_own_error_fails_it_alone_and_marks_nothing_down() -> None:
+    """The model's error for one request, Triton's answer that the model is not ready, a
+    stream without progress for request_timeout_s: that request's answer alone. A
+    failure to reach Triton (a transport error) marks it down."""
+    e = Engine(slots=4, reserved=0)
+    errors = [
+        UpstreamError("llm engine: cannot sample ...", grpc.StatusCode.INTERNAL, 500),
+        upstream_message_error("llm engine is not ready: it is restarting after a failure"),
+        NoProgress(60.0),
+    ]
+    reqs = [e.submit("a", 1) for _ in errors]
+    await e.settle()
+    streams = e.triton.open("a")
+    for stream, err in zip(streams, errors, strict=True):
+        stream.token()
+        stream.replies.put_nowait(StreamReply(error=err))
+    await e.settle()
+    for req, err in zip(reqs, errors, strict=True):
+        (last,) = [a for a in req.route.answers if a.final]  # type: ignore[attr-defined]
+        assert last.fault is not None and last.fault.message == err.message
+    assert errors[1].grpc_code is grpc.StatusCode.UNAVAILABLE  # 503, not 500
+    assert errors[2].grpc_code is grpc.StatusCode.UNAVAILABLE
+    assert e.runtime.backend.available
+    lost = e.submit("b", 1)
+    await e.settle()
+    e.triton.open("b")[0].replies.put_nowait(StreamReply(error=Unavailable("connection reset")))
+    await e.settle()
+    assert lost.answered and not e.runtime.backend.available
+    await e.close()
+
+
+class UnaryEngine:
+    """A non-decoupled engine (one request per call): every call fails with ``error``."""
+
+    def __init__(self, error: FrontendError) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def infer(self, *args: object, **kwargs: object) -> tuple[str, list[Tensor]]:
+        self.calls += 1
+        raise self.error
+
+    def stream(self, *args: object, **kwargs: object) -> AsyncIterator[StreamReply]:
+        raise AssertionError("not decoupled")
+
+
+async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone() -> None:
+    """A unary engine (TensorRT-LLM without streaming): a generation longer than
+    request_timeout_s is that request's timeout, not a sign that Triton is down."""
+    clock = StepClock()
+    triton = UnaryEngine(DeadlineExceeded("Triton is unavailable: Deadline Exceeded"))
+    info = ModelInfo(
+        name="llm",
+        max_batch_size=0,
+        inputs=LLM.inputs,
+        outputs=LLM.outputs,
+    )
+    policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, None, ("paid",))
+    scheduler = Scheduler(policy, {"a": TenantSpec("paid")}, GlobalCaps())
+    runtime = EndpointRuntime(
+        model="llm",
+        info=info,
+        endpoint=Endpoint(max_inflight=2),
+        scheduler=scheduler,
+        forwarder=triton,
+        backend=Backend(clock),
+        clock=clock,
+    )
+    text = Tensor("text_input", "BYTES", (1,), np.array([b"hi"], dtype=object))
+    request = InferRequest("llm", id="a:1", inputs=[text])
+    call = Call(1, "a", 1, time.monotonic(), time.time(), 1, 1, 2, [1], request, False)
+    req = CoreRequest("a", 1, 1, 2, 1, None, None, call=call, route=RecordingRoute())
+    runtime.submit(req)
+    for _ in range(SETTLE_ROUNDS):
+        await asyncio.sleep(0)
+    assert triton.calls == 1 and req.answered
+    (answer,) = req.route.answers  # type: ignore[attr-defined]
+    assert answer.fault is not None and "Deadline Exceeded" in answer.fault.message
+    assert runtime.backend.available
+    await runtime.drain()
