@@ -50,6 +50,12 @@ DEFAULT_MAX_OUTAGE_S = 60.0
 DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
+# A tenant without its own max_queued_bytes may hold this fraction of the global byte cap
+# (over every model): one tenant cannot fill the global cap and lock the others out.
+DEFAULT_TENANT_BYTES_SHARE = 0.25
+# An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
+# a queue the engine turns over a few times, not 10,000 generations.
+DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
@@ -377,13 +383,18 @@ class Tenant(_Strict):
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for this tenant's priority-0 requests."
     )
-    max_queued: int = Field(
-        default=DEFAULT_TENANT_MAX_QUEUED,
+    max_queued: int | None = Field(
+        default=None,
         ge=1,
-        description="Requests this tenant may have queued per model; beyond, 503.",
+        description="Requests this tenant may have queued per model; beyond, 503. Unset: "
+        f"{DEFAULT_TENANT_MAX_QUEUED:,} on a batching endpoint, queues.engine_queue_slots x "
+        "max_inflight on an engine endpoint.",
     )
     max_queued_bytes: int | None = Field(
-        default=None, ge=1, description="Tensor bytes this tenant may have queued per model."
+        default=None,
+        ge=1,
+        description="Tensor bytes this tenant may have queued per model; beyond, 503. Unset: "
+        "queues.tenant_bytes_share of queues.max_queued_bytes, over all models together.",
     )
     limits: dict[str, Limits] = Field(
         default_factory=dict,
@@ -462,7 +473,7 @@ class Triton(_Strict):
 
 
 class Queues(_Strict):
-    """Global caps over every tenant and endpoint."""
+    """Caps on what waits: global ones, and the per-tenant defaults."""
 
     max_queued: int = Field(
         default=DEFAULT_GLOBAL_MAX_QUEUED,
@@ -474,6 +485,23 @@ class Queues(_Strict):
         default=DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
         ge=1,
         description="Tensor bytes queued in the whole frontend; beyond, the same 503.",
+    )
+    tenant_bytes_share: float = Field(
+        default=DEFAULT_TENANT_BYTES_SHARE,
+        gt=0,
+        le=1,
+        description="Fraction of max_queued_bytes one tenant may have queued, over all models "
+        "together, unless its own max_queued_bytes says otherwise: one tenant cannot fill the "
+        "global cap and lock the others out (0.25: at least four tenants share it). Beyond, "
+        "503 'Exceeds maximum queue size', shed by the shells once the core has said so.",
+    )
+    engine_queue_slots: float = Field(
+        default=DEFAULT_ENGINE_QUEUE_SLOTS,
+        gt=0,
+        description="Engine endpoints (max_inflight): requests one tenant may have queued per "
+        "model, in multiples of the endpoint's slots (4 x 64 = 256 for the shipped llm), "
+        "unless its own max_queued says otherwise. The throttle refuses sooner what would "
+        "wait for a slot beyond the latency target.",
     )
 
 
@@ -590,7 +618,9 @@ class Config(_Strict):
     )
     server: Server = Field(default_factory=Server, description="Listeners.")
     triton: Triton = Field(default_factory=Triton, description="The Triton behind the frontend.")
-    queues: Queues = Field(default_factory=Queues, description="Global queue caps.")
+    queues: Queues = Field(
+        default_factory=Queues, description="Queue caps: global, and per-tenant defaults."
+    )
     tier_guard: TierGuard = Field(
         default_factory=TierGuard, description="Optional minimum share of lower tiers."
     )

@@ -297,8 +297,8 @@ class ShellConnection(_Framed):
         elif isinstance(record, Hello):
             self.index, self.pid = record.index, record.pid
             self.send(self.server.settings())
-            if self.server.queue_view:
-                self.send(QueueView(self.server.queue_view))
+            if self.server.queue_view != _NO_VIEW:
+                self.send(QueueView(*self.server.queue_view))
         elif isinstance(record, Ready):
             self.ready = record
             self.server.shell_ready(self)
@@ -377,6 +377,8 @@ class ShellConnection(_Framed):
 
 
 _CANCELLED: Any = object()  # a call cancelled while still in the intake
+View = tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]  # QueueView's
+_NO_VIEW: View = ([], [])
 
 
 class CoreServer:
@@ -392,7 +394,7 @@ class CoreServer:
         self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
         self._server: asyncio.AbstractServer | None = None
         self.stopping = False
-        self._view: list[tuple[str, str, str]] = []
+        self._view: View = _NO_VIEW
         self._viewer: asyncio.Task[None] | None = None
 
     async def flush_tallies(self, timeout_s: float = 1.0) -> None:
@@ -408,8 +410,8 @@ class CoreServer:
         self._viewer = loop.create_task(self._publish_queue_view())
 
     @property
-    def queue_view(self) -> list[tuple[str, str, str]]:
-        """The full queues the shells were last told of."""
+    def queue_view(self) -> View:
+        """The full queues (and byte caps close to full) the shells were last told of."""
         return self._view
 
     async def _publish_queue_view(self) -> None:
@@ -419,7 +421,7 @@ class CoreServer:
             view = self.core.full_queues()
             if view != self._view:
                 self._view = view
-                self.broadcast(QueueView(view))
+                self.broadcast(QueueView(*view))
 
     def shell_ready(self, conn: ShellConnection) -> None:
         self.on_ready(conn)
@@ -469,6 +471,7 @@ class SocketLink(_Framed):
         self._tally: dict[tuple[str | None, str, str, str | None, str], list[float]] = {}
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
+        self._room: dict[tuple[str, str], tuple[int, str]] = {}
         self.accepting = True
 
     @classmethod
@@ -547,11 +550,19 @@ class SocketLink(_Framed):
             loop = asyncio.get_running_loop()
             self._tally_timer = loop.call_later(TALLY_INTERVAL_S, self.flush_tally)
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
         full = self._full
-        if not full:
-            return None
-        return full.get((tenant, model)) or full.get(("*", "*"))
+        if full:
+            cap = full.get((tenant, model)) or full.get(("*", "*"))
+            if cap is not None:
+                return cap
+        room = self._room
+        if nbytes and room:
+            for key in ((tenant, model), (tenant, "*"), ("*", "*")):
+                left = room.get(key)
+                if left is not None and nbytes > left[0]:
+                    return left[1]
+        return None
 
     def flush_tally(self) -> None:
         if self._tally_timer is not None:
@@ -582,6 +593,7 @@ class SocketLink(_Framed):
                 fut.set_result(record)
         elif isinstance(record, QueueView):
             self._full = {(tenant, model): cap for tenant, model, cap in record.full}
+            self._room = {(tenant, model): (left, cap) for tenant, model, left, cap in record.room}
         elif isinstance(record, Settings):
             self.on_settings(record)
         elif isinstance(record, FlushTally):

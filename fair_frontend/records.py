@@ -215,9 +215,16 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
     """Which queues are full now: (tenant, model, the cap) for each, tenant "*" and model
     "*" for the process-wide cap. A shell sheds a request for a full queue at once (before
     it reads an HTTP body, or validates), as the core would refuse it. Sent when it
-    changes, checked every ``QUEUE_VIEW_INTERVAL_S``."""
+    changes, checked every ``QUEUE_VIEW_INTERVAL_S``.
+
+    ``room``: the byte caps close to full, (tenant, model, bytes left, the cap), model "*"
+    for a tenant's default share over every model and ("*", "*", ...) for the global byte
+    cap: a shell sheds a request whose tensor bytes exceed what is left, once decoded
+    (before it crosses to the core). Only caps with less room than the largest request
+    any model accepts are listed."""
 
     full: list[tuple[str, str, str]]
+    room: list[tuple[str, str, int, str]] = []
 
 
 ToCore = Union[Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed]  # noqa: UP007

@@ -84,9 +84,10 @@ class CoreLink(Protocol):
         """Count a request this shell answered itself (in the core's metrics)."""
         ...
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
-        """The queue cap a new request would hit now, as far as this shell knows (then it
-        is shed here: the core would refuse it)."""
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
+        """The queue cap a new request with ``nbytes`` tensor bytes would hit now, as far
+        as this shell knows (then it is shed here: the core would refuse it); ``nbytes``
+        0 before its size is known (the count caps alone)."""
         ...
 
     @property
@@ -121,8 +122,8 @@ class LocalLink:
     def tally(self, entry: TallyEntry) -> None:
         self.core.tally(Tally([entry]))
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
-        return self.core.queue_full(tenant, model)
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
+        return self.core.queue_full(tenant, model, nbytes)
 
     @property
     def accepting(self) -> bool:
