@@ -56,6 +56,8 @@ DEFAULT_TENANT_BYTES_SHARE = 0.25
 # An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
 # a queue the engine turns over a few times, not 10,000 generations.
 DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
+# A streamed request whose client reads none of its parts for this long is cancelled.
+DEFAULT_STALLED_STREAM_S = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
@@ -473,7 +475,7 @@ class Triton(_Strict):
 
 
 class Queues(_Strict):
-    """Caps on what waits: global ones, and the per-tenant defaults."""
+    """Caps on what waits: global ones, per-tenant defaults, and answers held for clients."""
 
     max_queued: int = Field(
         default=DEFAULT_GLOBAL_MAX_QUEUED,
@@ -502,6 +504,15 @@ class Queues(_Strict):
         "model, in multiples of the endpoint's slots (4 x 64 = 256 for the shipped llm), "
         "unless its own max_queued says otherwise. The throttle refuses sooner what would "
         "wait for a slot beyond the latency target.",
+    )
+    stalled_stream_s: float = Field(
+        default=DEFAULT_STALLED_STREAM_S,
+        gt=0,
+        description="A streamed request (a decoupled model's responses) holds at most a few "
+        "parts its client has not read (records.ANSWER_WINDOW); at that bound the core stops "
+        "reading its stream from Triton (gRPC flow control holds Triton's sender). Held so "
+        "for this long with none read, the request is cancelled in Triton (its slot freed) "
+        "and ends CANCELLED.",
     )
 
 
@@ -619,7 +630,7 @@ class Config(_Strict):
     server: Server = Field(default_factory=Server, description="Listeners.")
     triton: Triton = Field(default_factory=Triton, description="The Triton behind the frontend.")
     queues: Queues = Field(
-        default_factory=Queues, description="Queue caps: global, and per-tenant defaults."
+        default_factory=Queues, description="Queue caps: global, per-tenant defaults, answers."
     )
     tier_guard: TierGuard = Field(
         default_factory=TierGuard, description="Optional minimum share of lower tiers."

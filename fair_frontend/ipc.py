@@ -39,6 +39,7 @@ from fair_frontend.errors import FrontendError, Internal, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import deserialize_bytes, serialize_bytes
 from fair_frontend.records import (
+    ANSWER_WINDOW,
     Answer,
     Call,
     Cancel,
@@ -49,6 +50,7 @@ from fair_frontend.records import (
     Hello,
     InfoAnswer,
     InfoQuery,
+    PartsRead,
     QueueView,
     Ready,
     Settings,
@@ -288,6 +290,12 @@ class ShellConnection(_Framed):
                     self.core.cancel(req)
                 else:  # still in the intake: admitted, then cancelled at once
                     self.calls[record.id] = _CANCELLED
+        elif isinstance(record, PartsRead):
+            calls = self.calls
+            for call_id, parts in record.entries:
+                req = calls.get(call_id)
+                if req is not None and req is not _CANCELLED:
+                    self.core.parts_read(req, parts)
         elif isinstance(record, Tally):
             self.core.tally(record)
         elif isinstance(record, InfoQuery):
@@ -472,6 +480,10 @@ class SocketLink(_Framed):
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
+        # Parts of streamed answers taken by clients, not yet told to the core, per call;
+        # and those to tell it at the end of this loop iteration (one PartsRead).
+        self._taken: dict[int, int] = {}
+        self._reads: list[tuple[int, int]] = []
         self.accepting = True
 
     @classmethod
@@ -502,12 +514,33 @@ class SocketLink(_Framed):
             return inbox
         self._inboxes[call.id] = inbox
         inbox._cancel = lambda: self._cancel(call.id)
+        if call.stream:
+            inbox._read = lambda: self._part_read(call.id)
         super().send(call)
         return inbox
 
     def _cancel(self, call_id: int) -> None:
+        self._taken.pop(call_id, None)
         if self._inboxes.pop(call_id, None) is not None:
             super().send(Cancel(call_id))
+
+    def _part_read(self, call_id: int) -> None:
+        """A client took a part of call ``call_id``'s streamed answer: the core hears of it
+        every half window (so it never waits on a client that keeps up), all the calls'
+        of one loop iteration in one ``PartsRead``."""
+        taken = self._taken.get(call_id, 0) + 1
+        if taken < _READ_EVERY:
+            self._taken[call_id] = taken
+            return
+        self._taken.pop(call_id, None)
+        if not self._reads:
+            asyncio.get_running_loop().call_soon(self._send_reads)
+        self._reads.append((call_id, taken))
+
+    def _send_reads(self) -> None:
+        reads, self._reads = self._reads, []
+        if reads:
+            super().send(PartsRead(reads))
 
     async def model_info(self, model: str) -> ModelInfo:
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
@@ -586,6 +619,7 @@ class SocketLink(_Framed):
                 return  # its client went away
             if record.final:
                 del self._inboxes[record.id]
+                self._taken.pop(record.id, None)
             inbox.answer(record)
         elif isinstance(record, (InfoAnswer, StatsAnswer)):
             fut = self._queries.get(record.id)
@@ -620,3 +654,4 @@ class SocketLink(_Framed):
 
 
 _CORE_GONE = "the frontend's core process is gone"
+_READ_EVERY = max(1, ANSWER_WINDOW // 2)  # parts taken before the core is told

@@ -248,6 +248,10 @@ class Core:
         elif runtime is not None:
             runtime.cancel(req)
 
+    def parts_read(self, req: CoreRequest, parts: int) -> None:
+        """The client of ``req`` took ``parts`` parts of its streamed answer."""
+        req.parts_read(parts)
+
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
         dropped = 0
@@ -613,6 +617,7 @@ class Core:
                 on_batch=self._on_batch,
                 on_done=self._on_done,
                 on_tokens=self._on_tokens,
+                stalled_stream_s=self.config.queues.stalled_stream_s,
             )
             self.runtimes[model] = runtime
         return runtime
@@ -716,6 +721,8 @@ class Core:
             del self.tenants[gone]
         self.keyring = keyring
         self.caps.configure(config.queues)
+        for runtime in self.runtimes.values():
+            runtime.stalled_stream_s = config.queues.stalled_stream_s
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants
