@@ -58,6 +58,8 @@ DEFAULT_TENANT_BYTES_SHARE = 0.25
 DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
 # A streamed request whose client reads none of its parts for this long is cancelled.
 DEFAULT_STALLED_STREAM_S = 30.0
+# A shell process that reads nothing of what the core sends it for this long is cut off.
+DEFAULT_STALLED_SHELL_S = 10.0
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
@@ -513,6 +515,14 @@ class Queues(_Strict):
         "reading its stream from Triton (gRPC flow control holds Triton's sender). Held so "
         "for this long with none read, the request is cancelled in Triton (its slot freed) "
         "and ends CANCELLED.",
+    )
+    stalled_shell_s: float = Field(
+        default=DEFAULT_STALLED_SHELL_S,
+        gt=0,
+        description="A shell process whose link to the core has answers waiting unsent "
+        "(beyond the socket's buffers) and takes none of them for this long is cut off (it "
+        "stopped reading: hung or stopped); its requests are dropped and it is restarted. A "
+        "shell that drains a large burst, however slowly, is never cut.",
     )
 
 

@@ -7,6 +7,16 @@ length and a msgpack document (``msgspec``: a tagged record; numpy arrays inside
 event loop's own transports (uvloop), coalesce what they write in one loop iteration
 into one ``write``, and parse whatever arrived in one ``data_received``.
 
+Flow: a peer that reads slowly is waited for, one that stopped reading is cut off. What
+one end writes and the other has not taken yet waits in the writer's transport; past its
+high-water mark (``WRITE_BUFFER_HIGH``) the transport pauses the writer's protocol, and
+from then on the writer watches the bytes actually sent: a link whose unsent bytes stay
+above the mark while none are taken for ``queues.stalled_shell_s`` (the peer is hung or
+stopped: SIGSTOP, a debugger) is cut, as if the peer had died. A large burst to a peer
+that is reading, however slowly, is delivered whole. What waits is bounded by the work
+in flight: one answer per call, a streamed answer at most ``records.ANSWER_WINDOW``
+parts ahead of its client (``PartsRead``).
+
 Why a socket of our own rather than a broker or ZeroMQ: the connection *is* the shell.
 When a shell process dies its connection closes at once, and the core drops that shell's
 queued work at that moment (``Core.drop_route``): nothing is left for answers that can
@@ -35,6 +45,7 @@ import msgspec
 import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2
 
+from fair_frontend.config import DEFAULT_STALLED_SHELL_S
 from fair_frontend.errors import FrontendError, Internal, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import deserialize_bytes, serialize_bytes
@@ -71,9 +82,11 @@ log = logging.getLogger(__name__)
 
 _HEADER = 4
 MAX_FRAME = (1 << 31) - 1
-# A shell that stops reading its answers: beyond this much unsent, it is cut off (its
-# clients see their connections drop; its queued work is dropped, as if it had died).
-MAX_UNSENT_BYTES = 256 << 20
+# Unsent bytes past which a transport pauses its writer (and the stall watch starts), and
+# below which it resumes it.
+WRITE_BUFFER_HIGH = 8 << 20
+WRITE_BUFFER_LOW = 2 << 20
+STALL_CHECKS = 4  # checks of a paused link's progress per stalled_shell_s
 TALLY_INTERVAL_S = 0.25
 TALLY_MAX_KEYS = 1024  # distinct (tenant, model, outcome) before a tally goes early
 INTAKE_SLICE = 64  # calls admitted before the loop runs anything else
@@ -118,10 +131,18 @@ class _Framed(asyncio.Protocol):
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self.closed = False
+        self.stall_s = DEFAULT_STALLED_SHELL_S  # queues.stalled_shell_s
+        self._written = 0  # bytes handed to the transport, ever
+        self._watch: asyncio.TimerHandle | None = None  # set while the transport is paused
+        self._sent_seen = 0  # bytes sent at the last progress seen
+        self._progress_at = 0.0  # the loop's time of that progress
+        self.cut_off = False  # closed for not reading
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        transport.set_write_buffer_limits(high=8 << 20)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(  # type: ignore[attr-defined]
+            high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW
+        )
 
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
@@ -171,18 +192,65 @@ class _Framed(asyncio.Protocol):
         out, self._out = self._out, []
         if self.closed or self.transport is None or not out:
             return
-        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-        if self.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
-            log.error("%s does not read its answers: disconnecting it", self.peer)
+        data = out[0] if len(out) == 1 else b"".join(out)
+        self._written += len(data)
+        self.transport.write(data)
+
+    # Write flow control: the transport pauses this protocol past WRITE_BUFFER_HIGH unsent
+    # and resumes it below WRITE_BUFFER_LOW; meanwhile the peer must take something every
+    # stall_s, or it is cut off.
+
+    def pause_writing(self) -> None:
+        if self._watch is not None or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._sent_seen = self._sent()
+        self._progress_at = loop.time()
+        self._watch = loop.call_later(self.stall_s / STALL_CHECKS, self._check_progress)
+
+    def resume_writing(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _sent(self) -> int:
+        """Bytes the peer has taken off the socket (or the kernel buffers hold for it)."""
+        assert self.transport is not None
+        return self._written - self.transport.get_write_buffer_size()
+
+    def _check_progress(self) -> None:
+        self._watch = None
+        if self.closed or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        sent = self._sent()
+        if sent > self._sent_seen:
+            self._sent_seen, self._progress_at = sent, loop.time()
+        elif loop.time() - self._progress_at >= self.stall_s:
+            log.error(
+                "%s took none of %d unsent bytes for %.1f s (queues.stalled_shell_s): "
+                "cutting it off",
+                self.peer,
+                self.transport.get_write_buffer_size(),
+                loop.time() - self._progress_at,
+            )
+            self.cut_off = True
             self.close()
+            return
+        self._watch = loop.call_later(self.stall_s / STALL_CHECKS, self._check_progress)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()
+            self.resume_writing()
+            if self.cut_off:
+                self.transport.abort()  # what waits is for a peer that does not read
+            else:
+                self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.resume_writing()
 
 
 # ---- the core's end -----------------------------------------------------------------------
@@ -278,6 +346,10 @@ class ShellConnection(_Framed):
     @property
     def peer(self) -> str:
         return f"shell {self.index} (pid {self.pid})"
+
+    def pause_writing(self) -> None:
+        self.stall_s = self.core.config.queues.stalled_shell_s  # live: a reload may change it
+        super().pause_writing()
 
     def received(self, record: Any) -> None:
         if isinstance(record, Call):
@@ -629,6 +701,9 @@ class SocketLink(_Framed):
             self._full = {(tenant, model): cap for tenant, model, cap in record.full}
             self._room = {(tenant, model): (left, cap) for tenant, model, left, cap in record.room}
         elif isinstance(record, Settings):
+            queues = record.config.get("queues")
+            if isinstance(queues, dict) and "stalled_shell_s" in queues:
+                self.stall_s = float(queues["stalled_shell_s"])
             self.on_settings(record)
         elif isinstance(record, FlushTally):
             self.flush_tally()
