@@ -78,8 +78,8 @@ def bench_config(
         {"cost": cost, "max_inflight": slots, "reserved_slots": reserved, "throttle": False}
     )
     cfg["queues"] = {"max_queued": 100_000}
-    cfg["tenants"] = {
-        name: {"tier": "standard", "api_keys": [key], "weight": w}
+    cfg["tenants"] = {  # queues as deep as the load asks (an engine's default: 4 x slots)
+        name: {"tier": "standard", "api_keys": [key], "weight": w, "max_queued": 100_000}
         for (name, key), w in zip(KEYS.items(), weights, strict=True)
     }
     return cfg

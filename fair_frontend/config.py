@@ -57,6 +57,16 @@ DEFAULT_MAX_OUTAGE_S = 60.0
 DEFAULT_GLOBAL_MAX_QUEUED = 100_000
 DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
 DEFAULT_TENANT_MAX_QUEUED = 10_000
+# A tenant without its own max_queued_bytes may hold this fraction of the global byte cap
+# (over every model): one tenant cannot fill the global cap and lock the others out.
+DEFAULT_TENANT_BYTES_SHARE = 0.25
+# An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
+# a queue the engine turns over a few times, not 10,000 generations.
+DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
+# A streamed request whose client reads none of its parts for this long is cancelled.
+DEFAULT_STALLED_STREAM_S = 30.0
+# A shell process that reads nothing of what the core sends it for this long is cut off.
+DEFAULT_STALLED_SHELL_S = 10.0
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
@@ -410,13 +420,18 @@ class Tenant(_Strict):
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for this tenant's priority-0 requests."
     )
-    max_queued: int = Field(
-        default=DEFAULT_TENANT_MAX_QUEUED,
+    max_queued: int | None = Field(
+        default=None,
         ge=1,
-        description="Requests this tenant may have queued per model; beyond, 503.",
+        description="Requests this tenant may have queued per model; beyond, 503. Unset: "
+        f"{DEFAULT_TENANT_MAX_QUEUED:,} on a batching endpoint, queues.engine_queue_slots x "
+        "max_inflight on an engine endpoint.",
     )
     max_queued_bytes: int | None = Field(
-        default=None, ge=1, description="Tensor bytes this tenant may have queued per model."
+        default=None,
+        ge=1,
+        description="Tensor bytes this tenant may have queued per model; beyond, 503. Unset: "
+        "queues.tenant_bytes_share of queues.max_queued_bytes, over all models together.",
     )
     limits: dict[str, Limits] = Field(
         default_factory=dict,
@@ -536,7 +551,7 @@ class Triton(_Strict):
 
 
 class Queues(_Strict):
-    """Global caps over every tenant and endpoint."""
+    """Caps on what waits: global ones, per-tenant defaults, and answers held for clients."""
 
     max_queued: int = Field(
         default=DEFAULT_GLOBAL_MAX_QUEUED,
@@ -548,6 +563,40 @@ class Queues(_Strict):
         default=DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
         ge=1,
         description="Tensor bytes queued in the whole frontend; beyond, the same 503.",
+    )
+    tenant_bytes_share: float = Field(
+        default=DEFAULT_TENANT_BYTES_SHARE,
+        gt=0,
+        le=1,
+        description="Fraction of max_queued_bytes one tenant may have queued, over all models "
+        "together, unless its own max_queued_bytes says otherwise: one tenant cannot fill the "
+        "global cap and lock the others out (0.25: at least four tenants share it). Beyond, "
+        "503 'Exceeds maximum queue size', shed by the shells once the core has said so.",
+    )
+    engine_queue_slots: float = Field(
+        default=DEFAULT_ENGINE_QUEUE_SLOTS,
+        gt=0,
+        description="Engine endpoints (max_inflight): requests one tenant may have queued per "
+        "model, in multiples of the endpoint's slots (4 x 64 = 256 for the shipped llm), "
+        "unless its own max_queued says otherwise. The throttle refuses sooner what would "
+        "wait for a slot beyond the latency target.",
+    )
+    stalled_stream_s: float = Field(
+        default=DEFAULT_STALLED_STREAM_S,
+        gt=0,
+        description="A streamed request (a decoupled model's responses) holds at most a few "
+        "parts its client has not read (records.ANSWER_WINDOW); at that bound the core stops "
+        "reading its stream from Triton (gRPC flow control holds Triton's sender). Held so "
+        "for this long with none read, the request is cancelled in Triton (its slot freed) "
+        "and ends CANCELLED.",
+    )
+    stalled_shell_s: float = Field(
+        default=DEFAULT_STALLED_SHELL_S,
+        gt=0,
+        description="A shell process whose link to the core has answers waiting unsent "
+        "(beyond the socket's buffers) and takes none of them for this long is cut off (it "
+        "stopped reading: hung or stopped); its requests are dropped and it is restarted. A "
+        "shell that drains a large burst, however slowly, is never cut.",
     )
 
 
@@ -713,7 +762,9 @@ class Config(_Strict):
     )
     server: Server = Field(default_factory=Server, description="Listeners.")
     triton: Triton = Field(default_factory=Triton, description="The Triton behind the frontend.")
-    queues: Queues = Field(default_factory=Queues, description="Global queue caps.")
+    queues: Queues = Field(
+        default_factory=Queues, description="Queue caps: global, per-tenant defaults, answers."
+    )
     tier_guard: TierGuard = Field(
         default_factory=TierGuard, description="Optional minimum share of lower tiers."
     )

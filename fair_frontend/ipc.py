@@ -7,6 +7,16 @@ length and a msgpack document (``msgspec``: a tagged record; numpy arrays inside
 event loop's own transports (uvloop), coalesce what they write in one loop iteration
 into one ``write``, and parse whatever arrived in one ``data_received``.
 
+Flow: a peer that reads slowly is waited for, one that stopped reading is cut off. What
+one end writes and the other has not taken yet waits in the writer's transport; past its
+high-water mark (``WRITE_BUFFER_HIGH``) the transport pauses the writer's protocol, and
+from then on the writer watches the bytes actually sent: a link whose unsent bytes stay
+above the mark while none are taken for ``queues.stalled_shell_s`` (the peer is hung or
+stopped: SIGSTOP, a debugger) is cut, as if the peer had died. A large burst to a peer
+that is reading, however slowly, is delivered whole. What waits is bounded by the work
+in flight: one answer per call, a streamed answer at most ``records.ANSWER_WINDOW``
+parts ahead of its client (``PartsRead``).
+
 Why a socket of our own rather than a broker or ZeroMQ: the connection *is* the shell.
 When a shell process dies its connection closes at once, and the core drops that shell's
 queued work at that moment (``Core.drop_route``): nothing is left for answers that can
@@ -35,10 +45,12 @@ import msgspec
 import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2
 
+from fair_frontend.config import DEFAULT_STALLED_SHELL_S
 from fair_frontend.errors import FrontendError, Internal, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import deserialize_bytes, serialize_bytes
 from fair_frontend.records import (
+    ANSWER_WINDOW,
     Answer,
     Call,
     Cancel,
@@ -49,6 +61,7 @@ from fair_frontend.records import (
     Hello,
     InfoAnswer,
     InfoQuery,
+    PartsRead,
     QueueView,
     Ready,
     Settings,
@@ -69,9 +82,11 @@ log = logging.getLogger(__name__)
 
 _HEADER = 4
 MAX_FRAME = (1 << 31) - 1
-# A shell that stops reading its answers: beyond this much unsent, it is cut off (its
-# clients see their connections drop; its queued work is dropped, as if it had died).
-MAX_UNSENT_BYTES = 256 << 20
+# Unsent bytes past which a transport pauses its writer (and the stall watch starts), and
+# below which it resumes it.
+WRITE_BUFFER_HIGH = 8 << 20
+WRITE_BUFFER_LOW = 2 << 20
+STALL_CHECKS = 4  # checks of a paused link's progress per stalled_shell_s
 TALLY_INTERVAL_S = 0.25
 TALLY_MAX_KEYS = 1024  # distinct (tenant, model, outcome) before a tally goes early
 INTAKE_SLICE = 64  # calls admitted before the loop runs anything else
@@ -116,10 +131,18 @@ class _Framed(asyncio.Protocol):
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self.closed = False
+        self.stall_s = DEFAULT_STALLED_SHELL_S  # queues.stalled_shell_s
+        self._written = 0  # bytes handed to the transport, ever
+        self._watch: asyncio.TimerHandle | None = None  # set while the transport is paused
+        self._sent_seen = 0  # bytes sent at the last progress seen
+        self._progress_at = 0.0  # the loop's time of that progress
+        self.cut_off = False  # closed for not reading
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        transport.set_write_buffer_limits(high=8 << 20)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(  # type: ignore[attr-defined]
+            high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW
+        )
 
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
@@ -169,18 +192,65 @@ class _Framed(asyncio.Protocol):
         out, self._out = self._out, []
         if self.closed or self.transport is None or not out:
             return
-        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-        if self.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
-            log.error("%s does not read its answers: disconnecting it", self.peer)
+        data = out[0] if len(out) == 1 else b"".join(out)
+        self._written += len(data)
+        self.transport.write(data)
+
+    # Write flow control: the transport pauses this protocol past WRITE_BUFFER_HIGH unsent
+    # and resumes it below WRITE_BUFFER_LOW; meanwhile the peer must take something every
+    # stall_s, or it is cut off.
+
+    def pause_writing(self) -> None:
+        if self._watch is not None or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._sent_seen = self._sent()
+        self._progress_at = loop.time()
+        self._watch = loop.call_later(self.stall_s / STALL_CHECKS, self._check_progress)
+
+    def resume_writing(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _sent(self) -> int:
+        """Bytes the peer has taken off the socket (or the kernel buffers hold for it)."""
+        assert self.transport is not None
+        return self._written - self.transport.get_write_buffer_size()
+
+    def _check_progress(self) -> None:
+        self._watch = None
+        if self.closed or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        sent = self._sent()
+        if sent > self._sent_seen:
+            self._sent_seen, self._progress_at = sent, loop.time()
+        elif loop.time() - self._progress_at >= self.stall_s:
+            log.error(
+                "%s took none of %d unsent bytes for %.1f s (queues.stalled_shell_s): "
+                "cutting it off",
+                self.peer,
+                self.transport.get_write_buffer_size(),
+                loop.time() - self._progress_at,
+            )
+            self.cut_off = True
             self.close()
+            return
+        self._watch = loop.call_later(self.stall_s / STALL_CHECKS, self._check_progress)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()
+            self.resume_writing()
+            if self.cut_off:
+                self.transport.abort()  # what waits is for a peer that does not read
+            else:
+                self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.resume_writing()
 
 
 # ---- the core's end -----------------------------------------------------------------------
@@ -277,6 +347,10 @@ class ShellConnection(_Framed):
     def peer(self) -> str:
         return f"shell {self.index} (pid {self.pid})"
 
+    def pause_writing(self) -> None:
+        self.stall_s = self.core.config.queues.stalled_shell_s  # live: a reload may change it
+        super().pause_writing()
+
     def received(self, record: Any) -> None:
         if isinstance(record, Call):
             self.calls[record.id] = None
@@ -288,6 +362,12 @@ class ShellConnection(_Framed):
                     self.core.cancel(req)
                 else:  # still in the intake: admitted, then cancelled at once
                     self.calls[record.id] = _CANCELLED
+        elif isinstance(record, PartsRead):
+            calls = self.calls
+            for call_id, parts in record.entries:
+                req = calls.get(call_id)
+                if req is not None and req is not _CANCELLED:
+                    self.core.parts_read(req, parts)
         elif isinstance(record, Tally):
             self.core.tally(record)
         elif isinstance(record, InfoQuery):
@@ -297,8 +377,8 @@ class ShellConnection(_Framed):
         elif isinstance(record, Hello):
             self.index, self.pid = record.index, record.pid
             self.send(self.server.settings())
-            if self.server.queue_view:
-                self.send(QueueView(self.server.queue_view))
+            if self.server.queue_view != _NO_VIEW:
+                self.send(QueueView(*self.server.queue_view))
         elif isinstance(record, Ready):
             self.ready = record
             self.server.shell_ready(self)
@@ -377,6 +457,8 @@ class ShellConnection(_Framed):
 
 
 _CANCELLED: Any = object()  # a call cancelled while still in the intake
+View = tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]  # QueueView's
+_NO_VIEW: View = ([], [])
 
 
 class CoreServer:
@@ -392,7 +474,7 @@ class CoreServer:
         self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
         self._server: asyncio.AbstractServer | None = None
         self.stopping = False
-        self._view: list[tuple[str, str, str]] = []
+        self._view: View = _NO_VIEW
         self._viewer: asyncio.Task[None] | None = None
 
     async def flush_tallies(self, timeout_s: float = 1.0) -> None:
@@ -408,8 +490,8 @@ class CoreServer:
         self._viewer = loop.create_task(self._publish_queue_view())
 
     @property
-    def queue_view(self) -> list[tuple[str, str, str]]:
-        """The full queues the shells were last told of."""
+    def queue_view(self) -> View:
+        """The full queues (and byte caps close to full) the shells were last told of."""
         return self._view
 
     async def _publish_queue_view(self) -> None:
@@ -419,7 +501,7 @@ class CoreServer:
             view = self.core.full_queues()
             if view != self._view:
                 self._view = view
-                self.broadcast(QueueView(view))
+                self.broadcast(QueueView(*view))
 
     def shell_ready(self, conn: ShellConnection) -> None:
         self.on_ready(conn)
@@ -469,6 +551,11 @@ class SocketLink(_Framed):
         self._tally: dict[tuple[str | None, str, str, str | None, str], list[float]] = {}
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
+        self._room: dict[tuple[str, str], tuple[int, str]] = {}
+        # Parts of streamed answers taken by clients, not yet told to the core, per call;
+        # and those to tell it at the end of this loop iteration (one PartsRead).
+        self._taken: dict[int, int] = {}
+        self._reads: list[tuple[int, int]] = []
         self.accepting = True
 
     @classmethod
@@ -499,12 +586,33 @@ class SocketLink(_Framed):
             return inbox
         self._inboxes[call.id] = inbox
         inbox._cancel = lambda: self._cancel(call.id)
+        if call.stream:
+            inbox._read = lambda: self._part_read(call.id)
         super().send(call)
         return inbox
 
     def _cancel(self, call_id: int) -> None:
+        self._taken.pop(call_id, None)
         if self._inboxes.pop(call_id, None) is not None:
             super().send(Cancel(call_id))
+
+    def _part_read(self, call_id: int) -> None:
+        """A client took a part of call ``call_id``'s streamed answer: the core hears of it
+        every half window (so it never waits on a client that keeps up), all the calls'
+        of one loop iteration in one ``PartsRead``."""
+        taken = self._taken.get(call_id, 0) + 1
+        if taken < _READ_EVERY:
+            self._taken[call_id] = taken
+            return
+        self._taken.pop(call_id, None)
+        if not self._reads:
+            asyncio.get_running_loop().call_soon(self._send_reads)
+        self._reads.append((call_id, taken))
+
+    def _send_reads(self) -> None:
+        reads, self._reads = self._reads, []
+        if reads:
+            super().send(PartsRead(reads))
 
     async def model_info(self, model: str) -> ModelInfo:
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
@@ -547,11 +655,19 @@ class SocketLink(_Framed):
             loop = asyncio.get_running_loop()
             self._tally_timer = loop.call_later(TALLY_INTERVAL_S, self.flush_tally)
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
         full = self._full
-        if not full:
-            return None
-        return full.get((tenant, model)) or full.get(("*", "*"))
+        if full:
+            cap = full.get((tenant, model)) or full.get(("*", "*"))
+            if cap is not None:
+                return cap
+        room = self._room
+        if nbytes and room:
+            for key in ((tenant, model), (tenant, "*"), ("*", "*")):
+                left = room.get(key)
+                if left is not None and nbytes > left[0]:
+                    return left[1]
+        return None
 
     def flush_tally(self) -> None:
         if self._tally_timer is not None:
@@ -575,6 +691,7 @@ class SocketLink(_Framed):
                 return  # its client went away
             if record.final:
                 del self._inboxes[record.id]
+                self._taken.pop(record.id, None)
             inbox.answer(record)
         elif isinstance(record, (InfoAnswer, StatsAnswer)):
             fut = self._queries.get(record.id)
@@ -582,7 +699,11 @@ class SocketLink(_Framed):
                 fut.set_result(record)
         elif isinstance(record, QueueView):
             self._full = {(tenant, model): cap for tenant, model, cap in record.full}
+            self._room = {(tenant, model): (left, cap) for tenant, model, left, cap in record.room}
         elif isinstance(record, Settings):
+            queues = record.config.get("queues")
+            if isinstance(queues, dict) and "stalled_shell_s" in queues:
+                self.stall_s = float(queues["stalled_shell_s"])
             self.on_settings(record)
         elif isinstance(record, FlushTally):
             self.flush_tally()
@@ -608,3 +729,4 @@ class SocketLink(_Framed):
 
 
 _CORE_GONE = "the frontend's core process is gone"
+_READ_EVERY = max(1, ANSWER_WINDOW // 2)  # parts taken before the core is told

@@ -7,11 +7,19 @@ scheduling, batching, dispatch to Triton. Between them travel only the records b
 
 * a shell sends a ``Call`` per inference request (decoded, identified, validated), a
   ``Cancel`` when its client goes away, a ``Tally`` of what it answered itself (requests
-  refused before the core saw them), and queries (``InfoQuery``, ``StatsQuery``);
+  refused before the core saw them), ``PartsRead`` as its clients take the parts of
+  streamed answers (the core's window, below), and queries (``InfoQuery``,
+  ``StatsQuery``);
 * the core answers each ``Call`` with exactly one final ``Answer`` (a decoupled model's
   stream: parts with ``final=False`` first), each query with its answer, and pushes
   ``Settings`` (the config a shell needs, at start and on reload), ``Draining`` and
   ``Stop`` (shutdown).
+
+A streamed answer (a decoupled model's parts) is flow-controlled per call: the core
+keeps at most ``ANSWER_WINDOW`` parts sent and not yet taken by the client (read from the
+shell's ``Inbox``); the shell tells it what was taken (``PartsRead``, every half window),
+and meanwhile the core stops reading that request's stream from Triton. The final answer
+always goes: a call's queued answers are bounded by ``ANSWER_WINDOW + 1``.
 
 With ``--workers 1`` the shell lives in the core's process and the records are passed as
 objects; with several shell processes ``fair_frontend.ipc`` frames them as msgpack over a
@@ -94,6 +102,11 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
 
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+ANSWER_WINDOW = 16
+"""Parts of one call's streamed answer sent by the core and not yet taken by its client,
+at most: both ends count by it (the shell acknowledges every ``ANSWER_WINDOW // 2``)."""
 
 
 class Answer(msgspec.Struct, tag=3, array_like=True):
@@ -215,12 +228,28 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
     """Which queues are full now: (tenant, model, the cap) for each, tenant "*" and model
     "*" for the process-wide cap. A shell sheds a request for a full queue at once (before
     it reads an HTTP body, or validates), as the core would refuse it. Sent when it
-    changes, checked every ``QUEUE_VIEW_INTERVAL_S``."""
+    changes, checked every ``QUEUE_VIEW_INTERVAL_S``.
+
+    ``room``: the byte caps close to full, (tenant, model, bytes left, the cap), model "*"
+    for a tenant's default share over every model and ("*", "*", ...) for the global byte
+    cap: a shell sheds a request whose tensor bytes exceed what is left, once decoded
+    (before it crosses to the core). Only caps with less room than the largest request
+    any model accepts are listed."""
 
     full: list[tuple[str, str, str]]
+    room: list[tuple[str, str, int, str]] = []
 
 
-ToCore = Union[Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed]  # noqa: UP007
+class PartsRead(msgspec.Struct, tag=17, array_like=True):
+    """Parts of streamed answers the shell's clients have taken since the last of these:
+    (call id, parts), for calls with at least half an ``ANSWER_WINDOW`` taken."""
+
+    entries: list[tuple[int, int]]
+
+
+ToCore = Union[  # noqa: UP007
+    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, PartsRead
+]
 ToShell = Union[  # noqa: UP007
     Answer, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
 ]

@@ -267,11 +267,13 @@ async def backlogged_shares(
     triton: Any, cost: CostUnit, weights: tuple[float, float]
 ) -> dict[str, int]:
     """acme asks 8 output tokens per request, globex 64 (1:8); both keep 4 slots' worth
-    of requests queued. Output tokens each got while both were backlogged."""
+    of requests queued. Output tokens each got while both were backlogged. (acme queues
+    80 on 4 slots: above an engine's default per-tenant cap, 4 x its slots, so its own
+    max_queued says so.)"""
     base = engine_config(4, cost=cost)
     tenants = dict(base.tenants)
     for name, w in zip(("acme", "globex"), weights, strict=True):
-        tenants[name] = tenants[name].model_copy(update={"weight": w})
+        tenants[name] = tenants[name].model_copy(update={"weight": w, "max_queued": 1000})
     config = base.model_copy(update={"tenants": tenants})
     with running_frontend(config, triton) as fe:
         log: list[tuple[float, str]] = []

@@ -7,6 +7,12 @@ twice, its books balance, and the pool starts the shell again.
 The intake: calls a core has read but not admitted yet are admitted per tenant in turn,
 so another tenant's call waits behind at most one call of each tenant with calls waiting,
 not behind a burst.
+
+The link (issue 17, item 6): a shell is cut off only when it stops reading, not for a
+large burst. A burst of answers larger than the old fixed bound (256 MiB unsent) to a
+shell that pauses (stopped a few seconds, then continued) is delivered whole; a shell
+stopped for good is cut after ``queues.stalled_shell_s`` without progress, and its work
+is dropped.
 """
 
 from __future__ import annotations
@@ -16,16 +22,20 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.ipc import INTAKE_SLICE, Intake
+from fair_frontend.ipc import INTAKE_SLICE, Intake, ShellConnection
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
@@ -262,3 +272,170 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
             results = await asyncio.gather(*flood)
             await client.close()
         assert not [r for r in results if isinstance(r, Exception)], results
+
+
+# ---- the link: cut for not reading, never for a burst -------------------------------------
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+PART = 1 << 20  # one part of flood_decoupled's answers: 1 MiB
+PARTS = 8  # per request
+OLD_BOUND = 256 << 20  # the fixed unsent bound that cut a shell's link before
+BURST = OLD_BOUND // (PARTS * PART) + 2  # requests: 272 MiB of answers in all
+
+
+def _link_config(stalled_shell_s: float) -> Any:
+    data = make_config().model_dump(mode="json")
+    # Every request of the burst in Triton at once (a decoupled model goes one at a time
+    # by default, per model instance).
+    data["endpoints"]["flood_decoupled"] = {"max_inflight_batches": 4 * BURST}
+    data["queues"]["stalled_shell_s"] = stalled_shell_s
+    return parse_config(data)
+
+
+def _flood(request_id: str, count: int, size: int, delay_ms: int) -> bytes:
+    msg = service_pb2.ModelInferRequest(model_name="flood_decoupled", id=request_id)
+    for name, value in (("COUNT", count), ("SIZE", size), ("DELAY_MS", delay_ms)):
+        msg.inputs.add(name=name, datatype="INT32", shape=[1])
+        msg.raw_input_contents.append(np.array([value], dtype="<i4").tobytes())
+    return msg.SerializeToString()
+
+
+def _stream(channel: grpc.aio.Channel) -> Any:
+    method = channel.stream_stream(
+        STREAM,
+        request_serializer=None,
+        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+    )
+    return method(metadata=(("x-api-key", KEYS["initech"]),))
+
+
+async def _until(condition: Any, what: str, deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {deadline_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def _unsent(connections: set[ShellConnection]) -> int:
+    return sum(c.transport.get_write_buffer_size() for c in connections if c.transport)
+
+
+async def _replies(call: Any) -> AsyncIterator[Any]:
+    async for reply in call:
+        yield reply
+
+
+async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
+    triton: EmbeddedTriton,
+) -> None:
+    """272 MiB of answers become due while both shells are stopped (SIGSTOP, a few
+    seconds: a pause, not a hang): the core holds them unsent, more than the old fixed
+    bound, and delivers every one once the shells go on. Before: the link was cut at
+    256 MiB, the shell restarted and its client's stream failed."""
+    outcomes = Outcomes()
+    server = FrontendServer(
+        _link_config(stalled_shell_s=30.0),
+        triton.grpc_url,
+        Listen(),
+        workers=2,
+        core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
+    )
+    with BackgroundServer(server):
+        assert server.shells is not None
+        shells = server.shells
+        links = set(shells.server.connections)
+        pids = [p.pid for p in shells.processes.values()]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            warm = _stream(channel)
+            await warm.write(_flood("warm", 1, 1, 0))
+            await warm.done_writing()
+            assert not [r.error_message async for r in warm if r.error_message]
+            call = _stream(channel)  # one connection: every answer goes to one shell
+            for i in range(BURST):
+                # Answered 5 s after Triton has it: meanwhile the shells are stopped.
+                await call.write(_flood(f"burst{i}", PARTS, PART, 5000))
+            await call.done_writing()
+            core = server.core
+            assert core is not None
+            await _until(
+                lambda: (
+                    "flood_decoupled" in core.runtimes
+                    and core.runtimes["flood_decoupled"].inflight == BURST
+                ),
+                "the burst in Triton",
+            )
+            peak = 0
+            try:
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                while time.monotonic() - stopped < 12.0 and peak <= OLD_BOUND + (8 << 20):
+                    peak = max(peak, _unsent(shells.server.connections))
+                    await asyncio.sleep(0.05)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            assert peak > OLD_BOUND, f"only {peak >> 20} MiB were ever unsent"
+            parts = errors = 0
+            async for reply in _replies(call):
+                errors += bool(reply.error_message)
+                parts += bool(reply.infer_response.outputs)
+        assert (errors, parts) == (0, BURST * PARTS)
+        assert shells.restarts == 0 and set(shells.server.connections) == links
+        assert not any(c.cut_off for c in links)
+        burst = [f"burst{i}" for i in range(BURST)]
+        assert [outcomes.outcome[r] for r in burst] == [Outcome.DISPATCHED] * BURST
+        assert max(outcomes.by_id[r] for r in burst) == 1
+
+
+async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
+    triton: EmbeddedTriton,
+) -> None:
+    """A shell stopped for good (SIGSTOP) while the core has 16 MiB of answers for it:
+    after queues.stalled_shell_s without a byte taken, the core cuts its link, drops its
+    request (cancelled, once), and the shell, continued, is replaced. Before: 16 MiB was
+    below the fixed 256 MiB bound, and the link (and the request's slot) stayed held."""
+    outcomes = Outcomes()
+    stall_s = 2.0
+    server = FrontendServer(
+        _link_config(stalled_shell_s=stall_s),
+        triton.grpc_url,
+        Listen(),
+        workers=2,
+        core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
+    )
+    with BackgroundServer(server):
+        assert server.shells is not None and server.core is not None
+        shells, core = server.shells, server.core
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            warm = _stream(channel)
+            await warm.write(_flood("warm", 1, 1, 0))
+            await warm.done_writing()
+            assert not [r.error_message async for r in warm if r.error_message]
+            call = _stream(channel)
+            await call.write(_flood("stuck", 16, PART, 2000))
+            await _until(
+                lambda: any(c.calls for c in shells.server.connections), "the call in the core"
+            )
+            (link,) = [c for c in shells.server.connections if c.calls]
+            victim = link.pid
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                await _until(lambda: link.closed, "the stopped shell's link cut", 60.0)
+                assert link.cut_off and time.monotonic() - started >= stall_s
+                await _until(lambda: core.runtimes["flood_decoupled"].idle, "its work dropped")
+                assert outcomes.by_id["stuck"] == 1
+                assert outcomes.outcome["stuck"] is Outcome.CANCELLED
+            finally:
+                os.kill(victim, signal.SIGCONT)
+                call.cancel()
+            # The continued shell finds its link gone and exits; the pool starts another.
+            await _until(lambda: shells.restarts >= 1, "the cut shell replaced", 60.0)
+            await _until(lambda: len(shells.server.connections) == 2, "two shells again", 60.0)
+            again = _stream(channel)
+            await again.write(_flood("again", 2, 10, 0))
+            await again.done_writing()
+            replies = [r async for r in again]
+            assert not [r.error_message for r in replies if r.error_message]
+            assert len([r for r in replies if r.infer_response.outputs]) == 2

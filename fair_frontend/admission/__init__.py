@@ -25,6 +25,7 @@ from fair_frontend.admission.storage import (
     storage_from_uri,
 )
 from fair_frontend.admission.throttle import (
+    EngineThrottle,
     Throttle,
     ThrottleDecision,
     overloaded_error,
@@ -32,6 +33,7 @@ from fair_frontend.admission.throttle import (
 
 __all__ = [
     "Decision",
+    "EngineThrottle",
     "MemoryStorage",
     "RateLimitItem",
     "RateLimiter",

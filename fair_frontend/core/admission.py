@@ -5,9 +5,11 @@ within its target; to predict the wait it needs the scheduler's backlog ahead of
 request, the service model (what batches cost, ``fair_frontend.feedback``) and how much
 of the capacity the higher tiers take lately (``TierShares``). ``EndpointAdmission``
 holds those three for one endpoint and answers with one call, ``admit``; the batches that
-come back feed it through ``observe_batch``. Rate limits are the tenant's, not the
-endpoint's: ``Core`` checks them after the throttle (a request the platform cannot serve
-in time costs the tenant no quota).
+come back feed it through ``observe_batch``. An engine endpoint (``max_inflight``) has
+the ``EngineThrottle`` instead, which predicts the wait for a slot from how long requests
+hold their slots (``SlotTimes``, fed by the same reports: one per request). Rate limits
+are the tenant's, not the endpoint's: ``Core`` checks them after the throttle (a request
+the platform cannot serve in time costs the tenant no quota).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fair_frontend.admission import Throttle, ThrottleDecision
-from fair_frontend.feedback import ServiceModel
+from fair_frontend.admission import EngineThrottle, Throttle, ThrottleDecision
+from fair_frontend.feedback import ServiceModel, SlotTimes
 from fair_frontend.scheduler import Scheduler
 
 # The throttle stretches a lower tier's predicted wait by 1 / (1 - higher tiers' share);
@@ -67,10 +69,17 @@ class EndpointAdmission:
     """The throttle of one endpoint, with the service model and tier shares it reads."""
 
     service: ServiceModel
-    throttle: Throttle | None  # None: the endpoint does not throttle
+    throttle: Throttle | None  # None: the endpoint does not throttle (batches)
     tiers: Sequence[str]  # highest first
     strict_tiers: bool = True  # fair mode; fifo has no tier order to stretch waits by
     tier_shares: TierShares = field(default_factory=TierShares)
+    engine: EngineThrottle | None = None  # an engine endpoint's throttle (then no throttle)
+    slot_times: SlotTimes = field(default_factory=SlotTimes)  # engine: slot hold times
+
+    @property
+    def throttles(self) -> bool:
+        """Whether admission asks a throttle (batches' or an engine's) at all."""
+        return self.throttle is not None or self.engine is not None
 
     def admit(
         self,
@@ -83,18 +92,32 @@ class EndpointAdmission:
         rows: int,
         tokens: int,
         remaining_s: float | None,
+        own_inflight: int = 0,
     ) -> ThrottleDecision | None:
         """The throttle's decision for a new request (None: the endpoint does not throttle).
 
-        ``remaining_s``: the time left to the request's own deadline, if it has one.
+        ``inflight``: batches in Triton (engine: requests in the engine), ``own_inflight``
+        of them the tenant's (engine only). ``remaining_s``: the time left to the
+        request's own deadline, if it has one.
         """
-        if self.throttle is None:
+        if self.throttle is None and self.engine is None:
             return None
         backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens)
         slowdown = 1.0
         if self.strict_tiers:
             above = self.tier_shares.above(tier, self.tiers)
             slowdown = 1.0 / (1.0 - min(above, MAX_HIGHER_TIER_SHARE))
+        if self.engine is not None:
+            return self.engine.check(
+                ahead=backlog.rows,
+                own_ahead=scheduler.own_ahead(tenant, priority) + rows,
+                inflight=inflight,
+                own_inflight=own_inflight,
+                slot_times=self.slot_times,
+                remaining_s=remaining_s,
+                slowdown=slowdown,
+            )
+        assert self.throttle is not None
         return self.throttle.check(
             backlog, inflight, self.service, remaining_s=remaining_s, slowdown=slowdown
         )
@@ -119,6 +142,8 @@ class EndpointAdmission:
                 rows_by_tier[tier] = rows_by_tier.get(tier, 0) + n
                 tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + tokens[tenant]
             self.tier_shares.observe(rows_by_tier, tokens_by_tier)
+        if self.engine is not None:
+            self.slot_times.observe(finished - started)  # its slot is free, whatever ended it
         self.service.observe_batch(
             sum(rows.values()), sum(tokens.values()), started, finished, now, ok=ok
         )

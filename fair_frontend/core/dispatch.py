@@ -31,7 +31,13 @@ Invariants:
 * while Triton is unreachable nothing is sent: a batch that never reached it is held
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
-  held or still in Triton when a shutdown's drain ends (``drain``).
+  held or still in Triton when a shutdown's drain ends (``drain``);
+* a decoupled request's parts are relayed only while its client keeps up: at most
+  ``records.ANSWER_WINDOW`` sent and not yet taken (``_relay``). At the bound the stream
+  from Triton is not read (gRPC's flow control holds Triton's sender back, and the
+  request keeps its slot); a client that takes none for ``stalled_stream_s`` has its
+  request cancelled in Triton (the stream is closed, the slot freed) and answered
+  CANCELLED (``StalledStream``), once.
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.clock import Clock, Timer
-from fair_frontend.config import Endpoint
+from fair_frontend.config import DEFAULT_STALLED_STREAM_S, Endpoint
 from fair_frontend.errors import (
+    Cancelled,
     DeadlineExceeded,
     FrontendError,
     Internal,
@@ -64,7 +71,7 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
 )
-from fair_frontend.records import Answer, Call, Fault
+from fair_frontend.records import ANSWER_WINDOW, Answer, Call, Fault
 from fair_frontend.scheduler import QueuedRequest, Scheduler
 from fair_frontend.tokens import count_text_tokens, text_of
 
@@ -101,6 +108,15 @@ class CoreRequest(QueuedRequest):
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
     limits_at: float | None = None  # time.time() its tokens were counted against its limits
     last_token_at: float | None = None  # time.monotonic() of its latest output token
+    unread: int = 0  # parts of its streamed answer sent and not yet taken by its client
+    room: asyncio.Future[None] | None = None  # set while _relay waits for the client
+
+    def parts_read(self, parts: int) -> None:
+        """Its client took ``parts`` parts of its streamed answer (its shell says so)."""
+        self.unread = max(0, self.unread - parts)
+        room = self.room
+        if room is not None and not room.done() and self.unread < ANSWER_WINDOW:
+            room.set_result(None)
 
     @property
     def request(self) -> InferRequest:
@@ -119,6 +135,16 @@ class CoreRequest(QueuedRequest):
     @property
     def queued_s(self) -> float:
         return -1.0 if self.dispatched_at is None else self.dispatched_at - self.arrival
+
+
+class StalledStream(Cancelled):
+    """A streamed request whose client took none of its parts for too long: cancelled."""
+
+    def __init__(self, stalled_s: float) -> None:
+        super().__init__(
+            f"the client took none of the {ANSWER_WINDOW} parts of its stream waiting for it "
+            f"in {stalled_s:g} s (queues.stalled_stream_s): the request was cancelled"
+        )
 
 
 class Forwarder(Protocol):
@@ -281,6 +307,7 @@ class EndpointRuntime:
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         on_done: Done = lambda req, outcome, err, version: None,
         on_tokens: Tokens = lambda req, n: None,
+        stalled_stream_s: float = DEFAULT_STALLED_STREAM_S,
     ) -> None:
         self.model = model
         self.info = info
@@ -293,6 +320,7 @@ class EndpointRuntime:
         self.on_batch = on_batch
         self.on_done = on_done
         self.on_tokens = on_tokens
+        self.stalled_stream_s = stalled_stream_s  # a reload sets it (queues are live)
         # Engine mode (max_inflight): requests in the engine at once, each alone.
         self.engine = endpoint.max_inflight is not None
         configured = endpoint.max_inflight or endpoint.max_inflight_batches
@@ -627,7 +655,7 @@ class EndpointRuntime:
         packed = pack([req], self.info, self.endpoint)
         request = req.request
         version = request.version
-        async for reply in self.forwarder.stream(
+        replies = self.forwarder.stream(
             self.model,
             request.version,
             packed.inputs,
@@ -635,7 +663,20 @@ class EndpointRuntime:
             packed.parameters,
             request_id=request.id,
             sequence=packed.sequence,
-        ):
+        )
+        try:
+            return await self._relay_stream(req, replies, version)
+        finally:
+            # Closed on every way out (a stall, a cancellation), not when collected: that
+            # cancels the request in Triton at once.
+            aclose = getattr(replies, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _relay_stream(
+        self, req: CoreRequest, replies: AsyncIterator[StreamReply], version: str
+    ) -> bool:
+        async for reply in replies:
             if reply.error is not None:
                 # Only a failure to reach Triton marks it down: the model's error for this
                 # request, Triton's answer about the model, a stream without progress
@@ -660,17 +701,42 @@ class EndpointRuntime:
                 ):
                     self.kick()  # the charge may have moved another tenant ahead of it
             if not req.cancelled:
-                req.route.answer(
-                    Answer(
-                        req.call.id,
-                        version,
-                        reply.outputs,
-                        final=False,
-                        parameters={FINAL_RESPONSE: reply.final},
-                    )
+                part = Answer(
+                    req.call.id,
+                    version,
+                    reply.outputs,
+                    final=False,
+                    parameters={FINAL_RESPONSE: reply.final},
                 )
+                try:
+                    await self._relay(req, part)
+                except StalledStream as err:
+                    self._fail(req, err)
+                    return False
         self._finish(req, version, [])
         return True
+
+    async def _relay(self, req: CoreRequest, part: Answer) -> None:
+        """One part of a streamed answer, sent once its client has room for it: at most
+        ``ANSWER_WINDOW`` sent and not taken. At the bound this waits, and so does the
+        read of the stream from Triton; ``StalledStream`` if the client takes none for
+        ``stalled_stream_s``."""
+        if req.unread >= ANSWER_WINDOW:
+            room = req.room = asyncio.get_running_loop().create_future()
+            stalled_s = self.stalled_stream_s
+
+            def stalled() -> None:
+                if not room.done():
+                    room.set_exception(StalledStream(stalled_s))
+
+            timer = self.clock.call_at(self.clock.now() + stalled_s, stalled)
+            try:
+                await room
+            finally:
+                timer.cancel()
+                req.room = None
+        req.unread += 1
+        req.route.answer(part)
 
     async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
         """Answer a batch that failed with a model error, culprits found by halves.

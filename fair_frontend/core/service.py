@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fair_frontend.admission import (
+    EngineThrottle,
     RateLimiter,
     RateLimitItem,
     Throttle,
@@ -46,7 +47,13 @@ from fair_frontend.errors import (
     UnknownModel,
     UpstreamError,
 )
-from fair_frontend.feedback import FeedbackCost, ServiceModel, TritonDelta, TritonMetrics
+from fair_frontend.feedback import (
+    FeedbackCost,
+    ServiceModel,
+    SlotTimes,
+    TritonDelta,
+    TritonMetrics,
+)
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
@@ -86,6 +93,7 @@ def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> Endp
         quantum=endpoint.effective_quantum(max_batch),
         tiers=tuple(config.tiers),
         tier_min_share=dict(config.tier_guard.min_share),
+        slots=endpoint.max_inflight,
     )
 
 
@@ -240,6 +248,10 @@ class Core:
         elif runtime is not None:
             runtime.cancel(req)
 
+    def parts_read(self, req: CoreRequest, parts: int) -> None:
+        """The client of ``req`` took ``parts`` parts of its streamed answer."""
+        req.parts_read(parts)
+
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
         dropped = 0
@@ -257,27 +269,47 @@ class Core:
             if e.failed_version is not None:
                 self.stats.failures(e.model, e.failed_version, e.failed_s, e.count)
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
-        """The queue cap a new request of ``tenant`` for ``model`` would hit, if any."""
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
+        """The queue cap a new request of ``tenant`` for ``model`` with ``nbytes`` tensor
+        bytes would hit, if any (``nbytes`` 0: the count caps alone)."""
         runtime = self.runtimes.get(model)
         if runtime is not None:
-            return runtime.scheduler.full(tenant)
-        if self.caps.queued >= self.caps.max_queued:
-            return f"global max_queued={self.caps.max_queued}"
+            return runtime.scheduler.full(tenant, nbytes)
+        caps = self.caps
+        if caps.queued >= caps.max_queued:
+            return f"global max_queued={caps.max_queued}"
         return None
 
-    def full_queues(self) -> list[tuple[str, str, str]]:
-        """Every full queue: (tenant, model, cap); ("*", "*", cap) for the global cap."""
-        if self.caps.queued >= self.caps.max_queued:
-            return [("*", "*", f"global max_queued={self.caps.max_queued}")]
-        out = []
+    def full_queues(self) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]:
+        """What the shells shed (``QueueView``): every full queue, (tenant, model, cap),
+        ("*", "*", cap) for the global cap; and the byte caps close to full, (tenant,
+        model, bytes left, cap), model "*" for a tenant's default share, ("*", "*", ...)
+        for the global byte cap. Close: less room than the largest request any model
+        accepts (a request that fits everywhere is not refused by it)."""
+        caps = self.caps
+        below = self.config.max_wire_bytes()
+        room: list[tuple[str, str, int, str]] = []
+        left = caps.max_queued_bytes - caps.queued_bytes
+        if left < below:
+            room.append(("*", "*", left, f"global max_queued_bytes={caps.max_queued_bytes}"))
+        share = caps.tenant_max_queued_bytes
+        for tenant, queued in caps.tenant_bytes.items():
+            terms = self.tenants.get(tenant)
+            if terms is not None and terms.max_queued_bytes is None and share - queued < below:
+                room.append(
+                    (tenant, "*", share - queued, f"tenant {tenant!r} {caps.tenant_default_cap()}")
+                )
+        if caps.queued >= caps.max_queued:
+            return [("*", "*", f"global max_queued={caps.max_queued}")], room
+        full = []
         for model, runtime in self.runtimes.items():
             scheduler = runtime.scheduler
             for tenant in scheduler.depths():
                 cap = scheduler.full(tenant)
                 if cap is not None:
-                    out.append((tenant, model, cap))
-        return out
+                    full.append((tenant, model, cap))
+            room.extend((tenant, model, n, cap) for tenant, n, cap in scheduler.byte_room(below))
+        return full, room
 
     async def model_info(self, model: str) -> ModelInfo:
         info = await self.models.get(model)
@@ -305,7 +337,7 @@ class Core:
     def _throttle(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
         """Reject at once (503 + Retry-After) what cannot be served within its target."""
         admission = runtime.admission
-        if admission is None or admission.throttle is None:
+        if admission is None or not admission.throttles:
             return
         timeout_us = req.request.timeout_us
         decision = admission.admit(
@@ -317,6 +349,7 @@ class Core:
             rows=req.rows,
             tokens=req.tokens,
             remaining_s=timeout_us / 1e6 if timeout_us else None,
+            own_inflight=runtime.in_engine(req.tenant) if admission.engine is not None else 0,
         )
         assert decision is not None
         self.observer.throttle_decision(model=runtime.model, decision=decision)
@@ -558,8 +591,9 @@ class Core:
             fairness = None
             if engine and endpoint.cost is CostUnit.TOKENS:
                 fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
-            # The throttle predicts waits from batch times, one batch after another; an
-            # engine serves max_inflight requests at once, which it does not model.
+            # The batch throttle predicts waits from batch times, one batch after another;
+            # an engine serves max_inflight requests at once: its throttle predicts the
+            # wait for a slot from how long requests hold theirs.
             throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
@@ -567,6 +601,10 @@ class Core:
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
                 tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
+                engine=EngineThrottle.for_endpoint(endpoint)
+                if engine and endpoint.throttle
+                else None,
+                slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
             )
             runtime = EndpointRuntime(
                 model=model,
@@ -587,6 +625,7 @@ class Core:
                 on_batch=self._on_batch,
                 on_done=self._on_done,
                 on_tokens=self._on_tokens,
+                stalled_stream_s=self.config.queues.stalled_stream_s,
             )
             self.runtimes[model] = runtime
         return runtime
@@ -690,8 +729,9 @@ class Core:
         for gone in set(self.tenants) - set(config.tenants):
             del self.tenants[gone]
         self.keyring = keyring
-        self.caps.max_queued = config.queues.max_queued
-        self.caps.max_queued_bytes = config.queues.max_queued_bytes
+        self.caps.configure(config.queues)
+        for runtime in self.runtimes.values():
+            runtime.stalled_stream_s = config.queues.stalled_stream_s
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants

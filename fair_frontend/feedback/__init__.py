@@ -131,6 +131,7 @@ from fair_frontend.feedback.service import (
     ServiceStatus,
     Source,
 )
+from fair_frontend.feedback.slots import SlotTimes
 from fair_frontend.feedback.triton import (
     CounterTracker,
     ModelCounters,
@@ -157,6 +158,7 @@ __all__ = [
     "ServiceModel",
     "ServiceRate",
     "ServiceStatus",
+    "SlotTimes",
     "Source",
     "TenantUsage",
     "TritonDelta",

@@ -110,8 +110,11 @@ class Scheduler:
         """Queue a request, or raise ``QueueFull`` naming the first cap it would exceed.
 
         Caps are checked in this order: the tenant's ``max_queued`` and
-        ``max_queued_bytes`` on this endpoint, then the process-wide ``max_queued`` and
-        ``max_queued_bytes``. A refused request is left untouched (state ``NEW``).
+        ``max_queued_bytes`` on this endpoint (without its own ``max_queued``: the
+        endpoint's default, ``GlobalCaps.default_max_queued``; without its own
+        ``max_queued_bytes``: its default share of the global byte cap, over every
+        endpoint), then the process-wide ``max_queued`` and ``max_queued_bytes``. A
+        refused request is left untouched (state ``NEW``).
         The tenant directory is consulted when the tenant has nothing queued here; while
         it has, its terms (tier, weight, caps) stay as they were (see ``TenantQueue``).
         """
@@ -135,9 +138,12 @@ class Scheduler:
         if queue.requests >= queue.max_queued:
             raise QueueFull(f"tenant {tenant!r} max_queued={queue.max_queued}")
         cap = queue.max_queued_bytes
-        if cap is not None and queue.nbytes + nbytes > cap:
-            raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
         caps = self._caps
+        if cap is not None:
+            if queue.nbytes + nbytes > cap:
+                raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
+        elif nbytes and caps.tenant_bytes.get(tenant, 0) + nbytes > caps.tenant_max_queued_bytes:
+            raise QueueFull(f"tenant {tenant!r} {caps.tenant_default_cap()}")
         if caps.queued >= caps.max_queued:
             raise QueueFull(f"global max_queued={caps.max_queued}")
         if caps.queued_bytes + nbytes > caps.max_queued_bytes:
@@ -157,8 +163,7 @@ class Scheduler:
 
         was_idle = not queue.requests
         queue.add(req)
-        caps.queued += 1
-        caps.queued_bytes += nbytes
+        caps.add(tenant, nbytes)
         self._admitted += 1
         self._arrivals.push(handle)
         if req.deadline is not None:
@@ -262,17 +267,45 @@ class Scheduler:
         """Selector 2 (deficit round robin, or virtual token counters in engine mode)."""
         return self._fairness
 
-    def full(self, tenant: str) -> str | None:
-        """The cap a new request of ``tenant`` would hit for its count alone, if any (the
-        tenant's ``max_queued`` here, or the process-wide one): what ``enqueue`` would
-        name in its ``QueueFull``. Byte caps depend on the request and are not told."""
-        queue = self._queues.get(tenant)
-        if queue is not None and queue.requests and queue.requests >= queue.max_queued:
-            return f"tenant {tenant!r} max_queued={queue.max_queued}"
+    def full(self, tenant: str, nbytes: int = 0) -> str | None:
+        """The cap a new request of ``tenant`` with ``nbytes`` tensor bytes would hit now,
+        if any: what ``enqueue`` would name in its ``QueueFull`` (for the shells' early
+        shedding; ``nbytes`` 0: the count caps alone, before the request's size is known).
+        A tenant with nothing queued here is judged by its terms as ``enqueue`` would read
+        them; an unknown tenant by the process-wide caps alone."""
         caps = self._caps
+        queue = self._queues.get(tenant)
+        if queue is not None and queue.requests:
+            if queue.requests >= queue.max_queued:
+                return f"tenant {tenant!r} max_queued={queue.max_queued}"
+            own = queue.max_queued_bytes
+            here = queue.nbytes
+        else:
+            terms = self._tenants.get(tenant)
+            own = terms.max_queued_bytes if terms is not None else None
+            here = 0
+        if nbytes:
+            if own is not None:
+                if here + nbytes > own:
+                    return f"tenant {tenant!r} max_queued_bytes={own}"
+            elif caps.tenant_bytes.get(tenant, 0) + nbytes > caps.tenant_max_queued_bytes:
+                return f"tenant {tenant!r} {caps.tenant_default_cap()}"
         if caps.queued >= caps.max_queued:
             return f"global max_queued={caps.max_queued}"
+        if caps.queued_bytes + nbytes > caps.max_queued_bytes:
+            return f"global max_queued_bytes={caps.max_queued_bytes}"
         return None
+
+    def byte_room(self, below: int) -> list[tuple[str, int, str]]:
+        """Tenants with their own ``max_queued_bytes`` and less than ``below`` bytes of it
+        left here: (tenant, bytes left, the cap as ``enqueue`` names it)."""
+        out = []
+        for tenant, queue in self._queues.items():
+            cap = queue.max_queued_bytes
+            if cap is not None and queue.requests and cap - queue.nbytes < below:
+                cap_text = f"tenant {tenant!r} max_queued_bytes={cap}"
+                out.append((tenant, cap - queue.nbytes, cap_text))
+        return out
 
     def queued(self) -> list[QueuedRequest]:
         """Every queued request, oldest first (O(queued): for rare events, not per request)."""
@@ -398,6 +431,17 @@ class Scheduler:
                 ahead_tokens += others_tokens
         return Backlog(ahead_rows, ahead_tokens)
 
+    def own_ahead(self, tenant: str, priority: int) -> int:
+        """Rows of ``tenant``'s own queued here that go before a new request of it at
+        ``priority`` (its levels at or above it; in fifo mode all of them): the engine
+        throttle's count of the tenant's own work ahead. O(priority levels)."""
+        queue = self._queues.get(tenant)
+        if queue is None or not queue.requests:
+            return 0
+        if not self._fair:
+            return queue.rows
+        return queue.ahead_of(priority)[1]
+
     # ---- internals ----------------------------------------------------------------------
 
     def _tier_of(self, tenant: str, terms: TenantTerms) -> Tier:
@@ -412,7 +456,13 @@ class Scheduler:
     def _new_queue(self, tenant: str, terms: TenantTerms) -> TenantQueue:
         # Also replaces an empty queue whose tenant's terms changed (a config reload):
         # terms apply from the moment a tenant's queue is empty (TenantQueue docstring).
-        queue = TenantQueue(tenant, terms, self._tier_of(tenant, terms), self._ordering.key)
+        queue = TenantQueue(
+            tenant,
+            terms,
+            self._tier_of(tenant, terms),
+            self._ordering.key,
+            default_max_queued=self._caps.default_max_queued(self.policy.slots),
+        )
         self._queues[tenant] = queue
         return queue
 
@@ -473,9 +523,7 @@ class Scheduler:
         req.left_at = now
         queue.remove(req)
         tier = queue.tier
-        caps = self._caps
-        caps.queued -= 1
-        caps.queued_bytes -= req.nbytes
+        self._caps.remove(req.tenant, req.nbytes)
         if self._fair and not queue.requests:
             # A tenant whose queue empties leaves its tier's round (and loses its budget).
             tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0

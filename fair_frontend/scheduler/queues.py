@@ -69,13 +69,16 @@ class TenantQueue(Load):
         terms: TenantTerms,
         tier: Tier,
         key: Callable[[QueuedRequest], tuple[Any, ...]],
+        *,
+        default_max_queued: int,
     ) -> None:
         super().__init__()
         self.tenant = tenant
         self.terms = terms
         self.tier = tier
         self.weight = float(terms.weight)
-        self.max_queued = terms.max_queued
+        self.max_queued = terms.max_queued if terms.max_queued is not None else default_max_queued
+        # None: the process-wide default share applies (GlobalCaps.tenant_max_queued_bytes).
         self.max_queued_bytes = terms.max_queued_bytes
         self._key = key
         self._heap: list[tuple[Any, ...]] = []

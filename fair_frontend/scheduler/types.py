@@ -12,7 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fair_frontend.config import DEFAULT_TENANT_MAX_QUEUED, CostUnit, Endpoint, TierGuard
+from fair_frontend.config import CostUnit, Endpoint, TierGuard
 
 if TYPE_CHECKING:
     from fair_frontend.scheduler.queues import TenantQueue
@@ -101,7 +101,7 @@ class TenantTerms(Protocol):
     def weight(self) -> float: ...
 
     @property
-    def max_queued(self) -> int: ...
+    def max_queued(self) -> int | None: ...
 
     @property
     def max_queued_bytes(self) -> int | None: ...
@@ -113,8 +113,8 @@ class TenantSpec:
 
     tier: str
     weight: float = 1.0
-    max_queued: int = DEFAULT_TENANT_MAX_QUEUED
-    max_queued_bytes: int | None = None
+    max_queued: int | None = None  # None: the endpoint's default (GlobalCaps)
+    max_queued_bytes: int | None = None  # None: the process-wide default share
 
 
 TenantDirectory = Mapping[str, TenantTerms]
@@ -132,6 +132,9 @@ class EndpointPolicy:
     tiers: tuple[str, ...]  # highest first
     tier_min_share: Mapping[str, float] = field(default_factory=dict)  # empty: guard off
     share_window_rows: int = DEFAULT_TIER_SHARE_WINDOW_ROWS
+    # Engine mode: the engine's slots (max_inflight), which size a tenant's default queue
+    # cap (GlobalCaps.default_max_queued); None: a batching endpoint.
+    slots: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -152,6 +155,8 @@ class EndpointPolicy:
             problems.append("tier_min_share: shares must add up to less than 1")
         if self.share_window_rows < 1:
             problems.append(f"share_window_rows {self.share_window_rows} < 1")
+        if self.slots is not None and self.slots < 1:
+            problems.append(f"slots {self.slots} < 1")
         if problems:
             raise ValueError("invalid endpoint policy: " + "; ".join(problems))
 
@@ -175,4 +180,5 @@ class EndpointPolicy:
             quantum=endpoint.effective_quantum(max_batch_size),
             tiers=tuple(tiers),
             tier_min_share=dict(tier_guard.min_share) if tier_guard is not None else {},
+            slots=endpoint.max_inflight,
         )

@@ -125,7 +125,7 @@ class Gateway:
         try:
             tenant = self.auth.identify(headers, req.tenant_claim)
             self._admit_model(tenant, req.model)
-            self._shed(tenant, req.model)
+            self._shed(tenant, req.model, req.nbytes)
             info = await self._model_info(req.model)
             if info.decoupled and not streaming:
                 raise Unsupported(
@@ -207,8 +207,8 @@ class Gateway:
             return UNLABELLED_MODEL
         return model
 
-    def _shed(self, tenant: str, model: str) -> None:
-        cap = self.link.queue_full(tenant, model)
+    def _shed(self, tenant: str, model: str, nbytes: int = 0) -> None:
+        cap = self.link.queue_full(tenant, model, nbytes)
         if cap is not None:
             raise QueueFull(cap)
 

@@ -27,14 +27,18 @@ class Inbox:
 
     ``get`` returns them one at a time; the last one has ``final`` set. ``cancel`` tells
     the core the client went away (a call not yet finally answered is dropped there).
+    Bounded: the core sends at most ``records.ANSWER_WINDOW`` parts its client has not
+    taken, and ``get`` tells it each one taken (through the link), so an inbox holds at
+    most that many parts and the final answer, however slowly its client reads.
     """
 
-    __slots__ = ("_answers", "_cancel", "_waiter", "done")
+    __slots__ = ("_answers", "_cancel", "_read", "_waiter", "done")
 
     def __init__(self) -> None:
         self._answers: deque[Answer] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._cancel: Any = None  # set by the link: how to cancel the call in the core
+        self._read: Any = None  # set by the link: how to tell the core a part was taken
         self.done = False  # the final answer has been read
 
     def answer(self, answer: Answer) -> None:
@@ -53,7 +57,13 @@ class Inbox:
         answer = self._answers.popleft()
         if answer.final:
             self.done = True
+        elif self._read is not None:
+            self._read()
         return answer
+
+    def __len__(self) -> int:
+        """Answers waiting to be read."""
+        return len(self._answers)
 
     def cancel(self) -> None:
         if not self.done and self._cancel is not None:
@@ -84,9 +94,10 @@ class CoreLink(Protocol):
         """Count a request this shell answered itself (in the core's metrics)."""
         ...
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
-        """The queue cap a new request would hit now, as far as this shell knows (then it
-        is shed here: the core would refuse it)."""
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
+        """The queue cap a new request with ``nbytes`` tensor bytes would hit now, as far
+        as this shell knows (then it is shed here: the core would refuse it); ``nbytes``
+        0 before its size is known (the count caps alone)."""
         ...
 
     @property
@@ -110,6 +121,7 @@ class LocalLink:
         req = self.core.submit(call, inbox)
         if req is not None:
             inbox._cancel = _Canceller(self.core, req)
+            inbox._read = _Reader(self.core, req)
         return inbox
 
     async def model_info(self, model: str) -> ModelInfo:
@@ -121,8 +133,8 @@ class LocalLink:
     def tally(self, entry: TallyEntry) -> None:
         self.core.tally(Tally([entry]))
 
-    def queue_full(self, tenant: str, model: str) -> str | None:
-        return self.core.queue_full(tenant, model)
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
+        return self.core.queue_full(tenant, model, nbytes)
 
     @property
     def accepting(self) -> bool:
@@ -138,3 +150,16 @@ class _Canceller:
 
     def __call__(self) -> None:
         self.core.cancel(self.req)
+
+
+class _Reader:
+    """Tells the core that the client took a part of its streamed answer (at once)."""
+
+    __slots__ = ("core", "req")
+
+    def __init__(self, core: Core, req: CoreRequest) -> None:
+        self.core = core
+        self.req = req
+
+    def __call__(self) -> None:
+        self.core.parts_read(self.req, 1)

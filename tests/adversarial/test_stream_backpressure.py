@@ -12,13 +12,22 @@ back. So:
   in the core: each of its requests ends once, dispatched or cancelled;
 - a stream whose read fails (a message over gRPC's receive limit) ends, and its queued
   requests are cancelled.
+
+Issue 17, item 6: the answers of one decoupled request are bounded too. A client that
+stops reading a stream of many large parts (gRPC, or HTTP SSE ``/generate_stream``) has
+at most ``records.ANSWER_WINDOW`` parts waiting for it in the frontend's answer queues
+(beyond the transports' own buffers); the core then stops reading the request's stream
+from Triton, and after ``queues.stalled_stream_s`` without a part taken the request is
+cancelled in Triton and ends CANCELLED, once. A client that reads slowly gets every part.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -34,6 +43,7 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.records import ANSWER_WINDOW
 from fair_frontend.scheduler import Counters
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
 from tests.support import (
@@ -334,3 +344,149 @@ async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
     after = await _counters(streams, "sleeper")
     assert after.cancelled - before.cancelled == count, "the stream's requests ran for nobody"
     assert after.dispatched - before.dispatched == 32
+
+
+# ---- a decoupled request whose client stops reading ---------------------------------------
+
+FLOOD_PARTS = 600
+PART_BYTES = 128 << 10  # 75 MiB in all, were every part held for a client that reads none
+STALLED_S = 3.0  # queues.stalled_stream_s here
+# Parts the frontend may have taken from Triton for a client that reads none: the answer
+# window, the gRPC stream's reply buffer, and what the transports carry before their flow
+# control stops them (a few MiB of kernel and gRPC buffers); far below FLOOD_PARTS.
+HELD_PARTS = ANSWER_WINDOW + REPLY_BUFFER + (16 << 20) // PART_BYTES
+OUTPUT_TOKENS = "fair_output_tokens_total"  # one per streamed part (token_output: OUT)
+
+
+def flood_config() -> dict[str, Any]:
+    data = stream_config()
+    data["endpoints"]["flood_decoupled"] = {"token_output": "OUT", "throttle": False}
+    data["queues"] = {"stalled_stream_s": STALLED_S}
+    return data
+
+
+@pytest.fixture(scope="module")
+def floods(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    with running_frontend(parse_config(flood_config()), triton, workers=workers) as running:
+        yield running
+
+
+def _flood(count: int, size: int) -> bytes:
+    msg = service_pb2.ModelInferRequest(model_name="flood_decoupled")
+    for name, value in (("COUNT", count), ("SIZE", size)):
+        msg.inputs.add(name=name, datatype="INT32", shape=[1])
+        msg.raw_input_contents.append(np.array([value], dtype="<i4").tobytes())
+    return msg.SerializeToString()
+
+
+def _sample(fe: RunningFrontend, name: str, **labels: str) -> float:
+    value = fe.frontend.registry.get_sample_value(name, labels)
+    return float(value or 0.0)
+
+
+def _parts(fe: RunningFrontend) -> float:
+    """Parts of acme's flood_decoupled streams the core has taken from Triton."""
+    labels = {"tenant": "acme", "tier": "enterprise", "endpoint": "flood_decoupled"}
+    return _sample(fe, OUTPUT_TOKENS, **labels)
+
+
+def _outcomes(fe: RunningFrontend) -> dict[str, float]:
+    labels = {"tenant": "acme", "tier": "enterprise", "endpoint": "flood_decoupled"}
+    return {
+        o: _sample(fe, "fair_requests_total", outcome=o, **labels)
+        for o in ("dispatched", "cancelled", "failed")
+    }
+
+
+async def _ends_cancelled(fe: RunningFrontend, parts_before: float, outcomes: Any) -> None:
+    """The stalled request: a bounded number of parts taken from Triton, then cancelled
+    there (its stream closed, the runtime idle) after stalled_stream_s, one outcome."""
+    await _until(lambda: _idle(fe, "flood_decoupled"), "the stalled request ends")
+    held = _parts(fe) - parts_before
+    assert 0 < held <= HELD_PARTS, f"{held} parts taken from Triton for a client that reads none"
+    after = _outcomes(fe)
+    assert {o: after[o] - outcomes[o] for o in after} == {
+        "dispatched": 0.0,
+        "cancelled": 1.0,
+        "failed": 0.0,
+    }
+
+
+async def test_a_grpc_client_that_stops_reading_a_stream_holds_a_window_then_is_cancelled(
+    floods: RunningFrontend,
+) -> None:
+    """Before: the core relayed all 600 parts (75 MiB) into the answer queue of a client
+    that read none, and the request ended dispatched."""
+    async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
+        await _warm_flood(channel)
+        parts, outcomes = _parts(floods), _outcomes(floods)
+        call = _open_stream(channel, HOG)
+        await call.write(_flood(FLOOD_PARTS, PART_BYTES))
+        first = await call.read()  # one part, then the client reads no more
+        assert not first.error_message
+        started = time.monotonic()
+        await _ends_cancelled(floods, parts, outcomes)
+        assert time.monotonic() - started >= STALLED_S * 0.9  # not before the stall bound
+        call.cancel()
+
+
+async def test_an_sse_client_that_stops_reading_holds_a_window_then_is_cancelled(
+    floods: RunningFrontend,
+) -> None:
+    """The same over HTTP ``/generate_stream`` (server-sent events), from a raw socket
+    whose receive buffer is small: it reads the response's head and stops."""
+    async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
+        await _warm_flood(channel)
+    parts, outcomes = _parts(floods), _outcomes(floods)
+    host, port = floods.http_url.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=16 << 10)
+    try:
+        body = json.dumps({"COUNT": FLOOD_PARTS, "SIZE": PART_BYTES}).encode()
+        writer.write(
+            f"POST /v2/models/flood_decoupled/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            f"x-api-key: {KEYS['acme']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT_S)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        await _ends_cancelled(floods, parts, outcomes)
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFrontend) -> None:
+    """Far more parts than the window, taken a few at a time with pauses: every part
+    arrives, in order of arrival, then the end; the request ends dispatched."""
+    count = 20 * ANSWER_WINDOW
+    async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
+        await _warm_flood(channel)
+        outcomes = _outcomes(floods)
+        call = _open_stream(channel, HOG)
+        await call.write(_flood(count, 1000))
+        await call.done_writing()
+        replies = []
+        async for reply in call:
+            replies.append(reply)
+            if len(replies) % 7 == 0:
+                await asyncio.sleep(0.02)  # the client is busy: the window fills meanwhile
+    assert not [r.error_message for r in replies if r.error_message]
+    assert len([r for r in replies if r.infer_response.outputs]) == count
+    await _until(lambda: _idle(floods, "flood_decoupled"), "the request ends")
+    after = _outcomes(floods)
+    assert after["dispatched"] - outcomes["dispatched"] == 1
+    assert after["cancelled"] == outcomes["cancelled"]
+
+
+async def _warm_flood(channel: grpc.aio.Channel) -> None:
+    """One short flood answered on a stream: the model is known to the core."""
+    warm = _open_stream(channel, HOG)
+    await warm.write(_flood(2, 10))
+    await warm.done_writing()
+    replies = [r async for r in warm]
+    assert replies and not [r.error_message for r in replies if r.error_message]

@@ -68,6 +68,7 @@ class Scenario:
     min_share: dict[str, float]
     global_max_queued: int
     global_max_bytes: int
+    tenant_bytes_share: float
     ops: list[tuple[Any, ...]]
 
 
@@ -114,6 +115,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         min_share=draw(st.one_of(st.just({}), st.just({tiers[-1]: 0.3}))) if len(tiers) > 1 else {},
         global_max_queued=draw(st.integers(5, 60)),
         global_max_bytes=draw(st.integers(200, 3000)),
+        tenant_bytes_share=draw(st.sampled_from([0.1, 0.25, 0.5, 1.0])),
         ops=draw(st.lists(op, min_size=10, max_size=100)),
     )
 
@@ -179,6 +181,14 @@ def expected_refusal(sc: Scenario, m: Model, caps: GlobalCaps, tenant: str, nbyt
         spec.max_queued_bytes
     ):
         return f"tenant {tenant!r} max_queued_bytes={spec.max_queued_bytes}"
+    # Without its own byte cap, a tenant's default: its share of the global cap (here one
+    # scheduler holds every request, so its bytes here are its bytes everywhere).
+    share = max(1, int(sc.global_max_bytes * sc.tenant_bytes_share))
+    if spec.max_queued_bytes is None and nbytes and sum(r.nbytes for r in mine) + nbytes > share:
+        return (
+            f"tenant {tenant!r} max_queued_bytes={share} (its default: tenant_bytes_share "
+            f"{sc.tenant_bytes_share:g} of the global max_queued_bytes={sc.global_max_bytes})"
+        )
     if len(m.queued) >= caps.max_queued:
         return f"global max_queued={caps.max_queued}"
     if sum(r.nbytes for r in m.queued.values()) + nbytes > caps.max_queued_bytes:
@@ -197,6 +207,11 @@ def check_views(s: Scheduler, m: Model, caps: GlobalCaps) -> None:
     )
     assert c.admitted == c.dispatched + c.expired + c.cancelled + s.queued_requests
     assert s.queued_requests == len(queued) == caps.queued
+    per_tenant: dict[str, int] = {}
+    for r in queued:
+        if r.nbytes:
+            per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + r.nbytes
+    assert caps.tenant_bytes == per_tenant
     assert s.queued_rows == sum(r.rows for r in queued)
     assert s.queued_tokens == sum(r.tokens for r in queued)
     assert s.queued_bytes == sum(r.nbytes for r in queued) == caps.queued_bytes
@@ -324,6 +339,8 @@ def enqueue_one(
         shape=shape,
     )
     refusal = expected_refusal(m.sc, m, caps, tenant, nbytes)
+    # What the shells are told to shed is what enqueue refuses.
+    assert (s.full(tenant, nbytes) or "") == refusal
     try:
         s.enqueue(r, m.now)
     except QueueFull as err:
@@ -340,7 +357,9 @@ def enqueue_one(
 @PROPERTY_SETTINGS
 @given(scenarios())
 def test_random_interleavings_keep_every_guarantee(sc: Scenario) -> None:
-    caps = GlobalCaps(sc.global_max_queued, sc.global_max_bytes)
+    caps = GlobalCaps(
+        sc.global_max_queued, sc.global_max_bytes, tenant_bytes_share=sc.tenant_bytes_share
+    )
     policy = EndpointPolicy(
         sc.cost,
         sc.max_batch_size,

@@ -7,7 +7,13 @@ import math
 import pytest
 from sched_support import drain, make_request, make_scheduler, tags
 
-from fair_frontend.config import CostUnit, Endpoint, TierGuard, parse_config
+from fair_frontend.config import (
+    DEFAULT_TENANT_MAX_QUEUED,
+    CostUnit,
+    Endpoint,
+    TierGuard,
+    parse_config,
+)
 from fair_frontend.errors import MSG_QUEUE_FULL, Internal, QueueFull
 from fair_frontend.scheduler import (
     Backlog,
@@ -388,7 +394,8 @@ def test_tenant_max_queued_bytes() -> None:
 
 
 def test_global_caps_are_shared_by_every_endpoint() -> None:
-    caps = GlobalCaps(max_queued=3, max_queued_bytes=1000)
+    # One tenant may fill the whole byte cap here (its default share is all of it).
+    caps = GlobalCaps(max_queued=3, max_queued_bytes=1000, tenant_bytes_share=1.0)
     s1 = make_scheduler({"a": "paid"}, caps=caps)
     s2 = make_scheduler({"a": "paid"}, caps=caps)
     s1.enqueue(make_request("a", nbytes=100), 0.0)
@@ -405,7 +412,9 @@ def test_global_caps_are_shared_by_every_endpoint() -> None:
 
 
 def test_global_cap_message_names_the_byte_cap_from_config() -> None:
-    cfg = parse_config({"tiers": ["paid"], "tenants": {"acme": {"tier": "paid"}}})
+    # Its own byte cap above the global one: the global cap is the one it meets.
+    acme = {"tier": "paid", "max_queued_bytes": 1 << 31}
+    cfg = parse_config({"tiers": ["paid"], "tenants": {"acme": acme}})
     caps = GlobalCaps.from_config(cfg.queues)
     policy = EndpointPolicy.from_config(
         cfg.endpoint("m"), model_max_batch_size=8, tiers=cfg.tiers, tier_guard=cfg.tier_guard
@@ -414,6 +423,63 @@ def test_global_cap_message_names_the_byte_cap_from_config() -> None:
     with pytest.raises(QueueFull) as err:
         s.enqueue(make_request("acme", nbytes=(1 << 30) + 1), 0.0)
     assert err.value.cap == "global max_queued_bytes=1073741824"
+
+
+def test_a_tenant_without_its_own_byte_cap_holds_at_most_its_share_of_the_global_one() -> None:
+    """Issue 17: one tenant filled the global byte cap and every other tenant got 503.
+    Its default share counts its bytes on every endpoint together; another tenant, and
+    one with its own cap, still queue; what leaves frees the share again."""
+    caps = GlobalCaps(max_queued=100, max_queued_bytes=1000, tenant_bytes_share=0.25)
+    tenants = {"hog": "paid", "b": "paid"}
+    s1, s2 = make_scheduler(tenants, caps=caps), make_scheduler(tenants, caps=caps)
+    s1.enqueue(make_request("hog", nbytes=100), 0.0)
+    s2.enqueue(make_request("hog", nbytes=150), 0.0)  # 250: all of its share, over both
+    expected = (
+        "tenant 'hog' max_queued_bytes=250 (its default: tenant_bytes_share 0.25 of the "
+        "global max_queued_bytes=1000)"
+    )
+    with pytest.raises(QueueFull) as err:
+        s1.enqueue(make_request("hog", nbytes=1), 0.0)
+    assert err.value.cap == expected
+    assert s1.full("hog", 1) == expected and s2.full("hog", 1) == expected
+    assert s1.full("hog") is None  # the count caps alone: room
+    s1.enqueue(make_request("hog", nbytes=0), 0.0)  # no bytes: no byte cap to meet
+    s1.enqueue(make_request("b", nbytes=250), 0.0)  # another tenant: its own share
+    assert caps.tenant_bytes == {"hog": 250, "b": 250}
+    assert [r.tenant for r in s2.next_batch(1.0)] == ["hog"]
+    s1.enqueue(make_request("hog", nbytes=150), 1.0)  # what left freed its share
+    with pytest.raises(QueueFull, match="tenant 'hog' max_queued_bytes=250"):
+        s2.enqueue(make_request("hog", nbytes=1), 1.0)
+    # Its own max_queued_bytes replaces the default (per endpoint, as ever).
+    own = make_scheduler({"hog": TenantSpec("paid", max_queued_bytes=400)}, caps=caps)
+    own.enqueue(make_request("hog", nbytes=400), 1.0)
+    with pytest.raises(QueueFull) as err:
+        own.enqueue(make_request("hog", nbytes=1), 1.0)
+    assert err.value.cap == "tenant 'hog' max_queued_bytes=400"
+
+
+def test_an_engine_endpoint_queues_a_few_turnovers_of_its_slots_per_tenant() -> None:
+    """Issue 17: a tenant could queue 10,000 generations on an engine of 64 slots. On an
+    engine endpoint (``slots``) a tenant without its own max_queued gets
+    ``engine_queue_slots`` x slots; a batching endpoint keeps 10,000; its own wins."""
+    caps = GlobalCaps(engine_queue_slots=2.5)
+    engine = EndpointPolicy(CostUnit.TOKENS, 0, None, None, ("paid",), slots=8)
+    s = Scheduler(engine, {"a": TenantSpec("paid"), "b": TenantSpec("paid")}, caps)
+    for _ in range(20):
+        s.enqueue(make_request("a"), 0.0)
+    with pytest.raises(QueueFull) as err:
+        s.enqueue(make_request("a"), 0.0)
+    assert err.value.cap == "tenant 'a' max_queued=20"
+    assert s.full("a") == "tenant 'a' max_queued=20"
+    s.enqueue(make_request("b"), 0.0)  # another tenant: a queue of its own
+    own = Scheduler(engine, {"a": TenantSpec("paid", max_queued=30)}, GlobalCaps())
+    for _ in range(30):
+        own.enqueue(make_request("a"), 0.0)
+    batching = make_scheduler({"a": "paid"})
+    for _ in range(DEFAULT_TENANT_MAX_QUEUED):
+        batching.enqueue(make_request("a"), 0.0)
+    with pytest.raises(QueueFull, match=f"max_queued={DEFAULT_TENANT_MAX_QUEUED}"):
+        batching.enqueue(make_request("a"), 0.0)
 
 
 # ---- errors ------------------------------------------------------------------------------
