@@ -128,24 +128,38 @@ def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
 class _Watchdog:
     """Cancels a call that makes no progress for ``timeout_s``: one timer per call, which
     re-arms itself from the time of the latest response (``progress`` only notes the
-    time: nothing per response but a clock read)."""
+    time: nothing per response but a clock read).
+
+    Only the wait for Triton counts. While the consumer holds a response (``hold``, until
+    its next ``progress``) the call is not read, by choice: the core holds a stream back
+    for a client that does not read (``records.ANSWER_WINDOW``; its own bound is
+    ``queues.stalled_stream_s``), and that pause is not Triton's lack of progress."""
 
     def __init__(self, call: Any, timeout_s: float) -> None:
         self._call = call
         self._timeout_s = timeout_s
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
+        self._held = False
         self.stalled = False
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(
             self._last + timeout_s, self._check
         )
 
     def progress(self) -> None:
+        """A response came, or the consumer asks for the next one: the wait starts now."""
         self._last = self._loop.time()
+        self._held = False
+
+    def hold(self) -> None:
+        """The consumer has a response and has not asked for the next: time stops."""
+        self._held = True
 
     def _check(self) -> None:
         due = self._last + self._timeout_s
-        if self._loop.time() < due:
+        if self._held or self._loop.time() < due:
+            if self._held:
+                due = self._loop.time() + self._timeout_s
             self._timer = self._loop.call_at(due, self._check)
             return
         self._timer = None
@@ -235,8 +249,8 @@ class TritonForwarder:
 
         No deadline on the call: a generation streams for as long as it produces.
         ``request_timeout_s`` bounds the time without progress instead, each wait for the
-        next response; past it the call is cancelled and the request answered
-        ``NoProgress``.
+        next response (not the time the consumer holds one: ``_Watchdog``); past it the
+        call is cancelled and the request answered ``NoProgress``.
         """
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
@@ -256,6 +270,7 @@ class TritonForwarder:
                     if FINAL_RESPONSE in r.parameters
                     else False
                 )
+                watch.hold()
                 yield StreamReply(
                     version=r.model_version,
                     outputs=grpc_codec.decode_outputs(r),
@@ -263,6 +278,7 @@ class TritonForwarder:
                 )
                 if final:
                     return
+                watch.progress()  # asked for the next response: the wait for Triton
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.stalled or (task is not None and task.cancelling()):

@@ -27,6 +27,8 @@ import tritonclient.grpc.aio as grpcaio
 
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.forwarder import StreamReply, TritonForwarder
+from fair_frontend.protocol import Tensor
 from tests.support import (
     KEYS,
     TEST_MODEL_REPOSITORY,
@@ -169,3 +171,34 @@ async def test_a_triton_that_stops_answering_mid_stream_is_answered_after_the_ti
             os.killpg(pid, signal.SIGCONT)
         assert got == 1 and error is not None
         assert NO_PROGRESS in error.message() and "2 s" in error.message(), error
+
+
+async def test_time_the_consumer_holds_a_response_is_not_triton_without_progress(
+    triton: EmbeddedTriton,
+) -> None:
+    """The core holds a stream back while its client does not read (the answer window);
+    that pause is not Triton's lack of progress. Here the consumer of the forwarder's
+    stream holds its first response for twice the 1 s timeout while Triton has already
+    sent the rest: every response still arrives, none is ``NoProgress`` (the watchdog
+    counted the consumer's pause and cancelled the call)."""
+    fwd = TritonForwarder(triton.grpc_url, request_timeout_s=1.0)
+    n = 4
+    inputs = [
+        Tensor("IN", "INT32", (n,), np.arange(n, dtype=np.int32)),
+        Tensor("DELAY", "UINT32", (n,), np.zeros(n, dtype=np.uint32)),
+        Tensor("WAIT", "UINT32", (1,), np.zeros(1, dtype=np.uint32)),
+    ]
+    got: list[StreamReply] = []
+    try:
+
+        async def consume() -> None:
+            async for reply in fwd.stream("repeat_int32", "", inputs, None, {}):
+                got.append(reply)
+                if len(got) == 1:
+                    await asyncio.sleep(2.0)  # the client not reading, as the core sees it
+
+        await asyncio.wait_for(consume(), DEADLINE_S)
+    finally:
+        await fwd.close()
+    assert [r.error for r in got if r.error is not None] == []
+    assert sum(1 for r in got if r.outputs) == n
