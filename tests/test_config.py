@@ -228,3 +228,23 @@ def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
     config_file = tmp_path / "config.yaml"
     config_file.write_text("tiers: [t]\nendpoints:\n  e: {tokenizer: tok.json, max_inflight: 4}\n")
     assert load_config(config_file).endpoints["e"].tokenizer == str(tmp_path / "tok.json")
+
+
+def test_the_doors_bounds_derive_from_the_queue_and_the_largest_request() -> None:
+    """Unset, gRPC's calls at once follow the global queue cap (a call beyond it would be
+    refused there) and HTTP's bodies read at once four of the largest request; set, the
+    reading bound must fit that request, or it could never be read."""
+    config = parse_config({"tiers": ["t"], "queues": {"max_queued": 500}})
+    assert config.grpc_max_concurrent_calls() == 500 + 1000
+    assert config.http_max_reading_bytes() == 4 * config.max_wire_bytes()
+    largest = config.max_wire_bytes()
+    exact = parse_config({"tiers": ["t"], "server": {"http_max_reading_bytes": largest}})
+    assert exact.http_max_reading_bytes() == largest
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": ["t"], "server": {"http_max_reading_bytes": largest - 1}})
+    assert "server.http_max_reading_bytes" in str(info.value)
+    assert f"({largest} bytes)" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": ["t"], "server": {"header_timeout_s": 0, "http_max_connections": 0}})
+    assert "server.header_timeout_s" in str(info.value)
+    assert "server.http_max_connections" in str(info.value)
