@@ -153,11 +153,18 @@ class Gateway:
         finally:
             inbox.cancel()  # no-op once the final answer was read
 
-    def admit_early(self, model: str, headers: Mapping[str, str]) -> None:
+    def admit_early(self, model: str, headers: Mapping[str, str]) -> str | None:
         """Refuse what the headers alone decide, before a body is read: no key or an
         unknown one (401/403), or a queue that is full (503). A flood of either then costs
-        no body read, decompression or decoding."""
+        no body read, decompression or decoding. Returns the tenant, as far as the headers
+        tell (``Authenticator.identify_by_headers``)."""
         tenant = self.auth.identify_by_headers(headers)
+        self.shed(tenant, model)
+        return tenant
+
+    def shed(self, tenant: str | None, model: str) -> None:
+        """Refuse (503) a request of ``tenant`` (as ``admit_early`` found it; None: not
+        known yet) whose queue for ``model`` is full."""
         if tenant is not None:
             self._shed(tenant, model)
 
