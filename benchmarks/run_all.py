@@ -28,6 +28,7 @@ BENCHMARKS = [
     "bench_engine",
     "bench_generation_cost",
     "bench_hostile",
+    "bench_door",
 ]
 
 

@@ -78,6 +78,30 @@ WIRE_FRAMING_BYTES = 1 << 20
 # it; it bounds one stream's tasks and undelivered replies.
 DEFAULT_GRPC_STREAM_MAX_INFLIGHT = 1024
 DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
+# The door's bounds on connections (per shell process; see README, "The door"). A client
+# sends a request's headers in one packet: 10 s is far above any network's, and bounds
+# what a connection that sends nothing, or headers a byte at a time, holds.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+# Open connections per shell: idle, 28 MiB of HTTP ones and 64 MiB of gRPC ones at most
+# (7 and 16 KiB each, measured by benchmarks/bench_door.py), far above a client pool's
+# (perf_analyzer opens one per concurrent request over HTTP, one in all over gRPC). One
+# address may hold a quarter of them, so that one client cannot take all from the others.
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 1024
+# HTTP/2 streams (calls) at once on one gRPC connection. gRPC's clients hold a call over
+# it while the connection's streams stay open, but fail part of a burst that turns streams
+# over faster than the server frees them (REFUSED_STREAM, benchmarks/bench_streams.py): so
+# it sits far above a client's own concurrency (perf_analyzer 128; the noisy-neighbour
+# burst, 1,250 a connection), a bound on what one connection holds before each call's key
+# is checked (64 KiB, HTTP/2's initial window, a call), not flow control.
+DEFAULT_GRPC_MAX_STREAMS_PER_CONNECTION = 4096
+# Calls a shell handles at once beyond what the global queue can hold: those holding no
+# queue slot (in flight to Triton, side doors, streams between requests).
+GRPC_CALLS_HEADROOM = 1000
+DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
+DEFAULT_GRPC_MAX_CONNECTION_AGE_S = 3600.0
+# Bodies read and decoded at once in a shell, in multiples of the largest request.
+HTTP_READING_REQUESTS = 4
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
 DEFAULT_RATELIMIT_STORAGE = "memory://"
 DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
@@ -516,6 +540,92 @@ class Server(_Strict):
         "headers; beyond, 408 and the connection is closed (a client trickling its body "
         "holds a connection and a buffer no longer than this).",
     )
+    header_timeout_s: float = Field(
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        gt=0,
+        description="Longest a new connection may wait before its first request's headers "
+        "have arrived (HTTP; gRPC: its HTTP/2 handshake), and an HTTP request's headers may "
+        "take from their first byte; beyond, the connection is closed. Bounds a client "
+        "that connects and sends nothing, or its headers a byte at a time (slowloris). "
+        "Idle keep-alive connections between requests are not affected.",
+    )
+    http_max_connections: int = Field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        ge=1,
+        description="Open HTTP connections per shell process; one over it is closed at "
+        "once, unread (counted in fair_connections_refused_total).",
+    )
+    http_max_connections_per_peer: int | None = Field(
+        default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        ge=1,
+        description="Open HTTP connections per shell process from one client address; one "
+        "over it is closed at once, unread. Behind a proxy every connection has the "
+        "proxy's address: raise it to http_max_connections, or null for no per-address "
+        "cap.",
+    )
+    http_max_reading_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Bytes of HTTP request bodies a shell process reads and decodes at "
+        "once, over all its connections: a body counts its Content-Length (a chunked or "
+        "compressed one, its model's body limit) from its headers until it is decoded; one "
+        "that does not fit is refused 503 'Exceeds maximum queue size' before it is read. "
+        "Default: 4 times the largest body limit of any model. At least that limit.",
+    )
+    grpc_max_connections: int = Field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        ge=1,
+        description="Open gRPC connections per shell process (gRPC's "
+        "grpc.max_allowed_incoming_connections): one over it is refused by gRPC itself.",
+    )
+    grpc_max_streams_per_connection: int = Field(
+        default=DEFAULT_GRPC_MAX_STREAMS_PER_CONNECTION,
+        ge=1,
+        description="Calls at once on one gRPC connection (HTTP/2's "
+        "SETTINGS_MAX_CONCURRENT_STREAMS). gRPC's clients hold a call over it while the "
+        "connection's streams stay open, but fail part of a burst that turns streams over "
+        "faster than the server frees them (UNAVAILABLE, RST_STREAM REFUSED_STREAM): keep "
+        "it above any client's concurrency on one connection (a gateway multiplexing many "
+        "tenants included).",
+    )
+    grpc_max_concurrent_calls: int | None = Field(
+        default=None,
+        ge=1,
+        description="gRPC calls a shell process handles at once; one over it is refused "
+        "UNAVAILABLE 'Exceeds maximum queue size' before its message is read. Default: "
+        "queues.max_queued + 1000 (a call beyond what the queue can hold would be refused "
+        "there anyway; the 1000 hold no queue slot: in flight, side doors, open streams).",
+    )
+    grpc_max_connection_idle_s: float | None = Field(
+        default=DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
+        gt=0,
+        description="A gRPC connection without a call for this long is closed (GOAWAY; "
+        "gRPC's clients reconnect on their next call). null: never.",
+    )
+    grpc_max_connection_age_s: float | None = Field(
+        default=DEFAULT_GRPC_MAX_CONNECTION_AGE_S,
+        gt=0,
+        description="A gRPC connection this old (+-10 %) takes no new calls (GOAWAY; "
+        "clients open a new one, which also spreads them over the shells again); its calls "
+        "in flight and open streams finish first, for up to "
+        "grpc_max_connection_age_grace_s. null: never.",
+    )
+    grpc_max_connection_age_grace_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="How long an aged gRPC connection's calls and streams may still run "
+        "before they are cancelled. null (default): as long as they take, so that age "
+        "never cuts a generation or a client's long-lived stream.",
+    )
+    grpc_bdp_probe: bool = Field(
+        default=False,
+        description="gRPC's bandwidth-delay-product probing, which grows each stream's "
+        "receive window with the measured bandwidth (up to 1 GiB). Off (default), a "
+        "call's message waits in HTTP/2's 64 KiB window until its key is checked; a "
+        "refused call has sent no more. On, an unkeyed call's whole message (measured: "
+        "200 calls of 1 MiB, 204 MiB) may arrive before it is refused; large messages "
+        "over long, fast links upload faster.",
+    )
 
 
 class Triton(_Strict):
@@ -812,6 +922,17 @@ class Config(_Strict):
             raise ValueError("; ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _reading_fits_a_request(self) -> Config:
+        reading = self.server.http_max_reading_bytes
+        if reading is not None and reading < self.max_wire_bytes():
+            raise ValueError(
+                f"server.http_max_reading_bytes: {reading} is less than the largest request "
+                f"body a model accepts ({self.max_wire_bytes()} bytes), which could then "
+                "never be read"
+            )
+        return self
+
     # -- derived views -------------------------------------------------------------------
 
     def endpoint(self, model: str) -> Endpoint:
@@ -823,6 +944,18 @@ class Config(_Strict):
         transports' own caps, a backstop behind each request's own model's bound."""
         eps = [*self.endpoints.values(), self.default_endpoint]
         return max(ep.max_wire_bytes for ep in eps)
+
+    def http_max_reading_bytes(self) -> int:
+        """Bytes of HTTP bodies a shell reads and decodes at once (``server``'s, else
+        ``HTTP_READING_REQUESTS`` of the largest request)."""
+        explicit = self.server.http_max_reading_bytes
+        return explicit if explicit is not None else HTTP_READING_REQUESTS * self.max_wire_bytes()
+
+    def grpc_max_concurrent_calls(self) -> int:
+        """gRPC calls a shell handles at once (``server``'s, else what the global queue
+        holds and ``GRPC_CALLS_HEADROOM``)."""
+        explicit = self.server.grpc_max_concurrent_calls
+        return explicit if explicit is not None else self.queues.max_queued + GRPC_CALLS_HEADROOM
 
     def limits_for(self, tenant: str, endpoint: str) -> Limits:
         """The tenant's effective limits on an endpoint (tier's, overridden by the tenant's)."""

@@ -205,6 +205,17 @@ class FrontendMetrics(Observer):
             registry=r,
         )
 
+        # The door's connection bounds (labels: frontend constants, bounded).
+        self.connections_refused = Counter(
+            "fair_connections_refused",
+            "Connections a shell closed itself, by transport and reason: over "
+            "server.http_max_connections (max_connections) or its per-peer cap "
+            "(max_connections_per_peer), or a request's headers not in within "
+            "server.header_timeout_s (header_timeout).",
+            ["transport", "reason"],
+            registry=r,
+        )
+
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -262,6 +273,10 @@ class FrontendMetrics(Observer):
             self._child(self.side_door_lookups, door).inc(count)
         else:
             self._child(self.side_door_calls, self.tenant_label(tenant), door, outcome).inc(count)
+
+    def connection_refused(self, transport: str, reason: str, count: int) -> None:
+        """``count`` connections a shell closed itself (``CONNECTION_DOOR`` tallies)."""
+        self._child(self.connections_refused, transport, reason).inc(count)
 
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model

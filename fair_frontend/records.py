@@ -127,6 +127,9 @@ class Answer(msgspec.Struct, tag=3, array_like=True):
 
 # A side-door tally entry's outcome for a call that asked Triton (a cache miss).
 SIDE_DOOR_LOOKUP = "lookup"
+# A tally entry with this ``door`` counts connections a shell closed itself (over a cap,
+# or too slow with a request's headers): ``model`` is the transport, ``outcome`` why.
+CONNECTION_DOOR = "connection"
 
 
 class TallyEntry(msgspec.Struct, array_like=True, frozen=True):

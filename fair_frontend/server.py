@@ -140,11 +140,7 @@ class FrontendServer:
         assert self.core is not None
         self.gateway = Gateway(self.config, self.core.keyring, LocalLink(self.core), forwarder)
         shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
-        # Bodies are inflated by the shell itself (size-capped, Triton's errors for the
-        # encodings it does not know), not by aiohttp.
-        self._runner = web.AppRunner(
-            shell.app(), handler_cancellation=True, access_log=None, auto_decompress=False
-        )
+        self._runner = shell.runner()
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.listen.host, self.listen.http_port)
         await site.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import urllib.request
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.config import Config, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
@@ -159,3 +161,17 @@ def identity_request(payload: bytes) -> bytes:
     msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
     msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
     return msg.SerializeToString()
+
+
+def metric_sum(running: RunningFrontend, name: str, **labels: str) -> float:
+    """The sum of the frontend's ``name`` samples whose labels include ``labels``, from
+    one scrape of its /metrics (which counts what the shells answered themselves first)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(running.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )

@@ -282,3 +282,23 @@ def test_the_example_config_says_who_may_call_what() -> None:
     config = load_config(EXAMPLE)
     assert set(config.tier_models) == set(config.tiers)
     assert "llm" not in config.tier_models["trial"]
+
+
+def test_the_doors_bounds_derive_from_the_queue_and_the_largest_request() -> None:
+    """Unset, gRPC's calls at once follow the global queue cap (a call beyond it would be
+    refused there) and HTTP's bodies read at once four of the largest request; set, the
+    reading bound must fit that request, or it could never be read."""
+    config = parse_config({"tiers": ["t"], "queues": {"max_queued": 500}})
+    assert config.grpc_max_concurrent_calls() == 500 + 1000
+    assert config.http_max_reading_bytes() == 4 * config.max_wire_bytes()
+    largest = config.max_wire_bytes()
+    exact = parse_config({"tiers": ["t"], "server": {"http_max_reading_bytes": largest}})
+    assert exact.http_max_reading_bytes() == largest
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": ["t"], "server": {"http_max_reading_bytes": largest - 1}})
+    assert "server.http_max_reading_bytes" in str(info.value)
+    assert f"({largest} bytes)" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": ["t"], "server": {"header_timeout_s": 0, "http_max_connections": 0}})
+    assert "server.header_timeout_s" in str(info.value)
+    assert "server.http_max_connections" in str(info.value)

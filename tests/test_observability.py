@@ -232,14 +232,15 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
             err = await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 4)), bogus], key[b])
             assert status_of(err) == "StatusCode.INVALID_ARGUMENT", err
             exp.outcome(b, tier_b, "generate", "rejected_invalid")
-            # Unauthenticated: an unknown key twice, no key once.
+            # Unauthenticated: an unknown key twice, no key once. Refused before their
+            # message is received, so before the model it names is known: "other".
             for _ in range(2):
                 err = await grpc_call(rpc, "embed", [ids_input(grpcaio, ids(1, 4))], "nope")
                 assert status_of(err) == "StatusCode.UNAUTHENTICATED", err
-                exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, "embed", "rejected_auth")
+                exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, OTHER_ENDPOINT, "rejected_auth")
             err = await grpc_call(rpc, "generate", [ids_input(grpcaio, ids(1, 4))], None)
             assert status_of(err) == "StatusCode.UNAUTHENTICATED", err
-            exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, "generate", "rejected_auth")
+            exp.outcome(UNAUTHENTICATED, UNAUTHENTICATED, OTHER_ENDPOINT, "rejected_auth")
             # Expired: a deadline 1 us after arrival has passed before the request can
             # be dispatched; it is answered at once with Triton's timeout message.
             for _ in range(2):
@@ -536,21 +537,27 @@ async def test_request_log_is_one_json_line_per_request_without_keys(
             await http.close()
 
     docs = [json.loads(line) for line in requests.lines]
-    by_id = {d["request_id"]: d for d in docs}
-    assert set(by_id) == {"rid-grpc", "rid-http", "rid-wrong-key", "rid-claim", "rid-late"}
+    # The gRPC calls refused by their key (rid-wrong-key, rid-claim) are refused from
+    # their metadata, before their message, and so their id and model, is received.
+    refused = [d for d in docs if d["request_id"] == ""]
+    by_id = {d["request_id"]: d for d in docs if d["request_id"]}
+    assert set(by_id) == {"rid-grpc", "rid-http", "rid-late"}
+    assert len(refused) == 2
     assert len(docs) == 5  # exactly one line per request
     for d in docs:
         assert d["logger"] == REQUEST_LOGGER and d["level"] == "info"
-        assert d["endpoint"] == "embed"
+        assert d["endpoint"] == ("" if d in refused else "embed")
         assert isinstance(d["latency_ms"], float) and d["latency_ms"] >= 0
     assert by_id["rid-grpc"]["tenant"] == a and by_id["rid-grpc"]["outcome"] == "dispatched"
     assert by_id["rid-http"]["tenant"] == b and by_id["rid-http"]["outcome"] == "dispatched"
     for rid in ("rid-grpc", "rid-http"):
         assert by_id[rid]["queued_ms"] >= 0 and "error" not in by_id[rid]
-    assert by_id["rid-wrong-key"]["tenant"] is None
-    assert by_id["rid-wrong-key"]["outcome"] == "rejected_auth"
-    assert by_id["rid-wrong-key"]["error"] == "unknown API key"
-    assert by_id["rid-claim"]["outcome"] == "rejected_auth"
+    wrong_key, claim = refused
+    assert wrong_key["tenant"] is None
+    assert wrong_key["outcome"] == "rejected_auth"
+    assert wrong_key["error"] == "unknown API key"
+    assert claim["outcome"] == "rejected_auth"
+    assert "does not belong" in claim["error"]
     assert by_id["rid-late"]["tenant"] == b and by_id["rid-late"]["outcome"] == "expired"
     assert "timeout" in by_id["rid-late"]["error"].lower()
     # No key, valid or not, in any line of any logger.

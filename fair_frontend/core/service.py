@@ -58,7 +58,7 @@ from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
-from fair_frontend.records import Answer, Call, Fault, Tally
+from fair_frontend.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -262,6 +262,9 @@ class Core:
     def tally(self, tally: Tally) -> None:
         """Requests a shell answered itself (refused before they reached the core)."""
         for e in tally.entries:
+            if e.door == CONNECTION_DOOR:  # connections the shell closed, not requests
+                self.metrics.connection_refused(e.model, e.outcome, e.count)
+                continue
             if e.door:  # a side door's calls, not requests
                 self.metrics.side_door(e.tenant, e.door, e.outcome, e.count)
                 continue

@@ -178,13 +178,22 @@ class Gateway:
         finally:
             inbox.cancel()  # no-op once the final answer was read
 
-    def admit_early(self, model: str, headers: Mapping[str, str]) -> None:
+    def admit_early(self, model: str, headers: Mapping[str, str]) -> str | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is
         read: no key or an unknown one (401/403), a model name too long (400) or one the
         tenant may not call (403), or a queue that is full (503). A flood of any of them
         then costs no body read, decompression or decoding. ``model`` "": not known yet
-        (a gRPC message that does not name it first); ``infer`` checks it after decoding."""
+        (a gRPC message that does not name it first); ``infer`` checks it after decoding.
+        Returns the tenant, as far as the headers tell
+        (``Authenticator.identify_by_headers``)."""
         tenant = self.auth.identify_by_headers(headers)
+        self.shed(tenant, model)
+        return tenant
+
+    def shed(self, tenant: str | None, model: str) -> None:
+        """Refuse a request of ``tenant`` (as ``admit_early`` found it; None: not known
+        yet) for ``model`` ("": not known yet) that the tenant may not call (400/403), or
+        whose queue is full (503)."""
         if tenant is not None:
             if model:
                 self._admit_model(tenant, model)

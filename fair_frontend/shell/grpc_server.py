@@ -3,6 +3,19 @@
 The servicer is tritonclient's generated ``GRPCInferenceServiceServicer``. Errors end
 the call with the status of ``fair_frontend.errors``; rate-limit and overload errors
 carry the retry hint in trailing metadata ``retry-after`` (seconds).
+
+Identity before bytes (issue 17). gRPC's asyncio server reads a unary method's request
+message whole before it calls the method's handler (``_handle_unary_unary_rpc`` in
+grpc's ``aio/server.pyx.pxi`` awaits ``_receive_message`` first; an interceptor runs
+before that, but can only choose the handler). A stream-request handler is called with
+the message still unread (``_handle_stream_unary_rpc``), and a message nobody reads
+waits in the transport, within its stream's HTTP/2 flow-control window. So every method
+here takes its request as a stream (``GrpcShell.handlers``) and passes its door first,
+from the call's metadata alone: the shell's bound on calls at once, then the key for a
+method that needs one; only then is the message read. A method whose answer does not
+depend on its request (health, server metadata, what the frontend does not implement)
+never reads it. The window is HTTP/2's 64 KiB with gRPC's bandwidth probing off
+(``server.grpc_bdp_probe``): what a refused call has sent beyond it never left the client.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -23,7 +36,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from fair_frontend import __version__, grpc_codec
 from fair_frontend.auth import grpc_peer_address, identity_headers
 from fair_frontend.config import Config
-from fair_frontend.errors import FrontendError, Internal, InvalidArgument
+from fair_frontend.errors import FrontendError, Internal, InvalidArgument, QueueFull
 from fair_frontend.protocol import InferRequest, ParamValue
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
@@ -33,8 +46,11 @@ T = TypeVar("T")
 GRPC_DEFAULT_PENDING_CALLS = 1000  # gRPC core's own max_pending_requests
 # Replies of one stream written ahead of a client that does not read them.
 REPLY_BUFFER = 64
-# Methods whose request arrives as bytes: parsed only after the key and size are checked.
-RAW_REQUEST_METHODS = ("ModelInfer", "ModelStreamInfer")
+# Side doors that answer only a tenant with a key: their message is read once the key in
+# the call's metadata is known good. Every other method but inference (ModelInfer and
+# ModelStreamInfer, whose requests arrive as bytes: parsed only after the key and size are
+# checked) answers without reading its message.
+KEYED_METHODS = frozenset({"ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics"})
 
 
 async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> NoReturn:
@@ -65,9 +81,107 @@ async def _guard(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable
         await abort(context, Internal(f"internal error: {type(err).__name__}"))
 
 
+async def _only_message(context: Any) -> bytes:
+    """The one message of a unary call, read now (a unary client sends exactly one).
+    ``context.read()``, not the request iterator: no async generator per call (measured,
+    ``bench_door``: the iterator cost a tenth more than gRPC's own unary path, this not)."""
+    raw = await context.read()
+    if raw is grpc.aio.EOF:
+        raise InvalidArgument("the call ended before its request message")
+    return cast(bytes, raw)  # registered without a deserializer: the message's bytes
+
+
 class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.calls = 0  # in progress in this shell, bounded by grpc_max_concurrent_calls
+
+    # ---- the door: what every call passes before its message is read -------------------
+
+    def handlers(self) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+        """The service's name and its method handlers, each taking its request as a
+        stream behind the door (the module's docstring says why)."""
+        service, generated = _method_handlers(self)
+        return service, {name: self._door(name, h) for name, h in generated.items()}
+
+    def _door(self, name: str, generated: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if generated.request_streaming:  # ModelStreamInfer: already reads when it chooses
+            return generated._replace(request_deserializer=None)
+        behaviour: Callable[[Any, Any], Awaitable[Any]]
+        if name == "ModelInfer":
+            behaviour = self._infer_door
+        else:
+            behaviour = self._side_door(name, getattr(self, name), generated.request_deserializer)
+        return grpc.stream_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=None,
+            response_serializer=generated.response_serializer,
+        )
+
+    def _side_door(
+        self,
+        name: str,
+        method: Callable[[Any, Any], Awaitable[Any]],
+        deserialize: Callable[[bytes], Any],
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
+        """Any method but inference: a keyed one reads its message once the key is good;
+        refused by its key, it is answered as the method answers these headers with an
+        empty request (worded and counted as ever), unread. An open one's answer does not
+        depend on its request: never read."""
+        keyed = name in KEYED_METHODS
+
+        async def door(requests: Any, context: Any) -> Any:
+            headers = _headers(context)
+            await self._enter(headers, context)
+            try:
+                if not keyed:
+                    return await method(deserialize(b""), context)
+                try:
+                    self.gateway.auth.identify(headers, None)
+                except FrontendError:
+                    return await method(deserialize(b""), context)
+                return await method(deserialize(await _only_message(context)), context)
+            finally:
+                self.calls -= 1
+
+        return door
+
+    async def _infer_door(self, requests: Any, context: Any) -> Any:
+        """ModelInfer: the key and a full global queue from the call's metadata (the model
+        is in the message), then the message."""
+        headers = _headers(context)
+        await self._enter(headers, context)
+        try:
+            tenant = await self._identify(headers, context, shed=True)
+            raw = await _guard(context, lambda: _only_message(context))
+            return await self._infer(raw, headers, tenant, context)
+        finally:
+            self.calls -= 1
+
+    async def _enter(self, headers: dict[str, str], context: Any) -> None:
+        """Count a call in (``calls``: the caller counts it out), or end it here, over
+        the shell's bound on calls at once (counted and logged as a refusal)."""
+        bound = self.gateway.config.grpc_max_concurrent_calls()
+        if self.calls >= bound:
+            err = QueueFull(
+                f"{bound} gRPC calls in progress in this shell (server.grpc_max_concurrent_calls)"
+            )
+            self.gateway.rejected("", headers, err, 0.0)
+            await abort(context, err)
+        self.calls += 1
+
+    async def _identify(self, headers: dict[str, str], context: Any, *, shed: bool) -> str | None:
+        """The tenant, as far as the call's metadata tells (None: a trusted gateway names
+        it in the message), or end the call here: no valid key, or (``shed``) the global
+        queue full. Counted and logged as every request the shell refuses."""
+        started = time.monotonic()
+        try:
+            if shed:
+                return self.gateway.admit_early("", headers)  # the model is in the message
+            return self.gateway.auth.identify_by_headers(headers)
+        except FrontendError as err:
+            self.gateway.rejected("", headers, err, time.monotonic() - started)
+            await abort(context, err)
 
     # Health and server metadata are open; the model doors need the tenant's key (the
     # side doors of ``Gateway``).
@@ -114,13 +228,14 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             lambda: self.gateway.statistics(request.name, request.version, _headers(context)),
         )
 
-    async def ModelInfer(self, request: bytes, context: Any) -> Any:
-        """One request as bytes (``make_server`` registers no deserializer): the key and
-        the size are checked before the body is parsed (``_decode``)."""
+    async def _infer(
+        self, raw: bytes, headers: dict[str, str], tenant: str | None, context: Any
+    ) -> Any:
+        """ModelInfer's request, as bytes, of a call past the door (``_infer_door``): its
+        queue and size are checked before it is parsed (``_decode``)."""
 
         async def call() -> Any:
-            headers = _headers(context)
-            req = self._decode(request, headers)
+            req = self._decode(raw, headers, tenant)
             resp = await self.gateway.infer(req, headers)
             return grpc_codec.encode_infer(resp)
 
@@ -133,28 +248,30 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         other; responses (several for a decoupled model) go back as they come, each
         request's in order. An error answers that request in-stream, as Triton does.
 
-        The key is checked once, from the stream's metadata, before any message is read:
-        without a valid one the stream ends UNAUTHENTICATED (PERMISSION_DENIED for a key
-        naming another tenant) and nothing it sent is parsed. Reading is bounded by
-        ``StreamInfer`` (backpressure on a client that does not read its replies)."""
+        The key is checked once, from the stream's metadata, before any message is read
+        (``_enter``): without a valid one the stream ends UNAUTHENTICATED
+        (PERMISSION_DENIED for a key naming another tenant) and nothing it sent is read.
+        Reading is bounded by ``StreamInfer`` (backpressure on a client that does not read
+        its replies)."""
         headers = _headers(context)
+        await self._enter(headers, context)
         try:
-            self.gateway.auth.identify_by_headers(headers)
-        except FrontendError as err:
-            self.gateway.rejected("", headers, err, 0.0)
-            await abort(context, err)
-        stream = StreamInfer(
-            lambda raw: self._stream_call(raw, headers),
-            self.gateway.config.server.grpc_stream_max_inflight,
-        )
-        async for reply in stream.replies(request_iterator):
-            yield reply
+            # A full queue is answered per request, in-stream; the key, for the stream.
+            tenant = await self._identify(headers, context, shed=False)
+            stream = StreamInfer(
+                lambda raw: self._stream_call(raw, headers, tenant),
+                self.gateway.config.server.grpc_stream_max_inflight,
+            )
+            async for reply in stream.replies(request_iterator):
+                yield reply
+        finally:
+            self.calls -= 1
 
-    def _stream_call(self, raw: bytes, headers: dict[str, str]) -> StreamCall:
+    def _stream_call(self, raw: bytes, headers: dict[str, str], tenant: str | None) -> StreamCall:
         """One message of a stream, decoded by the stream's reader (in the order sent):
         its sequence, if it belongs to one, and how to run it. A refusal is its reply."""
         try:
-            req = self._decode(raw, headers)
+            req = self._decode(raw, headers, tenant)
         except FrontendError as err:
             return StreamCall(None, partial(_refusal, _error_reply(err)), _always_in_order)
         except Exception as err:  # not the client's doing: answered, the stream goes on
@@ -195,20 +312,20 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             log.exception("internal error on a stream")
             yield _internal_reply(err)
 
-    def _decode(self, raw: bytes, headers: dict[str, str]) -> InferRequest:
-        """A request's bytes, checked in order of cost: the key (and a full queue) from
-        the headers, the size against the model's bound, then the parse and decode. A
-        refusal here is still one counted, logged outcome."""
+    def _decode(self, raw: bytes, headers: dict[str, str], tenant: str | None) -> InferRequest:
+        """A request's bytes, of ``tenant`` (the door checked the key), checked in order
+        of cost: its model's queue, the size against the model's bound, then the parse and
+        decode. A refusal here is still one counted, logged outcome."""
         started = time.monotonic()
         peeked, rid = grpc_codec.peek_header(raw)
         model = peeked or ""
         try:
-            self.gateway.admit_early(model, headers)
+            self.gateway.shed(tenant, model)
             self._check_size(model, len(raw))
             msg = grpc_codec.parse_infer_request(raw)
             if msg.model_name != model:  # it was not among the first fields: check again
                 model = msg.model_name
-                self.gateway.admit_early(model, headers)  # its length, the tenant's access
+                self.gateway.shed(tenant, model)  # its length, the tenant's access, its queue
                 self._check_size(model, len(raw))
             return grpc_codec.decode_infer(msg)
         except FrontendError as err:
@@ -453,25 +570,46 @@ class StreamInfer:
             self._changed.notify_all()
 
 
-def make_server(gateway: Gateway) -> grpc.aio.Server:
-    """The gRPC server: tritonclient's service, ModelInfer and ModelStreamInfer taking
-    their requests as bytes (identity and size come before parsing), bounded messages
-    and pending calls."""
-    config = gateway.config
-    limit = max_message_bytes(config)
+def server_options(config: Config) -> list[tuple[str, int]]:
+    """gRPC's own bounds: message size, pending calls, and per connection its streams,
+    window, idle time, age and handshake (``server`` in the config). Fixed at start.
+
+    Pings: gRPC's defaults already refuse a ping flood (a client pinging more often than
+    every 5 minutes without data gets GOAWAY after two strikes,
+    ``grpc.http2.min_ping_interval_without_data_ms`` and ``max_ping_strikes``)."""
+    server = config.server
     pending = max_pending_calls(config)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            # Responses are Triton's, passed on: as large as Triton sends them.
-            ("grpc.max_send_message_length", 2**31 - 1),
-            ("grpc.server.max_pending_requests", pending),
-            ("grpc.server.max_pending_requests_hard_limit", pending),
-        ]
-    )
-    service, handlers = _method_handlers(GrpcShell(gateway))
-    for name in RAW_REQUEST_METHODS:
-        handlers[name] = handlers[name]._replace(request_deserializer=None)
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes(config)),
+        # Responses are Triton's, passed on: as large as Triton sends them.
+        ("grpc.max_send_message_length", 2**31 - 1),
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", pending),
+        ("grpc.max_allowed_incoming_connections", server.grpc_max_connections),
+        ("grpc.max_concurrent_streams", server.grpc_max_streams_per_connection),
+        ("grpc.server_handshake_timeout_ms", _ms(server.header_timeout_s)),
+        ("grpc.http2.bdp_probe", int(server.grpc_bdp_probe)),
+    ]
+    if server.grpc_max_connection_idle_s is not None:
+        options.append(("grpc.max_connection_idle_ms", _ms(server.grpc_max_connection_idle_s)))
+    if server.grpc_max_connection_age_s is not None:
+        options.append(("grpc.max_connection_age_ms", _ms(server.grpc_max_connection_age_s)))
+    if server.grpc_max_connection_age_grace_s is not None:
+        grace = _ms(server.grpc_max_connection_age_grace_s)
+        options.append(("grpc.max_connection_age_grace_ms", grace))
+    return options
+
+
+def _ms(seconds: float) -> int:
+    return max(1, min(round(seconds * 1000), 2**31 - 1))
+
+
+def make_server(gateway: Gateway) -> grpc.aio.Server:
+    """The gRPC server: tritonclient's service, every method behind the door (the module's
+    docstring), ModelInfer and ModelStreamInfer taking their requests as bytes (identity
+    and size come before parsing), and gRPC's own bounds (``server_options``)."""
+    server = grpc.aio.server(options=server_options(gateway.config))
+    service, handlers = GrpcShell(gateway).handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
     return server

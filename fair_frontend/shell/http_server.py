@@ -12,19 +12,32 @@ then. A body is read against its own model's bound (``Endpoint.max_wire_bytes``:
 bodies cut off at it, inflated ones too) and within ``server.http_body_timeout_s`` (then
 408); a body abandoned midway gets ``Connection: close``. Large bodies are decoded on a
 worker thread, so the event loop keeps serving other clients meanwhile.
+
+Connections (issue 17): each shell holds at most ``server.http_max_connections`` open, and
+at most ``server.http_max_connections_per_peer`` from one address; one over either is
+closed at once, unread. A new connection must deliver its first request's headers within
+``server.header_timeout_s``, and a request's headers must arrive within that time of their
+first byte (aiohttp has no such timeout: a client that sends nothing, or its headers a byte
+at a time, would hold its connection until the keep-alive timeout, an hour). Bodies read
+and decoded at once in a shell hold at most ``server.http_max_reading_bytes`` over all its
+connections; a body that does not fit is refused 503 from its headers. Each closed
+connection is counted (``fair_connections_refused_total``), each refused body as a
+request. ``Listener`` wires this into aiohttp's protocol (``GuardedProtocol``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
+from aiohttp.web_protocol import RequestHandler
 from google.protobuf import json_format
 
 from fair_frontend import __version__
@@ -32,6 +45,7 @@ from fair_frontend.auth import identity_headers
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
+    QueueFull,
     UnknownModel,
     Unsupported,
 )
@@ -57,6 +71,7 @@ from fair_frontend.http_codec import (
 )
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.records import CONNECTION_DOOR, TallyEntry
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
 log = logging.getLogger(__name__)
@@ -215,6 +230,20 @@ class HttpShell:
     def __init__(self, gateway: Gateway, *, max_body_bytes: int) -> None:
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
+        self.connections = Connections(gateway)
+        self.reading = 0  # bytes of bodies being read and decoded now (_hold_body)
+
+    def runner(self) -> web.AppRunner:
+        """The shell's app, served behind the door's connection bounds (``Listener``).
+        Bodies are inflated by the shell itself (size-capped, Triton's errors for the
+        encodings it does not know), not by aiohttp."""
+        return Listener(
+            self.app(),
+            self.connections,
+            handler_cancellation=True,
+            access_log=None,
+            auto_decompress=False,
+        )
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -330,16 +359,19 @@ class HttpShell:
         started = time.monotonic()
         try:
             self.gateway.admit_early(model, headers)
-            raw = await self._read_body(request, model)
-            limit = self.gateway.config.endpoint(model).max_wire_bytes
-            size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
-            decoded = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
-            if isinstance(decoded, InferRequest):
-                req = decoded
-            else:
-                # A raw binary body: its one input is deduced from the model's description.
-                info = await self.gateway.model_info(model)
-                req = decode_raw_infer(model, version, decoded, info)
+            with self._hold_body(request, model, headers):
+                raw = await self._read_body(request, model)
+                limit = self.gateway.config.endpoint(model).max_wire_bytes
+                size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
+                decoded = await _off_loop(
+                    size, self._decode_infer, model, version, raw, headers, limit
+                )
+                if isinstance(decoded, InferRequest):
+                    req = decoded
+                else:
+                    # A raw binary body: its one input is deduced from the model's description.
+                    info = await self.gateway.model_info(model)
+                    req = decode_raw_infer(model, version, decoded, info)
         except FrontendError as err:
             # Answered before Gateway.infer: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
@@ -355,6 +387,32 @@ class HttpShell:
         if request.headers.get("Accept-Encoding"):
             out.enable_compression()
         return out
+
+    @contextlib.contextmanager
+    def _hold_body(
+        self, request: web.Request, model: str, headers: Mapping[str, str]
+    ) -> Iterator[None]:
+        """Count a body against ``server.http_max_reading_bytes`` while it is read and
+        decoded, or refuse it (503, unread) when it does not fit beside the bodies this
+        shell is reading now. It counts its declared length; one that declares none or
+        is compressed, its model's bound (as far as it could grow); one declared over its
+        bound, nothing (``_read_body`` refuses it unread)."""
+        bound = self.gateway.config.endpoint(model).max_wire_bytes
+        declared = request.content_length
+        size = bound if declared is None or _encoded(headers) else declared
+        size = 0 if size > bound else size
+        limit = self.gateway.config.http_max_reading_bytes()
+        if self.reading + size > limit:
+            request[_BODY_ABANDONED] = True
+            raise QueueFull(
+                f"{limit} bytes of request bodies are being read in this shell "
+                "(server.http_max_reading_bytes)"
+            )
+        self.reading += size
+        try:
+            yield
+        finally:
+            self.reading -= size
 
     async def _read_body(self, request: web.Request, model: str) -> bytes:
         """The body, read against ``model``'s own bound (``Endpoint.max_wire_bytes``: a
@@ -482,8 +540,9 @@ class HttpShell:
                 raise
             check_model(info, version)
             check_encoding(headers.get("content-encoding"))
-            body = await self._read_body(request, model)
-            req = await _off_loop(len(body), decode_generate, model, version, body, info)
+            with self._hold_body(request, model, headers):
+                body = await self._read_body(request, model)
+                req = await _off_loop(len(body), decode_generate, model, version, body, info)
         except FrontendError as err:
             # Answered before the gateway's stream: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
@@ -514,3 +573,143 @@ def _generate_failure(err: FrontendError) -> web.Response:
 def _generate_json(body: bytes, status: int = 200) -> web.Response:
     # Triton does not compress generate's answers (its "[FIXME] compression").
     return web.Response(status=status, body=body, content_type="application/json")
+
+
+# ---- connections: the door's caps and the header deadline ---------------------------------
+
+
+class Connections:
+    """A shell's open HTTP connections, in all and per peer address, against the caps of
+    ``server`` (read at each connection: a reload applies to the next ones)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.open = 0
+        self.per_peer: dict[str, int] = {}  # only addresses with a connection open
+
+    @property
+    def header_timeout_s(self) -> float:
+        return self.gateway.config.server.header_timeout_s
+
+    def admit(self, peer: str | None) -> str | None:
+        """Count a new connection in; or, when it is over a cap, the reason (a
+        ``fair_connections_refused_total`` label), and it is not counted."""
+        server = self.gateway.config.server
+        if self.open >= server.http_max_connections:
+            return "max_connections"
+        per_peer = server.http_max_connections_per_peer
+        if peer is not None:
+            held = self.per_peer.get(peer, 0)
+            if per_peer is not None and held >= per_peer:
+                return "max_connections_per_peer"
+            self.per_peer[peer] = held + 1
+        self.open += 1
+        return None
+
+    def release(self, peer: str | None) -> None:
+        self.open -= 1
+        if peer is not None:
+            held = self.per_peer.pop(peer) - 1
+            if held:
+                self.per_peer[peer] = held
+
+    def refused(self, reason: str) -> None:
+        """A connection this shell closed itself, counted in the core's metrics."""
+        self.gateway.link.tally(TallyEntry(None, "http", reason, 1, door=CONNECTION_DOOR))
+
+
+class GuardedProtocol(RequestHandler):
+    """aiohttp's protocol for one connection, behind the door: counted against the shell's
+    caps (closed at once, unread, over one), and closed when a request's headers are not
+    in within ``server.header_timeout_s``: of the connection's start for its first
+    request, of the first byte of its headers for a later one (between requests a
+    connection may idle, up to aiohttp's keep-alive timeout).
+
+    A request's headers are in when aiohttp's parser has made a request of them (its
+    ``_request_count`` grows); a byte that arrives while the connection waits for its
+    next request (aiohttp's ``_waiter`` set: no request is being handled, whose body the
+    byte could belong to) starts the next request's deadline. A pipelined request's
+    partial headers, sent while an earlier one is handled and then never finished, wait
+    for the keep-alive timeout instead."""
+
+    def __init__(self, manager: web.Server, *, connections: Connections, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._connections = connections
+        self._admitted = False
+        self._peer: str | None = None
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else None
+        refused = self._connections.admit(peer)
+        if refused is not None:
+            self._connections.refused(refused)
+            self.force_close()
+            return
+        self._admitted, self._peer = True, peer
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        requests = self._request_count
+        super().data_received(data)
+        if self._request_count != requests:
+            self._head_arrived()
+        elif data and self._waiter is not None:
+            self._await_head()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._head_arrived()
+        if self._admitted:
+            self._admitted = False
+            self._connections.release(self._peer)
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        if self._head_deadline is None:
+            self._head_deadline = self._loop.call_later(
+                self._connections.header_timeout_s, self._head_late
+            )
+
+    def _head_arrived(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_late(self) -> None:
+        self._head_deadline = None
+        if self.transport is not None:
+            self._connections.refused("header_timeout")
+            self.force_close()
+
+
+class _GuardedServer(web.Server):
+    """aiohttp's server, making ``GuardedProtocol``s."""
+
+    def __init__(self, *args: Any, connections: Connections, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._guard = connections
+
+    def __call__(self) -> RequestHandler:
+        return GuardedProtocol(self, loop=self._loop, connections=self._guard, **self._kwargs)
+
+
+class Listener(web.AppRunner):
+    """``web.AppRunner`` whose connections are ``GuardedProtocol``s (aiohttp's own
+    server, with the arguments the app made it with)."""
+
+    def __init__(self, app: web.Application, connections: Connections, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._connections = connections
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return _GuardedServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=plain._loop,
+            connections=self._connections,
+            **plain._kwargs,
+        )

@@ -92,9 +92,7 @@ class ShellProcess:
         self.gateway = Gateway(config, keyring_of(settings), link, triton)
 
         shell = HttpShell(self.gateway, max_body_bytes=config.max_wire_bytes())
-        runner = web.AppRunner(
-            shell.app(), handler_cancellation=True, access_log=None, auto_decompress=False
-        )
+        runner = shell.runner()
         await runner.setup()
         sock = socket.socket(fileno=self.args.http_fd)
         site = web.SockSite(runner, sock)

@@ -1,5 +1,6 @@
-"""Hostile gRPC clients at the door: identity before parsing, sizes bounded per model,
-typed contents decoded without a Python object per element.
+"""Hostile gRPC clients at the door: identity before bytes, sizes bounded per model,
+typed contents decoded without a Python object per element, and bounds on calls and
+connections.
 
 Issue 11, item 1 on the gRPC transport. ModelInfer takes its request as bytes, so:
 
@@ -11,11 +12,27 @@ Issue 11, item 1 on the gRPC transport. ModelInfer takes its request as bytes, s
   not a parse error;
 - typed numeric contents (``int_contents`` and the rest) are decoded from their packed
   wire bytes in bulk, checked here against the element-wise decode on every dtype.
+
+Issue 17, item 2: identity before bytes. A call without a valid key is refused before its
+message is received, not only before it is parsed: 8 concurrent 64 MiB calls without a
+key cost the frontend's processes a bounded amount of memory (HTTP/2's flow-control
+window per call), measured as the kernel's own peak of their resident memory; so do calls
+to the side doors and to open methods (which never read their message). And gRPC's own
+bounds hold: calls at once per shell, streams per connection, idle time, age, and the
+time a new connection has for its handshake.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,16 +42,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
+from benchmarks.harness import perf_analyzer
 from fair_frontend import grpc_codec
+from fair_frontend.auth import MISSING_KEY
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES
 from tests.support import (
     KEYS,
+    ROOT,
     RunningFrontend,
     config_dict,
     identity_request,
+    metric_sum,
     running_frontend,
 )
 
@@ -113,6 +134,335 @@ async def test_a_message_over_its_models_bound_is_refused_before_parsing(
     ok = await _infer_raw(door.grpc_url, identity_request(b"y" * 100), KEY)
     assert isinstance(ok, service_pb2.ModelInferResponse), ok
     assert ok.raw_output_contents[0][4:] == b"y" * 100
+
+
+# ---- identity before bytes: what a refused call costs in memory -----------------------
+
+MIB = 1 << 20
+FLOOD_CALLS = 8
+FLOOD_BYTES = 64 * MIB
+# HTTP/2's initial stream window (gRPC's bandwidth probing off, server.grpc_bdp_probe):
+# what a call's message can put into the server before anything reads it.
+HTTP2_WINDOW = 64 << 10
+# The bound on the growth of the frontend's peak memory while the 8 calls arrive and are
+# refused: a quarter of one message. Flow control lets in 8 x 64 KiB (half a MiB, and the
+# streams' own state); the rest is the allocator's slack. Reading the messages whole, as
+# the frontend did before, costs 512 MiB and more.
+RSS_BOUND = FLOOD_BYTES // 4
+FLOOD_TIMEOUT_S = 120.0
+
+
+class PeakRss:
+    """How far the peak resident memory of some processes rose over a stretch: the
+    kernel's own high-water mark (``VmHWM``, reset by writing 5 to
+    ``/proc/PID/clear_refs``), so a peak counts however briefly it lasted, unsampled."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.before = 0
+
+    def __enter__(self) -> PeakRss:
+        for pid in self.pids:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        self.before = sum(_status_bytes(pid, "VmRSS") for pid in self.pids)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    @property
+    def growth(self) -> int:
+        return sum(_status_bytes(pid, "VmHWM") for pid in self.pids) - self.before
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def frontend_pids(running: RunningFrontend) -> list[int]:
+    """The frontend's processes: this one (the core, and the shell with one process) and
+    its shell processes."""
+    shells = running.server.shells
+    return [os.getpid(), *(p.pid for p in (shells.processes.values() if shells else ()))]
+
+
+def flood(url: str, method: str, key: str | None) -> list[str]:
+    """FLOOD_CALLS concurrent calls of FLOOD_BYTES each, from a process of its own
+    (``grpc_flood``: the messages it holds stay out of this process's memory)."""
+    cmd = [sys.executable, "-m", "benchmarks.grpc_flood", url, method]
+    cmd += [str(FLOOD_CALLS), str(FLOOD_BYTES), *([key] if key else [])]
+    done = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLOOD_TIMEOUT_S, check=True
+    )
+    answers: list[str] = json.loads(done.stdout.splitlines()[-1])["answers"]
+    return answers
+
+
+# method, key, every call's answer, and where the refusal is counted (metric, labels)
+FLOODS: dict[str, tuple[str, str | None, str, tuple[str, dict[str, str]]]] = {
+    "infer-no-key": (
+        "ModelInfer",
+        None,
+        f"UNAUTHENTICATED: {MISSING_KEY}",
+        ("fair_requests_total", {"tenant": "-", "outcome": "rejected_auth"}),
+    ),
+    "infer-unknown-key": (
+        "ModelInfer",
+        "wrong",
+        "UNAUTHENTICATED: unknown API key",
+        ("fair_requests_total", {"tenant": "-", "outcome": "rejected_auth"}),
+    ),
+    "metadata-no-key": (
+        "ModelMetadata",
+        None,
+        f"UNAUTHENTICATED: {MISSING_KEY}",
+        ("fair_side_door_calls_total", {"door": "model_metadata", "outcome": "unauthenticated"}),
+    ),
+    "live-unread": (
+        "ServerLive",
+        None,
+        "OK",
+        ("fair_side_door_calls_total", {"door": "live", "outcome": "ok"}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FLOODS.values(), ids=FLOODS.keys())
+def test_unkeyed_messages_are_refused_before_they_are_received(
+    door: RunningFrontend, case: tuple[str, str | None, str, tuple[str, dict[str, str]]]
+) -> None:
+    """8 concurrent 64 MiB calls without a valid key: each refused as ever (status and
+    text, counted), and the frontend's peak memory grows by far less than one message.
+    An open method (ServerLive) answers without reading its message at all: the bytes
+    it carries are no protobuf, and it still answers."""
+    method, key, answer, (metric, labels) = case
+    counted = metric_sum(door, metric, **labels)
+    with PeakRss(frontend_pids(door)) as peak:
+        answers = flood(door.grpc_url, method, key)
+    assert answers == [answer] * FLOOD_CALLS
+    assert peak.growth < RSS_BOUND, (
+        f"the frontend's peak memory grew by {peak.growth / MIB:.1f} MiB while "
+        f"{FLOOD_CALLS} x {FLOOD_BYTES // MIB} MiB unkeyed calls were refused"
+    )
+    assert metric_sum(door, metric, **labels) - counted == FLOOD_CALLS
+
+
+# ---- gRPC's own bounds: calls, streams per connection, idle, age, handshake -------------
+
+STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+CALLS_BOUND = 3
+STREAMS_BOUND = 4
+IDLE_S = 1.0
+AGE_S = 1.0
+HANDSHAKE_S = 1.0
+# How long a test waits for what should happen (a GOAWAY, a connection closed): far
+# above the bound it tests, so a slow machine does not fail it.
+WAIT_S = 20.0
+# How long a call the client holds is watched not to finish (it must not, ever).
+HELD_S = 2.0
+
+
+def bounded_config(**server: Any) -> dict[str, Any]:
+    data = door_config()
+    data["server"] = {**data.get("server", {}), **server}
+    return data
+
+
+@pytest.fixture(scope="module")
+def call_bound(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    config = parse_config(bounded_config(grpc_max_concurrent_calls=CALLS_BOUND))
+    with running_frontend(config, triton, workers=workers) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def connection_bounds(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    server = {
+        "grpc_max_streams_per_connection": STREAMS_BOUND,
+        "grpc_max_connection_idle_s": IDLE_S,
+        "header_timeout_s": HANDSHAKE_S,
+    }
+    with running_frontend(parse_config(bounded_config(**server)), triton, workers=workers) as fe:
+        yield fe
+
+
+@pytest.fixture(scope="module")
+def aging(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    server = {"grpc_max_connection_age_s": AGE_S, "grpc_max_connection_idle_s": None}
+    with running_frontend(parse_config(bounded_config(**server)), triton, workers=workers) as fe:
+        yield fe
+
+
+class OpenStream:
+    """A keyed ModelStreamInfer stream kept open: one ``simple_identity`` request at a
+    time, each answered before ``ask`` returns."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+        call = channel.stream_stream(
+            STREAM_INFER,
+            request_serializer=None,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        self.call = call(self._send(), metadata=KEY)
+
+    async def _send(self) -> AsyncIterator[bytes]:
+        while (raw := await self._requests.get()) is not None:
+            yield raw
+
+    async def ask(self, payload: bytes) -> None:
+        await self._requests.put(identity_request(payload))
+        reply = await asyncio.wait_for(self.call.read(), WAIT_S)
+        assert reply is not grpc.aio.EOF, await self.call.code()
+        assert not reply.error_message, reply.error_message
+        assert reply.infer_response.raw_output_contents[0][4:] == payload
+
+    async def close(self) -> None:
+        await self._requests.put(None)
+        assert await asyncio.wait_for(self.call.code(), WAIT_S) == grpc.StatusCode.OK
+
+
+async def _infer_on(channel: grpc.aio.Channel, payload: bytes) -> Any:
+    call = channel.unary_unary(
+        MODEL_INFER,
+        request_serializer=None,
+        response_deserializer=service_pb2.ModelInferResponse.FromString,
+    )
+    try:
+        return await call(identity_request(payload), metadata=KEY, timeout=WAIT_S)
+    except grpc.aio.AioRpcError as err:
+        return err
+
+
+async def test_calls_over_the_shell_bound_are_refused_before_their_message(
+    call_bound: RunningFrontend,
+) -> None:
+    """server.grpc_max_concurrent_calls: with the bound's worth of streams open on one
+    connection (one shell), one more call there is refused UNAVAILABLE 'Exceeds maximum
+    queue size', counted; once a stream ends, calls are served again."""
+    refused_before = metric_sum(call_bound, "fair_requests_total", outcome="rejected_queue_full")
+    async with grpc.aio.insecure_channel(call_bound.grpc_url) as channel:
+        streams = [OpenStream(channel) for _ in range(CALLS_BOUND)]
+        for stream in streams:
+            await stream.ask(b"open")
+        err = await _infer_on(channel, b"one too many")
+        assert isinstance(err, grpc.aio.AioRpcError), err
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "Exceeds maximum queue size" in (err.details() or ""), err
+        assert "server.grpc_max_concurrent_calls" in (err.details() or ""), err
+        await streams.pop().close()
+        ok = await _infer_on(channel, b"room again")
+        assert isinstance(ok, service_pb2.ModelInferResponse), ok
+        for stream in streams:
+            await stream.close()
+    refused = metric_sum(call_bound, "fair_requests_total", outcome="rejected_queue_full")
+    assert refused - refused_before == 1
+
+
+async def test_streams_over_the_connection_bound_are_held(
+    connection_bounds: RunningFrontend,
+) -> None:
+    """server.grpc_max_streams_per_connection: with the bound's worth of streams open on
+    one connection, gRPC's client holds the next call (the server announced the bound);
+    another connection is served meanwhile, and the held call goes once a stream ends."""
+    url = connection_bounds.grpc_url
+    async with grpc.aio.insecure_channel(url) as channel:
+        streams = [OpenStream(channel) for _ in range(STREAMS_BOUND)]
+        for stream in streams:
+            await stream.ask(b"open")
+        held = asyncio.ensure_future(_infer_on(channel, b"held"))
+        # A connection of its own (channels of one process share one by default).
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(url, options=own) as other:
+            served = await _infer_on(other, b"other connection")
+            assert isinstance(served, service_pb2.ModelInferResponse), served
+        await streams[0].ask(b"the open streams still serve")
+        done, _ = await asyncio.wait({held}, timeout=HELD_S)
+        assert not done, f"a call over the bound was not held: {held.result()}"
+        await streams.pop().close()
+        answer = await asyncio.wait_for(held, WAIT_S)
+        assert isinstance(answer, service_pb2.ModelInferResponse), answer
+        assert answer.raw_output_contents[0][4:] == b"held"
+        for stream in streams:
+            await stream.close()
+
+
+async def _until_state(channel: grpc.aio.Channel, state: grpc.ChannelConnectivity) -> None:
+    """Wait (WAIT_S at most) for the channel to reach ``state``: IDLE once the server's
+    GOAWAY took its connection."""
+    deadline = time.monotonic() + WAIT_S
+    current = channel.get_state()
+    while current != state:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"the channel stayed {current}, never {state}"
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(current), remaining)
+        except TimeoutError:
+            continue
+        current = channel.get_state()
+
+
+async def test_an_idle_connection_is_closed(connection_bounds: RunningFrontend) -> None:
+    """server.grpc_max_connection_idle_s: a connection without a call is closed by the
+    server (GOAWAY: the channel goes IDLE); the client's next call reconnects."""
+    async with grpc.aio.insecure_channel(connection_bounds.grpc_url) as channel:
+        first = await _infer_on(channel, b"before")
+        assert isinstance(first, service_pb2.ModelInferResponse), first
+        assert channel.get_state() == grpc.ChannelConnectivity.READY
+        await _until_state(channel, grpc.ChannelConnectivity.IDLE)
+        again = await _infer_on(channel, b"after")
+        assert isinstance(again, service_pb2.ModelInferResponse), again
+
+
+async def test_an_aged_connection_closes_after_its_calls(aging: RunningFrontend) -> None:
+    """server.grpc_max_connection_age_s: past its age a connection takes no new calls
+    (GOAWAY: the channel goes IDLE), but a stream open on it goes on being served to its
+    end; new calls go over a new connection."""
+    async with grpc.aio.insecure_channel(aging.grpc_url) as channel:
+        stream = OpenStream(channel)
+        await stream.ask(b"young")
+        await _until_state(channel, grpc.ChannelConnectivity.IDLE)
+        await stream.ask(b"aged, still in flight")
+        fresh = await _infer_on(channel, b"new connection")
+        assert isinstance(fresh, service_pb2.ModelInferResponse), fresh
+        await stream.close()
+
+
+def test_a_connection_without_a_handshake_is_closed(connection_bounds: RunningFrontend) -> None:
+    """server.header_timeout_s on gRPC: a connection that never sends HTTP/2's preface
+    is closed (gRPC's own limit would be 120 s). The server's own preface (its SETTINGS)
+    comes first, then the end."""
+    host, port = connection_bounds.grpc_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        received = 0
+        try:
+            while chunk := sock.recv(4096):
+                received += len(chunk)
+                assert received < 1 << 16, "the server sends more than its preface"
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"the connection was still open after {WAIT_S} s")
+
+
+def test_perf_analyzer_at_concurrency_64_on_one_connection(door: RunningFrontend) -> None:
+    """The default bounds never hurt a legitimate client: perf_analyzer's plain command,
+    64 calls at once on its one gRPC connection, runs without an error (it exits
+    non-zero on any)."""
+    result = perf_analyzer(
+        "embed",
+        door.grpc_url,
+        protocol="grpc",
+        concurrency=64,
+        shapes=["INPUT_IDS:128"],
+        headers=[f"authorization:Bearer {KEYS['acme']}"],
+        extra=["--measurement-mode", "count_windows", "--measurement-request-count", "300"],
+        timeout_s=240,
+    )
+    assert result["throughput"] > 0
 
 
 # ---- typed contents: bulk decode against the element-wise one ------------------------

@@ -14,8 +14,21 @@ more than its headers entitle it to:
 - decoding a large body does not hold the event loop: other clients are served while it
   runs, and binary tensors are views of the body (``np.frombuffer``), not copies.
 
+Issue 17 (item 6, on HTTP): connections are bounded too.
+
+- a connection that sends nothing, or its headers a byte at a time, is closed after
+  ``server.header_timeout_s`` (aiohttp alone would keep it for an hour), while an idle
+  keep-alive connection between requests is not cut;
+- connections over ``server.http_max_connections_per_peer`` from one address, or over
+  ``server.http_max_connections`` in all, are closed at once, and counted; a tenant from
+  another address is served meanwhile;
+- bodies read at once in a shell are bounded over all its connections
+  (``server.http_max_reading_bytes``): one that does not fit is refused 503 from its
+  headers, before ``100 Continue``.
+
 Clients here speak raw HTTP over sockets, so that lying headers, unfinished bodies and
-``Expect: 100-continue`` reach the server exactly as written.
+``Expect: 100-continue`` reach the server exactly as written. Clients of the connection
+caps connect from other loopback addresses (127.0.0.2 and up), as other hosts would.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import http.client
+import itertools
 import json
 import select
 import socket
@@ -39,7 +53,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.http_codec import decode_infer
 from fair_frontend.shell import http_server
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+from tests.support import KEYS, RunningFrontend, config_dict, metric_sum, running_frontend
 
 KEY = {"authorization": f"Bearer {KEYS['acme']}"}
 SMALL_BYTES = 2000  # embed's max_request_bytes here: 500 INT32 tokens
@@ -92,9 +106,13 @@ class Answer:
         return str(doc["error"])
 
 
-def connect(url: str) -> socket.socket:
+def connect(url: str, source: str | None = None) -> socket.socket:
+    """A connection to ``url``, from the loopback address ``source`` if given."""
     host, port = url.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT_S)
+    address = (source, 0) if source is not None else None
+    return socket.create_connection(
+        (host, int(port)), timeout=ANSWER_TIMEOUT_S, source_address=address
+    )
 
 
 def send_head(sock: socket.socket, path: str, headers: Mapping[str, str]) -> None:
@@ -313,6 +331,257 @@ def test_a_trickled_body_is_answered_408_and_its_connection_closed(
         assert answer.headers.get("connection") == "close"
         assert closed_by_server(sock)
     simple_served(door.http_url)
+
+
+# ---- slow headers: the header deadline -----------------------------------------------------
+
+HEADER_TIMEOUT_S = 1.5
+# A request head sent a byte every TRICKLE_PAUSE_S: it would take 20 s, far past the
+# deadline (and within the client's own ANSWER_TIMEOUT_S).
+TRICKLE_PAUSE_S = 0.1
+SLOW_HEAD = (
+    b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: test\r\n"
+    + b"X-Padding: " + b"p" * 120 + b"\r\n"
+    + b"Content-Length: 2\r\n\r\n"
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slow_heads(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    data = door_config()
+    data["server"]["header_timeout_s"] = HEADER_TIMEOUT_S
+    with running_frontend(parse_config(data), triton, workers=workers) as running:
+        yield running
+
+
+def trickle_head(sock: socket.socket, head: bytes) -> int:
+    """Send ``head`` a byte every ``TRICKLE_PAUSE_S`` until the server closes the
+    connection; the bytes sent by then (all of them: it never did)."""
+    for sent in range(len(head)):
+        try:
+            sock.sendall(head[sent : sent + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return sent
+        readable, _, _ = select.select([sock], [], [], TRICKLE_PAUSE_S)
+        if readable:
+            try:
+                if sock.recv(1) == b"":
+                    return sent + 1
+            except ConnectionResetError:
+                return sent + 1
+    return len(head)
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(slow_heads: RunningFrontend) -> None:
+    """The slowloris client: never idle, never done. Its connection is closed once its
+    headers are late, counted; a tenant is served meanwhile."""
+    timeouts = metric_sum(slow_heads, "fair_connections_refused_total", reason="header_timeout")
+    with connect(slow_heads.http_url) as sock:
+        sent = trickle_head(sock, SLOW_HEAD)
+        simple_served(slow_heads.http_url)
+    assert sent < len(SLOW_HEAD), "the server read a whole head sent a byte at a time"
+    after = metric_sum(slow_heads, "fair_connections_refused_total", reason="header_timeout")
+    assert after - timeouts >= 1
+
+
+def test_a_connection_that_sends_nothing_is_closed(slow_heads: RunningFrontend) -> None:
+    with connect(slow_heads.http_url) as sock:
+        simple_served(slow_heads.http_url)
+        try:
+            assert sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"a silent connection was still open after {ANSWER_TIMEOUT_S} s")
+
+
+def test_a_later_requests_head_sent_slowly_is_cut_off(slow_heads: RunningFrontend) -> None:
+    """On a keep-alive connection, the next request's deadline runs from its first byte:
+    a head trickled after a served request is cut off too."""
+    with connect(slow_heads.http_url) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n")
+        answer = read_answer(sock)
+        assert answer.status == 200, answer
+        assert trickle_head(sock, SLOW_HEAD) < len(SLOW_HEAD)
+
+
+def test_an_idle_keep_alive_connection_is_not_cut_by_the_header_deadline(
+    slow_heads: RunningFrontend,
+) -> None:
+    """Between requests a connection may idle longer than the header deadline (its
+    keep-alive timeout governs): the next request on it is served."""
+    with connect(slow_heads.http_url) as sock:
+        for _ in range(2):
+            body = json.dumps({"inputs": [
+                {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": [[1] * 16]},
+                {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [[2] * 16]},
+            ]}).encode()  # fmt: skip
+            send_head(sock, "/v2/models/simple/infer", {**KEY, "Content-Length": str(len(body))})
+            sock.sendall(body)
+            answer = read_answer(sock)
+            assert answer.status == 200, answer
+            time.sleep(HEADER_TIMEOUT_S * 2)  # the client idles: the scenario, not a wait
+
+
+# ---- connection caps -----------------------------------------------------------------------
+
+MAX_CONNECTIONS = 6
+MAX_PER_PEER = 3
+
+
+@pytest.fixture(scope="module")
+def capped(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    data = door_config()
+    data["server"]["http_max_connections"] = MAX_CONNECTIONS
+    data["server"]["http_max_connections_per_peer"] = MAX_PER_PEER
+    with running_frontend(parse_config(data), triton, workers=workers) as running:
+        yield running
+
+
+def open_served(url: str, source: str) -> socket.socket | None:
+    """A keep-alive connection from ``source`` that was served a health check, left
+    open; None when the server closed it unanswered (refused)."""
+    sock = connect(url, source)
+    try:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n")
+        answer = read_answer(sock)
+    except (ConnectionError, http.client.HTTPException):
+        sock.close()
+        return None
+    assert answer.status == 200, answer
+    return sock
+
+
+def open_until_refused(url: str, sources: Iterator[str], most: int) -> list[socket.socket]:
+    """Connections opened (from ``sources`` in turn) and kept until one is refused, at
+    most ``most`` + 1 tried; the ones served."""
+    held: list[socket.socket] = []
+    for _ in range(most + 1):
+        sock = open_served(url, next(sources))
+        if sock is None:
+            return held
+        held.append(sock)
+    for sock in held:
+        sock.close()
+    pytest.fail(f"{most + 1} connections were all served: no cap")
+
+
+def test_connections_over_the_per_peer_cap_are_closed_while_others_are_served(
+    capped: RunningFrontend, workers: int
+) -> None:
+    """One address holds at most MAX_PER_PEER connections per shell (with two shells the
+    kernel chooses the shell of each): one more is closed at once, unanswered, counted;
+    a tenant from another address is served meanwhile."""
+    refused = metric_sum(
+        capped, "fair_connections_refused_total", reason="max_connections_per_peer"
+    )
+    held = open_until_refused(
+        capped.http_url, itertools.repeat("127.0.0.2"), MAX_PER_PEER * workers
+    )
+    try:
+        assert MAX_PER_PEER <= len(held) <= MAX_PER_PEER * workers
+        simple_served(capped.http_url)
+    finally:
+        for sock in held:
+            sock.close()
+    after = metric_sum(capped, "fair_connections_refused_total", reason="max_connections_per_peer")
+    assert after - refused >= 1
+
+
+def test_connections_over_the_shell_cap_are_closed(capped: RunningFrontend, workers: int) -> None:
+    """MAX_CONNECTIONS per shell in all (each from an address of its own, under the
+    per-peer cap): one more is closed at once, counted; once they close, a tenant is
+    served again."""
+    refused = metric_sum(capped, "fair_connections_refused_total", reason="max_connections")
+    sources = (f"127.0.0.{n}" for n in itertools.count(10))
+    held = open_until_refused(capped.http_url, sources, MAX_CONNECTIONS * workers)
+    try:
+        assert MAX_CONNECTIONS <= len(held) <= MAX_CONNECTIONS * workers
+    finally:
+        for sock in held:
+            sock.close()
+    after = metric_sum(capped, "fair_connections_refused_total", reason="max_connections")
+    assert after - refused >= 1
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while open_served(capped.http_url, "127.0.0.1") is None:  # the closes are seen
+        assert time.monotonic() < deadline, "connections stayed refused after closing"
+    simple_served(capped.http_url)
+
+
+# ---- bodies read at once ---------------------------------------------------------------------
+
+READING_REQUEST_BYTES = 2000  # every model's max_request_bytes here
+
+
+def reading_config() -> dict[str, Any]:
+    """Every model's requests small, and the shell's reading bound the smallest allowed:
+    the largest body a model accepts (two bodies over half of it do not fit at once).
+    Bodies may take their time (the test holds some while it opens others)."""
+    data = door_config()
+    for endpoint in data["endpoints"].values():
+        endpoint["max_request_bytes"] = READING_REQUEST_BYTES
+    data["default_endpoint"]["max_request_bytes"] = READING_REQUEST_BYTES
+    data["server"]["http_body_timeout_s"] = ANSWER_TIMEOUT_S
+    data["server"]["http_max_reading_bytes"] = parse_config(data).max_wire_bytes()
+    return data
+
+
+@pytest.fixture(scope="module")
+def reading(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
+    with running_frontend(parse_config(reading_config()), triton, workers=workers) as running:
+        yield running
+
+
+def test_bodies_read_at_once_are_bounded_across_connections(
+    reading: RunningFrontend, workers: int
+) -> None:
+    """Bodies of just over half the shell's reading bound, declared with ``Expect:
+    100-continue``: each shell grants one (100 Continue: its bytes are now held), the
+    next body in that shell is refused 503 from its headers, unread; by the pigeonhole,
+    within workers + 1 of them. Once the held bodies are read, bodies are read again."""
+    limit = parse_config(reading_config()).http_max_reading_bytes()
+    body = embed_body(4, pad="x" * (limit // 2 + 1))
+    assert len(body) > limit // 2
+    headers = {**KEY, "Content-Length": str(len(body)), "Expect": "100-continue"}
+    held: list[socket.socket] = []
+    refusal: Answer | None = None
+    try:
+        for _ in range(workers + 1):
+            sock = connect(reading.http_url)
+            send_head(sock, door_path("embed", "infer"), headers)
+            reader = sock.makefile("rb")
+            status = reader.readline().split()[1]
+            if status == b"100":
+                assert reader.readline() == b"\r\n"
+                held.append(sock)
+                continue
+            with sock:
+                refusal = read_answer_after(status, reader)
+            break
+        assert refusal is not None, f"{workers + 1} bodies were all granted at once"
+        assert refusal.status == 503, refusal
+        assert "Exceeds maximum queue size" in refusal.error, refusal.error
+        assert "server.http_max_reading_bytes" in refusal.error, refusal.error
+        assert refusal.headers.get("connection") == "close"
+        for sock in held:
+            sock.sendall(body)
+            answer = read_answer(sock)
+            assert answer.status == 200, answer
+    finally:
+        for sock in held:
+            sock.close()
+    served = request(reading.http_url, door_path("embed", "infer"), body, KEY)
+    assert served.status == 200, served
+
+
+def read_answer_after(status: bytes, reader: Any) -> Answer:
+    """The rest of an answer whose status line was read (``status``: its code)."""
+    headers: dict[str, str] = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = reader.read(int(headers.get("content-length", "0")))
+    return Answer(int(status), headers, body)
 
 
 # ---- decoding off the event loop -----------------------------------------------------------
