@@ -43,10 +43,12 @@ def own_triton() -> Iterator[EmbeddedTriton]:
         server.stop()
 
 
-async def _send(client: grpcaio.InferenceServerClient, tenant: str, **kw: Any) -> Any:
+async def _send(
+    client: grpcaio.InferenceServerClient, tenant: str, ids: np.ndarray = IDS, **kw: Any
+) -> Any:
     try:
         return await client.infer(
-            "embed", [ids_input(grpcaio, IDS)], headers={"x-api-key": KEYS[tenant]}, **kw
+            "embed", [ids_input(grpcaio, ids)], headers={"x-api-key": KEYS[tenant]}, **kw
         )
     except InferenceServerException as err:
         return err
@@ -319,12 +321,16 @@ async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, work
     _wait_ready(int(ports[ports.index("--http-port") + 1]), proc, log)
     client = grpcaio.InferenceServerClient(grpc)
     try:
-        flood = [asyncio.ensure_future(_send(client, "initech")) for _ in range(300)]
+        # Rows of 1,024 tokens (4 per batch of the example's max_batch_tokens): Triton
+        # serves the flood for seconds, so it queues whatever the speed of the intake.
+        wide = np.full((1, 1024), 3, dtype=np.int32)
+        flood = [asyncio.ensure_future(_send(client, "initech", wide)) for _ in range(300)]
         # SIGTERM with plenty queued: what was accepted is served; what arrives after is
         # refused with UNAVAILABLE (answered, not dropped).
         metrics = f"http://127.0.0.1:{ports[ports.index('--metrics-port') + 1]}/metrics"
         deadline = time.monotonic() + 60
-        while (queued := _scrape_sum(metrics, "fair_queue_depth")) < 60:
+        # Scraped off the loop: the flood's calls keep going out meanwhile.
+        while (queued := await asyncio.to_thread(_scrape_sum, metrics, "fair_queue_depth")) < 60:
             assert time.monotonic() < deadline, "the flood never queued 60 requests"
             assert not all(f.done() for f in flood), "the flood was served before it queued"
             await asyncio.sleep(0.01)

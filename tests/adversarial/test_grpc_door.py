@@ -451,7 +451,8 @@ def test_a_connection_without_a_handshake_is_closed(connection_bounds: RunningFr
 def test_perf_analyzer_at_concurrency_64_on_one_connection(door: RunningFrontend) -> None:
     """The default bounds never hurt a legitimate client: perf_analyzer's plain command,
     64 calls at once on its one gRPC connection, runs without an error (it exits
-    non-zero on any)."""
+    non-zero on any). A fixed number of requests (``--request-count``), not windows until
+    stable: whether latency is stable on a shared machine is not the question here."""
     result = perf_analyzer(
         "embed",
         door.grpc_url,
@@ -459,7 +460,7 @@ def test_perf_analyzer_at_concurrency_64_on_one_connection(door: RunningFrontend
         concurrency=64,
         shapes=["INPUT_IDS:128"],
         headers=[f"authorization:Bearer {KEYS['acme']}"],
-        extra=["--measurement-mode", "count_windows", "--measurement-request-count", "300"],
+        extra=["--request-count", "640"],
         timeout_s=240,
     )
     assert result["throughput"] > 0
