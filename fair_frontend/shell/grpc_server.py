@@ -209,13 +209,13 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             if msg.model_name != model:  # it was not among the first fields: check again
                 model = msg.model_name
                 self._check_size(model, len(raw))
-            return grpc_codec.decode_infer(msg)
+            return grpc_codec.decode_infer(msg, precheck=self.gateway.precheck(model))
         except FrontendError as err:
             self.gateway.rejected(model, headers, err, time.monotonic() - started, request_id=rid)
             raise
 
     def _check_size(self, model: str, size: int) -> None:
-        bound = self.gateway.config.endpoint(model).max_wire_bytes
+        bound = self.gateway.kept_wire_bound(model)
         if size > bound:
             raise InvalidArgument(
                 f"request too large: the message is {size} bytes, model '{model}' accepts "

@@ -56,7 +56,7 @@ from fair_frontend.http_codec import (
     parse_header_length,
 )
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.protocol import InferRequest, InferResponse, Precheck
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
 log = logging.getLogger(__name__)
@@ -331,9 +331,12 @@ class HttpShell:
         try:
             self.gateway.admit_early(model, headers)
             raw = await self._read_body(request, model)
-            limit = self.gateway.config.endpoint(model).max_wire_bytes
+            limit = await self.gateway.wire_bound(model)
+            precheck = self.gateway.precheck(model)
             size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
-            decoded = await _off_loop(size, self._decode_infer, model, version, raw, headers, limit)
+            decoded = await _off_loop(
+                size, self._decode_infer, model, version, raw, headers, limit, precheck
+            )
             if isinstance(decoded, InferRequest):
                 req = decoded
             else:
@@ -361,7 +364,7 @@ class HttpShell:
         declared length over it is refused unread) and within ``server.http_body_timeout_s``
         (then 408). A body abandoned midway marks its request to have its connection
         closed."""
-        limit = self.gateway.config.endpoint(model).max_wire_bytes
+        limit = await self.gateway.wire_bound(model)
         timeout_s = self.gateway.config.server.http_body_timeout_s
         try:
             declared = request.content_length
@@ -387,6 +390,7 @@ class HttpShell:
         raw: bytes,
         headers: Mapping[str, str],
         limit: int,
+        precheck: Precheck | None = None,
     ) -> InferRequest | bytes:
         """An infer body, inflated and decoded (on a worker thread when large); a raw binary
         body (``is_raw_binary``) comes back inflated only, for ``decode_raw_infer``, which
@@ -395,7 +399,7 @@ class HttpShell:
         header_length = parse_header_length(headers.get(HEADER_CONTENT_LENGTH.lower()), len(body))
         if is_raw_binary(header_length, len(body)):
             return body
-        return decode_infer(model, version, body, header_length)
+        return decode_infer(model, version, body, header_length, precheck=precheck)
 
     # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
 
