@@ -19,6 +19,8 @@ from tritonclient.utils import np_to_triton_dtype
 
 from fair_frontend import grpc_codec, http_codec
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.generate_codec import decode_generate
+from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import (
     Declared,
     InferRequest,
@@ -512,3 +514,22 @@ def test_an_escaped_backslash_before_u_is_not_a_surrogate() -> None:
     body = _body("BYTES", [2], '["\\\\ud800", "\\ud83d\\ude00"]')
     data = http_codec.decode_infer("m", "", body, None).inputs[0].data
     assert data.tolist() == [b"\\ud800", "\U0001f600".encode()]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"text_input": "\\ud800"}', "input 'text_input' is not valid Unicode"),
+        (b'{"text_input": "ok", "p": "a\\udc00"}', "parameter 'p' is not valid Unicode"),
+        (b'{"id": "\\udbff", "text_input": "ok"}', "'id' is not valid Unicode"),
+        (b'{"text_input": "ok", "\\ud800": 1}', "a key of the request is not valid"),
+    ],
+)
+def test_generate_refuses_a_lone_surrogate_naming_the_field(body: bytes, says: str) -> None:
+    """Python's JSON parser takes a lone surrogate escape; it was a 500 when encoded."""
+    info = ModelInfo("llm", 0, {"text_input": TensorSpec("text_input", "BYTES", (1,))}, {})
+    with pytest.raises(InvalidArgument) as err:
+        decode_generate("llm", "", body, info)
+    assert err.value.http_status == 400 and says in err.value.message
+    pair = decode_generate("llm", "", b'{"text_input": "\\ud83d\\ude00"}', info)
+    assert pair.inputs[0].data.tolist() == ["\U0001f600".encode()]
