@@ -111,6 +111,7 @@ class _Body(msgspec.Struct):
 
 _BODY = msgspec.json.Decoder(_Body)
 _TENSOR = msgspec.json.Decoder(_Tensor)
+_TENSORS = msgspec.json.Decoder(list[_Tensor])
 _MEMBERS = msgspec.json.Decoder(list[msgspec.Raw])
 _PARAMETERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _VALUE = msgspec.json.Decoder()
@@ -172,12 +173,24 @@ def _structure(decoder: msgspec.json.Decoder[Any], raw: msgspec.Raw) -> Any:
         raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
 
 
-def _members(raw: msgspec.Raw, what: str) -> list[msgspec.Raw]:
-    """The members of an array, counted before they are decoded: at most MAX_TENSORS."""
+def _tensors(raw: msgspec.Raw, what: str) -> list[_Tensor]:
+    """The members of ``inputs`` or ``outputs``, counted before they are decoded (at most
+    MAX_TENSORS), then decoded in one pass over the text; ``what[i] must be an object``
+    for the first that is not."""
     if count_members(raw, MAX_TENSORS) > MAX_TENSORS:
         raise InvalidArgument(f"the request has more than {MAX_TENSORS} {what}")
-    members: list[msgspec.Raw] = _structure(_MEMBERS, raw)
-    return members
+    try:
+        specs: list[_Tensor] = _structure(_TENSORS, raw)
+        return specs
+    except msgspec.ValidationError:
+        pass
+    for i, member in enumerate(_structure(_MEMBERS, raw)):
+        if not _is(member, b"{"):
+            raise InvalidArgument(
+                f"{what}[{i}] must be an object"
+                + (" with a string 'name'" if what == "outputs" else "")
+            )
+    raise AssertionError("a member that is not an object was not found")  # pragma: no cover
 
 
 def _parameters(raw: msgspec.Raw | msgspec.UnsetType, where: str) -> dict[str, Any]:
@@ -312,10 +325,7 @@ def decode_infer(
     seen: set[str] = set()
     declared: list[Declared] = []
     pending: list[tuple[str, str, tuple[int, ...], memoryview | Leaves]] = []
-    for i, member in enumerate(_members(doc.inputs, "inputs")):
-        if not _is(member, b"{"):
-            raise InvalidArgument(f"inputs[{i}] must be an object")
-        spec = _structure(_TENSOR, member)
+    for i, spec in enumerate(_tensors(doc.inputs, "inputs")):
         name = _field(spec.name, None)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"inputs[{i}]: 'name' must be a non-empty string")
@@ -377,10 +387,9 @@ def _decode_outputs(req: InferRequest, raw: msgspec.Raw | msgspec.UnsetType) -> 
         return
     if not _is(raw, b"["):
         raise InvalidArgument("'outputs' must be a list")
-    for i, member in enumerate(_members(raw, "outputs")):
-        spec = _structure(_TENSOR, member) if _is(member, b"{") else None
-        name = _field(spec.name, None) if spec is not None else None
-        if spec is None or not isinstance(name, str):
+    for i, spec in enumerate(_tensors(raw, "outputs")):
+        name = _field(spec.name, None)
+        if not isinstance(name, str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
         params = _parameters(spec.parameters, f"output '{name}'")
         reject_shared_memory(f"output '{name}'", params)
