@@ -219,7 +219,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         if size > bound:
             raise InvalidArgument(
                 f"request too large: the message is {size} bytes, model '{model}' accepts "
-                f"at most {bound} (max_request_bytes of tensor data, and the framing)"
+                f"at most {bound} (what its inputs can hold on the wire, and the framing)"
             )
 
 
