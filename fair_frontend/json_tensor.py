@@ -148,6 +148,17 @@ def is_container(text: Any) -> bool:
     return first is not None and bool(_OPEN[first])
 
 
+def count_byte(text: Any, byte: int, limit: int) -> int:
+    """How many times ``byte`` occurs in ``text``, counting up to ``limit + 1``."""
+    a = _bytes(text)
+    n = 0
+    for lo in range(0, a.size, WINDOW):
+        n += int(np.count_nonzero(a[lo : lo + WINDOW] == byte))
+        if n > limit:
+            break
+    return n
+
+
 def count_members(text: Any, limit: int) -> int:
     """Members of a JSON array or object (valid JSON), counting up to ``limit + 1``: a
     count over ``limit`` is all the caller needs to refuse it. Commas at the top level
