@@ -35,8 +35,10 @@ from fair_frontend.json_tensor import (
     count_byte,
     count_members,
     first_byte,
+    has_nonfinite,
     is_container,
     scan_leaves,
+    without_nonfinite,
 )
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
@@ -150,7 +152,7 @@ class _Unread:
         return f"<{self.size} bytes of JSON>"
 
 
-def _field(raw: msgspec.Raw | msgspec.UnsetType, default: Any) -> Any:
+def _field(raw: msgspec.Raw | memoryview | msgspec.UnsetType, default: Any) -> Any:
     """A small field's value; ``default`` where absent; ``_Unread`` where too large."""
     if raw is msgspec.UNSET:
         return default
@@ -160,8 +162,11 @@ def _field(raw: msgspec.Raw | msgspec.UnsetType, default: Any) -> Any:
         return _VALUE.decode(raw)
     except msgspec.ValidationError:  # an integer wider than any type holds
         return _Unread(len(raw))
-    except msgspec.DecodeError as err:  # a string that is not UTF-8
-        raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
+    except msgspec.DecodeError as err:  # NaN or Infinity (which Triton takes), or bad UTF-8
+        try:
+            return json.loads(bytes(raw))
+        except (ValueError, RecursionError):
+            raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
 
 
 def _is(raw: msgspec.Raw | msgspec.UnsetType, opening: bytes) -> bool:
@@ -205,7 +210,9 @@ def _tensors(raw: msgspec.Raw, what: str) -> list[_Tensor]:
     raise AssertionError("a member that is not an object was not found")  # pragma: no cover
 
 
-def _parameters(raw: msgspec.Raw | msgspec.UnsetType, where: str) -> dict[str, Any]:
+def _parameters(
+    raw: msgspec.Raw | msgspec.UnsetType, where: str, text: _Text | None = None
+) -> dict[str, Any]:
     """A ``parameters`` object: each value a string, number or boolean, except Triton's
     ``headers`` (any JSON, passed over unread)."""
     if raw is msgspec.UNSET or first_byte(raw) == ord("n"):  # absent or null
@@ -219,7 +226,7 @@ def _parameters(raw: msgspec.Raw | msgspec.UnsetType, where: str) -> dict[str, A
         if k == "headers":
             out[k] = None  # not a model parameter: never decoded
             continue
-        value = None if is_container(v) else _field(v, None)
+        value = None if is_container(v) else _field(v if text is None else text(v), None)
         if not isinstance(value, (bool, int, float, str)):
             raise InvalidArgument(f"{where}: parameter '{k}' must be a string, number or boolean")
         out[k] = value
@@ -314,13 +321,13 @@ def decode_infer(
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :] if header_length is not None else memoryview(b"")
-    doc = _top(json_part, header_length)
+    doc, text = _top(json_part, header_length)
     req = InferRequest(model=model, version=version)
-    rid = _field(doc.id, "")
+    rid = _field(text(doc.id), "")
     if not isinstance(rid, str):
         raise InvalidArgument("'id' must be a string")
     req.id = rid
-    split_parameters(req, _parameters(doc.parameters, "request"), http=True)
+    split_parameters(req, _parameters(doc.parameters, "request", text), http=True)
 
     # An empty list is Triton's to judge against the model (``validate``): a model whose
     # inputs are all optional takes a request without any.
@@ -335,15 +342,15 @@ def decode_infer(
     declared: list[Declared] = []
     pending: list[tuple[str, str, tuple[int, ...], memoryview | Leaves]] = []
     for i, spec in enumerate(inputs):
-        name = _field(spec.name, None)
+        name = _field(text(spec.name), None)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"inputs[{i}]: 'name' must be a non-empty string")
         if name in seen:
             raise InvalidArgument(f"input '{name}' is given more than once")
         seen.add(name)
-        datatype = _field(spec.datatype, None)
-        shape = check_shape(name, _field(spec.shape, None))
-        params = _parameters(spec.parameters, f"input '{name}'")
+        datatype = _field(text(spec.datatype), None)
+        shape = check_shape(name, _field(text(spec.shape), None))
+        params = _parameters(spec.parameters, f"input '{name}'", text)
         reject_shared_memory(f"input '{name}'", params)
         size = params.get("binary_data_size")
         if size is not None:
@@ -370,7 +377,7 @@ def decode_infer(
             dtype_of(name, datatype)
             if datatype == "BF16":
                 raise InvalidArgument(f"input '{name}': BF16 data must be sent in binary form")
-            leaves = scan_leaves(name, spec.data)
+            leaves = scan_leaves(name, text(spec.data))
             check_kinds(name, datatype, shape, leaves)
             declared.append(Declared(name, datatype, shape, declared_nbytes(datatype, shape)))
             pending.append((name, datatype, shape, leaves))
@@ -379,7 +386,7 @@ def decode_infer(
             f"{len(binary) - offset} bytes of binary data follow the inputs unclaimed "
             f"(check {HEADER_CONTENT_LENGTH} and binary_data_size)"
         )
-    _decode_outputs(req, doc.outputs)
+    _decode_outputs(req, doc.outputs, text)
     if precheck is not None:
         precheck(req, declared)
     for name, datatype, shape, data in pending:
@@ -391,29 +398,54 @@ def decode_infer(
     return req
 
 
-def _top(json_part: memoryview, header_length: int | None) -> _Body | _WholeBody:
-    """The top level of a body. Where it holds few JSON objects (so few that decoding each
-    costs nothing worth bounding), in one pass with its inputs and outputs (each pass over
-    a large body holds the interpreter for a while: 0.37 s for 87 MiB here); else, or
-    where a field has the wrong type, with inputs and outputs left as text, counted
-    before they are decoded (``_tensors``)."""
+class _Text:
+    """Where the fields' JSON text is read: the body itself. For a body with NaN or
+    Infinity (JSON extensions Triton takes; msgspec does not), msgspec parses a copy in
+    which they are numbers of the same length (``json_tensor.without_nonfinite``), and a
+    field is read from the body at the offsets the copy gave it."""
+
+    def __init__(self, body: memoryview, parsed: Any = None) -> None:
+        self.body = body
+        self.base = None if parsed is None else _address(parsed)
+
+    def __call__(self, raw: Any) -> Any:
+        if self.base is None or raw is msgspec.UNSET:
+            return raw
+        lo = _address(raw) - self.base
+        return self.body[lo : lo + len(raw)]
+
+
+def _top(json_part: memoryview, header_length: int | None) -> tuple[_Body | _WholeBody, _Text]:
+    """The top level of a body, and where its fields are read. Where it holds few JSON
+    objects (so few that decoding each costs nothing worth bounding), in one pass with its
+    inputs and outputs (each pass over a large body holds the interpreter for a while:
+    0.37 s for 87 MiB here); else, or where a field has the wrong type, with inputs and
+    outputs left as text, counted before they are decoded (``_tensors``)."""
     try:
-        if count_byte(json_part, ord("{"), MAX_TENSORS) <= MAX_TENSORS:
-            with contextlib.suppress(msgspec.ValidationError):
-                whole: _WholeBody = _WHOLE_BODY.decode(json_part)
-                return whole
-        doc: _Body = _BODY.decode(json_part)
-        return doc
+        return _parse_top(json_part), _Text(json_part)
     except msgspec.ValidationError:
         raise InvalidArgument("the request JSON must be an object") from None
     except (msgspec.DecodeError, RecursionError) as err:
-        # DecodeError: malformed JSON, bad UTF-8 or escapes; RecursionError: arrays
-        # nested thousands deep.
+        # DecodeError: malformed JSON, bad UTF-8 or escapes, NaN or Infinity;
+        # RecursionError: arrays nested thousands deep.
+        if has_nonfinite(json_part):
+            parsed = without_nonfinite(json_part)
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                return _parse_top(parsed), _Text(json_part, parsed)
         raise _parse_error(json_part, header_length, err) from None
 
 
+def _parse_top(text: Any) -> _Body | _WholeBody:
+    if count_byte(text, ord("{"), MAX_TENSORS) <= MAX_TENSORS:
+        with contextlib.suppress(msgspec.ValidationError):
+            whole: _WholeBody = _WHOLE_BODY.decode(text)
+            return whole
+    doc: _Body = _BODY.decode(text)
+    return doc
+
+
 def _decode_outputs(
-    req: InferRequest, raw: list[_Tensor] | msgspec.Raw | msgspec.UnsetType
+    req: InferRequest, raw: list[_Tensor] | msgspec.Raw | msgspec.UnsetType, text: _Text
 ) -> None:
     if raw is msgspec.UNSET:
         return
@@ -424,10 +456,10 @@ def _decode_outputs(
     else:
         outputs = _tensors(raw, "outputs")
     for i, spec in enumerate(outputs):
-        name = _field(spec.name, None)
+        name = _field(text(spec.name), None)
         if not isinstance(name, str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
-        params = _parameters(spec.parameters, f"output '{name}'")
+        params = _parameters(spec.parameters, f"output '{name}'", text)
         reject_shared_memory(f"output '{name}'", params)
         binary_flag = params.get("binary_data")
         if binary_flag is not None and not isinstance(binary_flag, bool):

@@ -53,7 +53,7 @@ def _table(chars: bytes) -> np.ndarray:
 # only whitespace (all bytes <= 32 there), punctuation, and the bytes of numbers and of
 # true, false, null.
 _WHITESPACE = _table(b" \t\r\n")
-_NUMBER_START = _table(b"-0123456789")
+_NUMBER_START = _table(b"-0123456789NI")  # NaN, Infinity: JSON extensions Triton takes
 _OPEN = _table(b"[{")
 _QUOTE, _BACKSLASH, _COMMA, _SPACE = ord('"'), ord("\\"), ord(","), ord(" ")
 _TRUE, _FALSE, _LEFT_BRACE = ord("t"), ord("f"), ord("{")
@@ -66,10 +66,11 @@ def _separators(w: np.ndarray) -> np.ndarray:
     return sep
 
 
-def _fractions(w: np.ndarray) -> np.ndarray:
-    """ ".", "e", "E": outside strings, in a number that is not an integer (or true/false)."""
-    frac: np.ndarray = (w == ord(".")) | ((w | 0x20) == ord("e"))
-    return frac
+def _integer_bytes(w: np.ndarray) -> np.ndarray:
+    """Digits and "-": all an integer is made of (a fraction, an exponent, a literal such
+    as true or NaN has some other byte)."""
+    digits: np.ndarray = ((w >= ord("0")) & (w <= ord("9"))) | (w == ord("-"))
+    return digits
 
 
 def _depth_steps(w: np.ndarray) -> np.ndarray | None:
@@ -205,8 +206,8 @@ class Leaves:
     count: int
     cuts: tuple[int, ...]  # window starts, each an element's first byte
     firsts: tuple[int, ...]  # index of the element each window starts with
-    numbers: bool  # every element is a number
-    integers: bool  # ... and none has a fraction or an exponent
+    numbers: bool  # every element is a number (NaN, Infinity and -Infinity too)
+    integers: bool  # ... and all are integers (no fraction, exponent or literal)
     booleans: bool  # every element is true or false
     first_non_string: int  # index of the first element that is not a string (-1: none)
     has_object: bool  # an element is a JSON object (the count is then not exact)
@@ -227,17 +228,16 @@ def scan_leaves(name: str, text: Any) -> Leaves:
     before = True  # the byte before the window is a separator (or there is none)
     for lo, w, inside in _windows(a):
         sep = _separators(w)
-        frac = _fractions(w)
         if inside is not None:
             sep &= ~inside
-            frac &= ~inside
         start = ~sep
         start[0] &= before
         start[1:] &= sep[:-1]
         before = bool(sep[-1])
         leading = w[start]  # each element's first byte
         n = int(leading.size)
-        fraction = fraction or bool(frac.any())
+        if not fraction:  # a byte of an element (outside strings) that no integer has
+            fraction = bool((~sep & ~_integer_bytes(w)).any())
         if not n:
             continue
         first_at = int(np.argmax(start))
@@ -247,7 +247,7 @@ def scan_leaves(name: str, text: Any) -> Leaves:
         if last_at != first_at:
             cuts.append(lo + last_at)  # an element that may run on past this window
             firsts.append(count + n - 1)
-        numbers = numbers and bool(_NUMBER_START[leading].all())
+        numbers = numbers and bool(_NUMBER_START[leading].all())  # NaN, Infinity too
         booleans = booleans and bool(((leading == _TRUE) | (leading == _FALSE)).all())
         has_object = has_object or bool((leading == _LEFT_BRACE).any())
         if first_non_string < 0:
@@ -322,11 +322,16 @@ def convert(name: str, datatype: str, dtype: np.dtype[Any], leaves: Leaves) -> n
         n = nxt - first
         if n == 0:
             continue
+        fixes: list[tuple[np.ndarray, float]] = []
         if n == 1:
             # One element (perhaps a long string): no masks over it, only its own bytes.
-            text = b"[" + a[lo:hi].tobytes().rstrip(b"[], \t\r\n") + b"]"
+            element = a[lo:hi].tobytes().rstrip(b"[], \t\r\n")
+            if kind == "FP" and element.lstrip(b"-")[:1] in (b"N", b"I"):
+                fixes = [(np.zeros(1, dtype=np.intp), _NONFINITE[element[:2]])]
+                element = b"0"
+            text = b"[" + element + b"]"
         else:
-            text = _flat_array(a[lo:hi])
+            text, fixes = _flat_array(a[lo:hi], nonfinite=kind == "FP")
         try:
             values = decoder.decode(text)
         except msgspec.ValidationError:
@@ -338,14 +343,25 @@ def convert(name: str, datatype: str, dtype: np.dtype[Any], leaves: Leaves) -> n
             ) from None
         if len(values) != n:  # pragma: no cover - the scan and the decode agree
             raise AssertionError(f"window of {n} elements decoded as {len(values)}")
-        out[first:nxt] = _typed(name, datatype, dtype, values)
+        typed = _typed(name, datatype, dtype, values)
+        for at, value in fixes:
+            typed[at] = value
+        out[first:nxt] = typed
     return out
 
 
-def _flat_array(w: np.ndarray) -> bytes:
+# NaN and Infinity by their first two bytes, as the fix-ups of ``convert`` write them.
+_NONFINITE = {b"Na": np.nan, b"In": np.inf, b"-I": -np.inf}
+
+
+def _flat_array(w: np.ndarray, *, nonfinite: bool = False) -> tuple[bytes, list[Any]]:
     """The leaves of window ``w`` (which starts at one, outside strings) as a flat JSON
     array: separators outside strings blanked, a comma put before every leaf but the
-    first (the byte before a leaf is a separator, so the text keeps its length)."""
+    first (the byte before a leaf is a separator, so the text keeps its length).
+
+    ``nonfinite`` (numbers, no strings): NaN, Infinity and -Infinity (JSON extensions
+    Triton takes, msgspec does not) are written as 0 (-0), and returned as fix-ups:
+    ``(indices of the leaves, value)`` pairs."""
     inside = _Strings().mask(w)
     sep = _separators(w)
     if inside is not None:
@@ -355,7 +371,24 @@ def _flat_array(w: np.ndarray) -> bytes:
     out = w.copy()
     out[sep] = _SPACE
     out[np.flatnonzero(start[1:])] = _COMMA
-    return b"[" + out.tobytes() + b"]"
+    fixes: list[Any] = []
+    if nonfinite:
+        lower = w | 0x20
+        # Letters besides e/E: those of NaN and Infinity.
+        letters = (lower >= ord("a")) & (lower <= ord("z")) & (lower != ord("e"))
+        if letters.any():
+            first = letters & ((w == ord("N")) | (w == ord("I")))
+            first[1:] &= ~letters[:-1]  # the last N of NaN follows a letter
+            out[letters] = _SPACE
+            out[first] = ord("0")
+            leading = w[start]
+            second = w[np.minimum(np.flatnonzero(start) + 1, w.size - 1)]
+            fixes = [
+                (np.flatnonzero(leading == ord("N")), np.nan),
+                (np.flatnonzero(leading == ord("I")), np.inf),
+                (np.flatnonzero((leading == ord("-")) & (second == ord("I"))), -np.inf),
+            ]
+    return b"[" + out.tobytes() + b"]", fixes
 
 
 def _typed(name: str, datatype: str, dtype: np.dtype[Any], values: list[Any]) -> Any:
@@ -374,3 +407,41 @@ def _typed(name: str, datatype: str, dtype: np.dtype[Any], values: list[Any]) ->
             raise InvalidArgument(f"input '{name}': value out of range for {datatype}")
         return wide
     return np.array(values, dtype=np.float64 if dtype.kind == "f" else dtype)
+
+
+# ---- NaN and Infinity: what Triton's JSON parser takes and msgspec does not ---------------
+
+
+def has_nonfinite(text: Any) -> bool:
+    """Whether a JSON text (perhaps invalid) holds NaN or Infinity outside strings: an
+    "N" or "I" there can be nothing else."""
+    for _lo, w, inside in _windows(_bytes(text)):
+        found = (w == ord("N")) | (w == ord("I"))
+        if inside is not None:
+            found &= ~inside
+        if found.any():
+            return True
+    return False
+
+
+_PLAIN = {b"NaN": b"0e0", b"Infinity": b"0e000000"}  # valid numbers of the same length
+
+
+def without_nonfinite(text: Any) -> bytes:
+    """A copy of a JSON text with NaN and Infinity (outside strings) written as numbers
+    of the same length, so that msgspec parses it and every value keeps its offset: their
+    own values are then read from the text itself (``http_codec._Text``)."""
+    a = _bytes(text)
+    out = a.copy()
+    for lo, w, inside in _windows(a):
+        for literal, plain in _PLAIN.items():
+            at = np.flatnonzero(w == literal[0])
+            if inside is not None:
+                at = at[~inside[at]]
+            at = at + lo
+            at = at[at + len(literal) <= a.size]
+            for k in range(1, len(literal)):
+                at = at[a[at + k] == literal[k]]
+            for k, byte in enumerate(plain):
+                out[at + k] = byte
+    return out.tobytes()

@@ -280,8 +280,8 @@ LEAVES = st.one_of(
     st.booleans(),
     st.integers(-(2**70), 2**70),
     st.sampled_from([0, -1, 127, 128, 255, 256, 2**31 - 1, -(2**31), 2**63 - 1, 2**64 - 1]),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.floats(),  # NaN and Infinity too: JSON extensions Triton (and json.loads) take
+    st.floats(width=32),
     st.text(max_size=6),
     NASTY_TEXT,
     st.none(),
@@ -331,11 +331,30 @@ def test_json_data_decodes_as_the_plain_json_decode_did(
     if isinstance(expected, Tensor):
         assert isinstance(got, Tensor), got
         assert got.shape == expected.shape and got.data.dtype == expected.data.dtype
-        assert got.data.tolist() == expected.data.tolist()
+        if got.data.dtype.kind == "f":
+            assert np.array_equal(got.data, expected.data, equal_nan=True)
+        else:
+            assert got.data.tolist() == expected.data.tolist()
     else:
         assert isinstance(got, str), (expected, got)
         if expected != "surrogate":
             assert got == expected
+
+
+def test_nan_and_infinity_are_taken_as_triton_takes_them() -> None:
+    """Not JSON, but Triton's parser (and Python's) takes NaN, Infinity and -Infinity:
+    in FP data, in a parameter; an integer tensor holding one is refused as before."""
+    body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [2, 2], '
+    body += b'"data": [[NaN, Infinity], [-Infinity, 0.5]]}], "parameters": {"p": NaN}}'
+    req = http_codec.decode_infer("m", "", body, None)
+    assert np.array_equal(
+        req.inputs[0].data, np.array([[np.nan, np.inf], [-np.inf, 0.5]], np.float32), equal_nan=True
+    )
+    assert np.isnan(req.parameters["p"])
+    with pytest.raises(InvalidArgument, match="not INT32"):
+        http_codec.decode_infer("m", "", _body("INT32", [1], "[NaN]"), None)
+    with pytest.raises(InvalidArgument, match="failed to parse"):
+        http_codec.decode_infer("m", "", _body("FP32", [1], "[Nan]"), None)
 
 
 def test_json_data_holding_an_object_is_refused_before_its_count() -> None:
