@@ -28,9 +28,9 @@ Ragged rows are right-padded to the longest row only where the endpoint declares
 Padding must not let one row decide what its neighbours cost: a row 16M wide would pad
 every row of its batch to 16M. So the padded width is part of ``batch_key``, coarsely
 (``width_class``): rows narrow enough that a full batch of them, all padded to the
-widest, stays within ``max_request_bytes`` share class 0, the usual case, where nothing
-changes; a wider row shares a batch only with rows of its power-of-two class, each
-padded to less than twice its own width.
+widest, stays within the largest request the model takes (``RequestBounds.payload_bytes``)
+share class 0, the usual case, where nothing changes; a wider row shares a batch only
+with rows of its power-of-two class, each padded to less than twice its own width.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
         return object()
     padded = mergeable_padding(info, endpoint)
     rows = _max_rows(info, endpoint)
+    max_bytes = info.bounds(endpoint).payload_bytes
     inputs = tuple(
         sorted(
-            (t.name, t.datatype, t.shape[2:], width_class(t, rows, endpoint.max_request_bytes))
+            (t.name, t.datatype, t.shape[2:], width_class(t, rows, max_bytes))
             if t.name in padded and len(t.shape) >= 2
             else (t.name, t.datatype, t.shape[1:], 0)
             for t in req.inputs

@@ -67,7 +67,7 @@ DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
 DEFAULT_STALLED_STREAM_S = 30.0
 # A shell process that reads nothing of what the core sends it for this long is cut off.
 DEFAULT_STALLED_SHELL_S = 10.0
-DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit (a ceiling)
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about
 # twice their binary size), plus this much for the rest (names, shapes, parameters).
@@ -397,22 +397,42 @@ class Endpoint(_Strict):
         default_factory=Padding,
         description="How ragged rows share a batch; without it only equal shapes do.",
     )
-    max_request_bytes: int = Field(
-        default=DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int | None = Field(
+        default=None,
         gt=0,
-        description="Largest request (input tensor bytes); beyond, 400.",
+        description="Largest request (input tensor bytes); beyond, 400; its HTTP body or "
+        "gRPC message may be twice that and 1 MiB more. Unset: what the model can accept, "
+        "at most 64 MiB: max_batch_size rows of each input's dims in its datatype, a text "
+        "(BYTES) input of an endpoint with a tokenizer and max_model_len holding at most "
+        "max_model_len of the tokenizer's longest tokens; the body's bound then follows "
+        "from the longest form each element takes on the wire (JSON text, varints). A "
+        "request over it is refused from its Content-Length or gRPC message size, unread.",
     )
     max_request_tokens: int | None = Field(
         default=None, gt=0, description="Largest request in tokens; beyond, 400."
     )
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="Engine endpoints: prompt + generated tokens per sequence (vLLM's "
+        "max_model_len). A text prompt (token_input, counted with the tokenizer) longer "
+        "than this is refused with 400, before it is tokenised where its bytes already "
+        "prove it (each token covers at most the tokenizer's longest token). Unset: the "
+        "model config's max_model_len parameter, if it has one.",
+    )
 
     @property
     def max_wire_bytes(self) -> int:
-        """The largest request read for this model, as an HTTP body or a gRPC message:
-        ``max_request_bytes`` of tensors as they travel, and the rest of the request.
-        Each request is read against its own model's bound, so a model that takes small
-        requests is not exposed to the largest bound of any other."""
-        return self.max_request_bytes * WIRE_EXPANSION + WIRE_FRAMING_BYTES
+        """The largest request this endpoint's configuration lets through, as an HTTP body
+        or a gRPC message: ``max_request_bytes`` (or its default) of tensors as they
+        travel, and the rest of the request. A model's own bound, which the shells read
+        each request against, is at most this (``models.ModelInfo.bounds``)."""
+        return self.request_bytes_ceiling * WIRE_EXPANSION + WIRE_FRAMING_BYTES
+
+    @property
+    def request_bytes_ceiling(self) -> int:
+        """``max_request_bytes``, or its default where unset."""
+        return self.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
 
     def effective_quantum(self, max_batch_size: int) -> float | None:
         """The DRR quantum: configured, else derived from the batching policy; None for a

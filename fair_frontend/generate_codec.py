@@ -142,7 +142,7 @@ def decode_generate(model: str, version: str, body: bytes, info: ModelInfo) -> I
     if isinstance(doc, dict) and "id" in doc:
         if not isinstance(doc["id"], str):
             raise TritonJsonError(f"Unable to parse 'id': {_NOT_STRING}")
-        req.id = check_id("request id", doc["id"])  # before any error echoes it
+        req.id = _unicode(check_id("request id", doc["id"]), "'id'")  # bounded first
     if not isinstance(doc, dict):
         raise TritonJsonError("attempt to get members for non-object")
     for key, value in doc.items():
@@ -176,6 +176,7 @@ def _map_key(
     name: str,
     value: Any,
 ) -> None:
+    _unicode(name, "a key of the request")
     spec = info.inputs.get(name)
     if spec is None:
         params[name] = _parameter(name, value)
@@ -190,7 +191,9 @@ def _map_key(
 
 def _parameter(name: str, value: Any) -> ParamValue:
     """SetTritonParameterFromJsonParameter: string, int64, bool, else a number as double."""
-    if isinstance(value, (str, bool)):
+    if isinstance(value, str):
+        return _unicode(value, f"parameter '{name}'")
+    if isinstance(value, bool):
         return value
     if isinstance(value, int):
         return value if INT64_MIN <= value <= INT64_MAX else float(value)
@@ -249,7 +252,7 @@ def _tensor(
             )
         arr = np.empty(len(elements), dtype=object)
         for i, leaf in enumerate(elements):
-            arr[i] = leaf.encode()
+            arr[i] = _utf8(leaf, f"input '{name}'")
         return Tensor(name, datatype, shape, arr.reshape(shape))
     kind = (
         "BOOL"
@@ -274,6 +277,26 @@ def _tensor(
     else:
         arr = np.array(elements, dtype=dtype)
     return Tensor(name, datatype, shape, arr.reshape(shape))
+
+
+def _unicode(text: str, what: str) -> str:
+    """``text`` if it is Unicode (``_utf8``)."""
+    _utf8(text, what)
+    return text
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; 400 naming ``what`` for a lone UTF-16 surrogate, which JSON's
+    escapes can write (``"\\ud800"``) and Python's parser takes, but no encoding carries
+    (it was a 500 with a traceback)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        surrogate = f"\\u{ord(text[err.start]):04x}"
+        raise InvalidArgument(
+            f"{what} is not valid Unicode text: a lone UTF-16 surrogate '{surrogate}' at "
+            f"character {err.start}"
+        ) from None
 
 
 def _is_kind(kind: str, v: Any) -> bool:

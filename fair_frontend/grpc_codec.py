@@ -24,13 +24,17 @@ from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import (
     DTYPES,
     MAX_ID_BYTES,
+    Declared,
     InferRequest,
     InferResponse,
     ParamValue,
+    Precheck,
     RequestedOutput,
     Tensor,
     check_id,
     check_shape,
+    declared_nbytes,
+    dtype_of,
     element_count,
     reject_shared_memory,
     shaped,
@@ -188,7 +192,13 @@ def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
         raise InvalidArgument(f"the request is not a valid ModelInferRequest: {err}") from None
 
 
-def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
+def decode_infer(
+    msg: service_pb2.ModelInferRequest, *, precheck: Precheck | None = None
+) -> InferRequest:
+    """A parsed ``ModelInferRequest`` as an ``InferRequest``. The inputs' names, datatypes
+    and shapes are read first and given to ``precheck`` (the model's checks), so that
+    contents no model could take are never turned into tensors (BYTES contents are a
+    Python object per element)."""
     req = InferRequest(model=msg.model_name, version=msg.model_version)
     req.id = check_id("request id", msg.id)  # before any error echoes it
     split_parameters(req, _request_parameters(msg))
@@ -207,6 +217,8 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
             f"expected {len(msg.inputs)} raw_input_contents (one per input), got {len(raw)}"
         )
     seen: set[str] = set()
+    shapes: list[tuple[int, ...]] = []
+    declared: list[Declared] = []
     for i, spec in enumerate(msg.inputs):
         name = spec.name
         if not name:
@@ -216,12 +228,30 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         seen.add(name)
         reject_shared_memory(f"input '{name}'", spec.parameters)
         shape = check_shape(name, list(spec.shape))
+        shapes.append(shape)
+        nbytes: int | None
+        if raw:
+            dtype_of(name, spec.datatype)
+            nbytes = len(raw[i])
+        else:
+            nbytes = _check_contents(name, spec.datatype, shape, spec.contents)
+        declared.append(Declared(name, spec.datatype, shape, nbytes))
+    _decode_outputs(req, msg)
+    if precheck is not None:
+        precheck(req, declared)
+    for i, (spec, shape) in enumerate(zip(msg.inputs, shapes, strict=True)):
         if raw:
             req.inputs.append(
-                tensor_from_raw(name, spec.datatype, shape, raw[i], model=req.model, rid=req.id)
+                tensor_from_raw(
+                    spec.name, spec.datatype, shape, raw[i], model=req.model, rid=req.id
+                )
             )
         else:
-            req.inputs.append(_from_contents(name, spec.datatype, shape, spec.contents))
+            req.inputs.append(_from_contents(spec.name, spec.datatype, shape, spec.contents))
+    return req
+
+
+def _decode_outputs(req: InferRequest, msg: service_pb2.ModelInferRequest) -> None:
     for out in msg.outputs:
         reject_shared_memory(f"output '{out.name}'", out.parameters)
         cls = 0
@@ -236,16 +266,12 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
         # Named twice: Triton's gRPC server answers it once, as last named.
         req.outputs = [o for o in req.outputs if o.name != out.name]
         req.outputs.append(RequestedOutput(out.name, None, cls))
-    return req
 
 
-def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any) -> Tensor:
-    field = _CONTENTS_FIELD.get(datatype)
-    if field is None:
-        if datatype in DTYPES:
-            raise InvalidArgument(f"input '{name}': {datatype} must be sent as raw contents")
-        raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}")
-    values = getattr(contents, field)
+def _check_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any) -> int | None:
+    """Typed contents checked against the input's datatype and shape, without reading an
+    element; the tensor's size where it is known (numeric data)."""
+    field = _contents_field(name, datatype)
     count = element_count(shape)
     others = [f.name for f, _ in contents.ListFields() if f.name != field]
     if others:
@@ -253,14 +279,31 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
             f"input '{name}': {datatype} data goes in '{field}', the request has "
             f"{', '.join(others)}"
         )
+    values = getattr(contents, field)
     if len(values) != count:
         raise InvalidArgument(
             f"input '{name}': shape {list(shape)} needs {count} elements, contents have "
             f"{len(values)}"
         )
+    return declared_nbytes(datatype, shape)
+
+
+def _contents_field(name: str, datatype: str) -> str:
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        if datatype in DTYPES:
+            raise InvalidArgument(f"input '{name}': {datatype} must be sent as raw contents")
+        raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}")
+    return field
+
+
+def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any) -> Tensor:
+    _check_contents(name, datatype, shape, contents)
+    field = _CONTENTS_FIELD[datatype]
+    count = element_count(shape)
     if datatype == "BYTES":
-        arr = np.empty(count, dtype=object)
-        arr[:] = list(values)
+        # Straight into the array: no list of them on the way.
+        arr = np.fromiter(getattr(contents, field), dtype=object, count=count)
     else:
         arr = _in_range(name, datatype, packed_array(contents, field))
     return Tensor(name, datatype, shape, shaped(name, arr, shape))

@@ -18,30 +18,50 @@ model (``json_string_bytes``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.json_tensor import (
+    Leaves,
+    check_kinds,
+    convert,
+    count_byte,
+    count_members,
+    first_byte,
+    has_nonfinite,
+    is_container,
+    scan_leaves,
+    without_nonfinite,
+)
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
     DTYPES,
     INT64_MAX,
+    MAX_PARAMETERS,
+    MAX_TENSORS,
+    Declared,
     InferRequest,
     InferResponse,
-    ParamValue,
+    Precheck,
     RequestedOutput,
     Tensor,
     byte_size_mismatch,
     check_id,
     check_shape,
+    declared_nbytes,
+    dtype_of,
     element_count,
     reject_shared_memory,
     request_prefix,
+    shaped,
     split_parameters,
-    tensor_from_list,
     tensor_from_raw,
     tensor_to_list,
     tensor_to_raw,
@@ -69,66 +89,275 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return n
 
 
-def _parameters(raw: Any, where: str) -> dict[str, ParamValue]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InvalidArgument(f"{where}: 'parameters' must be an object")
-    for k, v in raw.items():
-        if not isinstance(v, (bool, int, float, str)) and k != "headers":
-            raise InvalidArgument(f"{where}: parameter '{k}' must be a string, number or boolean")
-    return raw
+# ---- request bodies: msgspec, tensor data left as JSON text until the model has seen it --
 
 
-def decode_infer(model: str, version: str, body: bytes, header_length: int | None) -> InferRequest:
-    """Decode an HTTP infer body (JSON, optionally followed by binary tensors)."""
-    json_part = body if header_length is None else body[:header_length]
-    binary = memoryview(body)[len(json_part) :] if header_length is not None else memoryview(b"")
+_Field = msgspec.Raw | msgspec.UnsetType
+
+
+class _Tensor(msgspec.Struct):
+    """An input or output of a request body, each field still JSON text (a view)."""
+
+    name: _Field = msgspec.UNSET
+    datatype: _Field = msgspec.UNSET
+    shape: _Field = msgspec.UNSET
+    parameters: _Field = msgspec.UNSET
+    data: _Field = msgspec.UNSET
+
+
+class _Body(msgspec.Struct):
+    """The top level of a request body; any other member is skipped unread."""
+
+    id: _Field = msgspec.UNSET
+    parameters: _Field = msgspec.UNSET
+    inputs: _Field = msgspec.UNSET
+    outputs: _Field = msgspec.UNSET
+
+
+class _WholeBody(msgspec.Struct):
+    """``_Body`` with its inputs and outputs decoded in the same pass (``_top``)."""
+
+    id: _Field = msgspec.UNSET
+    parameters: _Field = msgspec.UNSET
+    inputs: list[_Tensor] | msgspec.UnsetType = msgspec.UNSET
+    outputs: list[_Tensor] | msgspec.UnsetType = msgspec.UNSET
+
+
+_BODY = msgspec.json.Decoder(_Body)
+_WHOLE_BODY = msgspec.json.Decoder(_WholeBody)
+_TENSOR = msgspec.json.Decoder(_Tensor)
+_TENSORS = msgspec.json.Decoder(list[_Tensor])
+_MEMBERS = msgspec.json.Decoder(list[msgspec.Raw])
+_PARAMETERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_VALUE = msgspec.json.Decoder()
+# A field that should hold a scalar (a name, a datatype, a parameter's value) or a short
+# list (a shape) is decoded only if its JSON text is at most this long, or a string: what
+# else it holds is wrong anyway, and decoding it would build a Python object per element.
+SMALL_JSON_BYTES = 1024
+# A lone UTF-16 surrogate escape (``\ud800`` not followed by a low one; a low one alone),
+# not itself escaped (an even run of backslashes before it): text that is not Unicode.
+_LONE_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*(?:(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})(\\u[dD][c-fC-F][0-9a-fA-F]{2}))"
+)
+
+
+class _Unread:
+    """A field too large to decode for what it should hold (see ``SMALL_JSON_BYTES``);
+    it fails every type check, and says what it was in an error message."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"<{self.size} bytes of JSON>"
+
+
+def _field(raw: msgspec.Raw | memoryview | msgspec.UnsetType, default: Any) -> Any:
+    """A small field's value; ``default`` where absent; ``_Unread`` where too large."""
+    if raw is msgspec.UNSET:
+        return default
+    if len(raw) > SMALL_JSON_BYTES and first_byte(raw) != ord('"'):
+        return _Unread(len(raw))
     try:
-        doc = json.loads(json_part)
-    except (ValueError, RecursionError) as err:
-        # ValueError covers JSONDecodeError, bad UTF-8 and integers too long to convert;
-        # RecursionError, arrays nested thousands deep.
-        where = (
-            ""
-            if header_length is None
-            else f" (the first {header_length} bytes, as {HEADER_CONTENT_LENGTH} says)"
+        return _VALUE.decode(raw)
+    except msgspec.ValidationError:  # an integer wider than any type holds
+        return _Unread(len(raw))
+    except msgspec.DecodeError as err:  # NaN or Infinity (which Triton takes), or bad UTF-8
+        try:
+            return json.loads(bytes(raw))
+        except (ValueError, RecursionError):
+            raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
+
+
+def _is(raw: msgspec.Raw | msgspec.UnsetType, opening: bytes) -> bool:
+    """Whether a field holds an array (``b"["``) or an object (``b"{"``). Where it does
+    not and holds a string, the string is read: text that is not UTF-8 is a body that
+    does not parse, whatever was expected in its place."""
+    if raw is msgspec.UNSET:
+        return False
+    first = first_byte(raw)
+    if first == ord('"'):
+        _field(raw, None)
+    return first == opening[0]
+
+
+def _structure(decoder: msgspec.json.Decoder[Any], raw: msgspec.Raw) -> Any:
+    """A part of the body (valid JSON, known to be of the right kind) decoded; a name in
+    it that is not UTF-8 is a body that does not parse."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as err:
+        raise InvalidArgument(f"failed to parse the request JSON: {err}") from None
+
+
+def _tensors(raw: msgspec.Raw, what: str) -> list[_Tensor]:
+    """The members of ``inputs`` or ``outputs``, counted before they are decoded (at most
+    MAX_TENSORS), then decoded in one pass over the text; ``what[i] must be an object``
+    for the first that is not."""
+    if count_members(raw, MAX_TENSORS) > MAX_TENSORS:
+        raise InvalidArgument(f"the request has more than {MAX_TENSORS} {what}")
+    try:
+        specs: list[_Tensor] = _structure(_TENSORS, raw)
+        return specs
+    except msgspec.ValidationError:
+        pass
+    for i, member in enumerate(_structure(_MEMBERS, raw)):
+        if not _is(member, b"{"):
+            raise InvalidArgument(
+                f"{what}[{i}] must be an object"
+                + (" with a string 'name'" if what == "outputs" else "")
+            )
+    raise AssertionError("a member that is not an object was not found")  # pragma: no cover
+
+
+def _parameters(
+    raw: msgspec.Raw | msgspec.UnsetType, where: str, text: _Text | None = None
+) -> dict[str, Any]:
+    """A ``parameters`` object: each value a string, number or boolean, except Triton's
+    ``headers`` (any JSON, passed over unread)."""
+    if raw is msgspec.UNSET or first_byte(raw) == ord("n"):  # absent or null
+        return {}
+    if not _is(raw, b"{"):
+        raise InvalidArgument(f"{where}: 'parameters' must be an object")
+    if count_members(raw, MAX_PARAMETERS) > MAX_PARAMETERS:
+        raise InvalidArgument(f"{where}: more than {MAX_PARAMETERS} parameters")
+    out: dict[str, Any] = {}
+    for k, v in _structure(_PARAMETERS, raw).items():
+        if k == "headers":
+            out[k] = None  # not a model parameter: never decoded
+            continue
+        value = None if is_container(v) else _field(v if text is None else text(v), None)
+        if not isinstance(value, (bool, int, float, str)):
+            raise InvalidArgument(f"{where}: parameter '{k}' must be a string, number or boolean")
+        out[k] = value
+    return out
+
+
+def _parse_error(
+    json_part: memoryview, header_length: int | None, err: Exception
+) -> InvalidArgument:
+    where = (
+        ""
+        if header_length is None
+        else f" (the first {header_length} bytes, as {HEADER_CONTENT_LENGTH} says)"
+    )
+    lone = _LONE_SURROGATE.search(json_part)
+    if lone is not None:
+        escape = (lone.group(1) or lone.group(2)).decode()
+        at = lone.start(1) if lone.group(1) else lone.start(2)
+        return InvalidArgument(
+            f"{_surrogate_field(json_part, at)} is not valid Unicode text: a lone UTF-16 "
+            f"surrogate '{escape}' (at byte {at} of the request JSON{where})"
         )
-        raise InvalidArgument(f"failed to parse the request JSON{where}: {err}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("the request JSON must be an object")
+    return InvalidArgument(f"failed to parse the request JSON{where}: {err}")
+
+
+def _surrogate_field(json_part: memoryview, at: int) -> str:
+    """Which field of the request the text at byte ``at`` (a lone surrogate) belongs to:
+    read from a copy with every lone surrogate made a plain escape of the same length
+    (``\\u0020``), so the rest of the body still parses; "a string" if it is not found."""
+    fixed = _LONE_SURROGATE.sub(lambda m: m.group(0)[:-6] + b"\\u0020", bytes(json_part))
+    try:
+        doc = _BODY.decode(fixed)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return "a string"
+    base = _address(fixed)
+
+    def within(raw: Any) -> bool:
+        if raw is msgspec.UNSET:
+            return False
+        lo = _address(raw) - base
+        return lo <= at < lo + len(raw)
+
+    try:
+        return _field_at(doc, within)
+    except (msgspec.DecodeError, msgspec.ValidationError, InvalidArgument):
+        return "a string"
+
+
+def _field_at(doc: _Body, within: Callable[[Any], bool]) -> str:
+    if within(doc.id):
+        return "'id'"
+    if within(doc.parameters):
+        return "a request parameter"
+    for key, what in (("inputs", "input"), ("outputs", "output")):
+        raw = getattr(doc, key)
+        if not within(raw) or not _is(raw, b"[") or count_members(raw, MAX_TENSORS) > MAX_TENSORS:
+            continue
+        for i, member in enumerate(_MEMBERS.decode(raw)):
+            if not within(member):
+                continue
+            if not _is(member, b"{"):
+                return f"{key}[{i}]"
+            spec = _TENSOR.decode(member)
+            name = _field(spec.name, None)
+            if within(spec.name) or not isinstance(name, str) or not name:
+                return f"{key}[{i}]: 'name'"
+            if within(spec.data):
+                return f"{what} '{name}': a BYTES element"
+            return f"{what} '{name}'"
+    return "a string"
+
+
+def _address(buffer: Any) -> int:
+    address: int = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    return address
+
+
+def decode_infer(
+    model: str,
+    version: str,
+    body: bytes,
+    header_length: int | None,
+    *,
+    precheck: Precheck | None = None,
+) -> InferRequest:
+    """Decode an HTTP infer body (JSON, optionally followed by binary tensors).
+
+    In three steps, so that nothing the model could not take is ever converted: the
+    structure (every field but tensor data decoded, JSON data scanned for its element
+    count and kinds, binary data sliced); then ``precheck`` (the model's checks on the
+    inputs as declared); then the tensors."""
+    view = memoryview(body)
+    json_part = view if header_length is None else view[:header_length]
+    binary = view[len(json_part) :] if header_length is not None else memoryview(b"")
+    doc, text = _top(json_part, header_length)
     req = InferRequest(model=model, version=version)
-    rid = doc.get("id", "")
+    rid = _field(text(doc.id), "")
     if not isinstance(rid, str):
         raise InvalidArgument("'id' must be a string")
     req.id = check_id("request id", rid)  # before any error echoes it
-    split_parameters(req, _parameters(doc.get("parameters"), "request"), http=True)
+    split_parameters(req, _parameters(doc.parameters, "request", text), http=True)
 
-    inputs = doc.get("inputs")
     # An empty list is Triton's to judge against the model (``validate``): a model whose
     # inputs are all optional takes a request without any.
-    if not isinstance(inputs, list):
+    if isinstance(doc.inputs, list):
+        inputs = doc.inputs
+    elif doc.inputs is msgspec.UNSET or not _is(doc.inputs, b"["):
         raise InvalidArgument("the request must have an 'inputs' list")
+    else:
+        inputs = _tensors(doc.inputs, "inputs")
     offset = 0
     seen: set[str] = set()
+    declared: list[Declared] = []
+    pending: list[tuple[str, str, tuple[int, ...], memoryview | Leaves]] = []
     for i, spec in enumerate(inputs):
-        if not isinstance(spec, dict):
-            raise InvalidArgument(f"inputs[{i}] must be an object")
-        name = spec.get("name")
+        name = _field(text(spec.name), None)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"inputs[{i}]: 'name' must be a non-empty string")
         if name in seen:
             raise InvalidArgument(f"input '{name}' is given more than once")
         seen.add(name)
-        datatype = spec.get("datatype")
-        shape = check_shape(name, spec.get("shape"))
-        params = _parameters(spec.get("parameters"), f"input '{name}'")
+        datatype = _field(text(spec.datatype), None)
+        shape = check_shape(name, _field(text(spec.shape), None))
+        params = _parameters(spec.parameters, f"input '{name}'", text)
         reject_shared_memory(f"input '{name}'", params)
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidArgument(f"input '{name}': binary_data_size must be an integer >= 0")
-            if "data" in spec:
+            if spec.data is not msgspec.UNSET:
                 raise InvalidArgument(f"input '{name}' has both 'data' and binary_data_size")
             if offset + size > len(binary):
                 raise InvalidArgument(
@@ -137,42 +366,114 @@ def decode_infer(model: str, version: str, body: bytes, header_length: int | Non
                 )
             raw = binary[offset : offset + size]  # a view: frombuffer reads it in place
             offset += size
-            req.inputs.append(
-                tensor_from_raw(name, str(datatype), shape, raw, model=model, rid=req.id)
-            )
+            datatype = str(datatype)
+            dtype_of(name, datatype)
+            declared.append(Declared(name, datatype, shape, len(raw)))
+            pending.append((name, datatype, shape, raw))
         else:
-            if "data" not in spec:
+            if spec.data is msgspec.UNSET:
                 raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")
             if not isinstance(datatype, str):
                 raise InvalidArgument(f"input '{name}': 'datatype' must be a string")
-            req.inputs.append(tensor_from_list(name, datatype, shape, spec["data"]))
+            dtype_of(name, datatype)
+            if datatype == "BF16":
+                raise InvalidArgument(f"input '{name}': BF16 data must be sent in binary form")
+            leaves = scan_leaves(name, text(spec.data))
+            check_kinds(name, datatype, shape, leaves)
+            declared.append(Declared(name, datatype, shape, declared_nbytes(datatype, shape)))
+            pending.append((name, datatype, shape, leaves))
     if offset != len(binary):
         raise InvalidArgument(
             f"{len(binary) - offset} bytes of binary data follow the inputs unclaimed "
             f"(check {HEADER_CONTENT_LENGTH} and binary_data_size)"
         )
+    _decode_outputs(req, doc.outputs, text)
+    if precheck is not None:
+        precheck(req, declared)
+    for name, datatype, shape, data in pending:
+        if isinstance(data, Leaves):
+            arr = convert(name, datatype, dtype_of(name, datatype), data)
+            req.inputs.append(Tensor(name, datatype, shape, shaped(name, arr, shape)))
+        else:
+            req.inputs.append(tensor_from_raw(name, datatype, shape, data, model=model, rid=req.id))
+    return req
 
-    outputs = doc.get("outputs", [])
-    if not isinstance(outputs, list):
+
+class _Text:
+    """Where the fields' JSON text is read: the body itself. For a body with NaN or
+    Infinity (JSON extensions Triton takes; msgspec does not), msgspec parses a copy in
+    which they are numbers of the same length (``json_tensor.without_nonfinite``), and a
+    field is read from the body at the offsets the copy gave it."""
+
+    def __init__(self, body: memoryview, parsed: Any = None) -> None:
+        self.body = body
+        self.base = None if parsed is None else _address(parsed)
+
+    def __call__(self, raw: Any) -> Any:
+        if self.base is None or raw is msgspec.UNSET:
+            return raw
+        lo = _address(raw) - self.base
+        return self.body[lo : lo + len(raw)]
+
+
+def _top(json_part: memoryview, header_length: int | None) -> tuple[_Body | _WholeBody, _Text]:
+    """The top level of a body, and where its fields are read. Where it holds few JSON
+    objects (so few that decoding each costs nothing worth bounding), in one pass with its
+    inputs and outputs (each pass over a large body holds the interpreter for a while:
+    0.37 s for 87 MiB here); else, or where a field has the wrong type, with inputs and
+    outputs left as text, counted before they are decoded (``_tensors``)."""
+    try:
+        return _parse_top(json_part), _Text(json_part)
+    except msgspec.ValidationError:
+        raise InvalidArgument("the request JSON must be an object") from None
+    except (msgspec.DecodeError, RecursionError) as err:
+        # DecodeError: malformed JSON, bad UTF-8 or escapes, NaN or Infinity;
+        # RecursionError: arrays nested thousands deep.
+        if has_nonfinite(json_part):
+            parsed = without_nonfinite(json_part)
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                return _parse_top(parsed), _Text(json_part, parsed)
+        raise _parse_error(json_part, header_length, err) from None
+
+
+def _parse_top(text: Any) -> _Body | _WholeBody:
+    if count_byte(text, ord("{"), MAX_TENSORS) <= MAX_TENSORS:
+        with contextlib.suppress(msgspec.ValidationError):
+            whole: _WholeBody = _WHOLE_BODY.decode(text)
+            return whole
+    doc: _Body = _BODY.decode(text)
+    return doc
+
+
+def _decode_outputs(
+    req: InferRequest, raw: list[_Tensor] | msgspec.Raw | msgspec.UnsetType, text: _Text
+) -> None:
+    if raw is msgspec.UNSET:
+        return
+    if isinstance(raw, list):
+        outputs = raw
+    elif not _is(raw, b"["):
         raise InvalidArgument("'outputs' must be a list")
+    else:
+        outputs = _tensors(raw, "outputs")
     for i, spec in enumerate(outputs):
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        name = _field(text(spec.name), None)
+        if not isinstance(name, str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
-        params = _parameters(spec.get("parameters"), f"output '{spec['name']}'")
-        reject_shared_memory(f"output '{spec['name']}'", params)
+        params = _parameters(spec.parameters, f"output '{name}'", text)
+        reject_shared_memory(f"output '{name}'", params)
         binary_flag = params.get("binary_data")
         if binary_flag is not None and not isinstance(binary_flag, bool):
-            raise InvalidArgument(f"output '{spec['name']}': binary_data must be a boolean")
+            raise InvalidArgument(f"output '{name}': binary_data must be a boolean")
         cls = params.get("classification", 0)
         if isinstance(cls, bool) or not isinstance(cls, int) or not 0 <= cls <= INT64_MAX:
             raise InvalidArgument(
-                f"output '{spec['name']}': classification must be an integer >= 0 that fits "
+                f"output '{name}': classification must be an integer >= 0 that fits "
                 "in a signed 64-bit integer"
             )
-        if all(o.name != spec["name"] for o in req.outputs):
+        if all(o.name != name for o in req.outputs):
             # Named twice: Triton's HTTP server answers it once, as first named.
-            req.outputs.append(RequestedOutput(spec["name"], binary_flag, cls))
-    return req
+            req.outputs.append(RequestedOutput(name, binary_flag, cls))
 
 
 def is_raw_binary(header_length: int | None, body_length: int) -> bool:

@@ -17,20 +17,22 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from fair_frontend.config import CostUnit, Endpoint
+from fair_frontend.config import WIRE_FRAMING_BYTES, CostUnit, Endpoint
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import (
     DTYPES,
     INT64_MAX,
+    Declared,
     InferRequest,
     ParamValue,
     Tensor,
     check_id,
+    element_count,
     request_prefix,
     unexpected_shape,
 )
 from fair_frontend.sampling import check_sampling, read_sampling_input
-from fair_frontend.tokens import count_text_tokens
+from fair_frontend.tokens import count_text_tokens, max_token_bytes
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 # Triton's default max_sequence_idle_microseconds (model_config.proto): 1 s.
@@ -80,6 +82,19 @@ class ModelInfo:
     # Its context in tokens (CONTEXT_CONFIG_PARAMETER), where its config declares one.
     max_model_len: int | None = None
     raw_config: Any = field(default=None, compare=False, repr=False)
+    # ``bounds``' answer, kept with the endpoint it was computed for.
+    _bounds: list[tuple[Endpoint, RequestBounds]] = field(
+        default_factory=list, init=False, compare=False, repr=False
+    )
+
+    def bounds(self, endpoint: Endpoint) -> RequestBounds:
+        """What one request to this model may take under ``endpoint`` (``request_bounds``),
+        computed once per endpoint policy (a reload makes a new one)."""
+        kept = self._bounds[0] if self._bounds else None
+        if kept is None or kept[0] is not endpoint:
+            kept = (endpoint, request_bounds(self, endpoint))
+            self._bounds[:] = [kept]
+        return kept[1]
 
     @classmethod
     def from_config(
@@ -147,6 +162,98 @@ def _config_flag(cfg: model_config_pb2.ModelConfig, key: str) -> bool:
     return param is not None and param.string_value.strip().lower() == "true"
 
 
+# ---- what one request to a model may take ------------------------------------------------
+
+# The longest form one element of each datatype takes on the wire, of all the forms a client
+# may send it in: binary (its size), gRPC typed contents (a varint: 10 bytes for a negative
+# integer), JSON text (the longest number Python's json writes, with tritonclient's ", ").
+WIRE_ELEMENT_BYTES: dict[str, int] = {
+    "BOOL": 7,  # "false, "
+    "UINT8": 5,
+    "UINT16": 7,
+    "UINT32": 12,
+    "UINT64": 22,
+    "INT8": 10,
+    "INT16": 10,
+    "INT32": 13,
+    "INT64": 22,
+    "FP16": 26,  # "-2.2250738585072014e-308, ": a double's repr, whatever the width
+    "FP32": 26,
+    "FP64": 26,
+    "BF16": 2,  # binary only
+}
+# JSON nesting: "[", "]" and ", " around an element, per dimension, at most.
+WIRE_NESTING_BYTES = 4
+# A BYTES element: JSON writes a byte of text as at most 6 ("\u00XX"), and puts quotes and
+# ", " around it; binary forms, a 4-byte length.
+WIRE_TEXT_EXPANSION = 6
+WIRE_TEXT_FRAMING = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBounds:
+    """What one request to a model may take: the bound every decode is held to.
+
+    ``payload_bytes``: its input tensors (``InferRequest.nbytes``); ``wire_bytes``: its
+    HTTP body or gRPC message, refused from its declared size before it is read or
+    parsed. ``derived``: from the model (``request_bounds``); else the endpoint's
+    ``max_request_bytes`` (or its default). ``max_model_len`` and ``max_token_bytes``:
+    the engine's context and the longest text one token of the endpoint's tokenizer
+    covers, where known; ``text_bytes``, their product: the most text one element of a
+    text input holds."""
+
+    payload_bytes: int
+    wire_bytes: int
+    derived: bool
+    max_model_len: int | None = None
+    max_token_bytes: int | None = None
+
+    @property
+    def text_bytes(self) -> int | None:
+        if self.max_model_len is None or self.max_token_bytes is None:
+            return None
+        return self.max_model_len * self.max_token_bytes
+
+
+def request_bounds(info: ModelInfo, endpoint: Endpoint) -> RequestBounds:
+    """The most one request to ``info``'s model can carry, from the model's own limits:
+    ``max_batch_size`` rows (one where it does not batch) of every input, each element at
+    its datatype's size, or for BYTES (text inputs of an endpoint whose tokenizer and
+    context are known) the context's worth of the longest tokens; on the wire, each
+    element in its longest form (``WIRE_ELEMENT_BYTES``), and ``WIRE_FRAMING_BYTES`` for
+    the rest. A variable dimension, or a BYTES input without a text bound, leaves it
+    unbounded: then, as where the operator sets ``max_request_bytes``, the endpoint's
+    configured bound (``Endpoint.max_wire_bytes``), which is also the ceiling."""
+    context = endpoint.max_model_len or info.max_model_len
+    token_bytes = max_token_bytes(endpoint.tokenizer) if endpoint.tokenizer else None
+    configured = RequestBounds(
+        endpoint.request_bytes_ceiling, endpoint.max_wire_bytes, False, context, token_bytes
+    )
+    if endpoint.max_request_bytes is not None:
+        return configured
+    text = configured.text_bytes
+    rows = max(info.max_batch_size, 1)
+    payload = wire = 0
+    for spec in info.inputs.values():
+        dtype = DTYPES.get(spec.datatype)
+        if dtype is None or any(d < 0 for d in spec.dims):
+            return configured
+        elements = rows * element_count(spec.dims)
+        nesting = WIRE_NESTING_BYTES * (len(spec.dims) + int(info.batching))
+        if spec.datatype == "BYTES":
+            if text is None:
+                return configured
+            payload += elements * (4 + text)
+            wire += elements * (WIRE_TEXT_EXPANSION * text + WIRE_TEXT_FRAMING + nesting)
+        else:
+            payload += elements * dtype.itemsize
+            wire += elements * (WIRE_ELEMENT_BYTES[spec.datatype] + nesting)
+    if payload > configured.payload_bytes:
+        return configured
+    wire = min(wire + WIRE_FRAMING_BYTES, configured.wire_bytes)
+    return RequestBounds(payload, wire, True, context, token_bytes)
+
+
 def _config_count(cfg: model_config_pb2.ModelConfig, key: str) -> int | None:
     """A positive integer model-config parameter; None where absent or not one."""
     param = cfg.parameters.get(key)
@@ -208,56 +315,117 @@ def check_version(version: str) -> None:
         )
 
 
-def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
-    """Check a request against its model; fill configured defaults; count rows and tokens."""
+class RefusedByModel(InvalidArgument):
+    """A request ``check_declared`` refused. ``version``: what its failure is counted
+    under in the model's statistics (``ModelInfo.version_for``), as a refusal of
+    ``validate`` is (Triton counts the requests its own checks refuse)."""
+
+    def __init__(self, message: str, version: str | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+def check_declared(
+    info: ModelInfo, endpoint: Endpoint, req: InferRequest, declared: list[Declared]
+) -> None:
+    """The checks of ``validate`` that need only what a request declares (its id and
+    version, its inputs' names, datatypes and shapes, sizes where known), with the same
+    messages in the same order: made by the codecs before they convert any tensor, so
+    that data the model could not take is refused before it costs a tensor. Raises
+    ``RefusedByModel``."""
+    try:
+        check_id("request id", req.id)
+        check_version(req.version)
+        _check_inputs(info, endpoint, req.id, declared)
+        limit = info.bounds(endpoint).payload_bytes
+        # BYTES data not yet converted: at least its 4-byte lengths.
+        nbytes = sum(
+            d.nbytes if d.nbytes is not None else 4 * element_count(d.shape) for d in declared
+        )
+        if nbytes > limit:
+            raise _too_large(nbytes, info.name, limit)
+    except InvalidArgument as err:
+        raise RefusedByModel(err.message, ModelInfo.version_for(req.version, info)) from None
+
+
+def _too_large(nbytes: int, model: str, limit: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"request too large: {nbytes} bytes of input data, the limit for '{model}' is {limit}"
+    )
+
+
+def _check_inputs(
+    info: ModelInfo, endpoint: Endpoint, rid: str, declared: list[Declared]
+) -> tuple[int, list[str]]:
+    """Inputs (as declared) against the model: names, then the required ones (those the
+    endpoint fills in with its defaults count as given), datatypes, shapes, batch sizes.
+    Returns the rows (0 where the model does not batch) and the defaults to fill in."""
     model = info.name
-    check_id("request id", req.id)  # copied into every row's fair_rows entry
-    check_version(req.version)
-    names = [t.name for t in req.inputs]
-    for t in req.inputs:
-        if t.name not in info.inputs:
-            raise InvalidArgument(f"unexpected inference input '{t.name}' for model '{model}'")
-    # Fill the endpoint's defaults for optional inputs left out (the model's own defaults),
-    # so that rows with and without them share a batch.
+    names = [d.name for d in declared]
+    for d in declared:
+        if d.name not in info.inputs:
+            raise InvalidArgument(f"unexpected inference input '{d.name}' for model '{model}'")
     rows = 0
-    if info.batching and req.inputs:
-        rows = req.inputs[0].shape[0] if req.inputs[0].shape else 0
-    for name, values in endpoint.input_defaults.items():
-        spec = info.inputs.get(name)
-        if spec is None or name in names:
-            continue
-        arr = np.asarray(values, dtype=DTYPES[spec.datatype]).reshape(spec.dims)
-        if info.batching:
-            arr = np.broadcast_to(arr, (rows, *spec.dims)).copy()
-        req.inputs.append(Tensor(name, spec.datatype, tuple(arr.shape), arr))
-        names.append(name)
-    missing = [n for n, s in info.inputs.items() if not s.optional and n not in names]
+    if info.batching and declared:
+        rows = declared[0].shape[0] if declared[0].shape else 0
+    defaults = [n for n in endpoint.input_defaults if n in info.inputs and n not in names]
+    given = names + defaults
+    missing = [n for n, s in info.inputs.items() if not s.optional and n not in given]
     if missing:
-        raise InvalidArgument(missing_inputs_message(info, req.id, names, missing))
-    for t in req.inputs:
-        spec = info.inputs[t.name]
-        if t.datatype != spec.datatype:
+        raise InvalidArgument(missing_inputs_message(info, rid, given, missing))
+    for d in declared:
+        spec = info.inputs[d.name]
+        if d.datatype != spec.datatype:
             raise InvalidArgument(
-                f"inference input '{t.name}' data-type is '{t.datatype}', but model "
+                f"inference input '{d.name}' data-type is '{d.datatype}', but model "
                 f"'{model}' expects '{spec.datatype}'"
             )
         expected = (-1, *spec.dims) if info.batching else spec.dims
-        if not _dims_match(expected, t.shape):
+        if not _dims_match(expected, d.shape):
             raise InvalidArgument(
-                unexpected_shape(req.id, t.name, model, expected, t.shape, info.batching)
+                unexpected_shape(rid, d.name, model, expected, d.shape, info.batching)
             )
-        if info.batching and t.shape[0] != rows:
+        if info.batching and d.shape[0] != rows:
             raise InvalidArgument(
-                f"input '{t.name}' batch size {t.shape[0]} does not match other inputs "
+                f"input '{d.name}' batch size {d.shape[0]} does not match other inputs "
                 f"({rows}) for '{model}'"
             )
     if info.batching:
-        if rows < 1 and req.inputs:
+        if rows < 1 and given:
             raise InvalidArgument(f"empty batch: inputs of model '{model}' have batch size 0")
         if rows > info.max_batch_size:
             raise InvalidArgument(
                 f"inference request batch-size must be <= {info.max_batch_size} for '{model}'"
             )
+    return rows, defaults
+
+
+def validate(
+    req: InferRequest,
+    info: ModelInfo,
+    endpoint: Endpoint,
+    *,
+    text_tokens: list[int] | None = None,
+) -> Checked:
+    """Check a request against its model; fill configured defaults; count rows and tokens.
+
+    ``text_tokens``: the tokens of each element of a text token input, counted by the
+    caller off the event loop (``prompt_texts``, then ``tokens.TokenCounter``); counted
+    here where not given."""
+    model = info.name
+    check_id("request id", req.id)  # copied into every row's fair_rows entry
+    check_version(req.version)
+    declared = [Declared(t.name, t.datatype, t.shape) for t in req.inputs]
+    rows, defaults = _check_inputs(info, endpoint, req.id, declared)
+    # Fill the endpoint's defaults for optional inputs left out (the model's own defaults),
+    # so that rows with and without them share a batch.
+    for name in defaults:
+        spec = info.inputs[name]
+        values = endpoint.input_defaults[name]
+        arr = np.asarray(values, dtype=DTYPES[spec.datatype]).reshape(spec.dims)
+        if info.batching:
+            arr = np.broadcast_to(arr, (rows, *spec.dims)).copy()
+        req.inputs.append(Tensor(name, spec.datatype, tuple(arr.shape), arr))
     for out in req.outputs:
         if out.name not in info.outputs:
             raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
@@ -272,7 +440,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
         # The codecs keep one of each, as Triton does (HTTP the first, gRPC the last).
         raise InvalidArgument("an output is requested more than once")
 
-    lengths = _row_lengths(req, info, endpoint, max(rows, 1))
+    lengths = _row_lengths(req, info, endpoint, max(rows, 1), text_tokens)
     tokens = sum(lengths) if lengths is not None else 0
     sampling: dict[str, Any] | None = None
     if endpoint.sampling_rules is not None or endpoint.max_tokens_parameter is not None:
@@ -286,7 +454,7 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
             endpoint.sampling_rules,
             input_name=endpoint.sampling_parameters_input,
             keys=endpoint.sampling_keys,
-            max_model_len=info.max_model_len,
+            max_model_len=info.bounds(endpoint).max_model_len,
             prompt_tokens=lengths[0] if text_prompt and lengths else None,
         )
     max_tokens = 0
@@ -308,12 +476,18 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
             f"model '{model}' counts cost in tokens of input '{endpoint.token_input}', "
             "which the request does not have"
         )
+    bounds = info.bounds(endpoint)
     nbytes = req.nbytes
-    if nbytes > endpoint.max_request_bytes:
-        raise InvalidArgument(
-            f"request too large: {nbytes} bytes of input data, the limit for '{model}' is "
-            f"{endpoint.max_request_bytes}"
-        )
+    if nbytes > bounds.payload_bytes:
+        raise _too_large(nbytes, model, bounds.payload_bytes)
+    if lengths is not None and bounds.max_model_len is not None:
+        longest = max(lengths, default=0)
+        if longest > bounds.max_model_len:
+            raise InvalidArgument(
+                f"input '{endpoint.token_input}': the prompt has {longest} tokens; the "
+                f"context of model '{model}' is {bounds.max_model_len} tokens "
+                "(max_model_len)"
+            )
     if endpoint.max_request_tokens is not None and tokens > endpoint.max_request_tokens:
         raise InvalidArgument(
             f"request too large: {tokens} tokens, the limit for '{model}' is "
@@ -323,20 +497,64 @@ def validate(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Checked:
 
 
 def _row_lengths(
-    req: InferRequest, info: ModelInfo, endpoint: Endpoint, rows: int
+    req: InferRequest,
+    info: ModelInfo,
+    endpoint: Endpoint,
+    rows: int,
+    text_tokens: list[int] | None = None,
 ) -> list[int] | None:
     """Per-row token counts: the token input's elements per row (every row of a client's
-    request is as long as the tensor is wide; only the frontend pads)."""
+    request is as long as the tensor is wide; only the frontend pads); for text, each
+    element's tokens (``text_tokens``, or counted here)."""
     t = req.input(endpoint.token_input)
     if t is None:
         return None
     if t.datatype == "BYTES" and endpoint.tokenizer is not None:
-        # Text: each element's tokens, with the endpoint's own tokenizer.
-        counts = count_text_tokens(endpoint.tokenizer, t.data.flat)
+        counts = text_tokens
+        if counts is None:
+            texts = prompt_texts(req, info, endpoint)
+            counts = count_text_tokens(endpoint.tokenizer, texts or [])
         per_row = max(1, len(counts) // rows) if counts else 1
         return [sum(counts[i * per_row : (i + 1) * per_row]) for i in range(rows)]
     width = math.prod(t.shape[1:]) if info.batching else math.prod(t.shape)
     return [width] * rows
+
+
+def prompt_texts(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> list[str] | None:
+    """The elements of a text token input (a BYTES ``token_input`` of an endpoint with a
+    tokenizer) as text, for their tokens to be counted; None where there are none to
+    count. Refused (400) without tokenising: text that is not UTF-8, and a row whose
+    bytes alone prove it longer than the model's context (a token covers at most the
+    tokenizer's longest token, ``RequestBounds.max_token_bytes``), in O(1) per element."""
+    t = req.input(endpoint.token_input)
+    if t is None or t.datatype != "BYTES" or endpoint.tokenizer is None:
+        return None
+    elements = list(t.data.flat)
+    bounds = info.bounds(endpoint)
+    context, token_bytes = bounds.max_model_len, bounds.max_token_bytes
+    if context is not None and token_bytes is not None and elements:
+        rows = max(t.shape[0], 1) if info.batching and t.shape else 1
+        per_row = max(1, len(elements) // rows)
+        for i in range(0, len(elements), per_row):
+            size = sum(len(e) for e in elements[i : i + per_row])
+            at_least = -(-size // token_bytes)
+            if at_least > context:
+                raise InvalidArgument(
+                    f"input '{t.name}': the prompt is too long: its {size} bytes are at "
+                    f"least {at_least} tokens (a token of this model's tokenizer covers at "
+                    f"most {token_bytes} bytes); the context of model '{info.name}' is "
+                    f"{context} tokens (max_model_len)"
+                )
+    texts = []
+    for e in elements:
+        if isinstance(e, (bytes, np.bytes_)):
+            try:
+                texts.append(bytes(e).decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise InvalidArgument(f"input '{t.name}' is not valid UTF-8 text: {err}") from None
+        else:
+            texts.append(str(e))
+    return texts
 
 
 def _max_tokens(

@@ -14,7 +14,7 @@ converted to JSON).
 from __future__ import annotations
 
 import struct
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,11 @@ MAX_ID_BYTES = 1024
 # whose names file systems cap at 255 bytes; object stores' keys at 1024). A longer name
 # is refused before it is echoed in an error, a log line or looked up.
 MAX_NAME_BYTES = 1024
+# Inputs (or outputs) and parameters one request may name. Triton sets no limit, but each
+# costs a decoded structure: counted in the request's bytes first (``json_tensor``), so that
+# a body of ten million empty objects is refused before it becomes ten million of anything.
+MAX_TENSORS = 1024
+MAX_PARAMETERS = 1024
 
 
 @dataclass(slots=True)
@@ -95,6 +100,33 @@ class Tensor:
         if self.datatype == "BYTES":
             return int(sum(len(b) + 4 for b in self.data.flat))
         return int(self.data.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """An input as a request declares it, before its data is converted: what the model's
+    checks need (``models.check_declared``), so that data no model could take is never
+    turned into a tensor. ``nbytes``: the tensor's size once converted, where known
+    before converting (numeric data: from the shape; BYTES: its binary form's length)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    nbytes: int | None = None
+
+
+# Called by a codec with the request (its id, version, parameters decoded) and its inputs
+# as declared, before any tensor is converted; raises to refuse the request.
+Precheck = Callable[["InferRequest", "list[Declared]"], None]
+
+
+def declared_nbytes(datatype: str, shape: tuple[int, ...]) -> int | None:
+    """A numeric tensor's size from its shape; None for BYTES (its elements' lengths)
+    and for a datatype the protocol does not know."""
+    dtype = DTYPES.get(datatype)
+    if dtype is None or datatype == "BYTES":
+        return None
+    return element_count(shape) * dtype.itemsize
 
 
 @dataclass(slots=True)

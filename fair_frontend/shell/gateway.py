@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 from tritonclient.grpc import service_pb2
@@ -34,18 +35,26 @@ from fair_frontend.errors import (
 )
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import RequestLog
-from fair_frontend.models import ModelInfo, validate
+from fair_frontend.models import (
+    ModelInfo,
+    RefusedByModel,
+    check_declared,
+    prompt_texts,
+    validate,
+)
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     FINAL_RESPONSE,
     InferRequest,
     InferResponse,
     ParamValue,
+    Precheck,
     check_name,
 )
 from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, TallyEntry
 from fair_frontend.shell.link import CoreLink
 from fair_frontend.shell.lookup_cache import Key, LookupCache
+from fair_frontend.tokens import TokenCounter
 
 T = TypeVar("T")
 
@@ -89,6 +98,7 @@ class Gateway:
         self.triton = triton  # metadata, config and readiness come from Triton itself
         self.log = RequestLog()
         self._infos: dict[str, ModelInfo] = {}
+        self.tokens = TokenCounter()  # text prompts are tokenised off the event loop
         self.configure(config, keyring)
 
     def configure(self, config: Config, keyring: KeyRing) -> None:
@@ -131,7 +141,12 @@ class Gateway:
                 raise Unsupported(
                     "ModelInfer RPC doesn't support models with decoupled transaction policy"
                 )
-            checked = validate(req, info, self.config.endpoint(req.model))
+            endpoint = self.config.endpoint(req.model)
+            texts = prompt_texts(req, info, endpoint)  # refuses what its bytes prove too long
+            counts = None
+            if texts is not None and endpoint.tokenizer is not None:
+                counts = await self.tokens.count(tenant, endpoint.tokenizer, texts)
+            checked = validate(req, info, endpoint, text_tokens=counts)
             priority = self._priority(req.priority, tenant, req.model)
         except FrontendError as err:
             self._refused(tenant, req, err, arrived, info)
@@ -231,7 +246,9 @@ class Gateway:
         request_id: str = "",
     ) -> None:
         """A request the transport refused before ``infer`` (by its headers or size, or
-        it could not be decoded); ``request_id`` as far as the transport could tell."""
+        it could not be decoded); ``request_id`` as far as the transport could tell. One
+        the model's checks refused before its tensors were converted counts as a failure
+        in the model's statistics, as it would in ``infer``."""
         try:
             tenant: str | None = self.auth.identify(headers, None)
         except FrontendError:
@@ -240,7 +257,17 @@ class Gateway:
             tenant=tenant, model=model, outcome=err.outcome, queued_s=None,
             request_id=request_id, latency_s=latency_s, error=err.message,
         )  # fmt: skip
-        self.link.tally(TallyEntry(tenant, self._label(tenant, model), err.outcome.value, 1))
+        failed = err.version if tenant is not None and isinstance(err, RefusedByModel) else None
+        self.link.tally(
+            TallyEntry(
+                tenant,
+                self._label(tenant, model),
+                err.outcome.value,
+                1,
+                failed,
+                latency_s if failed else 0.0,
+            )
+        )
 
     def _refused(
         self,
@@ -269,6 +296,31 @@ class Gateway:
     async def model_info(self, model: str) -> ModelInfo:
         """The model's description (kept once looked up); raises ``UnknownModel``."""
         return await self._model_info(model)
+
+    # ---- what a request may take (``models.RequestBounds``): read before its bytes ------
+
+    async def wire_bound(self, model: str) -> int:
+        """The largest request (HTTP body, gRPC message) read for ``model``: its own
+        bound, from its description (looked up first; ``UnknownModel`` if Triton has no
+        such model)."""
+        info = await self._model_info(model)
+        return info.bounds(self.config.endpoint(model)).wire_bytes
+
+    def kept_wire_bound(self, model: str) -> int:
+        """``wire_bound`` without waiting: the model's bound once this shell has its
+        description, the endpoint's configured one until then."""
+        endpoint = self.config.endpoint(model)
+        info = self._infos.get(model)
+        return endpoint.max_wire_bytes if info is None else info.bounds(endpoint).wire_bytes
+
+    def precheck(self, model: str) -> Precheck | None:
+        """The model's checks on a request's inputs as declared, for a codec to make
+        before it converts them (``models.check_declared``); None while this shell does
+        not have the model's description (``validate`` then checks it all after)."""
+        info = self._infos.get(model)
+        if info is None:
+            return None
+        return partial(check_declared, info, self.config.endpoint(model))
 
     async def _model_info(self, model: str) -> ModelInfo:
         """Kept once found; concurrent first lookups share one (a caller that goes away

@@ -327,17 +327,17 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                 model = msg.model_name
                 self.gateway.shed(tenant, model)  # its length, the tenant's access, its queue
                 self._check_size(model, len(raw))
-            return grpc_codec.decode_infer(msg)
+            return grpc_codec.decode_infer(msg, precheck=self.gateway.precheck(model))
         except FrontendError as err:
             self.gateway.rejected(model, headers, err, time.monotonic() - started, request_id=rid)
             raise
 
     def _check_size(self, model: str, size: int) -> None:
-        bound = self.gateway.config.endpoint(model).max_wire_bytes
+        bound = self.gateway.kept_wire_bound(model)
         if size > bound:
             raise InvalidArgument(
                 f"request too large: the message is {size} bytes, model '{model}' accepts "
-                f"at most {bound} (max_request_bytes of tensor data, and the framing)"
+                f"at most {bound} (what its inputs can hold on the wire, and the framing)"
             )
 
 

@@ -70,7 +70,7 @@ from fair_frontend.http_codec import (
     parse_header_length,
 )
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.protocol import InferRequest, InferResponse, Precheck
 from fair_frontend.records import CONNECTION_DOOR, TallyEntry
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
@@ -361,10 +361,11 @@ class HttpShell:
             self.gateway.admit_early(model, headers)
             with self._hold_body(request, model, headers):
                 raw = await self._read_body(request, model)
-                limit = self.gateway.config.endpoint(model).max_wire_bytes
+                limit = await self.gateway.wire_bound(model)
+                precheck = self.gateway.precheck(model)
                 size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
                 decoded = await _off_loop(
-                    size, self._decode_infer, model, version, raw, headers, limit
+                    size, self._decode_infer, model, version, raw, headers, limit, precheck
                 )
                 if isinstance(decoded, InferRequest):
                     req = decoded
@@ -419,7 +420,7 @@ class HttpShell:
         declared length over it is refused unread) and within ``server.http_body_timeout_s``
         (then 408). A body abandoned midway marks its request to have its connection
         closed."""
-        limit = self.gateway.config.endpoint(model).max_wire_bytes
+        limit = await self.gateway.wire_bound(model)
         timeout_s = self.gateway.config.server.http_body_timeout_s
         try:
             declared = request.content_length
@@ -445,6 +446,7 @@ class HttpShell:
         raw: bytes,
         headers: Mapping[str, str],
         limit: int,
+        precheck: Precheck | None = None,
     ) -> InferRequest | bytes:
         """An infer body, inflated and decoded (on a worker thread when large); a raw binary
         body (``is_raw_binary``) comes back inflated only, for ``decode_raw_infer``, which
@@ -453,7 +455,7 @@ class HttpShell:
         header_length = parse_header_length(headers.get(HEADER_CONTENT_LENGTH.lower()), len(body))
         if is_raw_binary(header_length, len(body)):
             return body
-        return decode_infer(model, version, body, header_length)
+        return decode_infer(model, version, body, header_length, precheck=precheck)
 
     # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
 

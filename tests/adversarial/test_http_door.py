@@ -603,11 +603,13 @@ class Gate:
     opened: threading.Event
 
     def wrap(self, decode: Callable[..., Any]) -> Callable[..., Any]:
-        def held(model: str, version: str, body: bytes, header_length: int | None) -> Any:
+        def held(
+            model: str, version: str, body: bytes, header_length: int | None, **kw: Any
+        ) -> Any:
             if len(body) > self.size:
                 self.entered.set()
                 self.opened.wait(ANSWER_TIMEOUT_S * 2)
-            return decode(model, version, body, header_length)
+            return decode(model, version, body, header_length, **kw)
 
         return held
 

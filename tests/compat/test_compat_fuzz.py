@@ -1,7 +1,9 @@
 """Fuzz: whatever arrives, the frontend answers it as the client's error or serves it.
 
 HTTP: valid requests of every model, mutated (fields replaced, deleted or added with
-random JSON, including the protocol's own names), with lying or junk
+random JSON, including the protocol's own names, or with hostile JSON text: numbers no
+type holds, nesting deeper than parsers go, lone surrogate escapes, objects where elements
+go, thousands of members), with lying or junk
 ``Inference-Header-Content-Length``, random binary tails, or plain random bytes; bodies
 gzip/deflate-encoded (raw deflate too), or labelled with an encoding they do not have or
 one nobody knows; random ``Accept-Encoding``. gRPC: ``ModelInferRequest``
@@ -99,6 +101,27 @@ JSON_VALUES = st.recursive(
 )
 
 
+# JSON text a hostile client writes where a value goes (issue 17): numbers no type holds,
+# nesting as deep as a parser allows and deeper, lone surrogate escapes, objects where
+# elements go, a thousand members where one is expected, NaN (not JSON).
+HOSTILE_JSON = [
+    "1" + "0" * 3000,
+    "-1e999",
+    "NaN",
+    '"\\ud800"',
+    '"ok \\udc00"',
+    '["\\ud83d\\ude00", "\\udbff"]',
+    "[" * 900 + "0" + "]" * 900,
+    "[" * 3000 + "]" * 3000,
+    '[{"a": [1, 2]}, 3]',
+    "[" + ",".join(["{}"] * 1100) + "]",
+    "{" + ",".join(f'"k{i}": 1' for i in range(1100)) + "}",
+    "[4611686018427387904, 2]",
+    '[[1, 2], "3", [true]]',
+]
+HOSTILE_MARK = "@@hostile@@"
+
+
 def _expired(unavailable: bool, message: str) -> bool:
     return unavailable and message == MSG_TIMEOUT_EXPIRED
 
@@ -188,7 +211,11 @@ def http_requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
     with odd request parameters (so that they reach every layer behind the codec); one
     with its binary framing tampered with; random bytes."""
     req = draw(st.sampled_from(BASES))()
-    kind = draw(st.sampled_from(["mutate", "mutate", "parameters", "parameters", "frame", "bytes"]))
+    kind = draw(
+        st.sampled_from(
+            ["mutate", "mutate", "parameters", "parameters", "frame", "bytes", "hostile"]
+        )
+    )
     headers: dict[str, str] = {}
     if kind == "bytes":
         body = draw(st.binary(max_size=300))
@@ -202,12 +229,21 @@ def http_requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
             for _ in range(draw(st.integers(1, 3))):
                 name = draw(st.sampled_from(PROTOCOL_WORDS) | SAFE_TEXT)
                 params[name] = draw(EDGE_INTS | JSON_VALUES)
+        hostile = None
+        if kind == "hostile":  # one value anywhere replaced by hostile JSON text
+            paths = _paths(req.doc)
+            path = draw(st.sampled_from(paths))
+            _parent(req.doc, path)[path[-1]] = HOSTILE_MARK
+            hostile = draw(st.sampled_from(HOSTILE_JSON))
         if kind == "frame":
             req.binary = draw(
                 st.sampled_from([req.binary[:-3], req.binary + b"\x00" * 4])
                 | st.binary(max_size=80)
             )
-        head = json.dumps(req.doc).encode()
+        text = json.dumps(req.doc)
+        if hostile is not None:
+            text = text.replace(json.dumps(HOSTILE_MARK), hostile)
+        head = text.encode()
         body = head + req.binary
         if req.binary:
             headers[HEADER_LENGTH] = str(len(head))

@@ -304,3 +304,16 @@ def test_grpc_shape_errors_in_tritons_words(
         through = grpc_call(stub, msg, metadata=KEY_METADATA)
     assert direct.code == grpc.StatusCode.INVALID_ARGUMENT, direct
     assert (through.code, through.details) == (direct.code, direct.details)
+
+
+def test_nan_and_infinity_in_json_as_triton_takes_them(
+    triton: EmbeddedTriton, frontend: RunningFrontend
+) -> None:
+    """Not JSON, but Triton's parser takes NaN, Infinity, -Infinity: so does the frontend,
+    the answer byte for byte Triton's."""
+    doc = b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [%s]}]}'
+    for value in (b"NaN", b"Infinity", b"-Infinity"):
+        body = doc % value
+        direct, through = both(triton, frontend, "identity", body, {})
+        assert direct.status == 200, direct
+        assert (through.status, through.body) == (direct.status, direct.body)
