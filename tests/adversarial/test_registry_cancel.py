@@ -174,24 +174,31 @@ def test_a_client_that_disconnects_during_the_first_lookup_does_not_fail_another
         gate = asyncio.Event()
         in_lookup, b_waiting, a_gone = threading.Event(), threading.Event(), threading.Event()
         forwarder = fe.frontend.forwarder
-        real_config, real_infer = forwarder.model_config, fe.gateway.infer
+        real_config, real_bound = forwarder.model_config, fe.gateway.wire_bound
+        calls = 0
 
         async def gated_config(model: str, version: str = "") -> Any:
             in_lookup.set()
             await gate.wait()
             return await real_config(model, version)
 
-        async def tracked_infer(req: Any, headers: Any) -> Any:
-            if req.id == "B":
-                b_waiting.set()  # it runs on to its wait for the lookup before A is read
+        async def tracked_bound(model: str) -> int:
+            # The first thing an HTTP infer asks of its model, before its body is read: its
+            # bound, which needs the model's description. A's call starts the lookup; B's
+            # (the second) waits on it.
+            nonlocal calls
+            calls += 1
+            n = calls
+            if n == 2:
+                b_waiting.set()
             try:
-                return await real_infer(req, headers)
+                return await real_bound(model)
             finally:
-                if req.id == "A":
+                if n == 1:
                     a_gone.set()
 
         monkeypatch.setattr(forwarder, "model_config", gated_config)
-        monkeypatch.setattr(fe.gateway, "infer", tracked_infer)
+        monkeypatch.setattr(fe.gateway, "wire_bound", tracked_bound)
         path = "/v2/models/simple/infer"
         a = _send_and_leave_open(fe.http_url, path, _infer_body("A"))
         try:
