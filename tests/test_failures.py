@@ -64,8 +64,14 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
             assert (await _send(client, "acme")).as_numpy("EMBEDDING").shape == (1, 128)
-            flood = [asyncio.ensure_future(_send(client, "acme")) for _ in range(200)]
+            # Rows of 1,024 tokens: Triton serves the flood for seconds, so it queues
+            # whatever the speed of the intake.
+            wide = np.full((1, 1024), 3, dtype=np.int32)
+            flood = [asyncio.ensure_future(_send(client, "acme", wide)) for _ in range(200)]
+            deadline = time.monotonic() + 60
             while await fe.acall(_depth(fe)) < 100:
+                assert time.monotonic() < deadline, "the flood never queued 100 requests"
+                assert not all(f.done() for f in flood), "the flood was answered before it queued"
                 await asyncio.sleep(0.005)
             killed_at = time.monotonic()
             _kill(own_triton)
@@ -80,7 +86,9 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
                 await asyncio.sleep(0.01)
             assert first_error is not None and first_error < 1.0, first_error
             assert all(e.status() == "StatusCode.UNAVAILABLE" for e in _errors(flood))
+            deadline = time.monotonic() + 10
             while fe.frontend.backend.available:
+                assert time.monotonic() < deadline, "Triton killed, still marked available"
                 await asyncio.sleep(0.01)
             queued = await fe.acall(_depth(fe))
             assert queued > 50, "queued requests must wait for Triton, not fail"
@@ -91,7 +99,7 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
             assert expired.message() == "Request timeout expired"
 
             await asyncio.to_thread(own_triton.restart)
-            results = await asyncio.gather(*flood)
+            results = await asyncio.wait_for(asyncio.gather(*flood), 120)
             # Ready again once the shell's own channel to Triton has reconnected (its
             # back-off after an outage is at most 1 s).
             deadline = time.monotonic() + 10
@@ -282,7 +290,7 @@ async def test_sighup_reloads_keys_without_dropping_a_request(
                 assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.05)
             assert not isinstance(await _send_key(client, "acme-rotated-key"), Exception)
-            results = await asyncio.gather(*load)
+            results = await asyncio.wait_for(asyncio.gather(*load), 120)
         finally:
             await client.close()
         assert not [r for r in results if isinstance(r, InferenceServerException)]
@@ -291,7 +299,9 @@ async def test_sighup_reloads_keys_without_dropping_a_request(
         proc.send_signal(signal.SIGHUP)
         client = grpcaio.InferenceServerClient(grpc)
         try:
+            deadline = time.monotonic() + 30
             while "reload refused" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.05)
             assert not isinstance(await _send_key(client, "brand-new-key"), Exception)
         finally:
@@ -336,7 +346,7 @@ async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, work
             await asyncio.sleep(0.01)
         done_before = sum(f.done() for f in flood)
         proc.send_signal(signal.SIGTERM)
-        results = await asyncio.gather(*flood)
+        results = await asyncio.wait_for(asyncio.gather(*flood), 120)
         code = await asyncio.to_thread(proc.wait, 60)
     finally:
         await client.close()
