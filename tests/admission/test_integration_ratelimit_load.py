@@ -5,7 +5,7 @@ two shells), real clients, a real Redis of the test's own, the production timeou
   concurrent requests meets a small limit, Redis healthy: exactly the limit is admitted and
   no check fails open. Before, checks in flight across a stall timed out with Redis idle,
   were admitted uncounted, and switched the limits off for every tenant for 1 s.
-- A Redis that holds every command (``CLIENT PAUSE``, ended with ``CLIENT UNPAUSE``): each
+- A Redis that holds every command for 2 s (``CLIENT PAUSE``): each
   request whose check it delayed takes the mode and is counted once in
   ``fair_rate_limit_storage_errors_total{tenant, endpoint, mode, reason="timeout"}``; the
   moment Redis answers again another tenant's burst is exact. Before, that tenant's burst
@@ -33,6 +33,7 @@ STALL_S = 0.15
 STALL_EVERY_S = 0.05
 LOADED = "initech"  # its limit is tight: 20 a minute
 OTHER = "hooli"  # another tenant of the same tier: 5 a minute
+PAUSE_MS = 2_000  # Redis paused: 40 of the checks' timeouts, long enough for a burst of 8
 
 
 def load_config(url: str, mode: str) -> Any:
@@ -134,11 +135,13 @@ async def test_each_check_redis_holds_back_takes_the_mode_and_is_counted(
 ) -> None:
     with load_frontend(triton, redis_process, workers, mode) as fe, redis_process.client() as rc:
         assert (await burst(kserve, fe, LOADED, 1, 1))[0].ok  # warm, and counted: 1 of 20
-        rc.execute_command("CLIENT", "PAUSE", 10_000, "ALL")  # held until UNPAUSE below
-        try:
-            held = await burst(kserve, fe, LOADED, 8, 8)
-        finally:
-            rc.execute_command("CLIENT", "UNPAUSE")
+        # Redis holds every command for PAUSE_MS (CLIENT UNPAUSE would be held as well):
+        # the burst's checks meet it; a PING returns once Redis answers again.
+        rc.execute_command("CLIENT", "PAUSE", PAUSE_MS, "ALL")
+        started = time.monotonic()
+        held = await burst(kserve, fe, LOADED, 8, 8)
+        assert time.monotonic() - started < PAUSE_MS / 1000, "the burst outlasted the pause"
+        await asyncio.to_thread(rc.ping)
         # Redis answers again at once: the other tenant's burst is exact, counted.
         other = await burst(kserve, fe, OTHER, 20, 20)
         assert codes(other) == {"OK": 5, "RESOURCE_EXHAUSTED": 15}
