@@ -138,7 +138,10 @@ def request(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Ans
 
 
 def closed_by_server(sock: socket.socket) -> bool:
-    """True once the server closed the connection (EOF), with nothing more sent."""
+    """True once the server closed the connection (EOF), with nothing more sent. The
+    client stops sending first, as one does on ``Connection: close`` (until then the
+    server reads and discards what still comes, for aiohttp's lingering time)."""
+    sock.shutdown(socket.SHUT_WR)
     return sock.recv(1) == b""
 
 
