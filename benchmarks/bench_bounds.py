@@ -24,7 +24,7 @@ at its peak and after; every answer the scenario's requests got (also after the 
 the probe's p50 and worst (ms) beside its solo ones. Scenario ``grpc_unkeyed`` is the
 door's (identity before the message): on this branch alone it shows the before behaviour.
 
-    .venv/bin/python -m benchmarks.bench_bounds             # about 5 min: before, after
+    .venv/bin/python -m benchmarks.bench_bounds             # about 7 min: before, after
     .venv/bin/python -m benchmarks.bench_bounds --quick     # smoke run, about 3 min
         [--ref REF: the "before" commit, default f324058] [--workers 2] [--only after]
 
@@ -105,10 +105,10 @@ FULL = Timing(solo=6, before=2, during=12, after=3)
 QUICK = Timing(solo=4, before=1, during=6, after=2)
 
 
-def bench_config() -> dict[str, Any]:
+def bench_config(source: Path | None = None) -> dict[str, Any]:
     """The example config, tenants of our own (``quiet``: the probe, ``hog``: the large
     requests), no rate limits, embed's requests at most 46 MiB of tensors."""
-    cfg = load_example_config()
+    cfg = load_example_config(source)
     cfg.pop("tier_limits", None)
     cfg["tenants"] = {name: {"tier": "standard", "api_keys": [key]} for name, key in KEYS.items()}
     cfg["endpoints"]["embed"]["max_request_bytes"] = EMBED_REQUEST_BYTES
@@ -270,7 +270,7 @@ async def scenario(
             try:
                 fe = stack.enter_context(
                     frontend(
-                        bench_config(),
+                        bench_config(source),
                         grpc_url,
                         workers=args.workers,
                         http_url=http_url,

@@ -77,9 +77,9 @@ CLIENT_TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench_config() -> dict[str, Any]:
+def bench_config(source: Path | None = None) -> dict[str, Any]:
     """The example config, one tenant of ours, no rate limits."""
-    cfg = load_example_config()
+    cfg = load_example_config(source)
     cfg.pop("tier_limits", None)
     cfg["tenants"] = {"bench": {"tier": "standard", "api_keys": [KEY]}}
     return cfg
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fes = {
             "before": stack.enter_context(
                 frontend(
-                    bench_config(), tri.grpc_url, workers=2, source=base, http_url=tri.http_url
+                    bench_config(base), tri.grpc_url, workers=2, source=base, http_url=tri.http_url
                 )
             ),
             "after": stack.enter_context(

@@ -741,10 +741,10 @@ def cpu_total(pid: int) -> float:
     return sum(process_tree_cpu_s(pid).values())
 
 
-def bench_config() -> dict[str, Any]:
+def bench_config(source: Path | None = None) -> dict[str, Any]:
     """The example config, two tenants of our own, no rate limits: what a refusal costs
     is the subject, not a limiter's 429s."""
-    cfg = load_example_config()
+    cfg = load_example_config(source)
     cfg.pop("tier_limits", None)
     cfg["tenants"] = {name: {"tier": "standard", "api_keys": [key]} for name, key in KEYS.items()}
     return cfg
@@ -899,7 +899,7 @@ async def part(
     grpc_url, http_url = tri_urls
     workers = args.workers
     with frontend(
-        bench_config(), grpc_url, workers=workers, http_url=http_url, source=args.source
+        bench_config(args.source), grpc_url, workers=workers, http_url=http_url, source=args.source
     ) as fe:
         urls = Urls(http=fe.http_url, grpc=fe.grpc_url)
         progress(f"{name}: frontend up (pid {fe.process.pid}, {workers} shell(s)); probe starts")
