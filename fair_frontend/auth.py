@@ -379,6 +379,15 @@ class ModelAccess:
         grant = self._grants.get(tenant)
         return grant is not None and grant.allows(model)
 
+    def closed_tenants(self) -> list[str]:
+        """The tenants that may call no model at all (a config from before model access,
+        without ``tier_models``, closes every one)."""
+        return sorted(
+            name
+            for name, grant in self._grants.items()
+            if grant.none or not (grant.every or grant.opened - grant.denied)
+        )
+
     def check(self, tenant: str, model: str) -> None:
         """Raise ``PermissionDenied`` (403) naming the model unless ``tenant`` may call
         it. ``model`` has passed its length check (``check_name``): it is echoed whole."""

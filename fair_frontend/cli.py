@@ -27,7 +27,7 @@ from typing import Any
 
 import uvloop
 
-from fair_frontend.auth import KeyRing
+from fair_frontend.auth import KeyRing, ModelAccess
 from fair_frontend.config import Config, ConfigError, load_config
 from fair_frontend.server import FrontendServer, Listen, default_workers
 
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 "send them; replace them (fair-frontend hash-key KEY)",
                 ", ".join(demo_tenants),
             )
+    closed = model_access_problem(config)
+    if closed is not None:
+        log.warning("%s", closed)
     try:
         if args.command == "serve":
             uvloop.run(
@@ -218,6 +221,20 @@ def key_set_problem(config: Config, keyring: KeyRing) -> str | None:
         "per line) or api_keys_env (a variable of comma-separated keys), or "
         "auth.trusted_gateway with its proof; `fair-frontend up --demo` runs the example "
         "config's demo keys"
+    )
+
+
+def model_access_problem(config: Config) -> str | None:
+    """Which tenants would be refused every model (403), or None: worth saying at start,
+    since model access is closed by default and a config written before it has no
+    ``tier_models``. A warning, not a refusal: a tenant may be closed on purpose."""
+    closed = ModelAccess.from_config(config).closed_tenants()
+    if not closed:
+        return None
+    return (
+        f"tenants {', '.join(closed)} may call no model: every request of theirs will be "
+        "refused 403 (PERMISSION_DENIED). Models are closed unless opened: list each tier's "
+        "in tier_models, or a tenant's own in tenants.<name>.models / extra_models"
     )
 
 
@@ -282,9 +299,14 @@ def _reload(server: FrontendServer, path: str) -> None:
     """SIGHUP: read the config file again and apply what can change live (see
     ``Core.reload``); the rest is kept, named in an ERROR log line."""
     try:
-        server.reload(load_config(path))
+        config = load_config(path)
+        server.reload(config)
     except ConfigError as err:
         log.error("reload refused, keeping the running config: %s", err)
+        return
+    closed = model_access_problem(config)
+    if closed is not None:
+        log.warning("%s", closed)
 
 
 async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> None:

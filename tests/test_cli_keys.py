@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from fair_frontend.auth import KeyRing
-from fair_frontend.cli import key_set_problem
+from fair_frontend.cli import key_set_problem, model_access_problem
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import free_port
 from tests.support import config_dict
@@ -96,3 +96,31 @@ def test_a_key_or_a_trusted_gateway_is_enough() -> None:
 
 def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "FAIR_TEST_KEYS"}
+
+
+def test_tenants_that_may_call_no_model_are_named_at_start() -> None:
+    """Model access is closed by default: a config without ``tier_models`` (written before
+    it) refuses every model to every tenant. Said at start, naming them; a tenant with a
+    model open, or every model, is not named."""
+    tenants = {
+        "acme": {"tier": "enterprise", "api_keys": ["a"]},
+        "globex": {"tier": "standard", "api_keys": ["g"]},
+    }
+    before = parse_config(config_dict(tenants=tenants, tier_models={}))
+    problem = model_access_problem(before)
+    assert problem is not None
+    assert "tenants acme, globex may call no model" in problem
+    assert "tier_models" in problem and "403" in problem
+
+    tenants["globex"]["denied_models"] = ["*"]  # closed on purpose: still named
+    tenants["acme"]["extra_models"] = ["embed"]
+    some = parse_config(config_dict(tenants=tenants, tier_models={"standard": ["*"]}))
+    problem = model_access_problem(some)
+    assert problem is not None and "tenants globex may" in problem and "acme" not in problem
+
+    del tenants["acme"]["extra_models"]  # its tier's one model, denied: none left
+    tenants["acme"]["denied_models"] = ["embed"]
+    denied = parse_config(config_dict(tenants=tenants, tier_models={"enterprise": ["embed"]}))
+    assert "tenants acme, globex may" in (model_access_problem(denied) or "")
+
+    assert model_access_problem(parse_config(config_dict())) is None  # the tests' config
