@@ -431,7 +431,7 @@ def _top(json_part: memoryview, header_length: int | None) -> tuple[_Body | _Who
         # RecursionError: arrays nested thousands deep.
         if has_nonfinite(json_part):
             parsed = without_nonfinite(json_part)
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 return _parse_top(parsed), _Text(json_part, parsed)
         raise _parse_error(json_part, header_length, err) from None
 
