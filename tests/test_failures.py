@@ -304,6 +304,17 @@ async def test_sighup_reloads_keys_without_dropping_a_request(
                 assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.05)
             assert not isinstance(await _send_key(client, "brand-new-key"), Exception)
+            # So is one that admits nobody (a Secret emptied under a running frontend): it
+            # would refuse every tenant 401, as start does (exit 2).
+            for tenant in data["tenants"].values():
+                tenant["api_keys"] = []
+            config.write_text(yaml.safe_dump(data))
+            proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while "reload refused, keeping the running config: no API keys" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                await asyncio.sleep(0.05)
+            assert not isinstance(await _send_key(client, "brand-new-key"), Exception)
         finally:
             await client.close()
         assert "brand-new-key" not in log.read_text()
