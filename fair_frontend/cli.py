@@ -300,11 +300,12 @@ def _reload(server: FrontendServer, path: str) -> None:
     ``Core.reload``); the rest is kept, named in an ERROR log line."""
     try:
         config = load_config(path)
-        problem = key_set_problem(config, KeyRing.from_config(config))
+        keyring = KeyRing.from_config(config)  # read once: checked here, applied below
+        problem = key_set_problem(config, keyring)
         if problem is not None:  # refused at start too (exit 2): every request would be 401
             log.error("reload refused, keeping the running config: %s", problem)
             return
-        server.reload(config)
+        server.reload(config, keyring)
     except ConfigError as err:
         log.error("reload refused, keeping the running config: %s", err)
         return

@@ -32,6 +32,7 @@ from aiohttp import web
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__
+from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.errors import FrontendError
@@ -216,12 +217,13 @@ class FrontendServer:
         app.router.add_get("/v2/models/{model}/versions/{version}/stats", statistics)
         return app
 
-    def reload(self, config: Config) -> list[str]:
-        """Apply a new config (SIGHUP) in the core and in every shell; see ``Core.reload``.
-        The shells get the config the core runs: ``config`` with the running values of
-        what needs a restart (the notes name them)."""
+    def reload(self, config: Config, keyring: KeyRing | None = None) -> list[str]:
+        """Apply a new config (SIGHUP) in the core and in every shell; see ``Core.reload``
+        (``keyring``: ``config``'s keys, where the caller has read them already). The
+        shells get the config the core runs: ``config`` with the running values of what
+        needs a restart (the notes name them)."""
         assert self.core is not None
-        notes = self.core.reload(config)
+        notes = self.core.reload(config, keyring)
         self.config = self.core.config
         if self.gateway is not None:
             self.gateway.configure(self.core.config, self.core.keyring)
