@@ -714,11 +714,10 @@ class Queues(_Strict):
     stalled_stream_s: float = Field(
         default=DEFAULT_STALLED_STREAM_S,
         gt=0,
-        description="A streamed request (a decoupled model's responses) holds at most a few "
-        "parts its client has not read (records.ANSWER_WINDOW); at that bound the core stops "
-        "reading its stream from Triton (gRPC flow control holds Triton's sender). Held so "
-        "for this long with none read, the request is cancelled in Triton (its slot freed) "
-        "and ends CANCELLED.",
+        description="A streamed request (a decoupled model's responses) whose client does not "
+        "read is held back: its shell stops reading its stream from Triton (gRPC flow control "
+        "holds Triton's sender) while a response waits for the client. Held so for this long, "
+        "the request is cancelled in Triton (its slot freed) and ends CANCELLED.",
     )
     stalled_shell_s: float = Field(
         default=DEFAULT_STALLED_SHELL_S,

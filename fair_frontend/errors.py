@@ -117,6 +117,17 @@ class Cancelled(FrontendError):
     outcome = Outcome.CANCELLED
 
 
+class StalledStream(Cancelled):
+    """A streamed request whose client took none of its responses for too long: it was
+    cancelled in Triton (its slot freed)."""
+
+    def __init__(self, stalled_s: float) -> None:
+        super().__init__(
+            f"the client read none of its stream's responses for {stalled_s:g} s "
+            "(queues.stalled_stream_s): the request was cancelled"
+        )
+
+
 class UpstreamError(FrontendError):
     """Triton (or the model) answered an error: passed on with Triton's code."""
 
@@ -149,3 +160,21 @@ class Unsupported(FrontendError):
 
 class Internal(FrontendError):
     pass
+
+
+def error_class(name: str) -> type[FrontendError]:
+    """The ``FrontendError`` subclass called ``name`` (an error that crossed from another
+    process by name: ``records.Fault``), or ``FrontendError`` where none is."""
+    found = _CLASSES.get(name)
+    if found is None:
+        todo: list[type[FrontendError]] = [FrontendError]
+        while todo and found is None:
+            cls = todo.pop()
+            found = cls if cls.__name__ == name else None
+            todo.extend(cls.__subclasses__())
+        if found is not None:
+            _CLASSES[name] = found
+    return found or FrontendError
+
+
+_CLASSES: dict[str, type[FrontendError]] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from fair_frontend.errors import (
     DeadlineExceeded,
     FrontendError,
     ModelUnavailable,
+    StalledStream,
     Unavailable,
     UpstreamError,
 )
@@ -125,25 +126,35 @@ def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
     return InferenceServerException(err.details(), str(err.code()))
 
 
+STALL_CHECKS = 4  # looks per stalled_s for a consumer that started holding a response
+
+
 class _Watchdog:
-    """Cancels a call that makes no progress for ``timeout_s``: one timer per call, which
-    re-arms itself from the time of the latest response (``progress`` only notes the
-    time: nothing per response but a clock read).
+    """Stops a call that makes no progress for ``timeout_s``, or whose consumer holds a
+    response for ``stalled_s``: one timer per call, re-armed from the time of the latest
+    response when it fires (``progress`` and ``hold`` only note the time: nothing per
+    response but a clock read, and a timer that fires a few times per ``stalled_s``).
 
-    Only the wait for Triton counts. While the consumer holds a response (``hold``, until
-    its next ``progress``) the call is not read, by choice: the core holds a stream back
-    for a client that does not read (``records.ANSWER_WINDOW``; its own bound is
-    ``queues.stalled_stream_s``), and that pause is not Triton's lack of progress."""
+    Only the wait for Triton counts as Triton's lack of progress. While the consumer holds
+    a response (``hold``, until its next ``progress``) the call is not read, by choice: a
+    client that does not read holds its stream back (gRPC's flow control then holds
+    Triton's sender), up to ``stalled_s`` (``queues.stalled_stream_s``), after which the
+    request is cancelled in Triton and its slot freed (``StalledStream``)."""
 
-    def __init__(self, call: Any, timeout_s: float) -> None:
-        self._call = call
+    def __init__(
+        self, stop: Callable[[FrontendError], None], timeout_s: float, stalled_s: float | None
+    ) -> None:
+        self._stop = stop
         self._timeout_s = timeout_s
+        self._stalled_s = stalled_s
+        # A hold may start at any response: while none is held the timer also looks in
+        # every quarter of stalled_s, so a stall is found within 1.25 stalled_s.
+        self._period = stalled_s / STALL_CHECKS if stalled_s is not None else timeout_s
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._held = False
-        self.stalled = False
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + timeout_s, self._check
+            self._last + min(timeout_s, self._period), self._check
         )
 
     def progress(self) -> None:
@@ -152,24 +163,106 @@ class _Watchdog:
         self._held = False
 
     def hold(self) -> None:
-        """The consumer has a response and has not asked for the next: time stops."""
+        """The consumer has a response and has not asked for the next: Triton's clock
+        stops, the consumer's starts."""
+        self._last = self._loop.time()
         self._held = True
 
     def _check(self) -> None:
-        due = self._last + self._timeout_s
-        if self._held or self._loop.time() < due:
-            if self._held:
-                due = self._loop.time() + self._timeout_s
-            self._timer = self._loop.call_at(due, self._check)
-            return
-        self._timer = None
-        self.stalled = True
-        self._call.cancel()
+        now = self._loop.time()
+        if self._held:
+            limit = self._stalled_s
+            if limit is not None and now - self._last >= limit:
+                self._timer = None
+                self._stop(StalledStream(limit))
+                return
+            due = self._last + limit if limit is not None else now + self._timeout_s
+        else:
+            due = self._last + self._timeout_s
+            if now >= due:
+                self._timer = None
+                self._stop(NoProgress(self._timeout_s))
+                return
+            due = min(due, now + self._period)
+        self._timer = self._loop.call_at(due, self._check)
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class TritonStream:
+    """One request to a decoupled model over ``ModelStreamInfer``: its responses, as an
+    async iterator of ``StreamReply`` (the last one an error, if one ended it).
+
+    Always asks Triton for the empty final response, so the end of a request is known
+    even when its last real response does not say so. No deadline on the call: a
+    generation streams for as long as it produces; ``_Watchdog`` bounds the time without
+    progress (``NoProgress``) and the time its consumer holds a response
+    (``StalledStream``). ``stop(err)`` cancels it in Triton from outside (the core took its
+    slot back): the consumer's next reply is ``err``. ``on_stop`` hears of every stop made
+    while the consumer may not be reading (the watchdog's, or ``stop``'s), at once.
+    """
+
+    def __init__(self, call: Any, timeout_s: float, stalled_s: float | None) -> None:
+        self._call = call
+        self._watch = _Watchdog(self.stop, timeout_s, stalled_s)
+        self.stopped: FrontendError | None = None
+        self.on_stop: Callable[[FrontendError], None] = lambda err: None
+        self._replies = self._read()
+
+    def stop(self, err: FrontendError) -> None:
+        if self.stopped is None:
+            self.stopped = err
+            self._call.cancel()
+            self.on_stop(err)
+
+    def __aiter__(self) -> AsyncIterator[StreamReply]:
+        return self._replies
+
+    async def aclose(self) -> None:
+        """Closed on every way out: cancels the request in Triton at once if not done."""
+        self._watch.close()
+        self._call.cancel()
+        await self._replies.aclose()
+
+    async def _read(self) -> AsyncGenerator[StreamReply, None]:
+        watch = self._watch
+        try:
+            async for reply in self._call:
+                watch.progress()
+                if reply.error_message:
+                    yield StreamReply(error=upstream_message_error(reply.error_message))
+                    return
+                r = reply.infer_response
+                final = (
+                    r.parameters[FINAL_RESPONSE].bool_param
+                    if FINAL_RESPONSE in r.parameters
+                    else False
+                )
+                watch.hold()
+                yield StreamReply(
+                    version=r.model_version,
+                    outputs=grpc_codec.decode_outputs(r),
+                    final=final,
+                )
+                if final:
+                    return
+                watch.progress()  # asked for the next response: the wait for Triton
+            if self.stopped is not None:  # cancelled between two responses
+                yield StreamReply(error=self.stopped)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.stopped is None or (task is not None and task.cancelling()):
+                raise  # the request's own cancellation (its client went away)
+            yield StreamReply(error=self.stopped)
+        except grpc.aio.AioRpcError as err:
+            stopped = self.stopped if err.code() is grpc.StatusCode.CANCELLED else None
+            yield StreamReply(error=stopped or upstream_error(_rpc_exception(err)))
+        finally:
+            watch.close()
+            self._call.cancel()
 
 
 class TritonForwarder:
@@ -231,7 +324,7 @@ class TritonForwarder:
             raise upstream_error(_rpc_exception(err)) from None
         return response.model_version, grpc_codec.decode_outputs(response)
 
-    async def stream(
+    def stream(
         self,
         model: str,
         version: str,
@@ -240,57 +333,18 @@ class TritonForwarder:
         parameters: dict[str, ParamValue],
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
-    ) -> AsyncIterator[StreamReply]:
-        """One request to a decoupled model over ``ModelStreamInfer``: its responses.
-
-        Always asks Triton for the empty final response, so the end of a request is known
-        even when its last real response does not say so. tritonclient's aio client
-        refuses ``triton_`` parameters, so this one call uses the generated stub.
-
-        No deadline on the call: a generation streams for as long as it produces.
-        ``request_timeout_s`` bounds the time without progress instead, each wait for the
-        next response (not the time the consumer holds one: ``_Watchdog``); past it the
-        call is cancelled and the request answered ``NoProgress``.
-        """
+        *,
+        stalled_s: float | None = None,
+    ) -> TritonStream:
+        """One request to a decoupled model: its responses (``TritonStream``); a consumer
+        that holds one for ``stalled_s`` has the request cancelled. tritonclient's aio
+        client refuses ``triton_`` parameters, so this one call uses the generated stub."""
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
         )
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
         call = self.stub.ModelStreamInfer(iter([msg]))
-        watch = _Watchdog(call, self.request_timeout_s)
-        try:
-            async for reply in call:
-                watch.progress()
-                if reply.error_message:
-                    yield StreamReply(error=upstream_message_error(reply.error_message))
-                    return
-                r = reply.infer_response
-                final = (
-                    r.parameters[FINAL_RESPONSE].bool_param
-                    if FINAL_RESPONSE in r.parameters
-                    else False
-                )
-                watch.hold()
-                yield StreamReply(
-                    version=r.model_version,
-                    outputs=grpc_codec.decode_outputs(r),
-                    final=final,
-                )
-                if final:
-                    return
-                watch.progress()  # asked for the next response: the wait for Triton
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not watch.stalled or (task is not None and task.cancelling()):
-                raise  # the request's own cancellation (its client went away)
-            yield StreamReply(error=NoProgress(self.request_timeout_s))
-        except grpc.aio.AioRpcError as err:
-            stalled = watch.stalled and err.code() is grpc.StatusCode.CANCELLED
-            error = NoProgress(self.request_timeout_s) if stalled else None
-            yield StreamReply(error=error or upstream_error(_rpc_exception(err)))
-        finally:
-            watch.close()
-            call.cancel()
+        return TritonStream(call, self.request_timeout_s, stalled_s)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """A non-infer call of tritonclient's aio client, errors mapped."""

@@ -14,8 +14,8 @@ from then on the writer watches the bytes actually sent: a link whose unsent byt
 above the mark while none are taken for ``queues.stalled_shell_s`` (the peer is hung or
 stopped: SIGSTOP, a debugger) is cut, as if the peer had died. A large burst to a peer
 that is reading, however slowly, is delivered whole. What waits is bounded by the work
-in flight: one answer per call, a streamed answer at most ``records.ANSWER_WINDOW``
-parts ahead of its client (``PartsRead``).
+in flight: one answer (or grant) per call; streams do not cross the socket (a shell relays
+them from Triton itself), only their token reports, one record per loop iteration.
 
 Why a socket of our own rather than a broker or ZeroMQ: the connection *is* the shell.
 When a shell process dies its connection closes at once, and the core drops that shell's
@@ -50,18 +50,19 @@ from fair_frontend.errors import FrontendError, Internal, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import deserialize_bytes, serialize_bytes
 from fair_frontend.records import (
-    ANSWER_WINDOW,
     Answer,
     Call,
     Cancel,
     Draining,
+    Ended,
     Fault,
     Flushed,
     FlushTally,
+    Grant,
     Hello,
     InfoAnswer,
     InfoQuery,
-    PartsRead,
+    Produced,
     QueueView,
     Ready,
     Settings,
@@ -73,10 +74,10 @@ from fair_frontend.records import (
     ToCore,
     ToShell,
 )
+from fair_frontend.shell.link import Inbox
 
 if TYPE_CHECKING:
     from fair_frontend.core import Core, CoreRequest
-    from fair_frontend.shell.link import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -362,12 +363,17 @@ class ShellConnection(_Framed):
                     self.core.cancel(req)
                 else:  # still in the intake: admitted, then cancelled at once
                     self.calls[record.id] = _CANCELLED
-        elif isinstance(record, PartsRead):
+        elif isinstance(record, Produced):
             calls = self.calls
-            for call_id, parts in record.entries:
+            for call_id, tokens in record.entries:
                 req = calls.get(call_id)
                 if req is not None and req is not _CANCELLED:
-                    self.core.parts_read(req, parts)
+                    self.core.produced(req, tokens)
+        elif isinstance(record, Ended):
+            req = self.calls.pop(record.id, None)
+            if req is not None and req is not _CANCELLED:
+                err = record.fault.error() if record.fault is not None else None
+                self.core.stream_ended(req, record.tokens, record.version, err, record.cancelled)
         elif isinstance(record, Tally):
             self.core.tally(record)
         elif isinstance(record, InfoQuery):
@@ -403,9 +409,10 @@ class ShellConnection(_Framed):
             else:
                 self.calls[call.id] = req
 
-    def answer(self, answer: Answer) -> None:
-        """The core's answer to one of this shell's calls (the ``Route``)."""
-        if answer.final:
+    def answer(self, answer: Answer | Grant) -> None:
+        """The core's answer to one of this shell's calls (the ``Route``); a granted call
+        stays until its shell says it ended."""
+        if isinstance(answer, Answer):
             self.calls.pop(answer.id, None)
         self.send(answer)
 
@@ -552,10 +559,9 @@ class SocketLink(_Framed):
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
-        # Parts of streamed answers taken by clients, not yet told to the core, per call;
-        # and those to tell it at the end of this loop iteration (one PartsRead).
-        self._taken: dict[int, int] = {}
-        self._reads: list[tuple[int, int]] = []
+        # Output tokens of granted streams not yet told to the core, per call: told at
+        # the end of this loop iteration, all calls' in one ``Produced``.
+        self._produced: dict[int, int] = {}
         self.accepting = True
 
     @classmethod
@@ -578,41 +584,51 @@ class SocketLink(_Framed):
         return next(self._ids)
 
     def submit(self, call: Call) -> Inbox:
-        from fair_frontend.shell.link import Inbox
-
         inbox = Inbox()
         if self.closed:
             inbox.answer(Answer(call.id, fault=Fault.of(Unavailable(_CORE_GONE))))
             return inbox
-        self._inboxes[call.id] = inbox
-        inbox._cancel = lambda: self._cancel(call.id)
-        if call.stream:
-            inbox._read = lambda: self._part_read(call.id)
+        call_id = call.id
+        self._inboxes[call_id] = inbox
+        inbox._cancel = lambda: self._cancel(call_id)
+        inbox._produced = lambda tokens: self._tokens(call_id, tokens)
+        inbox._end = lambda tokens, version, fault, cancelled: self._ended(
+            call_id, tokens, version, fault, cancelled
+        )
         super().send(call)
         return inbox
 
     def _cancel(self, call_id: int) -> None:
-        self._taken.pop(call_id, None)
         if self._inboxes.pop(call_id, None) is not None:
             super().send(Cancel(call_id))
 
-    def _part_read(self, call_id: int) -> None:
-        """A client took a part of call ``call_id``'s streamed answer: the core hears of it
-        every half window (so it never waits on a client that keeps up), all the calls'
-        of one loop iteration in one ``PartsRead``."""
-        taken = self._taken.get(call_id, 0) + 1
-        if taken < _READ_EVERY:
-            self._taken[call_id] = taken
-            return
-        self._taken.pop(call_id, None)
-        if not self._reads:
-            asyncio.get_running_loop().call_soon(self._send_reads)
-        self._reads.append((call_id, taken))
+    def _tokens(self, call_id: int, tokens: int) -> None:
+        """Output tokens a granted stream relayed: told to the core at the end of this
+        loop iteration, with every other stream's (one ``Produced`` per iteration)."""
+        produced = self._produced
+        if not produced:
+            asyncio.get_running_loop().call_soon(self._send_produced)
+        produced[call_id] = produced.get(call_id, 0) + tokens
 
-    def _send_reads(self) -> None:
-        reads, self._reads = self._reads, []
-        if reads:
-            super().send(PartsRead(reads))
+    def _send_produced(self) -> None:
+        produced, self._produced = self._produced, {}
+        if produced:
+            super().send(Produced(list(produced.items())))
+
+    def _ended(
+        self,
+        call_id: int,
+        tokens: int,
+        version: str,
+        fault: FrontendError | None,
+        cancelled: bool,
+    ) -> None:
+        """A granted stream ended: with the tokens not yet told (so none arrive after)."""
+        tokens += self._produced.pop(call_id, 0)
+        if self._inboxes.pop(call_id, None) is None:
+            return
+        sent = Fault.of(fault) if fault is not None else None
+        super().send(Ended(call_id, tokens, version, sent, cancelled))
 
     async def model_info(self, model: str) -> ModelInfo:
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
@@ -689,10 +705,13 @@ class SocketLink(_Framed):
             inbox = self._inboxes.get(record.id)
             if inbox is None:
                 return  # its client went away
-            if record.final:
+            if not inbox.granted:  # (a granted one's stream ends, then it goes)
                 del self._inboxes[record.id]
-                self._taken.pop(record.id, None)
             inbox.answer(record)
+        elif isinstance(record, Grant):
+            inbox = self._inboxes.get(record.id)
+            if inbox is not None:
+                inbox.answer(record)
         elif isinstance(record, (InfoAnswer, StatsAnswer)):
             fut = self._queries.get(record.id)
             if fut is not None and not fut.done():
@@ -729,4 +748,3 @@ class SocketLink(_Framed):
 
 
 _CORE_GONE = "the frontend's core process is gone"
-_READ_EVERY = max(1, ANSWER_WINDOW // 2)  # parts taken before the core is told

@@ -7,19 +7,20 @@ scheduling, batching, dispatch to Triton. Between them travel only the records b
 
 * a shell sends a ``Call`` per inference request (decoded, identified, validated), a
   ``Cancel`` when its client goes away, a ``Tally`` of what it answered itself (requests
-  refused before the core saw them), ``PartsRead`` as its clients take the parts of
-  streamed answers (the core's window, below), and queries (``InfoQuery``,
-  ``StatsQuery``);
-* the core answers each ``Call`` with exactly one final ``Answer`` (a decoupled model's
-  stream: parts with ``final=False`` first), each query with its answer, and pushes
-  ``Settings`` (the config a shell needs, at start and on reload), ``Draining`` and
-  ``Stop`` (shutdown).
+  refused before the core saw them), and queries (``InfoQuery``, ``StatsQuery``);
+* the core answers each ``Call`` with exactly one ``Answer`` (its outputs, or the error it
+  is answered with), each query with its answer, and pushes ``Settings`` (the config a
+  shell needs, at start and on reload), ``Draining`` and ``Stop`` (shutdown).
 
-A streamed answer (a decoupled model's parts) is flow-controlled per call: the core
-keeps at most ``ANSWER_WINDOW`` parts sent and not yet taken by the client (read from the
-shell's ``Inbox``); the shell tells it what was taken (``PartsRead``, every half window),
-and meanwhile the core stops reading that request's stream from Triton. The final answer
-always goes: a call's queued answers are bounded by ``ANSWER_WINDOW + 1``.
+Streams take one hop. A decoupled model's request is not relayed through the core: when
+its turn comes the core answers the call with a ``Grant`` (a slot in the engine), and the
+shell that holds the client sends the request to Triton itself and writes Triton's
+responses straight to its client. It tells the core the output tokens they carried
+(``Produced``, one record per shell per loop iteration, for every stream it relays) and,
+once, that the stream ended (``Ended``: how, and the tokens not yet reported); the core
+then frees the slot and records the outcome. A call granted a slot is answered no further
+by the core, except to take the slot back (a shutdown that stopped waiting for it): an
+``Answer`` with the error, which ends the stream in the shell.
 
 With ``--workers 1`` the shell lives in the core's process and the records are passed as
 objects; with several shell processes ``fair_frontend.ipc`` frames them as msgpack over a
@@ -64,6 +65,12 @@ class Call(msgspec.Struct, tag=1, array_like=True):
         timeout_us = self.request.timeout_us
         return self.arrived + timeout_us / 1e6 if timeout_us else None
 
+    @property
+    def deadline_us(self) -> int:
+        """The deadline as unix microseconds, for the model (0: none)."""
+        timeout_us = self.request.timeout_us
+        return int(self.arrived_wall * 1e6) + timeout_us if timeout_us else 0
+
 
 class Cancel(msgspec.Struct, tag=2, array_like=True):
     """The client of call ``id`` went away: drop it if still queued."""
@@ -80,6 +87,7 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
     http_status: int
     outcome: str
     retry_after: float | None = None
+    never_sent: bool = False  # an ``Unavailable`` that provably never reached Triton
 
     @classmethod
     def of(cls, err: errors.FrontendError) -> Fault:
@@ -90,39 +98,63 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
             err.http_status,
             err.outcome.value,
             err.retry_after,
+            bool(getattr(err, "never_sent", False)),
         )
 
     def error(self) -> errors.FrontendError:
-        """The same error again, for the client: status, message and retry hint."""
-        err = errors.FrontendError(self.message, retry_after=self.retry_after)
+        """The same error again: its class (where the receiving process knows it, else the
+        nearest it does, ``FrontendError`` at worst), status, message and retry hint; so a
+        fault keeps its class across the socket as it does in one process."""
+        cls = errors.error_class(self.kind)
+        err = Exception.__new__(cls)
+        errors.FrontendError.__init__(err, self.message, retry_after=self.retry_after)
         err.grpc_code = _GRPC_CODES.get(self.grpc_code, grpc.StatusCode.INTERNAL)
         err.http_status = self.http_status
         err.outcome = Outcome(self.outcome)
+        if isinstance(err, errors.Unavailable):
+            err.never_sent = self.never_sent
         return err
 
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-ANSWER_WINDOW = 16
-"""Parts of one call's streamed answer sent by the core and not yet taken by its client,
-at most: both ends count by it (the shell acknowledges every ``ANSWER_WINDOW // 2``)."""
-
-
 class Answer(msgspec.Struct, tag=3, array_like=True):
-    """The core's answer to call ``id``: outputs, or the error it is answered with.
-
-    Exactly one answer per call has ``final=True``; a decoupled model's responses come
-    before it as parts (``final=False``), each as the model sent it.
-    """
+    """The core's answer to call ``id``: outputs, or the error it is answered with. One
+    per call; for a call granted a slot (``Grant``), only to take the slot back."""
 
     id: int
     version: str = ""
     outputs: list[Tensor] = []
-    final: bool = True
     fault: Fault | None = None
     queued_s: float = -1.0  # time from admission to dispatch; < 0: never queued
-    parameters: dict[str, ParamValue] = {}  # response parameters (decoupled: final flag)
+
+
+class Grant(msgspec.Struct, tag=18, array_like=True):
+    """Call ``id`` (a decoupled model's request) has its slot: its shell sends it to
+    Triton now and relays the responses to its client (the module docstring)."""
+
+    id: int
+    sequence: dict[str, ParamValue] = {}  # a stateful model's ids, as the core mapped them
+    queued_s: float = -1.0
+
+
+class Produced(msgspec.Struct, tag=19, array_like=True):
+    """Output tokens of granted calls relayed since the last of these: (call id, tokens)."""
+
+    entries: list[tuple[int, int]]
+
+
+class Ended(msgspec.Struct, tag=20, array_like=True):
+    """Granted call ``id``'s stream ended: its slot is free. ``tokens``: produced and not
+    yet reported; ``fault``: the error its client was answered with (None: served, or
+    ``cancelled``: its client went away)."""
+
+    id: int
+    tokens: int = 0
+    version: str = ""
+    fault: Fault | None = None
+    cancelled: bool = False
 
 
 # A side-door tally entry's outcome for a call that asked Triton (a cache miss).
@@ -243,16 +275,9 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
     room: list[tuple[str, str, int, str]] = []
 
 
-class PartsRead(msgspec.Struct, tag=17, array_like=True):
-    """Parts of streamed answers the shell's clients have taken since the last of these:
-    (call id, parts), for calls with at least half an ``ANSWER_WINDOW`` taken."""
-
-    entries: list[tuple[int, int]]
-
-
 ToCore = Union[  # noqa: UP007
-    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, PartsRead
+    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, Produced, Ended
 ]
 ToShell = Union[  # noqa: UP007
-    Answer, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
+    Answer, Grant, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
 ]

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from fair_frontend.protocol import InferRequest, Tensor
 
 # Texts up to this many bytes (all of a request's together) are counted where they are:
 # a hop to a thread costs more than tokenising them (a few hundred microseconds).
@@ -112,6 +114,30 @@ def count_tokens(tokenizer: Tokenizer, texts: Iterable[str]) -> list[int]:
 def count_text_tokens(path: str, texts: Iterable[object]) -> list[int]:
     """Tokens of each BYTES element with the tokenizer in ``path``."""
     return count_tokens(load_tokenizer(path), [text_of(t) for t in texts])
+
+
+def output_tokens(
+    outputs: Sequence[Tensor], name: str, tokenizer: str | None, request: InferRequest
+) -> int:
+    """Output tokens in a response that came in one piece: the elements of a numeric
+    output (token ids), the tokens of a text output (BYTES, with the endpoint's tokenizer;
+    without one, one per element). A prompt echoed at the start of the text (Triton's vLLM
+    backend does unless told ``exclude_input_in_output``) is not counted."""
+    out = next((t for t in outputs if t.name == name), None)
+    if out is None:
+        return 0
+    if out.datatype != "BYTES":
+        return int(out.data.size)
+    if tokenizer is None:
+        return int(out.data.size)
+    texts = [text_of(e) for e in out.data.flat]
+    prompts = [text_of(e) for t in request.inputs if t.datatype == "BYTES" for e in t.data.flat]
+    for i, text in enumerate(texts):
+        for prompt in prompts:
+            if prompt and text.startswith(prompt):
+                texts[i] = text[len(prompt) :]
+                break
+    return sum(count_text_tokens(tokenizer, texts))
 
 
 class TokenCounter:

@@ -32,12 +32,13 @@ Invariants:
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
   held or still in Triton when a shutdown's drain ends (``drain``);
-* a decoupled request's parts are relayed only while its client keeps up: at most
-  ``records.ANSWER_WINDOW`` sent and not yet taken (``_relay``). At the bound the stream
-  from Triton is not read (gRPC's flow control holds Triton's sender back, and the
-  request keeps its slot); a client that takes none for ``stalled_stream_s`` has its
-  request cancelled in Triton (the stream is closed, the slot freed) and answered
-  CANCELLED (``StalledStream``), once.
+* a decoupled model's request takes one hop: when its turn comes its slot is granted to
+  the shell that holds its client (``records.Grant``), which sends it to Triton and relays
+  the responses itself, reporting the output tokens they carry (``produced``: charged to
+  its tenant's counter as they come, one loop iteration late at most over a socket) and,
+  once, how it ended (``ended``); the slot is held until then, or until the shell is gone
+  (``drop``). A shutdown that stops waiting takes the slot back (an ``Answer`` with the
+  reason, which ends the stream in the shell).
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.clock import Clock, Timer
-from fair_frontend.config import DEFAULT_STALLED_STREAM_S, Endpoint
+from fair_frontend.config import Endpoint
 from fair_frontend.errors import (
-    Cancelled,
     DeadlineExceeded,
     FrontendError,
     Internal,
@@ -61,22 +61,20 @@ from fair_frontend.errors import (
     TimeoutExpired,
     Unavailable,
 )
-from fair_frontend.forwarder import StreamReply
 from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
-    FINAL_RESPONSE,
     InferRequest,
     ParamValue,
     RequestedOutput,
     Tensor,
 )
-from fair_frontend.records import ANSWER_WINDOW, Answer, Call, Fault
+from fair_frontend.records import Answer, Call, Fault, Grant
 from fair_frontend.scheduler import QueuedRequest, Scheduler
-from fair_frontend.tokens import count_text_tokens, text_of
+from fair_frontend.tokens import output_tokens
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping
+    from collections.abc import Mapping
 
     from fair_frontend.core.admission import EndpointAdmission
     from fair_frontend.feedback import ServiceModel
@@ -87,7 +85,7 @@ log = logging.getLogger(__name__)
 class Route(Protocol):
     """Where do the answers to a call go? (a shell: in this process or over a socket)"""
 
-    def answer(self, answer: Answer) -> None: ...
+    def answer(self, answer: Answer | Grant) -> None: ...
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -108,15 +106,7 @@ class CoreRequest(QueuedRequest):
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
     limits_at: float | None = None  # time.time() its tokens were counted against its limits
     last_token_at: float | None = None  # time.monotonic() of its latest output token
-    unread: int = 0  # parts of its streamed answer sent and not yet taken by its client
-    room: asyncio.Future[None] | None = None  # set while _relay waits for the client
-
-    def parts_read(self, parts: int) -> None:
-        """Its client took ``parts`` parts of its streamed answer (its shell says so)."""
-        self.unread = max(0, self.unread - parts)
-        room = self.room
-        if room is not None and not room.done() and self.unread < ANSWER_WINDOW:
-            room.set_result(None)
+    ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
 
     @property
     def request(self) -> InferRequest:
@@ -129,22 +119,11 @@ class CoreRequest(QueuedRequest):
     @property
     def deadline_us(self) -> int:
         """The deadline as unix microseconds, for the model (0: none)."""
-        timeout_us = self.call.request.timeout_us
-        return int(self.call.arrived_wall * 1e6) + timeout_us if timeout_us else 0
+        return self.call.deadline_us
 
     @property
     def queued_s(self) -> float:
         return -1.0 if self.dispatched_at is None else self.dispatched_at - self.arrival
-
-
-class StalledStream(Cancelled):
-    """A streamed request whose client took none of its parts for too long: cancelled."""
-
-    def __init__(self, stalled_s: float) -> None:
-        super().__init__(
-            f"the client took none of the {ANSWER_WINDOW} parts of its stream waiting for it "
-            f"in {stalled_s:g} s (queues.stalled_stream_s): the request was cancelled"
-        )
 
 
 class Forwarder(Protocol):
@@ -160,17 +139,6 @@ class Forwarder(Protocol):
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
     ) -> tuple[str, list[Tensor]]: ...
-
-    def stream(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-    ) -> AsyncIterator[StreamReply]: ...
 
 
 @dataclass(slots=True)
@@ -307,7 +275,6 @@ class EndpointRuntime:
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         on_done: Done = lambda req, outcome, err, version: None,
         on_tokens: Tokens = lambda req, n: None,
-        stalled_stream_s: float = DEFAULT_STALLED_STREAM_S,
     ) -> None:
         self.model = model
         self.info = info
@@ -320,7 +287,6 @@ class EndpointRuntime:
         self.on_batch = on_batch
         self.on_done = on_done
         self.on_tokens = on_tokens
-        self.stalled_stream_s = stalled_stream_s  # a reload sets it (queues are live)
         # Engine mode (max_inflight): requests in the engine at once, each alone.
         self.engine = endpoint.max_inflight is not None
         configured = endpoint.max_inflight or endpoint.max_inflight_batches
@@ -562,7 +528,7 @@ class EndpointRuntime:
         held = False
         try:
             if self.info.decoupled:
-                ok = await self._send_stream(batch[0])
+                ok = await self._grant(batch[0])
             else:
                 ok, held = await self._send(batch)
         except asyncio.CancelledError:
@@ -648,95 +614,55 @@ class EndpointRuntime:
             self._finish(r, version, outs)
         return True, False
 
-    async def _send_stream(self, req: CoreRequest) -> bool:
-        """A decoupled model: relay each of its responses as it arrives."""
+    async def _grant(self, req: CoreRequest) -> bool:
+        """A decoupled model's request: its slot goes to the shell that holds its client,
+        which streams it from Triton itself (one hop) and reports what it produced and how
+        it ended (``produced``, ``ended``); the slot is held until then. True when it was
+        served."""
         if req.answered:
             return True
-        packed = pack([req], self.info, self.endpoint)
-        request = req.request
-        version = request.version
-        replies = self.forwarder.stream(
-            self.model,
-            request.version,
-            packed.inputs,
-            packed.outputs,
-            packed.parameters,
-            request_id=request.id,
-            sequence=packed.sequence,
-        )
-        try:
-            return await self._relay_stream(req, replies, version)
-        finally:
-            # Closed on every way out (a stall, a cancellation), not when collected: that
-            # cancels the request in Triton at once.
-            aclose = getattr(replies, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        ended = req.ended = asyncio.get_running_loop().create_future()
+        req.route.answer(Grant(req.call.id, dict(req.request.sequence), req.queued_s))
+        return await ended
 
-    async def _relay_stream(
-        self, req: CoreRequest, replies: AsyncIterator[StreamReply], version: str
-    ) -> bool:
-        async for reply in replies:
-            if reply.error is not None:
-                # Only a failure to reach Triton marks it down: the model's error for this
-                # request, Triton's answer about the model, a stream without progress
-                # for request_timeout_s (forwarder.NoProgress) are this request's alone.
-                if isinstance(reply.error, Unavailable):
-                    self.backend.mark_down()
-                self._fail(req, reply.error)
-                return False
-            version = reply.version
-            name = self._token_output
-            if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
-                # An engine streams one response per decode step; a whole answer in one
-                # response (its final and first: not streamed) is counted in tokens.
-                n = 1
-                if reply.final and not req.produced:
-                    n = output_tokens(reply.outputs, name, self.endpoint.tokenizer, req)
-                req.produced += n
-                self.on_tokens(req, n)
-                capped = self._capped
-                if capped is not None and self.scheduler.queued_requests > (
-                    self.scheduler.depth(capped)
-                ):
-                    self.kick()  # the charge may have moved another tenant ahead of it
-            if not req.cancelled:
-                part = Answer(
-                    req.call.id,
-                    version,
-                    reply.outputs,
-                    final=False,
-                    parameters={FINAL_RESPONSE: reply.final},
-                )
-                try:
-                    await self._relay(req, part)
-                except StalledStream as err:
-                    self._fail(req, err)
-                    return False
-        self._finish(req, version, [])
-        return True
+    def produced(self, req: CoreRequest, tokens: int) -> None:
+        """A granted request's stream relayed ``tokens`` output tokens (its shell says so,
+        as they come): charged to its tenant now."""
+        if req.answered or tokens <= 0:
+            return
+        req.produced += tokens
+        if self._token_output is None:
+            return
+        self.on_tokens(req, tokens)
+        capped = self._capped
+        if capped is not None and self.scheduler.queued_requests > self.scheduler.depth(capped):
+            self.kick()  # the charge may have moved another tenant ahead of it
 
-    async def _relay(self, req: CoreRequest, part: Answer) -> None:
-        """One part of a streamed answer, sent once its client has room for it: at most
-        ``ANSWER_WINDOW`` sent and not taken. At the bound this waits, and so does the
-        read of the stream from Triton; ``StalledStream`` if the client takes none for
-        ``stalled_stream_s``."""
-        if req.unread >= ANSWER_WINDOW:
-            room = req.room = asyncio.get_running_loop().create_future()
-            stalled_s = self.stalled_stream_s
-
-            def stalled() -> None:
-                if not room.done():
-                    room.set_exception(StalledStream(stalled_s))
-
-            timer = self.clock.call_at(self.clock.now() + stalled_s, stalled)
-            try:
-                await room
-            finally:
-                timer.cancel()
-                req.room = None
-        req.unread += 1
-        req.route.answer(part)
+    def ended(
+        self,
+        req: CoreRequest,
+        tokens: int,
+        version: str,
+        err: FrontendError | None,
+        cancelled: bool,
+    ) -> None:
+        """A granted request's stream ended (its shell says so, once): its slot is free.
+        Only a failure to reach Triton marks it down: the model's error for this request,
+        Triton's answer about the model, a stream without progress for
+        ``request_timeout_s`` (``forwarder.NoProgress``) are this request's alone."""
+        if req.answered:
+            return  # taken back meanwhile, or its shell went away
+        self.produced(req, tokens)
+        if cancelled:
+            self._done(req, Outcome.CANCELLED, None, version)
+        elif err is not None:
+            if isinstance(err, Unavailable):
+                self.backend.mark_down()
+            self._done(req, err.outcome, err, version)
+        else:
+            self._done(req, Outcome.DISPATCHED, None, version)
+        if req.ended is not None and not req.ended.done():
+            req.ended.set_result(err is None and not cancelled)
 
     async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
         """Answer a batch that failed with a model error, culprits found by halves.
@@ -817,7 +743,7 @@ class EndpointRuntime:
         if req.answered:
             return
         if outputs and self._token_output is not None:
-            n = output_tokens(outputs, self._token_output, self.endpoint.tokenizer, req)
+            n = output_tokens(outputs, self._token_output, self.endpoint.tokenizer, req.request)
             if n:
                 req.produced += n
                 self.on_tokens(req, n)
@@ -907,30 +833,6 @@ class EndpointRuntime:
                     task.cancel()
             await asyncio.wait(list(self._tasks), timeout=left if left and left > 0 else None)
         self.fail_queued(err)
-
-
-def output_tokens(
-    outputs: Sequence[Tensor], name: str, tokenizer: str | None, req: CoreRequest
-) -> int:
-    """Output tokens in a response that came in one piece: the elements of a numeric
-    output (token ids), the tokens of a text output (BYTES, with the endpoint's tokenizer;
-    without one, one per element). A prompt echoed at the start of the text (Triton's vLLM
-    backend does unless told ``exclude_input_in_output``) is not counted."""
-    out = next((t for t in outputs if t.name == name), None)
-    if out is None:
-        return 0
-    if out.datatype != "BYTES":
-        return int(out.data.size)
-    if tokenizer is None:
-        return int(out.data.size)
-    texts = [text_of(e) for e in out.data.flat]
-    prompts = [text_of(e) for t in req.request.inputs if t.datatype == "BYTES" for e in t.data.flat]
-    for i, text in enumerate(texts):
-        for prompt in prompts:
-            if prompt and text.startswith(prompt):
-                texts[i] = text[len(prompt) :]
-                break
-    return sum(count_text_tokens(tokenizer, texts))
 
 
 def _halves(batch: list[CoreRequest]) -> list[list[CoreRequest]]:

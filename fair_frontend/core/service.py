@@ -248,9 +248,25 @@ class Core:
         elif runtime is not None:
             runtime.cancel(req)
 
-    def parts_read(self, req: CoreRequest, parts: int) -> None:
-        """The client of ``req`` took ``parts`` parts of its streamed answer."""
-        req.parts_read(parts)
+    def produced(self, req: CoreRequest, tokens: int) -> None:
+        """The stream of granted ``req`` relayed ``tokens`` output tokens (its shell)."""
+        runtime = self.runtimes.get(req.request.model)
+        if runtime is not None:
+            runtime.produced(req, tokens)
+
+    def stream_ended(
+        self,
+        req: CoreRequest,
+        tokens: int,
+        version: str,
+        err: FrontendError | None,
+        cancelled: bool,
+    ) -> None:
+        """The stream of granted ``req`` ended (its shell, once): ``tokens`` produced and
+        not yet reported, the error its client was answered with, or ``cancelled``."""
+        runtime = self.runtimes.get(req.request.model)
+        if runtime is not None:
+            runtime.ended(req, tokens, version, err, cancelled)
 
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
@@ -628,7 +644,6 @@ class Core:
                 on_batch=self._on_batch,
                 on_done=self._on_done,
                 on_tokens=self._on_tokens,
-                stalled_stream_s=self.config.queues.stalled_stream_s,
             )
             self.runtimes[model] = runtime
         return runtime
@@ -733,8 +748,6 @@ class Core:
             del self.tenants[gone]
         self.keyring = keyring
         self.caps.configure(config.queues)
-        for runtime in self.runtimes.values():
-            runtime.stalled_stream_s = config.queues.stalled_stream_s
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants

@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from contextlib import aclosing
 from functools import partial
 from typing import Any, TypeVar
 
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.auth import Authenticator, KeyRing, ModelAccess
-from fair_frontend.config import Config, SideDoors
+from fair_frontend.batching import pack
+from fair_frontend.config import Config, Endpoint, SideDoors
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
@@ -51,10 +53,10 @@ from fair_frontend.protocol import (
     Precheck,
     check_name,
 )
-from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, TallyEntry
-from fair_frontend.shell.link import CoreLink
+from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
+from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
-from fair_frontend.tokens import TokenCounter
+from fair_frontend.tokens import TokenCounter, output_tokens
 
 T = TypeVar("T")
 
@@ -171,27 +173,77 @@ class Gateway:
         # From here on the core counts and logs the request, whatever its outcome.
         inbox = self.link.submit(call)
         try:
+            answer = await inbox.get()
+            if isinstance(answer, Grant):
+                replies = self._relay(call, info, endpoint, answer, inbox, streaming)
+                async with aclosing(replies):
+                    async for resp in replies:
+                        yield resp
+                return
+            if answer.fault is not None:
+                raise answer.fault.error()
             final: dict[str, ParamValue] = (
                 {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
             )
-            if info.decoupled:
-                version = req.version or info.latest_version
-                while not (answer := await inbox.get()).final:
-                    version = answer.version or version
-                    last = bool(answer.parameters.get(FINAL_RESPONSE, False))
-                    if not answer.outputs and not (last and final):
-                        continue  # Triton's empty final: only for clients that asked
-                    params: dict[str, ParamValue] = {FINAL_RESPONSE: last} if final else {}
-                    yield InferResponse(req.model, version, req.id, answer.outputs, params)
-                if answer.fault is not None:
-                    raise answer.fault.error()
-            else:
-                answer = await inbox.get()
-                if answer.fault is not None:
-                    raise answer.fault.error()
-                yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
+            yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
         finally:
-            inbox.cancel()  # no-op once the final answer was read
+            inbox.cancel()  # no-op once answered or ended
+
+    async def _relay(
+        self,
+        call: Call,
+        info: ModelInfo,
+        endpoint: Endpoint,
+        grant: Grant,
+        inbox: Inbox,
+        streaming: bool,
+    ) -> AsyncGenerator[InferResponse, None]:
+        """A granted call: its shell (this one) sends it to Triton and relays the
+        responses to the client as they come, one hop (``records``, the module
+        docstring), counting the output tokens they carry for the core. The slot goes
+        back once, however it ends: served, Triton's error, the core taking it back
+        (``on_revoke``), a client that stops reading (``TritonStream``), or one that went
+        away (this generator closed)."""
+        req = call.request
+        packed = pack([call], info, endpoint)
+        stream = self.triton.stream(
+            req.model,
+            req.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=req.id,
+            sequence=grant.sequence,
+            stalled_s=self.config.queues.stalled_stream_s,
+        )
+        stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
+        inbox.on_revoke = stream.stop
+        version = req.version or info.latest_version
+        name = endpoint.token_output
+        want_final = streaming and req.empty_final_response
+        produced = 0
+        try:
+            async for reply in stream:
+                if reply.error is not None:
+                    inbox.end(version, reply.error)
+                    raise reply.error
+                version = reply.version or version
+                if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
+                    # An engine streams one response per decode step; a whole answer in
+                    # one response (its final and first: not streamed) counts in tokens.
+                    n = 1
+                    if reply.final and not produced:
+                        n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
+                    produced += n
+                    inbox.produced(n)
+                if not reply.outputs and not (reply.final and want_final):
+                    continue  # Triton's empty final: only for clients that asked
+                params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}
+                yield InferResponse(req.model, version, req.id, reply.outputs, params)
+            inbox.end(version)
+        finally:
+            inbox.end(cancelled=True)  # no-op once ended
+            await stream.aclose()
 
     def admit_early(self, model: str, headers: Mapping[str, str]) -> str | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is

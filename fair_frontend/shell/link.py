@@ -1,74 +1,109 @@
 """How a shell reaches the core: ``CoreLink``, and the in-process one.
 
-A shell sends each request to the core as a ``Call`` and reads its answers from an
-``Inbox``: one final ``Answer``, after any parts a decoupled model streams. The core
-answers through the inbox (it is the call's ``Route``). ``LocalLink`` is the link of a
-shell in the core's own process (``--workers 1``): records pass as objects, answers
-are put straight into the inbox. ``fair_frontend.ipc.SocketLink`` is the link of a shell
-process: the same records, framed over a Unix socket.
+A shell sends each request to the core as a ``Call`` and reads its answer from an
+``Inbox``: one ``Answer``, or for a decoupled model's request a ``Grant`` (its slot), after
+which the shell relays the stream itself and reports on it through the same inbox
+(``produced``, ``end``). The core answers through the inbox (it is the call's ``Route``).
+``LocalLink`` is the link of a shell in the core's own process (``--workers 1``): records
+pass as objects, answers are put straight into the inbox. ``fair_frontend.ipc.SocketLink``
+is the link of a shell process: the same records, framed over a Unix socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fair_frontend.errors import FrontendError
 from fair_frontend.models import ModelInfo
-from fair_frontend.records import Answer, Call, Tally, TallyEntry
+from fair_frontend.records import Answer, Call, Grant, Tally, TallyEntry
 
 if TYPE_CHECKING:
-    from fair_frontend.core import Core, CoreRequest
+    from fair_frontend.core import Core
 
 
 class Inbox:
-    """The answers to one call, in order; the core's ``Route`` for it.
+    """The answer to one call; the core's ``Route`` for it.
 
-    ``get`` returns them one at a time; the last one has ``final`` set. ``cancel`` tells
-    the core the client went away (a call not yet finally answered is dropped there).
-    Bounded: the core sends at most ``records.ANSWER_WINDOW`` parts its client has not
-    taken, and ``get`` tells it each one taken (through the link), so an inbox holds at
-    most that many parts and the final answer, however slowly its client reads.
+    ``get`` returns it: an ``Answer``, or a ``Grant``. After a grant the shell relays the
+    stream, tells the core what it produced (``produced``) and, once, how it ended
+    (``end``); an ``Answer`` arriving after the grant is the core taking the slot back
+    (``on_revoke`` hears of it). ``cancel`` tells the core the client went away before
+    the call was answered (a call not yet answered is dropped there).
     """
 
-    __slots__ = ("_answers", "_cancel", "_read", "_waiter", "done")
+    __slots__ = (
+        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "on_revoke"
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self._answers: deque[Answer] = deque()
+        self._answer: Answer | Grant | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._cancel: Any = None  # set by the link: how to cancel the call in the core
-        self._read: Any = None  # set by the link: how to tell the core a part was taken
-        self.done = False  # the final answer has been read
+        self._produced: Callable[[int], None] = _nothing  # set by the link, on a grant
+        self._end: Callable[[int, str, FrontendError | None, bool], None] = _never
+        self.on_revoke: Callable[[FrontendError], None] = _nothing
+        self.done = False  # answered and read, or ended
+        self.granted = False
 
-    def answer(self, answer: Answer) -> None:
-        self._answers.append(answer)
+    def answer(self, answer: Answer | Grant) -> None:
+        if self.granted:  # the core takes the slot back
+            if isinstance(answer, Answer) and answer.fault is not None:
+                self.on_revoke(answer.fault.error())
+            return
+        self._answer = answer
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> Answer:
-        while not self._answers:
+    async def get(self) -> Answer | Grant:
+        while self._answer is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        answer = self._answers.popleft()
-        if answer.final:
+        answer = self._answer
+        if isinstance(answer, Grant):
+            self.granted = True
+        else:
             self.done = True
-        elif self._read is not None:
-            self._read()
         return answer
 
-    def __len__(self) -> int:
-        """Answers waiting to be read."""
-        return len(self._answers)
+    def produced(self, tokens: int) -> None:
+        """The granted stream relayed ``tokens`` output tokens."""
+        self._produced(tokens)
+
+    def end(
+        self, version: str = "", fault: FrontendError | None = None, cancelled: bool = False
+    ) -> None:
+        """The granted stream ended (once; later calls are no-ops): served (no ``fault``),
+        failed with ``fault``, or ``cancelled`` (its client went away)."""
+        if self.done:
+            return
+        self.done = True
+        self._end(0, version, fault, cancelled)
 
     def cancel(self) -> None:
-        if not self.done and self._cancel is not None:
+        """The client went away: a call not answered is cancelled in the core; a granted
+        one ends, cancelled."""
+        if self.done:
+            return
+        if self.granted:
+            self.end(cancelled=True)
+        elif self._cancel is not None:
             self.done = True
             self._cancel()
+
+
+def _nothing(value: Any) -> None:
+    pass
+
+
+def _never(tokens: int, version: str, fault: FrontendError | None, cancelled: bool) -> None:
+    raise AssertionError("a stream ended that was never granted")
 
 
 class CoreLink(Protocol):
@@ -120,8 +155,12 @@ class LocalLink:
         inbox = Inbox()
         req = self.core.submit(call, inbox)
         if req is not None:
-            inbox._cancel = _Canceller(self.core, req)
-            inbox._read = _Reader(self.core, req)
+            core = self.core
+            inbox._cancel = lambda: core.cancel(req)
+            inbox._produced = lambda tokens: core.produced(req, tokens)
+            inbox._end = lambda tokens, version, fault, cancelled: core.stream_ended(
+                req, tokens, version, fault, cancelled
+            )
         return inbox
 
     async def model_info(self, model: str) -> ModelInfo:
@@ -139,27 +178,3 @@ class LocalLink:
     @property
     def accepting(self) -> bool:
         return self.core.accepting
-
-
-class _Canceller:
-    __slots__ = ("core", "req")
-
-    def __init__(self, core: Core, req: CoreRequest) -> None:
-        self.core = core
-        self.req = req
-
-    def __call__(self) -> None:
-        self.core.cancel(self.req)
-
-
-class _Reader:
-    """Tells the core that the client took a part of its streamed answer (at once)."""
-
-    __slots__ = ("core", "req")
-
-    def __init__(self, core: Core, req: CoreRequest) -> None:
-        self.core = core
-        self.req = req
-
-    def __call__(self) -> None:
-        self.core.parts_read(self.req, 1)

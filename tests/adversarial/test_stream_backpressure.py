@@ -15,10 +15,11 @@ back. So:
 
 Issue 17, item 6: the answers of one decoupled request are bounded too. A client that
 stops reading a stream of many large parts (gRPC, or HTTP SSE ``/generate_stream``) has
-at most ``records.ANSWER_WINDOW`` parts waiting for it in the frontend's answer queues
-(beyond the transports' own buffers); the core then stops reading the request's stream
-from Triton, and after ``queues.stalled_stream_s`` without a part taken the request is
-cancelled in Triton and ends CANCELLED, once. A client that reads slowly gets every part.
+at most the one part its shell is writing waiting for it (beyond the transports' own
+buffers and the gRPC stream's reply buffer): the shell, which relays the stream from
+Triton itself (one hop), stops reading it, and after ``queues.stalled_stream_s`` without
+a part taken the request is cancelled in Triton and ends CANCELLED, once. A client that
+reads slowly gets every part.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.records import ANSWER_WINDOW
 from fair_frontend.scheduler import Counters
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
 from tests.support import (
@@ -351,10 +351,11 @@ async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
 FLOOD_PARTS = 600
 PART_BYTES = 128 << 10  # 75 MiB in all, were every part held for a client that reads none
 STALLED_S = 3.0  # queues.stalled_stream_s here
-# Parts the frontend may have taken from Triton for a client that reads none: the answer
-# window, the gRPC stream's reply buffer, and what the transports carry before their flow
-# control stops them (a few MiB of kernel and gRPC buffers); far below FLOOD_PARTS.
-HELD_PARTS = ANSWER_WINDOW + REPLY_BUFFER + (16 << 20) // PART_BYTES
+# Parts the frontend may have taken from Triton for a client that reads none: the one the
+# shell's relay holds, the gRPC stream's reply buffer, and what the transports carry
+# before their flow control stops them (a few MiB of kernel and gRPC buffers); far below
+# FLOOD_PARTS.
+HELD_PARTS = 1 + REPLY_BUFFER + (16 << 20) // PART_BYTES
 OUTPUT_TOKENS = "fair_output_tokens_total"  # one per streamed part (token_output: OUT)
 
 
@@ -463,7 +464,7 @@ async def test_an_sse_client_that_stops_reading_holds_a_window_then_is_cancelled
 async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFrontend) -> None:
     """Far more parts than the window, taken a few at a time with pauses: every part
     arrives, in order of arrival, then the end; the request ends dispatched."""
-    count = 20 * ANSWER_WINDOW
+    count = 320
     async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
         await _warm_flood(channel)
         outcomes = _outcomes(floods)
@@ -474,7 +475,7 @@ async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFr
         async for reply in call:
             replies.append(reply)
             if len(replies) % 7 == 0:
-                await asyncio.sleep(0.02)  # the client is busy: the window fills meanwhile
+                await asyncio.sleep(0.02)  # the client is busy: the buffers fill meanwhile
     assert not [r.error_message for r in replies if r.error_message]
     assert len([r for r in replies if r.infer_response.outputs]) == count
     await _until(lambda: _idle(floods, "flood_decoupled"), "the request ends")

@@ -176,11 +176,11 @@ async def test_a_triton_that_stops_answering_mid_stream_is_answered_after_the_ti
 async def test_time_the_consumer_holds_a_response_is_not_triton_without_progress(
     triton: EmbeddedTriton,
 ) -> None:
-    """The core holds a stream back while its client does not read (the answer window);
-    that pause is not Triton's lack of progress. Here the consumer of the forwarder's
-    stream holds its first response for twice the 1 s timeout while Triton has already
-    sent the rest: every response still arrives, none is ``NoProgress`` (the watchdog
-    counted the consumer's pause and cancelled the call)."""
+    """A shell holds a stream back while its client does not read (up to
+    queues.stalled_stream_s); that pause is not Triton's lack of progress. Here the
+    consumer of the forwarder's stream holds its first response for twice the 1 s timeout
+    while Triton has already sent the rest: every response still arrives, none is
+    ``NoProgress`` (the watchdog counted the consumer's pause and cancelled the call)."""
     fwd = TritonForwarder(triton.grpc_url, request_timeout_s=1.0)
     n = 4
     inputs = [

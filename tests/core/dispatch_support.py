@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -29,7 +29,6 @@ from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime
 from fair_frontend.errors import FrontendError
 from fair_frontend.feedback import ServiceModel
-from fair_frontend.forwarder import StreamReply
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
@@ -178,18 +177,6 @@ class FakeTriton:
         )
         self.sent.append(sent)
         return await reply
-
-    def stream(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-    ) -> AsyncIterator[StreamReply]:
-        raise AssertionError("embed is not decoupled: nothing streams")
 
 
 class Probe:

@@ -67,7 +67,7 @@ async def make() -> AsyncIterator[Callable[..., Harness]]:
 def assert_served(h: Harness, req: CoreRequest) -> None:
     """One answer, the request's own rows of the batch's output, outcome DISPATCHED."""
     (answer,) = h.answers(req)
-    assert answer.fault is None and answer.final
+    assert answer.fault is None
     (out,) = answer.outputs
     assert out.name == "EMBEDDING" and out.shape == (req.rows, 4)
     assert np.all(out.data == req.call.id)  # its own rows, not a neighbour's
@@ -77,7 +77,7 @@ def assert_served(h: Harness, req: CoreRequest) -> None:
 def fault_of(h: Harness, req: CoreRequest) -> Fault:
     """The one answer of ``req``, an error; its outcome matches the error's."""
     (answer,) = h.answers(req)
-    assert answer.fault is not None and answer.final and not answer.outputs
+    assert answer.fault is not None and not answer.outputs
     assert h.outcomes(req) == [Outcome(answer.fault.outcome)]
     return answer.fault
 
@@ -232,7 +232,7 @@ def test_every_request_is_answered_exactly_once(
         if req.call.id in story.gone:  # its client went away before any answer
             assert answers == [] and finished.outcome is Outcome.CANCELLED
             continue
-        assert len(answers) == 1 and answers[0].final
+        assert len(answers) == 1
         fault = answers[0].fault
         if fault is None:
             assert finished.outcome is Outcome.DISPATCHED and finished.err is None

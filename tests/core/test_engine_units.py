@@ -1,15 +1,15 @@
 """Engine mode's dispatch on a fake clock: slots, reserved slots, charge-back as tokens stream.
 
 An ``EndpointRuntime`` for a decoupled ``llm`` in engine mode (``max_inflight``), its
-scheduler on virtual token counters, and a fake Triton whose streams emit a token
-whenever the test says so: who holds which slot is read at every step.
+scheduler on virtual token counters, and a fake shell that relays each granted stream
+(one hop: ``records.Grant``) and reports a token whenever the test says so: who holds
+which slot is read at every step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -18,10 +18,11 @@ from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable, UpstreamError
-from fair_frontend.forwarder import NoProgress, StreamReply, upstream_message_error
+from fair_frontend.forwarder import NoProgress, upstream_message_error
 from fair_frontend.models import ModelInfo, TensorSpec
-from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
-from fair_frontend.records import Call
+from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import InferRequest, Tensor
+from fair_frontend.records import Answer, Call, Grant
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -40,53 +41,58 @@ LLM = ModelInfo(
 
 
 class Stream:
-    """One request's stream to the fake engine; the test makes it emit and end."""
+    """One granted request's stream, as its shell relays it: the test makes it emit and
+    end, and the shell reports to the runtime as the real one does."""
 
-    def __init__(self, tenant: str) -> None:
-        self.tenant = tenant
-        self.replies: asyncio.Queue[StreamReply] = asyncio.Queue()
+    def __init__(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+        self.runtime = runtime
+        self.req = req
+        self.tenant = req.tenant
         self.closed = False
 
-    def token(self) -> None:
-        data = np.array([b"x"], dtype=object)
-        self.replies.put_nowait(StreamReply("1", [Tensor("text_output", "BYTES", (1,), data)]))
+    def token(self, n: int = 1) -> None:
+        self.runtime.produced(self.req, n)
 
     def end(self) -> None:
-        self.replies.put_nowait(StreamReply("1", [], final=True))
+        self.closed = True
+        self.runtime.ended(self.req, 0, "1", None, False)
+
+    def fail(self, err: FrontendError) -> None:
+        self.closed = True
+        self.runtime.ended(self.req, 0, "", err, False)
+
+    def cancel(self) -> None:
+        self.closed = True
+        self.runtime.ended(self.req, 0, "", None, True)
 
 
-class FakeEngine:
-    """A ``Forwarder`` for a decoupled model: every stream waits on the test."""
+class FakeShell:
+    """The ``Route`` of every request: a grant opens a ``Stream``; answers are kept."""
 
     def __init__(self) -> None:
+        self.runtime: EndpointRuntime | None = None
+        self.reqs: dict[int, CoreRequest] = {}
         self.streams: list[Stream] = []
+        self.answers: list[Answer] = []
+        self.grants: list[Grant] = []
+
+    def answer(self, answer: Answer | Grant) -> None:
+        if isinstance(answer, Grant):
+            assert self.runtime is not None
+            self.grants.append(answer)
+            self.streams.append(Stream(self.runtime, self.reqs[answer.id]))
+        else:
+            self.answers.append(answer)
 
     def open(self, tenant: str) -> list[Stream]:
         return [s for s in self.streams if s.tenant == tenant and not s.closed]
 
-    async def infer(self, *args: object, **kwargs: object) -> tuple[str, list[Tensor]]:
-        raise AssertionError("llm is decoupled: everything streams")
 
-    async def stream(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-    ) -> AsyncIterator[StreamReply]:
-        stream = Stream(request_id.split(":")[0])
-        self.streams.append(stream)
-        try:
-            while True:
-                reply = await stream.replies.get()
-                yield reply
-                if reply.final:
-                    return
-        finally:
-            stream.closed = True
+class NoTriton:
+    """The core never calls Triton for a decoupled model: its shells do."""
+
+    async def infer(self, *args: object, **kwargs: object) -> tuple[str, list[Tensor]]:
+        raise AssertionError("llm is decoupled: its shell streams it")
 
 
 class Engine:
@@ -94,7 +100,8 @@ class Engine:
 
     def __init__(self, *, slots: int, reserved: int) -> None:
         self.clock = StepClock()
-        self.triton = FakeEngine()
+        self.triton = FakeShell()
+        self.done: list[tuple[CoreRequest, Outcome, FrontendError | None]] = []
         self.endpoint = Endpoint(
             cost=CostUnit.TOKENS,
             max_inflight=slots,
@@ -109,11 +116,14 @@ class Engine:
             info=LLM,
             endpoint=self.endpoint,
             scheduler=self.scheduler,
-            forwarder=self.triton,
+            forwarder=NoTriton(),
             backend=Backend(self.clock),
             clock=self.clock,
-            on_tokens=lambda req, n: self.scheduler.charge_back(req.tenant, float(n)),
+            on_done=lambda req, outcome, err, version: self.done.append((req, outcome, err)),
+            on_tokens=self._charge,
         )
+        self.charged: list[tuple[str, int]] = []
+        self.triton.runtime = self.runtime
         self._ids = 0
 
     def submit(self, tenant: str, prompt_tokens: int) -> CoreRequest:
@@ -133,11 +143,17 @@ class Engine:
             request,
             True,
         )
-        req = CoreRequest(
-            tenant, 1, prompt_tokens, 2, 1, None, None, call=call, route=RecordingRoute()
-        )
+        req = CoreRequest(tenant, 1, prompt_tokens, 2, 1, None, None, call=call, route=self.triton)
+        self.triton.reqs[call.id] = req
         self.runtime.submit(req)
         return req
+
+    def _charge(self, req: CoreRequest, tokens: int) -> None:
+        self.charged.append((req.tenant, tokens))
+        self.scheduler.charge_back(req.tenant, float(tokens))
+
+    def outcomes(self, req: CoreRequest) -> list[Outcome]:
+        return [outcome for r, outcome, _ in self.done if r is req]
 
     async def settle(self) -> None:
         for _ in range(SETTLE_ROUNDS):
@@ -228,19 +244,93 @@ async def test_a_streams_own_error_fails_it_alone_and_marks_nothing_down() -> No
     streams = e.triton.open("a")
     for stream, err in zip(streams, errors, strict=True):
         stream.token()
-        stream.replies.put_nowait(StreamReply(error=err))
+        stream.fail(err)
     await e.settle()
     for req, err in zip(reqs, errors, strict=True):
-        (last,) = [a for a in req.route.answers if a.final]  # type: ignore[attr-defined]
-        assert last.fault is not None and last.fault.message == err.message
+        assert [(o, x) for r, o, x in e.done if r is req] == [(Outcome.FAILED, err)]
     assert errors[1].grpc_code is grpc.StatusCode.UNAVAILABLE  # 503, not 500
     assert errors[2].grpc_code is grpc.StatusCode.UNAVAILABLE
-    assert e.runtime.backend.available
+    assert e.runtime.backend.available and e.runtime.inflight == 0
+    assert not e.triton.answers  # the shell answered its clients: the core adds nothing
     lost = e.submit("b", 1)
     await e.settle()
-    e.triton.open("b")[0].replies.put_nowait(StreamReply(error=Unavailable("connection reset")))
+    e.triton.open("b")[0].fail(Unavailable("connection reset"))
     await e.settle()
     assert lost.answered and not e.runtime.backend.available
+    await e.close()
+
+
+# ---- one hop: the slot is the shell's until it says the stream ended -------------------
+
+
+async def test_a_granted_stream_holds_its_slot_until_its_shell_says_it_ended() -> None:
+    """The grant is the core's one answer; tokens reported are charged to the tenant as
+    they come (the fair share sees them before the stream ends); the end frees the slot
+    and counts the outcome once, whatever the shell says after."""
+    e = Engine(slots=1, reserved=0)
+    first, second = e.submit("a", 1), e.submit("b", 1)
+    await e.settle()
+    assert [g.id for g in e.triton.grants] == [first.call.id] and e.runtime.inflight == 1
+    (stream,) = e.triton.open("a")
+    stream.token(5)
+    assert e.charged == [("a", 5)] and first.produced == 5
+    assert not e.triton.open("b")  # the one slot is a's until its stream ends
+    stream.end()
+    stream.end()  # a second end (a late duplicate) changes nothing
+    await e.settle()
+    assert e.outcomes(first) == [Outcome.DISPATCHED]
+    assert [g.id for g in e.triton.grants] == [first.call.id, second.call.id]
+    e.triton.open("b")[0].cancel()  # its client went away
+    await e.settle()
+    assert e.outcomes(second) == [Outcome.CANCELLED] and e.runtime.inflight == 0
+    assert not e.triton.answers
+    await e.close()
+
+
+async def test_a_shell_gone_returns_every_slot_its_streams_held() -> None:
+    """A shell process dies while it relays streams (its connection closes): the core
+    drops its route, and every slot its streams held is free at once, each request
+    counted once, as cancelled; another shell's stream is untouched."""
+    e = Engine(slots=4, reserved=0)
+    other = FakeShell()
+    other.runtime = e.runtime
+    mine = [e.submit("a", 1) for _ in range(3)]
+    e._ids += 1
+    text = Tensor("text_input", "BYTES", (1,), np.array([b"hi"], dtype=object))
+    call = Call(e._ids, "b", 1, time.monotonic(), time.time(), 1, 1, 2, [1],
+                InferRequest("llm", id="b:x", inputs=[text]), True)  # fmt: skip
+    theirs = CoreRequest("b", 1, 1, 2, 1, None, None, call=call, route=other)
+    other.reqs[call.id] = theirs
+    e.runtime.submit(theirs)
+    await e.settle()
+    assert e.runtime.inflight == 4
+    assert e.runtime.drop(e.triton) == 3
+    await e.settle()
+    assert e.runtime.inflight == 1
+    assert all(e.outcomes(r) == [Outcome.CANCELLED] for r in mine)
+    for stream in e.triton.streams:
+        stream.end()  # what a dead shell can no longer say: ignored if it did
+    await e.settle()
+    assert all(e.outcomes(r) == [Outcome.CANCELLED] for r in mine)
+    other.streams[0].end()
+    await e.settle()
+    assert e.outcomes(theirs) == [Outcome.DISPATCHED] and e.runtime.inflight == 0
+    await e.close()
+
+
+async def test_a_drain_that_stops_waiting_takes_the_slot_back() -> None:
+    """Shutdown: a stream still running when the drain's time is up is answered with the
+    reason (the shell ends it on that answer), once."""
+    e = Engine(slots=1, reserved=0)
+    req = e.submit("a", 1)
+    await e.settle()
+    await e.runtime.drain(0.0, Unavailable("the frontend is shutting down"))
+    (answer,) = e.triton.answers
+    assert answer.id == req.call.id and answer.fault is not None
+    assert answer.fault.kind == "Unavailable"
+    assert e.outcomes(req) == [Outcome.FAILED] and e.runtime.inflight == 0
+    e.triton.open("a")[0].end()  # the shell's end, after: ignored
+    assert e.outcomes(req) == [Outcome.FAILED]
     await e.close()
 
 
@@ -254,9 +344,6 @@ class UnaryEngine:
     async def infer(self, *args: object, **kwargs: object) -> tuple[str, list[Tensor]]:
         self.calls += 1
         raise self.error
-
-    def stream(self, *args: object, **kwargs: object) -> AsyncIterator[StreamReply]:
-        raise AssertionError("not decoupled")
 
 
 async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone() -> None:
