@@ -22,7 +22,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -276,37 +275,36 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
 
 # ---- the link: cut for not reading, never for a burst -------------------------------------
 
-STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
-PART = 1 << 20  # one part of flood_decoupled's answers: 1 MiB
+PART = 1 << 20  # one string of flood's answers: 1 MiB
 PARTS = 8  # per request
 OLD_BOUND = 256 << 20  # the fixed unsent bound that cut a shell's link before
 BURST = OLD_BOUND // (PARTS * PART) + 2  # requests: 272 MiB of answers in all
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+LARGE = [("grpc.max_receive_message_length", -1)]  # answers of 8 and 16 MiB
 
 
 def _link_config(stalled_shell_s: float) -> Any:
     data = make_config().model_dump(mode="json")
-    # Every request of the burst in Triton at once (a decoupled model goes one at a time
-    # by default, per model instance).
-    data["endpoints"]["flood_decoupled"] = {"max_inflight_batches": 4 * BURST}
+    # The burst in one batch: the frontend waits for it while Triton is idle.
+    data["endpoints"]["flood"] = {"max_queue_delay_ms": 2000, "throttle": False}
     data["queues"]["stalled_shell_s"] = stalled_shell_s
     return parse_config(data)
 
 
 def _flood(request_id: str, count: int, size: int, delay_ms: int) -> bytes:
-    msg = service_pb2.ModelInferRequest(model_name="flood_decoupled", id=request_id)
+    msg = service_pb2.ModelInferRequest(model_name="flood", id=request_id)
     for name, value in (("COUNT", count), ("SIZE", size), ("DELAY_MS", delay_ms)):
-        msg.inputs.add(name=name, datatype="INT32", shape=[1])
+        msg.inputs.add(name=name, datatype="INT32", shape=[1, 1])
         msg.raw_input_contents.append(np.array([value], dtype="<i4").tobytes())
     return msg.SerializeToString()
 
 
-def _stream(channel: grpc.aio.Channel) -> Any:
-    method = channel.stream_stream(
-        STREAM,
+def _infer(channel: grpc.aio.Channel) -> Any:
+    return channel.unary_unary(
+        MODEL_INFER,
         request_serializer=None,
-        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        response_deserializer=service_pb2.ModelInferResponse.FromString,
     )
-    return method(metadata=(("x-api-key", KEYS["initech"]),))
 
 
 async def _until(condition: Any, what: str, deadline_s: float = 60.0) -> None:
@@ -318,11 +316,6 @@ async def _until(condition: Any, what: str, deadline_s: float = 60.0) -> None:
 
 def _unsent(connections: set[ShellConnection]) -> int:
     return sum(c.transport.get_write_buffer_size() for c in connections if c.transport)
-
-
-async def _replies(call: Any) -> AsyncIterator[Any]:
-    async for reply in call:
-        yield reply
 
 
 async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
@@ -345,24 +338,25 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
         shells = server.shells
         links = set(shells.server.connections)
         pids = [p.pid for p in shells.processes.values()]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            warm = _stream(channel)
-            await warm.write(_flood("warm", 1, 1, 0))
-            await warm.done_writing()
-            assert not [r.error_message async for r in warm if r.error_message]
-            call = _stream(channel)  # one connection: every answer goes to one shell
-            for i in range(BURST):
-                # Answered 5 s after Triton has it: meanwhile the shells are stopped.
-                await call.write(_flood(f"burst{i}", PARTS, PART, 5000))
-            await call.done_writing()
+        metadata = (("x-api-key", KEYS["initech"]),)
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.grpc_port}", options=LARGE
+        ) as channel:
+            infer = _infer(channel)  # one connection: every answer goes to one shell
+            await infer(_flood("warm", 1, 1, 0), metadata=metadata, timeout=60)
+            # Answered 5 s after Triton has them: meanwhile the shells are stopped.
+            calls = [
+                infer(_flood(f"burst{i}", PARTS, PART, 5000), metadata=metadata, timeout=120)
+                for i in range(BURST)
+            ]
             core = server.core
             assert core is not None
             await _until(
                 lambda: (
-                    "flood_decoupled" in core.runtimes
-                    and core.runtimes["flood_decoupled"].inflight == BURST
+                    core.runtimes["flood"].inflight == 1
+                    and core.runtimes["flood"].scheduler.queued_requests == 0
                 ),
-                "the burst in Triton",
+                "the burst in Triton, as one batch",
             )
             peak = 0
             try:
@@ -376,11 +370,8 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
             assert peak > OLD_BOUND, f"only {peak >> 20} MiB were ever unsent"
-            parts = errors = 0
-            async for reply in _replies(call):
-                errors += bool(reply.error_message)
-                parts += bool(reply.infer_response.outputs)
-        assert (errors, parts) == (0, BURST * PARTS)
+            replies = await asyncio.gather(*calls)
+        assert [r.outputs[0].shape for r in replies] == [[1, PARTS]] * BURST
         assert shells.restarts == 0 and set(shells.server.connections) == links
         assert not any(c.cut_off for c in links)
         burst = [f"burst{i}" for i in range(BURST)]
@@ -391,9 +382,9 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
 async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
     triton: EmbeddedTriton,
 ) -> None:
-    """A shell stopped for good (SIGSTOP) while the core has 16 MiB of answers for it:
-    after queues.stalled_shell_s without a byte taken, the core cuts its link, drops its
-    request (cancelled, once), and the shell, continued, is replaced. Before: 16 MiB was
+    """A shell stopped for good (SIGSTOP) while the core has a 16 MiB answer for it:
+    after queues.stalled_shell_s without a byte taken, the core cuts its link (the answer
+    unsent is dropped: its request counted once), and the shell, continued, is replaced. Before: 16 MiB was
     below the fixed 256 MiB bound, and the link (and the request's slot) stayed held."""
     outcomes = Outcomes()
     stall_s = 2.0
@@ -407,13 +398,13 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
     with BackgroundServer(server):
         assert server.shells is not None and server.core is not None
         shells, core = server.shells, server.core
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            warm = _stream(channel)
-            await warm.write(_flood("warm", 1, 1, 0))
-            await warm.done_writing()
-            assert not [r.error_message async for r in warm if r.error_message]
-            call = _stream(channel)
-            await call.write(_flood("stuck", 16, PART, 2000))
+        metadata = (("x-api-key", KEYS["initech"]),)
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.grpc_port}", options=LARGE
+        ) as channel:
+            infer = _infer(channel)
+            await infer(_flood("warm", 1, 1, 0), metadata=metadata, timeout=60)
+            call = infer(_flood("stuck", 16, PART, 2000), metadata=metadata, timeout=120)
             await _until(
                 lambda: any(c.calls for c in shells.server.connections), "the call in the core"
             )
@@ -424,18 +415,15 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
                 started = time.monotonic()
                 await _until(lambda: link.closed, "the stopped shell's link cut", 60.0)
                 assert link.cut_off and time.monotonic() - started >= stall_s
-                await _until(lambda: core.runtimes["flood_decoupled"].idle, "its work dropped")
+                await _until(lambda: core.runtimes["flood"].idle, "its work dropped")
                 assert outcomes.by_id["stuck"] == 1
-                assert outcomes.outcome["stuck"] is Outcome.CANCELLED
+                # Answered by the core before the link was cut: the answer is lost with it.
+                assert outcomes.outcome["stuck"] is Outcome.DISPATCHED
             finally:
                 os.kill(victim, signal.SIGCONT)
                 call.cancel()
             # The continued shell finds its link gone and exits; the pool starts another.
             await _until(lambda: shells.restarts >= 1, "the cut shell replaced", 60.0)
             await _until(lambda: len(shells.server.connections) == 2, "two shells again", 60.0)
-            again = _stream(channel)
-            await again.write(_flood("again", 2, 10, 0))
-            await again.done_writing()
-            replies = [r async for r in again]
-            assert not [r.error_message for r in replies if r.error_message]
-            assert len([r for r in replies if r.infer_response.outputs]) == 2
+            again = await infer(_flood("again", 2, 10, 0), metadata=metadata, timeout=60)
+            assert again.outputs[0].shape == [1, 2]
