@@ -61,6 +61,8 @@ from fair_frontend.feedback import (
     TritonMetrics,
 )
 from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.logs import RequestLog
+from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Observer, Observers
 from fair_frontend.outcomes import Outcome
@@ -145,9 +147,6 @@ class Core:
         # The schedulers read tenants from this dict: a reload updates it in place.
         self.tenants: dict[str, Tenant] = dict(config.tenants)
         self.keyring = keyring or KeyRing.from_config(config)
-        from fair_frontend.logs import RequestLog
-        from fair_frontend.metrics import FrontendMetrics, StateCollector
-
         self.metrics = FrontendMetrics(config)
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
