@@ -70,6 +70,23 @@ class QueuedRequest:
     _queue: TenantQueue | None = field(default=None, init=False, repr=False)
 
 
+class Load:
+    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact.
+
+    Updated only by ``TenantQueue.add``/``remove``, for a tenant, a priority level of
+    it, and its tier at once.
+    """
+
+    __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.rows = 0
+        self.tokens = 0
+        self.nbytes = 0
+        self.cost = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Backlog:
     """Work expected to be served before (and including) a new request."""
