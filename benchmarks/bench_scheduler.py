@@ -37,7 +37,6 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from fair_frontend.config import CostUnit
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -45,6 +44,7 @@ from fair_frontend.scheduler import (
     Scheduler,
     TenantSpec,
 )
+from fair_frontend.scheduler.cost import CostUnit
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "scheduler.json"

@@ -34,6 +34,13 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fair_frontend.admission.storage import (
+    DEFAULT_RATELIMIT_STORAGE,
+    DEFAULT_RATELIMIT_TIMEOUT_MS,
+)
+from fair_frontend.admission.throttle import DEFAULT_LATENCY_TARGET_MS, DEFAULT_THROTTLE_SAFETY
+from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
+from fair_frontend.feedback.triton import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
     MAX_NAME_BYTES,
@@ -42,27 +49,25 @@ from fair_frontend.protocol import (
     TENANT_PARAMETER,
 )
 from fair_frontend.sampling import KNOWN_KEYS, SamplingRules
+from fair_frontend.scheduler.caps import (
+    DEFAULT_ENGINE_QUEUE_SLOTS,
+    DEFAULT_GLOBAL_MAX_QUEUED,
+    DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
+    DEFAULT_TENANT_BYTES_SHARE,
+    DEFAULT_TENANT_MAX_QUEUED,
+)
+from fair_frontend.scheduler.cost import CostUnit
 
 # ---- defaults, named once -------------------------------------------------------------
+# (those of the scheduler, the admission and the feedback loop are theirs: imported above)
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
 DEFAULT_METRICS_HOST = "127.0.0.1"  # the operator's listener: loopback unless asked otherwise
 DEFAULT_PRIORITY_LEVELS = 10
-DEFAULT_LATENCY_TARGET_MS = 5000.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
-DEFAULT_THROTTLE_SAFETY = 1.25
 DEFAULT_MAX_OUTAGE_S = 60.0
-DEFAULT_GLOBAL_MAX_QUEUED = 100_000
-DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
-DEFAULT_TENANT_MAX_QUEUED = 10_000
-# A tenant without its own max_queued_bytes may hold this fraction of the global byte cap
-# (over every model): one tenant cannot fill the global cap and lock the others out.
-DEFAULT_TENANT_BYTES_SHARE = 0.25
-# An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
-# a queue the engine turns over a few times, not 10,000 generations.
-DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
 # A streamed request whose client reads none of its parts for this long is cancelled.
 DEFAULT_STALLED_STREAM_S = 30.0
 # A shell process that reads nothing of what the core sends it for this long is cut off.
@@ -103,10 +108,6 @@ DEFAULT_GRPC_MAX_CONNECTION_AGE_S = 3600.0
 # Bodies read and decoded at once in a shell, in multiples of the largest request.
 HTTP_READING_REQUESTS = 4
 DEFAULT_TOKEN_INPUT = "INPUT_IDS"
-DEFAULT_RATELIMIT_STORAGE = "memory://"
-DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
-DEFAULT_METRICS_INTERVAL_S = 1.0
-DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_MAX_METRIC_TENANTS = 1000
 DEFAULT_METADATA_TTL_S = 60.0
 DEFAULT_READY_TTL_S = 1.0
@@ -119,15 +120,6 @@ SHA256_PREFIX = "sha256:"
 ALL_MODELS = "*"
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-WINDOWS_S: dict[str, float] = {
-    "second": 1.0,
-    "minute": 60.0,
-    "hour": 3600.0,
-    "day": 86400.0,
-    "month": 30 * 86400.0,  # a sliding 30-day window, not the calendar month
-}
-LIMIT_UNITS = ("requests", "tokens")
 
 
 class ConfigError(ValueError):
@@ -144,13 +136,6 @@ class _Strict(BaseModel):
 
 
 # ---- building blocks -------------------------------------------------------------------
-
-
-class CostUnit(str, enum.Enum):
-    """What one unit of DRR cost is on an endpoint."""
-
-    REQUESTS = "requests"  # 1 per request row (generate, streaming endpoints)
-    TOKENS = "tokens"  # the row's token count (embedding and rerank batch endpoints)
 
 
 class Limits(_Strict):

@@ -11,7 +11,6 @@ requests that asked for it and nothing else.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +23,8 @@ from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
 from fair_frontend.errors import (
-    DeadlineExceeded,
     FrontendError,
-    ModelUnavailable,
     StalledStream,
-    Unavailable,
     UpstreamError,
 )
 from fair_frontend.protocol import (
@@ -39,49 +35,10 @@ from fair_frontend.protocol import (
     Tensor,
 )
 from fair_frontend.triton_http import TritonHttp, carries
+from fair_frontend.upstream import upstream_error, upstream_message_error
 
-# Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError),
-# and RESOURCE_EXHAUSTED, which Triton's core has no code for (it reaches a gRPC client from
-# gRPC's own limits, e.g. a message over the size limit): 429, as shared/PROTOCOL.md maps
-# it (and grpc-gateway), not the 400 Triton's table gives everything it does not list.
-_HTTP_STATUS = {
-    grpc.StatusCode.INTERNAL: 500,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-}
-_CODES = {str(c): c for c in grpc.StatusCode}
-_UNKNOWN_MODEL = re.compile(r"unknown model: '[^']*' is not found")
-# gRPC's words for "no connection was ever made": the request did not reach Triton.
-_NOT_CONNECTED = ("failed to connect", "Connection refused", "connections to all backends")
-# Triton's words for a model or version it knows but cannot serve now (model_repository_
-# manager: "Request for unknown model: 'M' version N is not at ready state", "... is not
-# ready"): an answer from a reachable Triton, about that model only. A tenant can ask for
-# such a version at will: it must not read as Triton being down for everyone.
-_MODEL_STATE = re.compile(r"is not at ready state|is not ready")
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
-
-
-def upstream_error(err: InferenceServerException) -> FrontendError:
-    code = _CODES.get(str(err.status()), grpc.StatusCode.UNKNOWN)
-    message = err.message() or str(err)
-    if code is grpc.StatusCode.UNAVAILABLE and _MODEL_STATE.search(message):
-        return ModelUnavailable(message)
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"Triton is unavailable: {message}")
-    if code is grpc.StatusCode.UNAVAILABLE:
-        never_sent = code is grpc.StatusCode.UNAVAILABLE and any(
-            s in message for s in _NOT_CONNECTED
-        )
-        return Unavailable(f"Triton is unavailable: {message}", never_sent=never_sent)
-    if _UNKNOWN_MODEL.search(message):
-        # An unknown model (not an unknown version of a known one): Triton 2.51 says
-        # NOT_FOUND / 404 on some paths; shared/PROTOCOL.md says INVALID_ARGUMENT / 400,
-        # as the frontend's infer answers: one answer everywhere.
-        return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
-    return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))
 
 
 @dataclass(slots=True)
@@ -92,18 +49,6 @@ class StreamReply:
     outputs: list[Tensor] = field(default_factory=list)
     final: bool = False
     error: FrontendError | None = None
-
-
-def upstream_message_error(message: str) -> FrontendError:
-    """An error Triton put in a stream response (it carries no status code): a model that
-    says it is not ready (Triton's words, which the shipped llm uses while its engine
-    restarts) is UNAVAILABLE for this request alone, like Triton's own answer about a
-    model; the rest INTERNAL, as Triton's HTTP generate maps a model's error."""
-    if "unknown model" in message:
-        return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
-    if _MODEL_STATE.search(message):
-        return ModelUnavailable(message)
-    return UpstreamError(message, grpc.StatusCode.INTERNAL, 500)
 
 
 class NoProgress(UpstreamError):

@@ -30,8 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
-from fair_frontend.core.dispatch import BatchReport
-from fair_frontend.observe import Observer
+from fair_frontend.observe import BatchReport, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.records import SIDE_DOOR_LOOKUP
 

@@ -9,15 +9,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fair_frontend.outcomes import Outcome
 
 if TYPE_CHECKING:
     from fair_frontend.admission import ThrottleDecision
-    from fair_frontend.core.dispatch import BatchReport
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BatchReport:
+    """A finished batch, for metrics and the feedback loop."""
+
+    model: str
+    rows: int
+    tokens: int
+    items: int
+    tenants: dict[str, int]  # rows per tenant
+    tenant_tokens: dict[str, int]
+    tenant_cost: dict[str, float]
+    started: float
+    finished: float
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
 
 
 class Observer:

@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import grpc
+from tritonclient.utils import InferenceServerException
 
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable
 from fair_frontend.protocol import (
@@ -47,6 +48,7 @@ from fair_frontend.protocol import (
     tensor_from_raw,
     tensor_to_raw,
 )
+from fair_frontend.upstream import upstream_error
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +289,6 @@ def decode_answer(headers: Mapping[str, str], body: bytes) -> tuple[str, list[Te
 
 def error_of(status: int, body: bytes) -> FrontendError:
     """Triton's error answer, as the gRPC forwarder would have raised it."""
-    from tritonclient.utils import InferenceServerException
-
-    from fair_frontend.forwarder import upstream_error
-
     message = body.decode("utf-8", errors="replace")
     with contextlib.suppress(ValueError, AttributeError):
         message = str(json.loads(body)["error"])

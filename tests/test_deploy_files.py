@@ -50,7 +50,6 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.admission import RateLimiter
 from fair_frontend.auth import KeyRing, hash_key
 from fair_frontend.cli import DEMO_KEYS as CLI_DEMO_KEYS
 from fair_frontend.cli import _listen, build_parser, is_example_config
@@ -61,6 +60,7 @@ from fair_frontend.config import (
     Config,
     load_config,
 )
+from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from tests.support import ROOT, config_dict, ids_input, make_config, running_frontend
 
@@ -1528,7 +1528,7 @@ async def test_the_shipped_redis_requires_the_secrets_password_and_the_frontend_
                 "timeout_ms": 5000,
             }
         )
-        limiter = RateLimiter.from_config(limiting)
+        limiter = rate_limiter(limiting)
         try:
             await limiter.storage.ping()  # type: ignore[attr-defined]
         finally:

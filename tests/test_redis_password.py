@@ -24,8 +24,9 @@ import tritonclient.grpc as grpcclient
 from redis.connection import parse_url
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.admission import RateLimiter, RedisStorage
+from fair_frontend.admission import RedisStorage
 from fair_frontend.config import ConfigError, RateLimiting, parse_config, url_with_password
+from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from tests.support import KEYS, config_dict, ids_input, running_frontend
 
@@ -234,13 +235,13 @@ def test_without_the_password_the_mode_applies_and_the_log_says_authentication(
 async def test_the_limiter_reaches_a_locked_redis_only_with_its_password(
     locked_redis: LockedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The limiter the config builds (``RateLimiter.from_config``) holds the password:
+    """The limiter the config builds (``core.plan.rate_limiter``) holds the password:
     its storage answers; the same URI without it is refused by Redis."""
     monkeypatch.setenv("FAIR_TEST_REDIS_PASSWORD", PASSWORD)
     limiting = RateLimiting(
         storage=locked_redis.url, storage_password_env="FAIR_TEST_REDIS_PASSWORD", timeout_ms=5000
     )
-    limiter = RateLimiter.from_config(limiting)
+    limiter = rate_limiter(limiting)
     bare = RedisStorage(locked_redis.url, timeout_s=5.0)
     try:
         assert isinstance(limiter.storage, RedisStorage)

@@ -384,8 +384,8 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
 ) -> None:
     """A shell stopped for good (SIGSTOP) while the core has a 16 MiB answer for it:
     after queues.stalled_shell_s without a byte taken, the core cuts its link (the answer
-    unsent is dropped: its request counted once), and the shell, continued, is replaced. Before: 16 MiB was
-    below the fixed 256 MiB bound, and the link (and the request's slot) stayed held."""
+    unsent is dropped: its request counted once), and the shell, continued, is replaced.
+    Before: 16 MiB was below the fixed 256 MiB bound, and the link stayed held."""
     outcomes = Outcomes()
     stall_s = 2.0
     server = FrontendServer(

@@ -147,6 +147,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from fair_frontend.admission.limits import RateLimitItem, items_from_limits
 from fair_frontend.admission.storage import (
     DEFAULT_BUCKETS,
     DEFAULT_TIMEOUT_S,
@@ -154,9 +155,7 @@ from fair_frontend.admission.storage import (
     Storage,
     StorageError,
     StorageFailure,
-    storage_from_uri,
 )
-from fair_frontend.config import WINDOWS_S, Limits, RateLimiting
 from fair_frontend.errors import RateLimited, Unavailable
 
 log = logging.getLogger(__name__)
@@ -167,37 +166,10 @@ failures"): failures at least this far apart, no answer between them."""
 DEFAULT_PROBE_S = 0.25
 """While the circuit is open, one check in this long goes to the storage as a probe."""
 
-Unit = Literal["requests", "tokens"]
 StorageErrorMode = Literal["fail_open", "fail_closed"]
 StorageErrorReason = Literal["timeout", "error", "circuit_open"]
 """Why a check took ``on_storage_error``: the storage timed out, failed (``error``), or
 was not asked because the circuit is open. A bounded set: it labels a metric."""
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimitItem:
-    """One limit: ``amount`` ``unit`` in any window of ``seconds`` (named ``window``)."""
-
-    unit: Unit
-    window: str
-    amount: int
-    seconds: float
-
-    def __str__(self) -> str:
-        noun = self.unit[:-1] if self.amount == 1 else self.unit
-        span = " (30 days)" if self.window == "month" else ""
-        return f"{self.amount} {noun} per {self.window}{span}"
-
-
-def items_from_limits(limits: Limits) -> list[RateLimitItem]:
-    """The set limits as items, in ``Limits`` declaration order. Compute once per
-    (tenant, endpoint) when the config loads, not per request."""
-    items = []
-    for unit, window, amount in limits.items():
-        if unit not in ("requests", "tokens"):
-            raise ValueError(f"unknown limit unit {unit!r}")
-        items.append(RateLimitItem(unit, window, amount, WINDOWS_S[window]))  # type: ignore[arg-type]
-    return items
 
 
 def limit_key(tenant: str, endpoint: str) -> str:
@@ -277,16 +249,6 @@ class RateLimiter:
     def circuit_open(self) -> bool:
         """The storage has answered nothing for ``open_after_s``: checks take the mode."""
         return self._open
-
-    @classmethod
-    def from_config(cls, config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> RateLimiter:
-        """The limiter ``rate_limiting:`` describes: storage URI (with its password, from
-        ``storage_password_env`` / ``_file``: ``RateLimiting.storage_url``), timeout,
-        failure mode."""
-        storage = storage_from_uri(
-            config.storage_url(), timeout_s=config.timeout_ms / 1000.0, buckets=buckets
-        )
-        return cls(storage, on_storage_error=config.on_storage_error)
 
     async def check(
         self,

@@ -39,7 +39,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import redis
@@ -49,11 +49,10 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from fair_frontend.config import DEFAULT_RATELIMIT_STORAGE, DEFAULT_RATELIMIT_TIMEOUT_MS
+from fair_frontend.admission.limits import RateLimitItem
 
-if TYPE_CHECKING:
-    from fair_frontend.admission.ratelimit import RateLimitItem
-
+DEFAULT_RATELIMIT_STORAGE = "memory://"
+DEFAULT_RATELIMIT_TIMEOUT_MS = 50.0
 DEFAULT_BUCKETS = 50
 """Buckets per window (K). A window's capacity returns at most T/K late (2 %: 20 ms for a
 second, 1.2 s for a minute, 28.8 min for a day, 14.4 h for a month); memory per limit and key

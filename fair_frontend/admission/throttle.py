@@ -115,12 +115,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fair_frontend.config import DEFAULT_LATENCY_TARGET_MS, Endpoint
 from fair_frontend.errors import Overloaded
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.feedback.slots import SlotTimes
 from fair_frontend.scheduler import Backlog
 
+DEFAULT_LATENCY_TARGET_MS = 5000.0
+DEFAULT_THROTTLE_SAFETY = 1.25
 DEFAULT_SHORT_QUEUE_BATCHES = 2
 DEFAULT_MIN_RETRY_AFTER_S = 0.1
 
@@ -164,16 +165,6 @@ class Throttle:
         self.short_queue_batches = short_queue_batches
         self.min_retry_after_s = min_retry_after_s
         self.safety = safety
-
-    @classmethod
-    def for_endpoint(cls, endpoint: Endpoint, max_batch_size: int) -> Throttle:
-        """The throttle of a configured endpoint (``max_batch_size``: the effective one)."""
-        return cls(
-            max_batch_size=max_batch_size,
-            max_batch_tokens=endpoint.max_batch_tokens,
-            latency_target_s=endpoint.latency_target_ms / 1000.0,
-            safety=endpoint.throttle_safety,
-        )
 
     def batches_for(self, rows: int, tokens: int) -> int:
         """The fewest batches the caps allow for ``rows`` rows and ``tokens`` tokens."""
@@ -267,18 +258,6 @@ class EngineThrottle:
         self.min_retry_after_s = min_retry_after_s
         self.safety = safety
 
-    @classmethod
-    def for_endpoint(cls, endpoint: Endpoint) -> EngineThrottle:
-        """The throttle of a configured engine endpoint (``max_inflight`` set)."""
-        if endpoint.max_inflight is None:
-            raise ValueError("EngineThrottle is for engine endpoints (max_inflight)")
-        return cls(
-            slots=endpoint.max_inflight,
-            reserved_slots=endpoint.reserved_slots,
-            latency_target_s=endpoint.latency_target_ms / 1000.0,
-            safety=endpoint.throttle_safety,
-        )
-
     def releases(self, ahead: int, own_ahead: int, inflight: int, own_inflight: int) -> int:
         """Requests that must leave the engine before this one gets a slot (<= 0: a slot
         is free for it). ``ahead``: requests served before it, itself included;
@@ -370,8 +349,10 @@ def _wait_and_target(wait: float, target: float) -> tuple[str, str]:
 
 
 __all__ = [
+    "DEFAULT_LATENCY_TARGET_MS",
     "DEFAULT_MIN_RETRY_AFTER_S",
     "DEFAULT_SHORT_QUEUE_BATCHES",
+    "DEFAULT_THROTTLE_SAFETY",
     "EngineThrottle",
     "Throttle",
     "ThrottleDecision",

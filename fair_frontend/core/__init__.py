@@ -9,14 +9,16 @@ statistics and the metrics. It answers every call exactly once, along the call's
 
 ``service.Core`` is the entry point; ``dispatch.EndpointRuntime`` feeds one model's
 batches to Triton; ``admission.EndpointAdmission`` is one endpoint's throttle with the
-estimates it reads.
+estimates it reads; ``plan`` turns the config into the policy packages' own parameters.
 """
 
 from __future__ import annotations
 
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
-from fair_frontend.core.service import Core, ModelRegistry, endpoint_policy
+from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.plan import endpoint_policy
+from fair_frontend.core.service import Core, ModelRegistry
+from fair_frontend.observe import BatchReport
 
 __all__ = [
     "Backend",

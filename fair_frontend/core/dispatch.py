@@ -62,6 +62,7 @@ from fair_frontend.errors import (
     Unavailable,
 )
 from fair_frontend.models import ModelInfo
+from fair_frontend.observe import BatchReport
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     InferRequest,
@@ -139,26 +140,6 @@ class Forwarder(Protocol):
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
     ) -> tuple[str, list[Tensor]]: ...
-
-
-@dataclass(slots=True)
-class BatchReport:
-    """A finished batch, for metrics and the feedback loop."""
-
-    model: str
-    rows: int
-    tokens: int
-    items: int
-    tenants: dict[str, int]  # rows per tenant
-    tenant_tokens: dict[str, int]
-    tenant_cost: dict[str, float]
-    started: float
-    finished: float
-    ok: bool
-
-    @property
-    def seconds(self) -> float:
-        return self.finished - self.started
 
 
 class Backend:

@@ -21,10 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fair_frontend.admission import (
-    EngineThrottle,
     RateLimiter,
     RateLimitItem,
-    Throttle,
     items_from_limits,
     limit_key,
     overloaded_error,
@@ -34,9 +32,18 @@ from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
-from fair_frontend.config import Config, ConfigError, CostUnit, Endpoint, Tenant, parse_config
+from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.plan import (
+    batch_throttle,
+    endpoint_policy,
+    engine_throttle,
+    global_caps,
+    queue_limits,
+    rate_limiter,
+    service_model,
+)
 from fair_frontend.core.sequences import SequenceIds
 from fair_frontend.errors import (
     FrontendError,
@@ -49,19 +56,18 @@ from fair_frontend.errors import (
 )
 from fair_frontend.feedback import (
     FeedbackCost,
-    ServiceModel,
     SlotTimes,
     TritonDelta,
     TritonMetrics,
 )
 from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.logs import RequestLog
+from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
-from fair_frontend.observe import Observer, Observers
+from fair_frontend.observe import BatchReport, Observer, Observers
 from fair_frontend.outcomes import Outcome
 from fair_frontend.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 from fair_frontend.scheduler import (
-    EndpointPolicy,
-    GlobalCaps,
     QueueState,
     Scheduler,
     VirtualTokenCounter,
@@ -72,29 +78,6 @@ from fair_frontend.stats import Statistics
 log = logging.getLogger(__name__)
 
 REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
-
-
-def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
-    """The scheduler's view of an endpoint: config bounded by what the model accepts.
-
-    Models that do not batch, and those whose requests must keep Triton's own semantics
-    (sequence batching, decoupled), go one request per batch.
-    """
-    configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
-    engine = endpoint.max_inflight is not None  # the model batches inside: one at a time
-    if not info.batching or info.passthrough or configured == 0 or engine:
-        max_batch = 0
-    else:
-        max_batch = min(configured, info.max_batch_size)
-    return EndpointPolicy(
-        cost=endpoint.cost,
-        max_batch_size=max_batch,
-        max_batch_tokens=endpoint.max_batch_tokens,
-        quantum=endpoint.effective_quantum(max_batch),
-        tiers=tuple(config.tiers),
-        tier_min_share=dict(config.tier_guard.min_share),
-        slots=endpoint.max_inflight,
-    )
 
 
 class ModelRegistry:
@@ -164,17 +147,14 @@ class Core:
         # The schedulers read tenants from this dict: a reload updates it in place.
         self.tenants: dict[str, Tenant] = dict(config.tenants)
         self.keyring = keyring or KeyRing.from_config(config)
-        from fair_frontend.logs import RequestLog
-        from fair_frontend.metrics import FrontendMetrics, StateCollector
-
         self.metrics = FrontendMetrics(config)
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self._clock = clock
         self._backend: Backend | None = None
-        self.caps = GlobalCaps.from_config(config.queues)
-        self.limiter = limiter or RateLimiter.from_config(config.rate_limiting)
+        self.caps = global_caps(config.queues)
+        self.limiter = limiter or rate_limiter(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
         self.runtimes: dict[str, EndpointRuntime] = {}
         self.stats = Statistics()
@@ -602,7 +582,7 @@ class Core:
             endpoint = self.config.endpoint(model)
             policy = endpoint_policy(self.config, endpoint, info)
             batch = policy.max_batch_size or 1
-            service = ServiceModel.for_endpoint(model, endpoint, batch, self.config)
+            service = service_model(model, endpoint, batch, self.config)
             cost_model = None
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
@@ -616,13 +596,11 @@ class Core:
             throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
-                throttle=Throttle.for_endpoint(endpoint, batch) if throttled else None,
+                throttle=batch_throttle(endpoint, batch) if throttled else None,
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
                 tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
-                engine=EngineThrottle.for_endpoint(endpoint)
-                if engine and endpoint.throttle
-                else None,
+                engine=engine_throttle(endpoint) if engine and endpoint.throttle else None,
                 slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
             )
             runtime = EndpointRuntime(
@@ -747,7 +725,7 @@ class Core:
         for gone in set(self.tenants) - set(config.tenants):
             del self.tenants[gone]
         self.keyring = keyring
-        self.caps.configure(config.queues)
+        self.caps.configure(queue_limits(config.queues))
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants

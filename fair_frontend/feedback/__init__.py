@@ -123,6 +123,7 @@ from fair_frontend.feedback.cost import FeedbackCost
 from fair_frontend.feedback.fit import MIN_SPREAD, TERMS, BatchTime, DecayedStats
 from fair_frontend.feedback.service import (
     DEFAULT_BATCH_SECONDS,
+    DEFAULT_EMA_ALPHA,
     DEFAULT_MIN_MEMORY_BATCHES,
     DEFAULT_STALE_AFTER_INTERVALS,
     FROZEN_MIN_BATCHES,
@@ -133,6 +134,7 @@ from fair_frontend.feedback.service import (
 )
 from fair_frontend.feedback.slots import SlotTimes
 from fair_frontend.feedback.triton import (
+    DEFAULT_METRICS_INTERVAL_S,
     CounterTracker,
     ModelCounters,
     ScrapeStatus,
@@ -144,6 +146,8 @@ from fair_frontend.feedback.triton import (
 
 __all__ = [
     "DEFAULT_BATCH_SECONDS",
+    "DEFAULT_EMA_ALPHA",
+    "DEFAULT_METRICS_INTERVAL_S",
     "DEFAULT_MIN_MEMORY_BATCHES",
     "DEFAULT_STALE_AFTER_INTERVALS",
     "FROZEN_MIN_BATCHES",

@@ -13,17 +13,14 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fair_frontend.config import (
-    DEFAULT_EMA_ALPHA,
-    DEFAULT_METRICS_INTERVAL_S,
-    Config,
-    CostUnit,
-    Endpoint,
-)
 from fair_frontend.feedback.fit import BatchTime, DecayedStats
-from fair_frontend.feedback.triton import TritonDelta
+from fair_frontend.feedback.triton import DEFAULT_METRICS_INTERVAL_S, TritonDelta
+from fair_frontend.scheduler.cost import CostUnit
 
 log = logging.getLogger(__name__)
+
+DEFAULT_EMA_ALPHA = 0.2
+"""Weight of the newest interval in the moving averages (``observability.ema_alpha``)."""
 
 DEFAULT_BATCH_SECONDS = 0.010
 """With no data at all, a batch is assumed to take 10 ms whatever its size: a small model's
@@ -164,20 +161,6 @@ class ServiceModel:
         self.refit_interval_s = refit_interval_s
         self._fit_at: float | None = None  # the learning time the cached fit includes
         self._learned_at: float | None = None
-
-    @classmethod
-    def for_endpoint(
-        cls, name: str, endpoint: Endpoint, max_batch_size: int, config: Config
-    ) -> ServiceModel:
-        """The model for a configured endpoint (``max_batch_size``: the effective one)."""
-        return cls(
-            name,
-            cost_unit=endpoint.cost,
-            max_batch_size=max_batch_size,
-            max_batch_tokens=endpoint.max_batch_tokens,
-            alpha=config.observability.ema_alpha,
-            interval_s=config.triton.metrics_interval_s,
-        )
 
     # ---- inputs ----------------------------------------------------------------------------
 

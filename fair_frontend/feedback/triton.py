@@ -30,8 +30,6 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from fair_frontend.config import DEFAULT_METRICS_INTERVAL_S
-
 log = logging.getLogger(__name__)
 
 # Triton's per-model counters (cumulative) -> our field names. Names without "_total":
@@ -51,6 +49,8 @@ PENDING_GAUGE = "nv_inference_pending_request_count"
 TENANT_ROWS = "fair_model_rows"
 TENANT_TOKENS = "fair_model_tokens"
 
+DEFAULT_METRICS_INTERVAL_S = 1.0
+"""How often Triton's metrics are read (``triton.metrics_interval_s``)."""
 DEFAULT_SCRAPE_TIMEOUT_S = 2.0
 
 

@@ -156,10 +156,11 @@ and a deadline entry if it has one, about 0.4-0.5 KB in all (``benchmarks/README
 from __future__ import annotations
 
 from fair_frontend.scheduler.assembly import BatchAssembler
-from fair_frontend.scheduler.caps import GlobalCaps
+from fair_frontend.scheduler.caps import GlobalCaps, QueueLimits
 from fair_frontend.scheduler.core import Mode, Scheduler
 from fair_frontend.scheduler.cost import (
     CostModel,
+    CostUnit,
     NormalizedCost,
     RequestCost,
     TokenCost,
@@ -193,6 +194,7 @@ __all__ = [
     "Backlog",
     "BatchAssembler",
     "CostModel",
+    "CostUnit",
     "Counters",
     "DeficitRoundRobin",
     "DrrState",
@@ -204,6 +206,7 @@ __all__ = [
     "NormalizedCost",
     "OrderingPolicy",
     "PriorityDeadlineArrival",
+    "QueueLimits",
     "QueueState",
     "QueuedRequest",
     "RequestCost",

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from fair_frontend.config import (
-    DEFAULT_ENGINE_QUEUE_SLOTS,
-    DEFAULT_GLOBAL_MAX_QUEUED,
-    DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
-    DEFAULT_TENANT_BYTES_SHARE,
-    DEFAULT_TENANT_MAX_QUEUED,
-    Queues,
-)
+DEFAULT_GLOBAL_MAX_QUEUED = 100_000
+DEFAULT_GLOBAL_MAX_QUEUED_BYTES = 1 << 30  # 1 GiB of queued tensor payload
+DEFAULT_TENANT_MAX_QUEUED = 10_000
+# A tenant without its own max_queued_bytes may hold this fraction of the global byte cap
+# (over every model): one tenant cannot fill the global cap and lock the others out.
+DEFAULT_TENANT_BYTES_SHARE = 0.25
+# An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
+# a queue the engine turns over a few times, not 10,000 generations.
+DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    """The caps ``GlobalCaps`` applies (the config's ``queues`` section has them)."""
+
+    max_queued: int = DEFAULT_GLOBAL_MAX_QUEUED
+    max_queued_bytes: int = DEFAULT_GLOBAL_MAX_QUEUED_BYTES
+    tenant_bytes_share: float = DEFAULT_TENANT_BYTES_SHARE
+    engine_queue_slots: float = DEFAULT_ENGINE_QUEUE_SLOTS
 
 
 class GlobalCaps:
@@ -58,17 +70,17 @@ class GlobalCaps:
         self.tenant_bytes: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, queues: Queues) -> GlobalCaps:
-        caps = cls(queues.max_queued, queues.max_queued_bytes)
-        caps.configure(queues)
+    def of(cls, limits: QueueLimits) -> GlobalCaps:
+        caps = cls(limits.max_queued, limits.max_queued_bytes)
+        caps.configure(limits)
         return caps
 
-    def configure(self, queues: Queues) -> None:
-        """Apply a (re)loaded ``queues`` section; what is queued stays counted."""
-        self.max_queued = queues.max_queued
-        self.max_queued_bytes = queues.max_queued_bytes
-        self.tenant_bytes_share = queues.tenant_bytes_share
-        self.engine_queue_slots = queues.engine_queue_slots
+    def configure(self, limits: QueueLimits) -> None:
+        """Apply (re)loaded caps; what is queued stays counted."""
+        self.max_queued = limits.max_queued
+        self.max_queued_bytes = limits.max_queued_bytes
+        self.tenant_bytes_share = limits.tenant_bytes_share
+        self.engine_queue_slots = limits.engine_queue_slots
 
     @property
     def tenant_max_queued_bytes(self) -> int:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from typing import Protocol
 
-from fair_frontend.config import CostUnit
+
+class CostUnit(str, enum.Enum):
+    """What one unit of DRR cost is on an endpoint."""
+
+    REQUESTS = "requests"  # 1 per request row (generate, streaming endpoints)
+    TOKENS = "tokens"  # the row's token count (embedding and rerank batch endpoints)
 
 
 class CostModel(Protocol):

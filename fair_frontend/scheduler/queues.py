@@ -14,30 +14,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fair_frontend.scheduler.types import Handle, QueuedRequest, TenantTerms
+from fair_frontend.scheduler.types import Handle, Load, QueuedRequest, TenantTerms
 
 if TYPE_CHECKING:
     from fair_frontend.scheduler.tiers import Tier
 
 # Rebuild an index when it holds more than 2 * live + slack entries.
 _COMPACT_SLACK = 64
-
-
-class Load:
-    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact.
-
-    Updated only by ``TenantQueue.add``/``remove``, for a tenant, a priority level of
-    it, and its tier at once.
-    """
-
-    __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.rows = 0
-        self.tokens = 0
-        self.nbytes = 0
-        self.cost = 0.0
 
 
 class TenantQueue(Load):

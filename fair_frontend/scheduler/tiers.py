@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from fair_frontend.scheduler.queues import Load
+from fair_frontend.scheduler.types import Load
 
 S = TypeVar("S")
 

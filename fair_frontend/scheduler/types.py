@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fair_frontend.config import CostUnit, Endpoint, TierGuard
+from fair_frontend.scheduler.cost import CostUnit
 
 if TYPE_CHECKING:
     from fair_frontend.scheduler.queues import TenantQueue
@@ -70,6 +70,23 @@ class QueuedRequest:
     _queue: TenantQueue | None = field(default=None, init=False, repr=False)
 
 
+class Load:
+    """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact.
+
+    Updated only by ``TenantQueue.add``/``remove``, for a tenant, a priority level of
+    it, and its tier at once.
+    """
+
+    __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.rows = 0
+        self.tokens = 0
+        self.nbytes = 0
+        self.cost = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Backlog:
     """Work expected to be served before (and including) a new request."""
@@ -92,7 +109,7 @@ class Counters:
 
 
 class TenantTerms(Protocol):
-    """What the scheduler reads of a tenant (``fair_frontend.config.Tenant`` has it)."""
+    """What the scheduler reads of a tenant (the config's ``Tenant`` has it)."""
 
     @property
     def tier(self) -> str: ...
@@ -123,7 +140,8 @@ TenantDirectory = Mapping[str, TenantTerms]
 
 @dataclass(frozen=True)
 class EndpointPolicy:
-    """How one endpoint (model) schedules: built by the shell from the config."""
+    """How one endpoint (model) schedules: built by the core from the config
+    (``fair_frontend.core.plan.endpoint_policy``)."""
 
     cost: CostUnit
     max_batch_size: int  # rows per batch; 0: the model does not batch (one request each)
@@ -159,26 +177,3 @@ class EndpointPolicy:
             problems.append(f"slots {self.slots} < 1")
         if problems:
             raise ValueError("invalid endpoint policy: " + "; ".join(problems))
-
-    @classmethod
-    def from_config(
-        cls,
-        endpoint: Endpoint,
-        *,
-        model_max_batch_size: int,
-        tiers: Sequence[str],
-        tier_guard: TierGuard | None = None,
-    ) -> EndpointPolicy:
-        """The policy for an endpoint; ``model_max_batch_size`` is Triton's, used if unset."""
-        max_batch_size = (
-            endpoint.max_batch_size if endpoint.max_batch_size is not None else model_max_batch_size
-        )
-        return cls(
-            cost=endpoint.cost,
-            max_batch_size=max_batch_size,
-            max_batch_tokens=endpoint.max_batch_tokens,
-            quantum=endpoint.effective_quantum(max_batch_size),
-            tiers=tuple(tiers),
-            tier_min_share=dict(tier_guard.min_share) if tier_guard is not None else {},
-            slots=endpoint.max_inflight,
-        )

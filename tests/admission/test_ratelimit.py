@@ -18,8 +18,10 @@ from fair_frontend.admission import (
     rate_limited_error,
     storage_from_uri,
 )
+from fair_frontend.admission.limits import WINDOWS_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection, StorageError
-from fair_frontend.config import WINDOWS_S, Limits, RateLimiting, parse_config
+from fair_frontend.config import Limits, RateLimiting, parse_config
+from fair_frontend.core.plan import rate_limiter
 from fair_frontend.errors import RateLimited
 
 K = DEFAULT_BUCKETS
@@ -253,13 +255,13 @@ async def test_storage_from_uri_and_config() -> None:
     await redis_storage.close()
     with pytest.raises(ValueError, match="memory:// or redis://"):
         storage_from_uri("memcached://localhost:11211")
-    rl = RateLimiter.from_config(
+    rl = rate_limiter(
         RateLimiting(storage="redis://127.0.0.1:1", on_storage_error="fail_closed", timeout_ms=20)
     )
     assert isinstance(rl.storage, RedisStorage) and rl.storage.timeout_s == 0.02
     assert rl.on_storage_error == "fail_closed"
     await rl.close()
-    assert isinstance(RateLimiter.from_config(RateLimiting()).storage, MemoryStorage)
+    assert isinstance(rate_limiter(RateLimiting()).storage, MemoryStorage)
 
 
 async def test_memory_storage_drops_idle_windows() -> None:

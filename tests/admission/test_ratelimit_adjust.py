@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import pytest
 
 from fair_frontend.admission import MemoryStorage, RateLimiter, RateLimitItem, Storage
+from fair_frontend.admission.limits import WINDOWS_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection
-from fair_frontend.config import WINDOWS_S
 
 K = DEFAULT_BUCKETS
 T0 = 1_700_000_123.456789  # not on a bucket boundary of any window

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.admission import MemoryStorage, RateLimiter, RateLimitItem, RedisStorage
+from fair_frontend.admission.limits import WINDOWS_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, bucket_width_us
-from fair_frontend.config import WINDOWS_S
 
 K = DEFAULT_BUCKETS
 BASE_US = 1_700_000_000_000_000

@@ -29,8 +29,8 @@ from fair_frontend.admission import (
     RedisStorage,
     Storage,
 )
+from fair_frontend.admission.limits import WINDOWS_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection
-from fair_frontend.config import WINDOWS_S
 
 K = DEFAULT_BUCKETS
 TIMEOUT_S = 5.0  # functional runs must never see a storage error

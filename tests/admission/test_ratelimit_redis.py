@@ -19,13 +19,13 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
+from fair_frontend.admission.limits import WINDOWS_S
 from fair_frontend.admission.ratelimit import (
     DEFAULT_OPEN_AFTER_S,
     DEFAULT_PROBE_S,
     StorageUnavailable,
 )
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
-from fair_frontend.config import WINDOWS_S
 from fair_frontend.errors import Unavailable
 
 T0 = 1_700_000_123.456789

@@ -25,9 +25,9 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import Unavailable
-from fair_frontend.forwarder import upstream_error
 from fair_frontend.outcomes import Outcome
 from fair_frontend.triton_http import error_of
+from fair_frontend.upstream import upstream_error
 from tests.core.dispatch_support import Harness
 from tests.support import KEYS, ids_input, make_config, running_frontend
 

@@ -55,7 +55,7 @@ def embed_info(*, instances: int = 1) -> ModelInfo:
 
 
 def endpoint_policy(endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
-    """``core.service.endpoint_policy`` for a batching model, without a ``Config``."""
+    """``core.plan.endpoint_policy`` for a batching model, without a ``Config``."""
     configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
     max_batch = min(configured, info.max_batch_size)
     return EndpointPolicy(

@@ -18,7 +18,7 @@ from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable, UpstreamError
-from fair_frontend.forwarder import NoProgress, upstream_message_error
+from fair_frontend.forwarder import NoProgress
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -30,6 +30,7 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
+from fair_frontend.upstream import upstream_message_error
 
 LLM = ModelInfo(
     name="llm",

@@ -11,8 +11,8 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from fair_frontend.config import CostUnit
 from fair_frontend.feedback import ServiceModel, TritonDelta
+from fair_frontend.scheduler.cost import CostUnit
 
 FIXED_S = 0.002
 PER_TOKEN_S = 20e-6

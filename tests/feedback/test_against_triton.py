@@ -32,7 +32,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
-from fair_frontend.config import CostUnit
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.feedback import (
     ServiceModel,
@@ -41,6 +40,7 @@ from fair_frontend.feedback import (
     TritonDelta,
     TritonMetrics,
 )
+from fair_frontend.scheduler.cost import CostUnit
 from tests.support import TEST_MODEL_REPOSITORY
 
 SLEEPER_FIXED_S = 0.002  # tests/model_repository/sleeper/config.pbtxt

@@ -16,8 +16,8 @@ from feedback_support import (
     token_model,
 )
 
-from fair_frontend.config import CostUnit
 from fair_frontend.feedback import BatchTime, DecayedStats, ServiceModel, Source
+from fair_frontend.scheduler.cost import CostUnit
 
 # Realistic timing noise: 2 % of the batch time plus 50 us of jitter, symmetric.
 NOISE = 0.02

@@ -8,9 +8,9 @@ from typing import cast
 import pytest
 from feedback_support import Truth, feed, random_batches, serve_pipelined, trained
 
-from fair_frontend.config import CostUnit
 from fair_frontend.feedback import FeedbackCost, ServiceModel
 from fair_frontend.scheduler import RequestCost, TokenCost
+from fair_frontend.scheduler.cost import CostUnit
 
 PROMPT = 32
 

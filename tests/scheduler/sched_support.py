@@ -11,7 +11,6 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fair_frontend.config import CostUnit
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -20,6 +19,7 @@ from fair_frontend.scheduler import (
     Scheduler,
     TenantSpec,
 )
+from fair_frontend.scheduler.cost import CostUnit
 
 TIERS = ("paid", "trial")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import pytest
 from sched_support import make_request
 
-from fair_frontend.config import CostUnit
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
+from fair_frontend.scheduler.cost import CostUnit
 
 TOLERANCE = 0.02  # of the capacity per step
 STEPS = 2000

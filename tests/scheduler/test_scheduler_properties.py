@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_support import make_request
 
-from fair_frontend.config import CostUnit
 from fair_frontend.errors import QueueFull
 from fair_frontend.scheduler import (
     Backlog,
@@ -37,6 +36,7 @@ from fair_frontend.scheduler import (
     Scheduler,
     TenantSpec,
 )
+from fair_frontend.scheduler.cost import CostUnit
 
 EPS = 1e-9
 WEIGHTS = [0.5, 1.0, 2.0, 3.0]

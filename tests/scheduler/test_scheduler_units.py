@@ -7,14 +7,10 @@ import math
 import pytest
 from sched_support import drain, make_request, make_scheduler, tags
 
-from fair_frontend.config import (
-    DEFAULT_TENANT_MAX_QUEUED,
-    CostUnit,
-    Endpoint,
-    TierGuard,
-    parse_config,
-)
+from fair_frontend.config import CostUnit, Endpoint, parse_config
+from fair_frontend.core.plan import endpoint_policy, global_caps
 from fair_frontend.errors import MSG_QUEUE_FULL, Internal, QueueFull
+from fair_frontend.models import ModelInfo
 from fair_frontend.scheduler import (
     Backlog,
     Counters,
@@ -27,6 +23,13 @@ from fair_frontend.scheduler import (
     TenantSpec,
     TokenCost,
 )
+from fair_frontend.scheduler.caps import DEFAULT_TENANT_MAX_QUEUED
+
+
+def batching_model(max_batch_size: int) -> ModelInfo:
+    """A model that batches up to ``max_batch_size`` rows (what a policy reads of it)."""
+    return ModelInfo(name="m", max_batch_size=max_batch_size, inputs={}, outputs={})
+
 
 PAID2 = {"a": "paid", "b": "paid"}
 
@@ -415,10 +418,8 @@ def test_global_cap_message_names_the_byte_cap_from_config() -> None:
     # Its own byte cap above the global one: the global cap is the one it meets.
     acme = {"tier": "paid", "max_queued_bytes": 1 << 31}
     cfg = parse_config({"tiers": ["paid"], "tenants": {"acme": acme}})
-    caps = GlobalCaps.from_config(cfg.queues)
-    policy = EndpointPolicy.from_config(
-        cfg.endpoint("m"), model_max_batch_size=8, tiers=cfg.tiers, tier_guard=cfg.tier_guard
-    )
+    caps = global_caps(cfg.queues)
+    policy = endpoint_policy(cfg, cfg.endpoint("m"), batching_model(8))
     s = Scheduler(policy, cfg.tenants, caps)
     with pytest.raises(QueueFull) as err:
         s.enqueue(make_request("acme", nbytes=(1 << 30) + 1), 0.0)
@@ -621,16 +622,16 @@ def test_cost_is_fixed_at_enqueue_and_a_bad_factor_counts_as_one() -> None:
 
 
 def test_policy_from_config() -> None:
-    tokens = EndpointPolicy.from_config(
-        Endpoint(cost=CostUnit.TOKENS, max_batch_tokens=512),
-        model_max_batch_size=16,
-        tiers=["paid", "trial"],
-        tier_guard=TierGuard(min_share={"trial": 0.1}),
+    guarded = parse_config(
+        {"tiers": ["paid", "trial"], "tier_guard": {"min_share": {"trial": 0.1}}}
+    )
+    tokens = endpoint_policy(
+        guarded, Endpoint(cost=CostUnit.TOKENS, max_batch_tokens=512), batching_model(16)
     )
     assert (tokens.max_batch_size, tokens.max_batch_tokens, tokens.quantum) == (16, 512, 512.0)
     assert tokens.tier_min_share == {"trial": 0.1}
-    unbatched = EndpointPolicy.from_config(
-        Endpoint(max_batch_size=0), model_max_batch_size=16, tiers=["paid"]
+    unbatched = endpoint_policy(
+        parse_config({"tiers": ["paid"]}), Endpoint(max_batch_size=0), batching_model(16)
     )
     assert (unbatched.max_batch_size, unbatched.quantum) == (0, 1.0)
     with pytest.raises(ValueError, match="unknown tier"):

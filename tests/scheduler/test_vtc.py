@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_support import TaggedRequest, make_policy
 
-from fair_frontend.config import CostUnit
 from fair_frontend.scheduler import (
     GlobalCaps,
     Scheduler,
     TenantSpec,
     VirtualTokenCounter,
 )
+from fair_frontend.scheduler.cost import CostUnit
 
 
 @dataclass
