@@ -37,11 +37,11 @@ from benchmarks.harness import (
     frontend,
     load_example_config,
     load_generators,
-    perf_analyzer_binary,
     progress,
     triton,
     write_result,
 )
+from fair_frontend.testing import perf_analyzer_binary
 
 MODEL = "generate"
 LONG, SHORT = "long", "short"

@@ -44,13 +44,13 @@ from benchmarks.harness import (
     baseline_checkout,
     frontend,
     load_example_config,
-    perf_analyzer,
     process_tree_cpu_s,
     progress,
     triton,
     write_result,
 )
 from fair_frontend.embedded import free_port
+from fair_frontend.testing import perf_analyzer
 
 MODEL = "embed"
 WARMUP_MS = 1500

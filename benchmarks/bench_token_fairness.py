@@ -36,11 +36,11 @@ from benchmarks.harness import (
     frontend,
     load_example_config,
     load_generators,
-    perf_analyzer_binary,
     progress,
     triton,
     write_result,
 )
+from fair_frontend.testing import perf_analyzer_binary
 
 MODEL = "embed"
 BIG, SMALL = "big", "small"

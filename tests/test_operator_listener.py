@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from benchmarks.harness import perf_analyzer
 from fair_frontend.cli import _listen, build_parser
 from fair_frontend.config import DEFAULT_METRICS_HOST
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import Listen
+from fair_frontend.testing import perf_analyzer
 from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
 
 OPERATOR = "127.0.0.2"
