@@ -28,7 +28,7 @@ from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import KServe, RedisProcess, Reply
+    from tests.support import KServe, RedisProcess, Reply
 
 TIMEOUT_S = 0.2  # the storage timeout: above the 50 ms default so that a loaded machine
 # never times out before Redis is down, which would make the "before" phase flaky
