@@ -94,7 +94,9 @@ class Traffic:
 
     async def stop(self) -> None:
         self.stopped = True
-        await asyncio.gather(*self._tasks)
+        # Each client finishes the call it is in (answered within seconds, Redis up or
+        # down): a hang fails here instead of at pytest's timeout.
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 60)
 
 
 @pytest.fixture
