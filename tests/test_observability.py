@@ -201,8 +201,9 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
 
     # fair_requests_total: one outcome per request, by tenant, tier, endpoint, outcome.
     seen = {
-        (lb["tenant"], lb["tier"], lb["endpoint"], lb["outcome"]): value
-        for lb, value in got.by_name["fair_requests_total"]
+        (s.labels["tenant"], s.labels["tier"], s.labels["endpoint"], s.labels["outcome"]): s.value
+        for s in got
+        if s.name == "fair_requests_total"
     }
     assert seen == {k: float(v) for k, v in exp.requests.items()}
     for (tenant, endpoint), rows in exp.rows.items():
@@ -533,11 +534,7 @@ async def _one_sleeper_request(fe: RunningFrontend, tenant: str) -> None:
 
 
 def _source(got: Samples, endpoint: str) -> dict[str, float]:
-    return {
-        lb["source"]: v
-        for lb, v in got.by_name.get("fair_service_source", ())
-        if lb["endpoint"] == endpoint
-    }
+    return got.by_label("fair_service_source", "source", endpoint=endpoint)
 
 
 async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
