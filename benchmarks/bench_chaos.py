@@ -11,18 +11,23 @@ Reported: requests sent, answered by outcome, lost (must be 0), and the time fro
 Triton's return (ready again) to the first successful answer after it.
 
     .venv/bin/python -m benchmarks.bench_chaos [--requests 3000] [--seed 0]
+
+``--json PATH`` writes the result there instead of ``benchmarks/results/chaos.json``
+(``tests/test_chaos.py`` runs a short one so).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -236,6 +241,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=150.0, help="requests per second")
     parser.add_argument("--tenants", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json", type=Path, help="write the result here, not to benchmarks/results/chaos.json"
+    )
     args = parser.parse_args()
     r = run_chaos(args.requests, args.rate, args.tenants, args.seed)
     print()
@@ -251,7 +259,10 @@ def main() -> None:
         if r["triton_down_s"] and r["first_success_after_return_s"] is not None
         else "no success after Triton's return (see answers)"
     )
-    write_result("chaos", r)
+    if args.json is None:
+        write_result("chaos", r)
+    else:
+        args.json.write_text(json.dumps(r, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

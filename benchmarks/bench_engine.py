@@ -35,13 +35,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import (
     RESULTS,
@@ -52,6 +50,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
+from fair_frontend import testing
 from fair_frontend.embedded import process_group_members
 
 MODEL = "llm"
@@ -269,21 +268,16 @@ async def scenario_noisy(server: Any, hog: int, hog_tokens: int) -> dict[str, An
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
-    """(metric, tenant) -> value, for the served-token counters."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    """(metric, tenant) -> value, for the served-token counters; ("backlogged", tenant) ->
+    1 for a tenant with queued work (it has a VTC counter or a DRR deficit)."""
+    page = testing.scrape(url)
     out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("fair_served_tokens_total", "fair_output_tokens_total") and (
-                s.labels.get("endpoint") == MODEL
-            ):
-                key = (s.name, s.labels["tenant"])
-                out[key] = out.get(key, 0.0) + s.value
-            if (
-                s.name in ("fair_vtc_counter", "fair_drr_deficit")
-                and s.labels.get("endpoint") == MODEL
-            ):
-                out[("backlogged", s.labels["tenant"])] = 1.0
+    for name in ("fair_served_tokens_total", "fair_output_tokens_total"):
+        for tenant, value in page.by_label(name, "tenant", endpoint=MODEL).items():
+            out[(name, tenant)] = value
+    for name in ("fair_vtc_counter", "fair_drr_deficit"):
+        for tenant in page.label_values(name, "tenant", endpoint=MODEL):
+            out[("backlogged", tenant)] = 1.0
     return out
 
 

@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import (
     frontend,
     load_example_config,
     load_generators,
-    perf_analyzer_binary,
     progress,
     triton,
     write_result,
 )
+from fair_frontend import testing
+from fair_frontend.testing import perf_analyzer_binary
 
 MODEL = "generate"
 LONG, SHORT = "long", "short"
@@ -63,15 +61,8 @@ def bench_config(normalize: bool) -> dict[str, Any]:
 
 
 def scrape(url: str, name: str, label: str, model: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and s.labels.get(label) == model:
-                tenant = s.labels.get("tenant", "")
-                out[tenant] = out.get(tenant, 0.0) + s.value
-    return out
+    """``name`` per tenant, of the samples whose ``label`` is ``model``."""
+    return testing.scrape(url, timeout=5).by_label(name, "tenant", **{label: model})
 
 
 def commands(grpc_url: str) -> dict[str, list[str]]:

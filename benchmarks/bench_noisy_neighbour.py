@@ -25,14 +25,13 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
+from fair_frontend import testing
 
 MODEL = "embed"
 TOKENS = 128  # A's and B's request size: 32 rows x 128 tokens = one full batch (4096 tokens)
@@ -59,14 +58,15 @@ def bench_config(mode: str, burst: int) -> dict[str, Any]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sum of each metric family's samples for the model (Triton's or the frontend's)."""
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
+    """Sum of each metric family's samples for the model (Triton's or the frontend's).
+
+    Its own sums over the shared scraper's samples: per family (Triton's and the
+    frontend's families side by side), the model named by ``model`` or ``endpoint``, and a
+    series with neither label counted too."""
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.labels.get("model", s.labels.get("endpoint", MODEL)) == MODEL:
-                out[fam.name] = out.get(fam.name, 0.0) + s.value
+    for s in testing.scrape(url, timeout=5):
+        if s.labels.get("model", s.labels.get("endpoint", MODEL)) == MODEL:
+            out[s.family] = out.get(s.family, 0.0) + s.value
     return out
 
 

@@ -44,7 +44,6 @@ import os
 import platform
 import random
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
+from fair_frontend import testing
 from fair_frontend.admission import MemoryStorage, RateLimiter, RedisStorage
 
 MODEL = "embed"
@@ -418,18 +418,13 @@ TRITON_COUNTERS = {
 
 def triton_counters(metrics_url: str) -> dict[str, float]:
     """Triton's cumulative counters for ``embed`` (the frontend sends one request a batch)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as r:
-            text = r.read().decode()
+        page = testing.scrape(metrics_url, timeout=5)
     except OSError as err:
         raise SystemExit(f"Triton's metrics do not answer ({err}): did Triton die?") from err
     out = dict.fromkeys(TRITON_COUNTERS.values(), 0.0)
-    for fam in text_string_to_metric_families(text):
-        name = TRITON_COUNTERS.get(fam.name)
-        if name is not None:
-            out[name] += sum(s.value for s in fam.samples if s.labels.get("model") == MODEL)
+    for family, name in TRITON_COUNTERS.items():
+        out[name] += page.family_sum(family, model=MODEL)
     return out
 
 
@@ -456,17 +451,8 @@ def triton_phase(
 
 def scrape_throttle(metrics_url: str) -> dict[str, float]:
     """The frontend's throttle decisions for ``embed``, by decision."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "fair_throttle_decisions":
-            for s in fam.samples:
-                if s.name.endswith("_total") and s.labels.get("endpoint") == MODEL:
-                    out[s.labels["decision"]] = s.value
-    return out
+    page = testing.scrape(metrics_url, timeout=5)
+    return page.by_label("fair_throttle_decisions_total", "decision", endpoint=MODEL)
 
 
 async def ratelimit_cost() -> dict[str, Any]:

@@ -54,7 +54,6 @@ import sys
 import tempfile
 import time
 import types
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -66,7 +65,6 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from benchmarks.harness import (
@@ -77,6 +75,7 @@ from benchmarks.harness import (
     wait_http_ready,
     write_result,
 )
+from fair_frontend import testing
 from fair_frontend.admission import (
     MemoryStorage,
     RateLimiter,
@@ -477,18 +476,6 @@ def serve(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def counter_sum(url: str, family: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == family
-        for s in fam.samples
-        if not s.name.endswith("_created")
-    )
-
-
 async def fire(grpc_url: str, total: int, concurrency: int) -> dict[str, Any]:
     """``total`` embed requests of the tenant, ``concurrency`` in flight, over 4 channels."""
     channels = [grpc.aio.insecure_channel(grpc_url) for _ in range(4)]
@@ -575,14 +562,16 @@ async def run_burst(quick: bool, ref: str, workers: list[int], stall: Stall) -> 
                             # Warm: the model known, Redis connected (counted: 1 of 100).
                             warm = await fire(grpc_url, 1, 1)
                             assert warm["admitted"] == 1, warm
-                            errors_before = counter_sum(
-                                metrics_url, "fair_rate_limit_storage_errors"
+                            errors_before = testing.scrape(metrics_url).family_sum(
+                                "fair_rate_limit_storage_errors"
                             )
                             progress(f"frontend, {name}: {total} requests at c300")
                             r = await fire(grpc_url, total, BURST_CONCURRENCY)
                             r["admitted_with_warm_up"] = r["admitted"] + 1
                             r["storage_errors"] = (
-                                counter_sum(metrics_url, "fair_rate_limit_storage_errors")
+                                testing.scrape(metrics_url).family_sum(
+                                    "fair_rate_limit_storage_errors"
+                                )
                                 - errors_before
                             )
                             r["counted_in_redis"] = counted()

@@ -27,12 +27,12 @@ from benchmarks.harness import (
     ROOT,
     frontend,
     load_example_config,
-    perf_analyzer,
     progress,
     triton,
     write_result,
 )
 from fair_frontend.embedded import default_model_repository
+from fair_frontend.testing import perf_analyzer
 
 MODEL = "simple"
 KEY = "scaling-bench-key"

@@ -32,25 +32,23 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import (
     FrontendProcess,
     baseline_checkout,
     frontend,
     load_example_config,
-    perf_analyzer,
     process_tree_cpu_s,
     progress,
     triton,
     write_result,
 )
+from fair_frontend import testing
 from fair_frontend.embedded import free_port
+from fair_frontend.testing import perf_analyzer
 
 MODEL = "embed"
 WARMUP_MS = 1500
@@ -90,16 +88,9 @@ def run_pa(url: str, concurrency: int, key: str | None, interval_ms: int) -> dic
     )
 
 
-def _counter(url: str, family: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    total = f"{family}_total"
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == total
-    )
+def requests_total(metrics_url: str) -> float:
+    """Requests the frontend has counted, every tenant and outcome."""
+    return testing.scrape(metrics_url).sum("fair_requests_total")
 
 
 def measure(
@@ -118,9 +109,17 @@ def measure(
         result["cores"] = spent / (t1 - t0)
         return result
     metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
-    cpu0, n0, t0 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
+    cpu0, n0, t0 = (
+        process_tree_cpu_s(pid),
+        testing.scrape(metrics).sum("fair_requests_total"),
+        time.time(),
+    )
     result = run()
-    cpu1, n1, t1 = process_tree_cpu_s(pid), _counter(metrics, "fair_requests"), time.time()
+    cpu1, n1, t1 = (
+        process_tree_cpu_s(pid),
+        testing.scrape(metrics).sum("fair_requests_total"),
+        time.time(),
+    )
     requests = max(1.0, n1 - n0)
     for part in ("core", "shells"):
         result[f"{part}_cpu_us_per_request"] = (cpu1[part] - cpu0[part]) / requests * 1e6

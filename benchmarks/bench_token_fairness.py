@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import (
     RESULTS,
@@ -36,11 +33,12 @@ from benchmarks.harness import (
     frontend,
     load_example_config,
     load_generators,
-    perf_analyzer_binary,
     progress,
     triton,
     write_result,
 )
+from fair_frontend import testing
+from fair_frontend.testing import perf_analyzer_binary
 
 MODEL = "embed"
 BIG, SMALL = "big", "small"
@@ -72,19 +70,12 @@ def bench_config(cost: str, weights: dict[str, float]) -> dict[str, Any]:
 
 
 def scrape(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    tokens: dict[str, float] = {}
-    backlogged: set[str] = set()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.labels.get("endpoint") != MODEL:
-                continue
-            if s.name == "fair_served_tokens_total":
-                tokens[s.labels["tenant"]] = s.value
-            elif s.name == "fair_drr_deficit":
-                backlogged.add(s.labels["tenant"])
-    return {"tokens": tokens, "backlogged": sorted(backlogged)}
+    """Tokens served per tenant, and the tenants with queued work (a DRR deficit)."""
+    page = testing.scrape(url, timeout=5)
+    return {
+        "tokens": page.by_label("fair_served_tokens_total", "tenant", endpoint=MODEL),
+        "backlogged": sorted(page.label_values("fair_drr_deficit", "tenant", endpoint=MODEL)),
+    }
 
 
 def commands(grpc_url: str) -> dict[str, list[str]]:

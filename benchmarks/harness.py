@@ -1,15 +1,15 @@
-"""Shared pieces of the benchmarks: the real stack, perf_analyzer, results.
+"""Shared pieces of the benchmarks: the real stack, load generators, results.
 
 Everything here runs real processes on free loopback ports: an embedded Triton, the
 frontend as its own process (``fair-frontend serve``), perf_analyzer 2.46. Results go
 to ``benchmarks/results/<name>.json``; figures people would rather see go next to them
-as PNG plots.
+as PNG plots. What the tests use too (perf_analyzer, the metrics scraper, waits with a
+deadline) is in ``fair_frontend.testing``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import shutil
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,68 +257,3 @@ def baseline_checkout(ref: str) -> Iterator[Path]:
             ["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True
         )
         shutil.rmtree(path, ignore_errors=True)
-
-
-def perf_analyzer_binary() -> str:
-    exe = ROOT / ".venv" / "bin" / "perf_analyzer"
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("perf_analyzer")
-    if found is None:
-        raise RuntimeError("perf_analyzer not found: run `make setup`")
-    return found
-
-
-def perf_analyzer(
-    model: str,
-    url: str,
-    *,
-    protocol: str = "grpc",
-    concurrency: int = 1,
-    shapes: Sequence[str] = (),
-    headers: Sequence[str] = (),
-    interval_ms: int = 5000,
-    extra: Sequence[str] = (),
-    timeout_s: float = 300,
-) -> dict[str, float]:
-    """Run perf_analyzer once; returns throughput (infer/s) and latencies (ms)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.csv"
-        cmd = [
-            perf_analyzer_binary(),
-            "-m",
-            model,
-            "-u",
-            url,
-            "-i",
-            protocol,
-            "--concurrency-range",
-            f"{concurrency}:{concurrency}",
-            "--measurement-interval",
-            str(interval_ms),
-            "-f",
-            str(report),
-            # These machines are shared: accept +-30% between windows, try longer.
-            "--stability-percentage",
-            "30",
-            "--max-trials",
-            "20",
-        ]
-        for s in shapes:
-            cmd += ["--shape", s]
-        for h in headers:
-            cmd += ["-H", h]
-        cmd += list(extra)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{tail}")
-        with report.open() as f:
-            row = next(csv.DictReader(f))
-    us = 1e-3
-    return {
-        "throughput": float(row["Inferences/Second"]),
-        "p50_ms": float(row["p50 latency"]) * us,
-        "p90_ms": float(row["p90 latency"]) * us,
-        "p99_ms": float(row["p99 latency"]) * us,
-    }

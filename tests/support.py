@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
+import shutil
+import socket
 import struct
-import urllib.request
-from collections.abc import Coroutine, Iterator
+import subprocess
+import time
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import grpc
 import numpy as np
+import pytest
+import redis
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.config import Config, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from fair_frontend.testing import free_port, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = ROOT / "examples" / "config.yaml"
@@ -155,8 +165,6 @@ async def gather_settled(*aws: Any) -> list[Any]:
 def identity_request(payload: bytes) -> bytes:
     """A serialized ``ModelInferRequest`` to ``simple_identity``: one BYTES element,
     ``payload`` (its size is the request's size, for tests of message bounds)."""
-    from tritonclient.grpc import service_pb2
-
     msg = service_pb2.ModelInferRequest(model_name="simple_identity")
     msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
     msg.raw_input_contents.append(struct.pack("<I", len(payload)) + payload)
@@ -166,12 +174,262 @@ def identity_request(payload: bytes) -> bytes:
 def metric_sum(running: RunningFrontend, name: str, **labels: str) -> float:
     """The sum of the frontend's ``name`` samples whose labels include ``labels``, from
     one scrape of its /metrics (which counts what the shells answered themselves first)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(running.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    return scrape(running.metrics_url).sum(name, **labels)
+
+
+# ---- a Redis of a test's own ----------------------------------------------------------------
+
+START_TIMEOUT_S = 10.0
+
+
+class RedisProcess:
+    """A ``redis-server`` this test owns: no persistence, loopback only, a free port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Poll PING until it answers (no fixed sleeps)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = self.client()
+        try:
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not answer PING in time")
+                time.sleep(0.01)  # polling interval, not a wait for readiness
+        finally:
+            client.close()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        """Terminate the process and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+# ---- the real stack: calls through a running frontend, and counters to watch ----------------
+#
+# The integration tests (``test_integration_*``) talk to a frontend the way clients do and
+# need what tritonclient hides: gRPC trailing metadata and HTTP headers. ``KServe`` makes
+# those calls (raw generated stub over grpc.aio; aiohttp for HTTP) and reads Prometheus
+# counters, Triton's and the frontend's.
+
+GRPC_OK = "OK"
+_HTTP_CODES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer, protocol-neutral: ``code`` is the gRPC status name (HTTP mapped onto it)."""
+
+    protocol: str  # "grpc" or "http"
+    status: str  # as the protocol says it: "OK" / "RESOURCE_EXHAUSTED" ..., or "200" / "429" ...
+    code: str  # the gRPC status name for both protocols ("OK", "UNAVAILABLE", ...)
+    message: str  # the error message ("" when OK)
+    retry_after: str | None  # HTTP ``Retry-After`` header or gRPC trailing ``retry-after``
+    sent: float  # time.monotonic() when the call started
+    seconds: float  # client-side latency
+
+    @property
+    def ok(self) -> bool:
+        return self.code == GRPC_OK
+
+
+def infer_request(
+    model: str, rows: int, tokens: int, *, max_tokens: int | None = None
+) -> service_pb2.ModelInferRequest:
+    """A KServe v2 ModelInfer request: INPUT_IDS [rows, tokens] (and the ``max_tokens``
+    request parameter, as an int64 like tritonclient sends an int)."""
+    req = service_pb2.ModelInferRequest(model_name=model)
+    # Tensors' bytes go in raw_input_contents, in input order (what tritonclient sends).
+    req.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[rows, tokens])
+    req.raw_input_contents.append(np.full((rows, tokens), 7, np.int32).tobytes())
+    if max_tokens is not None:
+        req.parameters["max_tokens"].int64_param = max_tokens
+    return req
+
+
+def http_body(model: str, rows: int, tokens: int, *, max_tokens: int | None = None) -> bytes:
+    """The same request as KServe v2 JSON."""
+    inputs: list[dict[str, Any]] = [
+        {"name": "INPUT_IDS", "datatype": "INT32", "shape": [rows, tokens],
+         "data": [7] * (rows * tokens)},
+    ]  # fmt: skip
+    doc: dict[str, Any] = {"inputs": inputs}
+    if max_tokens is not None:
+        doc["parameters"] = {"max_tokens": max_tokens}
+    return json.dumps(doc).encode()
+
+
+class KServe:
+    """Calls a frontend as clients do, keeping what tritonclient hides (trailers, headers).
+
+    One gRPC channel and one HTTP session per address, closed by the fixture.
+    """
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def stub(self, url: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        stub = self._stubs.get(url)
+        if stub is None:
+            channel = self._channels[url] = grpc.aio.insecure_channel(url)
+            stub = self._stubs[url] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return stub
+
+    async def grpc(self, url: str, key: str, request: service_pb2.ModelInferRequest) -> Reply:
+        """ModelInfer over gRPC; the error's trailing metadata read from the call."""
+        sent = time.monotonic()
+        call = self.stub(url).ModelInfer(request, metadata=(("authorization", f"Bearer {key}"),))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the call keeps code and trailers
+            await call
+        code = (await call.code()).name
+        trailers = dict(await call.trailing_metadata() or ())
+        message = "" if code == GRPC_OK else str(await call.details())
+        retry = trailers.get("retry-after")
+        return Reply(
+            "grpc", code, code, message, None if retry is None else str(retry), sent,
+            time.monotonic() - sent,
+        )  # fmt: skip
+
+    async def http(self, url: str, key: str, model: str, body: bytes) -> Reply:
+        """POST /v2/models/<model>/infer with a JSON body."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        sent = time.monotonic()
+        async with self._session.post(
+            f"http://{url}/v2/models/{model}/infer",
+            data=body,
+            headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        ) as response:
+            payload = await response.json(content_type=None)
+            status = response.status
+            retry = response.headers.get("Retry-After")
+        message = "" if status == 200 else str(payload.get("error", ""))
+        code = _HTTP_CODES.get(status, f"HTTP {status}")
+        return Reply("http", str(status), code, message, retry, sent, time.monotonic() - sent)
+
+    async def infer(
+        self,
+        protocol: str,
+        url: tuple[str, str],
+        key: str,
+        model: str,
+        rows: int,
+        tokens: int,
+        *,
+        max_tokens: int | None = None,
+    ) -> Reply:
+        """One request over ``protocol``; ``url`` is (gRPC address, HTTP address)."""
+        if protocol == "grpc":
+            return await self.grpc(
+                url[0], key, infer_request(model, rows, tokens, max_tokens=max_tokens)
+            )
+        body = http_body(model, rows, tokens, max_tokens=max_tokens)
+        return await self.http(url[1], key, model, body)
+
+    @staticmethod
+    def counter(url: str, family: str, **labels: str) -> float:
+        """Sum of a Prometheus family's samples at ``url`` (counters: the ``_total`` sample)
+        whose labels include ``labels``; 0 when none."""
+        return scrape(url, timeout=5).family_sum(family, **labels)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        if self._session is not None:
+            await self._session.close()
+
+
+# ---- raw HTTP: a request as bytes on a socket, the answer as the server sent it -------------
+
+# How long a client waits for an answer. Far above what any refusal should take; a server
+# that waits for a body the client never sends runs into it.
+ANSWER_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def error(self) -> str:
+        doc = json.loads(self.body)
+        assert isinstance(doc, dict), self.body
+        return str(doc["error"])
+
+
+def connect(url: str, source: str | None = None) -> socket.socket:
+    """A connection to ``url``, from the loopback address ``source`` if given."""
+    host, port = url.rsplit(":", 1)
+    address = (source, 0) if source is not None else None
+    return socket.create_connection(
+        (host, int(port)), timeout=ANSWER_TIMEOUT_S, source_address=address
     )
+
+
+def send_head(sock: socket.socket, path: str, headers: Mapping[str, str]) -> None:
+    """A POST's request line and headers, no body."""
+    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+
+
+def read_answer(sock: socket.socket) -> Answer:
+    """The final response (http.client skips any 100 Continue)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    body = response.read()
+    return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
+
+
+def request(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    """A whole request on a connection of its own."""
+    with connect(url) as sock:
+        send_head(sock, path, {**headers, "Content-Length": str(len(body))})
+        sock.sendall(body)
+        return read_answer(sock)
+
+
+def embed_body(tokens: int, **extra: Any) -> bytes:
+    ids = [[t % 4096 for t in range(tokens)]]
+    doc = {
+        "inputs": [{"name": "INPUT_IDS", "shape": [1, tokens], "datatype": "INT32", "data": ids}]
+    }
+    return json.dumps({**doc, **extra}).encode()

@@ -62,6 +62,7 @@ from fair_frontend.config import (
 )
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
+from fair_frontend.testing import fetch
 from tests.support import ROOT, config_dict, ids_input, make_config, running_frontend
 
 DOCKER = ROOT / "docker"
@@ -659,7 +660,9 @@ def _names_and_labels(text: str) -> dict[str, set[str]]:
     """Every series name on a metrics page, with the labels its samples carry.
 
     From the samples, and from the ``# TYPE`` lines too: a family with no samples yet
-    (no storage error so far, no tenant backlogged right now) still exists.
+    (no storage error so far, no tenant backlogged right now) still exists. (Its own
+    reading of the page, not ``fair_frontend.testing.parse``, which keeps samples only:
+    this check is about series names as the page spells them, with and without samples.)
     """
     out: dict[str, set[str]] = {}
     for line in text.splitlines():
@@ -722,7 +725,7 @@ def live_metrics(triton: EmbeddedTriton, workers: int) -> dict[str, set[str]]:
         )
         with _HTTP.open(stream, timeout=30) as response:
             assert response.read().count(b"data: ") == 3
-        names = _names_and_labels(_fetch(f"http://127.0.0.1:{fe.server.metrics_port}/metrics"))
+        names = _names_and_labels(fetch(f"http://127.0.0.1:{fe.server.metrics_port}/metrics"))
     # Rate-limit storage that fails (a Redis where nothing listens), in fail_open mode:
     # the request is served and the storage error counted.
     data["rate_limiting"] = {
@@ -739,18 +742,12 @@ def live_metrics(triton: EmbeddedTriton, workers: int) -> dict[str, set[str]]:
             )
         finally:
             client.close()
-        page = _fetch(f"http://127.0.0.1:{fe.server.metrics_port}/metrics")
+        page = fetch(f"http://127.0.0.1:{fe.server.metrics_port}/metrics")
     for name, labels in _names_and_labels(page).items():
         names.setdefault(name, set()).update(labels)
-    for name, labels in _names_and_labels(_fetch(triton.metrics_url)).items():
+    for name, labels in _names_and_labels(fetch(triton.metrics_url)).items():
         names.setdefault(name, set()).update(labels)
     return names
-
-
-def _fetch(url: str) -> str:
-    with _HTTP.open(url, timeout=5) as response:
-        text: str = response.read().decode()
-        return text
 
 
 def test_live_pages_export_what_the_dashboard_is_built_on(

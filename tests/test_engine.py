@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import json
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 
 from fair_frontend.config import Config, CostUnit
+from fair_frontend.testing import aeventually, scrape
 from fair_frontend.tokens import count_text_tokens
 from tests.support import KEYS, make_config, running_frontend
 
@@ -129,10 +129,9 @@ async def generate_many(
 
 async def streaming(log: list[Any], tokens: int, timeout_s: float = 60.0) -> None:
     """Until ``tokens`` tokens have arrived (a deadline, not a sleep: a hang fails)."""
-    deadline = time.monotonic() + timeout_s
-    while len(log) < tokens:
-        assert time.monotonic() < deadline, f"only {len(log)} of {tokens} tokens arrived"
-        await asyncio.sleep(0.005)
+    await aeventually(
+        lambda: len(log) >= tokens, timeout_s, 0.005, what=f"{tokens} tokens to arrive"
+    )
 
 
 def engine_config(max_inflight: int, **endpoint: Any) -> Config:
@@ -140,21 +139,6 @@ def engine_config(max_inflight: int, **endpoint: Any) -> Config:
     update = {"max_inflight": max_inflight, "reserved_slots": 0, **endpoint}
     llm = base.endpoints["llm"].model_copy(update=update)
     return base.model_copy(update={"endpoints": {**base.endpoints, "llm": llm}})
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """A sample of the frontend's /metrics (0 when absent)."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 async def test_grpc_stream_gives_the_same_tokens_as_triton_direct(triton, frontend) -> None:  # type: ignore[no-untyped-def]
@@ -254,8 +238,8 @@ async def test_a_cancelled_stream_frees_its_slot(triton) -> None:  # type: ignor
         await client.close()
         short = await generate(fe.grpc_url, "globex", PROMPT, 2)
         waited = time.monotonic() - started
-        cancelled = metric(
-            fe.metrics_url, "fair_requests_total", tenant="acme", outcome="cancelled"
+        cancelled = scrape(fe.metrics_url).sum(
+            "fair_requests_total", tenant="acme", outcome="cancelled"
         )
     assert short.error is None and len(short.tokens) == 2
     # Had the slot stayed taken, the short request would have waited for ~390 more tokens.
@@ -313,12 +297,14 @@ async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(
 
 
 async def test_tokens_and_latency_per_tenant_are_in_the_metrics(frontend) -> None:  # type: ignore[no-untyped-def]
-    before = metric(frontend.metrics_url, "fair_output_tokens_total", tenant="hooli")
-    ttft = metric(frontend.metrics_url, "fair_time_to_first_token_seconds_count", tenant="hooli")
-    itl = metric(frontend.metrics_url, "fair_inter_token_seconds_count", tenant="hooli")
+    url = frontend.metrics_url
+    page = scrape(url)
+    before = page.sum("fair_output_tokens_total", tenant="hooli")
+    ttft = page.sum("fair_time_to_first_token_seconds_count", tenant="hooli")
+    itl = page.sum("fair_inter_token_seconds_count", tenant="hooli")
     out = await generate(frontend.grpc_url, "hooli", PROMPT, 9)
     assert out.error is None
-    url = frontend.metrics_url
-    assert metric(url, "fair_output_tokens_total", tenant="hooli") - before == 9
-    assert metric(url, "fair_time_to_first_token_seconds_count", tenant="hooli") - ttft == 1
-    assert metric(url, "fair_inter_token_seconds_count", tenant="hooli") - itl == 8
+    page = scrape(url)
+    assert page.sum("fair_output_tokens_total", tenant="hooli") - before == 9
+    assert page.sum("fair_time_to_first_token_seconds_count", tenant="hooli") - ttft == 1
+    assert page.sum("fair_inter_token_seconds_count", tenant="hooli") - itl == 8

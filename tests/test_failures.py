@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, config_dict, ids_input, make_config, running_frontend
 
 IDS = np.full((1, 256), 3, dtype=np.int32)
@@ -68,11 +69,14 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
             # whatever the speed of the intake.
             wide = np.full((1, 1024), 3, dtype=np.int32)
             flood = [asyncio.ensure_future(_send(client, "acme", wide)) for _ in range(200)]
-            deadline = time.monotonic() + 60
-            while await fe.acall(_depth(fe)) < 100:
-                assert time.monotonic() < deadline, "the flood never queued 100 requests"
+
+            async def flood_queued() -> bool:
+                if await fe.acall(_depth(fe)) >= 100:
+                    return True
                 assert not all(f.done() for f in flood), "the flood was answered before it queued"
-                await asyncio.sleep(0.005)
+                return False
+
+            await aeventually(flood_queued, 60, 0.005, what="the flood to queue 100 requests")
             killed_at = time.monotonic()
             _kill(own_triton)
             # The batch in flight fails fast; the rest stays queued while Triton is away.
@@ -86,10 +90,12 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
                 await asyncio.sleep(0.01)
             assert first_error is not None and first_error < 1.0, first_error
             assert all(e.status() == "StatusCode.UNAVAILABLE" for e in _errors(flood))
-            deadline = time.monotonic() + 10
-            while fe.frontend.backend.available:
-                assert time.monotonic() < deadline, "Triton killed, still marked available"
-                await asyncio.sleep(0.01)
+            await aeventually(
+                lambda: not fe.frontend.backend.available,
+                10,
+                0.01,
+                what="Triton, killed, to be marked unavailable",
+            )
             queued = await fe.acall(_depth(fe))
             assert queued > 50, "queued requests must wait for Triton, not fail"
             assert not client_ready(fe)
@@ -102,10 +108,9 @@ async def test_triton_killed_mid_load_then_back(own_triton: EmbeddedTriton, work
             results = await asyncio.wait_for(asyncio.gather(*flood), 120)
             # Ready again once the shell's own channel to Triton has reconnected (its
             # back-off after an outage is at most 1 s).
-            deadline = time.monotonic() + 10
-            while not client_ready(fe):
-                assert time.monotonic() < deadline, "not ready after Triton came back"
-                await asyncio.sleep(0.05)
+            await aeventually(
+                lambda: client_ready(fe), 10, 0.05, what="ready after Triton came back"
+            )
         finally:
             await client.close()
     ok = [r for r in results if not isinstance(r, InferenceServerException)]
@@ -143,10 +148,11 @@ async def test_an_outage_longer_than_max_outage_is_answered_not_held(
             assert time.monotonic() - t0 < 1.0
             # Triton back: served again.
             await asyncio.to_thread(own_triton.restart)
-            deadline = time.monotonic() + 30
-            while isinstance(await _send(client, "acme"), InferenceServerException):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+
+            async def served() -> bool:
+                return not isinstance(await _send(client, "acme"), InferenceServerException)
+
+            await aeventually(served, 30, 0.1, what="served again once Triton is back")
         finally:
             await client.close()
 
@@ -349,12 +355,16 @@ async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, work
         # SIGTERM with plenty queued: what was accepted is served; what arrives after is
         # refused with UNAVAILABLE (answered, not dropped).
         metrics = f"http://127.0.0.1:{ports[ports.index('--metrics-port') + 1]}/metrics"
-        deadline = time.monotonic() + 60
-        # Scraped off the loop: the flood's calls keep going out meanwhile.
-        while (queued := await asyncio.to_thread(_scrape_sum, metrics, "fair_queue_depth")) < 60:
-            assert time.monotonic() < deadline, "the flood never queued 60 requests"
-            assert not all(f.done() for f in flood), "the flood was served before it queued"
-            await asyncio.sleep(0.01)
+
+        async def queued_60() -> float:
+            # Scraped off the loop: the flood's calls keep going out meanwhile.
+            depth = (await ascrape(metrics, timeout=5)).sum("fair_queue_depth")
+            assert depth >= 60 or not all(f.done() for f in flood), (
+                "the flood was served before it queued"
+            )
+            return depth if depth >= 60 else 0
+
+        queued = await aeventually(queued_60, 60, 0.01, what="the flood to queue 60 requests")
         done_before = sum(f.done() for f in flood)
         proc.send_signal(signal.SIGTERM)
         results = await asyncio.wait_for(asyncio.gather(*flood), 120)
@@ -370,9 +380,3 @@ async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, work
     for r in refused:
         assert r.status() == "StatusCode.UNAVAILABLE"
         assert r.message() == "the frontend is shutting down"
-
-
-def _scrape_sum(url: str, family: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(family + "{"))

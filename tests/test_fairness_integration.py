@@ -17,10 +17,13 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
 
 TOKENS = 512  # 8 rows x 512 tokens = one full embed batch (max_batch_tokens 4096)
 ROWS_PER_BATCH = 8
+# The flood reaching the frontend: a second or two here; far above that, a hang fails.
+FLOOD_ARRIVAL_S = 60.0
 
 
 @pytest.fixture(params=["fair", "fifo"])
@@ -80,12 +83,14 @@ async def _flood_then_probe(
     tracker = Tracker()
     try:
         tasks = [asyncio.ensure_future(tracker.send(client, noisy)) for _ in range(flood)]
-        while True:
+
+        async def arrived() -> tuple[int] | None:
             # Every flood request has arrived: queued, in the batch in flight, or answered.
             queued = await fe.acall(_queued(fe, noisy))
-            if queued + tracker.done >= flood - ROWS_PER_BATCH:
-                break
-            await asyncio.sleep(0.005)
+            return (queued,) if queued + tracker.done >= flood - ROWS_PER_BATCH else None
+
+        what = f"{noisy}'s flood to arrive"
+        (queued,) = await aeventually(arrived, FLOOD_ARRIVAL_S, 0.005, what=what)
         done_before = tracker.done
         bound = (max(1, await fe.acall(_inflight(fe))) + 1) * ROWS_PER_BATCH
         probe: Any

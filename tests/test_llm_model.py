@@ -28,10 +28,10 @@ import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.testing import scrape
 from python_backend import nets
 from python_backend import tokenizer as tokenizer_module
 from python_backend.llm import (
@@ -837,15 +837,6 @@ def generate(triton: EmbeddedTriton, body: dict[str, Any], path: str = "generate
     return status, json.loads(raw)
 
 
-def metric(triton: EmbeddedTriton, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(triton.metrics_url, timeout=TIMEOUT_S).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
 GREEDY = {"temperature": 0}
 
 
@@ -900,7 +891,7 @@ def test_max_tokens_from_sampling_parameters_then_request_parameters(
 
 def test_requests_are_metered_per_tenant(triton: EmbeddedTriton, tokenizer: Any) -> None:
     labels = {"model": "llm", "tenant": "llm-metering"}
-    before = metric(triton, "fair_model_tokens_total", **labels)
+    before = scrape(triton.metrics_url, TIMEOUT_S).sum("fair_model_tokens_total", **labels)
     status, _ = generate(
         triton,
         {"text_input": "Hi", "parameters": {
@@ -908,7 +899,10 @@ def test_requests_are_metered_per_tenant(triton: EmbeddedTriton, tokenizer: Any)
     )  # fmt: skip
     assert status == 200
     prompt_tokens = len(tokenizer.encode("Hi").ids)
-    assert metric(triton, "fair_model_tokens_total", **labels) - before == prompt_tokens + 6
+    assert (
+        scrape(triton.metrics_url, TIMEOUT_S).sum("fair_model_tokens_total", **labels) - before
+        == prompt_tokens + 6
+    )
 
 
 def test_a_short_request_joins_a_running_long_one_and_finishes_first(
@@ -930,7 +924,9 @@ def test_a_short_request_joins_a_running_long_one_and_finishes_first(
 
 
 def test_a_cancelled_stream_leaves_the_batch(triton: EmbeddedTriton) -> None:
-    cancelled_before = metric(triton, "fair_llm_cancelled_total", model="llm")
+    cancelled_before = scrape(triton.metrics_url, TIMEOUT_S).sum(
+        "fair_llm_cancelled_total", model="llm"
+    )
     doomed = Stream(triton)
     doomed.send("doomed", "Endless", sampling={"max_tokens": 480, **GREEDY})
     while len(doomed.results["doomed"].texts) < 3:
@@ -944,8 +940,12 @@ def test_a_cancelled_stream_leaves_the_batch(triton: EmbeddedTriton) -> None:
         after.close()
     assert len(after.results["after"].texts) == 16
     # Had the cancelled sequence stayed, it would still run (464 tokens were left).
-    assert metric(triton, "fair_llm_cancelled_total", model="llm") - cancelled_before == 1
-    assert metric(triton, "fair_llm_running_sequences", model="llm") == 0
+    assert (
+        scrape(triton.metrics_url, TIMEOUT_S).sum("fair_llm_cancelled_total", model="llm")
+        - cancelled_before
+        == 1
+    )
+    assert scrape(triton.metrics_url, TIMEOUT_S).sum("fair_llm_running_sequences", model="llm") == 0
 
 
 def test_a_bad_request_fails_alone(triton: EmbeddedTriton, stream: Stream) -> None:

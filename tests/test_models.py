@@ -25,11 +25,11 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import text_format
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.testing import scrape
 from python_backend import nets
 from python_backend.embed import EmbedModel
 from python_backend.export_torchscript import export, script_embed
@@ -400,17 +400,11 @@ def test_malformed_fair_rows_is_a_per_request_error(direct: Direct, value: str, 
 
 def counters(triton: EmbeddedTriton) -> dict[tuple[str, str, str], float]:
     """``{(sample, model, tenant): value}`` of the fair_model_* counters on /metrics."""
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(triton.metrics_url, timeout=5) as response:
-        text = response.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("fair_model_rows_total", "fair_model_tokens_total"):
-                out[(s.name, s.labels["model"], s.labels["tenant"])] = s.value
-    return out
+    return {
+        (s.name, s.labels["model"], s.labels["tenant"]): s.value
+        for s in scrape(triton.metrics_url, timeout=5)
+        if s.name in ("fair_model_rows_total", "fair_model_tokens_total")
+    }
 
 
 def test_metrics_count_rows_and_real_tokens_per_tenant(

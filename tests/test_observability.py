@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,13 +25,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.metrics import OTHER_ENDPOINT, OTHER_TENANT, UNAUTHENTICATED
+from fair_frontend.testing import Samples, aeventually, ascrape
 from tests.support import (
     RunningFrontend,
     config_dict,
@@ -42,61 +41,6 @@ from tests.support import (
 )
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-# ---- reading a metrics page ---------------------------------------------------------------
-
-
-@dataclass
-class Samples:
-    """One scrape: ``{sample name: [(labels, value)]}``, e.g. ``fair_requests_total``."""
-
-    by_name: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
-
-    def sum(self, name: str, **labels: str) -> float:
-        """The sum of ``name``'s samples whose labels include ``labels``."""
-        return sum(
-            value
-            for have, value in self.by_name.get(name, ())
-            if all(have.get(k) == v for k, v in labels.items())
-        )
-
-    def label_values(self, name: str, label: str) -> set[str]:
-        return {have[label] for have, _ in self.by_name.get(name, ()) if label in have}
-
-
-def parse_samples(text: str) -> Samples:
-    out = Samples()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.by_name.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def fetch_text(url: str) -> str:
-    with _HTTP.open(url, timeout=5) as response:
-        text: str = response.read().decode()
-        return text
-
-
-def scrape(url: str) -> Samples:
-    return parse_samples(fetch_text(url))
-
-
-async def ascrape(url: str) -> Samples:
-    return await asyncio.to_thread(scrape, url)
-
-
-async def until(what: str, check: Any, *, timeout_s: float = 20.0, interval_s: float = 0.05) -> Any:
-    """Poll ``await check()`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(interval_s)
-
 
 # ---- the workload -------------------------------------------------------------------------
 
@@ -257,8 +201,9 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
 
     # fair_requests_total: one outcome per request, by tenant, tier, endpoint, outcome.
     seen = {
-        (lb["tenant"], lb["tier"], lb["endpoint"], lb["outcome"]): value
-        for lb, value in got.by_name["fair_requests_total"]
+        (s.labels["tenant"], s.labels["tier"], s.labels["endpoint"], s.labels["outcome"]): s.value
+        for s in got
+        if s.name == "fair_requests_total"
     }
     assert seen == {k: float(v) for k, v in exp.requests.items()}
     for (tenant, endpoint), rows in exp.rows.items():
@@ -312,7 +257,9 @@ async def test_every_counter_matches_the_workload_and_tritons_own_accounting(
         return True
 
     # The model increments its counters as it answers: poll, do not assume.
-    await until("Triton's per-tenant counters to match the frontend's", triton_agrees)
+    await aeventually(
+        triton_agrees, 20, what="Triton's per-tenant counters to match the frontend's"
+    )
     after = await ascrape(triton.metrics_url)
     for tenant in (a, b, c):
         for model in ("embed", "generate"):
@@ -587,11 +534,7 @@ async def _one_sleeper_request(fe: RunningFrontend, tenant: str) -> None:
 
 
 def _source(got: Samples, endpoint: str) -> dict[str, float]:
-    return {
-        lb["source"]: v
-        for lb, v in got.by_name.get("fair_service_source", ())
-        if lb["endpoint"] == endpoint
-    }
+    return got.by_label("fair_service_source", "source", endpoint=endpoint)
 
 
 async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
@@ -609,7 +552,9 @@ async def test_feedback_status_is_exported_with_tritons_metrics_as_source(
             got = await ascrape(fe.metrics_url)
             return got if _source(got, "sleeper").get("triton") == 1 else None
 
-        got = await until("the service estimates to come from Triton's metrics", from_triton)
+        got = await aeventually(
+            from_triton, 20, what="the service estimates to come from Triton's metrics"
+        )
     assert _source(got, "sleeper") == {"triton": 1.0, "frontend": 0.0, "default": 0.0}
     assert got.sum("fair_triton_metrics_stale", endpoint="sleeper") == 0
     terms = got.label_values("fair_batch_time_seconds", "term")
@@ -646,7 +591,7 @@ async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_s
 
                 return await fe.acall(failures()) >= 2
 
-            await until("two failed scrapes", failed_twice)
+            await aeventually(failed_twice, 20, what="two failed scrapes")
             await _one_sleeper_request(fe, tenant)
             got = await ascrape(fe.metrics_url)
     finally:

@@ -21,15 +21,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from benchmarks.harness import perf_analyzer
 from fair_frontend.cli import _listen, build_parser
 from fair_frontend.config import DEFAULT_METRICS_HOST
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import Listen
+from fair_frontend.testing import perf_analyzer, scrape
 from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
 
 OPERATOR = "127.0.0.2"
@@ -52,15 +51,8 @@ def _refused(host: str, port: int) -> bool:
 
 
 def _side_door_calls(running: RunningFrontend, door: str) -> float:
-    status, body = _get(f"http://{OPERATOR}:{running.server.metrics_port}/metrics")
-    assert status == 200
-    total = 0.0
-    for family in text_string_to_metric_families(body.decode()):
-        if family.name == "fair_side_door_calls":
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels.get("door") == door:
-                    total += sample.value
-    return total
+    url = f"http://{OPERATOR}:{running.server.metrics_port}/metrics"
+    return scrape(url).family_sum("fair_side_door_calls", door=door)
 
 
 @pytest.fixture(scope="module")

@@ -40,9 +40,12 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
 from fair_frontend.records import Call
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, ids_input, make_config
 
 IDS = np.full((1, 256), 5, dtype=np.int32)
+# An intake of 20,000 calls drains in well under a second; a stuck one fails the test.
+INTAKE_DRAINED_S = 30.0
 
 
 class Outcomes(Observer):
@@ -172,8 +175,7 @@ async def test_the_intake_admits_another_tenant_after_at_most_one_call_per_tenan
         intake.push(_call(i, "noisy"), conn)  # type: ignore[arg-type]
     intake.push(_call(burst, "quiet"), conn)  # type: ignore[arg-type]
     intake.push(_call(burst + 1, "other"), conn)  # type: ignore[arg-type]
-    while len(intake):
-        await asyncio.sleep(0)
+    await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
     # Read after the whole burst, admitted after at most one call of each other tenant.
     assert core.order.index("quiet") <= 2
     assert core.order.index("other") <= 2
@@ -189,8 +191,7 @@ async def test_the_intake_lets_the_loop_run_between_slices() -> None:
     await asyncio.sleep(0)
     # One slice per loop iteration: answers and batches interleave with a large intake.
     assert len(core.order) == INTAKE_SLICE
-    while len(intake):
-        await asyncio.sleep(0)
+    await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
     assert len(core.order) == 10 * INTAKE_SLICE
 
 
@@ -264,11 +265,12 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
             # Full: shed at once (a shell learns it within QUEUE_VIEW_INTERVAL_S).
             shed = ""
             while not shed.startswith("HTTP/1.1 503"):
+                assert time.monotonic() < deadline, "hooli was never shed"
                 assert runtime.scheduler.depth("hooli") == 5, "the queue drained first"
                 shed = await _raw_http(port, _head("sleeper", KEYS["hooli"]), 0.2)
             assert "Exceeds maximum queue size: tenant 'hooli' max_queued=5" in shed, shed
         finally:
-            results = await asyncio.gather(*flood)
+            results = await asyncio.wait_for(asyncio.gather(*flood), 120)
             await client.close()
         assert not [r for r in results if isinstance(r, Exception)], results
 

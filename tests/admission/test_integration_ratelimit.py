@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 from tests.support import EXAMPLE_CONFIG, KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import KServe, RedisProcess, Reply
+    from tests.support import KServe, RedisProcess, Reply
 
 # Storage calls in these tests must never fail (a loaded 2-core machine can stall past the
 # production 50 ms), and if one did, fail_closed makes it a visible 503, never an

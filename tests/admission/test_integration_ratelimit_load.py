@@ -26,7 +26,7 @@ import pytest
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import KServe, RedisProcess, Reply
+    from tests.support import KServe, RedisProcess, Reply
 
 TIMEOUT_MS = 50.0  # the production default: what the fix must hold with
 STALL_S = 0.15

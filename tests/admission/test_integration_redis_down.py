@@ -28,7 +28,7 @@ from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import KServe, RedisProcess, Reply
+    from tests.support import KServe, RedisProcess, Reply
 
 TIMEOUT_S = 0.2  # the storage timeout: above the 50 ms default so that a loaded machine
 # never times out before Redis is down, which would make the "before" phase flaky
@@ -94,7 +94,9 @@ class Traffic:
 
     async def stop(self) -> None:
         self.stopped = True
-        await asyncio.gather(*self._tasks)
+        # Each client finishes the call it is in (answered within seconds, Redis up or
+        # down): a hang fails here instead of at pytest's timeout.
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 60)
 
 
 @pytest.fixture

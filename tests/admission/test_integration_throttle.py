@@ -35,7 +35,7 @@ from fair_frontend.config import parse_config
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import KServe, Reply
+    from tests.support import KServe, Reply
 
 TARGET_S = 0.3
 ROWS, TOKENS = 32, 128  # one request = one full embed batch (32 rows, 4096 tokens)

@@ -31,7 +31,7 @@ from fair_frontend.admission.storage import DEFAULT_TIMEOUT_S
 from fair_frontend.errors import Unavailable
 
 if TYPE_CHECKING:
-    from tests.admission.conftest import RedisProcess
+    from tests.support import RedisProcess
 
 TIMEOUT_S = DEFAULT_TIMEOUT_S  # 50 ms, the production default
 STALL_S = 0.15  # each stall of the loop: three timeouts

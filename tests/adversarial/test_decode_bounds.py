@@ -36,16 +36,19 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
-from tests.adversarial.test_http_door import (
+from tests.support import (
     ANSWER_TIMEOUT_S,
+    KEYS,
     Answer,
+    RunningFrontend,
+    config_dict,
     connect,
     embed_body,
     read_answer,
     request,
+    running_frontend,
     send_head,
 )
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 HOG = {"authorization": f"Bearer {KEYS['acme']}"}
 OTHER = {"authorization": f"Bearer {KEYS['globex']}"}

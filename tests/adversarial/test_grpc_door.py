@@ -42,13 +42,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from benchmarks.harness import perf_analyzer
 from fair_frontend import grpc_codec
 from fair_frontend.auth import MISSING_KEY
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES
+from fair_frontend.testing import perf_analyzer
 from tests.support import (
     KEYS,
     ROOT,

@@ -42,7 +42,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +53,24 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.http_codec import decode_infer
 from fair_frontend.shell import http_server
-from tests.support import KEYS, RunningFrontend, config_dict, metric_sum, running_frontend
+from tests.support import (
+    ANSWER_TIMEOUT_S,
+    KEYS,
+    Answer,
+    RunningFrontend,
+    config_dict,
+    connect,
+    embed_body,
+    metric_sum,
+    read_answer,
+    request,
+    running_frontend,
+    send_head,
+)
 
 KEY = {"authorization": f"Bearer {KEYS['acme']}"}
 SMALL_BYTES = 2000  # embed's max_request_bytes here: 500 INT32 tokens
 BODY_TIMEOUT_S = 2.0
-# How long a client here waits for an answer. Far above what any refusal below should
-# take; a server that waits for a body the client never sends runs into it.
-ANSWER_TIMEOUT_S = 20.0
 # A body size between embed's limit here (~1 MiB of body) and the largest any model here
 # allows (the default endpoint's 64 MiB of tensors, ~129 MiB of body).
 BETWEEN_LIMITS = 10 << 20
@@ -93,50 +103,6 @@ def trusted(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
 # ---- raw HTTP ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-    @property
-    def error(self) -> str:
-        doc = json.loads(self.body)
-        assert isinstance(doc, dict), self.body
-        return str(doc["error"])
-
-
-def connect(url: str, source: str | None = None) -> socket.socket:
-    """A connection to ``url``, from the loopback address ``source`` if given."""
-    host, port = url.rsplit(":", 1)
-    address = (source, 0) if source is not None else None
-    return socket.create_connection(
-        (host, int(port)), timeout=ANSWER_TIMEOUT_S, source_address=address
-    )
-
-
-def send_head(sock: socket.socket, path: str, headers: Mapping[str, str]) -> None:
-    """A POST's request line and headers, no body."""
-    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-
-
-def read_answer(sock: socket.socket) -> Answer:
-    """The final response (http.client skips any 100 Continue)."""
-    response = http.client.HTTPResponse(sock)
-    response.begin()
-    body = response.read()
-    return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
-
-
-def request(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
-    """A whole request on a connection of its own."""
-    with connect(url) as sock:
-        send_head(sock, path, {**headers, "Content-Length": str(len(body))})
-        sock.sendall(body)
-        return read_answer(sock)
-
-
 def closed_by_server(sock: socket.socket) -> bool:
     """True once the server closed the connection (EOF), with nothing more sent. The
     client stops sending first, as one does on ``Connection: close`` (until then the
@@ -162,14 +128,6 @@ def simple_served(url: str) -> None:
     assert answer.status == 200, answer
     outputs = {o["name"]: o["data"] for o in json.loads(answer.body)["outputs"]}
     assert outputs["OUTPUT0"] == [v + 1 for v in values]
-
-
-def embed_body(tokens: int, **extra: Any) -> bytes:
-    ids = [[t % 4096 for t in range(tokens)]]
-    doc = {
-        "inputs": [{"name": "INPUT_IDS", "shape": [1, tokens], "datatype": "INT32", "data": ids}]
-    }
-    return json.dumps({**doc, **extra}).encode()
 
 
 # ---- identity before the body --------------------------------------------------------------

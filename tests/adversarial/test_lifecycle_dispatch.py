@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,12 +19,12 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import Unavailable
 from fair_frontend.outcomes import Outcome
+from fair_frontend.testing import scrape
 from fair_frontend.triton_http import error_of
 from fair_frontend.upstream import upstream_error
 from tests.core.dispatch_support import Harness
@@ -142,15 +141,6 @@ async def _inflight(fe: Any) -> int:
 # ---- 9b. an abandoned decoupled request is cancelled in Triton ---------------------------
 
 
-def triton_metric(triton: EmbeddedTriton, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
 def llm_inputs(prompt: str, max_tokens: int) -> list[Any]:
     text = grpcaio.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
@@ -167,7 +157,7 @@ async def test_an_abandoned_stream_stops_running_in_triton(triton: Any, workers:
     Triton, and the model sees the cancellation (its ``fair_llm_cancelled_total`` counts
     it). Had the generation been left running, it would end by itself, uncounted."""
     with running_frontend(make_config(), triton, workers=workers) as fe:
-        before = triton_metric(triton, "fair_llm_cancelled_total", model="llm")
+        before = scrape(triton.metrics_url).sum("fair_llm_cancelled_total", model="llm")
         client = grpcaio.InferenceServerClient(fe.grpc_url)
 
         async def one() -> AsyncIterator[dict[str, Any]]:
@@ -186,10 +176,10 @@ async def test_an_abandoned_stream_stops_running_in_triton(triton: Any, workers:
             await client.close()
         loop = asyncio.get_running_loop()
         until = loop.time() + DEADLINE_S
-        while triton_metric(triton, "fair_llm_running_sequences", model="llm") > 0:
+        while scrape(triton.metrics_url).sum("fair_llm_running_sequences", model="llm") > 0:
             assert loop.time() < until, "the sequence never left the engine"
             await asyncio.sleep(0.02)
-    assert triton_metric(triton, "fair_llm_cancelled_total", model="llm") - before == 1
+    assert scrape(triton.metrics_url).sum("fair_llm_cancelled_total", model="llm") - before == 1
 
 
 # ---- 9c. RESOURCE_EXHAUSTED -------------------------------------------------------------

@@ -29,7 +29,6 @@ import http.client
 import json
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -38,7 +37,6 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.config import Config, parse_config
@@ -46,6 +44,7 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.metrics import FrontendMetrics
 from fair_frontend.outcomes import Outcome
+from fair_frontend.testing import eventually, fetch, parse, scrape
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 ANSWER_TIMEOUT_S = 30.0
@@ -175,35 +174,8 @@ def grpc_stream(
         return list(replies)
 
 
-def scrape(fe: RunningFrontend) -> str:
-    host, port = fe.metrics_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=ANSWER_TIMEOUT_S)
-    try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    return [
-        (s.labels, s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    ]
-
-
 def side_door_lookups(fe: RunningFrontend) -> float:
-    return sum(v for _, v in samples(scrape(fe), "fair_side_door_lookups_total"))
-
-
-def until(check: Callable[[], bool], what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {deadline_s} s: {what}")
-        time.sleep(0.05)
+    return scrape(fe.metrics_url, ANSWER_TIMEOUT_S).sum("fair_side_door_lookups_total")
 
 
 # ---- every door, the same answer whether or not Triton has the model -------------------------
@@ -403,16 +375,21 @@ def test_a_reload_applies_access_changes_at_once(triton: EmbeddedTriton, workers
         assert metadata(fe, "umbrella", "generate") == 403
         opened = {**TIER_MODELS, "trial": ["embed", "generate"]}
         assert reload(fe, access_config(tier_models=opened)) == []
-        until(lambda: metadata(fe, "umbrella", "generate") == 200, "generate opened to trial")
+        eventually(
+            lambda: metadata(fe, "umbrella", "generate") == 200,
+            30,
+            what="generate opened to trial",
+        )
         assert grpc_call(fe, "ModelInfer", infer_request("embed"), "umbrella") == ("OK", "")
         tenants = dict(TENANTS, umbrella={"tier": "trial", "denied_models": ["embed"]})
         data = config_dict(tier_models=opened)
         data["tenants"] = {n: {**s, "api_keys": [KEYS[n]]} for n, s in tenants.items()}
         assert reload(fe, parse_config(data)) == []
         closed = ("PERMISSION_DENIED", denied("umbrella", "embed"))
-        until(
+        eventually(
             lambda: grpc_call(fe, "ModelInfer", infer_request("embed"), "umbrella") == closed,
-            "embed closed to umbrella",
+            30,
+            what="embed closed to umbrella",
         )
         assert metadata(fe, "umbrella", "generate") == 200
 
@@ -446,7 +423,7 @@ def _hold_the_queue(fe: RunningFrontend, hold_ms: int) -> threading.Thread:
 
     def requests() -> Iterator[service_pb2.ModelInferRequest]:
         yield request(hold_ms)
-        until(lambda: fe.call(inflight()) >= 1, "the first request is in Triton")
+        eventually(lambda: fe.call(inflight()) >= 1, 30, what="the first request is in Triton")
         yield request(0)
 
     def read() -> None:
@@ -475,7 +452,11 @@ def test_a_shells_refusal_never_confirms_a_model_label() -> None:
     metrics.requests_answered("acme", "sleeper", Outcome.REJECTED_INVALID, 1)
     text = generate_latest(metrics.registry).decode()
     assert "made-up" not in text
-    got = {(ls["endpoint"], ls["outcome"]): v for ls, v in samples(text, "fair_requests_total")}
+    got = {
+        (s.labels["endpoint"], s.labels["outcome"]): s.value
+        for s in parse(text)
+        if s.name == "fair_requests_total"
+    }
     assert got == {
         ("other", "rejected_queue_full"): 3,
         ("sleeper", "rejected_queue_full"): 1,
@@ -494,7 +475,7 @@ def test_refused_requests_with_random_model_names_add_no_label_series(
     open_tiers = {"enterprise": ["*"], "standard": ["*"], "trial": ["embed"]}
     config = access_config(tier_models=open_tiers, queues={"max_queued": 1})
     with running_frontend(config, triton, workers=workers) as fe:
-        before = scrape(fe)
+        before = fetch(fe.metrics_url, ANSWER_TIMEOUT_S)
 
         def post(tenant: str, i: int) -> tuple[int, str]:
             path = f"/v2/models/{prefix}-{tenant}-{i}/infer"
@@ -505,23 +486,24 @@ def test_refused_requests_with_random_model_names_add_no_label_series(
             closed = list(pool.map(lambda i: post("umbrella", i), range(100)))
             assert all(s == 403 and "may not use model" in m for s, m in closed), closed[:3]
             reader = _hold_the_queue(fe, hold_ms=6000)
-            until(
+            eventually(
                 lambda: "Exceeds maximum queue size" in post("acme", -1)[1],
-                "the global queue is full",
+                30,
+                what="the global queue is full",
             )
             full = list(pool.map(lambda i: post("acme", i), range(100)))
         reader.join(timeout=120)
         assert not reader.is_alive()
         assert all(s == 503 and "Exceeds maximum queue size" in m for s, m in full), full[:3]
-        after = scrape(fe)
+        after = fetch(fe.metrics_url, ANSWER_TIMEOUT_S)
     assert prefix not in after
-    endpoints_before = {ls["endpoint"] for ls, _ in samples(before, "fair_requests_total")}
-    endpoints_after = {ls["endpoint"] for ls, _ in samples(after, "fair_requests_total")}
+    endpoints_before = parse(before).label_values("fair_requests_total", "endpoint")
+    endpoints_after = parse(after).label_values("fair_requests_total", "endpoint")
     assert endpoints_after <= endpoints_before | {"other", "repeat_int32"}, endpoints_after
     refused = {
-        (ls["tenant"], ls["outcome"]): v
-        for ls, v in samples(after, "fair_requests_total")
-        if ls["endpoint"] == "other"
+        (s.labels["tenant"], s.labels["outcome"]): s.value
+        for s in parse(after)
+        if s.name == "fair_requests_total" and s.labels["endpoint"] == "other"
     }
     assert refused[("umbrella", "rejected_auth")] == 100
     assert refused[("acme", "rejected_queue_full")] >= 101  # the burst and the probe(s)

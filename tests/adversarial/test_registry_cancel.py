@@ -32,6 +32,8 @@ from fair_frontend.models import ModelInfo
 from tests.support import KEYS, make_config, running_frontend
 
 MODEL = "m"
+# The lookup starts on the first await: no time passes here, a hang fails the test.
+STARTED_S = 5.0
 
 
 def _config(model: str) -> model_config_pb2.ModelConfig:
@@ -73,7 +75,7 @@ async def test_a_cancelled_first_caller_does_not_fail_the_others() -> None:
     forwarder = GatedForwarder()
     registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
     first = asyncio.create_task(registry.get(MODEL))
-    await forwarder.started.wait()
+    await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     second = asyncio.create_task(registry.get(MODEL))
     await _waiting(second)
 
@@ -93,7 +95,7 @@ async def test_a_lookup_whose_callers_all_left_still_completes_and_is_kept() -> 
     forwarder = GatedForwarder()
     registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
     only = asyncio.create_task(registry.get(MODEL))
-    await forwarder.started.wait()
+    await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     only.cancel()
     with pytest.raises(asyncio.CancelledError):
         await only
@@ -110,7 +112,7 @@ async def test_a_real_lookup_error_reaches_every_caller_and_is_not_kept() -> Non
     forwarder = GatedForwarder(error=unknown)
     registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
     callers = [asyncio.create_task(registry.get(MODEL)) for _ in range(3)]
-    await forwarder.started.wait()
+    await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     await _waiting(*callers)
     forwarder.gate.set()
 

@@ -20,8 +20,16 @@ import pytest
 
 from fair_frontend.config import Config, ConfigError
 from fair_frontend.embedded import EmbeddedTriton
-from tests.admission.conftest import KServe, Reply, free_port
-from tests.support import KEYS, RunningFrontend, config_dict, make_config, running_frontend
+from fair_frontend.testing import free_port
+from tests.support import (
+    KEYS,
+    KServe,
+    Reply,
+    RunningFrontend,
+    config_dict,
+    make_config,
+    running_frontend,
+)
 
 
 async def reload(fe: RunningFrontend, config: Config) -> list[str]:

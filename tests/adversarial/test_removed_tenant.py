@@ -27,8 +27,7 @@ from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from tests.admission.conftest import KServe, RedisProcess
-from tests.support import KEYS, make_config
+from tests.support import KEYS, KServe, RedisProcess, make_config
 
 DOOMED = "doomed"
 DOOMED_KEY = "doomed-test-key"

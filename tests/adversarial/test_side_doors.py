@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,12 +26,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import Unavailable, UpstreamError
 from fair_frontend.shell.lookup_cache import MAX_KEPT_NAME_CHARS, LookupCache
+from fair_frontend.testing import scrape
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 TTL_S = 10.0
@@ -211,18 +210,8 @@ def _grpc(fe: RunningFrontend, method: str, request: Any, metadata: Any = ()) ->
     return grpc.StatusCode.OK
 
 
-def _samples(fe: RunningFrontend, name: str) -> list[tuple[dict[str, str], float]]:
-    text = urllib.request.urlopen(fe.metrics_url, timeout=30).read().decode()
-    return [
-        (s.labels, s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    ]
-
-
 def _count(fe: RunningFrontend, name: str, **labels: str) -> float:
-    return sum(v for ls, v in _samples(fe, name) if all(ls.get(k) == w for k, w in labels.items()))
+    return scrape(fe.metrics_url, timeout=30).sum(name, **labels)
 
 
 def test_model_doors_refuse_a_missing_or_unknown_key_and_a_borrowed_identity(
@@ -323,9 +312,10 @@ def test_side_door_calls_are_counted_without_a_series_per_unknown_key(
     )
     assert after - before == 25
     assert _count(fe, "fair_side_door_calls_total", door="live", outcome="ok") == live + 1
-    tenants = {ls["tenant"] for ls, _ in _samples(fe, "fair_side_door_calls_total")}
+    page = scrape(fe.metrics_url, timeout=30)
+    tenants = page.label_values("fair_side_door_calls_total", "tenant")
     assert tenants <= {*KEYS, "-"}, tenants
-    doors = {ls["door"] for ls, _ in _samples(fe, "fair_side_door_calls_total")}
+    doors = page.label_values("fair_side_door_calls_total", "door")
     assert doors <= {
         "live", "ready", "server_metadata", "model_metadata", "model_config", "model_ready",
         "statistics",

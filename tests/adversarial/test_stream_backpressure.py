@@ -292,7 +292,7 @@ async def test_a_vanished_client_leaves_nothing_running_in_the_core(
         await _until(all_admitted, "the client's requests admitted")
     finally:
         client.kill()
-        client.wait()
+        client.wait(30)
     await _until(lambda: _idle(streams, "sleeper"), "the vanished client's requests end")
     after = await _counters(streams, "sleeper")
     assert after.admitted - before.admitted == count

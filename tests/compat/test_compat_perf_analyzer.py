@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from compat_support import TENANT
 
-from benchmarks.harness import perf_analyzer, perf_analyzer_binary
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.testing import perf_analyzer, perf_analyzer_binary
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 COUNTED = ("server_metadata", "model_metadata", "model_config", "statistics")

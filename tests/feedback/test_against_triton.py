@@ -41,6 +41,7 @@ from fair_frontend.feedback import (
     TritonMetrics,
 )
 from fair_frontend.scheduler.cost import CostUnit
+from fair_frontend.testing import aeventually
 from tests.support import TEST_MODEL_REPOSITORY
 
 SLEEPER_FIXED_S = 0.002  # tests/model_repository/sleeper/config.pbtxt
@@ -152,8 +153,15 @@ def learn(server: EmbeddedTriton) -> Learned:
                         # its counters show the whole group (the model copes either way;
                         # this keeps each group's numbers apart, for `measured`).
                         assert await metrics.scrape_once()
-                        while sum(d.exec_count for d in out.deltas) < sent_batches:
+
+                        async def counted(total: int = sent_batches) -> bool:
+                            if sum(d.exec_count for d in out.deltas) >= total:
+                                return True
                             assert await metrics.scrape_once()
+                            return False
+
+                        # Scrapes back to back, as many as it takes, within a deadline.
+                        await aeventually(counted, 10, 0, what=f"Triton to count {sent_batches}")
                         group = out.deltas[first:]
                         seconds = sum(d.compute_infer_us for d in group) / 1e6
                         requests = sum(d.request_success for d in group)

@@ -1,11 +1,12 @@
 """Triton's client examples and QA tests, Triton direct vs through the frontend (issue 12).
 
-Run from the repository root: ``python -m benchmarks.triton_suites_report``. Starts one
+Run from the repository root: ``python -m tests.triton_suites.report``. Starts one
 Triton (the test model repositories) and one frontend in front of it (the test tenants),
 runs every vendored item on both sides (``tests/triton_suites/runner.py``), prints the pass
 counts per suite and every difference with its reason, and writes
 ``benchmarks/results/triton_suites.json``. The pytest module
-``tests/triton_suites/test_triton_suites.py`` asserts on the same run.
+``tests/triton_suites/test_triton_suites.py`` asserts on the same run. (It lives with the
+suites it runs, not in ``benchmarks/``: the benchmarks do not import the tests.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from tests.support import KEYS, TEST_MODEL_REPOSITORY, make_config, running_frontend
 from tests.triton_suites.runner import DIRECT, FRONTEND, SIDES, Results, Target, run_all, summary
 
-RESULTS = Path(__file__).resolve().parent / "results" / "triton_suites.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "triton_suites.json"
 TENANT = "acme"
 
 
