@@ -18,10 +18,13 @@ one run, three scenarios:
   it streams: the frontend's ``fair_served_tokens`` + ``fair_output_tokens``) over a
   window where both have queued work. Target: shares within 2 % of the weights.
 - ``throughput``: ``--concurrency`` streams kept outstanding for ``--window-s``, Triton
-  direct and through the frontend at the same concurrency. Target: tokens/s ratio >= 0.95.
+  direct and through the frontend at the same concurrency (``--workers`` shell
+  processes; with ``--ref REF`` also the frontend of that commit, in the same run): tokens/s
+  at the client, and the frontend's CPU per streamed token, its core's and its shells'
+  apart. Target: tokens/s ratio >= 0.95.
 
     .venv/bin/python -m benchmarks.bench_engine [--scenarios noisy shares throughput]
-        [--hog 200] [--hog-tokens 256] [--quick]
+        [--hog 200] [--hog-tokens 256] [--workers 1] [--ref REF] [--quick]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ import tritonclient.grpc.aio as grpcaio
 
 from benchmarks.harness import (
     RESULTS,
+    baseline_checkout,
     frontend,
     load_example_config,
     process_tree_cpu_s,
@@ -69,8 +74,9 @@ def bench_config(
     weights: tuple[float, float] = (1, 1),
     slots: int = SLOTS,
     reserved: int = 0,
+    source: Path | None = None,
 ) -> dict[str, Any]:
-    cfg = load_example_config()
+    cfg = load_example_config(source)
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = mode
     cfg["endpoints"][MODEL].update(
@@ -384,15 +390,30 @@ def pinned(server: Any) -> Iterator[None]:
 
 
 async def scenario_throughput(
-    server: Any, concurrency: int, tokens: int, warmup_s: float, window_s: float
+    server: Any,
+    concurrency: int,
+    tokens: int,
+    warmup_s: float,
+    window_s: float,
+    *,
+    workers: int = 1,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    pair = {
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "warmup_s": warmup_s,
+        "window_s": window_s,
+        "workers": workers,
+        "baseline": baseline,
+    }
     if len(os.sched_getaffinity(0)) >= 2:
         with pinned(server):
             progress("throughput, pinned: Triton on one CPU, frontend and clients on the rest")
-            out["pinned"] = await throughput_pair(server, concurrency, tokens, warmup_s, window_s)
+            out["pinned"] = await throughput_pair(server, **pair)
     progress("throughput, unpinned: every process on every CPU")
-    out["unpinned"] = await throughput_pair(server, concurrency, tokens, warmup_s, window_s)
+    out["unpinned"] = await throughput_pair(server, **pair)
     return out
 
 
@@ -406,8 +427,17 @@ async def closed_loop(url: str, key: str | None, **load: Any) -> dict[str, Any]:
 
 
 async def throughput_pair(
-    server: Any, concurrency: int, tokens: int, warmup_s: float, window_s: float
+    server: Any,
+    concurrency: int,
+    tokens: int,
+    warmup_s: float,
+    window_s: float,
+    workers: int,
+    baseline: Path | None,
 ) -> dict[str, Any]:
+    """Triton direct, then the frontend (and, with ``baseline``, the frontend of that
+    earlier checkout), each at the same concurrency: tokens/s at the client and the
+    frontend's CPU per streamed token, its core's and its shells' apart."""
     load = {
         "concurrency": concurrency,
         "tokens": tokens,
@@ -417,22 +447,34 @@ async def throughput_pair(
     progress(f"throughput: Triton direct, {concurrency} streams x {tokens} tokens")
     direct = await closed_loop(server.grpc_url, None, **load)
     progress(f"  {direct['tokens_per_s']:.0f} tokens/s")
-    progress(f"throughput: frontend, {concurrency} streams x {tokens} tokens")
-    with frontend(bench_config("fair"), server.grpc_url, http_url=server.http_url) as fe:
-        cpu0 = process_tree_cpu_s(fe.process.pid)["core"]
-        through = await closed_loop(fe.grpc_url, KEYS["a"], **load)
-        cpu = process_tree_cpu_s(fe.process.pid)["core"] - cpu0
-    out = {
-        "triton": direct["tokens_per_s"],
-        "frontend": through["tokens_per_s"],
-        "ratio": through["tokens_per_s"] / direct["tokens_per_s"],
-        "frontend_cpu_us_per_token": cpu / through["tokens"] * 1e6,
-    }
-    progress(
-        f"  {out['frontend']:.0f} tokens/s; frontend CPU "
-        f"{out['frontend_cpu_us_per_token']:.0f} µs per token"
-    )
-    progress(f"  frontend / Triton direct: {out['ratio']:.3f}")
+    out: dict[str, Any] = {"triton": direct["tokens_per_s"]}
+    runs = [("frontend", None)] + ([("before", baseline)] if baseline is not None else [])
+    for name, source in runs:
+        progress(f"throughput: {name}, {workers} shell(s), {concurrency} streams x {tokens} tokens")
+        config = bench_config("fair", source=source)
+        with frontend(
+            config, server.grpc_url, http_url=server.http_url, workers=workers, source=source
+        ) as fe:
+            cpu0 = process_tree_cpu_s(fe.process.pid)
+            through = await closed_loop(fe.grpc_url, KEYS["a"], **load)
+            cpu = process_tree_cpu_s(fe.process.pid)
+        per_token = {k: (cpu[k] - cpu0[k]) / through["tokens"] * 1e6 for k in cpu}
+        out[name] = {
+            "tokens_per_s": through["tokens_per_s"],
+            "ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+            "cpu_us_per_token": sum(per_token.values()),
+            "core_cpu_us_per_token": per_token["core"],
+            "shells_cpu_us_per_token": per_token["shells"],
+        }
+        r = out[name]
+        progress(
+            f"  {r['tokens_per_s']:.0f} tokens/s ({r['ratio']:.3f} of direct); frontend CPU "
+            f"{r['cpu_us_per_token']:.0f} µs per token (core {r['core_cpu_us_per_token']:.0f}, "
+            f"shells {r['shells_cpu_us_per_token']:.0f})"
+        )
+    # The names earlier results used, for the latest frontend.
+    out["frontend_cpu_us_per_token"] = out["frontend"]["cpu_us_per_token"]
+    out["ratio"] = out["frontend"]["ratio"]
     return out
 
 
@@ -498,9 +540,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 server, args.share_slots, args.warmup_s, args.window_s
             )
         if "throughput" in args.scenarios:
-            results["throughput"] = await scenario_throughput(
-                server, args.concurrency, args.tokens, args.warmup_s, args.window_s
-            )
+            with contextlib.ExitStack() as stack:
+                baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
+                results["throughput"] = await scenario_throughput(
+                    server,
+                    args.concurrency,
+                    args.tokens,
+                    args.warmup_s,
+                    args.window_s,
+                    workers=args.workers,
+                    baseline=baseline,
+                )
     return results
 
 
@@ -514,6 +564,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="output tokens in throughput")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=30.0)
+    parser.add_argument("--workers", type=int, default=1, help="shell processes in throughput")
+    parser.add_argument("--ref", help="throughput: also the frontend of this git ref, same run")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: a tenant's client
     parser.add_argument("--key", help=argparse.SUPPRESS)
