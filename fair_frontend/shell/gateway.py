@@ -236,6 +236,8 @@ class Gateway:
                         n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
                     produced += n
                     inbox.produced(n)
+                if reply.final:
+                    inbox.end(version)  # the core hears of it before the client does
                 if not reply.outputs and not (reply.final and want_final):
                     continue  # Triton's empty final: only for clients that asked
                 params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}

@@ -419,7 +419,7 @@ async def test_a_grpc_client_that_stops_reading_a_stream_holds_a_window_then_is_
     """Before: the core relayed all 600 parts (75 MiB) into the answer queue of a client
     that read none, and the request ended dispatched."""
     async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
-        await _warm_flood(channel)
+        await _warm_flood(channel, floods)
         parts, outcomes = _parts(floods), _outcomes(floods)
         call = _open_stream(channel, HOG)
         await call.write(_flood(FLOOD_PARTS, PART_BYTES))
@@ -437,7 +437,7 @@ async def test_an_sse_client_that_stops_reading_holds_a_window_then_is_cancelled
     """The same over HTTP ``/generate_stream`` (server-sent events), from a raw socket
     whose receive buffer is small: it reads the response's head and stops."""
     async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
-        await _warm_flood(channel)
+        await _warm_flood(channel, floods)
     parts, outcomes = _parts(floods), _outcomes(floods)
     host, port = floods.http_url.rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -466,7 +466,7 @@ async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFr
     arrives, in order of arrival, then the end; the request ends dispatched."""
     count = 320
     async with grpc.aio.insecure_channel(floods.grpc_url) as channel:
-        await _warm_flood(channel)
+        await _warm_flood(channel, floods)
         outcomes = _outcomes(floods)
         call = _open_stream(channel, HOG)
         await call.write(_flood(count, 1000))
@@ -484,10 +484,13 @@ async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFr
     assert after["cancelled"] == outcomes["cancelled"]
 
 
-async def _warm_flood(channel: grpc.aio.Channel) -> None:
+async def _warm_flood(channel: grpc.aio.Channel, fe: RunningFrontend) -> None:
     """One short flood answered on a stream: the model is known to the core."""
     warm = _open_stream(channel, HOG)
     await warm.write(_flood(2, 10))
     await warm.done_writing()
     replies = [r async for r in warm]
     assert replies and not [r.error_message for r in replies if r.error_message]
+    # Its outcome is counted once its shell tells the core (the core hears of a stream's
+    # end from the shell that relayed it): settled before the caller reads the counts.
+    await _until(lambda: _idle(fe, "flood_decoupled"), "the warm stream counted")
