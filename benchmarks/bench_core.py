@@ -26,12 +26,12 @@ from tritonclient.grpc import model_config_pb2
 from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
-from fair_frontend.ipc import _to_core, _to_shell, encode
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.records import Answer, Call
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
+from fair_frontend.wire.framing import encode, to_core, to_shell
+from fair_frontend.wire.records import Answer, Call
 
 TOKENS = 128
 TENANTS = 8
@@ -146,8 +146,8 @@ def ipc_per_request(n: int) -> dict[str, float]:
     answer = Answer(1, "1", [out], queued_s=0.01)
     cpu0 = time.process_time()
     for _ in range(n):
-        _to_core.decode(encode(call)[4:])
-        _to_shell.decode(encode(answer)[4:])
+        to_core.decode(encode(call)[4:])
+        to_shell.decode(encode(answer)[4:])
     return {"us_per_request": (time.process_time() - cpu0) / n * 1e6}
 
 

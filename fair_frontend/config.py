@@ -57,6 +57,7 @@ from fair_frontend.scheduler.caps import (
     DEFAULT_TENANT_MAX_QUEUED,
 )
 from fair_frontend.scheduler.cost import CostUnit
+from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S
 
 # ---- defaults, named once -------------------------------------------------------------
 # (those of the scheduler, the admission and the feedback loop are theirs: imported above)
@@ -71,7 +72,6 @@ DEFAULT_MAX_OUTAGE_S = 60.0
 # A streamed request whose client reads none of its parts for this long is cancelled.
 DEFAULT_STALLED_STREAM_S = 30.0
 # A shell process that reads nothing of what the core sends it for this long is cut off.
-DEFAULT_STALLED_SHELL_S = 10.0
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB, Triton's HTTP default body limit (a ceiling)
 # A request on the wire (an HTTP body, a gRPC message) may be this many times its tensor
 # payload limit (JSON text of numbers, protobuf varints and BYTES framing run to about

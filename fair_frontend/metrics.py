@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from fair_frontend.config import Config
 from fair_frontend.observe import BatchReport, Observer
 from fair_frontend.outcomes import Outcome
-from fair_frontend.records import SIDE_DOOR_LOOKUP
+from fair_frontend.wire.records import SIDE_DOOR_LOOKUP
 
 OTHER_TENANT = "other"
 OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docstring

@@ -33,14 +33,14 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
+from fair_frontend.core.shells import INTAKE_SLICE, Intake, ShellConnection
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.ipc import INTAKE_SLICE, Intake, ShellConnection
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
-from fair_frontend.records import Call
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.testing import aeventually
+from fair_frontend.wire.records import Call
 from tests.support import KEYS, RunningFrontend, ids_input, make_config
 
 IDS = np.full((1, 256), 5, dtype=np.int32)

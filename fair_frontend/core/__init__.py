@@ -1,7 +1,7 @@
 """The core: policy over every request, in one process.
 
 Shells (``fair_frontend.shell``) decode, identify and validate requests and hand the core
-one ``Call`` record each (``fair_frontend.records``). The core owns what must be exact
+one ``Call`` record each (``fair_frontend.wire.records``). The core owns what must be exact
 across all of them: admission (the throttle, in-memory rate limits), each model's
 scheduler (``fair_frontend.scheduler``: tier, deficit round robin, priority), batch
 assembly and dispatch to Triton, the feedback loop (``fair_frontend.feedback``), the

@@ -70,9 +70,9 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
 )
-from fair_frontend.records import Answer, Call, Fault, Grant
 from fair_frontend.scheduler import QueuedRequest, Scheduler
 from fair_frontend.tokens import output_tokens
+from fair_frontend.wire.records import Answer, Call, Fault, Grant
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -66,7 +66,6 @@ from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Observer, Observers
 from fair_frontend.outcomes import Outcome
-from fair_frontend.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
@@ -74,6 +73,7 @@ from fair_frontend.scheduler import (
     cost_model_for,
 )
 from fair_frontend.stats import Statistics
+from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 
 log = logging.getLogger(__name__)
 

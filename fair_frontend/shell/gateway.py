@@ -53,10 +53,10 @@ from fair_frontend.protocol import (
     Precheck,
     check_name,
 )
-from fair_frontend.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.tokens import TokenCounter, output_tokens
+from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
 
 T = TypeVar("T")
 

@@ -71,8 +71,8 @@ from fair_frontend.http_codec import (
 )
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
-from fair_frontend.records import CONNECTION_DOOR, TallyEntry
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
+from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
 log = logging.getLogger(__name__)
 

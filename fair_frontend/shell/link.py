@@ -5,8 +5,8 @@ A shell sends each request to the core as a ``Call`` and reads its answer from a
 which the shell relays the stream itself and reports on it through the same inbox
 (``produced``, ``end``). The core answers through the inbox (it is the call's ``Route``).
 ``LocalLink`` is the link of a shell in the core's own process (``--workers 1``): records
-pass as objects, answers are put straight into the inbox. ``fair_frontend.ipc.SocketLink``
-is the link of a shell process: the same records, framed over a Unix socket.
+pass as objects, answers are put straight into the inbox. ``socket_link.SocketLink`` is
+the link of a shell process: the same records, framed over a Unix socket.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fair_frontend.errors import FrontendError
 from fair_frontend.models import ModelInfo
-from fair_frontend.records import Answer, Call, Grant, Tally, TallyEntry
-
-if TYPE_CHECKING:
-    from fair_frontend.core import Core
+from fair_frontend.wire.records import Answer, Call, Grant, Tally, TallyEntry
 
 
 class Inbox:
@@ -141,10 +138,36 @@ class CoreLink(Protocol):
         ...
 
 
+class InProcessCore(Protocol):
+    """What a shell in the core's process calls of it (``fair_frontend.core.Core``).
+    ``submit`` returns the core's handle for a call it keeps (None: answered at once),
+    which the other calls about that call take."""
+
+    accepting: bool
+
+    def submit(self, call: Call, route: Inbox) -> Any: ...
+
+    def cancel(self, req: Any) -> None: ...
+
+    def produced(self, req: Any, tokens: int) -> None: ...
+
+    def stream_ended(
+        self, req: Any, tokens: int, version: str, err: FrontendError | None, cancelled: bool
+    ) -> None: ...
+
+    async def model_info(self, model: str) -> ModelInfo: ...
+
+    async def statistics(self, model: str, version: str) -> Any: ...
+
+    def tally(self, tally: Tally) -> None: ...
+
+    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None: ...
+
+
 class LocalLink:
     """The link of a shell in the core's process: records pass as objects."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: InProcessCore) -> None:
         self.core = core
         self._ids = itertools.count(1)
 

@@ -26,8 +26,8 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.records import Call
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
+from fair_frontend.wire.records import Call
 from tests.support import KEYS, config_dict, ids_input, running_frontend
 
 MAX_ROWS = 32

@@ -29,7 +29,7 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
 from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
-from fair_frontend.records import Call
+from fair_frontend.wire.records import Call
 from tests.support import RunningFrontend
 
 # qa/L0_parameters' parameter lists (its "triton_" one is refused by both, and tested

@@ -32,8 +32,8 @@ from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
-from fair_frontend.records import Answer, Call
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
+from fair_frontend.wire.records import Answer, Call
 
 MODEL = "embed"
 WIDTH = 3  # tokens per row of INPUT_IDS

@@ -35,8 +35,8 @@ from fair_frontend.errors import (
 )
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.outcomes import Outcome
-from fair_frontend.records import Fault
 from fair_frontend.scheduler import Counters
+from fair_frontend.wire.records import Fault
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 

@@ -22,7 +22,6 @@ from fair_frontend.forwarder import NoProgress
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.records import Answer, Call, Grant
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
@@ -31,6 +30,7 @@ from fair_frontend.scheduler import (
     VirtualTokenCounter,
 )
 from fair_frontend.upstream import upstream_message_error
+from fair_frontend.wire.records import Answer, Call, Grant
 
 LLM = ModelInfo(
     name="llm",

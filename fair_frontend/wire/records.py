@@ -23,7 +23,7 @@ by the core, except to take the slot back (a shutdown that stopped waiting for i
 ``Answer`` with the error, which ends the stream in the shell.
 
 With ``--workers 1`` the shell lives in the core's process and the records are passed as
-objects; with several shell processes ``fair_frontend.ipc`` frames them as msgpack over a
+objects; with several shell processes ``fair_frontend.wire.framing`` frames them as msgpack over a
 Unix socket, tensors as Triton's raw bytes (row-major, little-endian; BYTES elements
 each a 4-byte length and the bytes), decoded on arrival as numpy views of the frame.
 

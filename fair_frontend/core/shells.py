@@ -1,0 +1,332 @@
+"""The core's end of its shell processes' connections (``fair_frontend.wire.framing``).
+
+Fair intake: the core does not admit calls in the order bytes arrived. ``Intake`` keeps
+the calls read but not yet admitted per tenant and admits them round robin, a slice at a
+time, so that a burst one tenant poured into a socket delays another tenant's call by at
+most one call per tenant with calls waiting, not by the whole burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fair_frontend.errors import FrontendError, Internal
+from fair_frontend.wire.framing import Framed, FrameTooLarge, to_core
+from fair_frontend.wire.records import (
+    Answer,
+    Call,
+    Cancel,
+    Ended,
+    Fault,
+    Flushed,
+    FlushTally,
+    Grant,
+    Hello,
+    InfoAnswer,
+    InfoQuery,
+    Produced,
+    QueueView,
+    Ready,
+    Settings,
+    StatsAnswer,
+    StatsQuery,
+    Stop,
+    Tally,
+)
+
+if TYPE_CHECKING:
+    from fair_frontend.core.dispatch import CoreRequest
+    from fair_frontend.core.service import Core
+
+log = logging.getLogger(__name__)
+
+INTAKE_SLICE = 64  # calls admitted before the loop runs anything else
+QUEUE_VIEW_INTERVAL_S = 0.05  # how stale a shell's view of the full queues may be
+
+
+class Intake:
+    """Calls read from the shells but not admitted yet, admitted per tenant round robin.
+
+    ``push`` is all ``data_received`` does per call; ``_admit`` runs soon after, admits
+    one call per tenant in turn, ``INTAKE_SLICE`` at a time, and lets the loop run
+    between slices (answers go out, batches come back, more is read).
+    """
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._waiting: dict[str, deque[tuple[Call, ShellConnection]]] = {}
+        self._scheduled = False
+        self.admitted = 0  # calls admitted, in order (tests read how many went ahead)
+
+    def push(self, call: Call, conn: ShellConnection) -> None:
+        queue = self._waiting.get(call.tenant)
+        if queue is None:
+            queue = self._waiting[call.tenant] = deque()
+        queue.append((call, conn))
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._admit)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def _admit(self) -> None:
+        self._scheduled = False
+        budget = INTAKE_SLICE
+        waiting = self._waiting
+        while waiting and budget > 0:
+            for tenant in list(waiting):
+                queue = waiting[tenant]
+                call, conn = queue.popleft()
+                if not queue:
+                    del waiting[tenant]
+                self.admitted += 1
+                budget -= 1
+                conn.admit(call)
+                if budget <= 0:
+                    break
+        if waiting and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._admit)
+
+    def drop(self, conn: ShellConnection) -> int:
+        """Forget the calls of a shell that went away; returns how many."""
+        dropped = 0
+        for tenant in list(self._waiting):
+            queue = self._waiting[tenant]
+            kept = deque(item for item in queue if item[1] is not conn)
+            dropped += len(queue) - len(kept)
+            if kept:
+                self._waiting[tenant] = kept
+            else:
+                del self._waiting[tenant]
+        return dropped
+
+
+class ShellConnection(Framed):
+    """The core's end of one shell's connection; the ``Route`` of that shell's calls."""
+
+    decoder = to_core
+
+    def __init__(self, server: CoreServer) -> None:
+        super().__init__()
+        self.server = server
+        self.core = server.core
+        self.index = -1
+        self.pid = 0
+        self.ready: Ready | None = None
+        self.calls: dict[int, CoreRequest | None] = {}  # sent, not finally answered
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._flushes: dict[int, asyncio.Future[None]] = {}
+        self._flush_ids = itertools.count(1)
+
+    async def flush_tally(self) -> None:
+        """Ask the shell for its tally now, and wait until it has arrived."""
+        flush_id = next(self._flush_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._flushes[flush_id] = fut
+        self.send(FlushTally(flush_id))
+        try:
+            await fut
+        finally:
+            self._flushes.pop(flush_id, None)
+
+    @property
+    def peer(self) -> str:
+        return f"shell {self.index} (pid {self.pid})"
+
+    def pause_writing(self) -> None:
+        self.stall_s = self.core.config.queues.stalled_shell_s  # live: a reload may change it
+        super().pause_writing()
+
+    def received(self, record: Any) -> None:
+        if isinstance(record, Call):
+            self.calls[record.id] = None
+            self.server.intake.push(record, self)
+        elif isinstance(record, Cancel):
+            if record.id in self.calls:
+                req = self.calls.pop(record.id)
+                if req is not None:
+                    self.core.cancel(req)
+                else:  # still in the intake: admitted, then cancelled at once
+                    self.calls[record.id] = _CANCELLED
+        elif isinstance(record, Produced):
+            calls = self.calls
+            for call_id, tokens in record.entries:
+                req = calls.get(call_id)
+                if req is not None and req is not _CANCELLED:
+                    self.core.produced(req, tokens)
+        elif isinstance(record, Ended):
+            req = self.calls.pop(record.id, None)
+            if req is not None and req is not _CANCELLED:
+                err = record.fault.error() if record.fault is not None else None
+                self.core.stream_ended(req, record.tokens, record.version, err, record.cancelled)
+        elif isinstance(record, Tally):
+            self.core.tally(record)
+        elif isinstance(record, InfoQuery):
+            self._spawn(self._info(record))
+        elif isinstance(record, StatsQuery):
+            self._spawn(self._stats(record))
+        elif isinstance(record, Hello):
+            self.index, self.pid = record.index, record.pid
+            self.send(self.server.settings())
+            if self.server.queue_view != _NO_VIEW:
+                self.send(QueueView(*self.server.queue_view))
+        elif isinstance(record, Ready):
+            self.ready = record
+            self.server.shell_ready(self)
+        elif isinstance(record, Flushed):
+            fut = self._flushes.pop(record.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        else:
+            log.error("%s sent an unexpected %s", self.peer, type(record).__name__)
+
+    def admit(self, call: Call) -> None:
+        """The intake's turn for this call: into the core."""
+        if self.closed:
+            return
+        if self.calls.get(call.id, None) is _CANCELLED:
+            del self.calls[call.id]
+            return
+        req = self.core.submit(call, self)
+        if call.id in self.calls:  # not answered at once
+            if req is None:
+                self.calls.pop(call.id, None)
+            else:
+                self.calls[call.id] = req
+
+    def answer(self, answer: Answer | Grant) -> None:
+        """The core's answer to one of this shell's calls (the ``Route``); a granted call
+        stays until its shell says it ended."""
+        if isinstance(answer, Answer):
+            self.calls.pop(answer.id, None)
+        try:
+            self.send(answer)
+        except FrameTooLarge as err:  # outputs beyond what one frame carries
+            log.error("answer to %s: %s", self.peer, err)
+            self.send(Answer(answer.id, fault=Fault.of(Internal(str(err)))))
+
+    async def _info(self, query: InfoQuery) -> None:
+        try:
+            info = await self.core.model_info(query.model)
+            raw = info.raw_config.SerializeToString() if info.raw_config is not None else b""
+            self.send(InfoAnswer(query.id, raw, info.versions))
+        except FrontendError as err:
+            self.send(InfoAnswer(query.id, fault=Fault.of(err)))
+        except Exception as err:
+            log.exception("model lookup failed")
+            self.send(InfoAnswer(query.id, fault=Fault.of(Internal(type(err).__name__))))
+
+    async def _stats(self, query: StatsQuery) -> None:
+        try:
+            await self.server.flush_tallies()  # failures the shells answered count too
+            msg = await self.core.statistics(query.model, query.version)
+            self.send(StatsAnswer(query.id, msg.SerializeToString()))
+        except FrontendError as err:
+            self.send(StatsAnswer(query.id, fault=Fault.of(err)))
+        except Exception as err:
+            log.exception("statistics failed")
+            self.send(StatsAnswer(query.id, fault=Fault.of(Internal(type(err).__name__))))
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.server.connections.discard(self)
+        for task in self._tasks:
+            task.cancel()
+        for fut in self._flushes.values():
+            if not fut.done():
+                fut.set_result(None)
+        waiting = self.server.intake.drop(self)
+        dropped = self.core.drop_route(self)
+        if waiting + dropped or not self.server.stopping:
+            log.warning("%s disconnected: dropped %d of its requests", self.peer, waiting + dropped)
+        self.calls.clear()
+        self.server.shell_gone(self)
+
+
+_CANCELLED: Any = object()  # a call cancelled while still in the intake
+View = tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]  # QueueView's
+_NO_VIEW: View = ([], [])
+
+
+class CoreServer:
+    """The core's listening socket: shells connect, get their settings, send calls."""
+
+    def __init__(self, core: Core, settings: Callable[[], Settings], path: str) -> None:
+        self.core = core
+        self.settings = settings
+        self.path = path
+        self.intake = Intake(core)
+        self.connections: set[ShellConnection] = set()
+        self.on_ready: Callable[[ShellConnection], None] = lambda conn: None
+        self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
+        self._server: asyncio.AbstractServer | None = None
+        self.stopping = False
+        self._view: View = _NO_VIEW
+        self._viewer: asyncio.Task[None] | None = None
+
+    async def flush_tallies(self, timeout_s: float = 1.0) -> None:
+        """Every shell's tally, in the core's metrics before this returns (or the timeout)."""
+        flushes = [conn.flush_tally() for conn in list(self.connections)]
+        if flushes:
+            await asyncio.wait([asyncio.ensure_future(f) for f in flushes], timeout=timeout_s)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: ShellConnection(self), self.path)
+        os.chmod(self.path, 0o600)  # only this user's processes may act as shells
+        self._viewer = loop.create_task(self._publish_queue_view())
+
+    @property
+    def queue_view(self) -> View:
+        """The full queues (and byte caps close to full) the shells were last told of."""
+        return self._view
+
+    async def _publish_queue_view(self) -> None:
+        """Tell the shells which queues are full, when that changes (``QueueView``)."""
+        while True:
+            await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
+            view = self.core.full_queues()
+            if view != self._view:
+                self._view = view
+                self.broadcast(QueueView(*view))
+
+    def shell_ready(self, conn: ShellConnection) -> None:
+        self.on_ready(conn)
+
+    def shell_gone(self, conn: ShellConnection) -> None:
+        self.on_gone(conn)
+
+    def broadcast(self, record: Any) -> None:
+        if isinstance(record, Stop):
+            self.stopping = True
+        for conn in list(self.connections):
+            conn.send(record)
+
+    async def close(self) -> None:
+        if self._viewer is not None:
+            self._viewer.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for conn in list(self.connections):
+            conn.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
