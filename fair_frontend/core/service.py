@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fair_frontend.admission import (
@@ -140,7 +140,17 @@ class Core:
         observers: Sequence[Observer] | None = None,
         limiter: RateLimiter | None = None,
         clock: Clock | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        # Two clocks, both injected (unit tests run the core on fake ones):
+        # ``clock`` (a ``LoopClock`` by default: ``time.monotonic()`` and the loop's
+        # timers) for every duration, deadline and timer. A ``Call`` is stamped
+        # ``arrived = time.monotonic()`` by its shell, perhaps in another process:
+        # CLOCK_MONOTONIC is one clock for every process of a host, so latencies and
+        # deadlines taken against ``clock.now()`` are on the shell's scale too.
+        # ``wall`` (``time.time`` by default) for the rate limits' windows only: they are
+        # shared through their storage by replicas on other hosts, which agree on the
+        # wall clock and on no monotonic one.
         self.config = config
         self.forwarder = forwarder
         self.models = ModelRegistry(forwarder)
@@ -152,6 +162,7 @@ class Core:
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self._clock = clock
+        self.wall = wall
         self._backend: Backend | None = None
         self.caps = global_caps(config.queues)
         self.limiter = limiter or rate_limiter(config.rate_limiting)
@@ -161,7 +172,7 @@ class Core:
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
-        self.last_call_at = 0.0  # time.monotonic() of the latest call (shutdown's quiet)
+        self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
 
     @property
@@ -188,7 +199,7 @@ class Core:
         was answered at once (refused)."""
         model = call.request.model
         runtime = self.runtimes.get(model)
-        self.last_call_at = time.monotonic()
+        self.last_call_at = self.clock.now()
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
@@ -376,7 +387,7 @@ class Core:
         items = self._limits(req)
         if not items:
             return _NO_LIMITS
-        now = time.time()
+        now = self.wall()
         decision = self.limiter.check_now(
             limit_key(req.tenant, req.request.model),
             items,
@@ -389,7 +400,7 @@ class Core:
 
     async def _rate_limits(self, req: CoreRequest) -> Decision:
         try:
-            now = time.time()
+            now = self.wall()
             decision = await self.limiter.check(
                 limit_key(req.tenant, req.request.model),
                 self._limits(req),
@@ -518,7 +529,7 @@ class Core:
             else:
                 cost = float(tokens)
             runtime.scheduler.charge_back(req.tenant, cost)
-        now = time.monotonic()
+        now = self.clock.now()
         first = req.produced == tokens
         self.observer.tokens_produced(
             tenant=req.tenant,
@@ -540,7 +551,7 @@ class Core:
             return  # nothing to correct, or nothing was counted
         items = self._limits(req)
         key = limit_key(req.tenant, req.request.model)
-        now = time.time()
+        now = self.wall()
         if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
             self._spawn(
                 self.limiter.adjust(key, items, tokens=delta, admitted_at=admitted_at, now=now)
@@ -556,7 +567,7 @@ class Core:
         infer_s: float | None,
     ) -> None:
         request = call.request
-        total_s = time.monotonic() - call.arrived
+        total_s = self.clock.now() - call.arrived
         if outcome is Outcome.DISPATCHED:
             self.stats.success(
                 request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
@@ -757,9 +768,12 @@ class Core:
         still in a Triton that has not answered or held for one that is unreachable:
         nothing is left unanswered when this returns."""
         self.accepting = False
-        deadline = time.monotonic() + grace_s
+        # Real time, not ``clock``: the wait is the loop's (it sleeps, and each runtime's
+        # drain waits on the loop's clock), and a fake clock would never reach its end.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         while self._admitting or not all(rt.idle for rt in self.runtimes.values()):
-            if time.monotonic() >= deadline or not self.backend.available:
+            if loop.time() >= deadline or not self.backend.available:
                 break
             await asyncio.sleep(0.02)
         err = Unavailable("the frontend is shutting down")
@@ -767,7 +781,7 @@ class Core:
         if left:
             log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
         for runtime in self.runtimes.values():
-            await runtime.drain(max(0.0, deadline - time.monotonic()), err)
+            await runtime.drain(max(0.0, deadline - loop.time()), err)
         await self.backend.close()
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
