@@ -200,6 +200,7 @@ class Core:
         model = call.request.model
         runtime = self.runtimes.get(model)
         self.last_call_at = self.clock.now()
+        req: CoreRequest | None = None
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
@@ -228,6 +229,8 @@ class Core:
             return req
         except FrontendError as err:
             route.answer(Answer(call.id, fault=Fault.of(err)))
+            if req is not None:
+                self._charge_back_limits(req)  # refused after its limits counted it
             self._record(call, err.outcome, err, "", -1.0, None)
             return None
 
@@ -459,6 +462,7 @@ class Core:
                 decision = await self._rate_limits(req)
             self._apply_rate_limits(req, decision)
             if req.cancelled:
+                self._charge_back_limits(req)
                 self._record(call, Outcome.CANCELLED, None, "", -1.0, None)
                 return
             if not self.accepting:
@@ -469,12 +473,14 @@ class Core:
         except FrontendError as err:
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(err)))
+            self._charge_back_limits(req)
             self._record(call, err.outcome, err, "", -1.0, None)
         except Exception as err:
             log.exception("internal error admitting a request to %s", call.request.model)
             error = Internal(f"internal error: {type(err).__name__}")
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(error)))
+            self._charge_back_limits(req)
             self._record(call, Outcome.FAILED, error, "", -1.0, None)
 
     def _own_sequence(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
@@ -508,9 +514,7 @@ class Core:
         infer_s = None
         if req.dispatched_at is not None:
             infer_s = self.clock.now() - req.dispatched_at
-            runtime = self.runtimes.get(req.request.model)
-            if runtime is not None and runtime.endpoint.token_output is not None:
-                self._charge_back_limits(req)
+        self._charge_back_limits(req)
         self._record(req.call, outcome, err, version, req.queued_s, infer_s)
 
     def _on_tokens(self, req: CoreRequest, tokens: int) -> None:
@@ -543,12 +547,18 @@ class Core:
         req.last_token_at = now
 
     def _charge_back_limits(self, req: CoreRequest) -> None:
-        """Token limits count what was produced: admission counted the output tokens asked
-        for (max_tokens), the difference to what came is corrected now."""
+        """Token limits count what was produced where the endpoint counts its output
+        (``token_output``; elsewhere what admission counted stands): admission counted the
+        output tokens asked for (max_tokens), the difference to what came is corrected
+        when the request ends, whether it ran or not (one cancelled, expired or refused
+        after the check, before it was sent, produced nothing). Once: the mark goes."""
+        admitted_at, req.limits_at = req.limits_at, None
+        runtime = self.runtimes.get(req.request.model)
+        if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
+            return  # nothing was counted, or output is not counted here
         delta = req.produced - req.call.max_tokens
-        admitted_at = req.limits_at
-        if not delta or admitted_at is None:
-            return  # nothing to correct, or nothing was counted
+        if not delta:
+            return
         items = self._limits(req)
         key = limit_key(req.tenant, req.request.model)
         now = self.wall()
