@@ -262,7 +262,7 @@ class FrontendServer:
         had accepted but not yet handed to a handler would be cancelled by closing the
         listener, unanswered."""
         until = time.monotonic() + limit_s
-        while time.monotonic() < until and time.monotonic() - core.last_call_at < quiet_s:
+        while time.monotonic() < until and core.clock.now() - core.last_call_at < quiet_s:
             await asyncio.sleep(0.05)
 
 

@@ -105,8 +105,9 @@ class CoreRequest(QueuedRequest):
     cancelled: bool = False  # its client went away while it was in a batch
     answered: bool = False
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
-    limits_at: float | None = None  # time.time() its tokens were counted against its limits
-    last_token_at: float | None = None  # time.monotonic() of its latest output token
+    # Core.wall() when its tokens were counted in its limits (None again once corrected)
+    limits_at: float | None = None
+    last_token_at: float | None = None  # the clock's time of its latest output token
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
 
     @property

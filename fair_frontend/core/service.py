@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fair_frontend.admission import (
@@ -140,7 +140,17 @@ class Core:
         observers: Sequence[Observer] | None = None,
         limiter: RateLimiter | None = None,
         clock: Clock | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        # Two clocks, both injected (unit tests run the core on fake ones):
+        # ``clock`` (a ``LoopClock`` by default: ``time.monotonic()`` and the loop's
+        # timers) for every duration, deadline and timer. A ``Call`` is stamped
+        # ``arrived = time.monotonic()`` by its shell, perhaps in another process:
+        # CLOCK_MONOTONIC is one clock for every process of a host, so latencies and
+        # deadlines taken against ``clock.now()`` are on the shell's scale too.
+        # ``wall`` (``time.time`` by default) for the rate limits' windows only: they are
+        # shared through their storage by replicas on other hosts, which agree on the
+        # wall clock and on no monotonic one.
         self.config = config
         self.forwarder = forwarder
         self.models = ModelRegistry(forwarder)
@@ -152,6 +162,7 @@ class Core:
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self._clock = clock
+        self.wall = wall
         self._backend: Backend | None = None
         self.caps = global_caps(config.queues)
         self.limiter = limiter or rate_limiter(config.rate_limiting)
@@ -161,7 +172,7 @@ class Core:
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
-        self.last_call_at = 0.0  # time.monotonic() of the latest call (shutdown's quiet)
+        self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
 
     @property
@@ -188,7 +199,8 @@ class Core:
         was answered at once (refused)."""
         model = call.request.model
         runtime = self.runtimes.get(model)
-        self.last_call_at = time.monotonic()
+        self.last_call_at = self.clock.now()
+        req: CoreRequest | None = None
         try:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
@@ -217,6 +229,8 @@ class Core:
             return req
         except FrontendError as err:
             route.answer(Answer(call.id, fault=Fault.of(err)))
+            if req is not None:
+                self._charge_back_limits(req)  # refused after its limits counted it
             self._record(call, err.outcome, err, "", -1.0, None)
             return None
 
@@ -376,7 +390,7 @@ class Core:
         items = self._limits(req)
         if not items:
             return _NO_LIMITS
-        now = time.time()
+        now = self.wall()
         decision = self.limiter.check_now(
             limit_key(req.tenant, req.request.model),
             items,
@@ -389,7 +403,7 @@ class Core:
 
     async def _rate_limits(self, req: CoreRequest) -> Decision:
         try:
-            now = time.time()
+            now = self.wall()
             decision = await self.limiter.check(
                 limit_key(req.tenant, req.request.model),
                 self._limits(req),
@@ -448,6 +462,7 @@ class Core:
                 decision = await self._rate_limits(req)
             self._apply_rate_limits(req, decision)
             if req.cancelled:
+                self._charge_back_limits(req)
                 self._record(call, Outcome.CANCELLED, None, "", -1.0, None)
                 return
             if not self.accepting:
@@ -458,12 +473,14 @@ class Core:
         except FrontendError as err:
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(err)))
+            self._charge_back_limits(req)
             self._record(call, err.outcome, err, "", -1.0, None)
         except Exception as err:
             log.exception("internal error admitting a request to %s", call.request.model)
             error = Internal(f"internal error: {type(err).__name__}")
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(error)))
+            self._charge_back_limits(req)
             self._record(call, Outcome.FAILED, error, "", -1.0, None)
 
     def _own_sequence(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
@@ -497,9 +514,7 @@ class Core:
         infer_s = None
         if req.dispatched_at is not None:
             infer_s = self.clock.now() - req.dispatched_at
-            runtime = self.runtimes.get(req.request.model)
-            if runtime is not None and runtime.endpoint.token_output is not None:
-                self._charge_back_limits(req)
+        self._charge_back_limits(req)
         self._record(req.call, outcome, err, version, req.queued_s, infer_s)
 
     def _on_tokens(self, req: CoreRequest, tokens: int) -> None:
@@ -518,7 +533,7 @@ class Core:
             else:
                 cost = float(tokens)
             runtime.scheduler.charge_back(req.tenant, cost)
-        now = time.monotonic()
+        now = self.clock.now()
         first = req.produced == tokens
         self.observer.tokens_produced(
             tenant=req.tenant,
@@ -532,15 +547,21 @@ class Core:
         req.last_token_at = now
 
     def _charge_back_limits(self, req: CoreRequest) -> None:
-        """Token limits count what was produced: admission counted the output tokens asked
-        for (max_tokens), the difference to what came is corrected now."""
+        """Token limits count what was produced where the endpoint counts its output
+        (``token_output``; elsewhere what admission counted stands): admission counted the
+        output tokens asked for (max_tokens), the difference to what came is corrected
+        when the request ends, whether it ran or not (one cancelled, expired or refused
+        after the check, before it was sent, produced nothing). Once: the mark goes."""
+        admitted_at, req.limits_at = req.limits_at, None
+        runtime = self.runtimes.get(req.request.model)
+        if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
+            return  # nothing was counted, or output is not counted here
         delta = req.produced - req.call.max_tokens
-        admitted_at = req.limits_at
-        if not delta or admitted_at is None:
-            return  # nothing to correct, or nothing was counted
+        if not delta:
+            return
         items = self._limits(req)
         key = limit_key(req.tenant, req.request.model)
-        now = time.time()
+        now = self.wall()
         if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
             self._spawn(
                 self.limiter.adjust(key, items, tokens=delta, admitted_at=admitted_at, now=now)
@@ -556,7 +577,7 @@ class Core:
         infer_s: float | None,
     ) -> None:
         request = call.request
-        total_s = time.monotonic() - call.arrived
+        total_s = self.clock.now() - call.arrived
         if outcome is Outcome.DISPATCHED:
             self.stats.success(
                 request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
@@ -757,9 +778,12 @@ class Core:
         still in a Triton that has not answered or held for one that is unreachable:
         nothing is left unanswered when this returns."""
         self.accepting = False
-        deadline = time.monotonic() + grace_s
+        # Real time, not ``clock``: the wait is the loop's (it sleeps, and each runtime's
+        # drain waits on the loop's clock), and a fake clock would never reach its end.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         while self._admitting or not all(rt.idle for rt in self.runtimes.values()):
-            if time.monotonic() >= deadline or not self.backend.available:
+            if loop.time() >= deadline or not self.backend.available:
                 break
             await asyncio.sleep(0.02)
         err = Unavailable("the frontend is shutting down")
@@ -767,7 +791,7 @@ class Core:
         if left:
             log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
         for runtime in self.runtimes.values():
-            await runtime.drain(max(0.0, deadline - time.monotonic()), err)
+            await runtime.drain(max(0.0, deadline - loop.time()), err)
         await self.backend.close()
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
