@@ -26,6 +26,7 @@ BENCHMARKS = [
     "bench_overload",
     "bench_feedback",
     "bench_engine",
+    "bench_relay",
     "bench_generation_cost",
     "bench_hostile",
     "bench_door",

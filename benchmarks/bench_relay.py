@@ -1,0 +1,446 @@
+"""CPU per streamed token: the frontend against a bare relay of Triton's streams, both
+measured in the same run (issue 18).
+
+One Triton serving ``llm``; ``--streams`` streams x ``--tokens`` output tokens kept
+outstanding (closed loop) by a client process of its own, for a warm-up and then a window.
+Over the same window, for each target: tokens/s at the client and the user + system CPU
+seconds of the target's processes (from /proc) per token streamed. Targets, per protocol:
+
+- ``direct``: Triton itself (tokens/s only: the ceiling);
+- ``relay``: a bare relay (``benchmarks/relay_floor.py``), a process that passes Triton's
+  bytes through and decodes nothing: the floor of a relay in Python;
+- ``frontend_w1``, ``frontend_w2``, ...: ``fair-frontend serve --workers N`` (one process;
+  then a core and N shell processes, whose CPU is reported apart: the core's share);
+- ``before_wN``: the same for the frontend of ``--ref REF`` (``baseline_checkout``).
+
+Protocols: ``grpc`` (tritonclient's grpc.aio ``stream_infer``, each client stream carrying
+its requests one after another; the relay: grpc.aio with raw bytes) and ``http``
+(``POST /v2/models/llm/generate_stream``, server-sent events read line by line with
+aiohttp; the relay: aiohttp streaming the response's chunks back).
+
+Reported: frontend CPU per token / the relay's (targets: 1.3x over HTTP, 1.2x over gRPC),
+frontend tokens/s / direct's, and the core's CPU per token with separate shells (target:
+at most 5 µs). Results in ``benchmarks/results/relay.json``, a plot in ``relay.png``.
+
+    .venv/bin/python -m benchmarks.bench_relay [--protocols grpc http] [--streams 64]
+        [--tokens 256] [--workers 1 2] [--ref REF] [--warmup-s 10] [--window-s 30] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_engine import KEYS, bench_config, llm_inputs
+from benchmarks.harness import (
+    RESULTS,
+    baseline_checkout,
+    frontend,
+    process_tree_cpu_s,
+    progress,
+    triton,
+    write_result,
+)
+from fair_frontend.embedded import free_port
+
+MODEL = "llm"
+PROMPT = "a tenant asks the engine for a story about"
+PROTOCOLS = ("grpc", "http")
+# Frontend CPU per token / the bare relay's, per protocol; the core's own, separate shells.
+TARGETS = {"grpc": 1.2, "http": 1.3}
+CORE_TARGET_US = 5.0
+KEY = KEYS["a"]
+
+
+# ---- the client (a process of its own) -----------------------------------------------------
+
+
+@dataclass
+class Count:
+    tokens: int = 0
+    requests: int = 0
+    errors: int = 0
+
+
+def sampling(tokens: int) -> str:
+    return json.dumps({"max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+
+
+async def grpc_stream(client: Any, headers: Any, tokens: int, count: Count) -> None:
+    """One ModelStreamInfer stream: a request, its ``tokens`` responses, the next."""
+    outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    request = {"model_name": MODEL, "inputs": llm_inputs(PROMPT, tokens)}
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        while (item := await outbox.get()) is not None:
+            yield item
+
+    outbox.put_nowait(request)
+    got = 0
+    try:
+        async for _result, error in client.stream_infer(requests(), headers=headers):
+            if error is not None:
+                count.errors += 1
+                raise RuntimeError(f"stream error: {error}")
+            count.tokens += 1
+            got += 1
+            if got == tokens:  # the model sends exactly max_tokens responses
+                count.requests += 1
+                got = 0
+                outbox.put_nowait(request)
+    finally:
+        outbox.put_nowait(None)
+
+
+async def http_stream(session: Any, url: str, headers: Any, tokens: int, count: Count) -> None:
+    """Requests to /generate_stream one after another; one token per ``data:`` event."""
+    body = json.dumps(
+        {"text_input": PROMPT, "stream": True, "sampling_parameters": sampling(tokens)}
+    )
+    while True:
+        async with session.post(url, data=body, headers=headers) as resp:
+            if resp.status != 200:
+                count.errors += 1
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+            async for line in resp.content:
+                if line.startswith(b"data:"):
+                    if b'"error"' in line:
+                        count.errors += 1
+                        raise RuntimeError(f"stream error: {line[:200]!r}")
+                    count.tokens += 1
+        count.requests += 1
+
+
+async def client_main(protocol: str, url: str, key: str | None, load: dict[str, Any]) -> None:
+    """Keep ``streams`` streams busy; print ``{"event": "start"}`` when the window opens
+    and the window's counts when it closes (the parent samples CPU at both lines)."""
+    count = Count()
+    headers = {"x-api-key": key} if key else None
+    streams, tokens = load["streams"], load["tokens"]
+    async with contextlib.AsyncExitStack() as stack:
+        if protocol == "grpc":
+            import tritonclient.grpc.aio as grpcaio
+
+            client = grpcaio.InferenceServerClient(url)
+            stack.push_async_callback(client.close)
+            work = [grpc_stream(client, headers, tokens, count) for _ in range(streams)]
+        else:
+            import aiohttp
+
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+            stack.push_async_callback(session.close)
+            target = f"{url}/v2/models/{MODEL}/generate_stream"
+            work = [http_stream(session, target, headers, tokens, count) for _ in range(streams)]
+        tasks = [asyncio.ensure_future(w) for w in work]
+
+        async def wait(seconds: float) -> None:
+            done, _ = await asyncio.wait(
+                tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION
+            )
+            for task in done:
+                task.result()  # a stream that failed fails the run
+            if done:
+                raise RuntimeError("a stream ended")
+
+        await wait(load["warmup_s"])
+        t0, n0, r0 = time.monotonic(), count.tokens, count.requests
+        print(json.dumps({"event": "start"}), flush=True)
+        await wait(load["window_s"])
+        t1, n1, r1 = time.monotonic(), count.tokens, count.requests
+        answer = {
+            "event": "end",
+            "tokens": n1 - n0,
+            "requests": r1 - r0,
+            "seconds": t1 - t0,
+            "tokens_per_s": (n1 - n0) / (t1 - t0),
+            "errors": count.errors,
+        }
+        print(json.dumps(answer), flush=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def read_line(proc: subprocess.Popen[str], pool: ThreadPoolExecutor, timeout_s: float) -> str:
+    assert proc.stdout is not None
+    try:
+        line = pool.submit(proc.stdout.readline).result(timeout=timeout_s)
+    except FutureTimeout:
+        proc.kill()
+        raise TimeoutError(f"no line from process {proc.pid} in {timeout_s:.0f} s") from None
+    if not line:
+        raise RuntimeError(f"process {proc.pid} exited with {proc.wait()}")
+    return line
+
+
+def run_window(
+    protocol: str, url: str, key: str | None, load: dict[str, Any], cpu_pid: int | None
+) -> dict[str, Any]:
+    """The client over one warm-up and window; the CPU of ``cpu_pid`` (and its children)
+    over the same window."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_relay", "--client", protocol, "--url", url]
+    cmd += ["--load", json.dumps(load)] + (["--key", key] if key else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    limit = load["warmup_s"] + 60
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = json.loads(read_line(proc, pool, limit))
+            assert started["event"] == "start", started
+            cpu0 = process_tree_cpu_s(cpu_pid) if cpu_pid else None
+            answer: dict[str, Any] = json.loads(read_line(proc, pool, load["window_s"] + 60))
+            cpu1 = process_tree_cpu_s(cpu_pid) if cpu_pid else None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if cpu0 is not None and cpu1 is not None and answer["tokens"]:
+        per = {k: (cpu1[k] - cpu0[k]) / answer["tokens"] * 1e6 for k in cpu0}
+        answer["cpu_us_per_token"] = sum(per.values())
+        answer["core_cpu_us_per_token"] = per["core"]
+        answer["shells_cpu_us_per_token"] = per["shells"]
+        answer["cpu_cores"] = sum(cpu1[k] - cpu0[k] for k in cpu0) / answer["seconds"]
+    answer.pop("event", None)
+    return answer
+
+
+# ---- the targets -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bare_relay(protocol: str, server: Any) -> Iterator[tuple[str, int]]:
+    """``relay_floor`` as its own process: (its URL for the client, its pid)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.relay_floor", protocol, "--port", str(port)]
+    cmd += ["--triton-grpc", server.grpc_url, "--triton-http", server.http_url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            line = read_line(proc, pool, 30)
+        if line.strip() != "ready":
+            raise RuntimeError(f"relay_floor said {line!r}")
+        url = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}"
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def report(name: str, protocol: str, r: dict[str, Any]) -> None:
+    if "error" in r:
+        progress(f"  {protocol} {name}: failed: {r['error']}")
+        return
+    line = f"  {protocol} {name}: {r['tokens_per_s']:.0f} tokens/s"
+    if "tokens_per_s_vs_direct" in r:
+        line += f" ({r['tokens_per_s_vs_direct']:.2f}x direct)"
+    if "cpu_us_per_token" in r:
+        line += f", CPU {r['cpu_us_per_token']:.1f} µs/token"
+        if r.get("shells_cpu_us_per_token"):
+            line += (
+                f" (core {r['core_cpu_us_per_token']:.1f}, "
+                f"shells {r['shells_cpu_us_per_token']:.1f})"
+            )
+    if "cpu_vs_relay" in r:
+        line += f", {r['cpu_vs_relay']:.2f}x the relay's"
+    progress(line)
+
+
+def compare(runs: dict[str, dict[str, Any]], name: str) -> None:
+    """A target's tokens/s against Triton direct's, and its CPU per token against the bare
+    relay's, both measured before it in the same run."""
+    r = runs[name]
+    if name == "direct" or "error" in r:
+        return
+    r["tokens_per_s_vs_direct"] = r["tokens_per_s"] / runs["direct"]["tokens_per_s"]
+    if name != "relay":
+        r["cpu_vs_relay"] = r["cpu_us_per_token"] / runs["relay"]["cpu_us_per_token"]
+
+
+def measure_all(
+    server: Any,
+    protocols: list[str],
+    load: dict[str, Any],
+    workers: list[int],
+    baseline: Path | None,
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {p: {} for p in protocols}
+    what = f"{load['streams']} streams x {load['tokens']} tokens"
+    direct_url = {"grpc": server.grpc_url, "http": server.http_url}
+    for p in protocols:
+        progress(f"{p}: Triton direct, {what}")
+        out[p]["direct"] = run_window(p, direct_url[p], None, load, None)
+        compare(out[p], "direct")
+        report("direct", p, out[p]["direct"])
+    for p in protocols:
+        progress(f"{p}: bare relay, {what}")
+        with bare_relay(p, server) as (url, pid):
+            out[p]["relay"] = run_window(p, url, None, load, pid)
+        compare(out[p], "relay")
+        report("relay", p, out[p]["relay"])
+    runs = [("frontend", None)] + ([("before", baseline)] if baseline is not None else [])
+    for name, source in runs:
+        for w in workers:
+            key = f"{name}_w{w}"
+            config = bench_config("fair", source=source)
+            with frontend(
+                config, server.grpc_url, http_url=server.http_url, workers=w, source=source
+            ) as fe:
+                urls = {"grpc": fe.grpc_url, "http": f"http://{fe.http_url}"}
+                for p in protocols:
+                    progress(f"{p}: {name}, --workers {w}, {what}")
+                    try:
+                        out[p][key] = run_window(p, urls[p], KEY, load, fe.process.pid)
+                    except (RuntimeError, TimeoutError) as err:  # an earlier ref may lack it
+                        out[p][key] = {"error": str(err)}
+                    out[p][key]["workers"] = w
+                    compare(out[p], key)
+                    report(key, p, out[p][key])
+    return out
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures, per protocol: each frontend's CPU per token / the relay's
+    against its target, tokens/s / direct's, and the core's share with separate shells."""
+    summary: dict[str, Any] = {}
+    for p in PROTOCOLS:
+        if p not in results:
+            continue
+        s: dict[str, Any] = {
+            "target_cpu_vs_relay": TARGETS[p],
+            "relay_cpu_us_per_token": results[p]["relay"]["cpu_us_per_token"],
+            "relay_tokens_per_s_vs_direct": results[p]["relay"]["tokens_per_s_vs_direct"],
+        }
+        for name, r in results[p].items():
+            if name in ("direct", "relay") or "error" in r:
+                continue
+            s[name] = {
+                "cpu_us_per_token": r["cpu_us_per_token"],
+                "cpu_vs_relay": r["cpu_vs_relay"],
+                "cpu_target_met": r["cpu_vs_relay"] <= TARGETS[p],
+                "tokens_per_s_vs_direct": r["tokens_per_s_vs_direct"],
+            }
+            if r["workers"] > 1:
+                s[name]["core_cpu_us_per_token"] = r["core_cpu_us_per_token"]
+                s[name]["core_target_us"] = CORE_TARGET_US
+                s[name]["core_target_met"] = r["core_cpu_us_per_token"] <= CORE_TARGET_US
+        summary[p] = s
+    return summary
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    protocols = [p for p in PROTOCOLS if p in results]
+    fig, axes = plt.subplots(2, len(protocols), figsize=(6.5 * len(protocols), 8), squeeze=False)
+    for col, p in enumerate(protocols):
+        # direct, relay, then the frontends (a kept protocol's JSON comes back sorted)
+        fixed = ("direct", "relay")
+        order = [*fixed, *sorted(n for n in results[p] if n not in fixed)]
+        r = {n: results[p][n] for n in order if "error" not in results[p][n]}
+        names = [n for n in r if n != "direct"]
+        ax = axes[0][col]
+        core = [r[n].get("core_cpu_us_per_token", 0.0) for n in names]
+        shells = [r[n].get("shells_cpu_us_per_token", 0.0) for n in names]
+        ax.bar(names, core, color="#4c72b0", label="process (core when shells apart)")
+        ax.bar(names, shells, bottom=core, color="#dd8452", label="shell processes")
+        ax.axhline(
+            r["relay"]["cpu_us_per_token"] * TARGETS[p],
+            ls="--",
+            color="gray",
+            label=f"target: {TARGETS[p]}x the bare relay",
+        )
+        ax.set_ylabel("CPU µs per streamed token (user + sys)")
+        ax.set_title(f"{p}: CPU per token")
+        ax.legend(fontsize=8)
+        ax = axes[1][col]
+        names = list(r)
+        ax.bar(names, [r[n]["tokens_per_s"] for n in names], color="#55a868")
+        ax.set_ylabel("tokens/s at the client")
+        ax.set_title(f"{p}: throughput")
+        for a in axes[:, col]:
+            a.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    progress(f"plot written to {path.relative_to(RESULTS.parent.parent)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument("--streams", type=int, default=64, help="concurrent streams")
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens per request")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="shell counts")
+    parser.add_argument("--ref", help="also the frontend of this git ref, same run")
+    parser.add_argument("--warmup-s", type=float, default=10.0)
+    parser.add_argument("--window-s", type=float, default=30.0)
+    parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
+    parser.add_argument("--client", choices=PROTOCOLS, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        asyncio.run(client_main(args.client, args.url, args.key, json.loads(args.load)))
+        return
+    if args.quick:
+        args.tokens, args.warmup_s, args.window_s = min(args.tokens, 32), 2.0, 4.0
+    load = {
+        "streams": args.streams,
+        "tokens": args.tokens,
+        "warmup_s": args.warmup_s,
+        "window_s": args.window_s,
+    }
+    with triton() as server, contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
+        results: dict[str, Any] = measure_all(server, args.protocols, load, args.workers, baseline)
+    earlier = RESULTS / "relay.json"
+    if set(args.protocols) != set(PROTOCOLS) and earlier.exists():
+        # A run of one protocol replaces its results and keeps the other's (each
+        # protocol's ratios come from one run).
+        kept = json.loads(earlier.read_text())
+        results = {p: kept[p] for p in PROTOCOLS if p in kept and p not in results} | results
+    results["summary"] = summarise(results)
+    results["args"] = {
+        k: v for k, v in vars(args).items() if k not in ("client", "url", "key", "load")
+    }
+    results["cpus"] = len(os.sched_getaffinity(0))
+    for p, s in results["summary"].items():
+        for name, f in s.items():
+            if isinstance(f, dict):
+                core = (
+                    f"; core {f['core_cpu_us_per_token']:.1f} µs/token"
+                    if "core_target_us" in f
+                    else ""
+                )
+                progress(
+                    f"{p} {name}: CPU {f['cpu_vs_relay']:.2f}x the relay's (target "
+                    f"{TARGETS[p]}x), {f['tokens_per_s_vs_direct']:.2f}x direct's tokens/s{core}"
+                )
+    path = write_result("relay", results)
+    plot(results, path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
