@@ -35,8 +35,8 @@ from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.records import Answer, Call, Grant
 from fair_frontend.scheduler import Scheduler
+from fair_frontend.wire.records import Answer, Call, Grant
 
 EMBED, LLM = "embed", "llm"
 LLM_INFO = ModelInfo(
