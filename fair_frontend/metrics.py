@@ -22,7 +22,7 @@ names the model only where it knows it exists and the tenant may call it (``Gate
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -308,14 +308,16 @@ class FrontendMetrics(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: float | None,
+        inter_token_s: Sequence[float] = (),
     ) -> None:
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
         self._child(self.output_tokens, *labels).inc(tokens)
         if first_token_s is not None:
             self._child(self.first_token, *labels).observe(first_token_s)
-        if inter_token_s is not None:
-            self._child(self.inter_token, *labels).observe(inter_token_s)
+        if inter_token_s:
+            observe = self._child(self.inter_token, *labels).observe
+            for gap in inter_token_s:
+                observe(gap)
 
     def throttle_decision(self, *, model: str, decision: Any) -> None:
         self.endpoint_label.confirm(model)

@@ -77,11 +77,12 @@ class Observer:
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: float | None,
+        inter_token_s: Sequence[float] = (),
     ) -> None:
-        """A request's output produced ``tokens`` tokens (a streamed response, or a whole
-        answer): ``first_token_s`` from its arrival, on its first; ``inter_token_s`` since
-        its previous token, on each later streamed one."""
+        """A request's output produced ``tokens`` tokens (streamed responses, or a whole
+        answer): ``first_token_s`` from its arrival, if its first is among them;
+        ``inter_token_s``, the time between each two consecutive streamed ones among them
+        (a stream's as its shell wrote them to the client)."""
 
 
 class Observers(Observer):

@@ -107,7 +107,6 @@ class CoreRequest(QueuedRequest):
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
     # Core.wall() when its tokens were counted in its limits (None again once corrected)
     limits_at: float | None = None
-    last_token_at: float | None = None  # the clock's time of its latest output token
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
 
     @property

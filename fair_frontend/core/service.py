@@ -242,11 +242,28 @@ class Core:
         elif runtime is not None:
             runtime.cancel(req)
 
-    def produced(self, req: CoreRequest, tokens: int) -> None:
-        """The stream of granted ``req`` relayed ``tokens`` output tokens (its shell)."""
+    def produced(
+        self,
+        req: CoreRequest,
+        tokens: int,
+        first_token_s: float = -1.0,
+        gaps_s: Sequence[float] = (),
+    ) -> None:
+        """The stream of granted ``req`` relayed ``tokens`` output tokens (its shell says
+        so, with their times at the client: ``first_token_s`` since arrival if the first
+        is among them, else -1, and the gaps between them): charged to its tenant, and
+        observed."""
         runtime = self.runtimes.get(req.request.model)
-        if runtime is not None:
-            runtime.produced(req, tokens)
+        if runtime is None or req.answered or tokens <= 0:
+            return
+        runtime.produced(req, tokens)
+        self.observer.tokens_produced(
+            tenant=req.tenant,
+            model=req.request.model,
+            tokens=tokens,
+            first_token_s=first_token_s if first_token_s >= 0 else None,
+            inter_token_s=gaps_s,
+        )
 
     def stream_ended(
         self,
@@ -533,18 +550,16 @@ class Core:
             else:
                 cost = float(tokens)
             runtime.scheduler.charge_back(req.tenant, cost)
+        if req.ended is not None:
+            return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.clock.now()
-        first = req.produced == tokens
-        self.observer.tokens_produced(
+        self.observer.tokens_produced(  # an answer in one piece: its tokens at once
             tenant=req.tenant,
             model=req.request.model,
             tokens=tokens,
-            first_token_s=now - req.call.arrived if first else None,
-            inter_token_s=(
-                now - req.last_token_at if req.last_token_at is not None and tokens == 1 else None
-            ),
+            first_token_s=now - req.call.arrived if req.produced == tokens else None,
+            inter_token_s=(),
         )
-        req.last_token_at = now
 
     def _charge_back_limits(self, req: CoreRequest) -> None:
         """Token limits count what was produced where the endpoint counts its output

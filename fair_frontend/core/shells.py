@@ -159,10 +159,10 @@ class ShellConnection(Framed):
                     self.calls[record.id] = _CANCELLED
         elif isinstance(record, Produced):
             calls = self.calls
-            for call_id, tokens in record.entries:
+            for call_id, tokens, first_s, gaps in record.entries:
                 req = calls.get(call_id)
                 if req is not None and req is not _CANCELLED:
-                    self.core.produced(req, tokens)
+                    self.core.produced(req, tokens, first_s, gaps)
         elif isinstance(record, Ended):
             req = self.calls.pop(record.id, None)
             if req is not None and req is not _CANCELLED:

@@ -222,6 +222,7 @@ class Gateway:
         name = endpoint.token_output
         want_final = streaming and req.empty_final_response
         produced = 0
+        last = 0.0  # time.monotonic() of its latest token
         try:
             async for reply in stream:
                 if reply.error is not None:
@@ -234,8 +235,13 @@ class Gateway:
                     n = 1
                     if reply.final and not produced:
                         n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
+                    now = time.monotonic()  # the clock of call.arrived (one per host)
+                    if produced:
+                        inbox.produced(n, -1.0, now - last)
+                    else:
+                        inbox.produced(n, now - call.arrived, -1.0)
                     produced += n
-                    inbox.produced(n)
+                    last = now
                 if reply.final:
                     inbox.end(version)  # the core hears of it before the client does
                 if not reply.outputs and not (reply.final and want_final):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from fair_frontend.errors import FrontendError
@@ -39,7 +39,7 @@ class Inbox:
         self._answer: Answer | Grant | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._cancel: Any = None  # set by the link: how to cancel the call in the core
-        self._produced: Callable[[int], None] = _nothing  # set by the link, on a grant
+        self._produced: Produce = _no_tokens  # set by the link: how to report tokens
         self._end: Callable[[int, str, FrontendError | None, bool], None] = _never
         self.on_revoke: Callable[[FrontendError], None] = _nothing
         self.done = False  # answered and read, or ended
@@ -69,9 +69,11 @@ class Inbox:
             self.done = True
         return answer
 
-    def produced(self, tokens: int) -> None:
-        """The granted stream relayed ``tokens`` output tokens."""
-        self._produced(tokens)
+    def produced(self, tokens: int, first_token_s: float, gap_s: float) -> None:
+        """The granted stream relayed ``tokens`` output tokens, its first ``first_token_s``
+        after the call arrived (-1: not its first), ``gap_s`` after the one before (-1:
+        none before)."""
+        self._produced(tokens, first_token_s, gap_s)
 
     def end(
         self, version: str = "", fault: FrontendError | None = None, cancelled: bool = False
@@ -95,7 +97,15 @@ class Inbox:
             self._cancel()
 
 
+Produce = Callable[[int, float, float], None]
+"""(tokens, first_token_s, gap_s): ``Inbox.produced``."""
+
+
 def _nothing(value: Any) -> None:
+    pass
+
+
+def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
     pass
 
 
@@ -149,7 +159,9 @@ class InProcessCore(Protocol):
 
     def cancel(self, req: Any) -> None: ...
 
-    def produced(self, req: Any, tokens: int) -> None: ...
+    def produced(
+        self, req: Any, tokens: int, first_token_s: float, gaps_s: Sequence[float]
+    ) -> None: ...
 
     def stream_ended(
         self, req: Any, tokens: int, version: str, err: FrontendError | None, cancelled: bool
@@ -180,7 +192,9 @@ class LocalLink:
         if req is not None:
             core = self.core
             inbox._cancel = lambda: core.cancel(req)
-            inbox._produced = lambda tokens: core.produced(req, tokens)
+            inbox._produced = lambda tokens, first, gap: core.produced(
+                req, tokens, first, (gap,) if gap >= 0 else ()
+            )
             inbox._end = lambda tokens, version, fault, cancelled: core.stream_ended(
                 req, tokens, version, fault, cancelled
             )

@@ -17,6 +17,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
+    PRODUCED_TICK_S,
     Answer,
     Call,
     Cancel,
@@ -68,7 +69,7 @@ class SocketLink(Framed):
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
         # Output tokens of granted streams not yet told to the core, per call: told at
         # the end of this loop iteration, all calls' in one ``Produced``.
-        self._produced: dict[int, int] = {}
+        self._produced: dict[int, tuple[int, float, list[float]]] = {}
         self.accepting = True
 
     @classmethod
@@ -98,7 +99,7 @@ class SocketLink(Framed):
         call_id = call.id
         self._inboxes[call_id] = inbox
         inbox._cancel = lambda: self._cancel(call_id)
-        inbox._produced = lambda tokens: self._tokens(call_id, tokens)
+        inbox._produced = lambda tokens, first, gap: self._tokens(call_id, tokens, first, gap)
         inbox._end = lambda tokens, version, fault, cancelled: self._ended(
             call_id, tokens, version, fault, cancelled
         )
@@ -109,18 +110,25 @@ class SocketLink(Framed):
         if self._inboxes.pop(call_id, None) is not None:
             super().send(Cancel(call_id))
 
-    def _tokens(self, call_id: int, tokens: int) -> None:
-        """Output tokens a granted stream relayed: told to the core at the end of this
-        loop iteration, with every other stream's (one ``Produced`` per iteration)."""
+    def _tokens(self, call_id: int, tokens: int, first_s: float, gap_s: float) -> None:
+        """Output tokens a granted stream relayed: told to the core within
+        ``PRODUCED_TICK_S``, with every other stream's (one ``Produced`` per tick)."""
         produced = self._produced
         if not produced:
-            asyncio.get_running_loop().call_soon(self._send_produced)
-        produced[call_id] = produced.get(call_id, 0) + tokens
+            asyncio.get_running_loop().call_later(PRODUCED_TICK_S, self._send_produced)
+        entry = produced.get(call_id)
+        if entry is None:
+            entry = produced[call_id] = (0, -1.0, [])
+        gaps = entry[2]
+        if gap_s >= 0:
+            gaps.append(gap_s)
+        produced[call_id] = (entry[0] + tokens, first_s if first_s >= 0 else entry[1], gaps)
 
     def _send_produced(self) -> None:
         produced, self._produced = self._produced, {}
-        if produced:
-            super().send(Produced(list(produced.items())))
+        if produced and not self.closed:
+            entries = [(call_id, *entry) for call_id, entry in produced.items()]
+            super().send(Produced(entries))  # type: ignore[arg-type]
 
     def _ended(
         self,
@@ -130,10 +138,12 @@ class SocketLink(Framed):
         fault: FrontendError | None,
         cancelled: bool,
     ) -> None:
-        """A granted stream ended: with the tokens not yet told (so none arrive after)."""
-        tokens += self._produced.pop(call_id, 0)
+        """A granted stream ended: its tokens not yet told go first (none after)."""
         if self._inboxes.pop(call_id, None) is None:
             return
+        entry = self._produced.pop(call_id, None)
+        if entry is not None:
+            super().send(Produced([(call_id, *entry)]))
         sent = Fault.of(fault) if fault is not None else None
         super().send(Ended(call_id, tokens, version, sent, cancelled))
 

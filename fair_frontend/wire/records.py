@@ -16,8 +16,8 @@ Streams take one hop. A decoupled model's request is not relayed through the cor
 its turn comes the core answers the call with a ``Grant`` (a slot in the engine), and the
 shell that holds the client sends the request to Triton itself and writes Triton's
 responses straight to its client. It tells the core the output tokens they carried
-(``Produced``, one record per shell per loop iteration, for every stream it relays) and,
-once, that the stream ended (``Ended``: how, and the tokens not yet reported); the core
+(``Produced``, one record per shell process every ``PRODUCED_TICK_S``, for every stream it
+relays) and, once, that the stream ended (``Ended``: how); the core
 then frees the slot and records the outcome. A call granted a slot is answered no further
 by the core, except to take the slot back (a shutdown that stopped waiting for it): an
 ``Answer`` with the error, which ends the stream in the shell.
@@ -140,9 +140,18 @@ class Grant(msgspec.Struct, tag=18, array_like=True):
 
 
 class Produced(msgspec.Struct, tag=19, array_like=True):
-    """Output tokens of granted calls relayed since the last of these: (call id, tokens)."""
+    """Output tokens of granted calls relayed since the last of these, one entry per call:
+    (call id, tokens, seconds from its arrival to its first token if that is among them
+    else -1, the seconds between its consecutive tokens among them), timed by its shell
+    where it wrote them to the client."""
 
-    entries: list[tuple[int, int]]
+    entries: list[tuple[int, int, float, list[float]]]
+
+
+PRODUCED_TICK_S = 0.005
+"""How long a shell process gathers its streams' token reports into one ``Produced``: a
+tenant's tokens reach its fair share this much (and one socket hop) after they reach its
+shell, and the core wakes for a record per shell per tick, not per token."""
 
 
 class Ended(msgspec.Struct, tag=20, array_like=True):

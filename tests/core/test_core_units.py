@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -134,7 +134,7 @@ class Recorder(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: float | None,
+        inter_token_s: Sequence[float] = (),
     ) -> None:
         if first_token_s is not None:
             self.first_token_s.append(first_token_s)
@@ -509,16 +509,16 @@ async def test_a_stream_is_counted_in_its_limit_as_its_input_and_what_it_produce
     assert first.granted and second.granted
     assert first.req is not None and second.req is not None
     await rig.advance(2.0)
-    rig.core.produced(first.req, 7)
+    rig.core.produced(first.req, 7, 2.0, [0.1] * 6)  # as its shell timed them
     end_stream(rig, first, 3, "ok")  # 10 produced of 50
     assert rig.limit_tokens("a") == 10 + 10 + 25
-    rig.core.produced(second.req, 30)  # more than it asked for (the model's choice)
+    rig.core.produced(second.req, 30, 2.0)  # more than it asked for (the model's choice)
     end_stream(rig, second, 0, "cancelled")
     assert rig.limit_tokens("a") == 10 + 10 + 5 + 30
     await rig.settle()
     assert rig.outcomes(first) == [Outcome.DISPATCHED]
     assert rig.outcomes(second) == [Outcome.CANCELLED]
-    # Latencies on the fake clock, from the calls' arrival: the first tokens, the ends.
+    # The first tokens as the shell timed them; the ends on the fake clock, from arrival.
     assert rig.recorder.first_token_s == [2.0, 2.0]
     assert [f.latency_s for f in rig.recorder.finished] == [2.0, 2.0]
 
