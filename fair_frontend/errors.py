@@ -1,6 +1,6 @@
 """Errors the frontend answers with, mapped once to gRPC and HTTP.
 
-The mapping follows ``shared/PROTOCOL.md``: Triton's own codes and messages where
+The mapping follows ``docs/PROTOCOL.md``: Triton's own codes and messages where
 Triton has the situation, 429 for one tenant's quota, 503 for the platform's overload.
 Raise a subclass anywhere on the request path; the HTTP and gRPC shells turn it into
 the status, body and ``retry-after`` hint.

@@ -239,7 +239,7 @@ class FrontendServer:
         if self.core is not None:
             try:
                 await asyncio.wait_for(self.core.shutdown(grace_s), grace_s + 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("shutdown: gave up waiting for in-flight batches")
             await self._quiet(self.core)
         if self.shells is not None:

@@ -203,7 +203,7 @@ async def aeventually(
         if inspect.isawaitable(value):
             try:
                 value = await asyncio.wait_for(value, max(deadline - loop.time(), interval))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AssertionError(
                     f"not within {timeout:g} s (the condition did not answer): "
                     f"{_describe(condition, what)}"

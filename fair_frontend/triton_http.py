@@ -177,7 +177,7 @@ class TritonHttp:
         data = encode_request(model, version, inputs, outputs, parameters, request_id, sequence)
         try:
             status, headers, body = await asyncio.wait_for(self._send(data), self.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceeded("Triton is unavailable: Deadline Exceeded") from None
         if status != 200:
             raise error_of(status, body)

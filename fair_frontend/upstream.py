@@ -24,7 +24,7 @@ from fair_frontend.errors import (
 
 # Triton's HTTP server's mapping of its error codes (src/http_server.cc, HttpCodeFromError),
 # and RESOURCE_EXHAUSTED, which Triton's core has no code for (it reaches a gRPC client from
-# gRPC's own limits, e.g. a message over the size limit): 429, as shared/PROTOCOL.md maps
+# gRPC's own limits, e.g. a message over the size limit): 429, as docs/PROTOCOL.md maps
 # it (and grpc-gateway), not the 400 Triton's table gives everything it does not list.
 _HTTP_STATUS = {
     grpc.StatusCode.INTERNAL: 500,
@@ -58,7 +58,7 @@ def upstream_error(err: InferenceServerException) -> FrontendError:
         return Unavailable(f"Triton is unavailable: {message}", never_sent=never_sent)
     if _UNKNOWN_MODEL.search(message):
         # An unknown model (not an unknown version of a known one): Triton 2.51 says
-        # NOT_FOUND / 404 on some paths; shared/PROTOCOL.md says INVALID_ARGUMENT / 400,
+        # NOT_FOUND / 404 on some paths; docs/PROTOCOL.md says INVALID_ARGUMENT / 400,
         # as the frontend's infer answers: one answer everywhere.
         return UpstreamError(message, grpc.StatusCode.INVALID_ARGUMENT, 400)
     return UpstreamError(message, code, _HTTP_STATUS.get(code, 400))

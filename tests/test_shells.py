@@ -207,7 +207,7 @@ async def _raw_http(port: int, head: str, wait_s: float) -> str:
         await writer.drain()
         try:
             return (await asyncio.wait_for(reader.read(4096), wait_s)).decode()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return ""
     finally:
         writer.close()

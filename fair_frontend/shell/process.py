@@ -29,6 +29,7 @@ from aiohttp import web
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import parse_config
 from fair_frontend.forwarder import TritonForwarder
+from fair_frontend.logs import configure_logging
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
 from fair_frontend.shell.http_server import HttpShell
@@ -130,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from fair_frontend.logs import configure_logging
-
     configure_logging(args.log_format, args.log_level)
     return uvloop.run(ShellProcess(args).run())
 

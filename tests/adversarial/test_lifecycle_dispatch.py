@@ -187,7 +187,7 @@ async def test_an_abandoned_stream_stops_running_in_triton(triton: Any, workers:
 
 def test_triton_resource_exhausted_is_429_over_grpc() -> None:
     """Triton's core has no RESOURCE_EXHAUSTED of its own; it reaches the forwarder from
-    gRPC's limits. The client sees it as it is, 429 on HTTP (shared/PROTOCOL.md), not the
+    gRPC's limits. The client sees it as it is, 429 on HTTP (docs/PROTOCOL.md), not the
     400 a code missing from the table fell back to."""
     message = "Received message larger than max (2147483648 vs. 2147483647)"
     err = upstream_error(InferenceServerException(message, "StatusCode.RESOURCE_EXHAUSTED"))
