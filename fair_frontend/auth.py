@@ -258,6 +258,16 @@ class GatewayTrust:
         return any(address in network for network in self.networks)
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A tenant as ``by`` found it from a request's headers (once per request, once per
+    stream): good for the request's body and a stream's messages while ``by`` is the
+    authenticator in force (a reload makes a new one, and the headers are read again)."""
+
+    tenant: str
+    by: Authenticator
+
+
 class Authenticator:
     """Who is the tenant of this request?"""
 
@@ -287,6 +297,18 @@ class Authenticator:
         ):
             return None  # the gateway names the tenant in the body, if at all
         return self.identify(headers, None)
+
+    def confirm(
+        self, known: Identity | None, headers: Mapping[str, str], tenant_claim: str | None
+    ) -> str:
+        """``identify``, without reading the headers again where they were read already
+        (``known``, by this authenticator): only the body's claim is left to check."""
+        claim_agrees = known is not None and (
+            tenant_claim is None or tenant_claim.strip() == known.tenant
+        )
+        if known is not None and known.by is self and claim_agrees:
+            return known.tenant
+        return self.identify(headers, tenant_claim)
 
     def identify(self, headers: Mapping[str, str], tenant_claim: str | None) -> str:
         """The tenant, or raise Unauthenticated (401) / PermissionDenied (403).

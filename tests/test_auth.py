@@ -7,6 +7,7 @@ import pytest
 from fair_frontend.auth import (
     PEER_HEADER,
     Authenticator,
+    Identity,
     KeyRing,
     ModelAccess,
     extract_key,
@@ -67,6 +68,37 @@ def test_a_key_cannot_claim_another_tenant() -> None:
         auth.identify({"x-api-key": "acme-key", "x-tenant-id": "globex"}, None)
     # Naming itself is fine.
     assert auth.identify({"x-api-key": "acme-key", "x-tenant-id": "acme"}, "acme") == "acme"
+
+
+class CountingKeys(dict[str, str]):
+    """Headers that count how often identity reads them."""
+
+    reads = 0
+
+    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
+        self.reads += 1
+        return super().get(key, default)
+
+
+def test_headers_read_once_stand_for_the_body_and_a_streams_messages() -> None:
+    """The transport identifies a request (or a stream) from its headers once; the body's
+    claim is the only thing left to check, and only the authenticator that read them
+    vouches for them: after a reload (a new one) the headers are read again."""
+    auth = authenticator()
+    headers = CountingKeys({"authorization": "Bearer acme-key"})
+    known = Identity(auth.identify(headers, None), auth)
+    reads = headers.reads
+    assert auth.confirm(known, headers, None) == "acme"
+    assert auth.confirm(known, headers, " acme") == "acme"
+    assert headers.reads == reads  # neither read the headers (nor hashed the key) again
+    with pytest.raises(PermissionDenied):  # the body naming another tenant: as identify
+        auth.confirm(known, headers, "globex")
+    reloaded = authenticator()
+    assert reloaded.confirm(known, headers, None) == "acme"
+    assert headers.reads > reads  # a new authenticator reads them itself
+    revoked = Authenticator(KeyRing({}), {"acme"})
+    with pytest.raises(Unauthenticated):  # a key a reload revoked stops a stream's next
+        revoked.confirm(known, headers, None)
 
 
 def test_claims_are_ignored_without_a_trusted_gateway() -> None:

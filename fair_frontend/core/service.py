@@ -369,7 +369,10 @@ class Core:
         admission = runtime.admission
         if admission is None or not admission.throttles:
             return
-        timeout_us = req.request.timeout_us
+        # The time left to its deadline, not its whole timeout: the time it already
+        # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
+        deadline = req.call.deadline
+        remaining_s = None if deadline is None else deadline - self.clock.now()
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -378,7 +381,7 @@ class Core:
             priority=req.priority,
             rows=req.rows,
             tokens=req.tokens,
-            remaining_s=timeout_us / 1e6 if timeout_us else None,
+            remaining_s=remaining_s,
             own_inflight=runtime.in_engine(req.tenant) if admission.engine is not None else 0,
         )
         assert decision is not None

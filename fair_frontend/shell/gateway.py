@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import service_pb2
 
-from fair_frontend.auth import Authenticator, KeyRing, ModelAccess
+from fair_frontend.auth import Authenticator, Identity, KeyRing, ModelAccess
 from fair_frontend.batching import pack
 from fair_frontend.config import Config, Endpoint, SideDoors
 from fair_frontend.errors import (
@@ -112,30 +112,39 @@ class Gateway:
 
     # ---- inference ----------------------------------------------------------------------
 
-    async def infer(self, req: InferRequest, headers: Mapping[str, str]) -> InferResponse:
-        """One request, one response (ModelInfer, HTTP infer)."""
-        replies = self._handle(req, headers, streaming=False)
+    async def infer(
+        self, req: InferRequest, headers: Mapping[str, str], known: Identity | None = None
+    ) -> InferResponse:
+        """One request, one response (ModelInfer, HTTP infer). ``known``: its tenant as
+        the transport found it from the headers (``admit_early``), if it did."""
+        replies = self._handle(req, headers, known, streaming=False)
         try:
             return await anext(replies)
         finally:
             await replies.aclose()
 
     def stream_infer(
-        self, req: InferRequest, headers: Mapping[str, str]
+        self, req: InferRequest, headers: Mapping[str, str], known: Identity | None = None
     ) -> AsyncGenerator[InferResponse, None]:
-        """One request on a stream (ModelStreamInfer): its responses; several for a
-        decoupled model, exactly one otherwise. ``aclose()`` cancels it."""
-        return self._handle(req, headers, streaming=True)
+        """One request on a stream (ModelStreamInfer, generate): its responses; several
+        for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``:
+        as for ``infer`` (a stream's, found once for all its messages)."""
+        return self._handle(req, headers, known, streaming=True)
 
     async def _handle(
-        self, req: InferRequest, headers: Mapping[str, str], *, streaming: bool
+        self,
+        req: InferRequest,
+        headers: Mapping[str, str],
+        known: Identity | None,
+        *,
+        streaming: bool,
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
         tenant: str | None = None
         info: ModelInfo | None = None
         try:
-            tenant = self.auth.identify(headers, req.tenant_claim)
+            tenant = self.auth.confirm(known, headers, req.tenant_claim)
             self._admit_model(tenant, req.model)
             self._shed(tenant, req.model, req.nbytes)
             info = await self._model_info(req.model)
@@ -253,17 +262,18 @@ class Gateway:
             inbox.end(cancelled=True)  # no-op once ended
             await stream.aclose()
 
-    def admit_early(self, model: str, headers: Mapping[str, str]) -> str | None:
+    def admit_early(self, model: str, headers: Mapping[str, str]) -> Identity | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is
         read: no key or an unknown one (401/403), a model name too long (400) or one the
         tenant may not call (403), or a queue that is full (503). A flood of any of them
         then costs no body read, decompression or decoding. ``model`` "": not known yet
         (a gRPC message that does not name it first); ``infer`` checks it after decoding.
         Returns the tenant, as far as the headers tell
-        (``Authenticator.identify_by_headers``)."""
-        tenant = self.auth.identify_by_headers(headers)
+        (``Authenticator.identify_by_headers``), for ``infer`` not to read them again."""
+        auth = self.auth
+        tenant = auth.identify_by_headers(headers)
         self.shed(tenant, model)
-        return tenant
+        return None if tenant is None else Identity(tenant, auth)
 
     def shed(self, tenant: str | None, model: str) -> None:
         """Refuse a request of ``tenant`` (as ``admit_early`` found it; None: not known

@@ -34,7 +34,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__, grpc_codec
-from fair_frontend.auth import grpc_peer_address, identity_headers
+from fair_frontend.auth import Identity, grpc_peer_address, identity_headers
 from fair_frontend.config import Config
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument, QueueFull
 from fair_frontend.protocol import InferRequest, ParamValue
@@ -152,9 +152,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         headers = _headers(context)
         await self._enter(headers, context)
         try:
-            tenant = await self._identify(headers, context, shed=True)
+            known = await self._identify(headers, context, shed=True)
             raw = await _guard(context, lambda: _only_message(context))
-            return await self._infer(raw, headers, tenant, context)
+            return await self._infer(raw, headers, known, context)
         finally:
             self.calls -= 1
 
@@ -170,7 +170,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             await abort(context, err)
         self.calls += 1
 
-    async def _identify(self, headers: dict[str, str], context: Any, *, shed: bool) -> str | None:
+    async def _identify(
+        self, headers: dict[str, str], context: Any, *, shed: bool
+    ) -> Identity | None:
         """The tenant, as far as the call's metadata tells (None: a trusted gateway names
         it in the message), or end the call here: no valid key, or (``shed``) the global
         queue full. Counted and logged as every request the shell refuses."""
@@ -178,7 +180,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             if shed:
                 return self.gateway.admit_early("", headers)  # the model is in the message
-            return self.gateway.auth.identify_by_headers(headers)
+            auth = self.gateway.auth
+            tenant = auth.identify_by_headers(headers)
+            return None if tenant is None else Identity(tenant, auth)
         except FrontendError as err:
             self.gateway.rejected("", headers, err, time.monotonic() - started)
             await abort(context, err)
@@ -229,14 +233,14 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def _infer(
-        self, raw: bytes, headers: dict[str, str], tenant: str | None, context: Any
+        self, raw: bytes, headers: dict[str, str], known: Identity | None, context: Any
     ) -> Any:
         """ModelInfer's request, as bytes, of a call past the door (``_infer_door``): its
         queue and size are checked before it is parsed (``_decode``)."""
 
         async def call() -> Any:
-            req = self._decode(raw, headers, tenant)
-            resp = await self.gateway.infer(req, headers)
+            req = self._decode(raw, headers, known.tenant if known is not None else None)
+            resp = await self.gateway.infer(req, headers, known)
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
@@ -257,9 +261,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._enter(headers, context)
         try:
             # A full queue is answered per request, in-stream; the key, for the stream.
-            tenant = await self._identify(headers, context, shed=False)
+            known = await self._identify(headers, context, shed=False)
             stream = StreamInfer(
-                lambda raw: self._stream_call(raw, headers, tenant),
+                lambda raw: self._stream_call(raw, headers, known),
                 self.gateway.config.server.grpc_stream_max_inflight,
             )
             async for reply in stream.replies(request_iterator):
@@ -267,11 +271,13 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             self.calls -= 1
 
-    def _stream_call(self, raw: bytes, headers: dict[str, str], tenant: str | None) -> StreamCall:
+    def _stream_call(
+        self, raw: bytes, headers: dict[str, str], known: Identity | None
+    ) -> StreamCall:
         """One message of a stream, decoded by the stream's reader (in the order sent):
         its sequence, if it belongs to one, and how to run it. A refusal is its reply."""
         try:
-            req = self._decode(raw, headers, tenant)
+            req = self._decode(raw, headers, known.tenant if known is not None else None)
         except FrontendError as err:
             return StreamCall(None, partial(_refusal, _error_reply(err)), _always_in_order)
         except Exception as err:  # not the client's doing: answered, the stream goes on
@@ -281,7 +287,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         # Ids 0 and "" are no sequence to Triton (as to ``core.sequences``).
         key = (req.model, req.version, sequence_id) if sequence_id not in (None, 0, "") else None
         return StreamCall(
-            key, lambda: self._stream_request(req, headers), lambda: self._in_order(req.model)
+            key,
+            lambda: self._stream_request(req, headers, known),
+            lambda: self._in_order(req.model),
         )
 
     async def _in_order(self, model: str) -> bool:
@@ -295,13 +303,13 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             return True
 
     async def _stream_request(
-        self, req: InferRequest, headers: dict[str, str]
+        self, req: InferRequest, headers: dict[str, str], known: Identity | None
     ) -> AsyncGenerator[Any, None]:
         """One request of a stream: its replies, an error as an in-stream reply."""
         try:
             # Closed when this generator is (its stream ends): the request is cancelled
             # in the core at once, not when the generator is collected.
-            async with aclosing(self.gateway.stream_infer(req, headers)) as answers:
+            async with aclosing(self.gateway.stream_infer(req, headers, known)) as answers:
                 async for resp in answers:
                     reply = service_pb2.ModelStreamInferResponse()
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))

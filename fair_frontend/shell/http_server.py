@@ -358,7 +358,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self.gateway.admit_early(model, headers)
+            known = self.gateway.admit_early(model, headers)
             with self._hold_body(request, model, headers):
                 raw = await self._read_body(request, model)
                 limit = await self.gateway.wire_bound(model)
@@ -377,7 +377,7 @@ class HttpShell:
             # Answered before Gateway.infer: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
             raise
-        resp = await self.gateway.infer(req, headers)
+        resp = await self.gateway.infer(req, headers, known)
         payload, json_length = encode_infer(resp, req)
         out = web.Response(body=payload)
         if json_length is None:
@@ -532,7 +532,7 @@ class HttpShell:
         headers = _headers(request)
         started = time.monotonic()
         try:
-            self.gateway.admit_early(model, headers)
+            known = self.gateway.admit_early(model, headers)
             try:
                 info = await self.gateway.model_info(model)
             except FrontendError as err:
@@ -549,7 +549,7 @@ class HttpShell:
             # Answered before the gateway's stream: still one counted, logged outcome.
             self.gateway.rejected(model, headers, err, time.monotonic() - started)
             raise
-        return self.gateway.stream_infer(req, headers)
+        return self.gateway.stream_infer(req, headers, known)
 
 
 @web.middleware
