@@ -55,6 +55,7 @@ from fair_frontend.protocol import (
 )
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
+from fair_frontend.shell.turns import Turns
 from fair_frontend.tokens import TokenCounter, output_tokens
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
 
@@ -101,6 +102,7 @@ class Gateway:
         self.log = RequestLog()
         self._infos: dict[str, ModelInfo] = {}
         self.tokens = TokenCounter()  # text prompts are tokenised off the event loop
+        self.turns = Turns()  # requests' decodes, round robin per tenant under a burst
         self.configure(config, keyring)
 
     def configure(self, config: Config, keyring: KeyRing) -> None:

@@ -239,7 +239,9 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         queue and size are checked before it is parsed (``_decode``)."""
 
         async def call() -> Any:
-            req = self._decode(raw, headers, known.tenant if known is not None else None)
+            tenant = known.tenant if known is not None else None
+            await self.gateway.turns.take(tenant)  # decoded in turn with other tenants'
+            req = self._decode(raw, headers, tenant)
             resp = await self.gateway.infer(req, headers, known)
             return grpc_codec.encode_infer(resp)
 

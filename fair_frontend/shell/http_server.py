@@ -359,6 +359,8 @@ class HttpShell:
         started = time.monotonic()
         try:
             known = self.gateway.admit_early(model, headers)
+            # Read and decoded in turn with other tenants' requests (``shell.turns``).
+            await self.gateway.turns.take(known.tenant if known is not None else None)
             with self._hold_body(request, model, headers):
                 raw = await self._read_body(request, model)
                 limit = await self.gateway.wire_bound(model)
@@ -533,6 +535,7 @@ class HttpShell:
         started = time.monotonic()
         try:
             known = self.gateway.admit_early(model, headers)
+            await self.gateway.turns.take(known.tenant if known is not None else None)
             try:
                 info = await self.gateway.model_info(model)
             except FrontendError as err:
