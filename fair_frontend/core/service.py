@@ -123,6 +123,8 @@ class ModelRegistry:
 
 
 def _unknown_model(model: str, err: BaseException) -> BaseException:
+    """The lookup's error: "no such model" in the frontend's words for the model asked
+    (Triton's answer to a config or metadata lookup may name a version)."""
     if isinstance(err, UpstreamError) and "unknown model" in err.message:
         return UnknownModel(model)
     return err

@@ -538,11 +538,8 @@ class HttpShell:
             await self.gateway.turns.take(known.tenant if known is not None else None)
             try:
                 info = await self.gateway.model_info(model)
-            except FrontendError as err:
-                # In a shell process the core's UnknownModel arrives rebuilt: by message.
-                if err.message == UnknownModel(model).message:
-                    raise ModelNotFound(model) from None
-                raise
+            except UnknownModel:  # (from a shell process too: a fault keeps its class)
+                raise ModelNotFound(model) from None
             check_model(info, version)
             check_encoding(headers.get("content-encoding"))
             with self._hold_body(request, model, headers):
