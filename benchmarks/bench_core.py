@@ -26,6 +26,7 @@ from tritonclient.grpc import model_config_pb2
 from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
+from fair_frontend.core.shells import Intake
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
@@ -125,7 +126,7 @@ async def gateway_per_request(n: int) -> dict[str, float]:
     core = Core(cfg, triton)  # type: ignore[arg-type]
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
-    gateway = Gateway(cfg, core.keyring, LocalLink(core), triton)  # type: ignore[arg-type]
+    gateway = Gateway(cfg, core.keyring, LocalLink(core, Intake(core)), triton)  # type: ignore[arg-type]
     headers = [{"authorization": f"Bearer key-{i}"} for i in range(TENANTS)]
     cpu0 = time.process_time()
     for start in range(0, n, 256):

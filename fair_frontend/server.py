@@ -35,7 +35,7 @@ from fair_frontend import __version__
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config
 from fair_frontend.core import Core
-from fair_frontend.core.shells import CoreServer, ShellConnection
+from fair_frontend.core.shells import CoreServer, Intake, ShellConnection
 from fair_frontend.errors import FrontendError
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.shell.gateway import Gateway
@@ -139,7 +139,8 @@ class FrontendServer:
 
     async def _start_local_shell(self, forwarder: TritonForwarder) -> None:
         assert self.core is not None
-        self.gateway = Gateway(self.config, self.core.keyring, LocalLink(self.core), forwarder)
+        link = LocalLink(self.core, Intake(self.core))  # the intake shell processes have
+        self.gateway = Gateway(self.config, self.core.keyring, link, forwarder)
         shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
         self._runner = shell.runner()
         await self._runner.setup()

@@ -176,18 +176,41 @@ class InProcessCore(Protocol):
     def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None: ...
 
 
-class LocalLink:
-    """The link of a shell in the core's process: records pass as objects."""
+class Intake(Protocol):
+    """The core's intake (``fair_frontend.core.shells.Intake``): calls are admitted in
+    turns per tenant, each by ``conn.admit(call)``, as a shell process's are."""
 
-    def __init__(self, core: InProcessCore) -> None:
+    def push(self, call: Call, conn: Any) -> None: ...
+
+
+class LocalLink:
+    """The link of a shell in the core's process: records pass as objects. Calls reach
+    the core through the same intake as a shell process's (both link modes admit in the
+    same order)."""
+
+    def __init__(self, core: InProcessCore, intake: Intake) -> None:
         self.core = core
+        self.intake = intake
         self._ids = itertools.count(1)
+        self._waiting: dict[int, Inbox] = {}  # calls in the intake, not admitted yet
 
     def new_id(self) -> int:
         return next(self._ids)
 
     def submit(self, call: Call) -> Inbox:
         inbox = Inbox()
+        call_id = call.id
+        self._waiting[call_id] = inbox
+        inbox._cancel = lambda: self._waiting.pop(call_id, None)  # gone before admitted
+        self.intake.push(call, self)
+        return inbox
+
+    def admit(self, call: Call) -> None:
+        """The intake's turn for this call: into the core (unless its client went)."""
+        inbox = self._waiting.pop(call.id, None)
+        if inbox is None:
+            return
+        inbox._cancel = None
         req = self.core.submit(call, inbox)
         if req is not None:
             core = self.core
@@ -198,7 +221,6 @@ class LocalLink:
             inbox._end = lambda tokens, version, fault, cancelled: core.stream_ended(
                 req, tokens, version, fault, cancelled
             )
-        return inbox
 
     async def model_info(self, model: str) -> ModelInfo:
         return await self.core.model_info(model)
