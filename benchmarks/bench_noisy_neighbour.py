@@ -14,23 +14,32 @@ is already running; the target is B's worst latency <= solo p50 + 2 of A's batch
 and >= 100x better than Triton directly.
 
     .venv/bin/python -m benchmarks.bench_noisy_neighbour [--burst 10000] [--shells 2]
-        [--model-config-name gpu]
+        [--model-config-name gpu] [--ref REF: also the frontend of that commit, same run]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 
-from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
+from benchmarks.harness import (
+    baseline_checkout,
+    frontend,
+    load_example_config,
+    progress,
+    triton,
+    write_result,
+)
 from fair_frontend import testing
 
 MODEL = "embed"
@@ -41,8 +50,8 @@ DURING_S = 0.2  # B's 5 go this long after A's burst started, while A's calls po
 KEYS = {"noisy": "noisy-bench-key", "quiet": "quiet-bench-key"}
 
 
-def bench_config(mode: str, burst: int) -> dict[str, Any]:
-    cfg = load_example_config()
+def bench_config(mode: str, burst: int, source: Path | None = None) -> dict[str, Any]:
+    cfg = load_example_config(source)
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = mode
     for endpoint in cfg["endpoints"].values():
@@ -230,15 +239,27 @@ def plot(results: dict[str, Any], path: str) -> None:
     progress(f"plot written to {path}")
 
 
-async def main_async(burst: int, shells: int, model_config_name: str | None) -> dict[str, Any]:
+async def main_async(
+    burst: int, shells: int, model_config_name: str | None, baseline: Path | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"burst": burst, "tokens": TOKENS, "shells": shells, "targets": {}}
     kwargs = {"model_config_name": model_config_name} if model_config_name else {}
     with triton(**kwargs) as tri:
-        setups = [("frontend fifo", "fifo", 1), ("frontend fair, 1 process", "fair", 1)]
-        setups.append((f"frontend fair, {shells} shells", "fair", shells))
-        for name, mode, workers in setups:
+        setups: list[tuple[str, str, int, Path | None]] = [
+            ("frontend fifo", "fifo", 1, None),
+            ("frontend fair, 1 process", "fair", 1, None),
+            (f"frontend fair, {shells} shells", "fair", shells, None),
+        ]
+        if baseline is not None:
+            setups.append(("before, fair, 1 process", "fair", 1, baseline))
+            setups.append((f"before, fair, {shells} shells", "fair", shells, baseline))
+        for name, mode, workers, source in setups:
             with frontend(
-                bench_config(mode, burst), tri.grpc_url, workers=workers, http_url=tri.http_url
+                bench_config(mode, burst, source),
+                tri.grpc_url,
+                workers=workers,
+                http_url=tri.http_url,
+                source=source,
             ) as fe:
                 metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
                 out["targets"][name] = {
@@ -283,13 +304,16 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=10_000)
     parser.add_argument("--shells", type=int, default=2, help="shell processes (fair mode)")
     parser.add_argument("--model-config-name", default=None, help="e.g. gpu (on a GPU host)")
+    parser.add_argument("--ref", help="also the frontend of this git ref, in the same run")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run as B's prober
     parser.add_argument("--keyed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
         asyncio.run(probe_main(args.probe, args.keyed))
         return
-    results = asyncio.run(main_async(args.burst, args.shells, args.model_config_name))
+    with contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
+        results = asyncio.run(main_async(args.burst, args.shells, args.model_config_name, baseline))
     print()
     print(
         f"A: {results['burst']} requests of {TOKENS} tokens; A's batch time "

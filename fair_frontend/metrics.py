@@ -92,6 +92,7 @@ class FrontendMetrics(Observer):
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._token_sinks: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self.config = config
         self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
         self.endpoint_label = EndpointLabels(config.endpoints)
@@ -310,14 +311,40 @@ class FrontendMetrics(Observer):
         first_token_s: float | None,
         inter_token_s: Sequence[float] = (),
     ) -> None:
-        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
-        self._child(self.output_tokens, *labels).inc(tokens)
+        sink = self._token_sinks.get((tenant, model))
+        if sink is None:
+            sink = self._token_sink(tenant, model)
+        sink[0].inc(tokens)
         if first_token_s is not None:
-            self._child(self.first_token, *labels).observe(first_token_s)
+            sink[1].observe(first_token_s)
         if inter_token_s:
-            observe = self._child(self.inter_token, *labels).observe
+            observe = sink[2].observe
             for gap in inter_token_s:
                 observe(gap)
+
+    def _token_sink(self, tenant: str, model: str) -> tuple[Any, Any, Any]:
+        """The output-token counter and the first- and inter-token histograms of a
+        tenant's model (every streamed token reaches them): resolved once while the
+        labels stand (a config's tiers, a model not yet confirmed: not kept)."""
+        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
+        sink = (
+            self._child(self.output_tokens, *labels),
+            self._child(self.first_token, *labels),
+            self._child(self.inter_token, *labels),
+        )
+        if labels[2] != OTHER_ENDPOINT:
+            self._token_sinks[(tenant, model)] = sink
+        return sink
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """A (re)loaded config: tenants' tiers (labels) may have changed."""
+        self._config = config
+        self._token_sinks = {}
 
     def throttle_decision(self, *, model: str, decision: Any) -> None:
         self.endpoint_label.confirm(model)
