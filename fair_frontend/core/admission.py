@@ -107,15 +107,15 @@ class EndpointAdmission:
         return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
 
     def verdict(
-        self, scheduler: Scheduler, inflight: int, tier: str, weight: float
+        self, scheduler: Scheduler, inflight: int, tier: str, weight: float, tenants: int
     ) -> ThrottleDecision | None:
         """The throttle's decision for the most favourable request ``tier`` could send now,
         if even that one is refused (None: some request of the tier may be admitted, or
         the endpoint does not throttle). ``weight``: the largest weight of the tier's
-        tenants.
+        tenants, ``tenants`` how many it has.
 
         The most favourable request, for each tenant of the tier that could send one
-        (``Scheduler.least_backlogs``): one row, no tokens, above every priority level,
+        (``Scheduler.least_backlogs``): one row, no tokens, the highest priority level,
         no deadline of its own (a deadline only tightens the target), none of its
         tenant's requests in the engine. The throttle's decision is monotone in each of
         those (a larger backlog, more of the tenant's own ahead or in the engine, a
@@ -126,7 +126,7 @@ class EndpointAdmission:
         retry-after are the least any request of the tier would get)."""
         if self.throttle is None and self.engine is None:
             return None
-        least = scheduler.least_backlogs(tier, weight)
+        least = scheduler.least_backlogs(tier, weight, tenants)
         if not least:
             return None  # too many tenants queued to go through (or no such tier)
         best: ThrottleDecision | None = None

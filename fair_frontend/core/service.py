@@ -178,7 +178,7 @@ class Core:
         # (model, tier) -> (message, retry-after) of the tiers the throttle closed at the
         # last ``refresh_overload``; the tiers' largest weights (reset by a reload).
         self._closed: dict[tuple[str, str], tuple[str, float]] = {}
-        self._tier_weights: dict[str, float] | None = None
+        self._tier_weights: dict[str, tuple[float, int]] | None = None  # (largest, count)
 
     @property
     def clock(self) -> Clock:
@@ -361,14 +361,17 @@ class Core:
             if weights is None:
                 weights = {}
                 for terms in self.tenants.values():
-                    weights[terms.tier] = max(weights.get(terms.tier, 0.0), float(terms.weight))
+                    largest, count = weights.get(terms.tier, (0.0, 0))
+                    weights[terms.tier] = (max(largest, float(terms.weight)), count + 1)
                 self._tier_weights = weights
             for model, runtime in self.runtimes.items():
                 admission = runtime.admission
                 if admission is None or not admission.throttles:
                     continue
-                for tier, weight in weights.items():
-                    decision = admission.verdict(runtime.scheduler, runtime.inflight, tier, weight)
+                for tier, (weight, count) in weights.items():
+                    decision = admission.verdict(
+                        runtime.scheduler, runtime.inflight, tier, weight, count
+                    )
                     if decision is not None:
                         err = overloaded_error(decision, model)
                         retry = decision.retry_after_s or 0.0

@@ -403,32 +403,32 @@ class Scheduler:
         )
 
     def least_backlogs(
-        self, tier: str, weight: float, limit: int = 1000
+        self, tier: str, weight: float, tenants: int, limit: int = 1000
     ) -> list[tuple[Backlog, int]] | None:
         """What any request of a tenant of ``tier`` (by the directory) would find ahead of
         it at best: for each tenant that could send one, the ``backlog_ahead`` and
         ``own_ahead`` (the request included) of its most favourable request, one row and
-        no tokens above every priority level. The throttle's verdict for the tier (the
+        no tokens at the highest priority level (1). The throttle's verdict for the tier (the
         core publishes it to the shells) is the best of these.
 
         A lower bound for every request of the tier, tenant by tenant: a tenant's backlog
         grows with the request's rows, tokens (its cost) and priority level (more of its
         own work ahead), and nothing else of the request enters it. Tenants with work
-        queued here count one by one (their own queue is not ahead of a request above
-        its levels, and is not among the "others" their share is taken against: they
-        can find less ahead than a tenant with nothing queued); every other tenant finds
-        the same backlog but for its weight, the larger the less, so one entry with
+        queued here count one by one (only their own work at level 1 is ahead of their
+        best request, and their queue is not among the "others" their share is taken
+        against: they can find less ahead than a tenant with nothing queued); every other
+        tenant finds the same backlog but for its weight, the larger the less, so one entry with
         ``weight``, the tier's largest, stands for them all (whether or not such a tenant
         exists: an extra entry only lowers the bound). Fifo mode: one entry, the same for
         every tenant. None: more than ``limit`` tenants of the tier have work queued
         here (too many to go through; no verdict). O(tenants queued here)."""
-        top = 0  # above every level a request can have (1 is the highest, 0 the default)
+        top = 1  # the highest level (a shell resolves 0, "the default", to a level >= 1)
         if not self._fair:
             return [(Backlog(self.queued_rows + 1, self.queued_tokens), 1)]
         level = self._tier_by_name.get(tier)
         if level is None:
             return []
-        out = [(self._backlog(level, float(weight), None, None, 1, 0), 1)]
+        out: list[tuple[Backlog, int]] = []
         for name, queue in self._queues.items():
             if not queue.requests:
                 continue
@@ -439,6 +439,8 @@ class Scheduler:
                 return None
             ahead = queue.ahead_of(top)
             out.append((self._backlog(queue.tier, queue.weight, ahead, queue, 1, 0), ahead[1] + 1))
+        if len(out) < tenants:
+            out.append((self._backlog(level, float(weight), None, None, 1, 0), 1))
         return out
 
     def _backlog(
