@@ -35,7 +35,7 @@ from fair_frontend import __version__
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config
 from fair_frontend.core import Core
-from fair_frontend.core.shells import CoreServer, Intake, ShellConnection
+from fair_frontend.core.shells import QUEUE_VIEW_INTERVAL_S, CoreServer, Intake, ShellConnection
 from fair_frontend.errors import FrontendError
 from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.shell.gateway import Gateway
@@ -104,6 +104,7 @@ class FrontendServer:
         self._factory = core_factory or (lambda c, f: Core(c, f))
         self.core: Core | None = None
         self.gateway: Gateway | None = None  # the in-process shell (workers=1)
+        self._verdicts: asyncio.Task[None] | None = None  # its view of the throttle
         self.shells: ShellPool | None = None
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -141,6 +142,8 @@ class FrontendServer:
         assert self.core is not None
         link = LocalLink(self.core, Intake(self.core))  # the intake shell processes have
         self.gateway = Gateway(self.config, self.core.keyring, link, forwarder)
+        # The tiers the throttle closed, on the shell processes' tick (CoreServer's).
+        self._verdicts = asyncio.get_running_loop().create_task(self._refresh_overload())
         shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
         self._runner = shell.runner()
         await self._runner.setup()
@@ -152,6 +155,12 @@ class FrontendServer:
             f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
         )
         await self._grpc.start()
+
+    async def _refresh_overload(self) -> None:
+        assert self.core is not None
+        while True:
+            await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
+            self.core.refresh_overload()
 
     # ---- the operator's listener ----------------------------------------------------
     #
@@ -245,6 +254,8 @@ class FrontendServer:
             await self._quiet(self.core)
         if self.shells is not None:
             await self.shells.stop()
+        if self._verdicts is not None:
+            self._verdicts.cancel()
         if self._grpc is not None:
             await self._grpc.stop(1.0)
         if self._runner is not None:

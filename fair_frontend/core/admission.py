@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fair_frontend.admission import EngineThrottle, Throttle, ThrottleDecision
 from fair_frontend.feedback import ServiceModel, SlotTimes
-from fair_frontend.scheduler import Scheduler
+from fair_frontend.scheduler import Backlog, Scheduler
 
 # The throttle stretches a lower tier's predicted wait by 1 / (1 - higher tiers' share);
 # capped so that a tier starved by strict order is still judged, not rejected outright.
@@ -103,6 +103,50 @@ class EndpointAdmission:
         if self.throttle is None and self.engine is None:
             return None
         backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens)
+        own_ahead = scheduler.own_ahead(tenant, priority) + rows if self.engine else 0
+        return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
+
+    def verdict(
+        self, scheduler: Scheduler, inflight: int, tier: str, weight: float, tenants: int
+    ) -> ThrottleDecision | None:
+        """The throttle's decision for the most favourable request ``tier`` could send now,
+        if even that one is refused (None: some request of the tier may be admitted, or
+        the endpoint does not throttle). ``weight``: the largest weight of the tier's
+        tenants, ``tenants`` how many it has.
+
+        The most favourable request, for each tenant of the tier that could send one
+        (``Scheduler.least_backlogs``): one row, no tokens, the highest priority level,
+        no deadline of its own (a deadline only tightens the target), none of its
+        tenant's requests in the engine. The throttle's decision is monotone in each of
+        those (a larger backlog, more of the tenant's own ahead or in the engine, a
+        tighter target never turn a refusal into an admission), and the tier's slowdown
+        and the endpoint's state are the same for all; so if each tenant's best request
+        is refused, every request of the tier is, until the state changes. Of the
+        refusals, the one with the shortest predicted wait is returned (its message and
+        retry-after are the least any request of the tier would get)."""
+        if self.throttle is None and self.engine is None:
+            return None
+        least = scheduler.least_backlogs(tier, weight, tenants)
+        if not least:
+            return None  # too many tenants queued to go through (or no such tier)
+        best: ThrottleDecision | None = None
+        for backlog, own_ahead in least:
+            decision = self._decide(backlog, own_ahead, inflight, 0, tier, None)
+            if decision.admitted:
+                return None
+            if best is None or decision.predicted_wait_s < best.predicted_wait_s:
+                best = decision
+        return best
+
+    def _decide(
+        self,
+        backlog: Backlog,
+        own_ahead: int,
+        inflight: int,
+        own_inflight: int,
+        tier: str,
+        remaining_s: float | None,
+    ) -> ThrottleDecision:
         slowdown = 1.0
         if self.strict_tiers:
             above = self.tier_shares.above(tier, self.tiers)
@@ -110,7 +154,7 @@ class EndpointAdmission:
         if self.engine is not None:
             return self.engine.check(
                 ahead=backlog.rows,
-                own_ahead=scheduler.own_ahead(tenant, priority) + rows,
+                own_ahead=own_ahead,
                 inflight=inflight,
                 own_inflight=own_inflight,
                 slot_times=self.slot_times,

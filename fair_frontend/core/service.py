@@ -49,6 +49,7 @@ from fair_frontend.errors import (
     FrontendError,
     Internal,
     InvalidArgument,
+    Overloaded,
     Unauthenticated,
     Unavailable,
     UnknownModel,
@@ -176,6 +177,10 @@ class Core:
         self.accepting = True
         self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
+        # (model, tier) -> (message, retry-after) of the tiers the throttle closed at the
+        # last ``refresh_overload``; the tiers' largest weights (reset by a reload).
+        self._closed: dict[tuple[str, str], tuple[str, float]] = {}
+        self._tier_weights: dict[str, tuple[float, int]] | None = None  # (largest, count)
 
     @property
     def clock(self) -> Clock:
@@ -342,6 +347,46 @@ class Core:
                     full.append((tenant, model, cap))
             room.extend((tenant, model, n, cap) for tenant, n, cap in scheduler.byte_room(below))
         return full, room
+
+    def refresh_overload(self) -> list[tuple[str, str, str, float]]:
+        """Work out which tiers the throttle closes on which endpoints now, and keep it
+        for ``overloaded``: (model, tier, message, retry-after seconds) for each (model,
+        tier) where even the most favourable request of the tier would be refused
+        (``EndpointAdmission.verdict``), with the refusal the core would answer. What the
+        shells shed with the full queues (``QueueView.overloaded``); called on their
+        tick (``QUEUE_VIEW_INTERVAL_S``), not per request. O(tenants queued) at most."""
+        closed: dict[tuple[str, str], tuple[str, float]] = {}
+        out: list[tuple[str, str, str, float]] = []
+        backend = self._backend
+        if self.accepting and (backend is None or not backend.gave_up):
+            weights = self._tier_weights
+            if weights is None:
+                weights = {}
+                for terms in self.tenants.values():
+                    largest, count = weights.get(terms.tier, (0.0, 0))
+                    weights[terms.tier] = (max(largest, float(terms.weight)), count + 1)
+                self._tier_weights = weights
+            for model, runtime in self.runtimes.items():
+                admission = runtime.admission
+                if admission is None or not admission.throttles:
+                    continue
+                for tier, (weight, count) in weights.items():
+                    decision = admission.verdict(
+                        runtime.scheduler, runtime.inflight, tier, weight, count
+                    )
+                    if decision is not None:
+                        err = overloaded_error(decision, model)
+                        retry = decision.retry_after_s or 0.0
+                        closed[(model, tier)] = (err.message, retry)
+                        out.append((model, tier, err.message, retry))
+        self._closed = closed
+        return out
+
+    def overloaded(self, tier: str, model: str) -> Overloaded | None:
+        """The refusal for a request of ``tier`` for ``model`` if the throttle closed the
+        tier on it at the last ``refresh_overload`` (a dict lookup)."""
+        closed = self._closed.get((model, tier)) if self._closed else None
+        return Overloaded(closed[0], retry_after=closed[1]) if closed is not None else None
 
     async def model_info(self, model: str) -> ModelInfo:
         info = await self.models.get(model)
@@ -765,6 +810,7 @@ class Core:
         self.tenants.update(config.tenants)
         for gone in set(self.tenants) - set(config.tenants):
             del self.tenants[gone]
+        self._tier_weights = None
         self.keyring = keyring
         self.caps.configure(queue_limits(config.queues))
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error

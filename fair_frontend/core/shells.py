@@ -262,8 +262,10 @@ class ShellConnection(Framed):
 
 
 _CANCELLED: Any = object()  # a call cancelled while still in the intake
-View = tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]  # QueueView's
-_NO_VIEW: View = ([], [])
+View = tuple[  # QueueView's
+    list[tuple[str, str, str]], list[tuple[str, str, int, str]], list[tuple[str, str, str, float]]
+]
+_NO_VIEW: View = ([], [], [])
 
 
 class CoreServer:
@@ -296,14 +298,16 @@ class CoreServer:
 
     @property
     def queue_view(self) -> View:
-        """The full queues (and byte caps close to full) the shells were last told of."""
+        """The full queues (and byte caps close to full), and the tiers the throttle
+        closed, that the shells were last told of."""
         return self._view
 
     async def _publish_queue_view(self) -> None:
-        """Tell the shells which queues are full, when that changes (``QueueView``)."""
+        """Tell the shells which queues are full and which tiers the throttle closed, when
+        that changes (``QueueView``)."""
         while True:
             await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
-            view = self.core.full_queues()
+            view = (*self.core.full_queues(), self.core.refresh_overload())
             if view != self._view:
                 self._view = view
                 self.broadcast(QueueView(*view))

@@ -395,14 +395,71 @@ class Scheduler:
             return Backlog(self.queued_rows + rows, self.queued_tokens + tokens)
         queue = self._queues.get(tenant)
         if queue is not None and queue.requests:
-            tier = queue.tier
-            weight = queue.weight
-            own_cost, own_rows, own_tokens = queue.ahead_of(priority)
+            return self._backlog(
+                queue.tier, queue.weight, queue.ahead_of(priority), queue, rows, tokens
+            )
+        return self._backlog(
+            self._tier_of(tenant, terms), float(terms.weight), None, None, rows, tokens
+        )
+
+    def least_backlogs(
+        self, tier: str, weight: float, tenants: int, limit: int = 1000
+    ) -> list[tuple[Backlog, int]] | None:
+        """What any request of a tenant of ``tier`` (by the directory) would find ahead of
+        it at best: for each tenant that could send one, the ``backlog_ahead`` and
+        ``own_ahead`` (the request included) of its most favourable request, one row and
+        no tokens at the highest priority level (1). The throttle's verdict for the tier (the
+        core publishes it to the shells) is the best of these.
+
+        A lower bound for every request of the tier, tenant by tenant: a tenant's backlog
+        grows with the request's rows, tokens (its cost) and priority level (more of its
+        own work ahead), and nothing else of the request enters it. Tenants with work
+        queued here count one by one (only their own work at level 1 is ahead of their
+        best request, and their queue is not among the "others" their share is taken
+        against: they can find less ahead than a tenant with nothing queued); every other
+        tenant finds the same backlog but for its weight, the larger the less, so one entry with
+        ``weight``, the tier's largest, stands for them all (whether or not such a tenant
+        exists: an extra entry only lowers the bound). Fifo mode: one entry, the same for
+        every tenant. None: more than ``limit`` tenants of the tier have work queued
+        here (too many to go through; no verdict). O(tenants queued here)."""
+        top = 1  # the highest level (a shell resolves 0, "the default", to a level >= 1)
+        if not self._fair:
+            return [(Backlog(self.queued_rows + 1, self.queued_tokens), 1)]
+        level = self._tier_by_name.get(tier)
+        if level is None:
+            return []
+        out: list[tuple[Backlog, int]] = []
+        for name, queue in self._queues.items():
+            if not queue.requests:
+                continue
+            terms = self._tenants.get(name)
+            if terms is None or terms.tier != tier:
+                continue  # removed by a reload (refused), or another tier's
+            if len(out) > limit:
+                return None
+            ahead = queue.ahead_of(top)
+            out.append((self._backlog(queue.tier, queue.weight, ahead, queue, 1, 0), ahead[1] + 1))
+        if len(out) < tenants:
+            out.append((self._backlog(level, float(weight), None, None, 1, 0), 1))
+        return out
+
+    def _backlog(
+        self,
+        tier: Tier,
+        weight: float,
+        own: tuple[float, int, int] | None,
+        queue: TenantQueue | None,
+        rows: int,
+        tokens: int,
+    ) -> Backlog:
+        """``backlog_ahead`` in fair mode, for a tenant of ``tier`` and ``weight`` with
+        ``own`` (cost, rows, tokens) of its work ahead of the request in ``queue`` (both
+        None: nothing queued here)."""
+        if queue is not None and own is not None:
+            own_cost, own_rows, own_tokens = own
             all_cost, all_rows, all_tokens = queue.cost, queue.rows, queue.tokens
             active_weight = tier.active_weight
         else:
-            tier = self._tier_of(tenant, terms)
-            weight = float(terms.weight)
             own_cost, own_rows, own_tokens = 0.0, 0, 0
             all_cost, all_rows, all_tokens = 0.0, 0, 0
             active_weight = tier.active_weight + weight

@@ -267,7 +267,8 @@ class Gateway:
     def admit_early(self, model: str, headers: Mapping[str, str]) -> Identity | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is
         read: no key or an unknown one (401/403), a model name too long (400) or one the
-        tenant may not call (403), or a queue that is full (503). A flood of any of them
+        tenant may not call (403), a tier the throttle closed on the model or a queue
+        that is full (503). A flood of any of them
         then costs no body read, decompression or decoding. ``model`` "": not known yet
         (a gRPC message that does not name it first); ``infer`` checks it after decoding.
         Returns the tenant, as far as the headers tell
@@ -280,7 +281,7 @@ class Gateway:
     def shed(self, tenant: str | None, model: str) -> None:
         """Refuse a request of ``tenant`` (as ``admit_early`` found it; None: not known
         yet) for ``model`` ("": not known yet) that the tenant may not call (400/403), or
-        whose queue is full (503)."""
+        whose tier the throttle closed on it or whose queue is full (503)."""
         if tenant is not None:
             if model:
                 self._admit_model(tenant, model)
@@ -304,6 +305,15 @@ class Gateway:
         return model
 
     def _shed(self, tenant: str, model: str, nbytes: int = 0) -> None:
+        """Refuse what the core would: a tier its throttle closed on ``model`` (503 with
+        the core's message and Retry-After; checked first, as the core throttles before it
+        queues), a full queue."""
+        if model:
+            terms = self.config.tenants.get(tenant)
+            if terms is not None:
+                overloaded = self.link.overloaded(terms.tier, model)
+                if overloaded is not None:
+                    raise overloaded
         cap = self.link.queue_full(tenant, model, nbytes)
         if cap is not None:
             raise QueueFull(cap)

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from fair_frontend.errors import FrontendError
+from fair_frontend.errors import FrontendError, Overloaded
 from fair_frontend.models import ModelInfo
 from fair_frontend.wire.records import Answer, Call, Grant, Tally, TallyEntry
 
@@ -142,6 +142,13 @@ class CoreLink(Protocol):
         0 before its size is known (the count caps alone)."""
         ...
 
+    def overloaded(self, tier: str, model: str) -> Overloaded | None:
+        """The core's refusal (503, Retry-After) for any request of a tenant of ``tier``
+        for ``model``, if its throttle closed the tier there at its last look
+        (``Core.refresh_overload``, every ``QUEUE_VIEW_INTERVAL_S``): even the most
+        favourable request of the tier would be refused. A dict lookup."""
+        ...
+
     @property
     def accepting(self) -> bool:
         """False once the core drains for shutdown (readiness turns false)."""
@@ -174,6 +181,8 @@ class InProcessCore(Protocol):
     def tally(self, tally: Tally) -> None: ...
 
     def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None: ...
+
+    def overloaded(self, tier: str, model: str) -> Overloaded | None: ...
 
 
 class Intake(Protocol):
@@ -233,6 +242,9 @@ class LocalLink:
 
     def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
         return self.core.queue_full(tenant, model, nbytes)
+
+    def overloaded(self, tier: str, model: str) -> Overloaded | None:
+        return self.core.overloaded(tier, model)
 
     @property
     def accepting(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from fair_frontend.errors import FrontendError, Unavailable
+from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox
 from fair_frontend.wire.framing import Framed, to_shell
@@ -67,6 +67,7 @@ class SocketLink(Framed):
         self._tally_timer: asyncio.TimerHandle | None = None
         self._full: dict[tuple[str, str], str] = {}
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
+        self._overloaded: dict[tuple[str, str], tuple[str, float]] = {}  # (model, tier)
         # Output tokens of granted streams not yet told to the core, per call: told at
         # the end of this loop iteration, all calls' in one ``Produced``.
         self._produced: dict[int, tuple[int, float, list[float]]] = {}
@@ -202,6 +203,10 @@ class SocketLink(Framed):
                     return left[1]
         return None
 
+    def overloaded(self, tier: str, model: str) -> Overloaded | None:
+        closed = self._overloaded.get((model, tier)) if self._overloaded else None
+        return Overloaded(closed[0], retry_after=closed[1]) if closed is not None else None
+
     def flush_tally(self) -> None:
         if self._tally_timer is not None:
             self._tally_timer.cancel()
@@ -236,6 +241,9 @@ class SocketLink(Framed):
         elif isinstance(record, QueueView):
             self._full = {(tenant, model): cap for tenant, model, cap in record.full}
             self._room = {(tenant, model): (left, cap) for tenant, model, left, cap in record.room}
+            self._overloaded = {
+                (model, tier): (message, retry) for model, tier, message, retry in record.overloaded
+            }
         elif isinstance(record, Settings):
             queues = record.config.get("queues")
             if isinstance(queues, dict) and "stalled_shell_s" in queues:

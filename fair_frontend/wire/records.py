@@ -278,10 +278,17 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
     for a tenant's default share over every model and ("*", "*", ...) for the global byte
     cap: a shell sheds a request whose tensor bytes exceed what is left, once decoded
     (before it crosses to the core). Only caps with less room than the largest request
-    any model accepts are listed."""
+    any model accepts are listed.
+
+    ``overloaded``: the tiers the throttle closed, (model, tier, message, retry-after
+    seconds) for each model and tier where even the most favourable request of the tier
+    would be refused now (``Core.refresh_overload``): a shell refuses a request of a
+    tenant of that tier for that model at once, with that message (503, Retry-After), as
+    the core would."""
 
     full: list[tuple[str, str, str]]
     room: list[tuple[str, str, int, str]] = []
+    overloaded: list[tuple[str, str, str, float]] = []
 
 
 ToCore = Union[  # noqa: UP007

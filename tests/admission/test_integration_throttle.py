@@ -32,7 +32,16 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import ThrottleDecision, overloaded_error
 from fair_frontend.config import parse_config
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+from tests.support import (
+    KEYS,
+    Answer,
+    RunningFrontend,
+    config_dict,
+    connect,
+    read_answer,
+    running_frontend,
+    send_head,
+)
 
 if TYPE_CHECKING:
     from tests.support import KServe, Reply
@@ -216,3 +225,57 @@ def test_the_overload_message_tells_the_wait_from_the_target(target_ms: int, ove
     assert found, message
     if wait - target >= 1e-6:
         assert float(found.group(1)) > float(found.group(2)), message
+
+
+async def test_a_tier_the_throttle_closed_is_refused_by_the_shell_from_its_headers(
+    throttled: RunningFrontend, kserve: KServe
+) -> None:
+    """The higher tier floods ``embed``: its queue, at about the target, is ahead of any
+    request of a lower tier, so even the lower tier's most favourable request would be
+    refused, and the core tells the shells so (``QueueView.overloaded``). A lower-tier
+    request is then refused from its headers, before its body is sent (the core never
+    sees it), with the core's 503, message and Retry-After; and counted as the core
+    counts its own refusals."""
+    fe = throttled
+    capacity = 1 / await trickle(kserve, fe)
+    before = kserve.counter(
+        fe.metrics_url, "fair_requests", tenant=FLOODER, outcome="rejected_overload"
+    )
+    probe_headers = {"authorization": f"Bearer {KEYS[FLOODER]}", "Content-Length": "2000"}
+
+    def probe() -> Answer | None:
+        """A lower-tier request whose body never comes: answered only if refused from its
+        headers (None: the shell waited for the body)."""
+        with connect(fe.http_url) as sock:
+            sock.settimeout(1.0)
+            send_head(sock, "/v2/models/embed/infer", probe_headers)
+            try:
+                return read_answer(sock)
+            except TimeoutError:
+                return None
+
+    async def probes() -> list[Answer | None]:
+        await asyncio.sleep(1.0)  # the higher tier's queue builds up
+        out = []
+        for _ in range(10):
+            out.append(await asyncio.to_thread(probe))
+            await asyncio.sleep(0.05)
+        return out
+
+    flood = asyncio.create_task(
+        open_loop(kserve, fe, {HIGHER: min(200.0, OVERLOAD * capacity)}, FLOOD_S)
+    )
+    answers = await probes()
+    await flood
+    refused = [a for a in answers if a is not None]
+    assert len(refused) >= 3, answers
+    for answer in refused:
+        assert answer.status == 503, answer
+        match = OVERLOADED.match(answer.error)
+        assert match, answer.error
+        assert float(match.group(1)) > float(match.group(2)), answer.error
+        assert int(answer.headers["retry-after"]) >= 1, answer
+    after = kserve.counter(
+        fe.metrics_url, "fair_requests", tenant=FLOODER, outcome="rejected_overload"
+    )
+    assert after - before == len(refused)
