@@ -5,6 +5,9 @@ requests, perf_analyzer's plain command (``--shape INPUT_IDS:128``, random ids) 
 ``--concurrency-range 1``, over gRPC and HTTP, against:
 
 - Triton directly;
+- with ``--echo``: a bare grpc.aio KServe server that answers at once
+  (``benchmarks/echo_server.py``, gRPC only): what one grpc.aio hop costs at c=1 with no
+  work behind it, the floor of any Python shell;
 - the frontend with ``--workers 1`` and ``--workers 2`` (batches to Triton over HTTP,
   ``triton.http_url``, as ``up`` sets it);
 - with ``--ref REF``: the same two from that commit (a git worktree of it), in the same
@@ -14,7 +17,7 @@ For each: p50/p99 latency, infer/s, and the p50 the frontend adds over direct (s
 protocol). Results: ``benchmarks/results/latency.json``.
 
     .venv/bin/python -m benchmarks.bench_latency [--interval-ms 3000] [--ref REF]
-        [--protocols grpc,http] [--repeat 1]
+        [--protocols grpc,http] [--repeat 1] [--echo]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_throughput import KEYS, MODEL, TOKENS, bench_config
+from benchmarks.bench_throughput import KEYS, MODEL, TOKENS, EchoProcess, bench_config, echo_server
 from benchmarks.harness import (
     FrontendProcess,
     baseline_checkout,
@@ -64,9 +67,15 @@ def ref_config(source: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def target(name: str, tri: Any, source: Path | None) -> Iterator[FrontendProcess | None]:
+def target(
+    name: str, tri: Any, source: Path | None
+) -> Iterator[FrontendProcess | EchoProcess | None]:
     if name == "direct":
         yield None
+        return
+    if name == "echo floor":
+        with echo_server() as echo:
+            yield echo
         return
     workers = int(name.rsplit(" ", 1)[1])
     cfg = bench_config("fair") if source is None else ref_config(source)
@@ -81,10 +90,13 @@ def main() -> None:
     parser.add_argument("--protocols", default="grpc,http")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over every target")
     parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--echo", action="store_true", help="also the bare grpc.aio floor")
     args = parser.parse_args()
     iv = args.interval_ms
     protocols = args.protocols.split(",")
-    names = ["direct"] + [f"workers {w}" for w in args.workers.split(",")]
+    names = ["direct", *(["echo floor"] if args.echo else [])] + [
+        f"workers {w}" for w in args.workers.split(",")
+    ]
     if args.ref:
         names += [f"{args.ref} workers {w}" for w in args.workers.split(",")]
     out: dict[str, Any] = {
@@ -99,16 +111,22 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         source = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
         tri = stack.enter_context(triton())
-        for _ in range(args.repeat):
-            for name in names:
+        for round_ in range(args.repeat):
+            # Odd rounds run the targets in reverse order: neither version always goes first
+            # (this machine's load drifts between minutes).
+            for name in names if round_ % 2 == 0 else names[::-1]:
                 src = source if args.ref and name.startswith(args.ref) else None
                 with target(name, tri, src) as fe:
                     for proto in protocols:
-                        if fe is None:
+                        if isinstance(fe, EchoProcess):
+                            if proto != "grpc":
+                                continue
+                            url = fe.grpc_url
+                        elif fe is None:
                             url = tri.grpc_url if proto == "grpc" else tri.http_url[7:]
                         else:
                             url = fe.grpc_url if proto == "grpc" else fe.http_url
-                        key = KEYS["alpha"] if fe is not None else None
+                        key = KEYS["alpha"] if isinstance(fe, FrontendProcess) else None
                         run_pa(url, proto, key, WARMUP_MS)
                         r = run_pa(url, proto, key, iv)
                         samples.setdefault(name, {}).setdefault(proto, []).append(r)
