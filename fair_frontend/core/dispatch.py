@@ -531,7 +531,11 @@ class EndpointRuntime:
             self._busy_until = self._predicted_end(self.clock.now())
             if not held:
                 self.inflight -= 1
-                self.on_batch(_report(self.model, batch, started, self.clock.now(), ok))
+                # Its accounting (metrics, the feedback loop's batch times) runs once the
+                # answers are on their way: they are written (or their handlers woken) in
+                # the loop's next callbacks, which this one would otherwise hold back.
+                report = _report(self.model, batch, started, self.clock.now(), ok)
+                asyncio.get_running_loop().call_soon(self.on_batch, report)
             self.kick()
 
     async def _send(self, batch: list[CoreRequest]) -> tuple[bool, bool]:
