@@ -161,7 +161,6 @@ from fair_frontend.scheduler.core import Mode, Scheduler
 from fair_frontend.scheduler.cost import (
     CostModel,
     CostUnit,
-    NormalizedCost,
     RequestCost,
     TokenCost,
     cost_model_for,
@@ -203,7 +202,6 @@ __all__ = [
     "GlobalCaps",
     "GuardedTierOrder",
     "Mode",
-    "NormalizedCost",
     "OrderingPolicy",
     "PriorityDeadlineArrival",
     "QueueLimits",

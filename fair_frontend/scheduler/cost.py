@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Callable
 from typing import Protocol
 
 
@@ -47,28 +45,6 @@ class TokenCost:
 
     def cost(self, rows: int, tokens: int) -> float:
         return float(tokens) if tokens > 1 else 1.0
-
-
-class NormalizedCost:
-    """A base cost times a factor read at enqueue: the seam for service-cost feedback.
-
-    ``factor`` is injected (the feedback module's EMA of observed service cost per unit, or
-    its reciprocal to divide by it). A factor that is not a positive finite number (no
-    observation yet, a broken estimate) counts as 1, so a bad estimate can neither make a
-    request free nor stall DRR on an infinite cost.
-    """
-
-    __slots__ = ("base", "factor")
-
-    def __init__(self, base: CostModel, factor: Callable[[], float]) -> None:
-        self.base = base
-        self.factor = factor
-
-    def cost(self, rows: int, tokens: int) -> float:
-        f = self.factor()
-        if not (f > 0 and math.isfinite(f)):
-            f = 1.0
-        return self.base.cost(rows, tokens) * f
 
 
 def cost_model_for(unit: CostUnit) -> CostModel:
