@@ -12,8 +12,11 @@ the Python stub's wait for a CPU, and a busy wait that is off the CPU at its dea
 overshoots. Measured at load averages of 4-6 (other test suites running): the fitted
 per-token cost stays within 8 % of the configured 20 us, but the fixed cost comes out
 0.3-1.7 ms high with 2 ms or 10 ms configured, and 3-7 ms high with 20 ms. So the
-per-token cost is held to 25 % of the configuration; the fixed cost to 25 % of the
-configuration plus the overhead Triton measured on the smallest batches in the same run;
+per-token cost is held to 25 % of the configuration; the fixed cost to between 75 % of
+the configuration and 125 % of it plus the largest overhead Triton measured over the batch
+shapes in the same run (a fit over shapes whose overshoots differ may put the largest in
+its fixed cost: 3.0 ms fitted against 2.4 ms configured + the smallest batch's overhead, in
+one CI run);
 and the fitted model must reproduce Triton's mean time of every batch shape.
 """
 
@@ -192,13 +195,22 @@ def test_learns_the_sleepers_cost_from_tritons_metrics(learned: Learned) -> None
     assert status.source is Source.TRITON and not status.triton_stale
     bt = status.batch_time
     means = {shape: statistics.fmean(v) for shape, v in learned.measured.items()}
-    overhead = max(0.0, means[(1, 16)] - (SLEEPER_FIXED_S + 16 * SLEEPER_PER_TOKEN_S))
+    # What Triton measured beyond the sleeper's configured time, per batch shape: the
+    # one-sided timing error (the module docstring); the fit may put the largest in its
+    # fixed cost.
+    overhead = max(
+        0.0,
+        *(
+            mean - (SLEEPER_FIXED_S + rows * width * SLEEPER_PER_TOKEN_S)
+            for (rows, width), mean in means.items()
+        ),
+    )
     print(
         f"\ntriton: {bt}\nfrontend: {learned.frontend_only.batch_time()}"
-        f"\noverhead on the smallest batch: {overhead * 1e3:.2f} ms"
+        f"\nlargest overhead over the batch shapes: {overhead * 1e3:.2f} ms"
     )
     assert bt.per_token_s == pytest.approx(SLEEPER_PER_TOKEN_S, rel=0.25)
-    assert bt.fixed_s == pytest.approx(SLEEPER_FIXED_S + overhead, rel=0.25)
+    assert 0.75 * SLEEPER_FIXED_S <= bt.fixed_s <= 1.25 * (SLEEPER_FIXED_S + overhead)
     # The fit reproduces what Triton measured, shape by shape.
     for (rows, width), measured in means.items():
         predicted = learned.both.predict_batch_seconds(rows, rows * width)
