@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import MSG_QUEUE_FULL
+from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, running_frontend
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -147,6 +148,16 @@ async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
                 return any(t == "acme" and m == "*" for t, m, _, _ in core_server.queue_view[1])
 
             await _until(fe, told, "the shells told that acme is near its share")
+
+            async def shell_sheds() -> bool:
+                # The view is on its way to the shell process: read once it refuses alone.
+                before = core_server.intake.admitted
+                r = await _sleeper(client, "acme", HOG_TOKENS)
+                return isinstance(r, InferenceServerException) and (
+                    core_server.intake.admitted == before
+                )
+
+            await aeventually(shell_sheds, SETTLE_S, what="the shell refusing acme alone")
             admitted = core_server.intake.admitted
             shed = await asyncio.gather(*(_sleeper(client, "acme", HOG_TOKENS) for _ in range(5)))
             assert all(isinstance(r, InferenceServerException) for r in shed), shed
