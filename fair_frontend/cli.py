@@ -27,8 +27,10 @@ from typing import Any
 
 import uvloop
 
-from fair_frontend.auth import KeyRing, ModelAccess
-from fair_frontend.config import Config, ConfigError, load_config
+from fair_frontend.auth import KeyRing, ModelAccess, hash_key
+from fair_frontend.config import Config, ConfigError, load_config, reference
+from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
+from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
 
 log = logging.getLogger("fair_frontend")
@@ -114,13 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config-reference":
-        from fair_frontend.config import reference
-
         print(reference())
         return 0
     if args.command == "hash-key":
-        from fair_frontend.auth import hash_key
-
         print(hash_key(args.key))
         return 0
     logging.basicConfig(
@@ -136,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fair-frontend: {err}", file=sys.stderr)
         return 2
-    from fair_frontend.logs import configure_logging
-
     configure_logging(config.observability.log_format, getattr(args, "log_level", "INFO"))
     if args.command == "check-config":
         print(
@@ -315,8 +311,6 @@ def _reload(server: FrontendServer, path: str) -> None:
 
 
 async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> None:
-    from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
-
     repo = Path(args.model_repository) if args.model_repository else default_model_repository()
     triton = EmbeddedTriton(
         repo,
@@ -352,8 +346,6 @@ async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> N
 async def _keep_alive(triton: Any, interval_s: float = 0.5) -> None:
     """up mode: restart the embedded Triton if it dies (same ports; the frontend holds
     queued requests meanwhile and resumes when Triton is ready again)."""
-    from fair_frontend.embedded import TritonStartError
-
     backoff = interval_s
     while True:
         await asyncio.sleep(backoff)
