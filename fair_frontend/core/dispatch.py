@@ -626,7 +626,6 @@ class EndpointRuntime:
     def ended(
         self,
         req: CoreRequest,
-        tokens: int,
         version: str,
         err: FrontendError | None,
         cancelled: bool,
@@ -637,7 +636,6 @@ class EndpointRuntime:
         ``request_timeout_s`` (``forwarder.NoProgress``) are this request's alone."""
         if req.answered:
             return  # taken back meanwhile, or its shell went away
-        self.produced(req, tokens)
         if cancelled:
             self._done(req, Outcome.CANCELLED, None, version)
         elif err is not None:

@@ -61,7 +61,6 @@ from fair_frontend.feedback import (
     TritonDelta,
     TritonMetrics,
 )
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import RequestLog
 from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
@@ -74,6 +73,7 @@ from fair_frontend.scheduler import (
     cost_model_for,
 )
 from fair_frontend.stats import Statistics
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 
 log = logging.getLogger(__name__)
@@ -275,16 +275,15 @@ class Core:
     def stream_ended(
         self,
         req: CoreRequest,
-        tokens: int,
         version: str,
         err: FrontendError | None,
         cancelled: bool,
     ) -> None:
-        """The stream of granted ``req`` ended (its shell, once): ``tokens`` produced and
-        not yet reported, the error its client was answered with, or ``cancelled``."""
+        """The stream of granted ``req`` ended (its shell, once, after reporting all its
+        tokens): served, the error its client was answered with, or ``cancelled``."""
         runtime = self.runtimes.get(req.request.model)
         if runtime is not None:
-            runtime.ended(req, tokens, version, err, cancelled)
+            runtime.ended(req, version, err, cancelled)
 
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""

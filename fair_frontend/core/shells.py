@@ -167,7 +167,7 @@ class ShellConnection(Framed):
             req = self.calls.pop(record.id, None)
             if req is not None and req is not _CANCELLED:
                 err = record.fault.error() if record.fault is not None else None
-                self.core.stream_ended(req, record.tokens, record.version, err, record.cancelled)
+                self.core.stream_ended(req, record.version, err, record.cancelled)
         elif isinstance(record, Tally):
             self.core.tally(record)
         elif isinstance(record, InfoQuery):

@@ -40,7 +40,7 @@ class Inbox:
         self._waiter: asyncio.Future[None] | None = None
         self._cancel: Any = None  # set by the link: how to cancel the call in the core
         self._produced: Produce = _no_tokens  # set by the link: how to report tokens
-        self._end: Callable[[int, str, FrontendError | None, bool], None] = _never
+        self._end: Callable[[str, FrontendError | None, bool], None] = _never
         self.on_revoke: Callable[[FrontendError], None] = _nothing
         self.done = False  # answered and read, or ended
         self.granted = False
@@ -83,7 +83,7 @@ class Inbox:
         if self.done:
             return
         self.done = True
-        self._end(0, version, fault, cancelled)
+        self._end(version, fault, cancelled)
 
     def cancel(self) -> None:
         """The client went away: a call not answered is cancelled in the core; a granted
@@ -109,7 +109,7 @@ def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
     pass
 
 
-def _never(tokens: int, version: str, fault: FrontendError | None, cancelled: bool) -> None:
+def _never(version: str, fault: FrontendError | None, cancelled: bool) -> None:
     raise AssertionError("a stream ended that was never granted")
 
 
@@ -171,7 +171,7 @@ class InProcessCore(Protocol):
     ) -> None: ...
 
     def stream_ended(
-        self, req: Any, tokens: int, version: str, err: FrontendError | None, cancelled: bool
+        self, req: Any, version: str, err: FrontendError | None, cancelled: bool
     ) -> None: ...
 
     async def model_info(self, model: str) -> ModelInfo: ...
@@ -227,8 +227,8 @@ class LocalLink:
             inbox._produced = lambda tokens, first, gap: core.produced(
                 req, tokens, first, (gap,) if gap >= 0 else ()
             )
-            inbox._end = lambda tokens, version, fault, cancelled: core.stream_ended(
-                req, tokens, version, fault, cancelled
+            inbox._end = lambda version, fault, cancelled: core.stream_ended(
+                req, version, fault, cancelled
             )
 
     async def model_info(self, model: str) -> ModelInfo:

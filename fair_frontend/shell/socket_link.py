@@ -101,8 +101,8 @@ class SocketLink(Framed):
         self._inboxes[call_id] = inbox
         inbox._cancel = lambda: self._cancel(call_id)
         inbox._produced = lambda tokens, first, gap: self._tokens(call_id, tokens, first, gap)
-        inbox._end = lambda tokens, version, fault, cancelled: self._ended(
-            call_id, tokens, version, fault, cancelled
+        inbox._end = lambda version, fault, cancelled: self._ended(
+            call_id, version, fault, cancelled
         )
         super().send(call)
         return inbox
@@ -134,7 +134,6 @@ class SocketLink(Framed):
     def _ended(
         self,
         call_id: int,
-        tokens: int,
         version: str,
         fault: FrontendError | None,
         cancelled: bool,
@@ -146,7 +145,7 @@ class SocketLink(Framed):
         if entry is not None:
             super().send(Produced([(call_id, *entry)]))
         sent = Fault.of(fault) if fault is not None else None
-        super().send(Ended(call_id, tokens, version, sent, cancelled))
+        super().send(Ended(call_id, version, sent, cancelled))
 
     async def model_info(self, model: str) -> ModelInfo:
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))

@@ -155,12 +155,11 @@ shell, and the core wakes for a record per shell per tick, not per token."""
 
 
 class Ended(msgspec.Struct, tag=20, array_like=True):
-    """Granted call ``id``'s stream ended: its slot is free. ``tokens``: produced and not
-    yet reported; ``fault``: the error its client was answered with (None: served, or
-    ``cancelled``: its client went away)."""
+    """Granted call ``id``'s stream ended: its slot is free (its tokens were all told in
+    ``Produced`` records before this one); ``fault``: the error its client was answered
+    with (None: served, or ``cancelled``: its client went away)."""
 
     id: int
-    tokens: int = 0
     version: str = ""
     fault: Fault | None = None
     cancelled: bool = False

@@ -30,12 +30,12 @@ from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Answer, Call, Grant
 
 EMBED, LLM = "embed", "llm"
@@ -303,16 +303,19 @@ class Rig:
 
 
 def end_stream(rig: Rig, sent: Sent, tokens: int, how: str) -> None:
-    """The shell of granted ``sent`` says its stream ended: ``ok``, ``failed`` (the
-    model's error), ``unreachable`` (Triton could not be reached) or ``cancelled``."""
+    """The shell of granted ``sent`` tells its last ``tokens``, then that its stream ended:
+    ``ok``, ``failed`` (the model's error), ``unreachable`` (Triton could not be reached)
+    or ``cancelled``."""
     assert sent.req is not None
+    if tokens:
+        rig.core.produced(sent.req, tokens)
     err: FrontendError | None = None
     if how == "failed":
         err = UpstreamError("llm: cannot sample", grpc.StatusCode.INTERNAL, 500)
     elif how == "unreachable":
         err = Unavailable("connection reset")
     sent.ended = True
-    rig.core.stream_ended(sent.req, tokens, "1" if err is None else "", err, how == "cancelled")
+    rig.core.stream_ended(sent.req, "1" if err is None else "", err, how == "cancelled")
 
 
 # ---- one outcome per request ---------------------------------------------------------------

@@ -18,7 +18,6 @@ from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable, UpstreamError
-from fair_frontend.forwarder import NoProgress
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -29,7 +28,8 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
-from fair_frontend.upstream import upstream_message_error
+from fair_frontend.triton.forwarder import NoProgress
+from fair_frontend.triton.upstream import upstream_message_error
 from fair_frontend.wire.records import Answer, Call, Grant
 
 LLM = ModelInfo(
@@ -56,15 +56,15 @@ class Stream:
 
     def end(self) -> None:
         self.closed = True
-        self.runtime.ended(self.req, 0, "1", None, False)
+        self.runtime.ended(self.req, "1", None, False)
 
     def fail(self, err: FrontendError) -> None:
         self.closed = True
-        self.runtime.ended(self.req, 0, "", err, False)
+        self.runtime.ended(self.req, "", err, False)
 
     def cancel(self) -> None:
         self.closed = True
-        self.runtime.ended(self.req, 0, "", None, True)
+        self.runtime.ended(self.req, "", None, True)
 
 
 class FakeShell:
