@@ -40,7 +40,6 @@ from fair_frontend.admission.storage import (
 )
 from fair_frontend.admission.throttle import DEFAULT_LATENCY_TARGET_MS, DEFAULT_THROTTLE_SAFETY
 from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
-from fair_frontend.feedback.triton import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
     MAX_NAME_BYTES,
@@ -57,6 +56,7 @@ from fair_frontend.scheduler.caps import (
     DEFAULT_TENANT_MAX_QUEUED,
 )
 from fair_frontend.scheduler.cost import CostUnit
+from fair_frontend.triton.metrics import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S
 
 # ---- defaults, named once -------------------------------------------------------------

@@ -37,11 +37,11 @@ from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import QUEUE_VIEW_INTERVAL_S, CoreServer, Intake, ShellConnection
 from fair_frontend.errors import FrontendError
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import abort, make_server
 from fair_frontend.shell.http_server import HttpShell, error_response, proto_to_json
 from fair_frontend.shell.link import LocalLink
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Draining, Settings, Stop
 
 log = logging.getLogger(__name__)

@@ -133,7 +133,7 @@ from fair_frontend.feedback.service import (
     Source,
 )
 from fair_frontend.feedback.slots import SlotTimes
-from fair_frontend.feedback.triton import (
+from fair_frontend.triton.metrics import (
     DEFAULT_METRICS_INTERVAL_S,
     CounterTracker,
     ModelCounters,

@@ -35,7 +35,6 @@ from fair_frontend.errors import (
     UnknownModel,
     Unsupported,
 )
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
     ModelInfo,
@@ -57,6 +56,7 @@ from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns
 from fair_frontend.tokens import TokenCounter, output_tokens
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
 
 T = TypeVar("T")

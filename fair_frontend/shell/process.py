@@ -28,12 +28,12 @@ from aiohttp import web
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import parse_config
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.logs import configure_logging
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
 from fair_frontend.shell.http_server import HttpShell
 from fair_frontend.shell.socket_link import SocketLink
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
 
 log = logging.getLogger("fair_frontend.shell")

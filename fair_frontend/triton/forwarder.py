@@ -34,8 +34,8 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
 )
-from fair_frontend.triton_http import TritonHttp, carries
-from fair_frontend.upstream import upstream_error, upstream_message_error
+from fair_frontend.triton.http import TritonHttp, carries
+from fair_frontend.triton.upstream import upstream_error, upstream_message_error
 
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
@@ -219,7 +219,7 @@ class TritonForwarder:
         self.url = url
         self.request_timeout_s = request_timeout_s
         # Batches go over Triton's HTTP endpoint where it is given (cheaper per call in
-        # this process: fair_frontend.triton_http); everything else stays on gRPC.
+        # this process: fair_frontend.triton.http); everything else stays on gRPC.
         self.http = TritonHttp(http_url, request_timeout_s=request_timeout_s) if http_url else None
         self._client = grpcclient.InferenceServerClient(
             url,

@@ -48,7 +48,7 @@ from fair_frontend.protocol import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from fair_frontend.upstream import upstream_error
+from fair_frontend.triton.upstream import upstream_error
 
 log = logging.getLogger(__name__)
 

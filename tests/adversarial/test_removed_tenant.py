@@ -25,8 +25,8 @@ from fair_frontend.admission.storage import Rejection
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.forwarder import TritonForwarder
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import KEYS, KServe, RedisProcess, make_config
 
 DOOMED = "doomed"

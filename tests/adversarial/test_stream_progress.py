@@ -27,8 +27,8 @@ import tritonclient.grpc.aio as grpcaio
 
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.forwarder import StreamReply, TritonForwarder
 from fair_frontend.protocol import Tensor
+from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from tests.support import (
     KEYS,
     TEST_MODEL_REPOSITORY,

@@ -23,7 +23,7 @@ from fair_frontend.feedback import (
     TritonMetrics,
     parse_metrics,
 )
-from fair_frontend.feedback.triton import TENANT_ROWS, TENANT_TOKENS
+from fair_frontend.triton.metrics import TENANT_ROWS, TENANT_TOKENS
 from python_backend import metering
 
 
