@@ -22,7 +22,11 @@ within it), goodput (successful answers/s, completed inside the window) against 
 the machine: a ``ServerLive`` call every 20 ms on the same channel (no work in the
 frontend: the floor any answer has at that moment), and from Triton's own counters the
 compute time per batch, rows per batch and the fraction of the run Triton computed, which
-give the capacity the model's speed allowed during the run itself.
+give the capacity the model's speed allowed during the run itself. The frontend's CPU per
+process (core and shells, ``--workers``): per admitted call in the capacity loop, and per
+refusal estimated from the overload runs (their CPU less the admitted calls' at that price):
+a refusal the throttle's verdict sheds in the shell should cost a fraction of an admitted
+call.
 
 The load generator is Python on the same 2 cores as the frontend and Triton, so it competes
 with them for CPU. It is kept lean (grpc.aio with the generated stub, request protos built
@@ -31,6 +35,7 @@ scheduled send time) and its CPU time are reported, with the frontend's CPU time
 reader can judge how much of a figure is the generator's.
 
     .venv/bin/python -m benchmarks.bench_overload [--seconds 60] [--tokens 512] [--runs one,two]
+        [--workers N]
 
 Results: ``benchmarks/results/overload.json`` and ``overload.png`` (latency over time with
 the target line; admitted and rejected per second).
@@ -57,6 +62,7 @@ from benchmarks.harness import (
     RESULTS,
     frontend,
     load_example_config,
+    process_tree_cpu_s,
     progress,
     triton,
     write_result,
@@ -196,7 +202,14 @@ async def closed_loop(gen: Generator, depth: int, seconds: float) -> tuple[int, 
 
 
 async def measure_capacity(
-    url: str, triton_metrics: str, tokens: int, depth: int, seconds: float, *, warm_up: bool
+    url: str,
+    triton_metrics: str,
+    tokens: int,
+    depth: int,
+    seconds: float,
+    *,
+    warm_up: bool,
+    frontend_pid: int | None = None,
 ) -> dict[str, Any]:
     gen = Generator(url, ["std0"], tokens)
     try:
@@ -205,13 +218,21 @@ async def measure_capacity(
             await closed_loop(gen, depth, 3.0)
         progress(f"capacity: {seconds:g} s closed loop, {depth} in flight, {tokens} tokens")
         cpu0, t0 = time.process_time(), triton_counters(triton_metrics)
+        fe0 = process_tree_cpu_s(frontend_pid) if frontend_pid else None
         count, wall = await closed_loop(gen, depth, seconds)
         cpu, t1 = time.process_time() - cpu0, triton_counters(triton_metrics)
+        fe1 = process_tree_cpu_s(frontend_pid) if frontend_pid else None
     finally:
         await gen.close()
     rate = count / wall
     progress(f"capacity: {rate:.1f} requests/s ({count} in {wall:.1f} s)")
+    admitted_cpu: dict[str, float] = {}
+    if fe0 is not None and fe1 is not None:
+        # Every call of a closed loop at capacity is admitted: what one admitted call costs.
+        admitted_cpu = {k: round((fe1[k] - fe0[k]) / max(1, count) * 1e6) for k in fe0}
+        admitted_cpu["all"] = sum(admitted_cpu.values())
     return {
+        "frontend_cpu_us_per_admitted": admitted_cpu,
         "requests_per_s": round(rate, 1),
         "tokens_per_s": round(rate * tokens),
         "depth": depth,
@@ -400,10 +421,27 @@ def series(log: Log, start: float, seconds: float) -> dict[str, list[float]]:
     }
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def refusal_cost(
+    spent_s: dict[str, float], summary: dict[str, Any], admitted_cpu_us: dict[str, float]
+) -> dict[str, Any]:
+    """What one refusal (503) cost the frontend, per process (core, shells): its CPU over
+    the run less what the admitted calls cost at the capacity measurement's price, over
+    the refusals. An estimate (the price of an admitted call under overload may differ);
+    its ratio to an admitted call is the figure the throttle's verdict in the shells aims
+    at."""
+    refused, admitted = summary["rejected_503"], summary["admitted"]
+    if not refused or not admitted_cpu_us:
+        return {}
+    per = {
+        k: round(max(0.0, v * 1e6 - admitted * admitted_cpu_us[k]) / refused)
+        for k, v in spent_s.items()
+    }
+    per["all"] = sum(per.values())
+    return {
+        "cpu_us_per_admitted": admitted_cpu_us,
+        "cpu_us_per_refusal_estimate": per,
+        "refusal_over_admitted": round(per["all"] / max(1, admitted_cpu_us["all"]), 2),
+    }
 
 
 TRITON_COUNTERS = {
@@ -518,17 +556,20 @@ async def overload_run(
     capacity: float,
     args: argparse.Namespace,
     target_s: float,
+    admitted_cpu_us: dict[str, float],
 ) -> dict[str, Any]:
     tenants = RUNS[name]
     rate = args.overload * capacity
     progress(f"run '{name}': {rate:.0f} requests/s offered for {args.seconds:g} s: {tenants}")
     throttle0 = scrape_throttle(f"http://127.0.0.1:{fe.metrics_port}/metrics")
     triton0 = triton_counters(triton_metrics)
-    fe_cpu0, gen_cpu0 = process_cpu_s(fe.process.pid), time.process_time()
+    fe_cpu0, gen_cpu0 = process_tree_cpu_s(fe.process.pid), time.process_time()
     load0 = os.getloadavg()[0]
     log, start, live = await open_loop(fe.grpc_url, tenants, rate, args.seconds, args.tokens)
     wall = time.perf_counter() - start
-    fe_cpu, gen_cpu = process_cpu_s(fe.process.pid) - fe_cpu0, time.process_time() - gen_cpu0
+    fe_cpu1, gen_cpu = process_tree_cpu_s(fe.process.pid), time.process_time() - gen_cpu0
+    fe_parts = {k: fe_cpu1[k] - fe_cpu0[k] for k in fe_cpu0}
+    fe_cpu = sum(fe_parts.values())
     throttle1 = scrape_throttle(f"http://127.0.0.1:{fe.metrics_port}/metrics")
     triton = triton_phase(
         triton0, triton_counters(triton_metrics), wall, full_batch_rows(args.tokens)
@@ -549,7 +590,9 @@ async def overload_run(
     }
     summary["cpu"] = {
         "frontend_cores": round(fe_cpu / wall, 2),
+        "frontend_cores_by_process": {k: round(v / wall, 2) for k, v in fe_parts.items()},
         "frontend_cpu_us_per_request": round(fe_cpu / max(1, len(log.sent)) * 1e6),
+        **refusal_cost(fe_parts, summary, admitted_cpu_us),
         "generator_cores": round(gen_cpu / wall, 2),
         "load_average_1m_before": round(load0, 2),
         "load_average_1m_after": round(os.getloadavg()[0], 2),
@@ -578,16 +621,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config()
     target_s = cfg["endpoints"][MODEL]["latency_target_ms"] / 1000
     out: dict[str, Any] = {"target_ms": target_s * 1000}
-    with triton() as server, frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
+    with (
+        triton() as server,
+        frontend(cfg, server.grpc_url, workers=args.workers, http_url=server.http_url) as fe,
+    ):
         progress(f"frontend on {fe.grpc_url} (log: {fe.log_path})")
         out["capacity"] = await measure_capacity(
             fe.grpc_url, server.metrics_url, args.tokens, args.depth, args.capacity_seconds,
-            warm_up=True,
+            warm_up=True, frontend_pid=fe.process.pid,
         )  # fmt: skip
         capacity = out["capacity"]["requests_per_s"]
+        admitted_cpu = out["capacity"]["frontend_cpu_us_per_admitted"]
         runs = {}
         for name in args.runs:
-            runs[name] = await overload_run(name, fe, server.metrics_url, capacity, args, target_s)
+            runs[name] = await overload_run(
+                name, fe, server.metrics_url, capacity, args, target_s, admitted_cpu
+            )
         # The machine is shared: measure again, to bracket how its speed moved meanwhile.
         out["capacity_after"] = await measure_capacity(
             fe.grpc_url, server.metrics_url, args.tokens, args.depth, args.capacity_seconds,
@@ -615,6 +664,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=0, help="capacity: requests in flight "
                         "(default: three full batches)")  # fmt: skip
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
+    parser.add_argument("--workers", type=int, default=1, help="the frontend's shell processes")
     parser.add_argument("--runs", default="one,two", help="comma-separated: one, two")
     args = parser.parse_args()
     args.runs = [r for r in args.runs.split(",") if r]
