@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -151,8 +152,8 @@ class FrontendServer:
         await site.start()
         self.http_port = _bound_port(site)
         self._grpc = make_server(self.gateway)
-        self.grpc_port = self._grpc.add_insecure_port(
-            f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
+        self.grpc_port = _bind_grpc(
+            self._grpc, f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
         )
         await self._grpc.start()
 
@@ -179,12 +180,12 @@ class FrontendServer:
         await msite.start()
         self.metrics_port = _bound_port(msite)
         if self.listen.metrics_grpc_port is not None:
-            self._operator_grpc = grpc.aio.server()
+            self._operator_grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
                 OperatorGrpc(self), self._operator_grpc
             )
-            self.metrics_grpc_port = self._operator_grpc.add_insecure_port(
-                f"{_grpc_host(host)}:{self.listen.metrics_grpc_port}"
+            self.metrics_grpc_port = _bind_grpc(
+                self._operator_grpc, f"{_grpc_host(host)}:{self.listen.metrics_grpc_port}"
             )
             await self._operator_grpc.start()
 
@@ -305,6 +306,27 @@ class OperatorGrpc(service_pb2_grpc.GRPCInferenceServiceServicer):
             await abort(context, err)
 
 
+def _bind_grpc(server: grpc.aio.Server, address: str) -> int:
+    """``server.add_insecure_port``, failing as a socket's bind does (gRPC raises a bare
+    RuntimeError for a port in use)."""
+    try:
+        return int(server.add_insecure_port(address))
+    except RuntimeError as err:
+        raise OSError(errno.EADDRINUSE, f"gRPC cannot bind {address} (in use?)") from err
+
+
+def _free_port(family: socket.AddressFamily, host: str, port: int) -> int:
+    """``port`` (0: one the kernel picks) if nothing holds it, else OSError (EADDRINUSE).
+
+    The shells share their gRPC port through SO_REUSEPORT, which any other socket of the
+    same user with SO_REUSEPORT could join as well (another frontend, any gRPC server): a
+    bind without it, first, fails on a port anyone holds, as Triton's own does."""
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
+        probe.bind((host, port))
+        return int(probe.getsockname()[1])
+
+
 class ShellPool:
     """``workers`` shell processes on one HTTP and one gRPC port, kept running.
 
@@ -352,7 +374,7 @@ class ShellPool:
         self.http_port = http.getsockname()[1]
         hold = socket.socket(family, socket.SOCK_STREAM)
         hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        hold.bind((host, self.listen.grpc_port))
+        hold.bind((host, _free_port(family, host, self.listen.grpc_port)))
         self._grpc_hold = hold
         self.grpc_port = hold.getsockname()[1]
         for index in range(self.workers):
@@ -462,7 +484,11 @@ class BackgroundServer:
 
     def __enter__(self) -> FrontendServer:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(90)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(90)
+        except BaseException:
+            self.__exit__()  # what did start (a listener, shells) stops with the loop
+            raise
         return self.server
 
     def __exit__(self, *exc: object) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+from fair_frontend.server import Listen
 from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, config_dict, ids_input, make_config, running_frontend
 
@@ -384,3 +386,26 @@ async def test_sigterm_finishes_what_is_queued(triton: Any, tmp_path: Path, work
     for r in refused:
         assert r.status() == "StatusCode.UNAVAILABLE"
         assert r.message() == "the frontend is shutting down"
+
+
+# ---- ports held by someone else --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listener", ["grpc_port", "metrics_grpc_port"])
+def test_a_grpc_port_another_server_holds_is_a_start_error(
+    triton: EmbeddedTriton, workers: int, listener: str
+) -> None:
+    """A gRPC server of the same user bound with SO_REUSEPORT (gRPC's default) holds the
+    port: the frontend refuses to start, as Triton does, instead of sharing the port and
+    silently taking part of the other server's connections (which it did: the shells'
+    port sharing was open to any process, and one-process mode kept gRPC's default)."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = Listen(**{listener: taken.getsockname()[1]})
+        with (
+            pytest.raises(OSError, match="in use"),
+            running_frontend(make_config(), triton, workers=workers, listen=listen),
+        ):
+            pass

@@ -614,11 +614,18 @@ def _ms(seconds: float) -> int:
     return max(1, min(round(seconds * 1000), 2**31 - 1))
 
 
-def make_server(gateway: Gateway) -> grpc.aio.Server:
+def make_server(gateway: Gateway, *, shared_port: bool = False) -> grpc.aio.Server:
     """The gRPC server: tritonclient's service, every method behind the door (the module's
     docstring), ModelInfer and ModelStreamInfer taking their requests as bytes (identity
-    and size come before parsing), and gRPC's own bounds (``server_options``)."""
-    server = grpc.aio.server(options=server_options(gateway.config))
+    and size come before parsing), and gRPC's own bounds (``server_options``).
+
+    ``shared_port``: the shell processes of one frontend bind the same port
+    (SO_REUSEPORT, the kernel spreading connections over them; the pool made sure the
+    port was free first). Otherwise the port is this server's alone: gRPC's default
+    (SO_REUSEPORT on) would let a second server of the same user bind a port already
+    serving, silently taking part of its connections, where Triton refuses to start."""
+    options = [*server_options(gateway.config), ("grpc.so_reuseport", int(shared_port))]
+    server = grpc.aio.server(options=options)
     service, handlers = GrpcShell(gateway).handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)

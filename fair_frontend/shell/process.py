@@ -98,7 +98,7 @@ class ShellProcess:
         sock = socket.socket(fileno=self.args.http_fd)
         site = web.SockSite(runner, sock)
         await site.start()
-        grpc_server = make_server(self.gateway)
+        grpc_server = make_server(self.gateway, shared_port=True)
         grpc_port = grpc_server.add_insecure_port(f"{self.args.grpc_host}:{self.args.grpc_port}")
         if grpc_port == 0:
             log.error("shell %d: cannot bind gRPC port %d", self.args.index, self.args.grpc_port)
