@@ -70,10 +70,8 @@ async def _sleeper(client: grpcaio.InferenceServerClient, tenant: str, tokens: i
 async def _until(
     fe: RunningFrontend, condition: Any, what: str, deadline_s: float = SETTLE_S
 ) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not await fe.acall(condition()):
-        assert time.monotonic() < deadline, f"not reached in {deadline_s} s: {what}"
-        await asyncio.sleep(0.01)
+    """``condition()`` (a coroutine) run on the frontend's loop until true."""
+    await aeventually(lambda: fe.acall(condition()), deadline_s, 0.01, what=what)
 
 
 async def test_one_tenant_cannot_fill_the_global_byte_cap(

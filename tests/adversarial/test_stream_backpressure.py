@@ -46,6 +46,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.scheduler import Counters
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
+from fair_frontend.testing import aeventually
 from tests.support import (
     KEYS,
     RunningFrontend,
@@ -143,14 +144,6 @@ async def _idle(fe: RunningFrontend, model: str) -> bool:
     return bool(await fe.acall(read()))
 
 
-async def _until(condition: Any, what: str) -> None:
-    """Poll ``condition`` (an async callable) until true; fail at the deadline."""
-    deadline = time.monotonic() + SETTLE_S
-    while not await condition():
-        assert time.monotonic() < deadline, f"not reached in {SETTLE_S} s: {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_client_that_never_reads_is_held_back_and_others_are_served(
     triton: EmbeddedTriton,
 ) -> None:
@@ -196,7 +189,9 @@ async def test_a_client_that_never_reads_is_held_back_and_others_are_served(
             finally:
                 writer.cancel()
                 hog.cancel()
-        await _until(lambda: _idle(fe, "simple_identity"), "the hog's requests end")
+        await aeventually(
+            lambda: _idle(fe, "simple_identity"), SETTLE_S, what="the hog's requests end"
+        )
 
 
 async def test_a_stream_without_a_valid_key_ends_before_a_message_is_read(
@@ -289,11 +284,13 @@ async def test_a_vanished_client_leaves_nothing_running_in_the_core(
         async def all_admitted() -> bool:
             return (await _counters(streams, "sleeper")).admitted - before.admitted >= count
 
-        await _until(all_admitted, "the client's requests admitted")
+        await aeventually(all_admitted, SETTLE_S, what="the client's requests admitted")
     finally:
         client.kill()
         client.wait(30)
-    await _until(lambda: _idle(streams, "sleeper"), "the vanished client's requests end")
+    await aeventually(
+        lambda: _idle(streams, "sleeper"), SETTLE_S, what="the vanished client's requests end"
+    )
     after = await _counters(streams, "sleeper")
     assert after.admitted - before.admitted == count
     ended = (
@@ -325,7 +322,7 @@ async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
         async def blocker_in_triton() -> bool:
             return (await _counters(streams, "sleeper")).dispatched - before.dispatched >= 32
 
-        await _until(blocker_in_triton, "the other tenant's batch sent")
+        await aeventually(blocker_in_triton, SETTLE_S, what="the other tenant's batch sent")
         call = _open_stream(channel, HOG)
         for _ in range(count):
             await call.write(_sleeper(100))
@@ -334,13 +331,13 @@ async def test_a_stream_whose_read_fails_ends_and_cancels_its_requests(
             admitted = (await _counters(streams, "sleeper")).admitted - before.admitted
             return admitted >= 32 + count
 
-        await _until(all_admitted, "the stream's requests admitted")
+        await aeventually(all_admitted, SETTLE_S, what="the stream's requests admitted")
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await call.write(b"\x00" * OVER_TRANSPORT_LIMIT)
         code = await asyncio.wait_for(call.code(), SETTLE_S)
         assert code != grpc.StatusCode.OK
         assert len([r async for r in blocker]) == 32
-    await _until(lambda: _idle(streams, "sleeper"), "the stream's requests end")
+    await aeventually(lambda: _idle(streams, "sleeper"), SETTLE_S, what="the stream's requests end")
     after = await _counters(streams, "sleeper")
     assert after.cancelled - before.cancelled == count, "the stream's requests ran for nobody"
     assert after.dispatched - before.dispatched == 32
@@ -402,7 +399,9 @@ def _outcomes(fe: RunningFrontend) -> dict[str, float]:
 async def _ends_cancelled(fe: RunningFrontend, parts_before: float, outcomes: Any) -> None:
     """The stalled request: a bounded number of parts taken from Triton, then cancelled
     there (its stream closed, the runtime idle) after stalled_stream_s, one outcome."""
-    await _until(lambda: _idle(fe, "flood_decoupled"), "the stalled request ends")
+    await aeventually(
+        lambda: _idle(fe, "flood_decoupled"), SETTLE_S, what="the stalled request ends"
+    )
     held = _parts(fe) - parts_before
     assert 0 < held <= HELD_PARTS, f"{held} parts taken from Triton for a client that reads none"
     after = _outcomes(fe)
@@ -478,7 +477,7 @@ async def test_a_client_that_reads_slowly_gets_every_part_once(floods: RunningFr
                 await asyncio.sleep(0.02)  # the client is busy: the buffers fill meanwhile
     assert not [r.error_message for r in replies if r.error_message]
     assert len([r for r in replies if r.infer_response.outputs]) == count
-    await _until(lambda: _idle(floods, "flood_decoupled"), "the request ends")
+    await aeventually(lambda: _idle(floods, "flood_decoupled"), SETTLE_S, what="the request ends")
     after = _outcomes(floods)
     assert after["dispatched"] - outcomes["dispatched"] == 1
     assert after["cancelled"] == outcomes["cancelled"]
@@ -493,4 +492,6 @@ async def _warm_flood(channel: grpc.aio.Channel, fe: RunningFrontend) -> None:
     assert replies and not [r.error_message for r in replies if r.error_message]
     # Its outcome is counted once its shell tells the core (the core hears of a stream's
     # end from the shell that relayed it): settled before the caller reads the counts.
-    await _until(lambda: _idle(fe, "flood_decoupled"), "the warm stream counted")
+    await aeventually(
+        lambda: _idle(fe, "flood_decoupled"), SETTLE_S, what="the warm stream counted"
+    )
