@@ -8,8 +8,10 @@ tenant is a client process of its own sending 512-token requests (one row; 8 fil
 of ``max_batch_tokens`` 4,096) open loop on a Poisson schedule: ``a`` at 1x the capacity
 measured first (``bench_overload``'s closed loop through the frontend), ``b`` at 2x. Both
 offer more than their fair half, so both are backlogged for the whole run; a client holds
-at most ``--max-outstanding`` calls (a send due beyond it is skipped and counted: memory,
-not fairness, is what it bounds). After a warm-up, ``--seconds`` (50) are measured.
+at most ``--max-outstanding`` calls (3,000; a send due beyond it is skipped and counted):
+once a tenant's backlog reaches it, it sends as fast as it is served, hundreds of batches
+behind, and stays under the frontend's 4,096 gRPC streams per connection, over which gRPC
+refuses calls. After a warm-up, ``--seconds`` (50) are measured.
 
 Served cost per tenant is recorded twice: at the frontend, ``fair_served_tokens_total``
 scraped every ``SCRAPE_S`` (a batch is counted when its answers have gone out), and at
@@ -86,7 +88,10 @@ CAPACITY_TENANT = "std0"  # bench_overload's closed loop sends as this tenant
 SCRAPE_S = 0.25
 WINDOWS_S = (1.0, 5.0)
 BACKLOG_ROWS = 24  # a client with fewer outstanding may have nothing queued at the frontend
-DEFAULT_MAX_OUTSTANDING = 6000
+# Calls a client holds at once: below the frontend's 4,096 streams on one connection
+# (server.grpc_max_streams_per_connection), over which gRPC refuses part of the calls
+# (REFUSED_STREAM, UNAVAILABLE), and hundreds of batches' worth: backlogged throughout.
+DEFAULT_MAX_OUTSTANDING = 3000
 CALL_DEADLINE_S = 600.0
 START_DELAY_S = 2.0  # the clients import grpc and connect before the common start
 
@@ -157,7 +162,7 @@ async def client_main(args: argparse.Namespace) -> None:
             await stub.ModelInfer(requests[i % 16], metadata=metadata, timeout=CALL_DEADLINE_S)
             done.append(time.monotonic())
         except grpc.aio.AioRpcError as err:
-            failed.append(err.code().name)
+            failed.append(f"{err.code().name}: {err.details()}")
         finally:
             outstanding -= 1
 
@@ -336,6 +341,10 @@ def window_stats(
         "max_diff_tokens": float(d.max()) if len(d) else None,
         "mean_tokens_per_window": mean_total,
         "share_a": float(a.sum() / total.sum()) if total.sum() else None,
+        # The signed difference summed over the windows: what is left of it at the end.
+        "net_diff_over_throughput": float(abs((a - b).sum()) / total.sum())
+        if total.sum()
+        else None,
         "one_turn_floor": turn / 2 / mean_total if turn and len(d) else None,
         "diff_tokens": [float(x) for x in (served["a"] - served["b"])],
         "seconds": seconds,
