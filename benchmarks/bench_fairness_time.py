@@ -93,6 +93,7 @@ BACKLOG_ROWS = 24  # a client with fewer outstanding may have nothing queued at 
 # (REFUSED_STREAM, UNAVAILABLE), and hundreds of batches' worth: backlogged throughout.
 DEFAULT_MAX_OUTSTANDING = 3000
 CALL_DEADLINE_S = 600.0
+BATCH_GAP_S = 0.015  # answers further apart than this at the clients: different batches
 START_DELAY_S = 2.0  # the clients import grpc and connect before the common start
 
 # name -> (label, scheduling mode, --workers (None: the flag does not exist), endpoint
@@ -274,7 +275,12 @@ def run_target(
                         log = (tmp / f"{tenant}.log").read_text()[-3000:]
                         raise RuntimeError(f"client {tenant} exited early:\n{log}")
                 if now >= start_at:
-                    snap = scrape(metrics_url)
+                    try:
+                        snap = scrape(metrics_url)
+                    except OSError as err:  # a scrape lost to a loaded machine: the next
+                        progress(f"  scrape failed ({err}); going on")  # one counts it
+                        next_scrape += SCRAPE_S
+                        continue
                     series.append({"t": time.monotonic() - start_at, **snap})
                     if now >= next_print:
                         tok = snap["tokens"]
@@ -351,6 +357,33 @@ def window_stats(
     }
 
 
+def batch_mix(done: dict[str, np.ndarray], origin: float, end: float) -> dict[str, Any]:
+    """How each batch was shared: the answers of one batch reach both clients within a few
+    ms, and batches are ``BATCH_GAP_S`` or more apart, so the completions split into
+    batches at the gaps. Returns the most frequent compositions ("rows of a + rows of b":
+    batches), and the fraction of batches served to one tenant alone."""
+    times = np.concatenate([done[t] for t in TENANTS])
+    who = np.concatenate([np.full(len(done[t]), i) for i, t in enumerate(TENANTS)])
+    keep = (times >= origin) & (times <= end)
+    times, who = times[keep], who[keep]
+    order = np.argsort(times, kind="stable")
+    times, who = times[order], who[order]
+    if not len(times):
+        return {"batches": 0}
+    cuts = np.flatnonzero(np.diff(times) > BATCH_GAP_S) + 1
+    mixes: dict[str, int] = {}
+    alone = 0
+    for group in np.split(who, cuts):
+        n_b = int(group.sum())
+        n_a = len(group) - n_b
+        alone += n_a == 0 or n_b == 0
+        key = f"{n_a}+{n_b}"
+        mixes[key] = mixes.get(key, 0) + 1
+    batches = len(cuts) + 1
+    top = dict(sorted(mixes.items(), key=lambda kv: -kv[1])[:6])
+    return {"batches": batches, "one_tenant_fraction": alone / batches, "top": top}
+
+
 def cumulative_stats(t: np.ndarray, sa: np.ndarray, sb: np.ndarray, span: float) -> dict:
     """max |S_a - S_b| over the span (S from the span's start), and in seconds of the
     joint throughput."""
@@ -420,6 +453,7 @@ def summarise(
         keep = (backlog["a"] >= BACKLOG_ROWS) & (backlog["b"] >= BACKLOG_ROWS)
         out["client"][f"w{w:g}"] = window_stats(served, keep, w, turn)
         out["client"][f"w{w:g}"]["min_outstanding"] = {t: float(backlog[t].min()) for t in TENANTS}
+    out["client"]["batch_mix"] = batch_mix(done, origin, end)
     events = np.sort(np.concatenate([done[t] for t in TENANTS]))
     events = events[(events >= origin) & (events <= end)]
     if len(events):
@@ -442,7 +476,7 @@ def summarise(
         f"{_fmt(out['client']['w5']['avg_diff_over_throughput'])}; cumulative max "
         f"{out['frontend']['max_cumulative_diff_tokens']:,.0f} tokens "
         f"({_num(out['frontend']['max_cumulative_diff_s'])} s); share of a "
-        f"{_fmt(f1['share_a'])}"
+        f"{_fmt(f1['share_a'])}; batches a+b rows {out['client']['batch_mix'].get('top')}"
     )
     return out
 
