@@ -20,6 +20,7 @@ BENCHMARKS = [
     "bench_ratelimit",
     "bench_noisy_neighbour",
     "bench_token_fairness",
+    "bench_fairness_time",
     "bench_throughput",
     "bench_scaling",
     "bench_streams",
