@@ -34,7 +34,9 @@ from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
 from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
+from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.plan import (
     batch_throttle,
     endpoint_policy,
@@ -170,7 +172,7 @@ class Core:
         self.caps = global_caps(config.queues)
         self.limiter = limiter or rate_limiter(config.rate_limiting)
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
-        self.runtimes: dict[str, EndpointRuntime] = {}
+        self.runtimes: dict[str, Dispatcher] = {}
         self.stats = Statistics()
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
@@ -394,9 +396,7 @@ class Core:
 
     # ---- admission ----------------------------------------------------------------------
 
-    def _new_request(
-        self, call: Call, route: Route, runtime: EndpointRuntime | None
-    ) -> CoreRequest:
+    def _new_request(self, call: Call, route: Route, runtime: Dispatcher | None) -> CoreRequest:
         request = call.request
         return CoreRequest(
             call.tenant,
@@ -410,7 +410,7 @@ class Core:
             route=route,
         )
 
-    def _throttle(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+    def _throttle(self, runtime: Dispatcher, req: CoreRequest) -> None:
         """Reject at once (503 + Retry-After) what cannot be served within its target."""
         admission = runtime.admission
         if admission is None or not admission.throttles:
@@ -419,6 +419,8 @@ class Core:
         # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
         deadline = req.call.deadline
         remaining_s = None if deadline is None else deadline - self.clock.now()
+        # An engine's throttle also weighs the slots the tenant holds already.
+        own = runtime.in_engine(req.tenant) if isinstance(runtime, EngineDispatcher) else 0
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -428,7 +430,7 @@ class Core:
             rows=req.rows,
             tokens=req.tokens,
             remaining_s=remaining_s,
-            own_inflight=runtime.in_engine(req.tenant) if admission.engine is not None else 0,
+            own_inflight=own,
         )
         assert decision is not None
         self.observer.throttle_decision(model=runtime.model, decision=decision)
@@ -549,7 +551,7 @@ class Core:
             self._charge_back_limits(req)
             self._record(call, Outcome.FAILED, error, "", -1.0, None)
 
-    def _own_sequence(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+    def _own_sequence(self, runtime: Dispatcher, req: CoreRequest) -> None:
         """A stateful model's request goes under the frontend's id for its tenant's
         sequence, never the client's (``core.sequences``); mapped last, once admitted."""
         request = req.request
@@ -592,7 +594,7 @@ class Core:
             return
         endpoint = runtime.endpoint
         if endpoint.cost is CostUnit.TOKENS:
-            if runtime.engine:
+            if isinstance(runtime, EngineDispatcher):
                 cost = tokens * endpoint.output_token_weight
             elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
                 cost = float(tokens - req.call.max_tokens)
@@ -661,7 +663,7 @@ class Core:
 
     # ---- endpoints ----------------------------------------------------------------------
 
-    def _runtime(self, model: str, info: ModelInfo) -> EndpointRuntime:
+    def _runtime(self, model: str, info: ModelInfo) -> Dispatcher:
         runtime = self.runtimes.get(model)
         if runtime is None:
             endpoint = self.config.endpoint(model)
@@ -671,7 +673,7 @@ class Core:
             cost_model = None
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
-            engine = endpoint.max_inflight is not None
+            engine = policy.slots is not None  # engine mode: the model batches inside
             fairness = None
             if engine and endpoint.cost is CostUnit.TOKENS:
                 fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
@@ -688,7 +690,8 @@ class Core:
                 engine=engine_throttle(endpoint) if engine and endpoint.throttle else None,
                 slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
             )
-            runtime = EndpointRuntime(
+            dispatcher = EngineDispatcher if engine else BatchDispatcher
+            runtime = dispatcher(
                 model=model,
                 info=info,
                 endpoint=endpoint,
@@ -910,9 +913,9 @@ def with_running_values(running: Config, new: Config, kept: Sequence[str]) -> Co
     return parse_config(data, "(reload, with the running values of what needs a restart)")
 
 
-def _scheduled_tokens(call: Call, runtime: EndpointRuntime | None) -> int:
+def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:
     """The tokens the scheduler charges at dispatch: in engine mode the input only (output
     tokens are charged as they stream), elsewhere input plus the output asked for."""
-    if runtime is not None and runtime.engine:
+    if isinstance(runtime, EngineDispatcher):
         return call.tokens - call.max_tokens
     return call.tokens
