@@ -11,7 +11,8 @@ statistics and the metrics. It answers every call exactly once, along the call's
 Triton, in one of two modes: ``batches.BatchDispatcher`` (batches assembled here) or
 ``engine.EngineDispatcher`` (a model that batches inside itself: a request per slot);
 ``admission.EndpointAdmission`` is one endpoint's throttle with the estimates it reads;
-``plan`` turns the config into the policy packages' own parameters.
+``accounting.Accounting`` counts each request against its rate limits and fair share and
+records its outcome; ``plan`` turns the config into the policy packages' own parameters.
 """
 
 from __future__ import annotations

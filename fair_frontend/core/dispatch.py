@@ -105,7 +105,7 @@ class CoreRequest(QueuedRequest):
     cancelled: bool = False  # its client went away while it was in a batch
     answered: bool = False
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
-    # Core.wall() when its tokens were counted in its limits (None again once corrected)
+    # Accounting.wall() when its tokens were counted in its limits (None again once corrected)
     limits_at: float | None = None
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
 
