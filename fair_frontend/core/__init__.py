@@ -7,26 +7,33 @@ scheduler (``fair_frontend.scheduler``: tier, deficit round robin, priority), ba
 assembly and dispatch to Triton, the feedback loop (``fair_frontend.feedback``), the
 statistics and the metrics. It answers every call exactly once, along the call's route.
 
-``service.Core`` is the entry point; ``dispatch.EndpointRuntime`` feeds one model's
-batches to Triton; ``admission.EndpointAdmission`` is one endpoint's throttle with the
-estimates it reads; ``plan`` turns the config into the policy packages' own parameters.
+``service.Core`` is the entry point; a ``dispatch.Dispatcher`` feeds one model's work to
+Triton, in one of two modes: ``batches.BatchDispatcher`` (batches assembled here) or
+``engine.EngineDispatcher`` (a model that batches inside itself: a request per slot);
+``admission.EndpointAdmission`` is one endpoint's throttle with the estimates it reads;
+``accounting.Accounting`` counts each request against its rate limits and fair share and
+records its outcome; ``plan`` turns the config into the policy packages' own parameters.
 """
 
 from __future__ import annotations
 
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
+from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.plan import endpoint_policy
 from fair_frontend.core.service import Core, ModelRegistry
 from fair_frontend.observe import BatchReport
 
 __all__ = [
     "Backend",
+    "BatchDispatcher",
     "BatchReport",
     "Core",
     "CoreRequest",
+    "Dispatcher",
     "EndpointAdmission",
-    "EndpointRuntime",
+    "EngineDispatcher",
     "ModelRegistry",
     "Route",
     "TierShares",

@@ -1,44 +1,43 @@
-"""The asyncio layer around one model's scheduler: queue, dispatch, answer, expire.
+"""One model's dispatch, in either mode: queue, slots, answers, expiry.
 
 The scheduler core is pure and synchronous; this module owns the timers (through one
-injected ``Clock``), the tasks that talk to Triton and the bound on batches in flight.
-Invariants:
+injected ``Clock``), the tasks that talk to Triton and the bound on what is in flight.
+``Dispatcher`` is what every model runs; its mode is one of two subclasses, picked by
+``Core._runtime`` from the endpoint's plan (``plan.endpoint_policy``: ``slots``):
+
+* ``batches.BatchDispatcher`` (the default): batches of rows are assembled here, at most
+  ``max_inflight_batches`` (one per model instance) in Triton at once;
+* ``engine.EngineDispatcher`` (``max_inflight``): a model that batches inside itself
+  (continuous batching) gets each request alone, at most ``max_inflight`` at once.
+
+Each mode's own invariants are in its module. Those of both:
 
 * every request submitted here is answered exactly once (``CoreRequest.answered``): a
   result, or an error (expired, Triton's error, unavailable, shutdown); a request whose
   client went away is not answered, and its outcome is ``CANCELLED``;
-* at most ``max_inflight`` batches of this model are in Triton at once (by default one
-  per model instance), so requests wait here, where fairness is decided, not in
-  Triton's queue, and each batch is assembled at the moment an instance frees up: a
-  request that arrives while Triton is busy can still make the very next batch;
+* at most ``max_inflight`` batches (in engine mode, requests) of this model are in
+  Triton at once, so requests wait here, where fairness is decided, not in Triton's
+  queue, and each batch is assembled at the moment a slot frees up: a request that
+  arrives while Triton is busy can still make the very next batch;
 * work-conserving: whenever a slot is free and anything is queued, a batch goes out
-  (unless ``max_queue_delay_ms`` asks to wait for a fuller batch, Triton-style);
-* a batch whose model call fails for one bad row does not fail its neighbours: on a
-  model error it is bisected (each half sent on its own, a failing half split again), so
-  only the culprit sees the error, at about 2 log2(n) extra sends for one culprit among
-  n, not n; a half that succeeded is finished and never sent again. This resends the
-  requests of a failed call, which assumes what Triton's batching assumes of a model: a
-  call that fails as a whole had no effect (the Python backend fails every request of
-  an ``execute`` that raises; a model with side effects per row must answer per-row
-  errors in its responses instead of raising);
+  (unless the mode asks to wait: ``max_queue_delay_ms`` for a fuller batch, a tenant at
+  its share of an engine's slots);
 * Triton's answer that a model (version) is not ready fails the batch that asked for it,
   nothing else: only a failure to reach Triton at all (no connection, a connection
-  lost, a batch not answered in time) marks the backend down. A request's own length
-  never does: a stream's limit is time without progress (``forwarder.NoProgress``, this
-  request's failure alone), and in engine mode a call past its deadline fails only the
-  request it carried (a generation may be long; gRPC's keepalive, not a deadline, finds a
-  Triton that stopped answering);
+  lost; in batch mode, a batch not answered in time) marks the backend down. A
+  request's own length never does: a stream's limit is time without progress
+  (``forwarder.NoProgress``, this request's failure alone);
 * while Triton is unreachable nothing is sent: a batch that never reached it is held
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
   held or still in Triton when a shutdown's drain ends (``drain``);
-* a decoupled model's request takes one hop: when its turn comes its slot is granted to
-  the shell that holds its client (``records.Grant``), which sends it to Triton and relays
-  the responses itself, reporting the output tokens they carry (``produced``: charged to
-  its tenant's counter as they come, one loop iteration late at most over a socket) and,
-  once, how it ended (``ended``); the slot is held until then, or until the shell is gone
-  (``drop``). A shutdown that stops waiting takes the slot back (an ``Answer`` with the
-  reason, which ends the stream in the shell).
+* a decoupled model's request (in either mode) takes one hop: when its turn comes its
+  slot is granted to the shell that holds its client (``records.Grant``), which sends it
+  to Triton and relays the responses itself, reporting the output tokens they carry
+  (``produced``: charged to its tenant's counter as they come, one loop iteration late at
+  most over a socket) and, once, how it ended (``ended``); the slot is held until then,
+  or until the shell is gone (``drop``). A shutdown that stops waiting takes the slot
+  back (an ``Answer`` with the reason, which ends the stream in the shell).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -105,7 +105,7 @@ class CoreRequest(QueuedRequest):
     cancelled: bool = False  # its client went away while it was in a batch
     answered: bool = False
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
-    # Core.wall() when its tokens were counted in its limits (None again once corrected)
+    # Accounting.wall() when its tokens were counted in its limits (None again once corrected)
     limits_at: float | None = None
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
 
@@ -239,8 +239,16 @@ Tokens = Callable[[CoreRequest, int], None]
 """(request, output tokens it just produced): as a stream's responses arrive, or once."""
 
 
-class EndpointRuntime:
-    """Feeds one model's batches to Triton, at most ``max_inflight`` at a time."""
+class Dispatcher(ABC):
+    """Feeds one model's work to Triton, at most ``max_inflight`` at a time (its slots).
+
+    What both modes share: the queue's side (``submit``, ``cancel``), the dispatch loop
+    (``kick``: send while a slot is free, then arm the one timer), deadlines, the call to
+    Triton and its answers, grants, outages and shutdown. What a mode decides, it is
+    asked: how many slots (``_slots``), whether one more may go now (``_may_send``),
+    whether to wait for a fuller batch (``_hold_until``), what a call not answered in time
+    says of Triton (``_timed_out``) and what a model error fails (``_model_error``).
+    """
 
     def __init__(
         self,
@@ -268,29 +276,18 @@ class EndpointRuntime:
         self.on_batch = on_batch
         self.on_done = on_done
         self.on_tokens = on_tokens
-        # Engine mode (max_inflight): requests in the engine at once, each alone.
-        self.engine = endpoint.max_inflight is not None
-        configured = endpoint.max_inflight or endpoint.max_inflight_batches
-        self._max_inflight = configured if configured is not None else info.instances
+        self._max_inflight = self._slots()
         self._token_output = endpoint.token_output
-        self._reserved = endpoint.reserved_slots if self.engine else 0
-        self._capped: str | None = None  # holds its cap while next in line (a slot waits)
-        self._isolating = 0  # failed batches being bisected
-        self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
-        self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
         self.inflight = 0  # batches in Triton (or held for it, with their slot)
         self.batches_sent = 0
-        self._busy_until = 0.0  # when the batches in flight are predicted to be done
         self._timer: Timer | None = None
         self._timer_at: float | None = None
         self._held: list[list[CoreRequest]] = []  # batches that never reached Triton
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
-        # Per batch in Triton: (sent at, predicted seconds); _busy_until is derived from
-        # them and recomputed as each batch comes back, early or late.
-        self._predicted: dict[asyncio.Task[None], tuple[float, float]] = {}
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
+        self._start()
         backend.listeners.append(self.kick)
         backend.give_up_listeners.append(self.give_up)
 
@@ -303,8 +300,44 @@ class EndpointRuntime:
     def max_inflight(self) -> int:
         return self._max_inflight
 
-    def now(self) -> float:
-        return self.clock.now()
+    # ---- what a mode decides ------------------------------------------------------------
+
+    @abstractmethod
+    def _slots(self) -> int:
+        """How many batches (or requests) may be in Triton at once, for this endpoint and
+        model (``max_inflight``; read once, by ``__init__``)."""
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Set up the mode's own state (by ``__init__``, once ``_slots`` is known)."""
+
+    @abstractmethod
+    def _may_send(self, now: float) -> bool:
+        """May one more batch go to Triton now?"""
+
+    def _hold_until(self, now: float) -> float | None:
+        """Until when should the next batch wait to be fuller? (None: send it now)"""
+        return None
+
+    @abstractmethod
+    def _arm_lead(self) -> None:
+        """Arm the timer of a send before a slot frees up, if the mode sends early."""
+
+    @abstractmethod
+    def _timed_out(self) -> None:
+        """A call was not answered in time (its requests fail): what does that say of
+        Triton?"""
+
+    async def _model_error(self, batch: list[CoreRequest], err: FrontendError) -> tuple[bool, bool]:
+        """A call failed with the model's error: whom does it fail? (Here: each of its
+        requests.) Returns ``_send``'s (succeeded, held)."""
+        for r in batch:
+            self._fail(r, err)
+        return False, False
+
+    @abstractmethod
+    def _tokens_charged(self) -> None:
+        """A stream's tokens were just charged to its tenant: does a slot wait on that?"""
 
     # ---- the request side ---------------------------------------------------------------
 
@@ -365,108 +398,16 @@ class EndpointRuntime:
         if due is not None:
             self._arm(due)
 
-    def _arm_lead(self) -> None:
-        """The early send's timer, while every slot is taken and Triton is there (while it
-        is not, nothing is sent: the moment passes, and a timer for it would fire at once,
-        for ever; ``kick`` runs again when Triton is back)."""
-        lead = self._lead()
-        if (
-            lead > 0
-            and not self._isolating
-            and self.inflight == self.max_inflight
-            and self.backend.available
-        ):
-            self._arm(self._busy_until - lead)
-
-    def _launch(self, batch: list[CoreRequest], now: float) -> None:
+    def _launch(self, batch: list[CoreRequest], now: float) -> asyncio.Task[None]:
         self.inflight += 1
         self.batches_sent += 1
         task = asyncio.get_running_loop().create_task(self._run(batch))
-        if self._tasks and not self.engine:  # batches that meet in Triton's queue
-            self._overlapped.update(self._tasks)
-            self._overlapped.add(task)
         self._tasks[task] = batch
-        self._predicted[task] = (now, self._predict(batch))
-        self._busy_until = self._predicted_end(now)
         task.add_done_callback(self._forget)
-
-    def in_engine(self, tenant: str) -> int:
-        """``tenant``'s requests in Triton (or held for it): a scan of the slots, made only
-        where slots are reserved."""
-        return sum(
-            1 for batch in (*self._tasks.values(), *self._held) for r in batch if r.tenant == tenant
-        )
+        return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
-        self._predicted.pop(task, None)
-        self._overlapped.discard(task)
-
-    def _predicted_end(self, now: float) -> float:
-        """When the batches in Triton are predicted to be done: one instance runs them one
-        after another, each from when it was sent or the one before it ends."""
-        busy = now
-        for sent, seconds in sorted(self._predicted.values()):
-            busy = max(busy, sent) + seconds
-        return busy
-
-    def _may_send(self, now: float) -> bool:
-        """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
-        batches in flight are predicted to finish, so that Triton starts it without a gap
-        while it is still assembled at the last moment (late binding). In engine mode the
-        ``reserved_slots`` are kept from any one tenant: none holds more than
-        ``max_inflight - reserved_slots``, so the others always find a slot."""
-        if self.inflight < self.max_inflight:
-            if not self._reserved:
-                return True
-            head = self.scheduler.peek(now)
-            if head is None:
-                return False
-            # The next in line holds its cap: wait until the order changes (its counter
-            # grows as its streams produce: _send_stream kicks again meanwhile).
-            capped = self.in_engine(head.tenant) >= self.max_inflight - self._reserved
-            self._capped = head.tenant if capped else None
-            return not capped
-        if self._held:
-            return True  # a held batch kept its slot
-        lead = self._lead()
-        return (
-            lead > 0
-            and not self._isolating
-            and self.inflight == self.max_inflight
-            and now >= self._busy_until - lead
-        )
-
-    def _lead(self) -> float:
-        service = self.service
-        if self.engine or service is None or not service.has_data:
-            return 0.0  # an engine's slot frees when a request ends: no batch time to lead
-        return self.endpoint.dispatch_lead_ms / 1000.0
-
-    def _predict(self, batch: list[CoreRequest]) -> float:
-        service = self.service
-        if service is None or not service.has_data:
-            return 0.0
-        rows = sum(r.rows for r in batch)
-        tokens = sum(r.tokens for r in batch)
-        return float(service.predict_batch_seconds(rows, tokens))
-
-    def _hold_until(self, now: float) -> float | None:
-        """Triton-style max_queue_delay: wait (only while idle) for a fuller batch."""
-        delay = self.endpoint.max_queue_delay_ms / 1000.0
-        if delay <= 0 or self.inflight > 0:
-            return None
-        oldest = self.scheduler.oldest_arrival()
-        if oldest is None or oldest + delay <= now:
-            return None
-        policy = self.scheduler.policy
-        if self.scheduler.queued_rows >= (policy.max_batch_size or 1):
-            return None  # a full batch by rows
-        if policy.max_batch_tokens is not None and (
-            self.scheduler.queued_tokens >= policy.max_batch_tokens
-        ):
-            return None  # ... or by tokens
-        return oldest + delay
 
     def _next_deadline(self) -> float | None:
         due = self.scheduler.next_deadline()
@@ -528,7 +469,6 @@ class EndpointRuntime:
             task = asyncio.current_task()
             if task is not None:
                 self._forget(task)
-            self._busy_until = self._predicted_end(self.clock.now())
             if not held:
                 self.inflight -= 1
                 # Its accounting (metrics, the feedback loop's batch times) runs once the
@@ -547,11 +487,7 @@ class EndpointRuntime:
             packed = pack(batch, self.info, self.endpoint)
             version, outputs = await self._forward(packed, batch)
         except DeadlineExceeded as err:
-            # A call Triton did not answer in time. In engine mode a call is one request,
-            # as long as its generation: its length says nothing of Triton, and only that
-            # request fails. A batch is expected back in time: Triton is taken for down.
-            if not self.engine:
-                self.backend.mark_down()
+            self._timed_out()
             for r in batch:
                 self._fail(r, err)
             return False, False
@@ -572,32 +508,26 @@ class EndpointRuntime:
                 self._fail(r, err)
             return False, False
         except FrontendError as err:
-            task = asyncio.current_task()
-            if len(batch) == 1 and task not in self._overlapped:
-                self._fail(batch[0], err)
-                return False, False
-            # One bad row must not fail its neighbours: find it by bisection (also a
-            # request alone whose batch overlapped another in Triton, whose own batcher
-            # may have run them as one execution: it is tried once more alone), and
-            # nothing beside it (no early send: Triton's own batcher would put a request
-            # sent meanwhile into the same execution as the culprit).
-            self._isolating += 1
-            try:
-                if self._isolation is None:
-                    self._isolation = asyncio.Lock()
-                async with self._isolation:  # one batch at a time: none meets another's
-                    unsent = await self._bisect(batch)
-            finally:
-                self._isolating -= 1
-            if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
-                self._held.append(unsent)
-                return False, True
-            return False, False
+            return await self._model_error(batch, err)
         for r, outs in zip(
             batch, unpack(outputs, batch, self.info, self.endpoint, packed.stripped), strict=True
         ):
             self._finish(r, version, outs)
         return True, False
+
+    async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
+        first = batch[0].request
+        return await self.forwarder.infer(
+            self.model,
+            first.version,
+            packed.inputs,
+            packed.outputs,
+            packed.parameters,
+            request_id=first.id if len(batch) == 1 else "",
+            sequence=packed.sequence,
+        )
+
+    # ---- grants: a decoupled model's request, streamed by its shell ---------------------
 
     async def _grant(self, req: CoreRequest) -> bool:
         """A decoupled model's request: its slot goes to the shell that holds its client,
@@ -619,9 +549,7 @@ class EndpointRuntime:
         if self._token_output is None:
             return
         self.on_tokens(req, tokens)
-        capped = self._capped
-        if capped is not None and self.scheduler.queued_requests > self.scheduler.depth(capped):
-            self.kick()  # the charge may have moved another tenant ahead of it
+        self._tokens_charged()
 
     def ended(
         self,
@@ -646,79 +574,6 @@ class EndpointRuntime:
             self._done(req, Outcome.DISPATCHED, None, version)
         if req.ended is not None and not req.ended.done():
             req.ended.set_result(err is None and not cancelled)
-
-    async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
-        """Answer a batch that failed with a model error, culprits found by halves.
-
-        Each half is sent on its own: one that succeeds is finished (never sent again),
-        one that fails is split again, and a request alone that fails gets its error. One
-        culprit among n costs 2 sends per halving, about 2 log2(n), where one by one cost
-        n. Halves go one after another, in batch order. Returns the requests not sent
-        because Triton became unreachable (to hold), [] when every one was answered.
-        """
-        todo = [batch] if len(batch) == 1 else list(reversed(_halves(batch)))
-        while todo:
-            group = self._still_wanted(todo.pop())
-            if not group:
-                continue
-            try:
-                await self._send_group(group)
-            except Unavailable as err:
-                self.backend.mark_down()
-                if not err.never_sent:  # it may have run: never sent twice
-                    for r in group:
-                        self._fail(r, err)
-                    group = []
-                rest = [r for g in (group, *reversed(todo)) for r in g if not r.answered]
-                if not self.backend.gave_up:
-                    return rest
-                for r in rest:
-                    self._fail(r, self.outage_error())
-                return []
-            except ModelUnavailable as err:
-                for r in group:
-                    self._fail(r, err)
-            except FrontendError as err:
-                if len(group) == 1:
-                    self._fail(group[0], err)
-                else:
-                    todo.extend(reversed(_halves(group)))
-        return []
-
-    def _still_wanted(self, group: list[CoreRequest]) -> list[CoreRequest]:
-        """The requests of ``group`` still to send: not answered, and whose client is still
-        there (one that went away is done with, CANCELLED: no work for an answer nobody
-        reads)."""
-        wanted = []
-        for r in group:
-            if r.answered:
-                continue
-            if r.cancelled:
-                self._done(r, Outcome.CANCELLED, None, "")
-                continue
-            wanted.append(r)
-        return wanted
-
-    async def _send_group(self, group: list[CoreRequest]) -> None:
-        """Send part of a failed batch as one call, and finish its requests (raises the
-        call's error, nothing answered, when it fails)."""
-        packed = pack(group, self.info, self.endpoint)
-        version, outputs = await self._forward(packed, group)
-        outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)
-        for r, out in zip(group, outs, strict=True):
-            self._finish(r, version, out)
-
-    async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
-        first = batch[0].request
-        return await self.forwarder.infer(
-            self.model,
-            first.version,
-            packed.inputs,
-            packed.outputs,
-            packed.parameters,
-            request_id=first.id if len(batch) == 1 else "",
-            sequence=packed.sequence,
-        )
 
     # ---- answers: exactly one per request -----------------------------------------------
 
@@ -816,12 +671,6 @@ class EndpointRuntime:
                     task.cancel()
             await asyncio.wait(list(self._tasks), timeout=left if left and left > 0 else None)
         self.fail_queued(err)
-
-
-def _halves(batch: list[CoreRequest]) -> list[list[CoreRequest]]:
-    """The two halves of a batch, in order (the first one the larger)."""
-    middle = (len(batch) + 1) // 2
-    return [batch[:middle], batch[middle:]]
 
 
 def _report(

@@ -2,10 +2,14 @@
 
 A shell has decoded, identified and validated a request (a ``Call``); the core takes it
 through, in this fixed order: the throttle (``EndpointAdmission``) -> the tenant's rate
-limits -> the model's scheduler (tier, deficit round robin, priority) -> a batch to
-Triton -> its share of the answer, back along the call's ``Route``. Every call is
-answered exactly once; every request ends in exactly one ``Outcome``, reported to the
-observers (metrics, the request log) and the statistics, whatever path it took.
+limits (``Accounting``) -> the model's scheduler (tier, deficit round robin, priority)
+-> a batch to Triton (the model's ``Dispatcher``) -> its share of the answer, back along
+the call's ``Route``. Every call is answered exactly once; every request ends in exactly
+one ``Outcome``, reported to the observers (metrics, the request log) and the statistics
+(by the ``Accounting``), whatever path it took.
+
+``Core`` is the facade the shells call; what it decides itself is admission's order and
+the endpoints' set-up (``_runtime``: a dispatcher per model, in the mode its plan says).
 
 The hot path is synchronous: a call is admitted, queued and, when a slot is free,
 batched in one step, without a task of its own. Only a rate-limit check that must wait
@@ -22,19 +26,17 @@ from typing import Any
 
 from fair_frontend.admission import (
     RateLimiter,
-    RateLimitItem,
-    items_from_limits,
-    limit_key,
     overloaded_error,
-    rate_limited_error,
 )
-from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
 from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
+from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime, Route
+from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
+from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.plan import (
     batch_throttle,
     endpoint_policy,
@@ -64,7 +66,7 @@ from fair_frontend.feedback import (
 from fair_frontend.logs import RequestLog
 from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
-from fair_frontend.observe import BatchReport, Observer, Observers
+from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
 from fair_frontend.scheduler import (
     QueueState,
@@ -151,9 +153,9 @@ class Core:
         # ``arrived = time.monotonic()`` by its shell, perhaps in another process:
         # CLOCK_MONOTONIC is one clock for every process of a host, so latencies and
         # deadlines taken against ``clock.now()`` are on the shell's scale too.
-        # ``wall`` (``time.time`` by default) for the rate limits' windows only: they are
-        # shared through their storage by replicas on other hosts, which agree on the
-        # wall clock and on no monotonic one.
+        # ``wall`` (``time.time`` by default) for the rate limits' windows only (the
+        # ``accounting`` reads it): they are shared through their storage by replicas on
+        # other hosts, which agree on the wall clock and on no monotonic one.
         self.config = config
         self.forwarder = forwarder
         self.models = ModelRegistry(forwarder)
@@ -165,13 +167,23 @@ class Core:
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self._clock = clock
-        self.wall = wall
         self._backend: Backend | None = None
         self.caps = global_caps(config.queues)
         self.limiter = limiter or rate_limiter(config.rate_limiting)
-        self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
-        self.runtimes: dict[str, EndpointRuntime] = {}
+        self.runtimes: dict[str, Dispatcher] = {}
         self.stats = Statistics()
+        self.accounting = Accounting(
+            config,
+            limiter=self.limiter,
+            observer=self.observer,
+            stats=self.stats,
+            runtimes=self.runtimes,
+            known_model=self.models.cached,
+            tier_of=self._tier,
+            spawn=self._spawn,
+            now=lambda: self.clock.now(),  # the clock is made on first use (a loop's)
+            wall=wall,
+        )
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
@@ -226,19 +238,19 @@ class Core:
                 runtime = self._runtime(model, info)
             req = self._new_request(call, route, runtime)
             self._throttle(runtime, req)
-            decision = self._rate_limits_now(req)
+            decision = self.accounting.check_now(req)
             if decision is None:  # the storage must be waited for
                 self._spawn(self._admit_later(req, route, lookup=False))
                 return req
-            self._apply_rate_limits(req, decision)
+            self.accounting.apply(req, decision)
             self._own_sequence(runtime, req)
             runtime.submit(req)
             return req
         except FrontendError as err:
             route.answer(Answer(call.id, fault=Fault.of(err)))
             if req is not None:
-                self._charge_back_limits(req)  # refused after its limits counted it
-            self._record(call, err.outcome, err, "", -1.0, None)
+                self.accounting.charge_back_limits(req)  # refused after its limits counted it
+            self.accounting.record(call, err.outcome, err, "", -1.0, None)
             return None
 
     def cancel(self, req: CoreRequest) -> None:
@@ -394,9 +406,7 @@ class Core:
 
     # ---- admission ----------------------------------------------------------------------
 
-    def _new_request(
-        self, call: Call, route: Route, runtime: EndpointRuntime | None
-    ) -> CoreRequest:
+    def _new_request(self, call: Call, route: Route, runtime: Dispatcher | None) -> CoreRequest:
         request = call.request
         return CoreRequest(
             call.tenant,
@@ -410,7 +420,7 @@ class Core:
             route=route,
         )
 
-    def _throttle(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+    def _throttle(self, runtime: Dispatcher, req: CoreRequest) -> None:
         """Reject at once (503 + Retry-After) what cannot be served within its target."""
         admission = runtime.admission
         if admission is None or not admission.throttles:
@@ -419,6 +429,8 @@ class Core:
         # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
         deadline = req.call.deadline
         remaining_s = None if deadline is None else deadline - self.clock.now()
+        # An engine's throttle also weighs the slots the tenant holds already.
+        own = runtime.in_engine(req.tenant) if isinstance(runtime, EngineDispatcher) else 0
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -428,7 +440,7 @@ class Core:
             rows=req.rows,
             tokens=req.tokens,
             remaining_s=remaining_s,
-            own_inflight=runtime.in_engine(req.tenant) if admission.engine is not None else 0,
+            own_inflight=own,
         )
         assert decision is not None
         self.observer.throttle_decision(model=runtime.model, decision=decision)
@@ -440,75 +452,6 @@ class Core:
         shell's, or before an await in admission) as identity would refuse it now."""
         if tenant not in self.tenants:
             raise Unauthenticated(REMOVED_TENANT)
-
-    def _limits(self, req: CoreRequest) -> list[RateLimitItem]:
-        key = (req.tenant, req.request.model)
-        if req.tenant not in self.config.tenants:
-            return []  # removed by a reload: admission refuses it, a charge-back is moot
-        items = self._limit_items.get(key)
-        if items is None:
-            items = items_from_limits(self.config.limits_for(*key))
-            self._limit_items[key] = items
-        return items
-
-    def _rate_limits_now(self, req: CoreRequest) -> Decision | None:
-        """The rate-limit decision, if the storage answers without waiting (memory)."""
-        items = self._limits(req)
-        if not items:
-            return _NO_LIMITS
-        now = self.wall()
-        decision = self.limiter.check_now(
-            limit_key(req.tenant, req.request.model),
-            items,
-            requests=1,
-            tokens=req.call.tokens,
-            now=now,
-        )
-        self._counted(req, decision, now)
-        return decision
-
-    async def _rate_limits(self, req: CoreRequest) -> Decision:
-        try:
-            now = self.wall()
-            decision = await self.limiter.check(
-                limit_key(req.tenant, req.request.model),
-                self._limits(req),
-                requests=1,
-                tokens=req.call.tokens,
-                now=now,
-            )
-            self._counted(req, decision, now)
-            return decision
-        except StorageUnavailable as err:  # not answered, and the mode is fail_closed
-            self.observer.rate_limit_degraded(
-                tenant=req.tenant, model=req.request.model, mode="fail_closed", reason=err.reason
-            )
-            raise
-
-    @staticmethod
-    def _counted(req: CoreRequest, decision: Decision | None, now: float) -> None:
-        """Remember when a request's tokens were counted against its limits (to correct
-        them by what it produced); not when refused, or admitted unchecked (degraded)."""
-        if decision is not None and decision.allowed and not decision.degraded:
-            req.limits_at = now
-
-    def _apply_rate_limits(self, req: CoreRequest, decision: Decision) -> None:
-        """Count a check the storage did not answer (fail_open admitted it); raise the 429
-        of a refused one."""
-        if decision.degraded:
-            self.observer.rate_limit_degraded(
-                tenant=req.tenant,
-                model=req.request.model,
-                mode="fail_open",
-                reason=decision.storage_error or "error",
-            )
-        if not decision.allowed:
-            assert decision.violated is not None
-            model = req.request.model
-            self.observer.rate_limit_hit(
-                tenant=req.tenant, model=model, limit=str(decision.violated)
-            )
-            raise rate_limited_error(decision, tenant=req.tenant, endpoint=model)
 
     async def _admit_later(self, req: CoreRequest, route: Route, *, lookup: bool) -> None:
         """The rest of admission, where it must wait: a model lookup, a rate-limit storage."""
@@ -523,13 +466,13 @@ class Core:
                 self._known(req.tenant)  # a reload may have removed it meanwhile
             if lookup:
                 self._throttle(runtime, req)
-            decision = self._rate_limits_now(req)
+            decision = self.accounting.check_now(req)
             if decision is None:
-                decision = await self._rate_limits(req)
-            self._apply_rate_limits(req, decision)
+                decision = await self.accounting.check(req)
+            self.accounting.apply(req, decision)
             if req.cancelled:
-                self._charge_back_limits(req)
-                self._record(call, Outcome.CANCELLED, None, "", -1.0, None)
+                self.accounting.charge_back_limits(req)
+                self.accounting.record(call, Outcome.CANCELLED, None, "", -1.0, None)
                 return
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
@@ -539,17 +482,17 @@ class Core:
         except FrontendError as err:
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(err)))
-            self._charge_back_limits(req)
-            self._record(call, err.outcome, err, "", -1.0, None)
+            self.accounting.charge_back_limits(req)
+            self.accounting.record(call, err.outcome, err, "", -1.0, None)
         except Exception as err:
             log.exception("internal error admitting a request to %s", call.request.model)
             error = Internal(f"internal error: {type(err).__name__}")
             if not req.cancelled:
                 route.answer(Answer(call.id, fault=Fault.of(error)))
-            self._charge_back_limits(req)
-            self._record(call, Outcome.FAILED, error, "", -1.0, None)
+            self.accounting.charge_back_limits(req)
+            self.accounting.record(call, Outcome.FAILED, error, "", -1.0, None)
 
-    def _own_sequence(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+    def _own_sequence(self, runtime: Dispatcher, req: CoreRequest) -> None:
         """A stateful model's request goes under the frontend's id for its tenant's
         sequence, never the client's (``core.sequences``); mapped last, once admitted."""
         request = req.request
@@ -571,97 +514,9 @@ class Core:
         terms = self.tenants.get(tenant)
         return terms.tier if terms is not None else ""
 
-    # ---- outcomes -----------------------------------------------------------------------
-
-    def _on_done(
-        self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, version: str
-    ) -> None:
-        """A queued request is answered (or its client went away): count it once."""
-        infer_s = None
-        if req.dispatched_at is not None:
-            infer_s = self.clock.now() - req.dispatched_at
-        self._charge_back_limits(req)
-        self._record(req.call, outcome, err, version, req.queued_s, infer_s)
-
-    def _on_tokens(self, req: CoreRequest, tokens: int) -> None:
-        """Output tokens of a dispatched request, as they come: its tenant's fair share is
-        charged for them (engine mode: as they stream; a batch endpoint in token cost: the
-        difference to what was charged at enqueue), and its latency is observed."""
-        runtime = self.runtimes.get(req.request.model)
-        if runtime is None:
-            return
-        endpoint = runtime.endpoint
-        if endpoint.cost is CostUnit.TOKENS:
-            if runtime.engine:
-                cost = tokens * endpoint.output_token_weight
-            elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
-                cost = float(tokens - req.call.max_tokens)
-            else:
-                cost = float(tokens)
-            runtime.scheduler.charge_back(req.tenant, cost)
-        if req.ended is not None:
-            return  # a granted stream: observed as its shell timed it (``produced``)
-        now = self.clock.now()
-        self.observer.tokens_produced(  # an answer in one piece: its tokens at once
-            tenant=req.tenant,
-            model=req.request.model,
-            tokens=tokens,
-            first_token_s=now - req.call.arrived if req.produced == tokens else None,
-            inter_token_s=(),
-        )
-
-    def _charge_back_limits(self, req: CoreRequest) -> None:
-        """Token limits count what was produced where the endpoint counts its output
-        (``token_output``; elsewhere what admission counted stands): admission counted the
-        output tokens asked for (max_tokens), the difference to what came is corrected
-        when the request ends, whether it ran or not (one cancelled, expired or refused
-        after the check, before it was sent, produced nothing). Once: the mark goes."""
-        admitted_at, req.limits_at = req.limits_at, None
-        runtime = self.runtimes.get(req.request.model)
-        if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
-            return  # nothing was counted, or output is not counted here
-        delta = req.produced - req.call.max_tokens
-        if not delta:
-            return
-        items = self._limits(req)
-        key = limit_key(req.tenant, req.request.model)
-        now = self.wall()
-        if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
-            self._spawn(
-                self.limiter.adjust(key, items, tokens=delta, admitted_at=admitted_at, now=now)
-            )
-
-    def _record(
-        self,
-        call: Call,
-        outcome: Outcome,
-        err: FrontendError | None,
-        version: str,
-        queued_s: float,
-        infer_s: float | None,
-    ) -> None:
-        request = call.request
-        total_s = self.clock.now() - call.arrived
-        if outcome is Outcome.DISPATCHED:
-            self.stats.success(
-                request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
-            )
-        elif err is not None and not isinstance(err, UnknownModel):
-            failed = ModelInfo.version_for(request.version, self.models.cached(request.model))
-            self.stats.failure(request.model, failed, total_s)
-        self.observer.request_finished(
-            tenant=call.tenant,
-            model=request.model,
-            outcome=outcome,
-            queued_s=queued_s if queued_s >= 0 else None,
-            request_id=request.id,
-            latency_s=total_s,
-            error=err.message if err is not None else None,
-        )
-
     # ---- endpoints ----------------------------------------------------------------------
 
-    def _runtime(self, model: str, info: ModelInfo) -> EndpointRuntime:
+    def _runtime(self, model: str, info: ModelInfo) -> Dispatcher:
         runtime = self.runtimes.get(model)
         if runtime is None:
             endpoint = self.config.endpoint(model)
@@ -671,7 +526,7 @@ class Core:
             cost_model = None
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
-            engine = endpoint.max_inflight is not None
+            engine = policy.slots is not None  # engine mode: the model batches inside
             fairness = None
             if engine and endpoint.cost is CostUnit.TOKENS:
                 fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
@@ -688,7 +543,8 @@ class Core:
                 engine=engine_throttle(endpoint) if engine and endpoint.throttle else None,
                 slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
             )
-            runtime = EndpointRuntime(
+            dispatcher = EngineDispatcher if engine else BatchDispatcher
+            runtime = dispatcher(
                 model=model,
                 info=info,
                 endpoint=endpoint,
@@ -704,32 +560,12 @@ class Core:
                 backend=self.backend,
                 clock=self.clock,
                 admission=admission,
-                on_batch=self._on_batch,
-                on_done=self._on_done,
-                on_tokens=self._on_tokens,
+                on_batch=self.accounting.on_batch,
+                on_done=self.accounting.on_done,
+                on_tokens=self.accounting.on_tokens,
             )
             self.runtimes[model] = runtime
         return runtime
-
-    def _on_batch(self, report: BatchReport) -> None:
-        self.observer.batch_finished(report)
-        runtime = self.runtimes.get(report.model)
-        if runtime is None:
-            return
-        if report.ok:
-            self.stats.execution(
-                report.model, runtime.info.latest_version, report.rows, report.seconds
-            )
-        if runtime.admission is not None:
-            runtime.admission.observe_batch(
-                rows=report.tenants,
-                tokens=report.tenant_tokens,
-                tier_of=self._tier,
-                ok=report.ok,
-                started=report.started,
-                finished=report.finished,
-                now=self.clock.now(),
-            )
 
     # ---- feedback from Triton's metrics -------------------------------------------------
 
@@ -815,7 +651,7 @@ class Core:
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error
         self.config = config
         self.metrics.config = config  # tier labels of new or moved tenants
-        self._limit_items.clear()
+        self.accounting.reload(config)
         notes = [f"{key} changed: restart the frontend to apply" for key in kept]
         if notes:
             log.error(
@@ -863,8 +699,6 @@ class Core:
         await self.limiter.close()
 
 
-_NO_LIMITS = Decision(True)
-
 # What a reload applies at once (``Core.reload``); every other section, and any added
 # later, keeps its running value until a restart, and the reload says so.
 LIVE_SECTIONS = frozenset(
@@ -910,9 +744,9 @@ def with_running_values(running: Config, new: Config, kept: Sequence[str]) -> Co
     return parse_config(data, "(reload, with the running values of what needs a restart)")
 
 
-def _scheduled_tokens(call: Call, runtime: EndpointRuntime | None) -> int:
+def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:
     """The tokens the scheduler charges at dispatch: in engine mode the input only (output
     tokens are charged as they stream), elsewhere input plus the output asked for."""
-    if runtime is not None and runtime.engine:
+    if isinstance(runtime, EngineDispatcher):
         return call.tokens - call.max_tokens
     return call.tokens

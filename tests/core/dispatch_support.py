@@ -1,7 +1,7 @@
 """Builders for the dispatch tests: one model's runtime on a fake clock, a fake Triton.
 
 Imported by the test modules beside it (pytest puts this directory on the path of a
-test directory without ``__init__.py``). ``Harness`` wires an ``EndpointRuntime`` the
+test directory without ``__init__.py``). ``Harness`` wires a ``BatchDispatcher`` the
 way ``Core._runtime`` and ``Core._new_request`` do, without the ``Core``: a
 ``Scheduler`` over a few paid tenants, a ``Backend`` whose readiness probe the test
 answers (``Probe``), a ``FakeTriton`` forwarder whose every call waits for the test to
@@ -26,7 +26,8 @@ from fair_frontend.batching import ROWS_PARAMETER, batch_key
 from fair_frontend.clock import FakeClock, Timer
 from fair_frontend.config import Endpoint
 from fair_frontend.core.admission import EndpointAdmission
-from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest, EndpointRuntime
+from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest
 from fair_frontend.errors import FrontendError
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo, TensorSpec
@@ -229,7 +230,7 @@ class Finished:
 
 
 class Harness:
-    """One ``EndpointRuntime`` for ``embed``, wired as ``Core._runtime`` wires it."""
+    """One ``BatchDispatcher`` for ``embed``, wired as ``Core._runtime`` wires it."""
 
     def __init__(
         self,
@@ -261,7 +262,7 @@ class Harness:
         self.finished: list[Finished] = []
         self.reports: list[BatchReport] = []
         self.route = RecordingRoute()
-        self.runtime = EndpointRuntime(
+        self.runtime = BatchDispatcher(
             model=MODEL,
             info=self.info,
             endpoint=self.endpoint,

@@ -1,4 +1,4 @@
-"""Unit tests of one model's dispatch loop (``EndpointRuntime``) and of ``Backend``.
+"""Unit tests of one model's batch-mode dispatch (``BatchDispatcher``) and of ``Backend``.
 
 On a fake clock and a fake Triton (``dispatch_support``): every Triton call waits for
 the test to answer it, time moves only when the test says so, and the runtime's tasks

@@ -1,6 +1,6 @@
 """Engine mode's dispatch on a fake clock: slots, reserved slots, charge-back as tokens stream.
 
-An ``EndpointRuntime`` for a decoupled ``llm`` in engine mode (``max_inflight``), its
+An ``EngineDispatcher`` for a decoupled ``llm`` in engine mode (``max_inflight``), its
 scheduler on virtual token counters, and a fake shell that relays each granted stream
 (one hop: ``records.Grant``) and reports a token whenever the test says so: who holds
 which slot is read at every step.
@@ -16,7 +16,8 @@ import numpy as np
 from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
 
 from fair_frontend.config import CostUnit, Endpoint
-from fair_frontend.core.dispatch import Backend, CoreRequest, EndpointRuntime
+from fair_frontend.core.dispatch import Backend, CoreRequest
+from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable, UpstreamError
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
@@ -45,7 +46,7 @@ class Stream:
     """One granted request's stream, as its shell relays it: the test makes it emit and
     end, and the shell reports to the runtime as the real one does."""
 
-    def __init__(self, runtime: EndpointRuntime, req: CoreRequest) -> None:
+    def __init__(self, runtime: EngineDispatcher, req: CoreRequest) -> None:
         self.runtime = runtime
         self.req = req
         self.tenant = req.tenant
@@ -71,7 +72,7 @@ class FakeShell:
     """The ``Route`` of every request: a grant opens a ``Stream``; answers are kept."""
 
     def __init__(self) -> None:
-        self.runtime: EndpointRuntime | None = None
+        self.runtime: EngineDispatcher | None = None
         self.reqs: dict[int, CoreRequest] = {}
         self.streams: list[Stream] = []
         self.answers: list[Answer] = []
@@ -112,7 +113,7 @@ class Engine:
         policy = EndpointPolicy(CostUnit.TOKENS, 0, None, None, ("paid",))
         tenants = {t: TenantSpec("paid") for t in ("a", "b")}
         self.scheduler = Scheduler(policy, tenants, GlobalCaps(), fairness=VirtualTokenCounter())
-        self.runtime = EndpointRuntime(
+        self.runtime = EngineDispatcher(
             model="llm",
             info=LLM,
             endpoint=self.endpoint,
@@ -360,7 +361,7 @@ async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone(
     )
     policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, None, ("paid",))
     scheduler = Scheduler(policy, {"a": TenantSpec("paid")}, GlobalCaps())
-    runtime = EndpointRuntime(
+    runtime = EngineDispatcher(
         model="llm",
         info=info,
         endpoint=Endpoint(max_inflight=2),

@@ -2,7 +2,7 @@
 
 Driven by a simulated engine on a step clock: ``slots`` requests run at once, each emits
 one output token per step (charged back as it streams), and a slot that frees goes to
-the scheduler's next choice, as ``EndpointRuntime`` gives it in engine mode. Negative
+the scheduler's next choice, as ``EngineDispatcher`` gives it. Negative
 controls run the same workload with request cost (one request per DRR turn).
 """
 

@@ -1,0 +1,255 @@
+"""What each request counts against, and its record once it ends.
+
+A request is counted in three places, each exactly: its tenant's rate limits (checked at
+admission against the tokens it asked for, ``check_now`` / ``check`` / ``apply``, and
+corrected by what it produced once it ends, ``charge_back_limits``); its tenant's fair
+share in its model's scheduler (charged back as its output tokens are counted,
+``on_tokens``); and its outcome (``record``: the statistics and the observers, once per
+request, whatever path it took). ``Core`` holds one ``Accounting``, calls it from
+admission and hands its ``on_done``, ``on_tokens`` and ``on_batch`` to every dispatcher.
+
+Two clocks, both injected: ``now`` (the core's monotonic clock) for latencies, ``wall``
+for the rate limits' windows, which replicas on other hosts share through their storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from fair_frontend.admission import (
+    RateLimiter,
+    RateLimitItem,
+    items_from_limits,
+    limit_key,
+    rate_limited_error,
+)
+from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
+from fair_frontend.config import Config, CostUnit
+from fair_frontend.core.dispatch import CoreRequest, Dispatcher
+from fair_frontend.core.engine import EngineDispatcher
+from fair_frontend.errors import FrontendError, UnknownModel
+from fair_frontend.models import ModelInfo
+from fair_frontend.observe import BatchReport, Observer
+from fair_frontend.outcomes import Outcome
+from fair_frontend.stats import Statistics
+from fair_frontend.wire.records import Call
+
+_NO_LIMITS = Decision(True)
+
+
+class Accounting:
+    """A request's rate limits, its fair-share charge-back and the record of its outcome."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        limiter: RateLimiter,
+        observer: Observer,
+        stats: Statistics,
+        runtimes: Mapping[str, Dispatcher],
+        known_model: Callable[[str], ModelInfo | None],
+        tier_of: Callable[[str], str],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        now: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.limiter = limiter
+        self.observer = observer
+        self.stats = stats
+        self.runtimes = runtimes  # the core's, read as they are added
+        self.known_model = known_model  # the model's config if it was looked up
+        self.tier_of = tier_of
+        self.spawn = spawn  # a correction the storage must be waited for
+        self.now = now
+        self.wall = wall
+        self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
+
+    def reload(self, config: Config) -> None:
+        """Count by ``config``'s tenants and limits from now on."""
+        self.config = config
+        self._limit_items.clear()
+
+    # ---- rate limits --------------------------------------------------------------------
+
+    def _limits(self, req: CoreRequest) -> list[RateLimitItem]:
+        key = (req.tenant, req.request.model)
+        if req.tenant not in self.config.tenants:
+            return []  # removed by a reload: admission refuses it, a charge-back is moot
+        items = self._limit_items.get(key)
+        if items is None:
+            items = items_from_limits(self.config.limits_for(*key))
+            self._limit_items[key] = items
+        return items
+
+    def check_now(self, req: CoreRequest) -> Decision | None:
+        """The rate-limit decision, if the storage answers without waiting (memory)."""
+        items = self._limits(req)
+        if not items:
+            return _NO_LIMITS
+        now = self.wall()
+        decision = self.limiter.check_now(
+            limit_key(req.tenant, req.request.model),
+            items,
+            requests=1,
+            tokens=req.call.tokens,
+            now=now,
+        )
+        self._counted(req, decision, now)
+        return decision
+
+    async def check(self, req: CoreRequest) -> Decision:
+        """The rate-limit decision, once the storage answers (Redis)."""
+        try:
+            now = self.wall()
+            decision = await self.limiter.check(
+                limit_key(req.tenant, req.request.model),
+                self._limits(req),
+                requests=1,
+                tokens=req.call.tokens,
+                now=now,
+            )
+            self._counted(req, decision, now)
+            return decision
+        except StorageUnavailable as err:  # not answered, and the mode is fail_closed
+            self.observer.rate_limit_degraded(
+                tenant=req.tenant, model=req.request.model, mode="fail_closed", reason=err.reason
+            )
+            raise
+
+    @staticmethod
+    def _counted(req: CoreRequest, decision: Decision | None, now: float) -> None:
+        """Remember when a request's tokens were counted against its limits (to correct
+        them by what it produced); not when refused, or admitted unchecked (degraded)."""
+        if decision is not None and decision.allowed and not decision.degraded:
+            req.limits_at = now
+
+    def apply(self, req: CoreRequest, decision: Decision) -> None:
+        """Count a check the storage did not answer (fail_open admitted it); raise the 429
+        of a refused one."""
+        if decision.degraded:
+            self.observer.rate_limit_degraded(
+                tenant=req.tenant,
+                model=req.request.model,
+                mode="fail_open",
+                reason=decision.storage_error or "error",
+            )
+        if not decision.allowed:
+            assert decision.violated is not None
+            model = req.request.model
+            self.observer.rate_limit_hit(
+                tenant=req.tenant, model=model, limit=str(decision.violated)
+            )
+            raise rate_limited_error(decision, tenant=req.tenant, endpoint=model)
+
+    # ---- outcomes and charge-backs ------------------------------------------------------
+
+    def on_done(
+        self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, version: str
+    ) -> None:
+        """A queued request is answered (or its client went away): count it once."""
+        infer_s = None
+        if req.dispatched_at is not None:
+            infer_s = self.now() - req.dispatched_at
+        self.charge_back_limits(req)
+        self.record(req.call, outcome, err, version, req.queued_s, infer_s)
+
+    def on_tokens(self, req: CoreRequest, tokens: int) -> None:
+        """Output tokens of a dispatched request, as they come: its tenant's fair share is
+        charged for them (engine mode: as they stream; a batch endpoint in token cost: the
+        difference to what was charged at enqueue), and its latency is observed."""
+        runtime = self.runtimes.get(req.request.model)
+        if runtime is None:
+            return
+        endpoint = runtime.endpoint
+        if endpoint.cost is CostUnit.TOKENS:
+            if isinstance(runtime, EngineDispatcher):
+                cost = tokens * endpoint.output_token_weight
+            elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
+                cost = float(tokens - req.call.max_tokens)
+            else:
+                cost = float(tokens)
+            runtime.scheduler.charge_back(req.tenant, cost)
+        if req.ended is not None:
+            return  # a granted stream: observed as its shell timed it (``produced``)
+        now = self.now()
+        self.observer.tokens_produced(  # an answer in one piece: its tokens at once
+            tenant=req.tenant,
+            model=req.request.model,
+            tokens=tokens,
+            first_token_s=now - req.call.arrived if req.produced == tokens else None,
+            inter_token_s=(),
+        )
+
+    def charge_back_limits(self, req: CoreRequest) -> None:
+        """Token limits count what was produced where the endpoint counts its output
+        (``token_output``; elsewhere what admission counted stands): admission counted the
+        output tokens asked for (max_tokens), the difference to what came is corrected
+        when the request ends, whether it ran or not (one cancelled, expired or refused
+        after the check, before it was sent, produced nothing). Once: the mark goes."""
+        admitted_at, req.limits_at = req.limits_at, None
+        runtime = self.runtimes.get(req.request.model)
+        if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
+            return  # nothing was counted, or output is not counted here
+        delta = req.produced - req.call.max_tokens
+        if not delta:
+            return
+        items = self._limits(req)
+        key = limit_key(req.tenant, req.request.model)
+        now = self.wall()
+        if not self.limiter.adjust_now(key, items, tokens=delta, admitted_at=admitted_at, now=now):
+            self.spawn(
+                self.limiter.adjust(key, items, tokens=delta, admitted_at=admitted_at, now=now)
+            )
+
+    def record(
+        self,
+        call: Call,
+        outcome: Outcome,
+        err: FrontendError | None,
+        version: str,
+        queued_s: float,
+        infer_s: float | None,
+    ) -> None:
+        """A request's outcome, once: in the statistics and to the observers."""
+        request = call.request
+        total_s = self.now() - call.arrived
+        if outcome is Outcome.DISPATCHED:
+            self.stats.success(
+                request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
+            )
+        elif err is not None and not isinstance(err, UnknownModel):
+            failed = ModelInfo.version_for(request.version, self.known_model(request.model))
+            self.stats.failure(request.model, failed, total_s)
+        self.observer.request_finished(
+            tenant=call.tenant,
+            model=request.model,
+            outcome=outcome,
+            queued_s=queued_s if queued_s >= 0 else None,
+            request_id=request.id,
+            latency_s=total_s,
+            error=err.message if err is not None else None,
+        )
+
+    def on_batch(self, report: BatchReport) -> None:
+        """A batch came back: observed, in the statistics and in the throttle's estimates."""
+        self.observer.batch_finished(report)
+        runtime = self.runtimes.get(report.model)
+        if runtime is None:
+            return
+        if report.ok:
+            self.stats.execution(
+                report.model, runtime.info.latest_version, report.rows, report.seconds
+            )
+        if runtime.admission is not None:
+            runtime.admission.observe_batch(
+                rows=report.tenants,
+                tokens=report.tenant_tokens,
+                tier_of=self.tier_of,
+                ok=report.ok,
+                started=report.started,
+                finished=report.finished,
+                now=self.now(),
+            )

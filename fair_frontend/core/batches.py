@@ -1,0 +1,232 @@
+"""Batch mode: one model's batches, assembled here, at most one per model instance.
+
+The default mode (``max_inflight`` unset): the scheduler assembles batches of rows and
+``BatchDispatcher`` sends them, on top of what every mode does (``dispatch.Dispatcher``).
+Invariants of this mode:
+
+* at most ``max_inflight_batches`` batches are in Triton at once (by default one per
+  model instance), and each is assembled at the moment an instance frees up (late
+  binding), or ``dispatch_lead_ms`` before the batches in flight are predicted to finish
+  (the early send: Triton starts it without a gap), once the feedback loop has batch
+  times to predict from;
+* work-conserving, unless ``max_queue_delay_ms`` asks to wait (only while Triton is
+  idle) for a fuller batch, Triton-style;
+* a batch whose model call fails for one bad row does not fail its neighbours: on a
+  model error it is bisected (each half sent on its own, a failing half split again), so
+  only the culprit sees the error, at about 2 log2(n) extra sends for one culprit among
+  n, not n; a half that succeeded is finished and never sent again. This resends the
+  requests of a failed call, which assumes what Triton's batching assumes of a model: a
+  call that fails as a whole had no effect (the Python backend fails every request of
+  an ``execute`` that raises; a model with side effects per row must answer per-row
+  errors in its responses instead of raising);
+* a batch is expected back in time: one Triton did not answer by its deadline marks the
+  backend down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fair_frontend.batching import pack, unpack
+from fair_frontend.core.dispatch import CoreRequest, Dispatcher
+from fair_frontend.errors import FrontendError, ModelUnavailable, Unavailable
+from fair_frontend.outcomes import Outcome
+
+
+class BatchDispatcher(Dispatcher):
+    """Feeds one model's batches to Triton, at most ``max_inflight`` (batches) at a time."""
+
+    def _slots(self) -> int:
+        configured = self.endpoint.max_inflight_batches
+        return configured if configured is not None else self.info.instances
+
+    def _start(self) -> None:
+        self._isolating = 0  # failed batches being bisected
+        self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
+        self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
+        self._busy_until = 0.0  # when the batches in flight are predicted to be done
+        # Per batch in Triton: (sent at, predicted seconds); _busy_until is derived from
+        # them and recomputed as each batch comes back, early or late.
+        self._predicted: dict[asyncio.Task[None], tuple[float, float]] = {}
+
+    # ---- when a batch goes --------------------------------------------------------------
+
+    def _may_send(self, now: float) -> bool:
+        """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
+        batches in flight are predicted to finish, so that Triton starts it without a gap
+        while it is still assembled at the last moment (late binding)."""
+        if self.inflight < self.max_inflight or self._held:
+            return True  # a held batch kept its slot
+        lead = self._lead()
+        return (
+            lead > 0
+            and not self._isolating
+            and self.inflight == self.max_inflight
+            and now >= self._busy_until - lead
+        )
+
+    def _arm_lead(self) -> None:
+        """The early send's timer, while every slot is taken and Triton is there (while it
+        is not, nothing is sent: the moment passes, and a timer for it would fire at once,
+        for ever; ``kick`` runs again when Triton is back)."""
+        lead = self._lead()
+        if (
+            lead > 0
+            and not self._isolating
+            and self.inflight == self.max_inflight
+            and self.backend.available
+        ):
+            self._arm(self._busy_until - lead)
+
+    def _tokens_charged(self) -> None:
+        """No slot waits on a tenant's charge here: a batch goes when an instance frees."""
+
+    def _hold_until(self, now: float) -> float | None:
+        """Triton-style max_queue_delay: wait (only while idle) for a fuller batch."""
+        delay = self.endpoint.max_queue_delay_ms / 1000.0
+        if delay <= 0 or self.inflight > 0:
+            return None
+        oldest = self.scheduler.oldest_arrival()
+        if oldest is None or oldest + delay <= now:
+            return None
+        policy = self.scheduler.policy
+        if self.scheduler.queued_rows >= (policy.max_batch_size or 1):
+            return None  # a full batch by rows
+        if policy.max_batch_tokens is not None and (
+            self.scheduler.queued_tokens >= policy.max_batch_tokens
+        ):
+            return None  # ... or by tokens
+        return oldest + delay
+
+    def _lead(self) -> float:
+        service = self.service
+        if service is None or not service.has_data:
+            return 0.0
+        return self.endpoint.dispatch_lead_ms / 1000.0
+
+    # ---- batches in Triton: their predicted end -----------------------------------------
+
+    def _launch(self, batch: list[CoreRequest], now: float) -> asyncio.Task[None]:
+        meets = bool(self._tasks)  # batches that meet in Triton's queue
+        task = super()._launch(batch, now)
+        if meets:
+            self._overlapped.update(self._tasks)
+        self._predicted[task] = (now, self._predict(batch))
+        self._busy_until = self._predicted_end(now)
+        return task
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        super()._forget(task)
+        self._overlapped.discard(task)
+        if self._predicted.pop(task, None) is not None:  # it came back: predict the rest
+            self._busy_until = self._predicted_end(self.clock.now())
+
+    def _predict(self, batch: list[CoreRequest]) -> float:
+        service = self.service
+        if service is None or not service.has_data:
+            return 0.0
+        rows = sum(r.rows for r in batch)
+        tokens = sum(r.tokens for r in batch)
+        return float(service.predict_batch_seconds(rows, tokens))
+
+    def _predicted_end(self, now: float) -> float:
+        """When the batches in Triton are predicted to be done: one instance runs them one
+        after another, each from when it was sent or the one before it ends."""
+        busy = now
+        for sent, seconds in sorted(self._predicted.values()):
+            busy = max(busy, sent) + seconds
+        return busy
+
+    # ---- failed batches -----------------------------------------------------------------
+
+    def _timed_out(self) -> None:
+        """A batch is expected back in time: Triton is taken for down."""
+        self.backend.mark_down()
+
+    async def _model_error(self, batch: list[CoreRequest], err: FrontendError) -> tuple[bool, bool]:
+        """One bad row must not fail its neighbours: find it by bisection (also a request
+        alone whose batch overlapped another in Triton, whose own batcher may have run
+        them as one execution: it is tried once more alone), and nothing beside it (no
+        early send: Triton's own batcher would put a request sent meanwhile into the same
+        execution as the culprit)."""
+        if len(batch) == 1 and asyncio.current_task() not in self._overlapped:
+            return await super()._model_error(batch, err)
+        self._isolating += 1
+        try:
+            if self._isolation is None:
+                self._isolation = asyncio.Lock()
+            async with self._isolation:  # one batch at a time: none meets another's
+                unsent = await self._bisect(batch)
+        finally:
+            self._isolating -= 1
+        if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
+            self._held.append(unsent)
+            return False, True
+        return False, False
+
+    async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
+        """Answer a batch that failed with a model error, culprits found by halves.
+
+        Each half is sent on its own: one that succeeds is finished (never sent again),
+        one that fails is split again, and a request alone that fails gets its error. One
+        culprit among n costs 2 sends per halving, about 2 log2(n), where one by one cost
+        n. Halves go one after another, in batch order. Returns the requests not sent
+        because Triton became unreachable (to hold), [] when every one was answered.
+        """
+        todo = [batch] if len(batch) == 1 else list(reversed(_halves(batch)))
+        while todo:
+            group = self._still_wanted(todo.pop())
+            if not group:
+                continue
+            try:
+                await self._send_group(group)
+            except Unavailable as err:
+                self.backend.mark_down()
+                if not err.never_sent:  # it may have run: never sent twice
+                    for r in group:
+                        self._fail(r, err)
+                    group = []
+                rest = [r for g in (group, *reversed(todo)) for r in g if not r.answered]
+                if not self.backend.gave_up:
+                    return rest
+                for r in rest:
+                    self._fail(r, self.outage_error())
+                return []
+            except ModelUnavailable as err:
+                for r in group:
+                    self._fail(r, err)
+            except FrontendError as err:
+                if len(group) == 1:
+                    self._fail(group[0], err)
+                else:
+                    todo.extend(reversed(_halves(group)))
+        return []
+
+    def _still_wanted(self, group: list[CoreRequest]) -> list[CoreRequest]:
+        """The requests of ``group`` still to send: not answered, and whose client is still
+        there (one that went away is done with, CANCELLED: no work for an answer nobody
+        reads)."""
+        wanted = []
+        for r in group:
+            if r.answered:
+                continue
+            if r.cancelled:
+                self._done(r, Outcome.CANCELLED, None, "")
+                continue
+            wanted.append(r)
+        return wanted
+
+    async def _send_group(self, group: list[CoreRequest]) -> None:
+        """Send part of a failed batch as one call, and finish its requests (raises the
+        call's error, nothing answered, when it fails)."""
+        packed = pack(group, self.info, self.endpoint)
+        version, outputs = await self._forward(packed, group)
+        outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)
+        for r, out in zip(group, outs, strict=True):
+            self._finish(r, version, out)
+
+
+def _halves(batch: list[CoreRequest]) -> list[list[CoreRequest]]:
+    """The two halves of a batch, in order (the first one the larger)."""
+    middle = (len(batch) + 1) // 2
+    return [batch[:middle], batch[middle:]]

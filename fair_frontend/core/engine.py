@@ -1,0 +1,72 @@
+"""Engine mode: one model that batches inside itself gets each request alone.
+
+A model with continuous batching (Triton's vLLM and TensorRT-LLM backends, the shipped
+``llm``) is configured with ``max_inflight``: its slots. ``EngineDispatcher`` sends it
+each request on its own, on top of what every mode does (``dispatch.Dispatcher``: a
+decoupled model's request is granted to its shell, a unary one is sent from here).
+Invariants of this mode:
+
+* at most ``max_inflight`` requests are in the engine at once; a slot frees when a
+  request ends, so nothing is sent early and nothing waits for a fuller batch;
+* with ``reserved_slots``, no one tenant holds more than ``max_inflight -
+  reserved_slots`` of them, so another tenant's first request finds one free; the next
+  in line at its cap waits (and so does everything behind it: the order is the
+  scheduler's) until the order changes, which a stream's charged tokens may do;
+* a call past its deadline fails only the request it carried: a generation may be long,
+  and gRPC's keepalive, not a deadline, finds a Triton that stopped answering.
+"""
+
+from __future__ import annotations
+
+from fair_frontend.core.dispatch import Dispatcher
+
+
+class EngineDispatcher(Dispatcher):
+    """Feeds one model's requests to its engine, at most ``max_inflight`` (requests) at a
+    time."""
+
+    def _slots(self) -> int:
+        slots = self.endpoint.max_inflight
+        if slots is None:
+            raise ValueError("EngineDispatcher is for engine endpoints (max_inflight)")
+        return slots
+
+    def _start(self) -> None:
+        self._capped: str | None = None  # holds its cap while next in line (a slot waits)
+
+    def _may_send(self, now: float) -> bool:
+        """A free slot, and (where ``reserved_slots`` are kept from any one tenant) a next
+        in line below its cap."""
+        if self.inflight >= self.max_inflight:
+            return bool(self._held)  # a held request kept its slot
+        reserved = self.endpoint.reserved_slots
+        if not reserved:
+            return True
+        head = self.scheduler.peek(now)
+        if head is None:
+            return False
+        # The next in line holds its cap: wait until the order changes (its counter grows
+        # as its streams produce: _tokens_charged kicks again meanwhile).
+        capped = self.in_engine(head.tenant) >= self.max_inflight - reserved
+        self._capped = head.tenant if capped else None
+        return not capped
+
+    def _arm_lead(self) -> None:
+        """A slot frees when a request ends, whenever that is: no batch time to send ahead
+        of."""
+
+    def _tokens_charged(self) -> None:
+        capped = self._capped
+        if capped is not None and self.scheduler.queued_requests > self.scheduler.depth(capped):
+            self.kick()  # the charge may have moved another tenant ahead of it
+
+    def _timed_out(self) -> None:
+        """A call is one request, as long as its generation: its length says nothing of
+        Triton, and only that request fails."""
+
+    def in_engine(self, tenant: str) -> int:
+        """``tenant``'s requests in Triton (or held for it): a scan of the slots, made only
+        where slots are reserved."""
+        return sum(
+            1 for batch in (*self._tasks.values(), *self._held) for r in batch if r.tenant == tenant
+        )
