@@ -1,0 +1,223 @@
+"""A shell process killed while it relays 50 engine streams: their slots come back at once.
+
+Real processes: the session's ``tritonserver`` (the streaming ``llm``), the core in this
+process and two shell processes (``workers=2``). One gRPC connection carries 50 streams
+of one tenant, so one shell relays them all (a connection stays with the shell that
+accepted it); another connection, on the other shell, is kept for later. The core holds
+50 granted slots; the shell is SIGKILLed.
+
+The bound. The kernel closes a dead process's sockets as it tears the process down
+(within milliseconds); the core's end of the Unix socket then reads end-of-file in its
+loop's next poll, and ``ShellConnection.connection_lost`` drops the shell's route
+(``Core.drop_route``): each granted stream's task is cancelled, and the loop's next
+iteration runs their ``finally``, which returns the slot and records the outcome,
+CANCELLED, once. So the slots are back two loop iterations after the socket closed, with
+no timeout in the path. An iteration of the core's loop takes milliseconds, more when the
+two CPUs are shared with Triton's engine, the other shell, the clients and whatever else
+the machine runs (measured: 9 ms from the kill to the last slot back on a quiet machine,
+33-95 ms at a load average of 9), so the test allows ``SLOTS_BACK_S`` = 0.5 s: an order of
+magnitude below anything that waits on a timer (a shell that stops reading is cut after
+``queues.stalled_shell_s``, 10 s; a stream without progress after
+``triton.request_timeout_s``, 60 s). Measured on the core's loop: the time each outcome
+is recorded, against the time of the kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from fair_frontend.config import Config
+from fair_frontend.core import Core
+from fair_frontend.core.shells import ShellConnection
+from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.observe import Observer
+from fair_frontend.outcomes import Outcome
+from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from fair_frontend.testing import aeventually, scrape
+from tests.support import KEYS, make_config
+
+SLOTS = 64  # the llm's own max_num_seqs: the 50 streams and a probe fit
+STREAMS = 50
+LONG = 400  # output tokens: still streaming long after the kill (prompt + 400 < 512)
+SLOTS_BACK_S = 0.5  # from the kill to the last slot back (the module docstring)
+SETUP_S = 60.0  # deadlines for what the test waits on before the kill (a hang fails)
+PROMPT = "a shell relays this stream until it is killed"
+OWN = [("grpc.use_local_subchannel_pool", 1)]  # a channel of one's own: its own connection
+
+
+class Outcomes(Observer):
+    """Every outcome the core records, by request id, with ``time.monotonic()`` when."""
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.outcome: dict[str, Outcome] = {}
+        self.at: dict[str, float] = {}
+
+    def request_finished(self, *, request_id: str = "", outcome: Outcome, **kw: Any) -> None:
+        self.count[request_id] += 1
+        self.outcome[request_id] = outcome
+        self.at[request_id] = time.monotonic()
+
+
+def engine_config() -> Config:
+    base = make_config()
+    llm = base.endpoints["llm"].model_copy(update={"max_inflight": SLOTS, "reserved_slots": 0})
+    return base.model_copy(update={"endpoints": {**base.endpoints, "llm": llm}})
+
+
+def llm_request(request_id: str, max_tokens: int) -> dict[str, Any]:
+    text = grpcaio.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
+    flag = grpcaio.InferInput("stream", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([True]))
+    sampling = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+    return {"model_name": "llm", "inputs": [text, flag, sampling], "request_id": request_id}
+
+
+class Streams:
+    """Streams on one client (one connection), each read to its end; tokens counted."""
+
+    def __init__(self, url: str, tenant: str) -> None:
+        self.client = grpcaio.InferenceServerClient(url, channel_args=OWN)
+        self.headers = {"x-api-key": KEYS[tenant]}
+        self.tokens: Counter[str] = Counter()
+        self.tasks: dict[str, asyncio.Task[str | None]] = {}
+        self.calls: dict[str, Any] = {}
+
+    def start(self, request_id: str, max_tokens: int) -> None:
+        self.tasks[request_id] = asyncio.ensure_future(self._read(request_id, max_tokens))
+
+    async def _read(self, request_id: str, max_tokens: int) -> str | None:
+        """None when every token came; else the error the stream ended with."""
+
+        async def one() -> AsyncIterator[dict[str, Any]]:
+            yield llm_request(request_id, max_tokens)
+
+        replies = self.client.stream_infer(one(), headers=self.headers)
+        self.calls[request_id] = replies
+        try:
+            async for result, error in replies:
+                if error is not None:
+                    return str(error)
+                text = result.as_numpy("text_output")
+                if text is not None and text.size:
+                    self.tokens[request_id] += 1
+                    if self.tokens[request_id] == max_tokens:
+                        return None
+        except (InferenceServerException, grpc.aio.AioRpcError) as err:
+            return str(err)
+        return f"ended after {self.tokens[request_id]} of {max_tokens} tokens"
+
+    def cancel(self, request_id: str) -> None:
+        self.calls[request_id].cancel()
+
+    async def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.client.close()
+
+
+def holder(server: FrontendServer, request_id: str) -> ShellConnection | None:
+    """The shell connection whose granted call ``request_id`` is (None: not granted yet)."""
+    assert server.shells is not None
+    for conn in list(server.shells.server.connections):
+        for req in list(conn.calls.values()):
+            if req is not None and req.call.request.id == request_id and req.ended is not None:
+                return conn
+    return None
+
+
+async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
+    triton: EmbeddedTriton,
+) -> None:
+    outcomes = Outcomes()
+    server = FrontendServer(
+        engine_config(),
+        triton.grpc_url,
+        Listen(),
+        workers=2,
+        core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
+    )
+    with BackgroundServer(server):
+        core, shells = server.core, server.shells
+        assert core is not None and shells is not None
+        url = f"127.0.0.1:{server.grpc_port}"
+        doomed = Streams(url, "acme")
+        kept: Streams | None = None
+        try:
+            ids = [f"doomed{i}" for i in range(STREAMS)]
+            for request_id in ids:
+                doomed.start(request_id, LONG)
+            # All 50 granted, on one shell, and every one of them streaming to its client.
+            await aeventually(
+                lambda: "llm" in core.runtimes and core.runtimes["llm"].inflight == STREAMS,
+                SETUP_S,
+                what="50 slots granted",
+            )
+            runtime = core.runtimes["llm"]
+            victim = holder(server, ids[0])
+            assert victim is not None
+            assert all(holder(server, i) is victim for i in ids), "one connection, one shell"
+            await aeventually(
+                lambda: all(doomed.tokens[i] for i in ids), SETUP_S, what="50 streams relaying"
+            )
+            # A connection on the other shell, for after: a probe stream finds which shell
+            # accepted it (the kernel spreads connections over the two), then goes away.
+            for attempt in range(20):
+                kept = Streams(url, "globex")
+                probe = f"probe{attempt}"
+                kept.start(probe, LONG)
+                await aeventually(lambda: holder(server, probe), SETUP_S, what="probe granted")  # noqa: B023
+                if holder(server, probe) is not victim:
+                    break
+                await kept.close()
+                kept = None
+            assert kept is not None, "20 connections, all on the doomed shell"
+            kept.cancel(probe)
+            await aeventually(lambda: runtime.inflight == STREAMS, SETUP_S, what="probe's slot")
+            assert all(doomed.tokens[i] < LONG for i in ids)  # still streaming
+
+            killed_at = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            await aeventually(
+                lambda: runtime.inflight == 0, 10 * SLOTS_BACK_S, 0.005, what="every slot back"
+            )
+            # Every slot back within the bound, each stream's outcome recorded once.
+            assert all(outcomes.count[i] == 1 for i in ids), outcomes.count
+            assert {outcomes.outcome[i] for i in ids} == {Outcome.CANCELLED}
+            back_s = max(outcomes.at[i] for i in ids) - killed_at
+            assert 0 <= back_s <= SLOTS_BACK_S, back_s
+            cancelled = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics").sum(
+                "fair_requests_total", tenant="acme", endpoint="llm", outcome="cancelled"
+            )
+            assert cancelled == STREAMS
+            errors = await asyncio.wait_for(asyncio.gather(*doomed.tasks.values()), SETUP_S)
+            assert all(e is not None for e in errors)  # their clients saw them fail
+
+            # The surviving shell's client: a new stream is granted a slot and served.
+            kept.start("after", 8)
+            assert await asyncio.wait_for(kept.tasks["after"], SETUP_S) is None
+            assert kept.tokens["after"] == 8
+            # Its end (Triton's final response) may come just after its last token.
+            await aeventually(lambda: runtime.inflight == 0, SETUP_S, what="its slot back")
+            assert outcomes.count["after"] == 1
+            assert outcomes.outcome["after"] is Outcome.DISPATCHED
+        finally:
+            await doomed.close()
+            if kept is not None:
+                await kept.close()
