@@ -164,8 +164,14 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
             for request_id in ids:
                 doomed.start(request_id, LONG)
             # All 50 granted, on one shell, and every one of them streaming to its client.
+            # A slot is taken when the request is launched, granted to its shell a loop
+            # iteration later: wait for both.
             await aeventually(
-                lambda: "llm" in core.runtimes and core.runtimes["llm"].inflight == STREAMS,
+                lambda: (
+                    "llm" in core.runtimes
+                    and core.runtimes["llm"].inflight == STREAMS
+                    and all(holder(server, i) is not None for i in ids)
+                ),
                 SETUP_S,
                 what="50 slots granted",
             )
