@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import random
@@ -272,8 +273,12 @@ async def live_probe(stub: service_pb2_grpc.GRPCInferenceServiceStub, stop: floa
     latencies: list[float] = []
     while time.perf_counter() < stop:
         sent = time.perf_counter()
-        await stub.ServerLive(request, timeout=CALL_DEADLINE_S)
-        latencies.append(time.perf_counter() - sent)
+        try:
+            await stub.ServerLive(request, timeout=CALL_DEADLINE_S)
+        except grpc.aio.AioRpcError:
+            latencies.append(math.inf)  # refused too (the channel's streams all taken)
+        else:
+            latencies.append(time.perf_counter() - sent)
         await asyncio.sleep(PROBE_INTERVAL_S)
     return latencies
 
