@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +90,7 @@ class FrontendServer:
     def __init__(
         self,
         config: Config,
-        triton_url: str,
+        triton_url: str | Sequence[str],
         listen: Listen,
         *,
         workers: int = 1,
@@ -99,7 +99,12 @@ class FrontendServer:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, not {workers}")
         self.config = config
-        self.triton_url = triton_url
+        # The Tritons behind every endpoint (``Triton.pool``): serve's --triton-url, one or
+        # repeated, or the config's triton.backends where none is given.
+        urls = [triton_url] if isinstance(triton_url, str) else list(triton_url)
+        self.backends = config.triton.pool(urls)
+        self.triton_urls = [b.grpc_url for b in self.backends]
+        self.triton_url = self.triton_urls[0]
         self.listen = listen
         self.workers = workers
         self._factory = core_factory or (lambda c, f: Core(c, f))
@@ -122,10 +127,11 @@ class FrontendServer:
         return self.core
 
     async def start(self) -> None:
+        backend = self.backends[0]
         forwarder = TritonForwarder(
-            self.triton_url,
+            backend.grpc_url,
             request_timeout_s=self.config.triton.request_timeout_s,
-            http_url=self.config.triton.http_url,
+            http_url=backend.http_url,
         )
         self.core = self._factory(self.config, forwarder)
         await self.core.start()

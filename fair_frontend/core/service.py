@@ -577,7 +577,7 @@ class Core:
                 await self.model_info(model)
             except FrontendError as err:
                 log.warning("endpoint %s: not served by Triton yet (%s)", model, err.message)
-        url = self.config.triton.metrics_url
+        url = self.config.triton.first_metrics_url()
         if url:
             self.triton_metrics = TritonMetrics(
                 url,
