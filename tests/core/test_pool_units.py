@@ -359,3 +359,21 @@ async def test_a_sequence_stays_on_the_backend_that_holds_its_state(
     await h.settle()
     assert all(served(h, r) for r in (s7, s8, s8b, s8c))
     assert len(h.tritons[0].sent) == 2
+
+
+# ---- what crosses to the shells -----------------------------------------------------------
+
+
+def test_a_grant_names_its_backend_and_the_shells_learn_the_pool_over_the_socket() -> None:
+    """A shell process streams a grant from the Triton it names: the index crosses the
+    socket, as does the pool's list of addresses in its settings (and settings of a core
+    from before pools, without the list, still decode: the one Triton)."""
+    from fair_frontend.wire.framing import encode, to_shell
+    from fair_frontend.wire.records import Settings
+
+    grant = to_shell.decode(encode(Grant(5, {"sequence_id": 3}, 0.25, backend=1))[4:])
+    assert isinstance(grant, Grant) and grant.backend == 1 and grant.sequence == {"sequence_id": 3}
+    settings = to_shell.decode(encode(Settings({}, {}, "a:8001", ["a:8001", "b:8001"]))[4:])
+    assert isinstance(settings, Settings) and settings.triton_urls == ["a:8001", "b:8001"]
+    assert to_shell.decode(encode(Grant(6))[4:]).backend == 0  # type: ignore[union-attr]
+    assert to_shell.decode(encode(Settings({}, {}, "a:8001"))[4:]).triton_urls == []  # type: ignore[union-attr]
