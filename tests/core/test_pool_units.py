@@ -17,13 +17,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from dispatch_support import Harness, StepClock
+from dispatch_support import FixedService, Harness, StepClock
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fair_frontend.config import Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.pool import BackendPool
-from fair_frontend.errors import FrontendError, Unavailable
+from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -133,6 +135,32 @@ async def test_batches_spread_over_the_backends_fewest_in_flight_first(
     await h.settle()
     assert all(served(h, r) for r in [*reqs, fifth])
     assert h.runtime.running == [0, 0] and h.runtime.idle
+
+
+async def test_the_early_send_goes_to_the_backend_predicted_to_free_first(
+    make: Callable[..., Harness],
+) -> None:
+    """Every batch predicted 10 ms, lead 3 ms: the one sent later frees later, so the next
+    batch goes early to the first backend, 3 ms before its batch is predicted to end."""
+    h = make(service=FixedService(0.010))
+    t0 = h.clock.now()
+    r1 = h.submit("a")
+    await h.settle()
+    await h.advance_to(t0 + 0.002)
+    r2 = h.submit("b")
+    await h.settle()
+    assert sent_to(h) == [[ids(r1)], [ids(r2)]]
+    r3 = h.submit("c")
+    await h.advance_to(t0 + 0.007 - 1e-6)
+    assert sum(len(b) for b in sent_to(h)) == 2  # not earlier
+    await h.advance_to(t0 + 0.007)
+    assert sent_to(h) == [[ids(r1), ids(r3)], [ids(r2)]]
+    assert h.tritons[0].sent[1].at == pytest.approx(t0 + 0.007, abs=1e-9)
+    for t in h.tritons:
+        for sent in t.pending:
+            sent.ok()
+    await h.settle()
+    assert all(served(h, r) for r in (r1, r2, r3))
 
 
 # ---- one backend goes away ---------------------------------------------------------------
@@ -377,3 +405,107 @@ def test_a_grant_names_its_backend_and_the_shells_learn_the_pool_over_the_socket
     assert isinstance(settings, Settings) and settings.triton_urls == ["a:8001", "b:8001"]
     assert to_shell.decode(encode(Grant(6))[4:]).backend == 0  # type: ignore[union-attr]
     assert to_shell.decode(encode(Settings({}, {}, "a:8001"))[4:]).triton_urls == []  # type: ignore[union-attr]
+
+
+# ---- every request answered exactly once, whatever the backends do -----------------------
+
+POOL_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("submit"),
+            st.sampled_from(("a", "b", "c")),
+            st.integers(1, 12),
+            st.sampled_from([None, None, 0.05, 0.3]),  # timeout (s)
+        ),
+        st.tuples(st.just("cancel"), st.integers(0, 63)),
+        st.tuples(st.just("ok"), st.integers(0, 7)),
+        st.tuples(st.just("model_error"), st.integers(0, 7)),
+        st.tuples(st.just("down"), st.integers(0, 7)),  # never reached its Triton
+        st.tuples(st.just("down"), st.integers(0, 7)),
+        st.tuples(st.just("lost"), st.integers(0, 7)),  # Unavailable after it was sent
+        st.tuples(st.just("advance"), st.sampled_from([0.001, 0.01, 0.1, 0.25, 0.6, 1.5])),
+        st.tuples(st.just("ready"), st.integers(0, 2), st.sampled_from([True, False, False])),
+    ),
+    min_size=20,
+    max_size=60,
+)
+
+
+async def play(
+    backends: int, instances: int, ops: list[tuple[Any, ...]]
+) -> tuple[Harness, list[CoreRequest], set[int]]:
+    h = Harness(max_outage_s=0.5, backends=backends, instances=instances)
+    reqs: list[CoreRequest] = []
+    gone: set[int] = set()
+    cap = h.runtime.max_inflight
+    try:
+        for op, *args in ops:
+            pending = [s for t in h.tritons for s in t.pending]
+            if op == "submit":
+                tenant, rows, timeout_s = args
+                reqs.append(h.submit(tenant, rows=rows, timeout_s=timeout_s))
+            elif op == "cancel" and reqs:
+                req = reqs[args[0] % len(reqs)]
+                if not req.answered:
+                    gone.add(req.call.id)
+                h.runtime.cancel(req)
+            elif op in ("ok", "model_error", "down", "lost") and pending:
+                sent = pending[args[0] % len(pending)]
+                if op == "ok":
+                    sent.ok()
+                elif op == "model_error":
+                    sent.fail(UpstreamError("model failed", grpc.StatusCode.INTERNAL, 500))
+                elif op == "down":
+                    sent.fail(refused())
+                else:
+                    sent.fail(lost())
+            elif op == "advance":
+                await h.advance(args[0])
+            elif op == "ready":
+                h.probes[args[0] % backends].ready = args[1]
+            await h.settle()
+            # Each Triton has at most its own slots' batches (no service data: no early
+            # send); a batch being bisected holds its slot between its calls.
+            for t, running in zip(h.tritons, h.runtime.running, strict=True):
+                assert len(t.pending) <= running <= cap
+        for probe in h.probes:
+            probe.ready = True
+        for _ in range(1000):
+            for t in h.tritons:
+                for sent in t.pending:
+                    sent.ok()
+            await h.advance(h.backend.probe_interval_s)
+            if h.runtime.idle and not h.runtime._held and not any(t.pending for t in h.tritons):
+                break
+        await h.advance(10.0)
+        return h, reqs, gone
+    finally:
+        await h.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(backends=st.sampled_from([2, 3]), instances=st.sampled_from([1, 2]), ops=POOL_OPS)
+def test_every_request_is_answered_exactly_once_over_a_pool(
+    backends: int, instances: int, ops: list[tuple[Any, ...]]
+) -> None:
+    """Random submits, cancels, answers, failures (model errors, Tritons refusing or
+    dropping calls), probes and time over a pool: every request ends exactly once, served
+    with its own rows or with an error whose outcome it is; no Triton ever holds more
+    than its slots; the counters add up."""
+    h, reqs, gone = asyncio.run(play(backends, instances, ops))
+    assert h.runtime.idle and h.runtime.inflight == 0 and h.runtime.running == [0] * backends
+    for req in reqs:
+        answers = h.answers(req)
+        done = [f for f in h.finished if f.req is req]
+        assert len(done) == 1, f"on_done called {len(done)} times for {req.call.request.id}"
+        if req.call.id in gone:
+            assert answers == [] and done[0].outcome is Outcome.CANCELLED
+            continue
+        (answer,) = answers
+        if answer.fault is None:
+            assert done[0].outcome is Outcome.DISPATCHED
+            assert np.all(answer.outputs[0].data == req.call.id)
+        else:
+            assert Outcome(answer.fault.outcome) is done[0].outcome is not Outcome.CANCELLED
+    c = h.scheduler.counters
+    assert c.admitted == len(reqs) == c.dispatched + c.expired + c.cancelled
