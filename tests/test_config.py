@@ -373,3 +373,18 @@ def test_serve_needs_a_triton_url_or_backends(
     path.write_text("tiers: [t]\ntenants: {a: {tier: t, api_keys: [some-key]}}\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "--triton-url HOST:PORT (repeat it for a pool)" in capsys.readouterr().err
+
+
+def test_a_repeated_triton_url_is_the_pool_the_server_serves_from() -> None:
+    from fair_frontend.cli import build_parser
+    from fair_frontend.server import FrontendServer, Listen
+
+    args = build_parser().parse_args(
+        ["serve", "--config", "c.yaml", "--triton-url", "a:8001", "--triton-url", "b:8001"]
+    )
+    assert args.triton_url == ["a:8001", "b:8001"]
+    config = parse_config({"tiers": ["t"], "triton": {"http_url": "http://a:8000"}})
+    server = FrontendServer(config, args.triton_url, Listen())
+    assert server.triton_urls == ["a:8001", "b:8001"] and server.triton_url == "a:8001"
+    assert [b.http_url for b in server.backends] == ["http://a:8000", None]
+    assert FrontendServer(config, "a:8001", Listen()).triton_urls == ["a:8001"]  # as before
