@@ -583,7 +583,7 @@ class Core:
                     if engine and endpoint.throttle
                     else None
                 ),
-                slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
+                slot_times=SlotTimes.for_slots((endpoint.max_inflight or 1) * len(self.pool)),
             )
             dispatcher = EngineDispatcher if engine else BatchDispatcher
             runtime = dispatcher(

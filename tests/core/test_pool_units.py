@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
 import pytest
-from dispatch_support import FixedService, Harness, StepClock
+from dispatch_support import MODEL, FakeTriton, FixedService, Harness, StepClock, embed_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.config import Endpoint
+from fair_frontend.config import Endpoint, parse_config
+from fair_frontend.core import Core
 from fair_frontend.core.dispatch import Backend, CoreRequest
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.pool import BackendPool
@@ -37,6 +38,7 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Answer, Call, Grant
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -387,6 +389,83 @@ async def test_a_sequence_stays_on_the_backend_that_holds_its_state(
     await h.settle()
     assert all(served(h, r) for r in (s7, s8, s8b, s8c))
     assert len(h.tritons[0].sent) == 2
+
+
+# ---- the core: one pool for every endpoint --------------------------------------------------
+
+
+class ReadyTriton(FakeTriton):
+    """A fake Triton with an address, ready whenever asked."""
+
+    def __init__(self, clock: StepClock, url: str) -> None:
+        super().__init__(clock)
+        self.url = url
+
+    async def server_ready(self) -> bool:
+        return True
+
+
+async def test_the_core_serves_every_endpoint_from_its_pool_and_says_so_in_its_gauges() -> None:
+    """``Core`` with two Tritons: each endpoint's batches go to both; the gauges name each
+    backend; one down leaves the core accepting (the pool is there) and its batch goes to
+    the other; back after its probe."""
+    clock = StepClock()
+    tritons = [ReadyTriton(clock, "t0:8001"), ReadyTriton(clock, "t1:8001")]
+    config = parse_config(
+        {
+            "tiers": ["paid"],
+            "tier_models": {"paid": ["*"]},
+            "tenants": {"a": {"tier": "paid", "api_keys": ["a-test-key"]}},
+            "default_endpoint": {"throttle": False},
+        }
+    )
+    core = Core(config, cast(list[TritonForwarder], tritons), clock=clock, wall=lambda: 1.7e9)
+    core._runtime(MODEL, embed_info())
+    shell = Shell()
+
+    def submit(n: int) -> None:
+        data = np.full((1, 3), n, dtype=np.int32)
+        request = InferRequest(
+            model=MODEL, id=f"r{n}", inputs=[Tensor("INPUT_IDS", "INT32", (1, 3), data)]
+        )
+        call = Call(n, "a", 1, clock.now(), 1.7e9, 1, 3, request.nbytes, None, request)
+        assert core.submit(call, shell) is not None
+
+    def gauge(name: str, backend: str) -> float:
+        return sum(
+            v
+            for n, labels, v in core.state_samples()
+            if n == name and labels.get("backend") == backend
+        )
+
+    try:
+        submit(1)
+        await settle()
+        submit(2)
+        await settle()
+        assert [t.batches() for t in tritons] == [[["r1"]], [["r2"]]]
+        assert gauge("fair_triton_backend_inflight", "t0:8001") == 1.0
+        assert gauge("fair_triton_backend_inflight", "t1:8001") == 1.0
+        tritons[0].sent[0].fail(refused())  # never reached it: to the other one
+        await settle()
+        assert not core.pool.backends[0].available and core.pool.available
+        assert gauge("fair_triton_backend_available", "t0:8001") == 0.0
+        assert gauge("fair_triton_backend_available", "t1:8001") == 1.0
+        submit(3)  # still accepted: the pool is there
+        tritons[1].sent[0].ok()
+        await settle()
+        assert tritons[1].batches()[1] == ["r1"]  # the held batch goes first, alone
+        tritons[1].sent[1].ok()
+        await settle()
+        assert tritons[1].batches()[2] == ["r3"]
+        tritons[1].sent[2].ok()
+        await settle()
+        assert sorted(a.id for a in shell.answers if a.fault is None) == [1, 2, 3]
+        clock.advance(1.0)  # its probe: ready
+        await settle()
+        assert core.pool.backends[0].available
+    finally:
+        await core.shutdown(grace_s=0.1)
 
 
 # ---- what crosses to the shells -----------------------------------------------------------
