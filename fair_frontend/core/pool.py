@@ -78,7 +78,10 @@ class BackendPool:
     @property
     def available(self) -> bool:
         """Is any backend reachable? (The endpoint is down only when none is.)"""
-        return any(b.available for b in self.backends)
+        backends = self.backends
+        if len(backends) == 1:  # the hot path's common case, without a generator
+            return backends[0].available
+        return any(b.available for b in backends)
 
     @property
     def up(self) -> int:
@@ -88,7 +91,10 @@ class BackendPool:
     @property
     def gave_up(self) -> bool:
         """Every backend is down, and has been for longer than ``max_outage_s``."""
-        return all(b.gave_up for b in self.backends)
+        backends = self.backends
+        if len(backends) == 1:
+            return backends[0].gave_up
+        return all(b.gave_up for b in backends)
 
     @property
     def outage_s(self) -> float:
