@@ -1,7 +1,7 @@
 """``fair-frontend``: run the frontend, alone or with an embedded Triton.
 
 fair-frontend up    [--config F | --demo] [--http-port N] [--grpc-port N] [--metrics-port N]
-fair-frontend serve --config F --triton-url HOST:PORT [ports as above]
+fair-frontend serve --config F [--triton-url HOST:PORT ...] [ports as above]
 fair-frontend check-config F
 fair-frontend hash-key KEY
 
@@ -22,6 +22,7 @@ import logging
 import signal
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the frontend against a Triton elsewhere")
     serve.add_argument("--config", required=True, help="YAML config")
-    serve.add_argument("--triton-url", required=True, help="Triton's gRPC address, HOST:PORT")
+    serve.add_argument(
+        "--triton-url",
+        action="append",
+        default=[],
+        help="a Triton's gRPC address, HOST:PORT; repeat it for a pool of Tritons (replaces "
+        "triton.backends; required unless the config lists them)",
+    )
     _add_listen_flags(serve)
 
     check = sub.add_parser("check-config", help="validate a config file and exit")
@@ -162,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     closed = model_access_problem(config)
     if closed is not None:
         log.warning("%s", closed)
+    if args.command == "serve" and not (args.triton_url or config.triton.backends):
+        print(
+            "fair-frontend: serve needs a Triton: --triton-url HOST:PORT (repeat it for a pool), "
+            "or triton.backends in the config",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.command == "serve":
             uvloop.run(
@@ -250,7 +264,7 @@ def _workers(args: argparse.Namespace, config: Config) -> int:
 
 async def _serve(
     config: Config,
-    triton_url: str,
+    triton_url: str | Sequence[str],
     listen: Listen,
     workers: int,
     config_path: str | None = None,
@@ -323,8 +337,12 @@ async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> N
     except TritonStartError as err:
         raise StartupError(str(err)) from err
     # The feedback loop reads the embedded Triton's own metrics; batches go over its HTTP.
+    # up serves its own Triton alone (a pool is serve's: triton.backends is left aside).
     own = {"metrics_url": triton.metrics_url, "http_url": triton.http_url}
-    update = {k: v for k, v in own.items() if getattr(config.triton, k) is None}
+    update: dict[str, Any] = {k: v for k, v in own.items() if getattr(config.triton, k) is None}
+    if config.triton.backends:
+        log.warning("up serves its own Triton: triton.backends is not used")
+        update = {"backends": [], **own}
     if update:
         config = config.model_copy(update={"triton": config.triton.model_copy(update=update)})
     watchdog = asyncio.get_running_loop().create_task(_keep_alive(triton))
@@ -363,13 +381,17 @@ async def _keep_alive(triton: Any, interval_s: float = 0.5) -> None:
 
 
 def _announce(
-    server: FrontendServer, listen: Listen, triton_url: str, config: Config, demo: bool
+    server: FrontendServer,
+    listen: Listen,
+    triton_url: str | Sequence[str],
+    config: Config,
+    demo: bool,
 ) -> None:
     host = _shown(listen.host)
     mhost = _shown(listen.metrics_host or listen.host)
     lines = [
         "",
-        f"fair_frontend is serving (Triton at {triton_url})",
+        f"fair_frontend is serving (Triton at {', '.join(server.triton_urls)})",
         f"  HTTP    http://{host}:{server.http_port}",
         f"  gRPC    {host}:{server.grpc_port}",
         f"  metrics http://{mhost}:{server.metrics_port}/metrics   (operator-only)",

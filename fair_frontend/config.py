@@ -26,7 +26,7 @@ import enum
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -633,8 +633,38 @@ class Server(_Strict):
     )
 
 
+class TritonBackend(_Strict):
+    """One Triton of the pool that serves the endpoints (``triton.backends``)."""
+
+    grpc_url: str = Field(
+        description="This Triton's gRPC address, HOST:PORT (metadata, decoupled streams, and "
+        "batches where http_url is unset)."
+    )
+    http_url: str | None = Field(
+        default=None,
+        description="This Triton's HTTP address, e.g. http://host:8000: where set, its batches "
+        "go there (as triton.http_url does for a single Triton).",
+    )
+    metrics_url: str | None = Field(
+        default=None,
+        description="This Triton's Prometheus endpoint. The feedback loop reads the first "
+        "backend's that has one.",
+    )
+
+
 class Triton(_Strict):
     url: str = Field(default="localhost:8001", description="Triton's gRPC address (serve mode).")
+    backends: list[TritonBackend] = Field(
+        default_factory=list,
+        description="A pool of Tritons serving every endpoint (each: grpc_url, optional "
+        "http_url, metrics_url). Each batch or stream goes to the healthy one that starts it "
+        "soonest; each has the endpoint's slots (max_inflight, max_inflight_batches) of its "
+        "own; one that goes away takes only what runs on it, and the endpoint is down only "
+        "when all are. Empty (default): the one Triton of serve's --triton-url, with "
+        "http_url and metrics_url below. A repeated --triton-url replaces this list (a URL "
+        "listed here keeps its http_url and metrics_url). With backends, leave the section's "
+        "http_url and metrics_url unset: each backend names its own.",
+    )
     http_url: str | None = Field(
         default=None,
         description="Triton's HTTP address, e.g. http://localhost:8000: where set, batches go "
@@ -663,6 +693,38 @@ class Triton(_Strict):
         "most (or to their own deadline); then they, and new requests until Triton is back, "
         "are answered UNAVAILABLE.",
     )
+
+    def first_metrics_url(self) -> str | None:
+        """The Prometheus endpoint the feedback loop reads: ``metrics_url``, or the first
+        backend's that has one."""
+        if self.metrics_url is not None:
+            return self.metrics_url
+        return next((b.metrics_url for b in self.backends if b.metrics_url), None)
+
+    def pool(self, urls: Sequence[str] = ()) -> list[TritonBackend]:
+        """The Tritons to serve from: ``urls`` (serve's --triton-url, repeated) where given,
+        each with what ``backends`` says of it (the first, when ``backends`` is empty, with
+        this section's http_url and metrics_url: one Triton, as before pools); else
+        ``backends``; else the one at ``url``."""
+        if not urls:
+            if self.backends:
+                return list(self.backends)
+            urls = [self.url]
+        listed = {b.grpc_url: b for b in self.backends}
+        pool = []
+        for i, url in enumerate(urls):
+            known = listed.get(url)
+            if known is not None:
+                pool.append(known)
+            elif i == 0 and not self.backends:
+                pool.append(
+                    TritonBackend(
+                        grpc_url=url, http_url=self.http_url, metrics_url=self.metrics_url
+                    )
+                )
+            else:
+                pool.append(TritonBackend(grpc_url=url))
+        return pool
 
 
 class Queues(_Strict):
@@ -1057,6 +1119,28 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
         problems.extend(_endpoint_problems("default_endpoint", default_ep))
     problems.extend(_auth_problems(mapping(data.get("auth"))))
     problems.extend(_storage_problems(mapping(data.get("rate_limiting"))))
+    problems.extend(_triton_problems(mapping(data.get("triton"))))
+    return problems
+
+
+def _triton_problems(triton: Mapping[str, Any]) -> list[str]:
+    """A pool's URLs: each named once, and a single Triton's fields not beside a pool."""
+    problems: list[str] = []
+    backends = triton.get("backends")
+    if not isinstance(backends, list) or not backends:
+        return problems
+    if triton.get("http_url") is not None or triton.get("metrics_url") is not None:
+        problems.append(
+            "triton.http_url and metrics_url are for a single Triton: with triton.backends, "
+            "set them on each backend"
+        )
+    urls = [b.get("grpc_url") for b in backends if isinstance(b, Mapping)]
+    for i, url in enumerate(urls):
+        if isinstance(url, str) and not url.strip():
+            problems.append(f"triton.backends[{i}].grpc_url: empty")
+    named = [u for u in urls if isinstance(u, str)]
+    if len(set(named)) != len(named):
+        problems.append(f"triton.backends: a grpc_url is listed twice ({named})")
     return problems
 
 
@@ -1330,6 +1414,7 @@ def reference() -> str:
         ("top level", Config),
         ("`server`", Server),
         ("`triton`", Triton),
+        ("`triton.backends[]`", TritonBackend),
         ("`queues`", Queues),
         ("`tier_guard`", TierGuard),
         ("`rate_limiting`", RateLimiting),

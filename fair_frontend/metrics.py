@@ -361,7 +361,10 @@ STATE_GAUGES: dict[str, str] = {
     "fair_vtc_counter": "Virtual token counter of tenants with queued work (engine "
     "endpoints in token cost): weighted tokens served, lifted on return from idle.",
     "fair_inflight_batches": "Batches in Triton now, by endpoint.",
-    "fair_backend_available": "1 while Triton is reachable.",
+    "fair_backend_available": "1 while Triton (in a pool: any of its Tritons) is reachable.",
+    "fair_triton_backend_available": "1 while this Triton of the pool is reachable, by backend.",
+    "fair_triton_backend_inflight": "Batches (engine: requests) in this Triton now, by "
+    "endpoint and backend.",
     # fair_frontend.feedback.ServiceStatus.samples():
     "fair_service_source": "1 for the source of the endpoint's service estimates "
     "(triton, frontend or default), 0 for the others.",

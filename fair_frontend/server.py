@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,16 +90,21 @@ class FrontendServer:
     def __init__(
         self,
         config: Config,
-        triton_url: str,
+        triton_url: str | Sequence[str],
         listen: Listen,
         *,
         workers: int = 1,
-        core_factory: Callable[[Config, TritonForwarder], Core] | None = None,
+        core_factory: Callable[[Config, list[TritonForwarder]], Core] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, not {workers}")
         self.config = config
-        self.triton_url = triton_url
+        # The Tritons behind every endpoint (``Triton.pool``): serve's --triton-url, one or
+        # repeated, or the config's triton.backends where none is given.
+        urls = [triton_url] if isinstance(triton_url, str) else list(triton_url)
+        self.backends = config.triton.pool(urls)
+        self.triton_urls = [b.grpc_url for b in self.backends]
+        self.triton_url = self.triton_urls[0]
         self.listen = listen
         self.workers = workers
         self._factory = core_factory or (lambda c, f: Core(c, f))
@@ -122,27 +127,32 @@ class FrontendServer:
         return self.core
 
     async def start(self) -> None:
-        forwarder = TritonForwarder(
-            self.triton_url,
-            request_timeout_s=self.config.triton.request_timeout_s,
-            http_url=self.config.triton.http_url,
-        )
-        self.core = self._factory(self.config, forwarder)
+        # One forwarder per Triton, the core's and (with workers=1) the shell's: a grant
+        # names the Triton by its index in this list, which the shell processes get too.
+        forwarders = [
+            TritonForwarder(
+                backend.grpc_url,
+                request_timeout_s=self.config.triton.request_timeout_s,
+                http_url=backend.http_url,
+            )
+            for backend in self.backends
+        ]
+        self.core = self._factory(self.config, forwarders)
         await self.core.start()
         # Metrics first: once a shell listens, it answers readiness probes, and everything
         # it reports on must be up by then.
         await self._start_metrics()
         if self.workers == 1:
-            await self._start_local_shell(forwarder)
+            await self._start_local_shell(forwarders)
         else:
-            self.shells = ShellPool(self.core, self.triton_url, self.listen, self.workers)
+            self.shells = ShellPool(self.core, self.triton_urls, self.listen, self.workers)
             await self.shells.start()
             self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
 
-    async def _start_local_shell(self, forwarder: TritonForwarder) -> None:
+    async def _start_local_shell(self, forwarders: list[TritonForwarder]) -> None:
         assert self.core is not None
         link = LocalLink(self.core, Intake(self.core))  # the intake shell processes have
-        self.gateway = Gateway(self.config, self.core.keyring, link, forwarder)
+        self.gateway = Gateway(self.config, self.core.keyring, link, forwarders)
         # The tiers the throttle closed, on the shell processes' tick (CoreServer's).
         self._verdicts = asyncio.get_running_loop().create_task(self._refresh_overload())
         shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
@@ -266,7 +276,8 @@ class FrontendServer:
         if self._operator_grpc is not None:
             await self._operator_grpc.stop(1.0)
         if self.core is not None:
-            await self.core.forwarder.close()
+            for forwarder in self.core.forwarders:
+                await forwarder.close()
 
     @staticmethod
     async def _quiet(core: Core, quiet_s: float = 0.25, limit_s: float = 5.0) -> None:
@@ -338,9 +349,11 @@ class ShellPool:
     queued work the moment its connection closed.
     """
 
-    def __init__(self, core: Core, triton_url: str, listen: Listen, workers: int) -> None:
+    def __init__(
+        self, core: Core, triton_urls: str | Sequence[str], listen: Listen, workers: int
+    ) -> None:
         self.core = core
-        self.triton_url = triton_url
+        self.triton_urls = [triton_urls] if isinstance(triton_urls, str) else list(triton_urls)
         self.listen = listen
         self.workers = workers
         self._dir = tempfile.mkdtemp(prefix="fair-frontend-")
@@ -359,7 +372,7 @@ class ShellPool:
     def settings(self) -> Settings:
         config = self.core.config
         keys = {d.hex(): tenant for d, tenant in self.core.keyring.digests().items()}
-        return Settings(config.model_dump(mode="json"), keys, self.triton_url)
+        return Settings(config.model_dump(mode="json"), keys, self.triton_urls[0], self.triton_urls)
 
     async def start(self) -> None:
         await self.server.start()

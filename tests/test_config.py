@@ -302,3 +302,89 @@ def test_the_doors_bounds_derive_from_the_queue_and_the_largest_request() -> Non
         parse_config({"tiers": ["t"], "server": {"header_timeout_s": 0, "http_max_connections": 0}})
     assert "server.header_timeout_s" in str(info.value)
     assert "server.http_max_connections" in str(info.value)
+
+
+def test_a_pool_of_tritons_from_the_config_or_repeated_urls() -> None:
+    """``triton.backends`` lists the pool; a repeated --triton-url replaces it (keeping what
+    the list says of a URL it names); without either, one Triton as before pools, the
+    first URL with the section's http_url and metrics_url."""
+    pooled = parse_config(
+        {
+            "tiers": ["t"],
+            "triton": {
+                "backends": [
+                    {
+                        "grpc_url": "a:8001",
+                        "http_url": "http://a:8000",
+                        "metrics_url": "http://a:8002/metrics",
+                    },
+                    {"grpc_url": "b:8001"},
+                ]
+            },
+        }
+    ).triton
+    assert [b.grpc_url for b in pooled.pool()] == ["a:8001", "b:8001"]
+    assert pooled.first_metrics_url() == "http://a:8002/metrics"
+    chosen = pooled.pool(["b:8001", "a:8001", "c:8001"])
+    assert [(b.grpc_url, b.http_url) for b in chosen] == [
+        ("b:8001", None),
+        ("a:8001", "http://a:8000"),
+        ("c:8001", None),
+    ]
+    single = parse_config(
+        {"tiers": ["t"], "triton": {"http_url": "http://h:8000", "metrics_url": "http://h:8002"}}
+    ).triton
+    (one,) = single.pool(["h:8001"])
+    assert (one.grpc_url, one.http_url, one.metrics_url) == (
+        "h:8001",
+        "http://h:8000",
+        "http://h:8002",
+    )
+    two = single.pool(["h:8001", "k:8001"])
+    assert [(b.grpc_url, b.http_url) for b in two] == [
+        ("h:8001", "http://h:8000"),
+        ("k:8001", None),
+    ]
+    assert [b.grpc_url for b in single.pool()] == ["localhost:8001"]  # triton.url
+
+
+def test_a_pool_names_each_url_once_and_in_one_place() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {
+                "tiers": ["t"],
+                "triton": {
+                    "metrics_url": "http://h:8002/metrics",
+                    "backends": [{"grpc_url": "a:8001"}, {"grpc_url": "a:8001"}, {"grpc_url": " "}],
+                },
+            }
+        )
+    text = str(info.value)
+    for expected in ("set them on each backend", "listed twice", "grpc_url: empty"):
+        assert expected in text, text
+
+
+def test_serve_needs_a_triton_url_or_backends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fair_frontend.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("tiers: [t]\ntenants: {a: {tier: t, api_keys: [some-key]}}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "--triton-url HOST:PORT (repeat it for a pool)" in capsys.readouterr().err
+
+
+def test_a_repeated_triton_url_is_the_pool_the_server_serves_from() -> None:
+    from fair_frontend.cli import build_parser
+    from fair_frontend.server import FrontendServer, Listen
+
+    args = build_parser().parse_args(
+        ["serve", "--config", "c.yaml", "--triton-url", "a:8001", "--triton-url", "b:8001"]
+    )
+    assert args.triton_url == ["a:8001", "b:8001"]
+    config = parse_config({"tiers": ["t"], "triton": {"http_url": "http://a:8000"}})
+    server = FrontendServer(config, args.triton_url, Listen())
+    assert server.triton_urls == ["a:8001", "b:8001"] and server.triton_url == "a:8001"
+    assert [b.http_url for b in server.backends] == ["http://a:8000", None]
+    assert FrontendServer(config, "a:8001", Listen()).triton_urls == ["a:8001"]  # as before

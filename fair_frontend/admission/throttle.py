@@ -156,9 +156,15 @@ class Throttle:
         short_queue_batches: int = DEFAULT_SHORT_QUEUE_BATCHES,
         min_retry_after_s: float = DEFAULT_MIN_RETRY_AFTER_S,
         safety: float = 1.0,
+        servers: int = 1,
     ) -> None:
-        if latency_target_s <= 0 or short_queue_batches < 1 or safety < 1:
-            raise ValueError("need latency_target_s > 0, short_queue_batches >= 1, safety >= 1")
+        if latency_target_s <= 0 or short_queue_batches < 1 or safety < 1 or servers < 1:
+            raise ValueError(
+                "need latency_target_s > 0, short_queue_batches >= 1, safety >= 1, servers >= 1"
+            )
+        # Tritons serving the endpoint side by side (a pool): the batches ahead are
+        # shared among them, so the wait is the one-server wait divided by their number.
+        self.servers = servers
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.latency_target_s = latency_target_s
@@ -199,7 +205,7 @@ class Throttle:
             rows = float(backlog.rows) + inflight * typical_rows
             tokens = float(backlog.tokens) + inflight * typical_tokens
         wait = (inflight + n) * bt.fixed_s + bt.per_row_s * rows + bt.per_token_s * tokens
-        return wait * self.safety * max(1.0, slowdown)
+        return wait / self.servers * self.safety * max(1.0, slowdown)
 
     def check(
         self,

@@ -44,39 +44,56 @@ class BatchDispatcher(Dispatcher):
         self._isolating = 0  # failed batches being bisected
         self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
         self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
-        self._busy_until = 0.0  # when the batches in flight are predicted to be done
-        # Per batch in Triton: (sent at, predicted seconds); _busy_until is derived from
-        # them and recomputed as each batch comes back, early or late.
-        self._predicted: dict[asyncio.Task[None], tuple[float, float]] = {}
+        # Per backend: when its batches in flight are predicted to be done.
+        self._busy_until = [0.0] * len(self.pool)
+        # Per batch in Triton: (backend, sent at, predicted seconds); _busy_until is
+        # derived from them and recomputed as each batch comes back, early or late.
+        self._predicted: dict[asyncio.Task[None], tuple[int, float, float]] = {}
 
     # ---- when a batch goes --------------------------------------------------------------
 
-    def _may_send(self, now: float) -> bool:
-        """A free slot, or the early send: one more batch ``dispatch_lead_ms`` before the
-        batches in flight are predicted to finish, so that Triton starts it without a gap
-        while it is still assembled at the last moment (late binding)."""
-        if self.inflight < self.max_inflight or self._held:
-            return True  # a held batch kept its slot
+    def _may_send(self, now: float) -> int | None:
+        """A backend with a free slot (the pool's choice), or the early send: one more
+        batch to a backend whose slots are all taken, ``dispatch_lead_ms`` before its
+        batches in flight are predicted to finish, so that it starts the batch without a
+        gap while the batch is still assembled at the last moment (late binding); of
+        those, the one predicted to free first."""
+        pin = self._pinned(now)
+        free = self.pool.choose(self.running, self.max_inflight, pin)
+        if free is not None:
+            return free
         lead = self._lead()
-        return (
-            lead > 0
-            and not self._isolating
-            and self.inflight == self.max_inflight
-            and now >= self._busy_until - lead
-        )
+        if lead <= 0 or self._isolating:
+            return None
+        early = self._fullest_first(pin)
+        if early is not None and now >= self._busy_until[early] - lead:
+            return early
+        return None
+
+    def _fullest_first(self, only: int | None) -> int | None:
+        """Of the reachable backends whose slots are all taken (``only``: that one), the
+        one whose batches are predicted to be done first."""
+        best: int | None = None
+        for i, backend in enumerate(self.pool.backends):
+            if only is not None and i != only:
+                continue
+            if not backend.available or self.running[i] != self.max_inflight:
+                continue
+            if best is None or self._busy_until[i] < self._busy_until[best]:
+                best = i
+        return best
 
     def _arm_lead(self) -> None:
-        """The early send's timer, while every slot is taken and Triton is there (while it
-        is not, nothing is sent: the moment passes, and a timer for it would fire at once,
-        for ever; ``kick`` runs again when Triton is back)."""
+        """The early send's timer, at the first moment a reachable backend whose slots are
+        all taken may take one more (a backend that is not there takes nothing: the moment
+        passes, and a timer for it would fire at once, for ever; ``kick`` runs again when
+        it is back)."""
         lead = self._lead()
-        if (
-            lead > 0
-            and not self._isolating
-            and self.inflight == self.max_inflight
-            and self.backend.available
-        ):
-            self._arm(self._busy_until - lead)
+        if lead <= 0 or self._isolating:
+            return
+        early = self._fullest_first(None)
+        if early is not None:
+            self._arm(self._busy_until[early] - lead)
 
     def _tokens_charged(self) -> None:
         """No slot waits on a tenant's charge here: a batch goes when an instance frees."""
@@ -106,20 +123,23 @@ class BatchDispatcher(Dispatcher):
 
     # ---- batches in Triton: their predicted end -----------------------------------------
 
-    def _launch(self, batch: list[CoreRequest], now: float) -> asyncio.Task[None]:
-        meets = bool(self._tasks)  # batches that meet in Triton's queue
-        task = super()._launch(batch, now)
-        if meets:
-            self._overlapped.update(self._tasks)
-        self._predicted[task] = (now, self._predict(batch))
-        self._busy_until = self._predicted_end(now)
+    def _launch(self, batch: list[CoreRequest], now: float, backend: int) -> asyncio.Task[None]:
+        # Batches that meet in one Triton's queue (its batcher may run them as one).
+        meeting = [t for t, b in self._where.items() if b == backend]
+        task = super()._launch(batch, now, backend)
+        if meeting:
+            self._overlapped.update(meeting)
+            self._overlapped.add(task)
+        self._predicted[task] = (backend, now, self._predict(batch))
+        self._busy_until[backend] = self._predicted_end(now, backend)
         return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         super()._forget(task)
         self._overlapped.discard(task)
-        if self._predicted.pop(task, None) is not None:  # it came back: predict the rest
-            self._busy_until = self._predicted_end(self.clock.now())
+        done = self._predicted.pop(task, None)
+        if done is not None:  # it came back: predict the rest of its backend's
+            self._busy_until[done[0]] = self._predicted_end(self.clock.now(), done[0])
 
     def _predict(self, batch: list[CoreRequest]) -> float:
         service = self.service
@@ -129,34 +149,37 @@ class BatchDispatcher(Dispatcher):
         tokens = sum(r.tokens for r in batch)
         return float(service.predict_batch_seconds(rows, tokens))
 
-    def _predicted_end(self, now: float) -> float:
-        """When the batches in Triton are predicted to be done: one instance runs them one
-        after another, each from when it was sent or the one before it ends."""
+    def _predicted_end(self, now: float, backend: int) -> float:
+        """When the batches in ``backend`` are predicted to be done: one instance runs
+        them one after another, each from when it was sent or the one before it ends."""
         busy = now
-        for sent, seconds in sorted(self._predicted.values()):
-            busy = max(busy, sent) + seconds
+        for b, sent, seconds in sorted(self._predicted.values()):
+            if b == backend:
+                busy = max(busy, sent) + seconds
         return busy
 
     # ---- failed batches -----------------------------------------------------------------
 
-    def _timed_out(self) -> None:
-        """A batch is expected back in time: Triton is taken for down."""
-        self.backend.mark_down()
+    def _timed_out(self, backend: int) -> None:
+        """A batch is expected back in time: that Triton is taken for down."""
+        self.pool.backends[backend].mark_down()
 
-    async def _model_error(self, batch: list[CoreRequest], err: FrontendError) -> tuple[bool, bool]:
+    async def _model_error(
+        self, batch: list[CoreRequest], err: FrontendError, backend: int
+    ) -> tuple[bool, bool]:
         """One bad row must not fail its neighbours: find it by bisection (also a request
         alone whose batch overlapped another in Triton, whose own batcher may have run
         them as one execution: it is tried once more alone), and nothing beside it (no
         early send: Triton's own batcher would put a request sent meanwhile into the same
         execution as the culprit)."""
         if len(batch) == 1 and asyncio.current_task() not in self._overlapped:
-            return await super()._model_error(batch, err)
+            return await super()._model_error(batch, err, backend)
         self._isolating += 1
         try:
             if self._isolation is None:
                 self._isolation = asyncio.Lock()
             async with self._isolation:  # one batch at a time: none meets another's
-                unsent = await self._bisect(batch)
+                unsent = await self._bisect(batch, backend)
         finally:
             self._isolating -= 1
         if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
@@ -164,14 +187,15 @@ class BatchDispatcher(Dispatcher):
             return False, True
         return False, False
 
-    async def _bisect(self, batch: list[CoreRequest]) -> list[CoreRequest]:
+    async def _bisect(self, batch: list[CoreRequest], backend: int) -> list[CoreRequest]:
         """Answer a batch that failed with a model error, culprits found by halves.
 
-        Each half is sent on its own: one that succeeds is finished (never sent again),
-        one that fails is split again, and a request alone that fails gets its error. One
-        culprit among n costs 2 sends per halving, about 2 log2(n), where one by one cost
-        n. Halves go one after another, in batch order. Returns the requests not sent
-        because Triton became unreachable (to hold), [] when every one was answered.
+        Each half is sent on its own (to the batch's ``backend``): one that succeeds is
+        finished (never sent again), one that fails is split again, and a request alone
+        that fails gets its error. One culprit among n costs 2 sends per halving, about
+        2 log2(n), where one by one cost n. Halves go one after another, in batch order.
+        Returns the requests not sent because Triton became unreachable (to hold), []
+        when every one was answered.
         """
         todo = [batch] if len(batch) == 1 else list(reversed(_halves(batch)))
         while todo:
@@ -179,15 +203,15 @@ class BatchDispatcher(Dispatcher):
             if not group:
                 continue
             try:
-                await self._send_group(group)
+                await self._send_group(group, backend)
             except Unavailable as err:
-                self.backend.mark_down()
+                self.pool.backends[backend].mark_down()
                 if not err.never_sent:  # it may have run: never sent twice
                     for r in group:
                         self._fail(r, err)
                     group = []
                 rest = [r for g in (group, *reversed(todo)) for r in g if not r.answered]
-                if not self.backend.gave_up:
+                if not self.pool.gave_up:
                     return rest
                 for r in rest:
                     self._fail(r, self.outage_error())
@@ -216,11 +240,11 @@ class BatchDispatcher(Dispatcher):
             wanted.append(r)
         return wanted
 
-    async def _send_group(self, group: list[CoreRequest]) -> None:
+    async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
         """Send part of a failed batch as one call, and finish its requests (raises the
         call's error, nothing answered, when it fails)."""
         packed = pack(group, self.info, self.endpoint)
-        version, outputs = await self._forward(packed, group)
+        version, outputs = await self._forward(packed, group, backend)
         outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)
         for r, out in zip(group, outs, strict=True):
             self._finish(r, version, out)

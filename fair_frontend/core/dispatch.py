@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -53,6 +54,8 @@ from typing import TYPE_CHECKING, Protocol
 from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.clock import Clock, Timer
 from fair_frontend.config import Endpoint
+from fair_frontend.core.pool import BackendPool
+from fair_frontend.core.sequences import IDLE_MARGIN
 from fair_frontend.errors import (
     DeadlineExceeded,
     FrontendError,
@@ -108,6 +111,7 @@ class CoreRequest(QueuedRequest):
     # Accounting.wall() when its tokens were counted in its limits (None again once corrected)
     limits_at: float | None = None
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
+    backend: int = -1  # the pool's backend its batch (or stream) went to last
 
     @property
     def request(self) -> InferRequest:
@@ -158,10 +162,13 @@ class Backend:
         probe: Callable[[], Awaitable[bool]] | None = None,
         probe_interval_s: float = 0.1,
         max_outage_s: float = 60.0,
+        name: str = "",
     ) -> None:
         self.clock = clock
+        self.name = name  # its address, in a pool's log lines and metrics
         self.available = True
         self.listeners: list[Callable[[], None]] = []  # called when Triton is back
+        self.down_listeners: list[Callable[[], None]] = []  # ... when it goes down
         self.give_up_listeners: list[Callable[[], None]] = []  # ... when the outage is too long
         self.probe = probe
         self.probe_interval_s = probe_interval_s
@@ -174,9 +181,14 @@ class Backend:
 
     def mark_down(self) -> None:
         if self.available:
-            log.warning("Triton unavailable: holding queued requests until it is back")
+            log.warning(
+                "Triton%s unavailable: holding queued requests until it is back",
+                f" {self.name}" if self.name else "",
+            )
             self.down_since = self.clock.now()
             self.available = False
+            for down in self.down_listeners:
+                down()
         if self.probe is not None and self._timer is None and self._probing is None:
             self._timer = self.clock.call_at(self.clock.now() + self.probe_interval_s, self._tick)
 
@@ -216,7 +228,9 @@ class Backend:
 
     def mark_up(self) -> None:
         if not self.available:
-            log.info("Triton available again: resuming dispatch")
+            log.info(
+                "Triton%s available again: resuming dispatch", f" {self.name}" if self.name else ""
+            )
             self.available = True
             self.down_since = None
             self.gave_up = False
@@ -257,8 +271,9 @@ class Dispatcher(ABC):
         info: ModelInfo,
         endpoint: Endpoint,
         scheduler: Scheduler,
-        forwarder: Forwarder,
-        backend: Backend,
+        forwarder: Forwarder | None = None,
+        backend: Backend | None = None,
+        pool: BackendPool | None = None,
         clock: Clock,
         admission: EndpointAdmission | None = None,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
@@ -269,8 +284,13 @@ class Dispatcher(ABC):
         self.info = info
         self.endpoint = endpoint
         self.scheduler = scheduler
-        self.forwarder = forwarder
-        self.backend = backend
+        if pool is None:  # one Triton: the pool of one
+            if forwarder is None or backend is None:
+                raise ValueError("a dispatcher needs a pool, or a forwarder and its backend")
+            pool = BackendPool([backend], [forwarder])
+        self.pool = pool
+        self.forwarder = pool.forwarders[0]  # the first Triton's (one: the only one)
+        self.backend = pool.backends[0]
         self.clock = clock
         self.admission = admission
         self.on_batch = on_batch
@@ -278,7 +298,14 @@ class Dispatcher(ABC):
         self.on_tokens = on_tokens
         self._max_inflight = self._slots()
         self._token_output = endpoint.token_output
-        self.inflight = 0  # batches in Triton (or held for it, with their slot)
+        self.inflight = 0  # batches in Triton (or held for it)
+        self.running = [0] * len(pool)  # batches in each backend of the pool (not held)
+        self._where: dict[asyncio.Task[None], int] = {}  # each batch's backend
+        # A stateful model's open sequences in a pool of more than one: the backend that
+        # holds each one's state, by Triton's sequence id, least recently used first.
+        self._pins: OrderedDict[ParamValue, tuple[int, float]] | None = None
+        if info.sequence_batching and len(pool) > 1:
+            self._pins = OrderedDict()
         self.batches_sent = 0
         self._timer: Timer | None = None
         self._timer_at: float | None = None
@@ -288,8 +315,12 @@ class Dispatcher(ABC):
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
         self._start()
-        backend.listeners.append(self.kick)
-        backend.give_up_listeners.append(self.give_up)
+        for member in pool.backends:
+            member.listeners.append(self.kick)  # one is back: its slots are free
+        pool.give_up_listeners.append(self.give_up)
+        if len(pool) > 1:
+            # One went down: what must go to it alone (a pinned sequence) fails now.
+            pool.down_listeners.append(self.kick)
 
     @property
     def service(self) -> ServiceModel | None:
@@ -312,8 +343,9 @@ class Dispatcher(ABC):
         """Set up the mode's own state (by ``__init__``, once ``_slots`` is known)."""
 
     @abstractmethod
-    def _may_send(self, now: float) -> bool:
-        """May one more batch go to Triton now?"""
+    def _may_send(self, now: float) -> int | None:
+        """Which backend may one more batch go to now? (None: none may; the pool's
+        ``choose``, and what the mode adds)"""
 
     def _hold_until(self, now: float) -> float | None:
         """Until when should the next batch wait to be fuller? (None: send it now)"""
@@ -324,11 +356,13 @@ class Dispatcher(ABC):
         """Arm the timer of a send before a slot frees up, if the mode sends early."""
 
     @abstractmethod
-    def _timed_out(self) -> None:
-        """A call was not answered in time (its requests fail): what does that say of
-        Triton?"""
+    def _timed_out(self, backend: int) -> None:
+        """A call to ``backend`` was not answered in time (its requests fail): what does
+        that say of that Triton?"""
 
-    async def _model_error(self, batch: list[CoreRequest], err: FrontendError) -> tuple[bool, bool]:
+    async def _model_error(
+        self, batch: list[CoreRequest], err: FrontendError, backend: int
+    ) -> tuple[bool, bool]:
         """A call failed with the model's error: whom does it fail? (Here: each of its
         requests.) Returns ``_send``'s (succeeded, held)."""
         for r in batch:
@@ -346,7 +380,7 @@ class Dispatcher(ABC):
         to ``req.route``."""
         now = self.clock.now()
         self.scheduler.enqueue(req, now)
-        if self.backend.available and self._may_send(now):
+        if self.pool.available and self._may_send(now) is not None:
             self.kick()
             return
         # No batch can go now (the hot path under load): only its timers may change.
@@ -379,7 +413,12 @@ class Dispatcher(ABC):
         """Send batches while a slot is free and work is queued; re-arm the timer."""
         now = self.clock.now()
         self._expire(now)
-        while self.backend.available and self._may_send(now):
+        if self._pins is not None:
+            self._drop_orphans(now)
+        while self.pool.available:
+            backend = self._may_send(now)
+            if backend is None:
+                break
             if self._held:
                 batch = self._held.pop(0)
                 self.inflight -= 1  # its slot was kept: _launch takes it again
@@ -391,23 +430,79 @@ class Dispatcher(ABC):
                 batch = self.scheduler.next_batch(now)  # type: ignore[assignment]
             if not batch:
                 break
-            self._launch(batch, now)
+            self._launch(batch, now, backend)
         if self.scheduler.queued_requests:
             self._arm_lead()
         due = self._next_deadline()
         if due is not None:
             self._arm(due)
 
-    def _launch(self, batch: list[CoreRequest], now: float) -> asyncio.Task[None]:
+    def _launch(self, batch: list[CoreRequest], now: float, backend: int) -> asyncio.Task[None]:
         self.inflight += 1
+        self.running[backend] += 1
         self.batches_sent += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self.pool.took(backend)
+        if self._pins is not None:
+            self._pin(batch, backend, now)
+        task = asyncio.get_running_loop().create_task(self._run(batch, backend))
         self._tasks[task] = batch
+        self._where[task] = backend
         task.add_done_callback(self._forget)
         return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
+        self._where.pop(task, None)
+
+    # ---- sequences in a pool: each stays on the backend that holds its state -----------
+
+    def _pinned(self, now: float) -> int | None:
+        """The backend the next batch must go to (its sequence's), if it must."""
+        if self._pins is None:
+            return None
+        head = self._held[0][0] if self._held else self.scheduler.peek(now)
+        if head is None:
+            return None
+        pin = self._pins.get(_sequence_id(head))  # type: ignore[arg-type]
+        return None if pin is None else pin[0]
+
+    def _pin(self, batch: list[CoreRequest], backend: int, now: float) -> None:
+        """Keep the backend of each sequence the batch goes on with (until its end, or
+        twice the model's idle timeout unused: Triton has dropped it by then)."""
+        pins = self._pins
+        assert pins is not None
+        keep_s = IDLE_MARGIN * self.info.sequence_idle_s
+        while pins:
+            key, (_, used) = next(iter(pins.items()))
+            if used >= now - keep_s:
+                break
+            del pins[key]
+        for r in batch:
+            sequence_id = _sequence_id(r)
+            if sequence_id is None:
+                continue
+            if r.request.sequence.get("sequence_end", False):
+                pins.pop(sequence_id, None)
+            else:
+                pins[sequence_id] = (backend, now)
+                pins.move_to_end(sequence_id)
+
+    def _drop_orphans(self, now: float) -> None:
+        """Answer UNAVAILABLE the next in line whose sequence's backend is down: its
+        state went with it, and no other backend can serve it (every other request goes
+        on)."""
+        while (pin := self._pinned(now)) is not None and not self.pool.backends[pin].available:
+            name = self.pool.names[pin]
+            err = Unavailable(f"Triton {name}, which holds this request's sequence, is unavailable")
+            if self._held:
+                for r in self._held.pop(0):
+                    self._fail(r, err)
+                self.inflight -= 1
+                continue
+            head = self.scheduler.peek(now)
+            assert head is not None
+            self.scheduler.cancel(head, now)
+            self._fail(head, err)  # type: ignore[arg-type]
 
     def _next_deadline(self) -> float | None:
         due = self.scheduler.next_deadline()
@@ -442,17 +537,18 @@ class Dispatcher(ABC):
             self.inflight -= sum(1 for batch in self._held if not batch)
             self._held = [batch for batch in self._held if batch]
 
-    async def _run(self, batch: list[CoreRequest]) -> None:
+    async def _run(self, batch: list[CoreRequest], backend: int) -> None:
         started = self.clock.now()
         for r in batch:
             r.dispatched_at = started
+            r.backend = backend
         ok = False
         held = False
         try:
             if self.info.decoupled:
-                ok = await self._grant(batch[0])
+                ok = await self._grant(batch[0], backend)
             else:
-                ok, held = await self._send(batch)
+                ok, held = await self._send(batch, backend)
         except asyncio.CancelledError:
             # A decoupled request whose client went away (its stream is closed), or a
             # batch a shutdown's drain stopped waiting for (answered with the reason).
@@ -469,6 +565,7 @@ class Dispatcher(ABC):
             task = asyncio.current_task()
             if task is not None:
                 self._forget(task)
+            self.running[backend] -= 1  # held or not, it is not on that backend any more
             if not held:
                 self.inflight -= 1
                 # Its accounting (metrics, the feedback loop's batch times) runs once the
@@ -478,24 +575,25 @@ class Dispatcher(ABC):
                 asyncio.get_running_loop().call_soon(self.on_batch, report)
             self.kick()
 
-    async def _send(self, batch: list[CoreRequest]) -> tuple[bool, bool]:
+    async def _send(self, batch: list[CoreRequest], backend: int) -> tuple[bool, bool]:
         """(the batch succeeded, it was held for Triton's return)."""
         batch = [r for r in batch if not r.answered]
         if not batch:
             return True, False
         try:
             packed = pack(batch, self.info, self.endpoint)
-            version, outputs = await self._forward(packed, batch)
+            version, outputs = await self._forward(packed, batch, backend)
         except DeadlineExceeded as err:
-            self._timed_out()
+            self._timed_out(backend)
             for r in batch:
                 self._fail(r, err)
             return False, False
         except Unavailable as err:
-            self.backend.mark_down()
-            if err.never_sent and not self.backend.gave_up:
-                # It never reached Triton: hold the batch (its slot too) and send it
-                # first once Triton is back; its deadlines still apply meanwhile.
+            self.pool.backends[backend].mark_down()
+            if err.never_sent and not self.pool.gave_up:
+                # It never reached Triton: hold the batch and send it first to the next
+                # backend with a free slot (another of the pool's at once; with one
+                # Triton, once it is back); its deadlines still apply meanwhile.
                 self._held.append(batch)
                 return False, True
             for r in batch:
@@ -508,16 +606,18 @@ class Dispatcher(ABC):
                 self._fail(r, err)
             return False, False
         except FrontendError as err:
-            return await self._model_error(batch, err)
+            return await self._model_error(batch, err, backend)
         for r, outs in zip(
             batch, unpack(outputs, batch, self.info, self.endpoint, packed.stripped), strict=True
         ):
             self._finish(r, version, outs)
         return True, False
 
-    async def _forward(self, packed: Packed, batch: list[CoreRequest]) -> tuple[str, list[Tensor]]:
+    async def _forward(
+        self, packed: Packed, batch: list[CoreRequest], backend: int
+    ) -> tuple[str, list[Tensor]]:
         first = batch[0].request
-        return await self.forwarder.infer(
+        return await self.pool.forwarders[backend].infer(
             self.model,
             first.version,
             packed.inputs,
@@ -529,15 +629,17 @@ class Dispatcher(ABC):
 
     # ---- grants: a decoupled model's request, streamed by its shell ---------------------
 
-    async def _grant(self, req: CoreRequest) -> bool:
-        """A decoupled model's request: its slot goes to the shell that holds its client,
-        which streams it from Triton itself (one hop) and reports what it produced and how
-        it ended (``produced``, ``ended``); the slot is held until then. True when it was
-        served."""
+    async def _grant(self, req: CoreRequest, backend: int) -> bool:
+        """A decoupled model's request: its slot (on ``backend``) goes to the shell that
+        holds its client, which streams it from that Triton itself (one hop) and reports
+        what it produced and how it ended (``produced``, ``ended``); the slot is held
+        until then. True when it was served."""
         if req.answered:
             return True
         ended = req.ended = asyncio.get_running_loop().create_future()
-        req.route.answer(Grant(req.call.id, dict(req.request.sequence), req.queued_s))
+        req.route.answer(
+            Grant(req.call.id, dict(req.request.sequence), req.queued_s, backend=backend)
+        )
         return await ended
 
     def produced(self, req: CoreRequest, tokens: int) -> None:
@@ -567,8 +669,8 @@ class Dispatcher(ABC):
         if cancelled:
             self._done(req, Outcome.CANCELLED, None, version)
         elif err is not None:
-            if isinstance(err, Unavailable):
-                self.backend.mark_down()
+            if isinstance(err, Unavailable) and req.backend >= 0:
+                self.pool.backends[req.backend].mark_down()
             self._done(req, err.outcome, err, version)
         else:
             self._done(req, Outcome.DISPATCHED, None, version)
@@ -608,8 +710,8 @@ class Dispatcher(ABC):
 
     def outage_error(self) -> Unavailable:
         return Unavailable(
-            f"Triton has been unavailable for {self.backend.outage_s:.0f} s "
-            f"(triton.max_outage_s is {self.backend.max_outage_s:g})"
+            f"Triton has been unavailable for {self.pool.outage_s:.0f} s "
+            f"(triton.max_outage_s is {self.pool.max_outage_s:g})"
         )
 
     def give_up(self) -> None:
@@ -695,3 +797,9 @@ def _report(
         finished=finished,
         ok=ok,
     )
+
+
+def _sequence_id(req: CoreRequest) -> ParamValue | None:
+    """The id Triton knows ``req``'s sequence by (the core's, ``core.sequences``), if any."""
+    sequence = req.request.sequence
+    return sequence.get("sequence_id") if sequence else None

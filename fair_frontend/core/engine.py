@@ -34,22 +34,25 @@ class EngineDispatcher(Dispatcher):
     def _start(self) -> None:
         self._capped: str | None = None  # holds its cap while next in line (a slot waits)
 
-    def _may_send(self, now: float) -> bool:
-        """A free slot, and (where ``reserved_slots`` are kept from any one tenant) a next
-        in line below its cap."""
-        if self.inflight >= self.max_inflight:
-            return bool(self._held)  # a held request kept its slot
+    def _may_send(self, now: float) -> int | None:
+        """A backend with a free slot (the pool's choice), and (where ``reserved_slots``
+        are kept from any one tenant) a next in line below its cap: the slots of the
+        reachable backends less the reserved ones."""
+        backend = self.pool.choose(self.running, self.max_inflight, self._pinned(now))
+        if backend is None:
+            return None
         reserved = self.endpoint.reserved_slots
         if not reserved:
-            return True
+            return backend
         head = self.scheduler.peek(now)
         if head is None:
-            return False
+            return None if not self._held else backend
         # The next in line holds its cap: wait until the order changes (its counter grows
         # as its streams produce: _tokens_charged kicks again meanwhile).
-        capped = self.in_engine(head.tenant) >= self.max_inflight - reserved
+        cap = self.pool.up * self.max_inflight - reserved
+        capped = self.in_engine(head.tenant) >= cap
         self._capped = head.tenant if capped else None
-        return not capped
+        return None if capped else backend
 
     def _arm_lead(self) -> None:
         """A slot frees when a request ends, whenever that is: no batch time to send ahead
@@ -60,7 +63,7 @@ class EngineDispatcher(Dispatcher):
         if capped is not None and self.scheduler.queued_requests > self.scheduler.depth(capped):
             self.kick()  # the charge may have moved another tenant ahead of it
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, backend: int) -> None:
         """A call is one request, as long as its generation: its length says nothing of
         Triton, and only that request fails."""
 

@@ -64,22 +64,25 @@ def rate_limiter(config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> Rat
     return RateLimiter(storage, on_storage_error=config.on_storage_error)
 
 
-def batch_throttle(endpoint: Endpoint, max_batch_size: int) -> Throttle:
-    """The throttle of a configured endpoint (``max_batch_size``: the effective one)."""
+def batch_throttle(endpoint: Endpoint, max_batch_size: int, backends: int = 1) -> Throttle:
+    """The throttle of a configured endpoint (``max_batch_size``: the effective one),
+    served by a pool of ``backends`` Tritons."""
     return Throttle(
         max_batch_size=max_batch_size,
         max_batch_tokens=endpoint.max_batch_tokens,
         latency_target_s=endpoint.latency_target_ms / 1000.0,
         safety=endpoint.throttle_safety,
+        servers=backends,
     )
 
 
-def engine_throttle(endpoint: Endpoint) -> EngineThrottle:
-    """The throttle of a configured engine endpoint (``max_inflight`` set)."""
+def engine_throttle(endpoint: Endpoint, backends: int = 1) -> EngineThrottle:
+    """The throttle of a configured engine endpoint (``max_inflight`` set), served by a
+    pool of ``backends`` Tritons, each with ``max_inflight`` slots."""
     if endpoint.max_inflight is None:
         raise ValueError("EngineThrottle is for engine endpoints (max_inflight)")
     return EngineThrottle(
-        slots=endpoint.max_inflight,
+        slots=endpoint.max_inflight * backends,
         reserved_slots=endpoint.reserved_slots,
         latency_target_s=endpoint.latency_target_ms / 1000.0,
         safety=endpoint.throttle_safety,

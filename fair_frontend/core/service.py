@@ -46,6 +46,7 @@ from fair_frontend.core.plan import (
     rate_limiter,
     service_model,
 )
+from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import SequenceIds
 from fair_frontend.errors import (
     FrontendError,
@@ -86,14 +87,18 @@ REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
 class ModelRegistry:
     """What is this model? Fetched from Triton once, shared by concurrent first callers.
 
+    In a pool of Tritons (which serve the same models) it asks the first, and the next
+    only where one is unreachable.
+
     The lookup runs in a task of its own, not in the first caller: a caller that goes
     away (a client disconnects, its request is cancelled) only stops waiting, and every
     other caller still gets the answer. Only the lookup's own error (an unknown model,
     Triton unreachable) reaches them, and it is not kept: the next caller asks again.
     """
 
-    def __init__(self, forwarder: TritonForwarder) -> None:
-        self.forwarder = forwarder
+    def __init__(self, forwarders: TritonForwarder | Sequence[TritonForwarder]) -> None:
+        self.forwarders = _each(forwarders)
+        self.forwarder = self.forwarders[0]
         self._infos: dict[str, asyncio.Task[ModelInfo]] = {}
 
     def cached(self, model: str) -> ModelInfo | None:
@@ -111,18 +116,31 @@ class ModelRegistry:
         return await asyncio.shield(task)
 
     async def _lookup(self, model: str) -> ModelInfo:
-        try:
-            cfg = await self.forwarder.model_config(model)
-            meta = await self.forwarder.call("get_model_metadata", model_name=model)
-        except FrontendError as err:
-            raise _unknown_model(model, err) from None
-        return ModelInfo.from_config(cfg, tuple(meta.versions))
+        for i, forwarder in enumerate(self.forwarders):
+            try:
+                cfg = await forwarder.model_config(model)
+                meta = await forwarder.call("get_model_metadata", model_name=model)
+            except Unavailable:
+                if i + 1 < len(self.forwarders):
+                    continue  # that one is away: the next one serves the same models
+                raise
+            except FrontendError as err:
+                raise _unknown_model(model, err) from None
+            return ModelInfo.from_config(cfg, tuple(meta.versions))
+        raise AssertionError("a registry has at least one forwarder")
 
     def _settled(self, model: str, task: asyncio.Task[ModelInfo]) -> None:
         """Keep a found model; forget a failed (or, at shutdown, cancelled) lookup."""
         failed = task.cancelled() or task.exception() is not None  # exception(): retrieved
         if failed and self._infos.get(model) is task:
             del self._infos[model]
+
+
+def _each(forwarders: TritonForwarder | Sequence[TritonForwarder]) -> list[TritonForwarder]:
+    """The pool's forwarders: one given alone is a pool of one."""
+    if isinstance(forwarders, (list, tuple)):
+        return list(forwarders)
+    return [forwarders]  # type: ignore[list-item]
 
 
 def _unknown_model(model: str, err: BaseException) -> BaseException:
@@ -139,7 +157,7 @@ class Core:
     def __init__(
         self,
         config: Config,
-        forwarder: TritonForwarder,
+        forwarder: TritonForwarder | Sequence[TritonForwarder],
         *,
         keyring: KeyRing | None = None,
         observers: Sequence[Observer] | None = None,
@@ -156,9 +174,12 @@ class Core:
         # ``wall`` (``time.time`` by default) for the rate limits' windows only (the
         # ``accounting`` reads it): they are shared through their storage by replicas on
         # other hosts, which agree on the wall clock and on no monotonic one.
+        # ``forwarder``: the Triton, or each Triton of the pool (``core.pool``), in the
+        # order of the shells' ``Settings.triton_urls`` (a grant names one by its index).
         self.config = config
-        self.forwarder = forwarder
-        self.models = ModelRegistry(forwarder)
+        self.forwarders = _each(forwarder)
+        self.forwarder = self.forwarders[0]
+        self.models = ModelRegistry(self.forwarders)
         # The schedulers read tenants from this dict: a reload updates it in place.
         self.tenants: dict[str, Tenant] = dict(config.tenants)
         self.keyring = keyring or KeyRing.from_config(config)
@@ -167,7 +188,7 @@ class Core:
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
         self._clock = clock
-        self._backend: Backend | None = None
+        self._pool: BackendPool | None = None
         self.caps = global_caps(config.queues)
         self.limiter = limiter or rate_limiter(config.rate_limiting)
         self.runtimes: dict[str, Dispatcher] = {}
@@ -201,14 +222,31 @@ class Core:
         return self._clock
 
     @property
+    def pool(self) -> BackendPool:
+        """The Tritons behind every endpoint, each with its reachability (made on first
+        use: the clock's)."""
+        if self._pool is None:
+            backends = [
+                Backend(
+                    self.clock,
+                    probe=f.server_ready,
+                    max_outage_s=self.config.triton.max_outage_s,
+                    name=name if len(self.forwarders) > 1 else "",
+                )
+                for f, name in zip(self.forwarders, self.backend_names, strict=True)
+            ]
+            self._pool = BackendPool(backends, self.forwarders, self.backend_names)
+        return self._pool
+
+    @property
+    def backend_names(self) -> list[str]:
+        """Each Triton's address, its ``backend`` label (a fake one's: its index)."""
+        return [str(getattr(f, "url", i)) for i, f in enumerate(self.forwarders)]
+
+    @property
     def backend(self) -> Backend:
-        if self._backend is None:
-            self._backend = Backend(
-                self.clock,
-                probe=self.forwarder.server_ready,
-                max_outage_s=self.config.triton.max_outage_s,
-            )
-        return self._backend
+        """The first Triton's reachability (with one Triton: the only one's)."""
+        return self.pool.backends[0]
 
     # ---- calls from the shells ----------------------------------------------------------
 
@@ -224,9 +262,9 @@ class Core:
             if not self.accepting:
                 raise Unavailable("the frontend is shutting down")
             self._known(call.tenant)
-            backend = self.backend
-            if backend.gave_up:
-                raise Unavailable(f"Triton has been unavailable for {backend.outage_s:.0f} s")
+            pool = self.pool
+            if pool.gave_up:
+                raise Unavailable(f"Triton has been unavailable for {pool.outage_s:.0f} s")
             if runtime is None:
                 info = self.models.cached(model)
                 if info is None:
@@ -368,8 +406,8 @@ class Core:
         tick (``QUEUE_VIEW_INTERVAL_S``), not per request. O(tenants queued) at most."""
         closed: dict[tuple[str, str], tuple[str, float]] = {}
         out: list[tuple[str, str, str, float]] = []
-        backend = self._backend
-        if self.accepting and (backend is None or not backend.gave_up):
+        pool = self._pool
+        if self.accepting and (pool is None or not pool.gave_up):
             weights = self._tier_weights
             if weights is None:
                 weights = {}
@@ -536,12 +574,16 @@ class Core:
             throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
-                throttle=batch_throttle(endpoint, batch) if throttled else None,
+                throttle=batch_throttle(endpoint, batch, len(self.pool)) if throttled else None,
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
                 tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
-                engine=engine_throttle(endpoint) if engine and endpoint.throttle else None,
-                slot_times=SlotTimes.for_slots(endpoint.max_inflight or 1),
+                engine=(
+                    engine_throttle(endpoint, backends=len(self.pool))
+                    if engine and endpoint.throttle
+                    else None
+                ),
+                slot_times=SlotTimes.for_slots((endpoint.max_inflight or 1) * len(self.pool)),
             )
             dispatcher = EngineDispatcher if engine else BatchDispatcher
             runtime = dispatcher(
@@ -556,8 +598,7 @@ class Core:
                     cost_model=cost_model,
                     fairness=fairness,
                 ),
-                forwarder=self.forwarder,
-                backend=self.backend,
+                pool=self.pool,
                 clock=self.clock,
                 admission=admission,
                 on_batch=self.accounting.on_batch,
@@ -577,7 +618,7 @@ class Core:
                 await self.model_info(model)
             except FrontendError as err:
                 log.warning("endpoint %s: not served by Triton yet (%s)", model, err.message)
-        url = self.config.triton.metrics_url
+        url = self.config.triton.first_metrics_url()
         if url:
             self.triton_metrics = TritonMetrics(
                 url,
@@ -599,14 +640,27 @@ class Core:
 
     def state_samples(self) -> list[tuple[str, dict[str, str], float]]:
         """Live gauges for the metrics port: queue depths, deficits, in-flight batches."""
-        available = self._backend is None or self._backend.available
+        pool = self._pool
+        available = pool is None or pool.available
         out: list[tuple[str, dict[str, str], float]] = [
             ("fair_backend_available", {}, 1.0 if available else 0.0)
         ]
+        names = self.backend_names
+        for name, backend in zip(names, pool.backends if pool is not None else (), strict=False):
+            up = 1.0 if backend.available else 0.0
+            out.append(("fair_triton_backend_available", {"backend": name}, up))
         label = self.metrics.tenant_label
         for model, rt in list(self.runtimes.items()):
             sched = rt.scheduler
             out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
+            for name, running in zip(names, rt.running, strict=True):
+                out.append(
+                    (
+                        "fair_triton_backend_inflight",
+                        {"endpoint": model, "backend": name},
+                        float(running),
+                    )
+                )
             for tier, depth in sched.tier_depths().items():
                 out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
             gauge = (
@@ -684,7 +738,7 @@ class Core:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         while self._admitting or not all(rt.idle for rt in self.runtimes.values()):
-            if loop.time() >= deadline or not self.backend.available:
+            if loop.time() >= deadline or not self.pool.available:
                 break
             await asyncio.sleep(0.02)
         err = Unavailable("the frontend is shutting down")
@@ -693,7 +747,7 @@ class Core:
             log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)
         for runtime in self.runtimes.values():
             await runtime.drain(max(0.0, deadline - loop.time()), err)
-        await self.backend.close()
+        await self.pool.close()
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
         await self.limiter.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
     QueueFull,
+    Unavailable,
     UnknownModel,
     Unsupported,
 )
@@ -95,10 +96,21 @@ class Gateway:
     _cache_config: Config | None = None
 
     def __init__(
-        self, config: Config, keyring: KeyRing, link: CoreLink, triton: TritonForwarder
+        self,
+        config: Config,
+        keyring: KeyRing,
+        link: CoreLink,
+        triton: TritonForwarder | Sequence[TritonForwarder],
     ) -> None:
         self.link = link
-        self.triton = triton  # metadata, config and readiness come from Triton itself
+        # Each Triton of the pool, in the order of ``Settings.triton_urls`` (a ``Grant``
+        # names one by its index); the first one alone where there is one.
+        self.tritons: list[TritonForwarder] = (
+            list(triton) if isinstance(triton, (list, tuple)) else [triton]  # type: ignore[list-item]
+        )
+        # Metadata, config and readiness come from Triton itself: the first that answers
+        # (the pool's Tritons serve the same models).
+        self.triton = self.tritons[0]
         self.log = RequestLog()
         self._infos: dict[str, ModelInfo] = {}
         self.tokens = TokenCounter()  # text prompts are tokenised off the event loop
@@ -217,7 +229,7 @@ class Gateway:
         away (this generator closed)."""
         req = call.request
         packed = pack([call], info, endpoint)
-        stream = self.triton.stream(
+        stream = self.tritons[grant.backend].stream(
             req.model,
             req.version,
             packed.inputs,
@@ -458,7 +470,7 @@ class Gateway:
             "ready",
             ("server_ready", "", ""),
             self._side_doors.ready_ttl_s,
-            self.triton.server_ready,
+            self._any_ready,
         )
         self._count_door("ready", None, "ok")
         return self.link.accepting and triton_ready
@@ -471,7 +483,7 @@ class Gateway:
                         "model_ready",
                         ("model_ready", model, version),
                         self._side_doors.ready_ttl_s,
-                        lambda: self.triton.call(
+                        lambda: self._ask(
                             "is_model_ready", model_name=model, model_version=version
                         ),
                     )
@@ -491,7 +503,7 @@ class Gateway:
                 "server_metadata",
                 ("server_metadata", "", ""),
                 self._side_doors.metadata_ttl_s,
-                lambda: self.triton.call("get_server_metadata"),
+                lambda: self._ask("get_server_metadata"),
             )
         except FrontendError as err:
             self._count_door("server_metadata", None, err.grpc_code.name.lower())
@@ -574,8 +586,26 @@ class Gateway:
             door,
             (door, model, version),
             self._side_doors.metadata_ttl_s,
-            lambda: self.triton.call(method, model_name=model, model_version=version),
+            lambda: self._ask(method, model_name=model, model_version=version),
         )
+
+    async def _ask(self, method: str, **kwargs: Any) -> Any:
+        """Triton's answer (``TritonForwarder.call``): the first Triton's, or where one is
+        unreachable the next one's."""
+        for i, triton in enumerate(self.tritons):
+            try:
+                return await triton.call(method, **kwargs)
+            except Unavailable:
+                if i + 1 == len(self.tritons):
+                    raise
+        raise AssertionError("a gateway has at least one Triton")
+
+    async def _any_ready(self) -> bool:
+        """Is any Triton of the pool ready? (The endpoints are served while one is.)"""
+        if len(self.tritons) == 1:
+            return await self.triton.server_ready()
+        answers = await asyncio.gather(*(t.server_ready() for t in self.tritons))
+        return any(answers)
 
     async def _from_triton(
         self, door: str, key: Key, ttl_s: float, ask: Callable[[], Awaitable[T]]

@@ -87,10 +87,12 @@ class ShellProcess:
             log.error("shell %d: the core went away before it sent settings", self.args.index)
             return 1
         config = parse_config(settings.config)
-        triton = TritonForwarder(
-            settings.triton_url, request_timeout_s=config.triton.request_timeout_s
-        )
-        self.gateway = Gateway(config, keyring_of(settings), link, triton)
+        # One forwarder per Triton of the pool: a grant names the one to stream from.
+        tritons = [
+            TritonForwarder(url, request_timeout_s=config.triton.request_timeout_s)
+            for url in settings.triton_urls or [settings.triton_url]
+        ]
+        self.gateway = Gateway(config, keyring_of(settings), link, tritons)
 
         shell = HttpShell(self.gateway, max_body_bytes=config.max_wire_bytes())
         runner = shell.runner()
@@ -109,7 +111,8 @@ class ShellProcess:
         link.flush_tally()
         await grpc_server.stop(1.0)
         await runner.cleanup()
-        await triton.close()
+        for triton in tritons:
+            await triton.close()
         link.close()
         return 0
 

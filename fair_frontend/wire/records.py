@@ -137,6 +137,7 @@ class Grant(msgspec.Struct, tag=18, array_like=True):
     id: int
     sequence: dict[str, ParamValue] = {}  # a stateful model's ids, as the core mapped them
     queued_s: float = -1.0
+    backend: int = 0  # the Triton to send it to: an index into ``Settings.triton_urls``
 
 
 class Produced(msgspec.Struct, tag=19, array_like=True):
@@ -232,12 +233,15 @@ class Settings(msgspec.Struct, tag=10, array_like=True):
 
     ``config`` is the validated config as JSON-able data; ``keys`` the API keys' SHA-256
     digests (hex) by tenant, read once by the core from inline entries, key files and
-    environment variables.
+    environment variables; ``triton_urls`` the pool of Tritons the shell streams from.
     """
 
     config: dict[str, Any]
     keys: dict[str, str]
-    triton_url: str
+    triton_url: str  # the first Triton's gRPC address (the only one, without a pool)
+    # Every Triton of the pool, in order (a ``Grant`` names one by its index); empty:
+    # ``triton_url`` alone.
+    triton_urls: list[str] = []
 
 
 class Ready(msgspec.Struct, tag=11, array_like=True):

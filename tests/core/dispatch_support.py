@@ -28,6 +28,7 @@ from fair_frontend.config import Endpoint
 from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest
+from fair_frontend.core.pool import BackendPool
 from fair_frontend.errors import FrontendError
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo, TensorSpec
@@ -43,8 +44,9 @@ TENANTS: Mapping[str, TenantSpec] = {name: TenantSpec("paid") for name in ("a", 
 SETTLE_ROUNDS = 20  # loop iterations that let every runnable task reach its next await
 
 
-def embed_info(*, instances: int = 1) -> ModelInfo:
-    """The ``embed`` model: INT32 token ids in, a 4-float embedding per row out."""
+def embed_info(*, instances: int = 1, sequence_batching: bool = False) -> ModelInfo:
+    """The ``embed`` model: INT32 token ids in, a 4-float embedding per row out (with
+    ``sequence_batching``: as a stateful model, its requests in sequences)."""
     return ModelInfo(
         name=MODEL,
         max_batch_size=32,
@@ -52,6 +54,7 @@ def embed_info(*, instances: int = 1) -> ModelInfo:
         outputs={"EMBEDDING": TensorSpec("EMBEDDING", "FP32", (4,))},
         instances=instances,
         takes_rows=True,  # as model_repository/embed asks (the fake reads ids from fair_rows)
+        sequence_batching=sequence_batching,
     )
 
 
@@ -241,18 +244,35 @@ class Harness:
         probe_interval_s: float = 0.25,
         max_outage_s: float = 60.0,
         tenants: Mapping[str, TenantSpec] = TENANTS,
+        backends: int = 1,
+        sequence_batching: bool = False,
     ) -> None:
         self.clock = StepClock()
-        self.triton = FakeTriton(self.clock)
-        self.probe = Probe(self.clock)
-        self.info = embed_info(instances=instances)
+        # ``backends`` Tritons in a pool (``core.pool``), each a fake with its own probe;
+        # ``triton``, ``probe``, ``backend``: the first one's (one: the only one's).
+        self.tritons = [FakeTriton(self.clock) for _ in range(backends)]
+        self.probes = [Probe(self.clock) for _ in range(backends)]
+        self.triton = self.tritons[0]
+        self.probe = self.probes[0]
+        self.info = embed_info(instances=instances, sequence_batching=sequence_batching)
         self.endpoint = endpoint or Endpoint()
         self.scheduler = Scheduler(endpoint_policy(self.endpoint, self.info), tenants, GlobalCaps())
-        self.backend = Backend(
-            self.clock,
-            probe=self.probe,
-            probe_interval_s=probe_interval_s,
-            max_outage_s=max_outage_s,
+        self.backends = [
+            Backend(
+                self.clock,
+                probe=probe,
+                probe_interval_s=probe_interval_s,
+                max_outage_s=max_outage_s,
+                name=f"triton{i}" if backends > 1 else "",
+            )
+            for i, probe in enumerate(self.probes)
+        ]
+        self.backend = self.backends[0]
+        # One Triton: the dispatcher makes its pool of one itself (as before pools).
+        self.pool = (
+            BackendPool(self.backends, self.tritons, [b.name for b in self.backends])
+            if backends > 1
+            else None
         )
         admission = None
         if service is not None:
@@ -267,8 +287,9 @@ class Harness:
             info=self.info,
             endpoint=self.endpoint,
             scheduler=self.scheduler,
-            forwarder=self.triton,
-            backend=self.backend,
+            forwarder=self.triton if self.pool is None else None,
+            backend=self.backend if self.pool is None else None,
+            pool=self.pool,
             clock=self.clock,
             admission=admission,
             on_batch=self.reports.append,
@@ -368,4 +389,5 @@ class Harness:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.backend.close()
+        for backend in self.backends:
+            await backend.close()
