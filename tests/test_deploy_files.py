@@ -566,7 +566,8 @@ def test_ports_agree_with_the_cli_defaults_everywhere() -> None:
     assert args.config == frontend["volumes"][0].split(":")[1]
     # ... reaches Triton's gRPC port, as the config says, and reads Triton's metrics port.
     triton_args = spec["services"]["triton"]["command"]
-    assert args.triton_url == config.triton.url == f"triton:{_flag(triton_args, '--grpc-port')}"
+    assert args.triton_url == [config.triton.url]  # --triton-url repeats (a pool)
+    assert config.triton.url == f"triton:{_flag(triton_args, '--grpc-port')}"
     assert config.triton.metrics_url == (
         f"http://triton:{_flag(triton_args, '--metrics-port')}/metrics"
     )
@@ -594,7 +595,7 @@ def test_ports_agree_with_the_cli_defaults_everywhere() -> None:
     )
     assert fe["metadata"]["annotations"]["prometheus.io/port"] == str(DEFAULT_METRICS_PORT)
     k8s_args = build_parser().parse_args(container["args"])
-    assert k8s_args.triton_url == config.triton.url
+    assert k8s_args.triton_url == [config.triton.url]
     service = k8s_object("Service", "fair-frontend")
     assert {p["port"] for p in service["spec"]["ports"]} == set(defaults)
     triton = k8s_object("Deployment", "triton")["spec"]["template"]["spec"]["containers"][0]
