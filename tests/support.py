@@ -11,7 +11,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -433,3 +434,38 @@ def embed_body(tokens: int, **extra: Any) -> bytes:
         "inputs": [{"name": "INPUT_IDS", "shape": [1, tokens], "datatype": "INT32", "data": ids}]
     }
     return json.dumps({**doc, **extra}).encode()
+
+
+async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None) -> tuple[int, Any]:
+    """One repeat_int32 request on a gRPC stream through the frontend: (responses before
+    the end, the error that ended it or None). ``on_first`` runs at the first response."""
+    client = grpcaio.InferenceServerClient(url)
+    n = len(delays_ms)
+    tensors = []
+    for name, dtype, values in (
+        ("IN", "INT32", np.arange(n, dtype=np.int32)),
+        ("DELAY", "UINT32", np.array(delays_ms, dtype=np.uint32)),
+        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
+    ):
+        tensor = grpcaio.InferInput(name, list(values.shape), dtype)
+        tensor.set_data_from_numpy(values)
+        tensors.append(tensor)
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": "repeat_int32", "inputs": tensors}
+
+    got = 0
+    try:
+        async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]}):
+            if error is not None:
+                return got, error
+            if result.as_numpy("OUT") is None:
+                continue
+            got += 1
+            if got == 1 and on_first is not None:
+                on_first()
+            if got == n:
+                break
+    finally:
+        await client.close()
+    return got, None

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.testing import aeventually, ascrape
-from tests.support import KEYS, RunningFrontend, config_dict, ids_input
+from tests.support import KEYS, RunningFrontend, config_dict, ids_input, repeat_stream
 
 TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
 WIDE = np.full((1, 1024), 3, dtype=np.int32)  # Triton serves a flood of these for seconds
@@ -79,37 +79,6 @@ async def _embed(client: grpcaio.InferenceServerClient, ids: np.ndarray = WIDE) 
         return err
 
 
-async def _repeat(url: str, n: int, delay_ms: int) -> tuple[int, Any]:
-    """One repeat_int32 stream through the frontend: (responses, the error that ended it)."""
-    client = grpcaio.InferenceServerClient(url)
-    tensors = []
-    for name, dtype, values in (
-        ("IN", "INT32", np.arange(n, dtype=np.int32)),
-        ("DELAY", "UINT32", np.full(n, delay_ms, dtype=np.uint32)),
-        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
-    ):
-        tensor = grpcaio.InferInput(name, list(values.shape), dtype)
-        tensor.set_data_from_numpy(values)
-        tensors.append(tensor)
-
-    async def one() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": "repeat_int32", "inputs": tensors}
-
-    got = 0
-    try:
-        async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]}):
-            if error is not None:
-                return got, error
-            if result.as_numpy("OUT") is None:
-                continue
-            got += 1
-            if got == n:
-                break
-    finally:
-        await client.close()
-    return got, None
-
-
 async def served_by(triton: EmbeddedTriton, model: str) -> int:
     """Requests ``triton`` itself says it served of ``model`` (its statistics extension)."""
     client = grpcaio.InferenceServerClient(triton.grpc_url)
@@ -151,7 +120,9 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
             # (each shell streams from the Triton its grant names).
             results = await asyncio.gather(*(_embed(client) for _ in range(40)))
             assert not [r for r in results if isinstance(r, InferenceServerException)]
-            streams = await asyncio.gather(*(_repeat(fe.grpc_url, 4, 50) for _ in range(6)))
+            streams = await asyncio.gather(
+                *(repeat_stream(fe.grpc_url, [50] * 4) for _ in range(6))
+            )
             assert streams == [(4, None)] * 6
             for triton in two_tritons:
                 assert await served_by(triton, "embed") > 0
@@ -209,7 +180,9 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
             results = await asyncio.gather(*(_embed(client) for _ in range(40)))
             assert not [r for r in results if isinstance(r, InferenceServerException)]
             assert await served_by(second, "embed") > 0  # a fresh Triton: counted anew
-            streams = await asyncio.gather(*(_repeat(fe.grpc_url, 3, 20) for _ in range(4)))
+            streams = await asyncio.gather(
+                *(repeat_stream(fe.grpc_url, [20] * 3) for _ in range(4))
+            )
             assert streams == [(3, None)] * 4
         finally:
             await client.close()

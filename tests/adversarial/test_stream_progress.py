@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from tests.support import (
     config_dict,
     ids_input,
     make_config,
+    repeat_stream,
     running_frontend,
 )
 
@@ -64,41 +65,6 @@ async def count_mark_down(fe: Any) -> list[float]:
     return calls
 
 
-async def repeat(url: str, delays_ms: list[int], *, on_first: Any = None) -> tuple[int, Any]:
-    """One repeat_int32 request on a gRPC stream through the frontend: (responses before
-    the end, the error that ended it or None). ``on_first`` runs at the first response."""
-    client = grpcaio.InferenceServerClient(url)
-    n = len(delays_ms)
-    tensors = []
-    for name, dtype, values in (
-        ("IN", "INT32", np.arange(n, dtype=np.int32)),
-        ("DELAY", "UINT32", np.array(delays_ms, dtype=np.uint32)),
-        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
-    ):
-        tensor = grpcaio.InferInput(name, list(values.shape), dtype)
-        tensor.set_data_from_numpy(values)
-        tensors.append(tensor)
-
-    async def one() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": "repeat_int32", "inputs": tensors}
-
-    got = 0
-    try:
-        async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]}):
-            if error is not None:
-                return got, error
-            if result.as_numpy("OUT") is None:
-                continue
-            got += 1
-            if got == 1 and on_first is not None:
-                on_first()
-            if got == n:
-                break
-    finally:
-        await client.close()
-    return got, None
-
-
 async def test_a_stream_longer_than_the_request_timeout_completes_and_marks_nothing_down(
     triton: EmbeddedTriton, workers: int
 ) -> None:
@@ -106,7 +72,7 @@ async def test_a_stream_longer_than_the_request_timeout_completes_and_marks_noth
     total deadline cut it at 2 s and marked Triton down)."""
     with running_frontend(config(2.0), triton, workers=workers) as fe:
         marked = await fe.acall(count_mark_down(fe))
-        got, error = await asyncio.wait_for(repeat(fe.grpc_url, [500] * 6), DEADLINE_S)
+        got, error = await asyncio.wait_for(repeat_stream(fe.grpc_url, [500] * 6), DEADLINE_S)
         assert (got, error) == (6, None)
         assert marked == []
 
@@ -119,7 +85,7 @@ async def test_a_stream_without_progress_fails_alone_after_the_timeout(
     nothing is marked down, and another model is served right after."""
     with running_frontend(config(1.5), triton, workers=workers) as fe:
         marked = await fe.acall(count_mark_down(fe))
-        got, error = await asyncio.wait_for(repeat(fe.grpc_url, [0, 6000]), DEADLINE_S)
+        got, error = await asyncio.wait_for(repeat_stream(fe.grpc_url, [0, 6000]), DEADLINE_S)
         assert got == 1 and error is not None
         assert NO_PROGRESS in error.message() and "1.5 s" in error.message(), error
         client = grpcaio.InferenceServerClient(fe.grpc_url)
@@ -162,7 +128,7 @@ async def test_a_triton_that_stops_answering_mid_stream_is_answered_after_the_ti
     with running_frontend(config(2.0), own_triton, workers=workers) as fe:
         try:
             got, error = await asyncio.wait_for(
-                repeat(
+                repeat_stream(
                     fe.grpc_url, [0, 500, 500, 500], on_first=lambda: os.killpg(pid, signal.SIGSTOP)
                 ),
                 DEADLINE_S,
