@@ -35,7 +35,7 @@ from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
-from fair_frontend.wire.records import Answer, Call
+from fair_frontend.wire.records import Answer, Call, Grant
 
 MODEL = "embed"
 WIDTH = 3  # tokens per row of INPUT_IDS
@@ -220,6 +220,21 @@ class RecordingRoute:
 
     def answer(self, answer: Answer) -> None:
         self.answers.append(answer)
+
+
+@dataclass(eq=False)
+class Shell:
+    """A shell's ``Route`` in front of a ``Core``: its answers and grants, kept in order."""
+
+    name: str = "shell"
+    answers: list[Answer] = field(default_factory=list)
+    grants: list[Grant] = field(default_factory=list)
+
+    def answer(self, answer: Answer | Grant) -> None:
+        if isinstance(answer, Grant):
+            self.grants.append(answer)
+        else:
+            self.answers.append(answer)
 
 
 @dataclass(frozen=True)

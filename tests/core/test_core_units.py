@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
 import numpy as np
-from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, StepClock, embed_info
+from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock, embed_info
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +36,7 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler
 from fair_frontend.triton.forwarder import TritonForwarder
-from fair_frontend.wire.records import Answer, Call, Grant
+from fair_frontend.wire.records import Answer, Call
 
 EMBED, LLM = "embed", "llm"
 LLM_INFO = ModelInfo(
@@ -138,21 +138,6 @@ class Recorder(Observer):
     ) -> None:
         if first_token_s is not None:
             self.first_token_s.append(first_token_s)
-
-
-@dataclass(eq=False)
-class Shell:
-    """A shell's ``Route``: its answers and grants, kept in order."""
-
-    name: str
-    answers: list[Answer] = field(default_factory=list)
-    grants: list[Grant] = field(default_factory=list)
-
-    def answer(self, answer: Answer | Grant) -> None:
-        if isinstance(answer, Grant):
-            self.grants.append(answer)
-        else:
-            self.answers.append(answer)
 
 
 @dataclass(eq=False)

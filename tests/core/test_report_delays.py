@@ -60,11 +60,11 @@ import asyncio
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
-from dispatch_support import SETTLE_ROUNDS, StepClock
+from dispatch_support import SETTLE_ROUNDS, Shell, StepClock
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -75,7 +75,7 @@ from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.triton.forwarder import TritonForwarder
-from fair_frontend.wire.records import Answer, Call, Grant
+from fair_frontend.wire.records import Call
 
 LLM = "llm"
 LLM_INFO = ModelInfo(
@@ -118,20 +118,6 @@ class NoTriton:
 
     async def server_ready(self) -> bool:
         return True
-
-
-@dataclass(eq=False)
-class Shell:
-    """A shell's ``Route``: the grants it got, and the answers (the end's, none before)."""
-
-    grants: list[Grant] = field(default_factory=list)
-    answers: list[Answer] = field(default_factory=list)
-
-    def answer(self, answer: Answer | Grant) -> None:
-        if isinstance(answer, Grant):
-            self.grants.append(answer)
-        else:
-            self.answers.append(answer)
 
 
 @dataclass(eq=False)
