@@ -30,7 +30,9 @@ import uvloop
 
 from fair_frontend.auth import KeyRing, ModelAccess, hash_key
 from fair_frontend.config import Config, ConfigError, load_config, reference
+from fair_frontend.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
+from fair_frontend.fleet import DEFAULT_CORE_PORT, DEFAULT_LEASE_S, SECRET_ENV
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
 
@@ -62,6 +64,15 @@ def _add_listen_flags(p: argparse.ArgumentParser) -> None:
         "process",
     )
     p.add_argument("--log-level", default="INFO")
+
+
+def _add_secret_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"file holding the secret shared by the cores and shells (default: the "
+        f"{SECRET_ENV} variable); required",
+    )
 
 
 def _listen(args: argparse.Namespace, config: Config) -> Listen:
@@ -109,6 +120,71 @@ def build_parser() -> argparse.ArgumentParser:
         "triton.backends; required unless the config lists them)",
     )
     _add_listen_flags(serve)
+
+    core = sub.add_parser(
+        "core",
+        help="run the core alone (admission, scheduling, dispatch) for shells on other hosts",
+    )
+    core.add_argument("--config", required=True, help="YAML config")
+    core.add_argument(
+        "--triton-url",
+        action="append",
+        default=[],
+        help="a Triton's gRPC address, HOST:PORT; repeat it for a pool (as serve's)",
+    )
+    core.add_argument(
+        "--listen",
+        default=f"0.0.0.0:{DEFAULT_CORE_PORT}",
+        help=f"HOST:PORT the shells connect to (default 0.0.0.0:{DEFAULT_CORE_PORT})",
+    )
+    _add_secret_flags(core)
+    core.add_argument(
+        "--election",
+        choices=("none", "redis", "kubernetes"),
+        default="none",
+        help="leader election among cores: none (this core leads), redis (the config's "
+        "ratelimit.redis_url), kubernetes (a coordination.k8s.io Lease)",
+    )
+    core.add_argument(
+        "--advertise",
+        default=None,
+        help="HOST:PORT the shells reach this core at, told to them by a standby "
+        "(default: --listen's, with this host's name for 0.0.0.0)",
+    )
+    core.add_argument(
+        "--lease-s",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help=f"leader lease: a leader that cannot renew it for this long is replaced "
+        f"(default {DEFAULT_LEASE_S})",
+    )
+    core.add_argument(
+        "--lease-name", default="fair-frontend-core", help="the Redis key or Kubernetes Lease"
+    )
+    core.add_argument(
+        "--metrics-port", type=int, default=None, help="operator's port: /metrics, health"
+    )
+    core.add_argument("--metrics-host", default=None, help="operator's address")
+    core.add_argument("--log-level", default="INFO")
+
+    shell = sub.add_parser(
+        "shell", help="run shells only (HTTP and gRPC for tenants), fed by cores elsewhere"
+    )
+    shell.add_argument(
+        "--core",
+        action="append",
+        required=True,
+        help="a core's HOST:PORT; repeat it for every core (the shells find the leader)",
+    )
+    _add_secret_flags(shell)
+    shell.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    shell.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port")
+    shell.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    shell.add_argument(
+        "--workers", type=int, default=1, help="shell processes on these ports (default 1)"
+    )
+    shell.add_argument("--log-level", default="INFO")
+    shell.add_argument("--log-format", default="json", choices=("json", "text"))
 
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("config")
