@@ -2,6 +2,8 @@
 
 fair-frontend up    [--config F | --demo] [--http-port N] [--grpc-port N] [--metrics-port N]
 fair-frontend serve --config F [--triton-url HOST:PORT ...] [ports as above]
+fair-frontend core  --config F --triton-url HOST:PORT ... --secret-file S [--election redis]
+fair-frontend shell --core HOST:PORT ... --secret-file S [--http-port N] [--grpc-port N]
 fair-frontend check-config F
 fair-frontend hash-key KEY
 
@@ -29,12 +31,20 @@ from typing import Any
 import uvloop
 
 from fair_frontend.auth import KeyRing, ModelAccess, hash_key
-from fair_frontend.config import Config, ConfigError, load_config, reference
-from fair_frontend.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from fair_frontend.config import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+    Config,
+    ConfigError,
+    load_config,
+    reference,
+)
 from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
 from fair_frontend.fleet import DEFAULT_CORE_PORT, DEFAULT_LEASE_S, SECRET_ENV
+from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
+from fair_frontend.wire.remote import SecretError, load_secret
 
 log = logging.getLogger("fair_frontend")
 
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_key(args.key))
         return 0
+    if args.command == "shell":
+        return _fleet_shells(args)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -245,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     closed = model_access_problem(config)
     if closed is not None:
         log.warning("%s", closed)
-    if args.command == "serve" and not (args.triton_url or config.triton.backends):
+    if args.command in ("serve", "core") and not (args.triton_url or config.triton.backends):
         print(
-            "fair-frontend: serve needs a Triton: --triton-url HOST:PORT (repeat it for a pool), "
-            "or triton.backends in the config",
+            f"fair-frontend: {args.command} needs a Triton: --triton-url HOST:PORT (repeat it "
+            "for a pool), or triton.backends in the config",
             file=sys.stderr,
         )
         return 2
+    if args.command == "core":
+        return _fleet_core(config, args)
     try:
         if args.command == "serve":
             uvloop.run(
@@ -398,6 +412,66 @@ def _reload(server: FrontendServer, path: str) -> None:
     closed = model_access_problem(config)
     if closed is not None:
         log.warning("%s", closed)
+
+
+def _secret(args: argparse.Namespace) -> bytes | None:
+    try:
+        return load_secret(args.secret_file, SECRET_ENV)
+    except SecretError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return None
+
+
+def _fleet_core(config: Config, args: argparse.Namespace) -> int:
+    secret = _secret(args)
+    if secret is None:
+        return 2
+    listen = Listen(
+        host=args.metrics_host or config.server.metrics_host or config.server.host,
+        metrics_port=config.server.metrics_port if args.metrics_port is None else args.metrics_port,
+        metrics_host=args.metrics_host or config.server.metrics_host,
+        metrics_grpc_port=config.server.metrics_grpc_port,
+    )
+
+    async def main() -> int:
+        stop = _stop_on_signals()
+        return await run_core(config, args.triton_url, listen, args, secret, stop)
+
+    try:
+        return uvloop.run(main())
+    except ConfigError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 1
+
+
+def _fleet_shells(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format, args.log_level)
+    secret = _secret(args)
+    if secret is None:
+        return 2
+    if args.workers < 1:
+        print(f"fair-frontend: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        return await run_shells(args, secret, _stop_on_signals())
+
+    try:
+        return uvloop.run(main())
+    except OSError as err:
+        print(f"fair-frontend: cannot listen: {err}", file=sys.stderr)
+        return 1
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def _up(config: Config, args: argparse.Namespace, demo: bool = False) -> None:

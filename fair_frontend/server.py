@@ -96,8 +96,8 @@ class FrontendServer:
         workers: int = 1,
         core_factory: Callable[[Config, list[TritonForwarder]], Core] | None = None,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, not {workers}")
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0, not {workers}")
         self.config = config
         # The Tritons behind every endpoint (``Triton.pool``): serve's --triton-url, one or
         # repeated, or the config's triton.backends where none is given.
@@ -111,7 +111,9 @@ class FrontendServer:
         self.core: Core | None = None
         self.gateway: Gateway | None = None  # the in-process shell (workers=1)
         self._verdicts: asyncio.Task[None] | None = None  # its view of the throttle
-        self.shells: ShellPool | None = None
+        self.shells: ShellPool | RemoteShells | None = None
+        self.leading = workers > 0  # workers=0 (a core for remote shells): once lead()
+        self.core_port = 0  # where remote shells connect, once leading
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -142,12 +144,27 @@ class FrontendServer:
         # Metrics first: once a shell listens, it answers readiness probes, and everything
         # it reports on must be up by then.
         await self._start_metrics()
-        if self.workers == 1:
+        if self.workers == 0:
+            self.shells = RemoteShells(self.core, self.triton_urls)
+            await self.shells.start()
+        elif self.workers == 1:
             await self._start_local_shell(forwarders)
         else:
             self.shells = ShellPool(self.core, self.triton_urls, self.listen, self.workers)
             await self.shells.start()
             self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
+
+    async def lead(self, address: str, secret: bytes) -> None:
+        """A core for shells elsewhere (``workers=0``), started warm: from now on it
+        accepts them at ``address`` (HOST:PORT), each carrying ``secret``."""
+        assert isinstance(self.shells, RemoteShells)
+        self.core_port = await self.shells.server.listen(address, secret)
+        self.leading = True
+
+    @property
+    def ready(self) -> bool:
+        """Serving: leading, and the core admitting."""
+        return self.leading and self.core is not None and self.core.accepting
 
     async def _start_local_shell(self, forwarders: list[TritonForwarder]) -> None:
         assert self.core is not None
@@ -229,8 +246,17 @@ class FrontendServer:
                 return error_response(err)
             return web.json_response(proto_to_json(answer))
 
+        async def live(request: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        async def ready(request: web.Request) -> web.Response:
+            # A standby core is live, not ready: a Service routes shells to the leader.
+            return web.Response(status=200 if self.ready else 503)
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v2/health/live", live)
+        app.router.add_get("/v2/health/ready", ready)
         # Triton's statistics extension, the tenant ports' paths (tritonclient's
         # get_inference_statistics pointed here works unchanged).
         app.router.add_get("/v2/models/stats", statistics)
@@ -338,6 +364,37 @@ def _free_port(family: socket.AddressFamily, host: str, port: int) -> int:
         return int(probe.getsockname()[1])
 
 
+class RemoteShells:
+    """The shells of a core that runs none itself (``fair-frontend core``): the ones that
+    connect over the network (``CoreServer.listen``), on other hosts or this one."""
+
+    def __init__(self, core: Core, triton_urls: Sequence[str]) -> None:
+        self.core = core
+        self.triton_urls = list(triton_urls)
+        self.server = CoreServer(core, self.settings, None)
+        self.http_port = 0
+        self.grpc_port = 0
+
+    def settings(self) -> Settings:
+        return _settings(self.core, self.triton_urls)
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def collect_tallies(self) -> None:
+        await self.server.flush_tallies()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.broadcast(Stop())
+        await self.server.close()
+
+
+def _settings(core: Core, triton_urls: Sequence[str]) -> Settings:
+    """What a shell is told of the config: sent when it connects and on every reload."""
+    keys = {d.hex(): tenant for d, tenant in core.keyring.digests().items()}
+    return Settings(core.config.model_dump(mode="json"), keys, triton_urls[0], list(triton_urls))
+
+
 class ShellPool:
     """``workers`` shell processes on one HTTP and one gRPC port, kept running.
 
@@ -370,12 +427,25 @@ class ShellPool:
         self.grpc_port = 0
 
     def settings(self) -> Settings:
-        config = self.core.config
-        keys = {d.hex(): tenant for d, tenant in self.core.keyring.digests().items()}
-        return Settings(config.model_dump(mode="json"), keys, self.triton_urls[0], self.triton_urls)
+        return _settings(self.core, self.triton_urls)
 
     async def start(self) -> None:
         await self.server.start()
+        self._bind()
+        for index in range(self.workers):
+            await self._spawn(index)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(self._ready[i] for i in range(self.workers))),
+                SHELL_START_TIMEOUT_S,
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("%d shell processes serving", self.workers)
+
+    def _bind(self) -> None:
+        """The HTTP listening socket the shells inherit, and the gRPC port they share."""
         host = self.listen.host
         family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
         http = socket.socket(family, socket.SOCK_STREAM)
@@ -390,17 +460,14 @@ class ShellPool:
         hold.bind((host, _free_port(family, host, self.listen.grpc_port)))
         self._grpc_hold = hold
         self.grpc_port = hold.getsockname()[1]
-        for index in range(self.workers):
-            await self._spawn(index)
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(self._ready[i] for i in range(self.workers))),
-                SHELL_START_TIMEOUT_S,
-            )
-        except BaseException:
-            await self.stop()
-            raise
-        log.info("%d shell processes serving", self.workers)
+
+    def _where(self) -> list[str]:
+        """How a shell process finds its core: this one's Unix socket."""
+        assert self.server.path is not None
+        return ["--core", self.server.path]
+
+    def _log_format(self) -> str:
+        return self.core.config.observability.log_format
 
     async def _spawn(self, index: int) -> None:
         assert self._http_sock is not None
@@ -410,8 +477,7 @@ class ShellPool:
             sys.executable,
             "-m",
             "fair_frontend.shell",
-            "--core",
-            self.server.path,
+            *self._where(),
             "--index",
             str(index),
             "--http-fd",
@@ -423,7 +489,7 @@ class ShellPool:
             "--log-level",
             logging.getLevelName(root.level),
             "--log-format",
-            self.core.config.observability.log_format,
+            self._log_format(),
         ]
         proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(self._http_sock.fileno(),))
         self.processes[index] = proc
@@ -446,6 +512,8 @@ class ShellPool:
                 fut.exception()  # start() reads it; a restart's readiness nobody awaits
             if self._stopping:
                 return
+            if self.fatal(code):
+                return
             log.error("shell %d (pid %d) exited with %s; restarting it", index, proc.pid, code)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
@@ -454,6 +522,10 @@ class ShellPool:
             self.restarts += 1
             await self._spawn(index)
             return  # the new process has a watcher of its own
+
+    def fatal(self, code: int) -> bool:
+        """Whether a shell's exit status says restarting it would not help."""
+        return False
 
     async def collect_tallies(self) -> None:
         """What the shells answered themselves, counted before a scrape is answered."""

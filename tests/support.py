@@ -12,7 +12,7 @@ import struct
 import subprocess
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -469,3 +469,107 @@ async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None)
     finally:
         await client.close()
     return got, None
+
+
+# ---- streams from the llm model ---------------------------------------------------------
+
+PROMPT = "the quiet tenant asks a short question"
+
+
+def llm_inputs(prompt: str, max_tokens: int, *, stream: bool = True) -> list[Any]:
+    text = grpcaio.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    flag = grpcaio.InferInput("stream", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([stream]))
+    sampling = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+    params = {"max_tokens": max_tokens, "temperature": 0}
+    sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+    return [text, flag, sampling]
+
+
+@dataclass
+class Stream:
+    """One request's stream as its client saw it."""
+
+    tenant: str
+    sent: float = 0.0
+    prompt: str = ""
+    tokens: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.monotonic() of each token
+    error: str | None = None
+
+    @property
+    def first_token_at(self) -> float:
+        return self.times[0]
+
+
+async def generate(
+    url: str, tenant: str | None, prompt: str, max_tokens: int, *, log: list[Any] | None = None
+) -> Stream:
+    """Stream one generation (one gRPC stream, one request); ``log`` gets
+    (time, tenant) per token, in arrival order across concurrent streams."""
+    client = grpcaio.InferenceServerClient(url)
+    headers = {"x-api-key": KEYS[tenant]} if tenant is not None else None
+    out = Stream(tenant or "-", sent=time.monotonic())
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": "llm", "inputs": llm_inputs(prompt, max_tokens)}
+
+    try:
+        async for result, error in client.stream_infer(one(), headers=headers):
+            if error is not None:
+                out.error = str(error)
+                break
+            text = result.as_numpy("text_output")
+            if text is None or not text.size:
+                continue
+            now = time.monotonic()
+            out.tokens.append(b"".join(text.reshape(-1)).decode())
+            out.times.append(now)
+            if log is not None:
+                log.append((now, out.tenant))
+            if len(out.tokens) == max_tokens:
+                break
+    finally:
+        await client.close()
+    return out
+
+
+async def generate_many(
+    url: str, tenant: str, count: int, max_tokens: int, log: list[Any]
+) -> dict[str, Stream]:
+    """``count`` generations on one gRPC stream (queued at once, as a busy client's
+    are); ``log`` gets (time, tenant) per token."""
+    client = grpcaio.InferenceServerClient(url)
+    streams = {
+        str(i): Stream(tenant, sent=time.monotonic(), prompt=f"{PROMPT} {i}") for i in range(count)
+    }
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        for i in range(count):
+            yield {
+                "model_name": "llm",
+                "inputs": llm_inputs(streams[str(i)].prompt, max_tokens),
+                "request_id": str(i),
+            }
+
+    left = count * max_tokens
+    try:
+        async for result, error in client.stream_infer(
+            requests(), headers={"x-api-key": KEYS[tenant]}
+        ):
+            assert error is None, error
+            text = result.as_numpy("text_output")
+            if text is None or not text.size:
+                continue
+            now = time.monotonic()
+            s = streams[result.get_response().id]
+            s.tokens.append(b"".join(text.reshape(-1)).decode())
+            s.times.append(now)
+            log.append((now, tenant))
+            left -= 1
+            if not left:
+                break
+    finally:
+        await client.close()
+    return streams

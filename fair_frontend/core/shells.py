@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from fair_frontend.errors import FrontendError, Internal
 from fair_frontend.wire.framing import Framed, FrameTooLarge, to_core
 from fair_frontend.wire.records import (
@@ -39,6 +41,13 @@ from fair_frontend.wire.records import (
     StatsQuery,
     Stop,
     Tally,
+)
+from fair_frontend.wire.remote import (
+    METHOD,
+    SECRET_HEADER,
+    SERVER_OPTIONS,
+    StreamTransport,
+    secret_matches,
 )
 
 if TYPE_CHECKING:
@@ -121,6 +130,7 @@ class ShellConnection(Framed):
         self.core = server.core
         self.index = -1
         self.pid = 0
+        self.host = ""  # a shell on another host: its address
         self.ready: Ready | None = None
         self.calls: dict[int, CoreRequest | None] = {}  # sent, not finally answered
         self._tasks: set[asyncio.Task[None]] = set()
@@ -140,7 +150,8 @@ class ShellConnection(Framed):
 
     @property
     def peer(self) -> str:
-        return f"shell {self.index} (pid {self.pid})"
+        where = self.host and f" at {self.host}"
+        return f"shell {self.index} (pid {self.pid}{where})"
 
     def pause_writing(self) -> None:
         self.stall_s = self.core.config.queues.stalled_shell_s  # live: a reload may change it
@@ -269,9 +280,11 @@ _NO_VIEW: View = ([], [], [])
 
 
 class CoreServer:
-    """The core's listening socket: shells connect, get their settings, send calls."""
+    """The core's listening socket: shells connect, get their settings, send calls. On
+    the Unix socket ``path`` (the shell processes of this host) and, once ``listen`` has
+    been called, over gRPC for shells anywhere (``fair_frontend.wire.remote``)."""
 
-    def __init__(self, core: Core, settings: Callable[[], Settings], path: str) -> None:
+    def __init__(self, core: Core, settings: Callable[[], Settings], path: str | None) -> None:
         self.core = core
         self.settings = settings
         self.path = path
@@ -280,6 +293,9 @@ class CoreServer:
         self.on_ready: Callable[[ShellConnection], None] = lambda conn: None
         self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
         self._server: asyncio.AbstractServer | None = None
+        self._remote: grpc.aio.Server | None = None
+        self._secret = b""
+        self.refused = 0  # streams refused for a wrong secret
         self.stopping = False
         self._view: View = _NO_VIEW
         self._viewer: asyncio.Task[None] | None = None
@@ -292,9 +308,55 @@ class CoreServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: ShellConnection(self), self.path)
-        os.chmod(self.path, 0o600)  # only this user's processes may act as shells
+        if self.path is not None:
+            self._server = await loop.create_unix_server(lambda: ShellConnection(self), self.path)
+            os.chmod(self.path, 0o600)  # only this user's processes may act as shells
         self._viewer = loop.create_task(self._publish_queue_view())
+
+    async def listen(self, address: str, secret: bytes) -> int:
+        """Accept shells from other hosts at ``address`` (HOST:PORT), each stream carrying
+        ``secret``; returns the port bound."""
+        self._secret = secret
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        handler = grpc.stream_stream_rpc_method_handler(self._link)  # bytes in, bytes out
+        service, method = METHOD.rsplit("/", 1)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service.strip("/"), {method: handler}),)
+        )
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen for shells on {address}")
+        await server.start()
+        self._remote = server
+        return port
+
+    async def _link(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        """One remote shell's stream, from the secret's check to its end."""
+        given = dict(context.invocation_metadata()).get(SECRET_HEADER)
+        if not secret_matches(given, self._secret):
+            self.refused += 1
+            log.warning("a shell at %s offered a wrong core secret: refused", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong core secret")
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the core is stopping")
+        conn = ShellConnection(self)
+        conn.host = context.peer()
+        transport = StreamTransport(context.write, conn, peer=conn.host)
+        conn.connection_made(transport)  # type: ignore[arg-type]  # a transport in all it uses
+
+        async def read() -> None:
+            async for data in requests:
+                conn.data_received(data)
+                if conn.closed:
+                    return
+
+        reader = asyncio.ensure_future(read())
+        try:
+            await asyncio.wait((reader, transport.finished), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reader.cancel()
+            transport.abort()
+            conn.connection_lost(None)
 
     @property
     def queue_view(self) -> View:
@@ -332,5 +394,8 @@ class CoreServer:
             await self._server.wait_closed()
         for conn in list(self.connections):
             conn.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self._remote is not None:
+            await self._remote.stop(1.0)
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

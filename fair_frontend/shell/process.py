@@ -28,17 +28,21 @@ from aiohttp import web
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import parse_config
+from fair_frontend.fleet import SECRET_ENV
 from fair_frontend.logs import configure_logging
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
 from fair_frontend.shell.http_server import HttpShell
+from fair_frontend.shell.remote import SECRET_REFUSED, RemoteLink, SecretRefused
 from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
+from fair_frontend.wire.remote import SecretError, load_secret
 
 log = logging.getLogger("fair_frontend.shell")
 
 _PR_SET_PDEATHSIG = 1
+DRAIN_S = 10.0  # a remote shell's stop: the most it waits for what it has taken
 
 
 def keyring_of(settings: Settings) -> KeyRing:
@@ -60,6 +64,7 @@ class ShellProcess:
         self.gateway: Gateway | None = None
         self.settings: asyncio.Future[Settings] | None = None
         self.done: asyncio.Event | None = None
+        self.remote: RemoteLink | None = None
 
     def on_settings(self, settings: Settings) -> None:
         if self.settings is not None and not self.settings.done():
@@ -79,14 +84,41 @@ class ShellProcess:
         self.settings = loop.create_future()
         self.done = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        link = await SocketLink.connect(self.args.core, self.on_settings, self.on_end, self.on_end)
-        link.send(Hello(self.args.index, os.getpid()))
+        hello = Hello(self.args.index, os.getpid())
+        link: SocketLink
+        if self.args.cores:  # cores elsewhere (fair-frontend shell): the leader's
+            try:
+                secret = load_secret(None, SECRET_ENV)
+            except SecretError as err:
+                log.error("shell %d: %s", self.args.index, err)
+                return SECRET_REFUSED
+            remote = RemoteLink(
+                self.args.cores.split(","), secret, hello, self.on_settings, self.on_end, _nothing
+            )
+            try:
+                await remote.find_core()
+            except SecretRefused as err:
+                log.error(
+                    "shell %d: the core refused this shell's secret (%s): check that every "
+                    "core and shell has the same one",
+                    self.args.index,
+                    err,
+                )
+                return SECRET_REFUSED
+            link = self.remote = remote
+        else:
+            link = await SocketLink.connect(
+                self.args.core, self.on_settings, self.on_end, self.on_end
+            )
+            link.send(hello)
         try:
             settings = await self.settings
         except asyncio.CancelledError:
             log.error("shell %d: the core went away before it sent settings", self.args.index)
             return 1
         config = parse_config(settings.config)
+        if self.remote is not None:
+            self.remote.hold_s = config.triton.max_outage_s
         # One forwarder per Triton of the pool: a grant names the one to stream from.
         tritons = [
             TritonForwarder(url, request_timeout_s=config.triton.request_timeout_s)
@@ -106,25 +138,53 @@ class ShellProcess:
             log.error("shell %d: cannot bind gRPC port %d", self.args.index, self.args.grpc_port)
             return 1
         await grpc_server.start()
-        link.send(Ready(sock.getsockname()[1], grpc_port))
+        ready = Ready(sock.getsockname()[1], grpc_port)
+        if self.remote is not None:
+            self.remote.ready = ready
+        link.send(ready)
         await self.done.wait()
+        if self.remote is not None:
+            await self._drain(self.remote)
         link.flush_tally()
         await grpc_server.stop(1.0)
         await runner.cleanup()
         for triton in tritons:
             await triton.close()
-        link.close()
+        if self.remote is not None:
+            await self.remote.aclose()
+        else:
+            link.close()
         return 0
 
+    async def _drain(self, link: RemoteLink, grace_s: float = DRAIN_S) -> None:
+        """A remote shell asked to stop: readiness turns false at once, and what it has
+        taken is answered (or streamed to its end) within ``grace_s``."""
+        link.accepting = False
+        until = asyncio.get_running_loop().time() + grace_s
+        while link.pending and asyncio.get_running_loop().time() < until:
+            await asyncio.sleep(0.05)
+
     def _on_sigterm(self) -> None:
-        if os.getppid() != self.parent:  # the core is gone: nothing to coordinate with
+        # A shell of this host's core: the core coordinates the stop, unless it is gone.
+        # A shell of remote cores (fair-frontend shell) drains and stops on its own.
+        if self.remote is not None or os.getppid() != self.parent:
             assert self.done is not None
             self.done.set()
 
 
+def _nothing() -> None:
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fair_frontend.shell")
-    parser.add_argument("--core", required=True, help="the core's Unix socket")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--core", help="the core's Unix socket (a shell of this host's core)")
+    where.add_argument(
+        "--cores",
+        help="HOST:PORT,... of cores elsewhere (fair-frontend shell); the secret comes in "
+        f"${SECRET_ENV}",
+    )
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--http-fd", type=int, required=True, help="inherited listening socket")
     parser.add_argument("--grpc-host", required=True)

@@ -93,18 +93,23 @@ class SocketLink(Framed):
         return next(self._ids)
 
     def submit(self, call: Call) -> Inbox:
-        inbox = Inbox()
         if self.closed:
+            inbox = Inbox()
             inbox.answer(Answer(call.id, fault=Fault.of(Unavailable(_CORE_GONE))))
             return inbox
-        call_id = call.id
+        inbox = self._register(call.id)
+        super().send(call)
+        return inbox
+
+    def _register(self, call_id: int) -> Inbox:
+        """The inbox of call ``call_id``, wired to this link."""
+        inbox = Inbox()
         self._inboxes[call_id] = inbox
         inbox._cancel = lambda: self._cancel(call_id)
         inbox._produced = lambda tokens, first, gap: self._tokens(call_id, tokens, first, gap)
         inbox._end = lambda version, fault, cancelled: self._ended(
             call_id, version, fault, cancelled
         )
-        super().send(call)
         return inbox
 
     def _cancel(self, call_id: int) -> None:
@@ -272,3 +277,4 @@ class SocketLink(Framed):
 
 
 _CORE_GONE = "the frontend's core process is gone"
+CORE_GONE = _CORE_GONE

@@ -112,6 +112,20 @@ class Framed(asyncio.Protocol):
             high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW
         )
 
+    def reattach(self, transport: Any) -> None:
+        """Start over on a new connection (a remote shell's, to the next core): what the
+        old one had half read or not yet written is gone with it."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._buffer.clear()
+        self._out = []
+        self._written = 0
+        self.closed = False
+        self.cut_off = False
+        self.transport = None
+        self.connection_made(transport)
+
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
         buf += data

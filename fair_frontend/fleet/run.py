@@ -1,0 +1,205 @@
+"""``fair-frontend core`` and ``fair-frontend shell``: the frontend split across hosts.
+
+A core runs the one scheduler. With ``--election redis`` or ``kubernetes`` any number of
+cores may run: each starts warm (its core up, Tritons connected, the operator's port
+answering ``/v2/health/live``), waits for the lease, and only the leader accepts shells
+(and answers ``/v2/health/ready``). A leader that loses its lease exits at once (its
+queued work is resent by the shells to the next leader); SIGTERM drains what it holds,
+then frees the lease for a standby.
+
+A new leader starts its fairness state empty: every tenant's virtual token counter at 0,
+no debt carried from before. That is fair from that moment (the bounds of the README's
+fairness section hold from the failover on); what a tenant had received before is not
+held against it. Rate limits carry on unchanged: they live in Redis.
+
+``fair-frontend shell`` runs ``--workers`` shell processes on one HTTP and one gRPC port
+(``ShellSupervisor``), each connected to the leading one of the ``--core`` addresses
+(``fair_frontend.shell.remote``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import Sequence
+
+from fair_frontend.config import Config
+from fair_frontend.fleet import SECRET_ENV
+from fair_frontend.fleet.election import Election, KubernetesLease, NoElection, RedisLease
+from fair_frontend.server import FrontendServer, Listen, ShellPool
+from fair_frontend.shell.remote import SECRET_REFUSED
+
+log = logging.getLogger("fair_frontend.fleet")
+
+STOP_S = 12.0  # a remote shell's drain (DRAIN_S) and its exit
+
+
+def advertised(listen: str, advertise: str | None) -> str:
+    """The address shells reach this core at: ``--advertise``, else ``--listen``'s with
+    this host's name where it listens on every address."""
+    if advertise:
+        return advertise
+    host, _, port = listen.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+def make_election(args: argparse.Namespace, config: Config, identity: str) -> Election:
+    if args.election == "redis":
+        url = config.rate_limiting.storage_url()
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                "--election redis uses the Redis of rate_limiting.storage, which is "
+                f"{config.rate_limiting.storage.split(':', 1)[0]}:// here"
+            )
+        return RedisLease(url, args.lease_name, identity, args.lease_s)
+    if args.election == "kubernetes":
+        return KubernetesLease(args.lease_name, identity, args.lease_s)
+    return NoElection(identity)
+
+
+async def run_core(
+    config: Config,
+    triton_urls: Sequence[str],
+    listen: Listen,
+    args: argparse.Namespace,
+    secret: bytes,
+    stop: asyncio.Event,
+) -> int:
+    """Serve as one of the fleet's cores until ``stop`` (a signal) or the lease is lost
+    (exit status 1: the orchestrator starts it again, as a standby)."""
+    identity = advertised(args.listen, args.advertise)
+    election = make_election(args, config, identity)
+    server = FrontendServer(config, list(triton_urls), listen, workers=0)
+    await server.start()
+    log.info(
+        "core %s started (operator's port %d); %s",
+        identity,
+        server.metrics_port,
+        "waiting for the lease" if args.election != "none" else "leading",
+    )
+    acquire = asyncio.ensure_future(election.acquire())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((acquire, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()
+            return 0
+        await server.lead(args.listen, secret)
+        print(
+            f"fair_frontend core {identity} leads: shells connect to port {server.core_port}",
+            flush=True,
+        )
+        lost = asyncio.ensure_future(election.lost.wait())
+        await asyncio.wait((lost, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if lost.done() and not stop.is_set():
+            log.error("lost the lease: stopping at once (the next leader takes the shells)")
+            return 1
+        log.info("stopping: finishing queued and in-flight requests, then freeing the lease")
+        return 0
+    finally:
+        stopped.cancel()
+        if not election.lost.is_set() or stop.is_set():
+            await server.stop()
+        await election.release()
+        close = getattr(election, "close", None)
+        if close is not None:
+            await close()
+
+
+class ShellSupervisor(ShellPool):
+    """``workers`` shell processes on one HTTP and one gRPC port, for cores elsewhere:
+    ``ShellPool``'s sockets and restarts, without a core in this process. A shell whose
+    secret the core refused is not restarted: the supervisor stops (``failed``)."""
+
+    def __init__(
+        self,
+        cores: Sequence[str],
+        secret: bytes,
+        listen: Listen,
+        workers: int,
+        log_format: str = "json",
+    ) -> None:
+        self.cores = list(cores)
+        self.secret = secret
+        self.listen = listen
+        self.workers = workers
+        self._format = log_format
+        self._dir = tempfile.mkdtemp(prefix="fair-frontend-shell-")
+        self.processes: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self._ready: dict[int, asyncio.Future[None]] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._http_sock: socket.socket | None = None
+        self._grpc_hold: socket.socket | None = None
+        self.http_port = 0
+        self.grpc_port = 0
+        self.failed = asyncio.Event()
+        os.environ[SECRET_ENV] = secret.decode("latin-1")  # the children's, not argv
+
+    async def start(self) -> None:
+        self._bind()
+        for index in range(self.workers):
+            await self._spawn(index)
+
+    def _where(self) -> list[str]:
+        return ["--cores", ",".join(self.cores)]
+
+    def _log_format(self) -> str:
+        return self._format
+
+    def fatal(self, code: int) -> bool:
+        if code == SECRET_REFUSED:
+            log.error("a shell's secret was refused (see above): stopping")
+            self.failed.set()
+            return True
+        return False
+
+    async def stop(self, timeout_s: float = STOP_S) -> None:
+        self._stopping = True
+        procs = list(self.processes.values())
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)  # each drains what it has taken
+        if procs:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+            for p in procs:
+                if p.returncode is None:
+                    log.warning("shell pid %d did not stop: killing it", p.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                    await p.wait()
+        for sock in (self._http_sock, self._grpc_hold):
+            if sock is not None:
+                sock.close()
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)
+
+
+async def run_shells(args: argparse.Namespace, secret: bytes, stop: asyncio.Event) -> int:
+    listen = Listen(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+    supervisor = ShellSupervisor(args.core, secret, listen, args.workers, args.log_format)
+    await supervisor.start()
+    print(
+        f"fair_frontend shells: HTTP {args.host}:{supervisor.http_port}, gRPC "
+        f"{args.host}:{supervisor.grpc_port}, {args.workers} processes, cores "
+        f"{', '.join(args.core)}",
+        flush=True,
+    )
+    failed = asyncio.ensure_future(supervisor.failed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((failed, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+        stopped.cancel()
+        await supervisor.stop()
+    return 2 if supervisor.failed.is_set() else 0

