@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import eventually, free_port, scrape
+from fair_frontend.testing import aeventually, eventually, free_port, scrape
 from fair_frontend.tokens import count_text_tokens
 from tests.support import (
     KEYS,
@@ -252,9 +253,7 @@ async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet:
         watcher.cancel()
     streams = [s for streams in by_tenant for s in streams.values()]
     # While both were backlogged: up to the moment the first one's last stream started.
-    until = min(
-        max(s.first_token_at for s in streams if s.tenant == tenant) for tenant in KEYS_AB
-    )
+    until = min(max(s.first_token_at for s in streams if s.tenant == tenant) for tenant in KEYS_AB)
     served = {"acme": 0, "globex": 0}
     for at, tenant in log:
         if at <= until:
@@ -288,3 +287,45 @@ def test_a_shell_with_a_wrong_secret_is_refused(fleet: Fleet, tmp_path: Path) ->
     assert code == 2, shell.proc.output()
     assert "refused this shell's secret" in shell.proc.output()
     assert "wrong core secret" in fleet.leader().proc.output()
+
+
+async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> None:
+    """Last in this module: it leaves the fleet with one core (the new leader)."""
+    leader = fleet.leader()
+    standby = next(c for c in fleet.cores if c is not leader)
+    wide = np.full((1, 1024), 3, dtype=np.int32)
+    answered: list[float] = []
+
+    async def one(url: str) -> Any:
+        client = grpcaio.InferenceServerClient(url)
+        try:
+            result = await client.infer(
+                "embed", [ids_input(grpcaio, wide)], headers={"x-api-key": KEYS["initech"]}
+            )
+            answered.append(time.monotonic())
+            return result
+        except InferenceServerException as err:
+            return err
+        finally:
+            await client.close()
+
+    flood = [asyncio.ensure_future(one(fleet.shells[i % 3].url)) for i in range(FLOOD)]
+    await aeventually(lambda: len(answered) >= 10, 60, 0.005, what="the flood to be served")
+    assert len(answered) < FLOOD // 2, "the flood ended before the kill"
+    killed_at = time.monotonic()
+    leader.proc.popen.kill()
+    results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+    failed = [r for r in results if isinstance(r, InferenceServerException)]
+    assert not failed, failed[:3]
+    after = [t for t in answered if t > killed_at]
+    assert after, "nothing was left to serve after the kill"
+    gap = min(after) - killed_at
+    print(f"failover gap: {gap:.2f} s (lease {LEASE_S} s)")
+    assert standby.ready
+    assert all(s.ready for s in fleet.shells)
+    held = sum(s.proc.output().count("sending") for s in fleet.shells)
+    assert held >= 1  # the shells said they sent what they held again
+    fleet.cores.remove(leader)
+
+
+FLOOD = 240

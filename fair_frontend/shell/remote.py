@@ -55,7 +55,7 @@ from fair_frontend.wire.remote import (
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # for a core's first record (its Settings) once the stream is open
-RETRY_S = (0.05, 1.0)  # first pause after trying every core, and the cap it doubles to
+RETRY_S = (0.05, 0.25)  # first pause after trying every core, and the cap it doubles to
 HOLD_CHECK_S = 0.25
 SECRET_REFUSED = 78  # EX_CONFIG: the exit status of a shell whose secret no core takes
 
