@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--election",
         choices=("none", "redis", "kubernetes"),
         default="none",
-        help="leader election among cores: none (this core leads), redis (the config's "
-        "ratelimit.redis_url), kubernetes (a coordination.k8s.io Lease)",
+        help="leader election among cores: none (this core leads), redis (on the Redis of "
+        "the config's rate_limiting.storage), kubernetes (a coordination.k8s.io Lease in the "
+        "pod's namespace)",
     )
     core.add_argument(
         "--advertise",

@@ -41,8 +41,10 @@ from tests.support import (
     generate_many,
     ids_input,
     make_config,
+    repeat_stream,
 )
 
+TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
 SECRET = "fleet-test-secret-0123456789abcdef"
 LEASE_S = 1.5
 SLOTS = 4  # llm's engine slots per Triton
@@ -171,8 +173,13 @@ def fleet_config(tritons: list[EmbeddedTriton], redis_url: str) -> dict[str, Any
 def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
     second = EmbeddedTriton(
-        default_model_repository(),
-        extra_args=["--model-control-mode=explicit", "--load-model=embed", "--load-model=llm"],
+        [default_model_repository(), TEST_MODELS],
+        extra_args=[
+            "--model-control-mode=explicit",
+            "--load-model=embed",
+            "--load-model=llm",
+            "--load-model=repeat_int32",
+        ],
     )
     redis = RedisProcess()
     redis.start()
@@ -290,7 +297,9 @@ def test_a_shell_with_a_wrong_secret_is_refused(fleet: Fleet, tmp_path: Path) ->
 
 
 async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> None:
-    """Last in this module: it leaves the fleet with one core (the new leader)."""
+    """Last in this module: it leaves the fleet with one core (the new leader). Every
+    queued call is answered OK (the shells send them again), and the streams the old
+    leader had granted run on with their slots held by the new one."""
     leader = fleet.leader()
     standby = next(c for c in fleet.cores if c is not leader)
     wide = np.full((1, 1024), 3, dtype=np.int32)
@@ -309,11 +318,33 @@ async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> No
         finally:
             await client.close()
 
+    # Streams granted by the leader, relayed by shell 0 across the failover.
+    started: list[int] = []
+    streams = asyncio.gather(
+        *(
+            repeat_stream(fleet.shells[0].url, STREAM_DELAYS_MS, on_first=lambda: started.append(1))
+            for _ in range(STREAMS)
+        )
+    )
+    await aeventually(lambda: len(started) == STREAMS, 60, 0.005, what="the streams to run")
     flood = [asyncio.ensure_future(one(fleet.shells[i % 3].url)) for i in range(FLOOD)]
     await aeventually(lambda: len(answered) >= 10, 60, 0.005, what="the flood to be served")
     assert len(answered) < FLOOD // 2, "the flood ended before the kill"
     killed_at = time.monotonic()
     leader.proc.popen.kill()
+    # The new leader holds the running streams' slots: its engine count says so while
+    # they still stream (granted by the old one, told by the shell on reconnecting).
+    metrics = f"http://127.0.0.1:{standby.metrics}/metrics"
+    await aeventually(lambda: standby.ready, 30, 0.01, what="the standby to lead")
+
+    def held() -> float:
+        return scrape(metrics).sum("fair_triton_backend_inflight", endpoint="repeat_int32")
+
+    await aeventually(lambda: held() == STREAMS, 30, 0.01, what="the streams' slots held")
+    assert not streams.done()
+    ended = await asyncio.wait_for(streams, 120)
+    assert ended == [(len(STREAM_DELAYS_MS), None)] * STREAMS
+    await aeventually(lambda: held() == 0, 30, 0.01, what="the slots to be freed at their end")
     results = await asyncio.wait_for(asyncio.gather(*flood), 120)
     failed = [r for r in results if isinstance(r, InferenceServerException)]
     assert not failed, failed[:3]
@@ -323,9 +354,11 @@ async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> No
     print(f"failover gap: {gap:.2f} s (lease {LEASE_S} s)")
     assert standby.ready
     assert all(s.ready for s in fleet.shells)
-    held = sum(s.proc.output().count("sending") for s in fleet.shells)
-    assert held >= 1  # the shells said they sent what they held again
+    resent = sum(s.proc.output().count("sending") for s in fleet.shells)
+    assert resent >= 1  # the shells said they sent what they held again
     fleet.cores.remove(leader)
 
 
 FLOOD = 240
+STREAMS = 2  # one on each Triton (repeat_int32 runs one request at a time)
+STREAM_DELAYS_MS = [250] * 32  # 8 s a stream: it outlasts the failover

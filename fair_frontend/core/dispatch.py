@@ -73,7 +73,7 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
 )
-from fair_frontend.scheduler import QueuedRequest, Scheduler
+from fair_frontend.scheduler import QueuedRequest, QueueState, Scheduler
 from fair_frontend.tokens import output_tokens
 from fair_frontend.wire.records import Answer, Call, Fault, Grant
 
@@ -112,6 +112,7 @@ class CoreRequest(QueuedRequest):
     limits_at: float | None = None
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
     backend: int = -1  # the pool's backend its batch (or stream) went to last
+    adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
 
     @property
     def request(self) -> InferRequest:
@@ -637,10 +638,24 @@ class Dispatcher(ABC):
         if req.answered:
             return True
         ended = req.ended = asyncio.get_running_loop().create_future()
-        req.route.answer(
-            Grant(req.call.id, dict(req.request.sequence), req.queued_s, backend=backend)
-        )
+        if not req.adopted:
+            req.route.answer(
+                Grant(req.call.id, dict(req.request.sequence), req.queued_s, backend=backend)
+            )
         return await ended
+
+    def adopt(self, req: CoreRequest, backend: int) -> bool:
+        """A stream another core granted, still relayed by its shell (a failover): it
+        holds a slot on ``backend`` here until its shell says it ended, as if granted
+        here (its tokens are charged from now on). False where this model or backend has
+        no such stream (not decoupled, or no such backend)."""
+        if not self.info.decoupled or not 0 <= backend < len(self.pool):
+            return False
+        req.adopted = True
+        req.state = QueueState.DISPATCHED
+        req.arrival = self.clock.now()  # its time in a queue was the old core's
+        self._launch([req], self.clock.now(), backend)
+        return True
 
     def produced(self, req: CoreRequest, tokens: int) -> None:
         """A granted request's stream relayed ``tokens`` output tokens (its shell says so,

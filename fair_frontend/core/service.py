@@ -291,6 +291,33 @@ class Core:
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
             return None
 
+    def adopt(self, call: Call, route: Route, backend: int) -> CoreRequest | None:
+        """A stream a lost core granted, still relayed by the shell of ``route`` (a
+        failover): its slot on ``backend`` is held here until it ends, so the engine's
+        slots stay exact across the failover. No admission: it was admitted before (its
+        limits counted then). None where it cannot be placed (a model this core has not
+        looked up yet is looked up first)."""
+        req = self._new_request(call, route, self.runtimes.get(call.request.model))
+        runtime = self.runtimes.get(call.request.model)
+        if runtime is not None:
+            return req if runtime.adopt(req, backend) else None
+        self._spawn(self._adopt_later(req, backend))
+        return req
+
+    async def _adopt_later(self, req: CoreRequest, backend: int) -> None:
+        model = req.request.model
+        try:
+            info = await self.models.get(model)
+            runtime = self.runtimes.get(model)  # another call may have made it meanwhile
+            if runtime is None:
+                runtime = self._runtime(model, info)
+        except FrontendError as err:
+            log.warning("a running stream of %s cannot be held here: %s", model, err)
+            return
+        if not req.answered and not req.cancelled:
+            req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
+            runtime.adopt(req, backend)
+
     def cancel(self, req: CoreRequest) -> None:
         """The client of ``req`` went away (it is answered no more)."""
         runtime = self.runtimes.get(req.request.model)

@@ -36,6 +36,7 @@ from fair_frontend.wire.records import (
     Produced,
     QueueView,
     Ready,
+    Running,
     Settings,
     StatsAnswer,
     StatsQuery,
@@ -179,6 +180,10 @@ class ShellConnection(Framed):
             if req is not None and req is not _CANCELLED:
                 err = record.fault.error() if record.fault is not None else None
                 self.core.stream_ended(req, record.version, err, record.cancelled)
+        elif isinstance(record, Running):
+            req = self.core.adopt(record.call, self, record.backend)
+            if req is not None:
+                self.calls[record.call.id] = req
         elif isinstance(record, Tally):
             self.core.tally(record)
         elif isinstance(record, InfoQuery):

@@ -13,10 +13,13 @@ What a client sees across a failover:
   the exception: its state lives on the Triton the old core chose, so it is answered
   UNAVAILABLE (retryable) rather than replayed elsewhere;
 * a granted stream: untouched. The shell streams it from Triton itself; its tokens reach
-  the client as before (the new leader starts its counters without them);
+  the client as before. The shell tells the new leader of it (``Running``), which holds
+  its slot until it ends: the engine's slots stay exact across the failover;
 * no core for ``hold_s``: the calls held that long are answered UNAVAILABLE.
 
-Meanwhile readiness is false, so a load balancer sends new clients to other shells. A
+Meanwhile the shell stays ready (for ``hold_s`` at most): a failover takes seconds, less
+than a load balancer takes to act on readiness, and what arrives is held and sent on like
+the rest; turning every shell unready at once would leave tenants no address at all. A
 core that refuses the secret (UNAUTHENTICATED) before this shell ever connected is a
 configuration error: the shell exits (``SECRET_REFUSED``) rather than retry forever.
 """
@@ -41,6 +44,7 @@ from fair_frontend.wire.records import (
     Grant,
     Hello,
     Ready,
+    Running,
     Settings,
     Stop,
 )
@@ -86,6 +90,7 @@ class RemoteLink(SocketLink):
         self.core = ""  # the address of the core connected to ("": none)
         self.connects = 0  # connections made (1 + failovers)
         self._held: dict[int, tuple[Call, float]] = {}  # not yet answered or granted
+        self._streaming: dict[int, tuple[Call, int]] = {}  # granted: (call, backend)
         self._stopping = False
         self._draining = False  # the core connected to steps down: hold new calls
         self._channel: grpc.aio.Channel | None = None
@@ -93,13 +98,29 @@ class RemoteLink(SocketLink):
         self._reader: asyncio.Task[None] | None = None
         self._reconnect: asyncio.Task[None] | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
-        self.accepting = False
+        self._accepting = True
+        self._lost_at: float | None = None  # when the core connected to was lost
         self.closed = True
 
     async def find_core(self) -> None:
         """Connect to a leading core, waiting as long as it takes (``SecretRefused`` if
         the first core that answers refuses the secret)."""
         await self._find_core(first=True)
+
+    @property
+    def accepting(self) -> bool:
+        """Ready: connected, or holding calls for the next core (at most ``hold_s``, as
+        long as they are held), unless this shell stops. A shell never connected is not."""
+        if not self._accepting:
+            return False
+        if self.core:
+            return True
+        lost = self._lost_at
+        return lost is not None and asyncio.get_running_loop().time() - lost < self.hold_s
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        self._accepting = value
 
     @property
     def pending(self) -> int:
@@ -122,15 +143,17 @@ class RemoteLink(SocketLink):
         super()._cancel(call_id)
 
     def received(self, record: Any) -> None:
-        if isinstance(record, (Answer, Grant)):
+        if isinstance(record, Answer):
             self._held.pop(record.id, None)
+        elif isinstance(record, Grant):
+            held = self._held.pop(record.id, None)
+            if held is not None:
+                self._streaming[record.id] = (held[0], record.backend)
         elif isinstance(record, Draining):
             # The core steps down: what it holds it answers; new calls wait for the next.
             self._draining = True
-            self.accepting = False
             return
         elif isinstance(record, Stop):  # the core is leaving: the next one follows
-            self.accepting = False
             return
         super().received(record)
 
@@ -201,13 +224,19 @@ class RemoteLink(SocketLink):
         self.data_received(first)  # its Settings
         if self.ready is not None:
             self.send(self.ready)
+        self._lost_at = None
         self._resend()
-        self.accepting = True
         self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
 
+    def _ended(self, call_id: int, version: str, fault: Any, cancelled: bool) -> None:
+        self._streaming.pop(call_id, None)
+        super()._ended(call_id, version, fault, cancelled)
+
     def _resend(self) -> None:
-        """Every call not yet answered, to the core just connected, in arrival order; a
-        sequence's step that a lost core had sent on is answered instead (module doc)."""
+        """To the core just connected: the streams this shell relays (their slots are
+        held there until they end), then every call not yet answered, in arrival order."""
+        for call, backend in self._streaming.values():
+            self.send(Running(call, backend))
         for call_id in sorted(self._held):
             call, _ = self._held[call_id]
             self.send(call)
@@ -231,7 +260,7 @@ class RemoteLink(SocketLink):
     def _lost(self, error: BaseException | None) -> None:
         """The core connected to is gone: queries fail, calls wait for the next core."""
         self.closed = True
-        self.accepting = False
+        self._lost_at = asyncio.get_running_loop().time()
         was, self.core = self.core, ""
         channel, self._channel = self._channel, None
         if channel is not None:

@@ -294,8 +294,16 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
     overloaded: list[tuple[str, str, str, float]] = []
 
 
+class Running(msgspec.Struct, tag=21, array_like=True):
+    """A stream another core granted, still relayed by this shell (told to the core it
+    connects to next, which holds its slot on Triton ``backend`` until it ends)."""
+
+    call: Call
+    backend: int
+
+
 ToCore = Union[  # noqa: UP007
-    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, Produced, Ended
+    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, Produced, Ended, Running
 ]
 ToShell = Union[  # noqa: UP007
     Answer, Grant, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
