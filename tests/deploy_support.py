@@ -1,7 +1,8 @@
-"""What the deployment tests share (``test_deploy_files``: docker/k8s and compose): an
-evaluator of NetworkPolicies over rendered objects, the pods a set of workloads makes, a
-check that mounted key files and variables authenticate each tenant, a check that a pod
-is locked down, and which metrics and labels a PromQL expression uses.
+"""What the deployment tests share (``test_deploy_files``: docker/k8s and compose;
+``test_helm_chart``: docker/helm): an evaluator of NetworkPolicies over rendered objects,
+the pods a set of workloads makes, a check that mounted key files and variables
+authenticate each tenant, a check that a pod is locked down, and which metrics and labels a
+PromQL expression uses.
 
 The evaluator follows the NetworkPolicy API's rules (networking.k8s.io/v1), enough for
 these manifests, and is checked on the documentation's own cases

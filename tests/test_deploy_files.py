@@ -1,5 +1,5 @@
-"""The deployment files in ``docker/`` (compose and kustomize) against the real frontend
-and Triton.
+"""The deployment files in ``docker/`` (compose and kustomize; the Helm chart has
+``test_helm_chart.py``) against the real frontend and Triton.
 
 Both deploy the fleet: two cores (``fair-frontend core``, one leads, the lease in Redis),
 shells (``fair-frontend shell``, the tenants' ports), Triton, Redis, Prometheus.
@@ -21,7 +21,7 @@ manifests are valid Kubernetes objects (``kubernetes-validate``); every pod runs
 on a read-only root filesystem without privileges; the NetworkPolicies, evaluated over
 the rendered objects, let only the cores reach Redis, only the cores and shells reach
 Triton, only the shells reach the cores, and only Prometheus the metrics; the Redis start
-script (the same in compose and Kubernetes) makes a real ``redis-server``
+script (the same in compose, Kubernetes and the chart) makes a real ``redis-server``
 require the Secret's password, which the core reads from its file.
 """
 
@@ -261,7 +261,13 @@ def rule_queries() -> list[tuple[str, str]]:
 
 
 def test_every_yaml_and_json_file_parses() -> None:
-    files = sorted(p for p in DOCKER.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+    """Every YAML and JSON file but the chart's templates (Go templates, which only render
+    as YAML: ``test_helm_chart.py`` parses what they render)."""
+    files = sorted(
+        p
+        for p in DOCKER.rglob("*")
+        if p.suffix in (".yaml", ".yml", ".json") and "templates" not in p.parts
+    )
     assert {p.relative_to(DOCKER).as_posix() for p in files} >= {
         "docker-compose.yaml",
         "config.yaml",
@@ -277,6 +283,8 @@ def test_every_yaml_and_json_file_parses() -> None:
         "k8s/networkpolicy.yaml",
         "k8s/redis.yaml",
         "k8s/kustomization.yaml",
+        "helm/fair-frontend/Chart.yaml",
+        "helm/fair-frontend/values.yaml",
     }
     for path in files:
         if path.suffix == ".json":
@@ -302,6 +310,9 @@ def test_every_yaml_and_json_file_parses() -> None:
 def test_the_config_is_valid_and_the_same_in_the_k8s_configmap() -> None:
     config = load_config(CONFIG)
     assert set(config.endpoints) == {"embed", "generate", "llm"}
+    # The Helm chart's default config is this same file.
+    chart_values = yaml.safe_load((DOCKER / "helm" / "fair-frontend" / "values.yaml").read_text())
+    assert yaml.safe_load(chart_values["config"]) == yaml.safe_load(CONFIG.read_text())
     assert config.rate_limiting.storage.startswith("redis://")
     # Redis's password from the secret's file; metrics and statistics for the operator
     # only, on the pod network (where Prometheus scrapes, behind the network policy).
@@ -326,8 +337,8 @@ def _compose_configs() -> list[tuple[str, Path]]:
 
 
 def test_every_deployment_config_serves_llm_in_engine_mode() -> None:
-    """docker/config.yaml, the k8s ConfigMap's and what compose mounts: ``llm`` is an
-    endpoint in engine mode (``max_inflight``:
+    """docker/config.yaml, the k8s ConfigMap's and what compose mounts (the chart's:
+    ``test_helm_chart.py``): ``llm`` is an endpoint in engine mode (``max_inflight``:
     continuous batching in the model, slots granted by the core), open to a tier."""
     configmap = k8s_object("ConfigMap", "fair-frontend-config")["data"]["config.yaml"]
     configs = {
@@ -1116,7 +1127,7 @@ def test_fleet_commands_in_the_deploy_files_serve(
     (503), both live; the shell is ready and live on its HTTP port and serves a batch and
     a streamed generation (engine mode) with a tenant's key, and refuses a demo key;
     when the leader stops, the standby leads within the lease and the shell serves
-    again. The kustomize commands are the same commands (checked to parse)."""
+    again. The kustomize and chart commands are the same commands (checked to parse)."""
     made = Secrets()
     spec = compose()
     # Redis, with the password, from the k8s manifest's script (the same as compose's).
@@ -1259,7 +1270,8 @@ def _flag_value(args: list[str], name: str) -> str:
 
 def test_compose_triton_command_is_the_k8s_one() -> None:
     """One Triton invocation: the compose service and the k8s Deployment run the same
-    with each model's GPU config (``--model-config-name``)."""
+    (and the Helm chart's StatefulSet: ``test_helm_chart.py``), with each model's GPU
+    config (``--model-config-name``)."""
     compose_triton = compose()["services"]["triton"]
     k8s_triton = k8s_object("Deployment", "triton")["spec"]["template"]["spec"]["containers"][0]
     assert compose_triton["entrypoint"] == k8s_triton["command"] == ["tritonserver"]
