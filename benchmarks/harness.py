@@ -115,7 +115,7 @@ def load_example_config(root: Path | None = None) -> dict[str, Any]:
 @contextlib.contextmanager
 def frontend(
     config: dict[str, Any] | Path,
-    triton_url: str,
+    triton_url: str | list[str],
     *,
     workers: int | None = 1,
     source: Path | None = None,
@@ -138,8 +138,6 @@ def frontend(
         "serve",
         "--config",
         str(path),
-        "--triton-url",
-        triton_url,
         "--host",
         "127.0.0.1",
         "--http-port",
@@ -151,6 +149,8 @@ def frontend(
         "--log-level",
         os.environ.get("FAIR_BENCH_LOG_LEVEL", "WARNING"),
     ]
+    for url in [triton_url] if isinstance(triton_url, str) else triton_url:
+        cmd += ["--triton-url", url]
     if workers is not None:
         cmd += ["--workers", str(workers)]
     env = None

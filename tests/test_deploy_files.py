@@ -1113,9 +1113,6 @@ def _until(
         time.sleep(0.05)  # polling interval, not a wait for readiness
 
 
-# needs fair-frontend core/shell (main branch): the commands' argparse definitions are in
-# fair_frontend/cli.py, their code is not yet. Remove the skip once `core` and `shell` run.
-@pytest.mark.skip(reason="needs fair-frontend core/shell (main branch)")
 def test_fleet_commands_in_the_deploy_files_serve(
     triton: EmbeddedTriton, rendered: Rendered, tmp_path: Path
 ) -> None:

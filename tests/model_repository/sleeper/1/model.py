@@ -1,6 +1,8 @@
 """Busy-waits a known time per execute(): fixed_ms + per_token_us * tokens of the whole call.
 
-A busy wait (a perf_counter loop, not sleep) so it occupies a core like real compute.
+A busy wait (a perf_counter loop, not sleep) so it occupies a core like real compute;
+with the parameter ``wait: sleep`` it sleeps instead, so that several Tritons on one
+machine can each take that time at once (a GPU's time is its own, not the host's CPU).
 A row's tokens are its entry in the ``length`` list of the ``fair_rows`` request parameter
 (as the frontend sends it where it pads ragged rows), else the width of INPUT_IDS. OUT is
 each row's token count. The cost parameters come from config.pbtxt (defaults 2 ms, 20 us).
@@ -22,6 +24,7 @@ class TritonPythonModel:
 
         self.fixed_s = param("fixed_ms", 2.0) / 1e3
         self.per_token_s = param("per_token_us", 20.0) / 1e6
+        self.sleep = params.get("wait", {}).get("string_value", "busy") == "sleep"
 
     def execute(self, requests):
         lengths = []
@@ -33,7 +36,10 @@ class TritonPythonModel:
             else:
                 lengths.append(np.full((ids.shape[0], 1), ids.shape[1], dtype=np.int32))
         tokens = sum(int(n.sum()) for n in lengths)
-        until = time.perf_counter() + self.fixed_s + self.per_token_s * tokens
-        while time.perf_counter() < until:
+        cost_s = self.fixed_s + self.per_token_s * tokens
+        if self.sleep:
+            time.sleep(cost_s)
+        until = time.perf_counter() + cost_s
+        while not self.sleep and time.perf_counter() < until:
             pass
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", n)]) for n in lengths]

@@ -1,0 +1,731 @@
+"""The fleet (issue 19): a pool of Tritons, shells on many hosts, leader-elected cores.
+
+Scenarios (``--scenarios``, all by default):
+
+* ``pool``: throughput of one frontend (``serve``) with 1 and then 2 Tritons, each serving
+  ``sleeper`` set to *sleep* 40 ms a batch of up to 8 (a model whose time is its own, as
+  a GPU's is: two Tritons on these 2 cores can take it at once). perf_analyzer, plain
+  ``--shape``, concurrency 32. Target: 2 Tritons >= 1.9x one.
+* ``shares``: tenant A (weight 2) only through one entry point, B (weight 1) only through
+  another, both backlogged, each client its own process. The fleet (one ``core``, two
+  ``shell`` processes) against today's independent replicas (two ``serve``), on ``llm``
+  (engine mode, 8 slots; tokens received in a window) and on ``embed`` (token cost;
+  perf_analyzer's infer/s, equal shapes). Target: within 5 % of 2:1 for the fleet.
+* ``failover``: two Tritons, Redis, two cores (``--election redis``, default lease), one
+  shell, a closed-loop client (its own process) through the shell. The leader SIGKILLed
+  three times (the killed one restarted as the standby): the gap from each kill to the
+  first answer after it, and the calls that failed (target: gap <= 5 s, none failed);
+  then one Triton SIGKILLed: the calls that failed (only what ran on it: at most a
+  batch), the rest served by the other.
+* ``capacity``: one ``core`` process (``--election none``) with shells on the other CPU:
+  the core's CPU per request (embed, 16 tokens, perf_analyzer through two shells) and
+  per stream slot (``repeat_int32``, one response each: grant, report, end), from the
+  process's own CPU time; one core's capacity is the inverse. Triton is real (embed is
+  cheap at 16 tokens): the core's CPU does not depend on Triton's speed.
+
+    .venv/bin/python -m benchmarks.bench_fleet [--scenarios pool,shares,failover,capacity]
+
+Results in ``benchmarks/results/fleet.json``; the shares as a plot
+(``benchmarks/results/fleet_shares.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import (
+    RESULTS,
+    ROOT,
+    frontend,
+    load_example_config,
+    process_tree_cpu_s,
+    progress,
+    wait_http_ready,
+    write_config,
+    write_result,
+)
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+from fair_frontend.testing import perf_analyzer, perf_analyzer_binary, scrape
+
+TEST_MODELS = ROOT / "tests" / "model_repository"
+KEYS = {"acme": "acme-demo-key", "globex": "globex-demo-key"}
+SECRET = "bench-fleet-secret-0123456789abcdef"
+PROMPT = "a tenant asks the shared model a question"
+
+
+# ---- processes -------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def cli(args: list[str], log: Path) -> Proc:
+    out = log.open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "fair_frontend.cli", *args], stdout=out, stderr=subprocess.STDOUT
+    )
+    return Proc(popen, log)
+
+
+@dataclass
+class CoreProc:
+    proc: Proc
+    port: int
+    metrics: int
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
+    def ready(self) -> bool:
+        try:
+            wait_http_ready(f"http://127.0.0.1:{self.metrics}/v2/health/ready", None, 0.2)
+            return True
+        except TimeoutError:
+            return False
+
+
+def start_core(
+    config: Path, tmp: Path, name: str, election: str = "none", port: int = 0
+) -> CoreProc:
+    """A core; ``port``: where shells find it (a restarted core takes its old address, as
+    a pod behind a Service does)."""
+    port, metrics = port or free_port(), free_port()
+    secret = tmp / "secret"
+    secret.write_text(SECRET)
+    args = [
+        "core",
+        "--config",
+        str(config),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--secret-file",
+        str(secret),
+        "--election",
+        election,
+        "--lease-name",
+        f"bench-{os.getpid()}",
+        "--metrics-port",
+        str(metrics),
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
+    ]
+    return CoreProc(cli(args, tmp / f"{name}.log"), port, metrics)
+
+
+@dataclass
+class ShellProc:
+    proc: Proc
+    http: int
+    grpc: int
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+
+def start_shell(cores: list[CoreProc], tmp: Path, name: str) -> ShellProc:
+    http, grpc = free_port(), free_port()
+    args = [
+        "shell",
+        "--secret-file",
+        str(tmp / "secret"),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--log-level",
+        "WARNING",
+    ]
+    for core in cores:
+        args += ["--core", f"127.0.0.1:{core.port}"]
+    shell = ShellProc(cli(args, tmp / f"{name}.log"), http, grpc)
+    wait_http_ready(f"http://127.0.0.1:{http}/v2/health/ready", shell.proc.popen)
+    return shell
+
+
+@contextlib.contextmanager
+def tritons(repos: list[Path], n: int, **kw: Any) -> Iterator[list[EmbeddedTriton]]:
+    servers = [EmbeddedTriton(repos, **kw) for _ in range(n)]
+    try:
+        for server in servers:
+            server.start()
+        progress(f"{n} Triton(s) ready: {', '.join(s.grpc_url for s in servers)}")
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def napper_repo(tmp: Path) -> Path:
+    """``sleeper``, set to sleep 40 ms a call of up to 8 rows."""
+    repo = tmp / "napper"
+    shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")
+    config = repo / "sleeper" / "config.pbtxt"
+    text = config.read_text()
+    text = text.replace("max_batch_size: 32", "max_batch_size: 8")
+    text = text.replace(
+        '"fixed_ms", value: { string_value: "2" }', '"fixed_ms", value: { string_value: "40" }'
+    )
+    text = text.replace(
+        '"per_token_us", value: { string_value: "20" }',
+        '"per_token_us", value: { string_value: "0" }',
+    )
+    text += 'parameters: { key: "wait", value: { string_value: "sleep" } }\n'
+    config.write_text(text)
+    return repo
+
+
+def base_config(**endpoints: dict[str, Any]) -> dict[str, Any]:
+    data = load_example_config()
+    data.pop("tier_limits", None)
+    for endpoint in data["endpoints"].values():
+        endpoint["throttle"] = False
+    data["default_endpoint"] = {"throttle": False}
+    data["endpoints"].update(endpoints)
+    data["tenants"]["acme"].update(weight=2.0, max_queued=100000)
+    data["tenants"]["globex"].update(weight=1.0, max_queued=100000, tier="enterprise")
+    return data
+
+
+def pa_headers(tenant: str) -> list[str]:
+    return [f"x-api-key:{KEYS[tenant]}"]
+
+
+# ---- pool: 1 and 2 Tritons ---------------------------------------------------------------
+
+
+def run_pool(tmp: Path, seconds: int) -> dict[str, Any]:
+    repo = napper_repo(tmp)
+    config = base_config(sleeper={"throttle": False})
+    out: dict[str, Any] = {}
+    with tritons([repo], 2) as servers:
+        direct = perf_analyzer(
+            "sleeper",
+            servers[0].grpc_url,
+            concurrency=32,
+            shapes=["INPUT_IDS:16"],
+            interval_ms=seconds * 1000,
+        )
+        out["triton_direct_one"] = direct["throughput"]
+        progress(f"Triton direct, one: {direct['throughput']:.0f} infer/s")
+        for n in (1, 2):
+            urls = [s.grpc_url for s in servers[:n]]
+            with frontend(config, urls, workers=None) as fe:
+                result = perf_analyzer(
+                    "sleeper",
+                    fe.grpc_url,
+                    concurrency=32,
+                    shapes=["INPUT_IDS:16"],
+                    headers=pa_headers("acme"),
+                    interval_ms=seconds * 1000,
+                )
+            out[f"frontend_{n}_tritons"] = result["throughput"]
+            progress(f"frontend, {n} Triton(s): {result['throughput']:.0f} infer/s")
+    out["ratio_2_to_1"] = out["frontend_2_tritons"] / out["frontend_1_tritons"]
+    progress(f"2 Tritons / 1: {out['ratio_2_to_1']:.2f}x (target >= 1.9)")
+    return out
+
+
+# ---- shares across entry points -----------------------------------------------------------
+
+
+def llm_client(url: str, tenant: str, concurrency: int, seconds: float, out: str) -> None:
+    """A tenant's streaming client (its own process): ``concurrency`` generations at a
+    time, each of 32 tokens, for ``seconds``; writes the arrival time of every token."""
+    import tritonclient.grpc.aio as grpcaio
+    import uvloop
+
+    async def main() -> None:
+        times: list[float] = []
+        stop_at = time.monotonic() + seconds
+
+        async def one_after_another() -> None:
+            client = grpcaio.InferenceServerClient(url)
+            try:
+                while time.monotonic() < stop_at:
+                    text = grpcaio.InferInput("text_input", [1], "BYTES")
+                    text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
+                    flag = grpcaio.InferInput("stream", [1], "BOOL")
+                    flag.set_data_from_numpy(np.array([True]))
+                    params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+                    params.set_data_from_numpy(
+                        np.array([json.dumps({"max_tokens": 32}).encode()], dtype=object)
+                    )
+
+                    async def request(inputs: list[Any]) -> Any:
+                        yield {"model_name": "llm", "inputs": inputs}
+
+                    got = 0
+                    async for result, error in client.stream_infer(
+                        request([text, flag, params]), headers={"x-api-key": KEYS[tenant]}
+                    ):
+                        if error is not None:
+                            raise RuntimeError(str(error))
+                        if result.as_numpy("text_output") is not None:
+                            times.append(time.time())
+                            got += 1
+                            if got == 32:
+                                break
+            finally:
+                await client.close()
+
+        await asyncio.gather(*(one_after_another() for _ in range(concurrency)))
+        Path(out).write_text(json.dumps(times))
+
+    uvloop.run(main())
+
+
+def share_in_window(files: dict[str, Path], warmup_s: float) -> dict[str, int]:
+    times = {t: json.loads(f.read_text()) for t, f in files.items()}
+    start = max(min(ts) for ts in times.values()) + warmup_s
+    end = min(max(ts) for ts in times.values())  # both still backlogged
+    return {t: sum(1 for x in ts if start <= x <= end) for t, ts in times.items()}
+
+
+def measure_shares(urls: dict[str, str], tmp: Path, seconds: int, label: str) -> dict[str, Any]:
+    """llm tokens and embed infer/s of acme (through ``urls['acme']``) and globex."""
+    files = {t: tmp / f"{label}-{t}.json" for t in urls}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_fleet",
+                "llm-client",
+                urls[t],
+                t,
+                "24",
+                str(seconds),
+                str(files[t]),
+            ]
+        )
+        for t in urls
+    ]
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"an llm client failed ({p.returncode})")
+    llm = share_in_window(files, warmup_s=3.0)
+    embed: dict[str, float] = {}
+    logs = {t: tmp / f"{label}-embed-{t}.csv" for t in urls}
+    pas = [
+        subprocess.Popen(
+            [
+                perf_analyzer_binary(),
+                "-m",
+                "embed",
+                "-u",
+                urls[t],
+                "-i",
+                "grpc",
+                "--concurrency-range",
+                "24:24",
+                "--shape",
+                "INPUT_IDS:128",
+                "-H",
+                f"x-api-key:{KEYS[t]}",
+                "--measurement-interval",
+                str(seconds * 1000),
+                "--stability-percentage",
+                "100",
+                "--max-trials",
+                "1",
+                "-f",
+                str(logs[t]),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for t in urls
+    ]
+    for t, p in zip(urls, pas, strict=True):
+        if p.wait() != 0:
+            raise RuntimeError(f"perf_analyzer for {t} failed ({p.returncode})")
+        rows = logs[t].read_text().splitlines()
+        header, row = rows[0].split(","), rows[1].split(",")
+        embed[t] = float(row[header.index("Inferences/Second")])
+    return {
+        "llm_tokens": llm,
+        "llm_share_acme": llm["acme"] / sum(llm.values()),
+        "embed_infer_s": embed,
+        "embed_share_acme": embed["acme"] / sum(embed.values()),
+    }
+
+
+def run_shares(tmp: Path, seconds: int) -> dict[str, Any]:
+    config = base_config()
+    config["endpoints"]["llm"].update(max_inflight=8, reserved_slots=0)
+    path = write_config(config, tmp)
+    out: dict[str, Any] = {}
+    with tritons([default_model_repository()], 1) as (triton,):
+        data = {**config, "triton": {"http_url": triton.http_url}}
+        fleet_config = write_config(data, tmp)
+        core = start_core(fleet_config, tmp, "shares-core")
+        try:
+            wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
+            shells = [start_shell([core], tmp, f"shares-shell{i}") for i in range(2)]
+            progress("fleet: one core, two shells; acme (w2) via shell 0, globex (w1) via 1")
+            out["fleet"] = measure_shares(
+                {"acme": shells[0].url, "globex": shells[1].url}, tmp, seconds, "fleet"
+            )
+        finally:
+            for s in locals().get("shells", []):
+                s.proc.stop()
+            core.proc.stop()
+        progress("replicas: two serve processes, each its own scheduler")
+        with (
+            frontend(path, triton.grpc_url, workers=1, http_url=triton.http_url) as one,
+            frontend(path, triton.grpc_url, workers=1, http_url=triton.http_url) as two,
+        ):
+            out["replicas"] = measure_shares(
+                {"acme": one.grpc_url, "globex": two.grpc_url}, tmp, seconds, "replicas"
+            )
+    for kind in ("fleet", "replicas"):
+        r = out[kind]
+        progress(
+            f"{kind}: acme's share llm {r['llm_share_acme']:.3f}, embed "
+            f"{r['embed_share_acme']:.3f} (weights: 0.667)"
+        )
+    plot_shares(out)
+    return out
+
+
+def plot_shares(out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    kinds = ["fleet", "replicas"]
+    x = np.arange(2)
+    for i, key in enumerate(("llm_share_acme", "embed_share_acme")):
+        ax.bar(x + (i - 0.5) * 0.35, [out[k][key] for k in kinds], 0.35, label=key.split("_")[0])
+    ax.axhline(2 / 3, color="k", ls="--", lw=1, label="weight 2:1")
+    ax.axhline(1 / 2, color="grey", ls=":", lw=1)
+    ax.set_xticks(x, ["one core, two shells", "two independent replicas"])
+    ax.set_ylabel("tenant A's share (weight 2 of 3)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fleet_shares.png", dpi=120)
+    progress(f"plot written to {RESULTS / 'fleet_shares.png'}")
+
+
+# ---- failover ----------------------------------------------------------------------------
+
+
+def load_client(url: str, seconds: float, out: str) -> None:
+    """A closed-loop client (its own process): 16 calls at a time to ``sleeper``; writes
+    (time, ok) per answer."""
+    import tritonclient.grpc.aio as grpcaio
+    import uvloop
+    from tritonclient.utils import InferenceServerException
+
+    async def main() -> None:
+        answers: list[tuple[float, bool, str]] = []
+        stop_at = time.monotonic() + seconds
+        ids = np.full((1, 16), 3, dtype=np.int32)
+
+        async def loop() -> None:
+            client = grpcaio.InferenceServerClient(url)
+            try:
+                while time.monotonic() < stop_at:
+                    inp = grpcaio.InferInput("INPUT_IDS", [1, 16], "INT32")
+                    inp.set_data_from_numpy(ids)
+                    try:
+                        await client.infer(
+                            "sleeper", [inp], headers={"x-api-key": KEYS["acme"]}, client_timeout=60
+                        )
+                        answers.append((time.time(), True, ""))
+                    except InferenceServerException as err:
+                        answers.append((time.time(), False, str(err)[:200]))
+            finally:
+                await client.close()
+
+        await asyncio.gather(*(loop() for _ in range(16)))
+        Path(out).write_text(json.dumps(answers))
+
+    uvloop.run(main())
+
+
+def run_failover(tmp: Path, seconds: int) -> dict[str, Any]:
+    repo = napper_repo(tmp)
+    out: dict[str, Any] = {"core_gaps_s": [], "kills": []}
+    redis_port = free_port()
+    redis = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        with tritons([repo], 2) as servers:
+            data = base_config(sleeper={"throttle": False})
+            data["triton"] = {
+                "backends": [{"grpc_url": s.grpc_url} for s in servers],
+                "max_outage_s": 120.0,
+            }
+            data["rate_limiting"] = {"storage": f"redis://127.0.0.1:{redis_port}/0"}
+            config = write_config(data, tmp)
+            cores = [start_core(config, tmp, f"core{i}", "redis") for i in range(2)]
+            wait_until(lambda: any(c.ready() for c in cores), 60)
+            shell = start_shell(cores, tmp, "shell")
+            answers = tmp / "answers.json"
+            duration = 12 * 4 + seconds
+            client = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.bench_fleet",
+                    "load-client",
+                    shell.url,
+                    str(duration),
+                    str(answers),
+                ]
+            )
+            started = time.time()
+            time.sleep(4)
+            for n in range(3):  # the leader killed; the killed one back as the standby
+                leader = next(c for c in cores if c.ready())
+                killed_at = time.time()
+                leader.proc.popen.kill()
+                leader.proc.popen.wait()
+                out["kills"].append(killed_at)
+                progress(f"core kill {n + 1}: leader on port {leader.port} SIGKILLed")
+                cores.remove(leader)
+                wait_until(lambda: any(c.ready() for c in cores), 30)
+                name = f"core{len(out['kills']) + 1}"
+                cores.append(start_core(config, tmp, name, "redis", port=leader.port))
+                time.sleep(8)
+            progress("Triton 1 SIGKILLed")
+            triton_killed_at = time.time()
+            assert servers[1].pid is not None
+            os.killpg(servers[1].pid, signal.SIGKILL)
+            client.wait()
+            for c in cores:
+                c.proc.stop()
+            shell.proc.stop()
+    finally:
+        redis.terminate()
+        redis.wait()
+    results = json.loads(answers.read_text())
+    errors = sorted({e for _, ok, e in results if not ok})
+    progress(f"{len(results)} answers, {sum(1 for r in results if r[1])} ok; errors: {errors[:3]}")
+    for killed_at in out["kills"]:
+        after = [t for t, ok, _ in results if ok and t > killed_at]
+        out["core_gaps_s"].append(min(after) - killed_at)
+    out["failed_core_phase"] = sum(1 for t, ok, _ in results if not ok and t < triton_killed_at)
+    failed_triton = [(t, e) for t, ok, e in results if not ok and t >= triton_killed_at]
+    out["failed_after_triton_kill"] = len(failed_triton)
+    out["failed_errors"] = sorted({e for _, e in failed_triton})[:3]
+    out["served_after_triton_kill"] = sum(
+        1 for t, ok, _ in results if ok and t >= triton_killed_at + 1
+    )
+    out["answers"] = len(results)
+    out["seconds"] = time.time() - started
+    progress(
+        f"core failover gaps: {', '.join(f'{g:.2f}' for g in out['core_gaps_s'])} s; "
+        f"failed meanwhile: {out['failed_core_phase']} of {len(results)}"
+    )
+    progress(
+        f"Triton killed: {len(failed_triton)} failed (a batch holds at most 8), "
+        f"{out['served_after_triton_kill']} served after it"
+    )
+    return out
+
+
+def wait_until(condition: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("not within the time")
+        time.sleep(0.02)
+
+
+# ---- capacity ------------------------------------------------------------------------------
+
+
+def run_capacity(tmp: Path, seconds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tritons(
+        [default_model_repository(), TEST_MODELS],
+        1,
+        extra_args=[
+            "--model-control-mode=explicit",
+            "--load-model=embed",
+            "--load-model=repeat_int32",
+        ],
+    ) as (triton,):
+        data = base_config()
+        data["triton"] = {"http_url": triton.http_url}
+        data["endpoints"]["repeat_int32"] = {"max_inflight_batches": 64, "throttle": False}
+        config = write_config(data, tmp)
+        core = start_core(config, tmp, "capacity-core")
+        try:
+            wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
+            # The core on CPU 0, everything else on CPU 1 ("shells on other cores").
+            pin(core.proc.popen.pid, "0")
+            shells = [start_shell([core], tmp, f"cap-shell{i}") for i in range(2)]
+            for s in shells:
+                pin(s.proc.popen.pid, "1", tree=True)
+            for name, model, extra in (
+                ("request", "embed", ["--shape", "INPUT_IDS:16"]),
+                (
+                    "stream slot",
+                    "repeat_int32",
+                    ["--streaming", "--input-data", str(repeat_input(tmp))],
+                ),
+            ):
+                before = process_tree_cpu_s(core.proc.popen.pid)["core"]
+                count0 = scrape(core.metrics_url).sum("fair_requests_total", endpoint=model)
+                t0 = time.monotonic()
+                pas = [
+                    subprocess.Popen(
+                        [
+                            "taskset",
+                            "-c",
+                            "1",
+                            perf_analyzer_binary(),
+                            "-m",
+                            model,
+                            "-u",
+                            s.url,
+                            "-i",
+                            "grpc",
+                            "--concurrency-range",
+                            "16:16",
+                            "-H",
+                            f"x-api-key:{KEYS['acme']}",
+                            "--measurement-interval",
+                            str(seconds * 1000),
+                            "--stability-percentage",
+                            "100",
+                            "--max-trials",
+                            "1",
+                            *extra,
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                    for s in shells
+                ]
+                for p in pas:
+                    p.wait()
+                wall = time.monotonic() - t0
+                cpu = process_tree_cpu_s(core.proc.popen.pid)["core"] - before
+                count = scrape(core.metrics_url).sum("fair_requests_total", endpoint=model) - count0
+                per_us = cpu / count * 1e6
+                out[name] = {
+                    "core_cpu_us": per_us,
+                    "per_core_second": 1e6 / per_us,
+                    "served_per_s": count / wall,
+                    "core_busy": cpu / wall,
+                }
+                progress(
+                    f"{name}: core CPU {per_us:.0f} µs each -> one core "
+                    f"{1e6 / per_us:,.0f}/s (served {count / wall:,.0f}/s here, "
+                    f"core {cpu / wall:.0%} busy)"
+                )
+        finally:
+            for s in locals().get("shells", []):
+                s.proc.stop()
+            core.proc.stop()
+    return out
+
+
+def pin(pid: int, cpus: str, tree: bool = False) -> None:
+    args = ["taskset", "-a", "-p", "-c", cpus, str(pid)]
+    subprocess.run(args, check=True, capture_output=True)
+    if tree:
+        for child in subprocess.run(
+            ["pgrep", "-P", str(pid)], capture_output=True, text=True
+        ).stdout.split():
+            pin(int(child), cpus, tree=True)
+
+
+def repeat_input(tmp: Path) -> Path:
+    path = tmp / "repeat.json"
+    path.write_text(json.dumps({"data": [{"IN": [1], "DELAY": [0], "WAIT": [0]}]}))
+    return path
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "llm-client":
+        llm_client(argv[1], argv[2], int(argv[3]), float(argv[4]), argv[5])
+        return 0
+    if argv and argv[0] == "load-client":
+        load_client(argv[1], float(argv[2]), argv[3])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_fleet")
+    parser.add_argument("--scenarios", default="pool,shares,failover,capacity")
+    parser.add_argument("--seconds", type=int, default=15, help="each measurement's window")
+    args = parser.parse_args(argv)
+    previous = RESULTS / "fleet.json"
+    results: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    runs = {
+        "pool": run_pool,
+        "shares": run_shares,
+        "failover": run_failover,
+        "capacity": run_capacity,
+    }
+    try:
+        for name in args.scenarios.split(","):
+            progress(f"scenario {name}")
+            results[name] = runs[name](tmp, args.seconds)
+            write_result("fleet", results)
+    finally:
+        if os.environ.get("FAIR_BENCH_KEEP"):
+            progress(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
