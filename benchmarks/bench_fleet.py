@@ -54,6 +54,7 @@ from benchmarks.harness import (
     ROOT,
     frontend,
     load_example_config,
+    load_generators,
     process_tree_cpu_s,
     progress,
     wait_http_ready,
@@ -220,6 +221,11 @@ def base_config(**endpoints: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def backend(triton: EmbeddedTriton) -> dict[str, str]:
+    """A pool's entry for ``triton``: batches over its HTTP, as ``up`` sends them."""
+    return {"grpc_url": triton.grpc_url, "http_url": triton.http_url}
+
+
 def pa_headers(tenant: str) -> list[str]:
     return [f"x-api-key:{KEYS[tenant]}"]
 
@@ -315,8 +321,17 @@ def share_in_window(files: dict[str, Path], warmup_s: float) -> dict[str, int]:
     return {t: sum(1 for x in ts if start <= x <= end) for t, ts in times.items()}
 
 
-def measure_shares(urls: dict[str, str], tmp: Path, seconds: int, label: str) -> dict[str, Any]:
-    """llm tokens and embed infer/s of acme (through ``urls['acme']``) and globex."""
+def served_tokens(metrics: list[str], endpoint: str) -> dict[str, float]:
+    pages = [scrape(url) for url in metrics]
+    return {t: sum(p.sum("fair_served_tokens_total", tenant=t, endpoint=endpoint) for p in pages)
+            for t in KEYS}  # fmt: skip
+
+
+def measure_shares(
+    urls: dict[str, str], metrics: list[str], tmp: Path, seconds: int, label: str
+) -> dict[str, Any]:
+    """llm tokens received by acme's client (through ``urls['acme']``) and globex's, and
+    embed tokens served to each (``metrics``: the frontends' pages)."""
     files = {t: tmp / f"{label}-{t}.json" for t in urls}
     procs = [
         subprocess.Popen(
@@ -338,48 +353,25 @@ def measure_shares(urls: dict[str, str], tmp: Path, seconds: int, label: str) ->
         if p.wait() != 0:
             raise RuntimeError(f"an llm client failed ({p.returncode})")
     llm = share_in_window(files, warmup_s=3.0)
+    # embed: perf_analyzer per tenant, running until stopped; the tokens each was served
+    # in a window while both ran, from the frontends' own counters.
     embed: dict[str, float] = {}
-    logs = {t: tmp / f"{label}-embed-{t}.csv" for t in urls}
-    pas = [
-        subprocess.Popen(
-            [
-                perf_analyzer_binary(),
-                "-m",
-                "embed",
-                "-u",
-                urls[t],
-                "-i",
-                "grpc",
-                "--concurrency-range",
-                "24:24",
-                "--shape",
-                "INPUT_IDS:128",
-                "-H",
-                f"x-api-key:{KEYS[t]}",
-                "--measurement-interval",
-                str(seconds * 1000),
-                "--stability-percentage",
-                "100",
-                "--max-trials",
-                "1",
-                "-f",
-                str(logs[t]),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    commands = {
+        t: [perf_analyzer_binary(), "-m", "embed", "-u", urls[t], "-i", "grpc",
+            "--concurrency-range", "128:128", "--shape", "INPUT_IDS:128",
+            "-H", f"x-api-key:{KEYS[t]}", "--measurement-interval", "600000"]
         for t in urls
-    ]
-    for t, p in zip(urls, pas, strict=True):
-        if p.wait() != 0:
-            raise RuntimeError(f"perf_analyzer for {t} failed ({p.returncode})")
-        rows = logs[t].read_text().splitlines()
-        header, row = rows[0].split(","), rows[1].split(",")
-        embed[t] = float(row[header.index("Inferences/Second")])
+    }  # fmt: skip
+    with load_generators(commands, tmp):
+        time.sleep(5)
+        before = served_tokens(metrics, "embed")
+        time.sleep(seconds)
+        after = served_tokens(metrics, "embed")
+    embed = {t: after[t] - before[t] for t in urls}
     return {
         "llm_tokens": llm,
         "llm_share_acme": llm["acme"] / sum(llm.values()),
-        "embed_infer_s": embed,
+        "embed_tokens": embed,
         "embed_share_acme": embed["acme"] / sum(embed.values()),
     }
 
@@ -390,15 +382,20 @@ def run_shares(tmp: Path, seconds: int) -> dict[str, Any]:
     path = write_config(config, tmp)
     out: dict[str, Any] = {}
     with tritons([default_model_repository()], 1) as (triton,):
-        data = {**config, "triton": {"http_url": triton.http_url}}
-        fleet_config = write_config(data, tmp)
+        data = {**config, "triton": {"backends": [backend(triton)]}}
+        (tmp / "fleet").mkdir(exist_ok=True)
+        fleet_config = write_config(data, tmp / "fleet")
         core = start_core(fleet_config, tmp, "shares-core")
         try:
             wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
             shells = [start_shell([core], tmp, f"shares-shell{i}") for i in range(2)]
             progress("fleet: one core, two shells; acme (w2) via shell 0, globex (w1) via 1")
             out["fleet"] = measure_shares(
-                {"acme": shells[0].url, "globex": shells[1].url}, tmp, seconds, "fleet"
+                {"acme": shells[0].url, "globex": shells[1].url},
+                [core.metrics_url],
+                tmp,
+                seconds,
+                "fleet",
             )
         finally:
             for s in locals().get("shells", []):
@@ -410,7 +407,11 @@ def run_shares(tmp: Path, seconds: int) -> dict[str, Any]:
             frontend(path, triton.grpc_url, workers=1, http_url=triton.http_url) as two,
         ):
             out["replicas"] = measure_shares(
-                {"acme": one.grpc_url, "globex": two.grpc_url}, tmp, seconds, "replicas"
+                {"acme": one.grpc_url, "globex": two.grpc_url},
+                [f"http://127.0.0.1:{fe.metrics_port}/metrics" for fe in (one, two)],
+                tmp,
+                seconds,
+                "replicas",
             )
     for kind in ("fleet", "replicas"):
         r = out[kind]
@@ -598,79 +599,102 @@ def run_capacity(tmp: Path, seconds: int) -> dict[str, Any]:
         ],
     ) as (triton,):
         data = base_config()
-        data["triton"] = {"http_url": triton.http_url}
+        data["triton"] = {"backends": [backend(triton)]}
         data["endpoints"]["repeat_int32"] = {"max_inflight_batches": 64, "throttle": False}
-        config = write_config(data, tmp)
+        (tmp / "capacity").mkdir(exist_ok=True)
+        config = write_config(data, tmp / "capacity")
+        # The fleet's core, its two shells elsewhere (over gRPC).
         core = start_core(config, tmp, "capacity-core")
         try:
             wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
-            # The core on CPU 0, everything else on CPU 1 ("shells on other cores").
-            pin(core.proc.popen.pid, "0")
             shells = [start_shell([core], tmp, f"cap-shell{i}") for i in range(2)]
-            for s in shells:
-                pin(s.proc.popen.pid, "1", tree=True)
-            for name, model, extra in (
-                ("request", "embed", ["--shape", "INPUT_IDS:16"]),
-                (
-                    "stream slot",
-                    "repeat_int32",
-                    ["--streaming", "--input-data", str(repeat_input(tmp))],
-                ),
-            ):
-                before = process_tree_cpu_s(core.proc.popen.pid)["core"]
-                count0 = scrape(core.metrics_url).sum("fair_requests_total", endpoint=model)
-                t0 = time.monotonic()
-                pas = [
-                    subprocess.Popen(
-                        [
-                            "taskset",
-                            "-c",
-                            "1",
-                            perf_analyzer_binary(),
-                            "-m",
-                            model,
-                            "-u",
-                            s.url,
-                            "-i",
-                            "grpc",
-                            "--concurrency-range",
-                            "16:16",
-                            "-H",
-                            f"x-api-key:{KEYS['acme']}",
-                            "--measurement-interval",
-                            str(seconds * 1000),
-                            "--stability-percentage",
-                            "100",
-                            "--max-trials",
-                            "1",
-                            *extra,
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                    for s in shells
-                ]
-                for p in pas:
-                    p.wait()
-                wall = time.monotonic() - t0
-                cpu = process_tree_cpu_s(core.proc.popen.pid)["core"] - before
-                count = scrape(core.metrics_url).sum("fair_requests_total", endpoint=model) - count0
-                per_us = cpu / count * 1e6
-                out[name] = {
-                    "core_cpu_us": per_us,
-                    "per_core_second": 1e6 / per_us,
-                    "served_per_s": count / wall,
-                    "core_busy": cpu / wall,
-                }
-                progress(
-                    f"{name}: core CPU {per_us:.0f} µs each -> one core "
-                    f"{1e6 / per_us:,.0f}/s (served {count / wall:,.0f}/s here, "
-                    f"core {cpu / wall:.0%} busy)"
-                )
+            out["grpc link"] = core_cost(
+                core.proc.popen.pid,
+                [s.proc.popen.pid for s in shells],
+                [s.url for s in shells],
+                core.metrics_url,
+                tmp,
+                seconds,
+            )
         finally:
             for s in locals().get("shells", []):
                 s.proc.stop()
             core.proc.stop()
+        # The same core with its two shells on this host (serve --workers 2, Unix socket).
+        with frontend(config, [], workers=2) as fe:
+            out["unix socket"] = core_cost(
+                fe.process.pid,
+                [],
+                [fe.grpc_url],
+                f"http://127.0.0.1:{fe.metrics_port}/metrics",
+                tmp,
+                seconds,
+            )
+    return out
+
+
+def core_cost(
+    core: int, shells: list[int], urls: list[str], metrics: str, tmp: Path, seconds: int
+) -> dict[str, Any]:
+    """The core process's CPU per request and per stream slot under load through
+    ``urls``: the core pinned to CPU 0, everything else to CPU 1."""
+    pin(core, "0")
+    for pid in shells:
+        pin(pid, "1", tree=True)
+    for child in subprocess.run(["pgrep", "-P", str(core)], capture_output=True,
+                                text=True).stdout.split():  # fmt: skip
+        pin(int(child), "1", tree=True)  # serve's own shells
+    out: dict[str, Any] = {}
+    link = "grpc link" if shells else "unix socket"
+    for name, model, extra in (
+        ("request", "embed", ["--shape", "INPUT_IDS:16"]),
+        (
+            "stream slot",
+            "repeat_int32",
+            [
+                "--streaming",
+                "--input-data",
+                str(repeat_input(tmp)),
+                "--shape",
+                "IN:1",
+                "--shape",
+                "DELAY:1",
+                "--shape",
+                "WAIT:1",
+            ],
+        ),
+    ):
+        commands = {
+            f"{model}-{i}": ["taskset", "-c", "1", perf_analyzer_binary(), "-m", model, "-u", url,
+                             "-i", "grpc", "--concurrency-range", "16:16",
+                             "-H", f"x-api-key:{KEYS['acme']}",
+                             "--measurement-interval", "600000", *extra]
+            for i, url in enumerate(urls * (2 // len(urls)))
+        }  # fmt: skip
+        with load_generators(commands, tmp):
+            time.sleep(4)
+            cpu0 = process_tree_cpu_s(core)["core"]
+            count0 = scrape(metrics).sum("fair_requests_total", endpoint=model)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            cpu = process_tree_cpu_s(core)["core"] - cpu0
+            count = scrape(metrics).sum("fair_requests_total", endpoint=model) - count0
+            wall = time.monotonic() - t0
+        if not count:
+            tails = [(tmp / f"{n}.log").read_text()[-500:] for n in commands]
+            raise RuntimeError(f"nothing served of {model}: {tails}")
+        per_us = cpu / count * 1e6
+        out[name] = {
+            "core_cpu_us": per_us,
+            "per_core_second": 1e6 / per_us,
+            "served_per_s": count / wall,
+            "core_busy": cpu / wall,
+        }
+        progress(
+            f"{link}, {name}: core CPU {per_us:.0f} µs each -> one core "
+            f"{1e6 / per_us:,.0f}/s (served {count / wall:,.0f}/s here, core "
+            f"{cpu / wall:.0%} busy)"
+        )
     return out
 
 
