@@ -218,6 +218,7 @@ def base_config(**endpoints: dict[str, Any]) -> dict[str, Any]:
     data["endpoints"].update(endpoints)
     data["tenants"]["acme"].update(weight=2.0, max_queued=100000)
     data["tenants"]["globex"].update(weight=1.0, max_queued=100000, tier="enterprise")
+    data["tenants"]["globex"].pop("limits", None)  # shares by weight, not by a rate limit
     return data
 
 

@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument(
         "--lease-name", default="fair-frontend-core", help="the Redis key or Kubernetes Lease"
     )
+    core.add_argument("--tls-cert", default=None, help="PEM certificate: the shells' link over TLS")
+    core.add_argument("--tls-key", default=None, help="its PEM private key")
+    core.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA: shells must present a certificate it signed (mutual TLS)",
+    )
     core.add_argument(
         "--metrics-port", type=int, default=None, help="operator's port: /metrics, health"
     )
@@ -188,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a core's HOST:PORT; repeat it for every core (the shells find the leader)",
     )
     _add_secret_flags(shell)
+    shell.add_argument(
+        "--tls-ca", default=None, help="PEM CA the cores' certificates are checked by (TLS)"
+    )
+    shell.add_argument("--tls-cert", default=None, help="this shell's PEM certificate (mutual TLS)")
+    shell.add_argument("--tls-key", default=None, help="its PEM private key")
     shell.add_argument("--host", default="0.0.0.0", help="address to listen on")
     shell.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port")
     shell.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")

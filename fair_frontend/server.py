@@ -44,6 +44,7 @@ from fair_frontend.shell.http_server import HttpShell, error_response, proto_to_
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Draining, Settings, Stop
+from fair_frontend.wire.remote import Tls
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +155,12 @@ class FrontendServer:
             await self.shells.start()
             self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
 
-    async def lead(self, address: str, secret: bytes) -> None:
+    async def lead(self, address: str, secret: bytes, tls: Tls | None = None) -> None:
         """A core for shells elsewhere (``workers=0``), started warm: from now on it
-        accepts them at ``address`` (HOST:PORT), each carrying ``secret``."""
+        accepts them at ``address`` (HOST:PORT), each carrying ``secret`` (over ``tls``
+        where given)."""
         assert isinstance(self.shells, RemoteShells)
-        self.core_port = await self.shells.server.listen(address, secret)
+        self.core_port = await self.shells.server.listen(address, secret, tls)
         self.leading = True
 
     @property

@@ -48,6 +48,7 @@ from fair_frontend.wire.remote import (
     SECRET_HEADER,
     SERVER_OPTIONS,
     StreamTransport,
+    Tls,
     secret_matches,
 )
 
@@ -318,9 +319,9 @@ class CoreServer:
             os.chmod(self.path, 0o600)  # only this user's processes may act as shells
         self._viewer = loop.create_task(self._publish_queue_view())
 
-    async def listen(self, address: str, secret: bytes) -> int:
+    async def listen(self, address: str, secret: bytes, tls: Tls | None = None) -> int:
         """Accept shells from other hosts at ``address`` (HOST:PORT), each stream carrying
-        ``secret``; returns the port bound."""
+        ``secret`` (over TLS where ``tls`` is given); returns the port bound."""
         self._secret = secret
         server = grpc.aio.server(options=SERVER_OPTIONS)
         handler = grpc.stream_stream_rpc_method_handler(self._link)  # bytes in, bytes out
@@ -328,7 +329,10 @@ class CoreServer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service.strip("/"), {method: handler}),)
         )
-        port = server.add_insecure_port(address)
+        if tls is not None:
+            port = server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen for shells on {address}")
         await server.start()

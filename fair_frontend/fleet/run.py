@@ -34,6 +34,7 @@ from fair_frontend.fleet import SECRET_ENV
 from fair_frontend.fleet.election import Election, KubernetesLease, NoElection, RedisLease
 from fair_frontend.server import FrontendServer, Listen, ShellPool
 from fair_frontend.shell.remote import SECRET_REFUSED
+from fair_frontend.wire.remote import Tls
 
 log = logging.getLogger("fair_frontend.fleet")
 
@@ -75,6 +76,10 @@ async def run_core(
 ) -> int:
     """Serve as one of the fleet's cores until ``stop`` (a signal) or the lease is lost
     (exit status 1: the orchestrator starts it again, as a standby)."""
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        tls = Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tls.server_credentials()  # unreadable or incomplete: said now, not once leading
     identity = advertised(args.listen, args.advertise)
     election = make_election(args, config, identity)
     server = FrontendServer(config, list(triton_urls), listen, workers=0)
@@ -92,7 +97,7 @@ async def run_core(
         if not acquire.done():
             acquire.cancel()
             return 0
-        await server.lead(args.listen, secret)
+        await server.lead(args.listen, secret, tls)
         print(
             f"fair_frontend core {identity} leads: shells connect to port {server.core_port}",
             flush=True,
@@ -126,8 +131,10 @@ class ShellSupervisor(ShellPool):
         listen: Listen,
         workers: int,
         log_format: str = "json",
+        tls: Tls | None = None,
     ) -> None:
         self.cores = list(cores)
+        self.tls = tls or Tls()
         self.secret = secret
         self.listen = listen
         self.workers = workers
@@ -151,7 +158,14 @@ class ShellSupervisor(ShellPool):
             await self._spawn(index)
 
     def _where(self) -> list[str]:
-        return ["--cores", ",".join(self.cores)]
+        tls = [
+            arg
+            for flag, path in (("--tls-ca", self.tls.ca), ("--tls-cert", self.tls.cert),
+                               ("--tls-key", self.tls.key))
+            if path is not None
+            for arg in (flag, path)
+        ]  # fmt: skip
+        return ["--cores", ",".join(self.cores), *tls]
 
     def _log_format(self) -> str:
         return self._format
@@ -186,7 +200,10 @@ class ShellSupervisor(ShellPool):
 
 async def run_shells(args: argparse.Namespace, secret: bytes, stop: asyncio.Event) -> int:
     listen = Listen(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
-    supervisor = ShellSupervisor(args.core, secret, listen, args.workers, args.log_format)
+    tls = Tls(args.tls_cert, args.tls_key, args.tls_ca)
+    supervisor = ShellSupervisor(
+        args.core, secret, listen, args.workers, args.log_format, tls if tls != Tls() else None
+    )
     await supervisor.start()
     print(
         f"fair_frontend shells: HTTP {args.host}:{supervisor.http_port}, gRPC "

@@ -37,7 +37,7 @@ from fair_frontend.shell.remote import SECRET_REFUSED, RemoteLink, SecretRefused
 from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
-from fair_frontend.wire.remote import SecretError, load_secret
+from fair_frontend.wire.remote import SecretError, Tls, load_secret
 
 log = logging.getLogger("fair_frontend.shell")
 
@@ -92,9 +92,22 @@ class ShellProcess:
             except SecretError as err:
                 log.error("shell %d: %s", self.args.index, err)
                 return SECRET_REFUSED
-            remote = RemoteLink(
-                self.args.cores.split(","), secret, hello, self.on_settings, self.on_end, _nothing
-            )
+            tls = None
+            if self.args.tls_ca or self.args.tls_cert:
+                tls = Tls(self.args.tls_cert, self.args.tls_key, self.args.tls_ca)
+            try:
+                remote = RemoteLink(
+                    self.args.cores.split(","),
+                    secret,
+                    hello,
+                    self.on_settings,
+                    self.on_end,
+                    _nothing,
+                    tls=tls,
+                )
+            except SecretError as err:
+                log.error("shell %d: %s", self.args.index, err)
+                return SECRET_REFUSED
             try:
                 await remote.find_core()
             except SecretRefused as err:
@@ -185,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         help="HOST:PORT,... of cores elsewhere (fair-frontend shell); the secret comes in "
         f"${SECRET_ENV}",
     )
+    parser.add_argument("--tls-ca", help="--cores: the CA the core's certificate is checked by")
+    parser.add_argument("--tls-cert", help="--cores: this shell's certificate (mutual TLS)")
+    parser.add_argument("--tls-key", help="--cores: its private key")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--http-fd", type=int, required=True, help="inherited listening socket")
     parser.add_argument("--grpc-host", required=True)

@@ -53,6 +53,7 @@ from fair_frontend.wire.remote import (
     METHOD,
     SECRET_HEADER,
     StreamTransport,
+    Tls,
     rpc_error_text,
 )
 
@@ -80,8 +81,10 @@ class RemoteLink(SocketLink):
         on_stop: Callable[[], None],
         on_lost: Callable[[], None],
         hold_s: float = 60.0,
+        tls: Tls | None = None,
     ) -> None:
         super().__init__(on_settings, on_stop, on_lost)
+        self._credentials = tls.channel_credentials() if tls is not None else None
         self.cores = cores
         self._metadata = ((SECRET_HEADER, secret.decode("latin-1")),)
         self.hello = hello
@@ -191,7 +194,10 @@ class RemoteLink(SocketLink):
             delay = min(delay * 2, RETRY_S[1])
 
     async def _open(self, address: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if self._credentials is not None:
+            channel = grpc.aio.secure_channel(address, self._credentials, CHANNEL_OPTIONS)
+        else:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         call = channel.stream_stream(METHOD)(metadata=self._metadata)
         transport = StreamTransport(call.write, self, done_writing=call.done_writing, peer=address)
         self.reattach(transport)

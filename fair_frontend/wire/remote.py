@@ -8,6 +8,12 @@ each message is one or more whole frames, the same records, in order. The connec
 still the shell: when its stream ends, however it ends, the core drops that shell's queued
 work at once (``Core.drop_route``), as for a shell process that died.
 
+TLS (``Tls``): off by default (a secret crosses in the clear, so that is for a network
+of the deployment's own, such as a Kubernetes pod network behind NetworkPolicies); with
+``--tls-cert``/``--tls-key`` on the core the link is encrypted and the shells check the
+core's certificate (``--tls-ca``), and with ``--tls-client-ca`` on the core it is mutual:
+a shell without a certificate that CA signed cannot connect at all.
+
 The secret: every stream carries it in its metadata (``SECRET_HEADER``); the core
 compares digests of the two in constant time (``secret_matches``) and refuses a stream
 without the right one (UNAUTHENTICATED) before reading a record. It comes from a file
@@ -29,6 +35,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -60,6 +67,45 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a port another server holds is a start error
 ]
 _DIGEST = hashlib.sha256
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS for the core link (PEM files). On a core: its ``cert`` and ``key``, and with
+    ``ca`` the shells must present a certificate that CA signed (mutual TLS). On a shell:
+    the ``ca`` the core's certificate is checked against, and with ``cert`` and ``key``
+    its own (for a core that asks for one)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    def _read(self, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise SecretError(f"cannot read {path}: {err.strerror}") from err
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key = self._read(self.cert), self._read(self.key)
+        if cert is None or key is None:
+            raise SecretError("a core's TLS needs both --tls-cert and --tls-key")
+        ca = self._read(self.ca)
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert is None) != (self.key is None):
+            raise SecretError("a shell's certificate needs both --tls-cert and --tls-key")
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca),
+            private_key=self._read(self.key),
+            certificate_chain=self._read(self.cert),
+        )
 
 
 class SecretError(ValueError):
