@@ -413,11 +413,15 @@ class ShellPool:
     ) -> None:
         self.core = core
         self.triton_urls = [triton_urls] if isinstance(triton_urls, str) else list(triton_urls)
+        self._supervise(listen, workers)
+        self.server = CoreServer(core, self.settings, os.path.join(self._dir, "core.sock"))
+        self.server.on_ready = self._on_ready
+
+    def _supervise(self, listen: Listen, workers: int) -> None:
+        """The state of the shell processes this pool keeps running."""
         self.listen = listen
         self.workers = workers
         self._dir = tempfile.mkdtemp(prefix="fair-frontend-")
-        self.server = CoreServer(core, self.settings, os.path.join(self._dir, "core.sock"))
-        self.server.on_ready = self._on_ready
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = 0
         self._ready: dict[int, asyncio.Future[None]] = {}

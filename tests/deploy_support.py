@@ -17,6 +17,7 @@ port is the destination pod's container port of that name.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
@@ -323,3 +324,35 @@ def promql_names(expr: str) -> tuple[dict[str, set[str]], set[str]]:
         if not is_call and name not in _KEYWORDS:
             metrics.setdefault(name, set())
     return metrics, grouping
+
+
+def secret_value(secret: Mapping[str, Any], key: str) -> str:
+    """One entry of a rendered Secret, from ``stringData`` or (base64) ``data``."""
+    if key in secret.get("stringData", {}):
+        return str(secret["stringData"][key])
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def secret_files(
+    secrets: Iterable[Mapping[str, Any]],
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    folder: Path,
+) -> dict[str, Path]:
+    """Every file a container's Secret volumes hold (from the rendered ``secrets``), at
+    its path in the container, written under ``folder``: {path in the container: file
+    here}."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    by_name = {s["metadata"]["name"]: s for s in secrets}
+    files = {}
+    for mount in container["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        if "secret" not in volume:
+            continue
+        secret = by_name[volume["secret"]["secretName"]]
+        for item in volume["secret"]["items"]:
+            real = folder / mount["name"] / item["path"]
+            real.parent.mkdir(parents=True, exist_ok=True)
+            real.write_text(secret_value(secret, item["key"]))
+            files[f"{mount['mountPath']}/{item['path']}"] = real
+    return files

@@ -79,6 +79,7 @@ from tests.deploy_support import (
     connects,
     promql_names,
     reachable,
+    secret_files,
     selects,
     workload_pods,
 )
@@ -421,27 +422,6 @@ def test_compose_provides_every_key_file_and_variable_the_config_names(tmp_path:
     assert one.read_text().strip() == made.core_secret
 
 
-def _k8s_secret_files(
-    rendered: Rendered, pod: dict[str, Any], container: dict[str, Any], folder: Path
-) -> dict[str, Path]:
-    """Every file a container's Secret volumes hold, at its path in the container, written
-    under ``folder``: {path in the container: file here}."""
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    secrets_by_name = {s["metadata"]["name"]: s for s in rendered.of_kind("Secret")}
-    files = {}
-    for mount in container["volumeMounts"]:
-        volume = volumes[mount["name"]]
-        if "secret" not in volume:
-            continue
-        secret = secrets_by_name[volume["secret"]["secretName"]]
-        for item in volume["secret"]["items"]:
-            real = folder / mount["name"] / item["path"]
-            real.parent.mkdir(parents=True, exist_ok=True)
-            real.write_bytes(base64.b64decode(secret["data"][item["key"]]))
-            files[f"{mount['mountPath']}/{item['path']}"] = real
-    return files
-
-
 def test_k8s_provides_every_key_file_and_variable_the_config_names(
     rendered: Rendered, tmp_path: Path
 ) -> None:
@@ -450,7 +430,7 @@ def test_k8s_provides_every_key_file_and_variable_the_config_names(
     (container,) = pod["containers"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     secrets_by_name = {s["metadata"]["name"]: s for s in rendered.of_kind("Secret")}
-    files = _k8s_secret_files(rendered, pod, container, tmp_path / "core")
+    files = secret_files(rendered.of_kind("Secret"), pod, container, tmp_path / "core")
     env = {}
     for var in container["env"]:
         ref = var["valueFrom"].get("secretKeyRef")
@@ -483,7 +463,7 @@ def test_k8s_provides_every_key_file_and_variable_the_config_names(
     assert files[args.secret_file].read_text().strip() == rendered.secrets.core_secret
     shell_pod = rendered.get("Deployment", "fair-frontend-shell")["spec"]["template"]["spec"]
     (shell,) = shell_pod["containers"]
-    shell_files = _k8s_secret_files(rendered, shell_pod, shell, tmp_path / "shell")
+    shell_files = secret_files(rendered.of_kind("Secret"), shell_pod, shell, tmp_path / "shell")
     shell_args = build_parser().parse_args(shell["args"])
     assert list(shell_files) == [shell_args.secret_file]
     assert shell_files[shell_args.secret_file].read_text().strip() == rendered.secrets.core_secret
@@ -1194,7 +1174,9 @@ def test_fleet_commands_in_the_deploy_files_serve(
 
         first = _until("no single core leads", leader, procs, 60)
         (standby,) = [name for name in cores if name != first]
-        assert health(standby, "ready") == 503 and health(standby, "live") == 200
+        # The standby may still be starting (it started beside the leader): live, once up.
+        _until("the standby is not live", lambda: health(standby, "live") == 200, procs, 60)
+        assert health(standby, "ready") == 503
         assert health(first, "live") == 200
         shell_url = f"http://127.0.0.1:{http}"
         _until(

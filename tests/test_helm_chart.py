@@ -26,7 +26,6 @@ projects' full CRDs.
 
 from __future__ import annotations
 
-import base64
 import copy
 import functools
 import json
@@ -65,6 +64,8 @@ from tests.deploy_support import (
     connects,
     promql_names,
     reachable,
+    secret_files,
+    secret_value,
     selects,
     workload_pods,
 )
@@ -199,12 +200,6 @@ def _cached(variant: str) -> Release:
 @pytest.fixture(params=list(VARIANTS))
 def release(request: pytest.FixtureRequest) -> Release:
     return _cached(request.param)
-
-
-def secret_value(secret: Mapping[str, Any], key: str) -> str:
-    if key in secret.get("stringData", {}):
-        return str(secret["stringData"][key])
-    return base64.b64decode(secret["data"][key]).decode()
 
 
 def core_args(rel: Release) -> Any:
@@ -764,27 +759,6 @@ def test_the_shells_scale_on_cpu(release: Release) -> None:
 # ---- secrets ------------------------------------------------------------------------------------
 
 
-def _secret_files(
-    rel: Release, pod: dict[str, Any], container: dict[str, Any], folder: Path
-) -> dict[str, Path]:
-    """The files of a container's Secret volumes rendered here (Secrets the chart made),
-    at their paths in the container: {path in the container: file here}."""
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    made = {s["metadata"]["name"]: s for s in rel.of_kind("Secret")}
-    files = {}
-    for mount in container["volumeMounts"]:
-        volume = volumes[mount["name"]]
-        if "secret" not in volume:
-            continue
-        secret = made[volume["secret"]["secretName"]]
-        for item in volume["secret"]["items"]:
-            real = folder / mount["name"] / item["path"]
-            real.parent.mkdir(parents=True, exist_ok=True)
-            real.write_text(secret_value(secret, item["key"]))
-            files[f"{mount['mountPath']}/{item['path']}"] = real
-    return files
-
-
 def test_the_keys_redis_password_and_core_secret_reach_who_reads_them(tmp_path: Path) -> None:
     """From the Secrets the chart makes: each tenant's key authenticates it in the core
     (files where api_keys_file says, variables api_keys_env names); the core reads
@@ -794,7 +768,7 @@ def test_the_keys_redis_password_and_core_secret_reach_who_reads_them(tmp_path: 
     config = rendered_config(rel)
     pod = rel.pod("Deployment", f"{FULLNAME}-core")
     core = rel.container("Deployment", f"{FULLNAME}-core")
-    files = _secret_files(rel, pod, core, tmp_path / "core")
+    files = secret_files(rel.of_kind("Secret"), pod, core, tmp_path / "core")
     made = {s["metadata"]["name"]: s for s in rel.of_kind("Secret")}
     env = {}
     for var in core["env"]:
@@ -817,7 +791,7 @@ def test_the_keys_redis_password_and_core_secret_reach_who_reads_them(tmp_path: 
     assert re.fullmatch(r"[A-Za-z0-9]{64}", core_secret)
     shell_pod = rel.pod("Deployment", f"{FULLNAME}-shell")
     shell = rel.container("Deployment", f"{FULLNAME}-shell")
-    shell_files = _secret_files(rel, shell_pod, shell, tmp_path / "shell")
+    shell_files = secret_files(rel.of_kind("Secret"), shell_pod, shell, tmp_path / "shell")
     assert list(shell_files) == [shell_args(rel).secret_file]
     assert shell_files[shell_args(rel).secret_file].read_text() == core_secret
     assert "env" not in shell

@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 from collections.abc import Sequence
 
 from fair_frontend.config import Config
@@ -136,19 +135,8 @@ class ShellSupervisor(ShellPool):
         self.cores = list(cores)
         self.tls = tls or Tls()
         self.secret = secret
-        self.listen = listen
-        self.workers = workers
         self._format = log_format
-        self._dir = tempfile.mkdtemp(prefix="fair-frontend-shell-")
-        self.processes: dict[int, asyncio.subprocess.Process] = {}
-        self.restarts = 0
-        self._ready: dict[int, asyncio.Future[None]] = {}
-        self._watchers: set[asyncio.Task[None]] = set()
-        self._stopping = False
-        self._http_sock: socket.socket | None = None
-        self._grpc_hold: socket.socket | None = None
-        self.http_port = 0
-        self.grpc_port = 0
+        self._supervise(listen, workers)
         self.failed = asyncio.Event()
         os.environ[SECRET_ENV] = secret.decode("latin-1")  # the children's, not argv
 
