@@ -5,7 +5,8 @@ Scenarios (``--scenarios``, all by default):
 * ``pool``: throughput of one frontend (``serve``) with 1 and then 2 Tritons, each serving
   ``sleeper`` set to *sleep* 40 ms a batch of up to 8 (a model whose time is its own, as
   a GPU's is: two Tritons on these 2 cores can take it at once). perf_analyzer, plain
-  ``--shape``, concurrency 32. Target: 2 Tritons >= 1.9x one.
+  ``--shape``, concurrency 32. Target: 2 Tritons >= 1.9x one. Then two Tritons of
+  different speeds (40 and 80 ms a batch): what each served, by its own statistics.
 * ``shares``: tenant A (weight 2) only through one entry point, B (weight 1) only through
   another, both backlogged, each client its own process. The fleet (one ``core``, two
   ``shell`` processes) against today's independent replicas (two ``serve``), on ``llm``
@@ -190,15 +191,15 @@ def tritons(repos: list[Path], n: int, **kw: Any) -> Iterator[list[EmbeddedTrito
             server.stop()
 
 
-def napper_repo(tmp: Path) -> Path:
-    """``sleeper``, set to sleep 40 ms a call of up to 8 rows."""
-    repo = tmp / "napper"
+def napper_repo(tmp: Path, ms: int = 40) -> Path:
+    """``sleeper``, set to sleep ``ms`` a call of up to 8 rows."""
+    repo = tmp / f"napper-{ms}"
     shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")
     config = repo / "sleeper" / "config.pbtxt"
     text = config.read_text()
     text = text.replace("max_batch_size: 32", "max_batch_size: 8")
     text = text.replace(
-        '"fixed_ms", value: { string_value: "2" }', '"fixed_ms", value: { string_value: "40" }'
+        '"fixed_ms", value: { string_value: "2" }', f'"fixed_ms", value: {{ string_value: "{ms}" }}'
     )
     text = text.replace(
         '"per_token_us", value: { string_value: "20" }',
@@ -263,7 +264,43 @@ def run_pool(tmp: Path, seconds: int) -> dict[str, Any]:
             progress(f"frontend, {n} Triton(s): {result['throughput']:.0f} infer/s")
     out["ratio_2_to_1"] = out["frontend_2_tritons"] / out["frontend_1_tritons"]
     progress(f"2 Tritons / 1: {out['ratio_2_to_1']:.2f}x (target >= 1.9)")
+    # Two Tritons of different speeds (40 and 80 ms a batch): work in proportion.
+    slow = napper_repo(tmp, 80)
+    with tritons([repo], 1) as (fast,), tritons([slow], 1) as (late,):
+        with frontend(config, [fast.grpc_url, late.grpc_url], workers=None) as fe:
+            result = perf_analyzer(
+                "sleeper",
+                fe.grpc_url,
+                concurrency=32,
+                shapes=["INPUT_IDS:16"],
+                headers=pa_headers("acme"),
+                interval_ms=seconds * 1000,
+            )
+        served = [triton_served(t, "sleeper") for t in (fast, late)]
+    out["speeds_40_80_ms"] = {
+        "throughput": result["throughput"],
+        "served": served,
+        "ratio_fast_to_slow": served[0] / served[1],
+        "ideal_throughput": 8 / 0.040 + 8 / 0.080,
+    }
+    progress(
+        f"Tritons of 40 and 80 ms a batch: served {served[0]} / {served[1]} "
+        f"({served[0] / served[1]:.2f}:1, their speeds 2:1), {result['throughput']:.0f} infer/s "
+        f"of {8 / 0.040 + 8 / 0.080:.0f}"
+    )
     return out
+
+
+def triton_served(triton: EmbeddedTriton, model: str) -> int:
+    """Requests ``triton`` itself says it served of ``model`` (its statistics)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        stats = client.get_inference_statistics(model)
+    finally:
+        client.close()
+    return sum(int(s.inference_stats.success.count) for s in stats.model_stats)
 
 
 # ---- shares across entry points -----------------------------------------------------------

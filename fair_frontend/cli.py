@@ -44,6 +44,7 @@ from fair_frontend.fleet import DEFAULT_CORE_PORT, DEFAULT_LEASE_S, SECRET_ENV
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
+from fair_frontend.shell.router import parse_core_sets
 from fair_frontend.wire.remote import SecretError, load_secret
 
 log = logging.getLogger("fair_frontend")
@@ -192,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--core",
         action="append",
         required=True,
-        help="a core's HOST:PORT; repeat it for every core (the shells find the leader)",
+        help="a core's HOST:PORT; repeat it for every core (the shells find the leader); "
+        "MODEL[,MODEL...]=HOST:PORT for cores that own those endpoints (the others go to "
+        "the cores given without models)",
     )
     _add_secret_flags(shell)
     shell.add_argument(
@@ -472,6 +475,11 @@ def _fleet_shells(args: argparse.Namespace) -> int:
     async def main() -> int:
         return await run_shells(args, secret, _stop_on_signals())
 
+    try:
+        parse_core_sets(args.core)
+    except ValueError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
     try:
         return uvloop.run(main())
     except OSError as err:

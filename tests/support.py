@@ -6,11 +6,16 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -573,3 +578,47 @@ async def generate_many(
     finally:
         await client.close()
     return streams
+
+
+# ---- fair-frontend commands as processes ------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """A ``fair-frontend`` process of this test's, its output in a file."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = log.open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "fair_frontend.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    return Proc(popen, log)
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:
+        return 0

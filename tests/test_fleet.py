@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,59 +32,21 @@ from fair_frontend.testing import aeventually, eventually, free_port, scrape
 from fair_frontend.tokens import count_text_tokens
 from tests.support import (
     KEYS,
+    Proc,
     RedisProcess,
     config_dict,
     generate_many,
+    http_status,
     ids_input,
     make_config,
     repeat_stream,
+    start,
 )
 
 TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
 SECRET = "fleet-test-secret-0123456789abcdef"
 LEASE_S = 1.5
 SLOTS = 4  # llm's engine slots per Triton
-
-
-@dataclass
-class Proc:
-    """A ``fair-frontend`` process of this test's, its output in a file."""
-
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-
-
-def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
-    out = log.open("wb")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "fair_frontend.cli", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )
-    return Proc(popen, log)
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        return int(err.code)
-    except OSError:
-        return 0
 
 
 @dataclass

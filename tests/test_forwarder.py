@@ -14,8 +14,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.errors import FrontendError, Unavailable
@@ -160,3 +162,53 @@ async def test_a_connection_lost_mid_call_is_unavailable_and_not_sent_again() ->
         await fwd.close()
         server.close()
         await server.wait_closed()
+
+
+class _OneReply(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """A stand-in Triton that answers every streamed request with one final response."""
+
+    async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
+        async for request in requests:
+            reply = service_pb2.ModelStreamInferResponse()
+            reply.infer_response.model_name = request.model_name
+            reply.infer_response.id = request.id
+            reply.infer_response.parameters["triton_final_response"].bool_param = True
+            yield reply
+
+
+async def _replies(stream: Any) -> list[Any]:
+    out = []
+    async for reply in stream:
+        out.append(reply)
+    return out
+
+
+async def test_a_stream_that_never_reached_triton_is_made_again_once_it_is_up() -> None:
+    """The core grants a stream on a Triton it saw come back a moment ago, while this
+    shell's channel to it still backs off: the call fails at once without reaching it,
+    and is made again, waiting for the channel, rather than failing the client."""
+    port = free_port()
+    fwd = TritonForwarder(f"127.0.0.1:{port}")
+    server = grpc.aio.server()
+    try:
+        stream = fwd.stream("repeat", "", [], None, {})
+        with pytest.raises(grpc.aio.AioRpcError):  # the first try: nothing listens yet
+            await stream._call.wait_for_connection()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_OneReply(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        replies = await asyncio.wait_for(_replies(stream), 10)
+        assert [r.final for r in replies] == [True] and replies[0].error is None
+    finally:
+        await fwd.close()
+        await server.stop(None)
+
+
+async def test_a_stream_whose_triton_stays_down_fails_unavailable_never_sent() -> None:
+    fwd = TritonForwarder(f"127.0.0.1:{free_port()}")
+    try:
+        replies = await asyncio.wait_for(_replies(fwd.stream("repeat", "", [], None, {})), 10)
+        (reply,) = replies
+        assert isinstance(reply.error, Unavailable) and reply.error.never_sent
+    finally:
+        await fwd.close()

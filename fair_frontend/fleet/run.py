@@ -33,6 +33,7 @@ from fair_frontend.fleet import SECRET_ENV
 from fair_frontend.fleet.election import Election, KubernetesLease, NoElection, RedisLease
 from fair_frontend.server import FrontendServer, Listen, ShellPool
 from fair_frontend.shell.remote import SECRET_REFUSED
+from fair_frontend.shell.router import encode_core_sets, parse_core_sets
 from fair_frontend.wire.remote import Tls
 
 log = logging.getLogger("fair_frontend.fleet")
@@ -153,7 +154,7 @@ class ShellSupervisor(ShellPool):
             if path is not None
             for arg in (flag, path)
         ]  # fmt: skip
-        return ["--cores", ",".join(self.cores), *tls]
+        return ["--cores", encode_core_sets(parse_core_sets(self.cores)), *tls]
 
     def _log_format(self) -> str:
         return self._format
@@ -187,6 +188,7 @@ class ShellSupervisor(ShellPool):
 
 
 async def run_shells(args: argparse.Namespace, secret: bytes, stop: asyncio.Event) -> int:
+    parse_core_sets(args.core)  # a ValueError names a --core that cannot be
     listen = Listen(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
     tls = Tls(args.tls_cert, args.tls_key, args.tls_ca)
     supervisor = ShellSupervisor(

@@ -34,6 +34,7 @@ from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
 from fair_frontend.shell.http_server import HttpShell
 from fair_frontend.shell.remote import SECRET_REFUSED, RemoteLink, SecretRefused
+from fair_frontend.shell.router import RouterLink, decode_core_sets
 from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
@@ -64,7 +65,7 @@ class ShellProcess:
         self.gateway: Gateway | None = None
         self.settings: asyncio.Future[Settings] | None = None
         self.done: asyncio.Event | None = None
-        self.remote: RemoteLink | None = None
+        self.remote: RemoteLink | RouterLink | None = None
 
     def on_settings(self, settings: Settings) -> None:
         if self.settings is not None and not self.settings.done():
@@ -95,16 +96,17 @@ class ShellProcess:
             tls = None
             if self.args.tls_ca or self.args.tls_cert:
                 tls = Tls(self.args.tls_cert, self.args.tls_key, self.args.tls_ca)
+            sets = decode_core_sets(self.args.cores)
+            remote: RemoteLink | RouterLink
             try:
-                remote = RemoteLink(
-                    self.args.cores.split(","),
-                    secret,
-                    hello,
-                    self.on_settings,
-                    self.on_end,
-                    _nothing,
-                    tls=tls,
-                )
+                if len(sets) == 1:
+                    remote = RemoteLink(
+                        sets[0][1], secret, hello, self.on_settings, self.on_end, _nothing, tls=tls
+                    )
+                else:  # cores that own disjoint sets of endpoints
+                    remote = RouterLink(
+                        sets, secret, hello, self.on_settings, self.on_end, _nothing, tls=tls
+                    )
             except SecretError as err:
                 log.error("shell %d: %s", self.args.index, err)
                 return SECRET_REFUSED
@@ -118,7 +120,7 @@ class ShellProcess:
                     err,
                 )
                 return SECRET_REFUSED
-            link = self.remote = remote
+            link = self.remote = remote  # type: ignore[assignment]
         else:
             link = await SocketLink.connect(
                 self.args.core, self.on_settings, self.on_end, self.on_end
@@ -169,7 +171,7 @@ class ShellProcess:
             link.close()
         return 0
 
-    async def _drain(self, link: RemoteLink, grace_s: float = DRAIN_S) -> None:
+    async def _drain(self, link: RemoteLink | RouterLink, grace_s: float = DRAIN_S) -> None:
         """A remote shell asked to stop: readiness turns false at once, and what it has
         taken is answered (or streamed to its end) within ``grace_s``."""
         link.accepting = False
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--core", help="the core's Unix socket (a shell of this host's core)")
     where.add_argument(
         "--cores",
-        help="HOST:PORT,... of cores elsewhere (fair-frontend shell); the secret comes in "
+        help="HOST:PORT,... of cores elsewhere (fair-frontend shell); sets of cores that own "
+        "endpoints: MODEL,...=HOST:PORT,...;... (shell.router); the secret comes in "
         f"${SECRET_ENV}",
     )
     parser.add_argument("--tls-ca", help="--cores: the CA the core's certificate is checked by")

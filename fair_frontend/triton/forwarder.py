@@ -11,7 +11,7 @@ requests that asked for it and nothing else.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from fair_frontend import grpc_codec
 from fair_frontend.errors import (
     FrontendError,
     StalledStream,
+    Unavailable,
     UpstreamError,
 )
 from fair_frontend.protocol import (
@@ -71,6 +72,7 @@ def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
     return InferenceServerException(err.details(), str(err.code()))
 
 
+REOPEN_WAIT_S = 2.0  # a stream that never reached Triton: how long its second try waits
 STALL_CHECKS = 4  # looks per stalled_s for a consumer that started holding a response
 
 
@@ -150,8 +152,17 @@ class TritonStream:
     while the consumer may not be reading (the watchdog's, or ``stop``'s), at once.
     """
 
-    def __init__(self, call: Any, timeout_s: float, stalled_s: float | None) -> None:
+    def __init__(
+        self,
+        call: Any,
+        timeout_s: float,
+        stalled_s: float | None,
+        reopen: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self._call = call
+        # A call that never reached Triton (its channel was still reconnecting: a Triton
+        # the core saw come back a moment ago) is made once more, once the channel is up.
+        self._reopen = reopen
         self._watch = _Watchdog(self.stop, timeout_s, stalled_s)
         self.stopped: FrontendError | None = None
         self.on_stop: Callable[[FrontendError], None] = lambda err: None
@@ -175,6 +186,11 @@ class TritonStream:
     async def _read(self) -> AsyncGenerator[StreamReply, None]:
         watch = self._watch
         try:
+            if self._reopen is not None:
+                first = await self._first()
+                if first is None:
+                    return
+                self._call = first
             async for reply in self._call:
                 watch.progress()
                 if reply.error_message:
@@ -205,9 +221,26 @@ class TritonStream:
         except grpc.aio.AioRpcError as err:
             stopped = self.stopped if err.code() is grpc.StatusCode.CANCELLED else None
             yield StreamReply(error=stopped or upstream_error(_rpc_exception(err)))
+        except FrontendError as err:  # made again, and not connected in time
+            yield StreamReply(error=err)
         finally:
             watch.close()
             self._call.cancel()
+
+    async def _first(self) -> Any:
+        """The call, once it has reached Triton: made again (once) where it never did;
+        None where the stream was stopped meanwhile."""
+        call = self._call
+        try:
+            await call.wait_for_connection()
+            return call
+        except grpc.aio.AioRpcError as err:
+            error = upstream_error(_rpc_exception(err))
+            if not (isinstance(error, Unavailable) and error.never_sent) or self.stopped:
+                raise
+        assert self._reopen is not None
+        again = await self._reopen()
+        return None if self.stopped is not None else again
 
 
 class TritonForwarder:
@@ -289,7 +322,22 @@ class TritonForwarder:
         )
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
         call = self.stub.ModelStreamInfer(iter([msg]))
-        return TritonStream(call, self.request_timeout_s, stalled_s)
+
+        async def reopen() -> Any:
+            # The channel is reconnecting (a backoff of at most 1 s): this call waits for
+            # it, up to REOPEN_WAIT_S, rather than failing fast as the first did.
+            again = self.stub.ModelStreamInfer(iter([msg]), wait_for_ready=True)
+            try:
+                await asyncio.wait_for(again.wait_for_connection(), REOPEN_WAIT_S)
+            except TimeoutError:
+                again.cancel()
+                raise Unavailable(
+                    f"Triton {self.url} is unavailable: not connected within {REOPEN_WAIT_S:g} s",
+                    never_sent=True,
+                ) from None
+            return again
+
+        return TritonStream(call, self.request_timeout_s, stalled_s, reopen)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """A non-infer call of tritonclient's aio client, errors mapped."""
