@@ -465,6 +465,11 @@ def _fleet_core(config: Config, args: argparse.Namespace) -> int:
 
 def _fleet_shells(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
+    try:
+        parse_core_sets(args.core)
+    except ValueError as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
     secret = _secret(args)
     if secret is None:
         return 2
@@ -475,11 +480,6 @@ def _fleet_shells(args: argparse.Namespace) -> int:
     async def main() -> int:
         return await run_shells(args, secret, _stop_on_signals())
 
-    try:
-        parse_core_sets(args.core)
-    except ValueError as err:
-        print(f"fair-frontend: {err}", file=sys.stderr)
-        return 2
     try:
         return uvloop.run(main())
     except OSError as err:

@@ -90,7 +90,7 @@ async def test_a_shell_sends_each_model_to_the_core_of_its_set(
 
 def test_two_sets_naming_one_model_are_refused(tmp_path: Path) -> None:
     proc = start(
-        ["shell", "--secret-file", str(tmp_path / "none"), "--core", "embed=h:1",
+        ["shell", "--core", "embed=h:1",
          "--core", "embed,llm=h:2"],
         tmp_path / "shell.log",
         env={"FAIR_FRONTEND_CORE_SECRET": SECRET},
