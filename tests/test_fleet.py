@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -325,3 +326,27 @@ async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> No
 FLOOD = 240
 STREAMS = 2  # one on each Triton (repeat_int32 runs one request at a time)
 STREAM_DELAYS_MS = [250] * 32  # 8 s a stream: it outlasts the failover
+
+
+async def test_a_leader_stopped_cleanly_hands_over_without_failing_a_call(fleet: Fleet) -> None:
+    """After the kill (this module's order): a new standby joins; the leader gets SIGTERM
+    under a flood. It drains what it holds, frees the lease, and the standby takes the
+    shells at its next poll; every call is answered OK."""
+    leader = fleet.leader()
+    standby = fleet.core(2)
+    fleet.cores.append(standby)
+    await aeventually(
+        lambda: "waiting for the lease" in standby.proc.output(), 60, 0.01, what="a standby"
+    )
+    flood = [asyncio.ensure_future(_embed(fleet.shells[i % 3].url)) for i in range(120)]
+    await aeventually(lambda: sum(f.done() for f in flood) >= 5, 60, 0.005, what="the flood")
+    leader.proc.popen.send_signal(signal.SIGTERM)
+    results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+    failed = [r for r in results if isinstance(r, InferenceServerException)]
+    assert not failed, failed[:3]
+    assert leader.proc.popen.wait(30) == 0  # a clean stop
+    await aeventually(lambda: standby.ready, 30, 0.01, what="the standby to lead")
+    assert "freeing the lease" in leader.proc.output()
+    fleet.cores.remove(leader)
+    after = await asyncio.gather(*(_embed(s.url) for s in fleet.shells))
+    assert not [r for r in after if isinstance(r, InferenceServerException)]

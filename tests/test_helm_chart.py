@@ -108,6 +108,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "shell": {"autoscaling": {"enabled": False}, "replicas": 4},
         "triton": {"replicas": 3, "nodeSelector": {"nvidia.com/gpu.present": "true"}},
     },
+    "mutual-tls": {"coreTls": {"coreSecret": "core-tls", "shellSecret": "shell-tls"}},
     "existing-secrets": {
         "keys": {"existingSecret": "tenant-keys"},
         "coreSecret": {"existingSecret": "core-secret"},
@@ -1080,3 +1081,39 @@ def test_no_demo_key_reaches_the_chart(chart: helm.Chart) -> None:
     values = set(secret["stringData"].values())
     assert values == {hash_key(k) for k in rel.keys.values()}
     assert not values & {hash_key(k) for k in DEMO_KEYS.values()}
+
+
+def test_mutual_tls_mounts_each_side_its_own_and_the_shells_never_the_cores_key() -> None:
+    """coreTls: the core serves with its certificate and asks the shells for theirs (the
+    CA of its Secret); the shells check the core by that CA alone, from the same Secret's
+    ca.crt item, and present their own. Off by default: no TLS flag anywhere."""
+    rel = _cached("mutual-tls")
+
+    def mounted(kind: str, name: str) -> dict[str, str]:
+        """{path in the container: "<secret>/<key>"} of its Secret volumes."""
+        pod = rel.pod(kind, name)
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        out = {}
+        for mount in container["volumeMounts"]:
+            secret = volumes[mount["name"]].get("secret")
+            for item in (secret or {}).get("items", []):
+                out[f"{mount['mountPath']}/{item['path']}"] = (
+                    f"{secret['secretName']}/{item['key']}"
+                )
+        return out
+
+    core, shell = (
+        mounted("Deployment", f"{FULLNAME}-core"),
+        mounted("Deployment", f"{FULLNAME}-shell"),
+    )
+    cargs, sargs = core_args(rel), shell_args(rel)
+    assert core[cargs.tls_cert] == "core-tls/tls.crt" and core[cargs.tls_key] == "core-tls/tls.key"
+    assert core[cargs.tls_client_ca] == "core-tls/ca.crt"
+    assert shell[sargs.tls_ca] == "core-tls/ca.crt"
+    assert (
+        shell[sargs.tls_cert] == "shell-tls/tls.crt" and shell[sargs.tls_key] == "shell-tls/tls.key"
+    )
+    assert "core-tls/tls.key" not in shell.values()
+    plain = _cached("default")
+    assert core_args(plain).tls_cert is None and shell_args(plain).tls_ca is None
