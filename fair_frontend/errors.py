@@ -68,6 +68,9 @@ class RateLimited(FrontendError):
     outcome = Outcome.REJECTED_RATE
 
 
+SHUTTING_DOWN = "the frontend is shutting down"  # a core's refusal while it stops
+
+
 class Unavailable(FrontendError):
     """Triton down, model not ready: the platform cannot serve now."""
 

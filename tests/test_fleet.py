@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +85,11 @@ class Fleet:
     cores: list[Core]
     shells: list[Shell]
     tmp: Path
+    killed: list[int] = field(default_factory=list)  # ports of cores gone
 
-    def core(self, index: int, **kw: Any) -> Core:
-        port, metrics = free_port(), free_port()
+    def core(self, index: int, port: int = 0) -> Core:
+        """A core; ``port``: a lost core's, which the shells know (as a Service's)."""
+        port, metrics = port or free_port(), free_port()
         args = [
             "core",
             "--config", str(self.config),
@@ -321,6 +323,7 @@ async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> No
     resent = sum(s.proc.output().count("sending") for s in fleet.shells)
     assert resent >= 1  # the shells said they sent what they held again
     fleet.cores.remove(leader)
+    fleet.killed.append(leader.port)
 
 
 FLOOD = 240
@@ -333,7 +336,7 @@ async def test_a_leader_stopped_cleanly_hands_over_without_failing_a_call(fleet:
     under a flood. It drains what it holds, frees the lease, and the standby takes the
     shells at its next poll; every call is answered OK."""
     leader = fleet.leader()
-    standby = fleet.core(2)
+    standby = fleet.core(2, port=fleet.killed[0])  # the killed core's address, anew
     fleet.cores.append(standby)
     await aeventually(
         lambda: "waiting for the lease" in standby.proc.output(), 60, 0.01, what="a standby"

@@ -57,6 +57,7 @@ from fair_frontend.config import Endpoint
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import IDLE_MARGIN
 from fair_frontend.errors import (
+    SHUTTING_DOWN,
     DeadlineExceeded,
     FrontendError,
     Internal,
@@ -777,7 +778,7 @@ class Dispatcher(ABC):
         is not back (a batch can come back unsent, held, while the drain waits: one sent
         just as Triton went away, or the rest of a bisection).
         """
-        err = err or Unavailable("the frontend is shutting down")
+        err = err or Unavailable(SHUTTING_DOWN)
         loop = asyncio.get_running_loop()  # asyncio.wait's clock: the timeout is real time
         until = None if timeout_s is None else loop.time() + timeout_s
         while self._tasks:

@@ -49,6 +49,7 @@ from fair_frontend.core.plan import (
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import SequenceIds
 from fair_frontend.errors import (
+    SHUTTING_DOWN,
     FrontendError,
     Internal,
     InvalidArgument,
@@ -260,7 +261,7 @@ class Core:
         req: CoreRequest | None = None
         try:
             if not self.accepting:
-                raise Unavailable("the frontend is shutting down")
+                raise Unavailable(SHUTTING_DOWN)
             self._known(call.tenant)
             pool = self.pool
             if pool.gave_up:
@@ -540,7 +541,7 @@ class Core:
                 self.accounting.record(call, Outcome.CANCELLED, None, "", -1.0, None)
                 return
             if not self.accepting:
-                raise Unavailable("the frontend is shutting down")
+                raise Unavailable(SHUTTING_DOWN)
             self._own_sequence(runtime, req)
             self._known(req.tenant)  # a reload may have removed it during the check
             runtime.submit(req)
@@ -768,7 +769,7 @@ class Core:
             if loop.time() >= deadline or not self.pool.available:
                 break
             await asyncio.sleep(0.02)
-        err = Unavailable("the frontend is shutting down")
+        err = Unavailable(SHUTTING_DOWN)
         left = sum(rt.fail_queued(err) for rt in self.runtimes.values())
         if left:
             log.warning("shutdown: answered %d still-queued requests with UNAVAILABLE", left)

@@ -15,6 +15,8 @@ What a client sees across a failover:
 * a granted stream: untouched. The shell streams it from Triton itself; its tokens reach
   the client as before. The shell tells the new leader of it (``Running``), which holds
   its slot until it ends: the engine's slots stay exact across the failover;
+* a core that stops cleanly (SIGTERM) serves what it can in its drain; a call it refuses
+  for stopping (``SHUTTING_DOWN``) never reached Triton, and is held for the next;
 * no core for ``hold_s``: the calls held that long are answered UNAVAILABLE.
 
 Meanwhile the shell stays ready (for ``hold_s`` at most): a failover takes seconds, less
@@ -33,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from fair_frontend.errors import Unavailable
+from fair_frontend.errors import SHUTTING_DOWN, Unavailable
 from fair_frontend.shell.link import Inbox
 from fair_frontend.shell.socket_link import CORE_GONE, SocketLink
 from fair_frontend.wire.records import (
@@ -147,6 +149,18 @@ class RemoteLink(SocketLink):
 
     def received(self, record: Any) -> None:
         if isinstance(record, Answer):
+            fault = record.fault
+            if (
+                fault is not None
+                and fault.kind == "Unavailable"
+                and fault.message == SHUTTING_DOWN
+                and record.id in self._held
+            ):
+                # The core stops, with this call taken but never sent to Triton: it
+                # stays held, for the next core (a standby takes over once it is gone).
+                self._draining = True
+                self._watch_hold()
+                return
             self._held.pop(record.id, None)
         elif isinstance(record, Grant):
             held = self._held.pop(record.id, None)
