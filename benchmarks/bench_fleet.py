@@ -252,14 +252,7 @@ def run_pool(tmp: Path, seconds: int) -> dict[str, Any]:
         for n in (1, 2):
             urls = [s.grpc_url for s in servers[:n]]
             with frontend(config, urls, workers=None) as fe:
-                result = perf_analyzer(
-                    "sleeper",
-                    fe.grpc_url,
-                    concurrency=32,
-                    shapes=["INPUT_IDS:16"],
-                    headers=pa_headers("acme"),
-                    interval_ms=seconds * 1000,
-                )
+                result = load_sleeper(fe.grpc_url, seconds)
             out[f"frontend_{n}_tritons"] = result["throughput"]
             progress(f"frontend, {n} Triton(s): {result['throughput']:.0f} infer/s")
     out["ratio_2_to_1"] = out["frontend_2_tritons"] / out["frontend_1_tritons"]
@@ -268,14 +261,7 @@ def run_pool(tmp: Path, seconds: int) -> dict[str, Any]:
     slow = napper_repo(tmp, 80)
     with tritons([repo], 1) as (fast,), tritons([slow], 1) as (late,):
         with frontend(config, [fast.grpc_url, late.grpc_url], workers=None) as fe:
-            result = perf_analyzer(
-                "sleeper",
-                fe.grpc_url,
-                concurrency=32,
-                shapes=["INPUT_IDS:16"],
-                headers=pa_headers("acme"),
-                interval_ms=seconds * 1000,
-            )
+            result = load_sleeper(fe.grpc_url, seconds)
         served = [triton_served(t, "sleeper") for t in (fast, late)]
     out["speeds_40_80_ms"] = {
         "throughput": result["throughput"],
@@ -289,6 +275,18 @@ def run_pool(tmp: Path, seconds: int) -> dict[str, Any]:
         f"of {8 / 0.040 + 8 / 0.080:.0f}"
     )
     return out
+
+
+def load_sleeper(url: str, seconds: int) -> dict[str, float]:
+    """perf_analyzer's plain command on ``sleeper`` through a frontend, as acme."""
+    return perf_analyzer(
+        "sleeper",
+        url,
+        concurrency=32,
+        shapes=["INPUT_IDS:16"],
+        headers=pa_headers("acme"),
+        interval_ms=seconds * 1000,
+    )
 
 
 def triton_served(triton: EmbeddedTriton, model: str) -> int:

@@ -529,6 +529,24 @@ class ShellPool:
             await self._spawn(index)
             return  # the new process has a watcher of its own
 
+    async def _reap(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the shells told to stop, then kill the rest."""
+        procs = list(self.processes.values())
+        if not procs:
+            return
+        await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+        for p in procs:
+            if p.returncode is None:
+                log.warning("shell pid %d did not stop: killing it", p.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._http_sock, self._grpc_hold):
+            if sock is not None:
+                sock.close()
+
     def fatal(self, code: int) -> bool:
         """Whether a shell's exit status says restarting it would not help."""
         return False
@@ -540,19 +558,9 @@ class ShellPool:
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self.server.broadcast(Stop())
-        procs = list(self.processes.values())
-        if procs:
-            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
-            for p in procs:
-                if p.returncode is None:
-                    log.warning("shell pid %d did not stop: killing it", p.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    await p.wait()
+        await self._reap(timeout_s)
         await self.server.close()
-        for sock in (self._http_sock, self._grpc_hold):
-            if sock is not None:
-                sock.close()
+        self._close_sockets()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -298,8 +298,8 @@ class Core:
         slots stay exact across the failover. No admission: it was admitted before (its
         limits counted then). None where it cannot be placed (a model this core has not
         looked up yet is looked up first)."""
-        req = self._new_request(call, route, self.runtimes.get(call.request.model))
         runtime = self.runtimes.get(call.request.model)
+        req = self._new_request(call, route, runtime)
         if runtime is not None:
             return req if runtime.adopt(req, backend) else None
         self._spawn(self._adopt_later(req, backend))

@@ -168,21 +168,11 @@ class ShellSupervisor(ShellPool):
 
     async def stop(self, timeout_s: float = STOP_S) -> None:
         self._stopping = True
-        procs = list(self.processes.values())
-        for p in procs:
+        for p in self.processes.values():
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)  # each drains what it has taken
-        if procs:
-            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
-            for p in procs:
-                if p.returncode is None:
-                    log.warning("shell pid %d did not stop: killing it", p.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    await p.wait()
-        for sock in (self._http_sock, self._grpc_hold):
-            if sock is not None:
-                sock.close()
+        await self._reap(timeout_s)
+        self._close_sockets()
         with contextlib.suppress(OSError):
             os.rmdir(self._dir)
 
