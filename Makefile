@@ -16,10 +16,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: system-deps $(STAMP) $(PERF_ANALYZER)
 
-# Debian packages: redis-server (tests start their own), libb64-0d (perf_analyzer).
+# Debian packages: redis-server (tests start their own), libb64-0d (perf_analyzer),
+# openssl (the fleet's TLS tests make their certificates with it).
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
 	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
 	if [ -n "$$missing" ]; then \
 	  echo "==> installing Debian packages:$$missing"; \
