@@ -18,6 +18,7 @@ from typing import Any
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import MAX_ID_BYTES, MAX_NAME_BYTES, clipped
+from fair_frontend.usage import Usage
 
 REQUEST_LOGGER = "fair_frontend.requests"
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -71,6 +72,8 @@ class RequestLog(Observer):
         request_id: str = "",
         latency_s: float | None = None,
         error: str | None = None,
+        usage: Usage | None = None,
+        service_s: float | None = None,
     ) -> None:
         if not self.log.isEnabledFor(logging.INFO):
             return
@@ -84,6 +87,11 @@ class RequestLog(Observer):
             fields["latency_ms"] = round(latency_s * 1e3, 3)
         if queued_s is not None:
             fields["queued_ms"] = round(queued_s * 1e3, 3)
+        if service_s is not None:
+            fields["service_ms"] = round(service_s * 1e3, 3)
+        if usage is not None:  # the billing record: what the tenant was charged
+            fields["tokens_in"] = usage.prompt_tokens
+            fields["tokens_out"] = usage.completion_tokens
         if error is not None:
             fields["error"] = clipped(error, MAX_LOGGED_ERROR_CHARS)
         self.log.info("request %s", outcome.value, extra=fields)

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from fair_frontend.config import Config
 from fair_frontend.observe import BatchReport, Observer
 from fair_frontend.outcomes import Outcome
+from fair_frontend.usage import Usage
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP
 
 OTHER_TENANT = "other"
@@ -243,6 +244,8 @@ class FrontendMetrics(Observer):
         request_id: str = "",
         latency_s: float | None = None,
         error: str | None = None,
+        usage: Usage | None = None,
+        service_s: float | None = None,
     ) -> None:
         labels = self._count(tenant, model, outcome, 1)
         if queued_s is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fair_frontend.outcomes import Outcome
+from fair_frontend.usage import Usage
 
 if TYPE_CHECKING:
     from fair_frontend.admission import ThrottleDecision
@@ -53,8 +54,12 @@ class Observer:
         request_id: str = "",
         latency_s: float | None = None,
         error: str | None = None,
+        usage: Usage | None = None,
+        service_s: float | None = None,
     ) -> None:
-        """A request ended (exactly once per request), with its one outcome."""
+        """A request ended (exactly once per request), with its one outcome; ``usage``:
+        what it used, where the core counted it (its billing record); ``service_s``: from
+        its dispatch to Triton to its end, where it was dispatched."""
 
     def batch_finished(self, report: BatchReport) -> None:
         """A batch came back from Triton (or failed)."""

@@ -33,6 +33,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.stats import Statistics
+from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call
 
 _NO_LIMITS = Decision(True)
@@ -93,7 +94,7 @@ class Accounting:
         decision = self.limiter.check_now(
             limit_key(req.tenant, req.request.model),
             items,
-            requests=1,
+            requests=req.call.requests,
             tokens=req.call.tokens,
             now=now,
         )
@@ -107,7 +108,7 @@ class Accounting:
             decision = await self.limiter.check(
                 limit_key(req.tenant, req.request.model),
                 self._limits(req),
-                requests=1,
+                requests=req.call.requests,
                 tokens=req.call.tokens,
                 now=now,
             )
@@ -154,7 +155,7 @@ class Accounting:
         if req.dispatched_at is not None:
             infer_s = self.now() - req.dispatched_at
         self.charge_back_limits(req)
-        self.record(req.call, outcome, err, version, req.queued_s, infer_s)
+        self.record(req.call, outcome, err, version, req.queued_s, infer_s, req.produced)
 
     def on_tokens(self, req: CoreRequest, tokens: int) -> None:
         """Output tokens of a dispatched request, as they come: its tenant's fair share is
@@ -212,8 +213,10 @@ class Accounting:
         version: str,
         queued_s: float,
         infer_s: float | None,
+        produced: int = 0,
     ) -> None:
-        """A request's outcome, once: in the statistics and to the observers."""
+        """A request's outcome, once: in the statistics and to the observers, with its
+        usage (``produced``: its output tokens, where the endpoint counts them)."""
         request = call.request
         total_s = self.now() - call.arrived
         if outcome is Outcome.DISPATCHED:
@@ -231,6 +234,8 @@ class Accounting:
             request_id=request.id,
             latency_s=total_s,
             error=err.message if err is not None else None,
+            usage=Usage(call.tokens - call.max_tokens, produced),
+            service_s=infer_s,
         )
 
     def on_batch(self, report: BatchReport) -> None:

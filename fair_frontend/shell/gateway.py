@@ -58,6 +58,7 @@ from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns
 from fair_frontend.tokens import TokenCounter, output_tokens
 from fair_frontend.triton.forwarder import TritonForwarder
+from fair_frontend.usage import INCLUDE_USAGE, Usage
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
 
 T = TypeVar("T")
@@ -127,23 +128,37 @@ class Gateway:
     # ---- inference ----------------------------------------------------------------------
 
     async def infer(
-        self, req: InferRequest, headers: Mapping[str, str], known: Identity | None = None
+        self,
+        req: InferRequest,
+        headers: Mapping[str, str],
+        known: Identity | None = None,
+        *,
+        usage: Usage | None = None,
+        requests: int = 1,
     ) -> InferResponse:
         """One request, one response (ModelInfer, HTTP infer). ``known``: its tenant as
-        the transport found it from the headers (``admit_early``), if it did."""
-        replies = self._handle(req, headers, known, streaming=False)
+        the transport found it from the headers (``admit_early``), if it did. ``usage``:
+        filled in with what the request used, as it goes. ``requests``: what it counts
+        against its tenant's request limits (0 for every part of an API call made of
+        several, but its first: ``Call.requests``)."""
+        replies = self._handle(req, headers, known, streaming=False, usage=usage, requests=requests)
         try:
             return await anext(replies)
         finally:
             await replies.aclose()
 
     def stream_infer(
-        self, req: InferRequest, headers: Mapping[str, str], known: Identity | None = None
+        self,
+        req: InferRequest,
+        headers: Mapping[str, str],
+        known: Identity | None = None,
+        *,
+        usage: Usage | None = None,
     ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer, generate): its responses; several
-        for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``:
-        as for ``infer`` (a stream's, found once for all its messages)."""
-        return self._handle(req, headers, known, streaming=True)
+        for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``
+        and ``usage``: as for ``infer`` (a stream's, found once for all its messages)."""
+        return self._handle(req, headers, known, streaming=True, usage=usage)
 
     async def _handle(
         self,
@@ -152,13 +167,19 @@ class Gateway:
         known: Identity | None,
         *,
         streaming: bool,
+        usage: Usage | None = None,
+        requests: int = 1,
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
         tenant: str | None = None
         info: ModelInfo | None = None
+        report_usage = False
         try:
             tenant = self.auth.confirm(known, headers, req.tenant_claim)
+            if _wants_usage(req):  # the client asked for USAGE_PARAMETERS
+                usage = usage or Usage()
+                report_usage = True
             self._admit_model(tenant, req.model)
             self._shed(tenant, req.model, req.nbytes)
             info = await self._model_info(req.model)
@@ -192,13 +213,18 @@ class Gateway:
             req,
             streaming,
             checked.max_tokens,
+            requests,
         )
+        if usage is not None:
+            usage.prompt_tokens = checked.tokens - checked.max_tokens
         # From here on the core counts and logs the request, whatever its outcome.
         inbox = self.link.submit(call)
         try:
             answer = await inbox.get()
             if isinstance(answer, Grant):
-                replies = self._relay(call, info, endpoint, answer, inbox, streaming)
+                replies = self._relay(
+                    call, info, endpoint, answer, inbox, streaming, usage, report_usage
+                )
                 async with aclosing(replies):
                     async for resp in replies:
                         yield resp
@@ -208,6 +234,13 @@ class Gateway:
             final: dict[str, ParamValue] = (
                 {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
             )
+            if usage is not None:
+                if endpoint.token_output is not None:
+                    usage.completion_tokens = output_tokens(
+                        answer.outputs, endpoint.token_output, endpoint.tokenizer, req
+                    )
+                if report_usage:
+                    final.update(usage.as_parameters())
             yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
         finally:
             inbox.cancel()  # no-op once answered or ended
@@ -220,6 +253,8 @@ class Gateway:
         grant: Grant,
         inbox: Inbox,
         streaming: bool,
+        usage: Usage | None = None,
+        report_usage: bool = False,
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
@@ -265,11 +300,16 @@ class Gateway:
                         inbox.produced(n, now - call.arrived, -1.0)
                     produced += n
                     last = now
+                    if usage is not None:
+                        usage.completion_tokens = produced
                 if reply.final:
                     inbox.end(version)  # the core hears of it before the client does
                 if not reply.outputs and not (reply.final and want_final):
                     continue  # Triton's empty final: only for clients that asked
                 params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}
+                if reply.final and report_usage:
+                    assert usage is not None
+                    params.update(usage.as_parameters())
                 yield InferResponse(req.model, version, req.id, reply.outputs, params)
             inbox.end(version)
         finally:
@@ -636,3 +676,16 @@ class Gateway:
             )
             self._cache_config = self.config
         return self._cache
+
+
+def _wants_usage(req: InferRequest) -> bool:
+    """Whether the client asked for ``USAGE_PARAMETERS`` (``INCLUDE_USAGE``, taken out of
+    the request's parameters: the model never sees it)."""
+    asked = req.parameters.pop(INCLUDE_USAGE, None)
+    if asked is None:
+        return False
+    if not isinstance(asked, bool):
+        raise InvalidArgument(
+            f"parameter '{INCLUDE_USAGE}' must be a bool, not {type(asked).__name__}"
+        )
+    return asked

@@ -71,6 +71,7 @@ from fair_frontend.http_codec import (
 )
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
+from fair_frontend.shell.api_http import ApiRoutes
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
@@ -111,7 +112,7 @@ def _too_large(model: str, limit: int, what: str) -> InvalidArgument:
 
 async def _expect_after_checks(request: web.Request) -> None:
     """``Expect`` handler of the POST routes: grants nothing itself. ``100 Continue`` is
-    sent by ``_read_body``, once the headers passed, so a client that waits for it (curl,
+    sent by ``read_body``, once the headers passed, so a client that waits for it (curl,
     for large bodies) sends no body to be refused; aiohttp's default grants it at once."""
     expect = request.headers.get("Expect", "")
     if request.version == HttpVersion11 and expect.lower() != "100-continue":
@@ -231,7 +232,7 @@ class HttpShell:
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
         self.connections = Connections(gateway)
-        self.reading = 0  # bytes of bodies being read and decoded now (_hold_body)
+        self.reading = 0  # bytes of bodies being read and decoded now (hold_body)
 
     def runner(self) -> web.AppRunner:
         """The shell's app, served behind the door's connection bounds (``Listener``).
@@ -267,6 +268,7 @@ class HttpShell:
                 ("/generate_stream", self.generate_stream),
             ):
                 r.add_post(prefix + door, handler, expect_handler=_expect_after_checks)
+        ApiRoutes(self).add(r, _expect_after_checks)
         return app
 
     @web.middleware
@@ -361,8 +363,8 @@ class HttpShell:
             known = self.gateway.admit_early(model, headers)
             # Read and decoded in turn with other tenants' requests (``shell.turns``).
             await self.gateway.turns.take(known.tenant if known is not None else None)
-            with self._hold_body(request, model, headers):
-                raw = await self._read_body(request, model)
+            with self.hold_body(request, model, headers):
+                raw = await self.read_body(request, model)
                 limit = await self.gateway.wire_bound(model)
                 precheck = self.gateway.precheck(model)
                 size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
@@ -392,15 +394,21 @@ class HttpShell:
         return out
 
     @contextlib.contextmanager
-    def _hold_body(
-        self, request: web.Request, model: str, headers: Mapping[str, str]
+    def hold_body(
+        self,
+        request: web.Request,
+        model: str,
+        headers: Mapping[str, str],
+        bound: int | None = None,
     ) -> Iterator[None]:
         """Count a body against ``server.http_max_reading_bytes`` while it is read and
         decoded, or refuse it (503, unread) when it does not fit beside the bodies this
         shell is reading now. It counts its declared length; one that declares none or
         is compressed, its model's bound (as far as it could grow); one declared over its
-        bound, nothing (``_read_body`` refuses it unread)."""
-        bound = self.gateway.config.endpoint(model).max_wire_bytes
+        bound, nothing (``read_body`` refuses it unread). ``bound``: where the body's model is
+        not known yet (the OpenAI routes name it in the body), the bound it is read with."""
+        if bound is None:
+            bound = self.gateway.config.endpoint(model).max_wire_bytes
         declared = request.content_length
         size = bound if declared is None or _encoded(headers) else declared
         size = 0 if size > bound else size
@@ -417,12 +425,13 @@ class HttpShell:
         finally:
             self.reading -= size
 
-    async def _read_body(self, request: web.Request, model: str) -> bytes:
+    async def read_body(self, request: web.Request, model: str, limit: int | None = None) -> bytes:
         """The body, read against ``model``'s own bound (``Endpoint.max_wire_bytes``: a
         declared length over it is refused unread) and within ``server.http_body_timeout_s``
         (then 408). A body abandoned midway marks its request to have its connection
-        closed."""
-        limit = await self.gateway.wire_bound(model)
+        closed. ``limit``: as ``hold_body``'s ``bound``."""
+        if limit is None:
+            limit = await self.gateway.wire_bound(model)
         timeout_s = self.gateway.config.server.http_body_timeout_s
         try:
             declared = request.content_length
@@ -542,8 +551,8 @@ class HttpShell:
                 raise ModelNotFound(model) from None
             check_model(info, version)
             check_encoding(headers.get("content-encoding"))
-            with self._hold_body(request, model, headers):
-                body = await self._read_body(request, model)
+            with self.hold_body(request, model, headers):
+                body = await self.read_body(request, model)
                 req = await _off_loop(len(body), decode_generate, model, version, body, info)
         except FrontendError as err:
             # Answered before the gateway's stream: still one counted, logged outcome.

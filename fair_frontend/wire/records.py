@@ -58,6 +58,9 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     request: InferRequest  # as decoded (the model's defaults filled in)
     stream: bool = False  # ModelStreamInfer: answers may come in parts (decoupled)
     max_tokens: int = 0  # of ``tokens``, the output tokens it asks for (charged back later)
+    # What it counts against its tenant's request limits: 1, or 0 for each part of an API
+    # call made of several but its first (a rerank's documents, an embeddings' inputs).
+    requests: int = 1
 
     @property
     def deadline(self) -> float | None:

@@ -36,6 +36,7 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler
 from fair_frontend.triton.forwarder import TritonForwarder
+from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Answer, Call
 
 EMBED, LLM = "embed", "llm"
@@ -124,6 +125,8 @@ class Recorder(Observer):
         request_id: str = "",
         latency_s: float | None = None,
         error: str | None = None,
+        usage: Usage | None = None,
+        service_s: float | None = None,
     ) -> None:
         self.finished.append(Finished(request_id, outcome, latency_s, self.clock.now()))
 

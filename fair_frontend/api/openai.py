@@ -1,0 +1,660 @@
+"""OpenAI's API as the frontend answers it: requests in, KServe ``InferRequest`` out, and
+OpenAI's responses, stream chunks and errors back. No I/O here: the shell's routes
+(``fair_frontend.shell.api_http``) read the bodies, call the ``Gateway`` and write.
+
+Each OpenAI call becomes the KServe call(s) a client of the model would make, so the fair
+scheduler, rate limits, charge-back and metrics apply unchanged:
+
+- ``/v1/chat/completions`` and ``/v1/completions``: one streamed request to an engine
+  endpoint (a decoupled model shaped like Triton's vLLM backend: a BYTES text input, the
+  endpoint's ``token_input``; ``stream`` and ``exclude_input_in_output`` inputs where the
+  model has them; the sampling parameters as the JSON object of its
+  ``sampling_parameters_input``). Chat messages become one prompt by ``CHAT_TEMPLATE``.
+  The model streams one response per token; the route relays them as OpenAI chunks, or
+  gathers them for a whole answer. ``stop`` strings are found here, in the text as it
+  streams (vLLM's server does the same): the text ends before the stop string, and the
+  request is cancelled, which frees its engine slot at once.
+- ``/v1/embeddings``: one request per input to a token-cost endpoint (its
+  ``token_input``: token ids, one row), so the fair batches interleave a tenant's long
+  list with other tenants' short ones; only the first counts against the requests limits.
+
+Errors are OpenAI's envelope, ``{"error": {"message", "type", "param", "code"}}``, with
+the statuses OpenAI's SDKs branch on (``envelope``): 429 ``rate_limit_exceeded``
+(retryable: the window will open) versus 429 ``insufficient_quota`` (a day or month
+allowance used up: clients must not retry).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fair_frontend import errors
+from fair_frontend.config import Config, Endpoint
+from fair_frontend.errors import FrontendError, InvalidArgument
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
+from fair_frontend.usage import Usage
+
+# The built-in chat template (ChatML, as Qwen and many others write it): each message as
+# ``<|im_start|>{role}\n{content}<|im_end|>\n``, then ``<|im_start|>assistant\n`` for the
+# answer. The shipped ``llm`` has no special tokens: the markers are plain text to it.
+CHAT_TEMPLATE = "<|im_start|>{role}\n{content}<|im_end|>\n"
+CHAT_ANSWER = "<|im_start|>assistant\n"
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+MAX_MESSAGES = 4096
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
+MAX_USER_CHARS = 256
+TOKEN_ID_MAX = 2**31 - 1  # INT32 token ids
+OWNED_BY = "fair-frontend"
+
+# OpenAI's service tiers -> a priority level (``service_tier``): "priority" the highest,
+# "flex" the lowest, "auto"/"default" the tenant's default. Priority orders a tenant's own
+# queue only (selector 3): no level takes anything from another tenant.
+SERVICE_TIERS = ("auto", "default", "flex", "priority")
+PRIORITY_HEADER = "x-priority"
+
+
+class ParamError(InvalidArgument):
+    """400 ``invalid_request_error`` naming the request field at fault (``param``)."""
+
+    def __init__(self, param: str | None, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ModelNotFound(InvalidArgument):
+    """404 ``model_not_found``: no such model, or not one this route serves."""
+
+    http_status = 404
+
+    def __init__(self, model: str, why: str = "does not exist") -> None:
+        super().__init__(f"The model `{model}` {why}")
+        self.param = "model"
+        self.code = "model_not_found"
+
+
+def _unsupported(model: str, why: str) -> ParamError:
+    """400: the model exists but does not serve this route (vLLM answers the same)."""
+    return ParamError("model", f"The model `{model}` {why}", "model_not_supported")
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def envelope(err: FrontendError) -> tuple[int, dict[str, Any]]:
+    """The status and OpenAI error body of ``err`` (``Retry-After`` is the caller's, from
+    ``err.retry_after_header``, as on every route)."""
+    param = getattr(err, "param", None)
+    code = getattr(err, "code", None)
+    status = err.http_status
+    kind = "invalid_request_error"
+    if isinstance(err, errors.UnknownModel):
+        status, param, code = 404, "model", "model_not_found"
+    elif isinstance(err, errors.Unauthenticated):
+        code = "invalid_api_key"
+    elif isinstance(err, errors.PermissionDenied):
+        kind, code = "permission_error", "model_not_allowed"
+    elif _quota_exhausted(err):
+        kind = code = "insufficient_quota"
+    elif isinstance(err, errors.RateLimited):
+        kind = "tokens" if " tokens per " in err.message else "requests"
+        code = "rate_limit_exceeded"
+    elif isinstance(err, errors.Unsupported):
+        status, code = 400, code or "unsupported_parameter"
+    elif isinstance(err, errors.Unavailable):
+        kind, code = "server_error", code or "overloaded"
+    elif status >= 500 or not isinstance(err, InvalidArgument):
+        kind = "server_error"
+    body = {"error": {"message": err.message, "type": kind, "param": param, "code": code}}
+    return status, body
+
+
+def _quota_exhausted(err: FrontendError) -> bool:
+    """A day or month allowance used up (``errors.QuotaExhausted`` where the core tells it
+    apart): 429 ``insufficient_quota``, which OpenAI's clients do not retry."""
+    cls = getattr(errors, "QuotaExhausted", None)
+    return cls is not None and isinstance(err, cls)
+
+
+# ---- reading fields ----------------------------------------------------------------------
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ParamError(None, f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ParamError(None, "The request body must be a JSON object")
+    return doc
+
+
+def _get(doc: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+    value = doc.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ParamError(name, f"Invalid type for '{name}': expected {_kind(kinds)}, got a bool")
+    if not isinstance(value, kinds):
+        raise ParamError(
+            name, f"Invalid type for '{name}': expected {_kind(kinds)}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _kind(kinds: type | tuple[type, ...]) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    seq = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in seq))
+
+
+def _number(doc: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = _get(doc, name, (int, float), None)
+    if value is None:
+        return None
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ParamError(name, f"'{name}' must be between {low:g} and {high:g}, got {value}")
+    return float(value)
+
+
+def _integer(doc: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = _get(doc, name, int, None)
+    if value is None:
+        return None
+    if not low <= value <= high:
+        raise ParamError(name, f"'{name}' must be between {low} and {high}, got {value}")
+    return int(value)
+
+
+def require_model(doc: Mapping[str, Any]) -> str:
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise ParamError("model", "you must provide a model parameter")
+    return model
+
+
+def _refuse_unless(doc: Mapping[str, Any], name: str, allowed: Sequence[Any], why: str) -> None:
+    value = doc.get(name)
+    if value is not None and value not in allowed:
+        raise ParamError(name, f"'{name}' is not supported: {why}", "unsupported_parameter")
+
+
+# ---- completions (chat and plain) -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Generation:
+    """One completion request, as the engine will run it."""
+
+    model: str
+    prompt: str
+    max_tokens: int | None
+    sampling: dict[str, Any]  # temperature, top_p, seed as given
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    priority: int  # 0: the tenant's default level
+    service_tier: str  # what the response echoes
+    chat: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_request(doc: Mapping[str, Any], headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/chat/completions`` body, checked."""
+    model = require_model(doc)
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ParamError("messages", "'messages' must be a non-empty array of messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ParamError("messages", f"'messages' holds at most {MAX_MESSAGES} messages")
+    parts = [_message(i, m) for i, m in enumerate(messages)]
+    _refuse_unless(doc, "tools", ([],), "this model calls no tools")
+    _refuse_unless(doc, "functions", ([],), "this model calls no functions")
+    _refuse_unless(doc, "tool_choice", ("none",), "this model calls no tools")
+    fmt = doc.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ParamError(
+            "response_format", "only {'type': 'text'} is supported", "unsupported_parameter"
+        )
+    _refuse_unless(doc, "logprobs", (False,), "no log probabilities are returned")
+    _refuse_unless(doc, "top_logprobs", (0,), "no log probabilities are returned")
+    max_tokens = _integer(doc, "max_completion_tokens", 1, 2**63 - 1)
+    if max_tokens is None:
+        max_tokens = _integer(doc, "max_tokens", 1, 2**63 - 1)
+    return _generation(doc, headers, config, model, "".join(parts) + CHAT_ANSWER, max_tokens, True)
+
+
+def _message(i: int, message: Any) -> str:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ParamError(where, f"'{where}' must be an object with 'role' and 'content'")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ParamError(
+            f"{where}.role", f"'{where}.role' must be one of {', '.join(sorted(ROLES))}"
+        )
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ParamError(
+                    f"{where}.content[{j}]",
+                    f"'{where}.content[{j}]': only text parts are supported",
+                    "unsupported_parameter",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ParamError(
+                    f"{where}.content[{j}].text", f"'{where}.content[{j}].text' must be a string"
+                )
+            texts.append(text)
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise ParamError(f"{where}.content", f"'{where}.content' must be a string or text parts")
+    return CHAT_TEMPLATE.format(role=role, content=content)
+
+
+def completion_request(
+    doc: Mapping[str, Any], headers: Mapping[str, str], config: Config
+) -> Generation:
+    """A ``/v1/completions`` body, checked: one text prompt."""
+    model = require_model(doc)
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ParamError(
+            "prompt",
+            "'prompt' must be a string (or a list of one string): one prompt per request, as text",
+        )
+    _refuse_unless(doc, "echo", (False,), "the prompt is not echoed")
+    _refuse_unless(doc, "best_of", (1,), "one completion per request")
+    _refuse_unless(doc, "logprobs", (0,), "no log probabilities are returned")
+    _refuse_unless(doc, "suffix", ("",), "no suffix is supported")
+    max_tokens = _integer(doc, "max_tokens", 1, 2**63 - 1)
+    return _generation(doc, headers, config, model, prompt, max_tokens, False)
+
+
+def _generation(
+    doc: Mapping[str, Any],
+    headers: Mapping[str, str],
+    config: Config,
+    model: str,
+    prompt: str,
+    max_tokens: int | None,
+    chat: bool,
+) -> Generation:
+    n = _integer(doc, "n", 1, 2**63 - 1)
+    if n not in (None, 1):
+        raise ParamError("n", "'n' must be 1: one choice per request", "unsupported_parameter")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if _number(doc, penalty, -2.0, 2.0):
+            raise ParamError(penalty, f"'{penalty}' is not supported", "unsupported_parameter")
+    _refuse_unless(doc, "logit_bias", ({},), "no logit bias is supported")
+    sampling: dict[str, Any] = {}
+    temperature = _number(doc, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        sampling["temperature"] = temperature
+    top_p = _number(doc, "top_p", 0.0, 1.0)
+    if top_p is not None:
+        if top_p == 0.0:
+            raise ParamError("top_p", "'top_p' must be greater than 0")
+        sampling["top_p"] = top_p
+    seed = _integer(doc, "seed", -(2**63), 2**63 - 1)
+    if seed is not None:
+        sampling["seed"] = seed
+    user = _get(doc, "user", str, "")
+    if len(user) > MAX_USER_CHARS:
+        raise ParamError("user", f"'user' is at most {MAX_USER_CHARS} characters")
+    stream = _get(doc, "stream", bool, False)
+    options = _get(doc, "stream_options", dict, None)
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ParamError(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
+        include_usage = _get(options, "include_usage", bool, False)
+    priority, tier = priority_of(doc, headers, config)
+    return Generation(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stops(doc.get("stop")),
+        stream=stream,
+        include_usage=include_usage,
+        priority=priority,
+        service_tier=tier,
+        chat=chat,
+    )
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ParamError("stop", "'stop' must be a string or an array of strings")
+    if len(stops) > MAX_STOPS:
+        raise ParamError("stop", f"'stop' holds at most {MAX_STOPS} sequences")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ParamError("stop", f"each 'stop' sequence is 1 to {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def priority_of(
+    doc: Mapping[str, Any], headers: Mapping[str, str], config: Config
+) -> tuple[int, str]:
+    """The priority level (0: the default) and the service tier to echo: ``service_tier``
+    ("priority" the highest level, "flex" the lowest), else ``priority`` in the body or the
+    ``x-priority`` header (1 = highest, as Triton's; clamped to the configured levels,
+    since a level only orders the tenant's own queue)."""
+    levels = config.priority_levels
+    tier = _get(doc, "service_tier", str, None)
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise ParamError(
+            "service_tier", f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}"
+        )
+    if tier == "priority":
+        return 1, "priority"
+    if tier == "flex":
+        return levels, "flex"
+    asked: Any = doc.get("priority")
+    where = "priority"
+    if asked is None and PRIORITY_HEADER in headers:
+        where = PRIORITY_HEADER
+        try:
+            asked = int(headers[PRIORITY_HEADER].strip())
+        except ValueError:
+            raise ParamError(where, f"'{where}' must be an integer") from None
+    if asked is None:
+        return 0, "default"
+    if isinstance(asked, bool) or not isinstance(asked, int):
+        raise ParamError(where, f"'{where}' must be an integer")
+    return (0 if asked <= 0 else min(asked, levels)), "default"
+
+
+def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> InferRequest:
+    """The KServe request for ``gen``: streamed, the prompt not echoed."""
+    if not info.decoupled or endpoint.token_output is None:
+        raise _unsupported(gen.model, "does not serve completions (it is not a streaming engine)")
+    text = endpoint.token_input
+    spec = info.inputs.get(text)
+    if spec is None or spec.datatype != "BYTES":
+        raise _unsupported(gen.model, "takes no text prompt")
+    inputs = [_tensor(info, text, "BYTES", np.array([gen.prompt.encode()], dtype=np.object_))]
+    for name in ("stream", "exclude_input_in_output"):
+        if name in info.inputs:
+            inputs.append(_tensor(info, name, "BOOL", np.array([True])))
+    sampling = dict(gen.sampling)
+    if gen.max_tokens is not None:
+        sampling[endpoint.max_tokens_parameter or "max_tokens"] = gen.max_tokens
+    keys = endpoint.sampling_keys
+    if keys is not None:
+        for key in list(sampling):
+            if key not in keys:
+                raise ParamError(key, f"'{key}' is not supported by model '{gen.model}'")
+    parameters: dict[str, Any] = {}
+    sampling_input = endpoint.sampling_parameters_input
+    if sampling_input is not None and sampling_input in info.inputs:
+        blob = json.dumps(sampling).encode()
+        inputs.append(_tensor(info, sampling_input, "BYTES", np.array([blob], dtype=np.object_)))
+    else:
+        parameters.update(sampling)  # as request parameters, where the model reads them
+    return InferRequest(
+        model=gen.model,
+        id=f"{'chatcmpl' if gen.chat else 'cmpl'}-{gen.id}",
+        inputs=inputs,
+        outputs=[RequestedOutput(endpoint.token_output)],
+        parameters=parameters,
+        priority=gen.priority,
+    )
+
+
+def _tensor(info: ModelInfo, name: str, datatype: str, data: np.ndarray) -> Tensor:
+    if info.max_batch_size > 0:
+        data = data.reshape(1, -1)
+    return Tensor(name, datatype, tuple(data.shape), data)
+
+
+class StopScanner:
+    """Finds the first of ``stops`` in text that arrives in pieces; holds back the tail
+    that could still be the start of one (at most the longest stop minus one character),
+    so that no text after a stop string is ever sent."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text that may go out now; ``stopped`` once a stop string was found."""
+        if not self.stops:
+            return text
+        buf = self.pending + text
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            self.pending = ""
+            return buf[: min(found)]
+        cut = max(len(buf) - self.hold, 0)
+        self.pending = buf[cut:]
+        return buf[:cut]
+
+    def flush(self) -> str:
+        """The text held back, once the stream ended without a stop string."""
+        out, self.pending = self.pending, ""
+        return out
+
+
+def finish_reason(scanner: StopScanner) -> str:
+    """ "stop" where a stop string ended it; "length" otherwise (the shipped engine has no
+    end-of-sequence token: it always runs to ``max_tokens``)."""
+    return "stop" if scanner.stopped else "length"
+
+
+def completion_body(gen: Generation, text: str, reason: str, usage: Usage) -> dict[str, Any]:
+    """The whole answer (``stream`` false)."""
+    if gen.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return {
+        **_head(gen),
+        "object": "chat.completion" if gen.chat else "text_completion",
+        "choices": [choice],
+        "usage": usage.as_openai(),
+    }
+
+
+def _head(gen: Generation) -> dict[str, Any]:
+    return {
+        "id": f"{'chatcmpl' if gen.chat else 'cmpl'}-{gen.id}",
+        "created": gen.created,
+        "model": gen.model,
+        "service_tier": gen.service_tier,
+        "system_fingerprint": None,
+    }
+
+
+def chunk(
+    gen: Generation,
+    text: str | None,
+    reason: str | None = None,
+    *,
+    first: bool = False,
+    usage: Usage | None = None,
+) -> dict[str, Any]:
+    """One stream chunk: a piece of text, the final one (``reason``), or, with
+    ``include_usage``, the usage chunk after it (``usage``: no choices)."""
+    doc: dict[str, Any] = {
+        **_head(gen),
+        "object": "chat.completion.chunk" if gen.chat else "text_completion",
+    }
+    if usage is not None:
+        doc["choices"] = []
+        doc["usage"] = usage.as_openai()
+        return doc
+    if gen.chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    choice["logprobs"] = None
+    choice["finish_reason"] = reason
+    doc["choices"] = [choice]
+    if gen.include_usage:
+        doc["usage"] = None
+    return doc
+
+
+def sse(doc: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Embeddings:
+    model: str
+    texts: list[str] | None  # text inputs (tokenised by the endpoint's tokenizer)
+    ids: list[list[int]] | None  # token-id inputs
+    base64: bool
+    dimensions: int | None
+
+
+def embeddings_request(doc: Mapping[str, Any]) -> Embeddings:
+    """A ``/v1/embeddings`` body, checked: ``input`` as a string, strings, token ids
+    (integers) or lists of token ids."""
+    model = require_model(doc)
+    value = doc.get("input")
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        texts = value
+    elif isinstance(value, list) and value and all(_is_id(v) for v in value):
+        ids = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if not all(v and all(_is_id(t) for t in v) for v in value):
+            raise ParamError(
+                "input", f"each token id list in 'input' is non-empty, ids 0 to {TOKEN_ID_MAX}"
+            )
+        ids = value
+    else:
+        raise ParamError(
+            "input",
+            "'input' must be a non-empty string, array of strings, array of token ids or "
+            "array of token id arrays",
+        )
+    count = len(texts if texts is not None else ids or [])
+    if count > MAX_EMBEDDING_INPUTS:
+        raise ParamError("input", f"'input' holds at most {MAX_EMBEDDING_INPUTS} items")
+    if texts is not None and any(not t for t in texts):
+        raise ParamError("input", "'input' cannot contain an empty string")
+    fmt = _get(doc, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise ParamError("encoding_format", "'encoding_format' must be 'float' or 'base64'")
+    dimensions = _integer(doc, "dimensions", 1, 2**31 - 1)
+    _get(doc, "user", str, "")
+    return Embeddings(model, texts, ids, fmt == "base64", dimensions)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= TOKEN_ID_MAX
+
+
+def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
+    """The endpoint's token-id input, or 404 where the model takes none."""
+    spec = info.inputs.get(endpoint.token_input)
+    if info.decoupled or spec is None or spec.datatype not in ("INT32", "INT64"):
+        raise _unsupported(model, "does not serve embeddings (it takes no token ids)")
+    return spec.name
+
+
+def embedding_output(info: ModelInfo, model: str) -> str:
+    """The model's one floating-point output (the embedding)."""
+    for spec in info.outputs.values():
+        if spec.datatype in ("FP32", "FP16", "FP64"):
+            return spec.name
+    raise _unsupported(model, "does not serve embeddings (it has no floating-point output)")
+
+
+def row_request(
+    model: str, name: str, datatype: str, ids: Sequence[int], output: str, rid: str
+) -> InferRequest:
+    """One input as its own KServe request: one row of token ids."""
+    data = np.asarray(ids, dtype=np.int32 if datatype == "INT32" else np.int64).reshape(1, -1)
+    return InferRequest(
+        model=model,
+        id=rid,
+        inputs=[Tensor(name, datatype, tuple(data.shape), data)],
+        outputs=[RequestedOutput(output)],
+    )
+
+
+def embeddings_body(req: Embeddings, vectors: Sequence[np.ndarray], usage: Usage) -> dict[str, Any]:
+    data = []
+    for i, vector in enumerate(vectors):
+        flat = np.asarray(vector, dtype=np.float32).reshape(-1)
+        if req.dimensions is not None:
+            if req.dimensions > flat.size:
+                raise ParamError(
+                    "dimensions",
+                    f"'dimensions' is at most {flat.size} for model '{req.model}'",
+                )
+            flat = flat[: req.dimensions]
+            norm = float(np.linalg.norm(flat))
+            if norm > 0:  # shortened as OpenAI's text-embedding-3 are: renormalised
+                flat = flat / norm
+        embedding: Any = (
+            base64.b64encode(flat.astype("<f4").tobytes()).decode() if req.base64 else flat.tolist()
+        )
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return {
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+def model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNED_BY}

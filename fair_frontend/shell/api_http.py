@@ -1,0 +1,323 @@
+"""The OpenAI routes of the HTTP shell: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/models``. Each reads and checks its body, translates it
+(``fair_frontend.api.openai``) and calls the same ``Gateway`` as the KServe routes: the
+same identity, model access, validation, fair scheduling and limits, and one counted,
+logged outcome per request (``Gateway.rejected`` for what is refused before the gateway).
+
+The door as on the KServe routes: the key and the global queue are checked from the
+headers before a byte of the body is read (``Gateway.admit_early``); the body is read
+within ``server.http_body_timeout_s`` against the largest body any endpoint takes, counted
+against ``server.http_max_reading_bytes`` while it is read, and parsed off the event loop
+when large. The model is named in the body, so the tenant's access to it is checked once
+the body is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from fair_frontend.api import openai
+from fair_frontend.auth import Identity
+from fair_frontend.errors import FrontendError
+from fair_frontend.protocol import InferResponse
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, text_of
+from fair_frontend.usage import Usage
+
+# The parts of one embeddings call wait for their answers together; a call of many inputs
+# holds at most this many in the core at once (the rest follow as they are answered).
+MAX_PARTS_IN_FLIGHT = 256
+
+
+class ApiRoutes:
+    """OpenAI's routes on ``shell``'s app (an ``HttpShell``: its body reading and door)."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+
+    @property
+    def gateway(self) -> Gateway:
+        gateway: Gateway = self.shell.gateway
+        return gateway
+
+    def add(self, router: web.UrlDispatcher, expect: Callable[..., Any]) -> None:
+        router.add_post("/v1/chat/completions", self.chat, expect_handler=expect)
+        router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        router.add_post("/v1/embeddings", self.embeddings, expect_handler=expect)
+        router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model}", self.model)
+
+    # ---- common ------------------------------------------------------------------------
+
+    async def _read(
+        self, request: web.Request, headers: Mapping[str, str]
+    ) -> tuple[Identity | None, dict[str, Any]]:
+        """The tenant as the headers tell, and the body parsed (refused from the headers
+        first where they decide: no key, an unknown one, a full queue)."""
+        gateway = self.gateway
+        known = gateway.admit_early("", headers)
+        await gateway.turns.take(known.tenant if known is not None else None)
+        limit = gateway.config.max_wire_bytes()
+        with self.shell.hold_body(request, "", headers, limit):
+            raw = await self.shell.read_body(request, "", limit)
+            if len(raw) > OFF_LOOP_BYTES:
+                doc = await asyncio.to_thread(openai.parse_body, raw)
+            else:
+                doc = openai.parse_body(raw)
+        return known, doc
+
+    def _admit(
+        self, model: str, headers: Mapping[str, str], known: Identity | None
+    ) -> Identity | None:
+        """The tenant may call ``model``: else 404 ``model_not_found``, as OpenAI answers
+        for a model that does not exist or that the key has no access to (the same answer
+        either way: no name a client tries tells whether it exists)."""
+        gateway = self.gateway
+        if known is not None and not gateway.access.allows(known.tenant, model):
+            raise openai.ModelNotFound(model, "does not exist or you do not have access to it")
+        return gateway.admit_early(model, headers) or known
+
+    def _refused(
+        self, model: str, headers: Mapping[str, str], err: FrontendError, t0: float
+    ) -> web.Response:
+        self.gateway.rejected(model, headers, err, time.monotonic() - t0)
+        return error_response(err)
+
+    # ---- completions -------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, openai.chat_request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, openai.completion_request)
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[..., openai.Generation]
+    ) -> web.StreamResponse:
+        gateway = self.gateway
+        headers = _headers(request)
+        started = time.monotonic()
+        model = ""
+        try:
+            known, doc = await self._read(request, headers)
+            gen = parse(doc, headers, gateway.config)
+            model = gen.model
+            known = self._admit(model, headers, known)
+            info = await gateway.model_info(model)
+            endpoint = gateway.config.endpoint(model)
+            req = openai.engine_request(gen, info, endpoint)
+        except FrontendError as err:
+            return self._refused(model, headers, err, started)
+        usage = Usage()
+        output = endpoint.token_output
+        assert output is not None  # engine_request checked it
+        replies = gateway.stream_infer(req, headers, known, usage=usage)
+        try:
+            if gen.stream:
+                return await self._stream(request, gen, replies, usage, output)
+            return await self._whole(gen, replies, usage, output)
+        except FrontendError as err:
+            return error_response(err)
+        finally:
+            # Closing cancels the request in the core (a stop string, a client gone):
+            # its stream to Triton ends and its engine slot is free at once.
+            await replies.aclose()
+
+    async def _whole(
+        self,
+        gen: openai.Generation,
+        replies: AsyncGenerator[InferResponse, None],
+        usage: Usage,
+        output: str,
+    ) -> web.Response:
+        scanner = openai.StopScanner(gen.stop)
+        parts = []
+        async for resp in replies:
+            parts.append(scanner.feed(_text(resp, output)))
+            if scanner.stopped:
+                break
+        parts.append(scanner.flush())
+        body = openai.completion_body(gen, "".join(parts), openai.finish_reason(scanner), usage)
+        return web.json_response(body)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        gen: openai.Generation,
+        replies: AsyncGenerator[InferResponse, None],
+        usage: Usage,
+        output: str,
+    ) -> web.StreamResponse:
+        """Server-sent events as OpenAI sends them. A request refused before its first
+        token gets a plain error (its status); an error later is one ``error`` event,
+        under the 200 already sent, and the stream ends without ``[DONE]``."""
+        try:
+            first: InferResponse | None = await anext(replies)
+        except StopAsyncIteration:
+            first = None
+        out = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+        out.content_type = "text/event-stream"
+        await out.prepare(request)
+        scanner = openai.StopScanner(gen.stop)
+        await out.write(openai.sse(openai.chunk(gen, "" if gen.chat else None, first=True)))
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                resp = pending.pop() if pending else await anext(replies, None)
+                if resp is None:
+                    break
+                text = scanner.feed(_text(resp, output))
+                if text:
+                    await out.write(openai.sse(openai.chunk(gen, text)))
+                if scanner.stopped:
+                    break
+            rest = scanner.flush()
+            if rest:
+                await out.write(openai.sse(openai.chunk(gen, rest)))
+        except FrontendError as err:
+            await out.write(openai.sse(openai.envelope(err)[1]))
+            await out.write_eof()
+            return out
+        reason = openai.finish_reason(scanner)
+        await out.write(openai.sse(openai.chunk(gen, None, reason)))
+        if gen.include_usage:
+            await out.write(openai.sse(openai.chunk(gen, None, usage=usage)))
+        await out.write(openai.SSE_DONE)
+        await out.write_eof()
+        return out
+
+    # ---- embeddings ----------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """One request per input (``openai.row_request``): the fair batches take each
+        input as its own row, so a tenant's list of 2,048 waits its turn row by row beside
+        another's single input. The first counts against the request limits, all of them
+        against the token limits."""
+        gateway = self.gateway
+        headers = _headers(request)
+        started = time.monotonic()
+        model = ""
+        try:
+            known, doc = await self._read(request, headers)
+            call = openai.embeddings_request(doc)
+            model = call.model
+            known = self._admit(model, headers, known)
+            info = await gateway.model_info(model)
+            endpoint = gateway.config.endpoint(model)
+            name = openai.embedding_input(info, endpoint, model)
+            output = openai.embedding_output(info, model)
+            rows = (
+                call.ids
+                if call.ids is not None
+                else await _token_ids(endpoint.tokenizer, call.texts or [], model)
+            )
+        except FrontendError as err:
+            return self._refused(model, headers, err, started)
+        datatype = info.inputs[name].datatype
+        rid = f"embd-{openai.uuid.uuid4().hex}"
+        usages = [Usage() for _ in rows]
+        gate = asyncio.Semaphore(MAX_PARTS_IN_FLIGHT)
+
+        async def part(i: int) -> np.ndarray:
+            req = openai.row_request(model, name, datatype, rows[i], output, f"{rid}-{i}")
+            async with gate:
+                resp = await gateway.infer(
+                    req, headers, known, usage=usages[i], requests=1 if i == 0 else 0
+                )
+            return next(t.data for t in resp.outputs if t.name == output)
+
+        try:
+            vectors = await _all(part(i) for i in range(len(rows)))
+            usage = Usage(sum(u.prompt_tokens for u in usages))
+            return web.json_response(openai.embeddings_body(call, vectors, usage))
+        except FrontendError as err:
+            return error_response(err)
+
+    # ---- models ----------------------------------------------------------------------------
+
+    def _listed(self, request: web.Request) -> list[str]:
+        """The configured models the caller's tenant may call (401/403 without a valid
+        key)."""
+        gateway = self.gateway
+        tenant = gateway.auth.identify(_headers(request), None)
+        return [m for m in sorted(gateway.config.endpoints) if gateway.access.allows(tenant, m)]
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            names = self._listed(request)
+        except FrontendError as err:
+            return error_response(err)
+        return web.json_response({"object": "list", "data": [openai.model_entry(m) for m in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        try:
+            if name not in self._listed(request):
+                raise openai.ModelNotFound(name)
+        except FrontendError as err:
+            return error_response(err)
+        return web.json_response(openai.model_entry(name))
+
+
+OFF_LOOP_BYTES = 256 << 10
+
+
+def error_response(err: FrontendError) -> web.Response:
+    """OpenAI's error envelope with its status (``openai.envelope``) and Retry-After."""
+    status, body = openai.envelope(err)
+    headers = {}
+    if err.retry_after_header is not None:
+        headers["Retry-After"] = err.retry_after_header
+    return web.Response(
+        status=status,
+        body=json.dumps(body).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _headers(request: web.Request) -> dict[str, str]:
+    from fair_frontend.auth import identity_headers
+
+    return identity_headers(request.headers.items(), request.remote)
+
+
+def _text(resp: InferResponse, output: str) -> str:
+    for t in resp.outputs:
+        if t.name == output:
+            return "".join(text_of(e) for e in t.data.flat)
+    return ""
+
+
+async def _token_ids(tokenizer: str | None, texts: list[str], model: str) -> list[list[int]]:
+    """Each text's token ids with the endpoint's tokenizer (off the event loop when long)."""
+    if tokenizer is None:
+        raise openai.ParamError(
+            "input", f"model '{model}' takes token ids only (it has no tokenizer): send them"
+        )
+
+    def encode() -> list[list[int]]:
+        return [
+            e.ids for e in load_tokenizer(tokenizer).encode_batch(texts, add_special_tokens=False)
+        ]
+
+    if sum(len(t) for t in texts) > INLINE_TOKENIZE_BYTES:
+        return await asyncio.to_thread(encode)
+    return encode()
+
+
+async def _all(parts: Any) -> list[Any]:
+    """Every part's result, in order; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(p) for p in parts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

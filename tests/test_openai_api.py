@@ -1,0 +1,336 @@
+"""The OpenAI routes (``/v1/...``) with the real ``openai`` SDK against a real frontend and
+Triton: chat and completions (whole and streamed, ``include_usage``, ``stop``), embeddings,
+models, OpenAI's error envelope and the statuses its SDK branches on, service tiers, and
+usage as the frontend counted it (responses, KServe response parameters, request log).
+
+Answers are checked against what the same model says over the KServe routes (greedy
+decoding: the same text), and usage against the tokenizer the frontend counts with.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import tritonclient.http as httpclient
+from tokenizers import Tokenizer
+
+from fair_frontend.api.openai import CHAT_ANSWER, CHAT_TEMPLATE
+from fair_frontend.config import parse_config
+from fair_frontend.logs import REQUEST_LOGGER
+from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+
+MAX_TOKENS = 8
+
+
+def _config() -> Any:
+    data = config_dict()
+    data["endpoints"]["embed"]["tokenizer"] = data["endpoints"]["llm"]["tokenizer"]
+    # Model access as the example has it (trial: no llm); limits for the 429 tests.
+    data["tier_models"] = {
+        "enterprise": ["embed", "generate", "llm"],
+        "standard": ["embed", "generate", "llm"],
+        "trial": ["embed", "generate"],
+    }
+    data["tenants"]["initech"]["limits"] = {"llm": {"requests_per_minute": 1}}
+    data["tenants"]["hooli"]["limits"] = {"llm": {"requests_per_day": 1}}
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module")
+def api(triton: Any, workers: int) -> Iterator[RunningFrontend]:
+    with running_frontend(_config(), triton, workers=workers) as running:
+        yield running
+
+
+def client(running: RunningFrontend, tenant: str = "acme", **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{running.http_url}/v1", api_key=KEYS[tenant], max_retries=0, **kw
+    )
+
+
+def tokenizer(running: RunningFrontend) -> Tokenizer:
+    path = running.server.config.endpoints["llm"].tokenizer
+    return Tokenizer.from_file(path)
+
+
+def chat_prompt(messages: list[dict[str, str]]) -> str:
+    return "".join(CHAT_TEMPLATE.format(**m) for m in messages) + CHAT_ANSWER
+
+
+def kserve_text(running: RunningFrontend, prompt: str, max_tokens: int) -> str:
+    """The same model's greedy answer over Triton's generate extension, through the
+    frontend (not streamed: the whole text, the prompt excluded)."""
+    body = {
+        "text_input": prompt,
+        "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps({"max_tokens": max_tokens, "temperature": 0}),
+    }
+    req = urllib.request.Request(
+        f"http://{running.http_url}/v2/models/llm/generate",
+        data=json.dumps(body).encode(),
+        headers={"x-api-key": KEYS["acme"], "content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return str(json.loads(resp.read())["text_output"])
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three rivers of Europe."},
+]
+
+
+def test_chat_answers_as_the_model_does_with_usage_as_counted(api: RunningFrontend) -> None:
+    reply = client(api).chat.completions.create(
+        model="llm",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    prompt = chat_prompt(MESSAGES)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == kserve_text(api, prompt, MAX_TOKENS)
+    assert reply.choices[0].finish_reason == "length"  # no EOS: it runs to max_tokens
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(tokenizer(api).encode(prompt).ids)
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + MAX_TOKENS
+    assert reply.service_tier == "default"
+
+
+def test_chat_stream_with_usage_chunk_and_done(api: RunningFrontend) -> None:
+    stream = client(api).chat.completions.create(
+        model="llm",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)  # the SDK ends at "data: [DONE]"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == kserve_text(api, chat_prompt(MESSAGES), MAX_TOKENS)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and not any(finals[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == MAX_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_string_cuts_the_text_and_the_generation(api: RunningFrontend) -> None:
+    long = 48
+    whole = kserve_text(api, chat_prompt(MESSAGES), long)
+    stop = whole[len(whole) // 3 : len(whole) // 3 + 3]
+    for stream in (False, True):
+        made = client(api).chat.completions.create(
+            model="llm",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=long,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+        if stream:
+            chunks = list(made)  # type: ignore[arg-type]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            text = made.choices[0].message.content  # type: ignore[union-attr]
+            reason = made.choices[0].finish_reason  # type: ignore[union-attr]
+            usage = made.usage  # type: ignore[union-attr]
+        assert text == whole[: whole.find(stop)]
+        assert reason == "stop"
+        # The generation was cancelled there: fewer tokens than asked for were relayed.
+        assert usage is not None and usage.completion_tokens < long
+
+
+def test_completions_whole_and_streamed(api: RunningFrontend) -> None:
+    prompt = "The quick brown fox"
+    expected = kserve_text(api, prompt, MAX_TOKENS)
+    whole = client(api).completions.create(
+        model="llm", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert whole.object == "text_completion"
+    assert whole.choices[0].text == expected
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(tokenizer(api).encode(prompt).ids)
+    parts = client(api).completions.create(
+        model="llm", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in parts if c.choices) == expected
+
+
+def test_embeddings_texts_ids_and_base64_match_the_model(api: RunningFrontend) -> None:
+    texts = ["a short one", "a somewhat longer sentence to embed here"]
+    got = client(api).embeddings.create(model="embed", input=texts)
+    ids = [tokenizer(api).encode(t, add_special_tokens=False).ids for t in texts]
+    triton = httpclient.InferenceServerClient(api.http_url)
+    for i, row in enumerate(ids):
+        data = np.array([row], dtype=np.int32)
+        inp = httpclient.InferInput("INPUT_IDS", list(data.shape), "INT32")
+        inp.set_data_from_numpy(data)
+        direct = triton.infer("embed", [inp], headers={"x-api-key": KEYS["acme"]})
+        np.testing.assert_allclose(
+            got.data[i].embedding, direct.as_numpy("EMBEDDING")[0], rtol=1e-5
+        )
+        assert got.data[i].index == i
+    assert got.usage.prompt_tokens == sum(len(r) for r in ids)
+    by_ids = client(api).embeddings.create(model="embed", input=ids[1])
+    np.testing.assert_allclose(by_ids.data[0].embedding, got.data[1].embedding, rtol=1e-6)
+    packed = client(api).embeddings.with_raw_response.create(
+        model="embed", input=texts[0], encoding_format="base64"
+    )
+    raw = json.loads(packed.http_response.text)["data"][0]["embedding"]
+    floats = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+    np.testing.assert_allclose(floats, got.data[0].embedding, rtol=1e-6)
+    short = client(api).embeddings.create(model="embed", input=texts[0], dimensions=16)
+    assert len(short.data[0].embedding) == 16
+    assert np.linalg.norm(short.data[0].embedding) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_models_lists_what_the_tenant_may_call(api: RunningFrontend) -> None:
+    ids = {m.id for m in client(api).models.list()}
+    assert {"embed", "generate", "llm"} <= ids
+    trial = {m.id for m in client(api, "umbrella").models.list()}
+    assert "llm" not in trial and "embed" in trial
+    assert client(api).models.retrieve("llm").id == "llm"
+    with pytest.raises(openai.NotFoundError):
+        client(api, "umbrella").models.retrieve("llm")
+
+
+def _code(err: openai.APIStatusError) -> Any:
+    body = err.body
+    return body.get("code") if isinstance(body, dict) else None
+
+
+def test_errors_in_openais_envelope_and_statuses(api: RunningFrontend) -> None:
+    bad = openai.OpenAI(base_url=f"http://{api.http_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as auth:
+        bad.chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+    assert _code(auth.value) == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(api).chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+    assert _code(missing.value) == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as closed:  # as OpenAI: exists or not, alike
+        client(api, "umbrella").chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+    assert _code(closed.value) == "model_not_found"
+    other = client(api, default_headers={"x-tenant-id": "globex"})  # acme's key
+    with pytest.raises(openai.PermissionDeniedError):
+        other.chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as two:
+        client(api).chat.completions.create(model="llm", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+    assert isinstance(two.value.body, dict) and two.value.body["param"] == "n"
+    for bad_value in ({"temperature": 9}, {"max_tokens": -1}, {"stop": ["x"] * 5}):
+        with pytest.raises(openai.BadRequestError):
+            client(api).chat.completions.create(model="llm", messages=MESSAGES, **bad_value)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):  # embeddings of a model that makes none
+        client(api).embeddings.create(model="llm", input="x")
+
+
+def test_429_rate_limit_exceeded_is_retryable(api: RunningFrontend) -> None:
+    initech = client(api, "initech")
+    initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as limited:
+        initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert _code(limited.value) == "rate_limit_exceeded"
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+
+
+def test_429_insufficient_quota_when_a_day_allowance_is_used(api: RunningFrontend) -> None:
+    hooli = client(api, "hooli")
+    hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as used_up:
+        hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert _code(used_up.value) == "insufficient_quota"
+
+
+def test_service_tier_and_priority(api: RunningFrontend) -> None:
+    acme = client(api)
+    fast = acme.chat.completions.create(
+        model="llm",
+        messages=MESSAGES,
+        max_tokens=1,
+        service_tier="priority",  # type: ignore[arg-type]
+    )
+    assert fast.service_tier == "priority"
+    flex = acme.chat.completions.create(
+        model="llm",
+        messages=MESSAGES,
+        max_tokens=1,
+        service_tier="flex",  # type: ignore[arg-type]
+    )
+    assert flex.service_tier == "flex"
+    # A level beyond the configured ones is clamped, not refused.
+    huge = acme.chat.completions.create(
+        model="llm",
+        messages=MESSAGES,
+        max_tokens=1,
+        extra_body={"priority": 10**9},  # type: ignore[arg-type]
+    )
+    assert huge.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        acme.chat.completions.create(
+            model="llm",
+            messages=MESSAGES,
+            max_tokens=1,
+            service_tier="gold",  # type: ignore[arg-type]
+        )
+
+
+def test_kserve_usage_parameters_when_asked(api: RunningFrontend) -> None:
+    triton = httpclient.InferenceServerClient(api.http_url)
+    data = np.arange(1, 13, dtype=np.int32).reshape(1, -1)
+    inp = httpclient.InferInput("INPUT_IDS", list(data.shape), "INT32")
+    inp.set_data_from_numpy(data)
+    headers = {"x-api-key": KEYS["acme"]}
+    asked = triton.infer("embed", [inp], headers=headers, parameters={"include_usage": True})
+    params = asked.get_response()["parameters"]
+    assert params["usage_prompt_tokens"] == 12
+    assert params["usage_total_tokens"] == 12
+    plain = triton.infer("embed", [inp], headers=headers)
+    assert "parameters" not in plain.get_response() or not any(
+        k.startswith("usage_") for k in plain.get_response()["parameters"]
+    )
+
+
+def test_request_log_carries_usage_for_billing(
+    api: RunningFrontend, workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger=REQUEST_LOGGER):
+        reply = client(api, "globex").chat.completions.create(
+            model="llm",
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        )
+        ours = _records(caplog, reply.id)
+    assert len(ours) == 1, "one record per request, written by the core"
+    record = ours[0]
+    assert record.tenant == "globex"  # type: ignore[attr-defined]
+    assert record.tokens_out == MAX_TOKENS  # type: ignore[attr-defined]
+    assert record.tokens_in == reply.usage.prompt_tokens  # type: ignore[attr-defined, union-attr]
+    assert record.service_ms > 0  # type: ignore[attr-defined]
+
+
+def _records(caplog: pytest.LogCaptureFixture, request_id: str) -> list[logging.LogRecord]:
+    """The request's log records, once the core has written one: a stream's end reaches
+    the core just after its client got the last token (a condition waited for, bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [r for r in caplog.records if getattr(r, "request_id", "") == request_id]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
