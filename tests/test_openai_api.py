@@ -9,6 +9,7 @@ decoding: the same text), and usage against the tokenizer the frontend counts wi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from fair_frontend.api.openai import CHAT_ANSWER, CHAT_TEMPLATE
 from fair_frontend.config import parse_config
 from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 MAX_TOKENS = 8
@@ -334,3 +336,48 @@ def _records(caplog: pytest.LogCaptureFixture, request_id: str) -> list[logging.
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.01)
+
+
+async def test_a_flood_of_chats_does_not_hold_up_another_tenants_first_token(
+    triton: Any,
+) -> None:
+    """4 engine slots, 2 reserved: acme floods 12 long streamed chats (200 tokens); globex's
+    streamed chat of 4 tokens, sent once acme streams, is answered whole while every one of
+    acme's is still generating: its first token waited for no generation of acme's to
+    end (the engine bound), through the OpenAI route as through KServe's."""
+    data = config_dict()
+    data["endpoints"]["llm"].update(max_inflight=4, reserved_slots=2)
+    with running_frontend(parse_config(data), triton) as fe:
+        base = f"http://{fe.http_url}/v1"
+        acme = openai.AsyncOpenAI(base_url=base, api_key=KEYS["acme"], max_retries=0)
+        globex = openai.AsyncOpenAI(base_url=base, api_key=KEYS["globex"], max_retries=0)
+        tokens: list[str] = []
+
+        async def chat(who: openai.AsyncOpenAI, n: int, log: list[str] | None) -> str:
+            stream = await who.chat.completions.create(
+                model="llm",
+                messages=MESSAGES,
+                max_tokens=n,
+                stream=True,  # type: ignore[arg-type]
+            )
+            text = []
+            async for c in stream:
+                if c.choices and c.choices[0].delta.content:
+                    text.append(c.choices[0].delta.content)
+                    if log is not None:
+                        log.append(c.choices[0].delta.content)
+            return "".join(text)
+
+        hogs = [asyncio.ensure_future(chat(acme, 200, tokens)) for _ in range(12)]
+        try:
+            await aeventually(lambda: len(tokens) >= 6, 60, 0.005, what="acme streaming")
+            quiet = await asyncio.wait_for(chat(globex, 4, None), 60)
+            hogs_done = [h.done() for h in hogs]
+        finally:
+            for h in hogs:
+                h.cancel()
+            await asyncio.gather(*hogs, return_exceptions=True)
+            await acme.close()
+            await globex.close()
+    assert quiet
+    assert not any(hogs_done), "globex waited for one of acme's generations to end"
