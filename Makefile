@@ -7,6 +7,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PERF_ANALYZER := $(BIN)/perf_analyzer
+# AIPerf (NVIDIA's load generator for OpenAI-compatible servers), in a virtual environment
+# of its own: it pins versions of prometheus-client and others that differ from ours.
+AIPERF_VENV := .venv-aiperf
+AIPERF := $(AIPERF_VENV)/bin/aiperf
+AIPERF_VERSION := 0.13.0
 PA_VERSION := 2.46.0
 CONFIG ?= examples/config.yaml
 PYTEST_ARGS ?=
@@ -14,7 +19,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps run test lint bench clean
 
-setup: system-deps $(STAMP) $(PERF_ANALYZER)
+setup: system-deps $(STAMP) $(PERF_ANALYZER) $(AIPERF)
 
 # Debian packages: redis-server (tests start their own), libb64-0d (perf_analyzer),
 # openssl (the fleet's TLS tests make their certificates with it).
@@ -52,6 +57,11 @@ $(PERF_ANALYZER): $(STAMP)
 	  'exec "$$here/opt/perf_analyzer/perf_analyzer" "$$@"' > $@
 	@chmod +x $@
 
+$(AIPERF):
+	@echo "==> aiperf $(AIPERF_VERSION) in $(AIPERF_VENV)"
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --progress-bar off aiperf==$(AIPERF_VERSION)
+
 run: setup
 	$(BIN)/fair-frontend up --config $(CONFIG)
 
@@ -66,4 +76,4 @@ bench: setup
 	$(BIN)/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,227 @@
+"""What the OpenAI (and rerank) routes cost beside the KServe routes they translate to.
+
+The frontend runs as its own process (``fair-frontend serve``, one shell in the core's
+process) in front of a real Triton; each load runs in a client process of its own. CPU is
+the frontend's process tree (user + system, from /proc) over a fixed amount of work, the
+two routes measured in alternating rounds of the same run, so the ratio is of one run.
+
+- ``embeddings``: CPU per request, ``POST /v1/embeddings`` (64 token ids) against
+  ``POST /v2/models/embed/infer`` (the same ids as a JSON tensor);
+- ``chat``: CPU per streamed token, ``POST /v1/chat/completions`` with ``stream`` against
+  ``POST /v2/models/llm/generate_stream`` (the same prompt, Triton's generate extension);
+- ``rerank`` (where the model is in the repository): a quiet tenant's 3-document rerank
+  latency while another floods 1,000-document reranks, through the frontend and straight
+  to Triton (one KServe request per document, as the frontend sends them).
+
+    .venv/bin/python -m benchmarks.bench_api [--scenarios embeddings,chat,rerank] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import time
+from typing import Any
+
+import aiohttp
+
+from benchmarks.harness import (
+    frontend,
+    load_example_config,
+    process_tree_cpu_s,
+    progress,
+    triton,
+    write_result,
+)
+
+KEY = "acme-demo-key"
+QUIET_KEY = "initech-demo-key"
+IDS = list(range(1, 65))
+PROMPT = "Tell me about the rivers of Europe and the towns along them."
+CHAT_TOKENS = 64
+
+
+async def _drive(url: str, route: str, count: int, concurrency: int) -> int:
+    """``count`` calls of ``route`` at ``concurrency``; returns the tokens streamed
+    (chat/generate) or the calls answered (the others)."""
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    bodies = {
+        "openai-embed": ("/v1/embeddings", {"model": "embed", "input": IDS}),
+        "kserve-embed": (
+            "/v2/models/embed/infer",
+            {
+                "inputs": [
+                    {"name": "INPUT_IDS", "datatype": "INT32", "shape": [1, len(IDS)], "data": IDS}
+                ]
+            },
+        ),
+        "openai-chat": (
+            "/v1/chat/completions",
+            {
+                "model": "llm",
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": CHAT_TOKENS,
+                "stream": True,
+            },
+        ),
+        "kserve-generate": (
+            "/v2/models/llm/generate_stream",
+            {
+                "text_input": PROMPT,
+                "stream": True,
+                "sampling_parameters": json.dumps({"max_tokens": CHAT_TOKENS}),
+            },
+        ),
+    }
+    path, body = bodies[route]
+    data = json.dumps(body).encode()
+    left = count
+    units = 0
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal left, units
+        while left > 0:
+            left -= 1
+            async with session.post(url + path, data=data, headers=headers) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{route}: {resp.status} {await resp.text()}")
+                if route in ("openai-chat", "kserve-generate"):
+                    async for line in resp.content:
+                        if line.startswith(b"data: {") and b'"error"' not in line:
+                            units += 1
+                    if route == "openai-chat":
+                        units -= 2  # the role chunk and the final chunk carry no token
+                else:
+                    await resp.read()
+                    units += 1
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return units
+
+
+def _client(url: str, route: str, count: int, concurrency: int, out: Any) -> None:
+    out.put(asyncio.run(_drive(url, route, count, concurrency)))
+
+
+def measured(pid: int, url: str, route: str, count: int, concurrency: int) -> tuple[float, int]:
+    """(frontend CPU seconds, units) of one load, its client in a process of its own."""
+    queue: Any = multiprocessing.get_context("spawn").Queue()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_client, args=(url, route, count, concurrency, queue)
+    )
+    before = sum(process_tree_cpu_s(pid).values())
+    proc.start()
+    units = queue.get(timeout=600)
+    proc.join()
+    after = sum(process_tree_cpu_s(pid).values())
+    return after - before, units
+
+
+def compare(
+    pid: int, url: str, pair: tuple[str, str], count: int, conc: int, rounds: int
+) -> dict[str, Any]:
+    per: dict[str, list[float]] = {pair[0]: [], pair[1]: []}
+    measured(pid, url, pair[0], max(count // 10, 4), conc)  # warm both paths
+    measured(pid, url, pair[1], max(count // 10, 4), conc)
+    for r in range(rounds):
+        for route in pair if r % 2 == 0 else pair[::-1]:
+            cpu, units = measured(pid, url, route, count, conc)
+            per[route].append(cpu / units * 1e6)
+            progress(
+                f"  {route}: {cpu / units * 1e6:.0f} µs of frontend CPU per unit ({units} units)"
+            )
+    a, b = (statistics.median(per[p]) for p in pair)
+    return {"us_per_unit": per, "median_us": {pair[0]: a, pair[1]: b}, "ratio": a / b}
+
+
+async def _rerank_latency(url: str, key: str, docs: int, count: int, out: list[float]) -> None:
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    body = json.dumps(
+        {
+            "model": "rerank",
+            "query": "rivers of Europe",
+            "documents": [f"document {i} about the Danube and the Rhine" for i in range(docs)],
+        }
+    ).encode()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(count):
+            t0 = time.monotonic()
+            async with session.post(url + "/v2/rerank", data=body, headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"rerank: {resp.status}")
+            out.append(time.monotonic() - t0)
+
+
+def _rerank_client(url: str, key: str, docs: int, count: int, queue: Any) -> None:
+    out: list[float] = []
+    asyncio.run(_rerank_latency(url, key, docs, count, out))
+    queue.put(out)
+
+
+def rerank(url: str, count: int) -> dict[str, Any]:
+    """The quiet tenant's 3-document latencies alone and under a 1,000-document flood."""
+    ctx = multiprocessing.get_context("spawn")
+    result: dict[str, Any] = {}
+    for label, flood in (("alone", False), ("flooded", True)):
+        q: Any = ctx.Queue()
+        hog = None
+        if flood:
+            hog = ctx.Process(target=_rerank_client, args=(url, KEY, 1000, 1000, ctx.Queue()))
+            hog.start()
+            time.sleep(2.0)  # the flood's first calls are in the queues (a load, not a server)
+        quiet = ctx.Process(target=_rerank_client, args=(url, QUIET_KEY, 3, count, q))
+        quiet.start()
+        lat = q.get(timeout=600)
+        quiet.join()
+        if hog is not None:
+            hog.terminate()
+            hog.join()
+        result[label] = {
+            "p50_ms": statistics.median(lat) * 1e3,
+            "p99_ms": sorted(lat)[max(int(len(lat) * 0.99) - 1, 0)] * 1e3,
+        }
+        progress(f"  rerank {label}: p50 {result[label]['p50_ms']:.1f} ms")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default="embeddings,chat")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    data = load_example_config()
+    data["endpoints"]["embed"].setdefault("tokenizer", data["endpoints"]["llm"]["tokenizer"])
+    data.pop("tier_limits", None)
+    for tenant in data["tenants"].values():
+        tenant.pop("limits", None)
+    results: dict[str, Any] = {}
+    with triton() as server, frontend(data, server.grpc_url, http_url=server.http_url) as fe:
+        url = f"http://{fe.http_url}"
+        pid = fe.process.pid
+        if "embeddings" in scenarios:
+            progress("embeddings: CPU per request, /v1/embeddings vs KServe infer")
+            results["embeddings"] = compare(
+                pid, url, ("openai-embed", "kserve-embed"), 2000, 8, args.rounds
+            )
+        if "chat" in scenarios:
+            progress("chat: CPU per streamed token, /v1/chat/completions vs generate_stream")
+            results["chat"] = compare(
+                pid, url, ("openai-chat", "kserve-generate"), 120, 16, args.rounds
+            )
+        if "rerank" in scenarios:
+            progress("rerank: a 3-document rerank beside a 1,000-document flood")
+            results["rerank"] = rerank(url, 30)
+    for name, r in results.items():
+        if "ratio" in r:
+            progress(f"{name}: OpenAI / KServe = {r['ratio']:.2f} ({r['median_us']})")
+    write_result("api", results)
+
+
+if __name__ == "__main__":
+    main()
