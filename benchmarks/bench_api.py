@@ -65,6 +65,7 @@ async def _drive(url: str, route: str, count: int, concurrency: int) -> int:
                 "messages": [{"role": "user", "content": PROMPT}],
                 "max_tokens": CHAT_TOKENS,
                 "stream": True,
+                "stream_options": {"include_usage": True},
             },
         ),
         "kserve-generate": (
@@ -89,11 +90,16 @@ async def _drive(url: str, route: str, count: int, concurrency: int) -> int:
                 if resp.status != 200:
                     raise RuntimeError(f"{route}: {resp.status} {await resp.text()}")
                 if route in ("openai-chat", "kserve-generate"):
+                    # Every generation is CHAT_TOKENS long (the model has no EOS): the
+                    # usage chunk says so, which is checked; a token whose text is empty
+                    # (part of a UTF-8 character) has no chunk of its own.
                     async for line in resp.content:
-                        if line.startswith(b"data: {") and b'"error"' not in line:
-                            units += 1
-                    if route == "openai-chat":
-                        units -= 2  # the role chunk and the final chunk carry no token
+                        if (
+                            b'"usage":{' in line
+                            and b'"completion_tokens":%d' % CHAT_TOKENS not in line
+                        ):
+                            raise RuntimeError(f"{route}: not {CHAT_TOKENS} tokens: {line!r}")
+                    units += CHAT_TOKENS
                 else:
                     await resp.read()
                     units += 1

@@ -166,6 +166,7 @@ class ApiRoutes:
         out.content_type = "text/event-stream"
         await out.prepare(request)
         scanner = openai.StopScanner(gen.stop)
+        around = openai.token_events(gen)
         await out.write(openai.sse(openai.chunk(gen, "" if gen.chat else None, first=True)))
         try:
             pending = [first] if first is not None else []
@@ -175,12 +176,12 @@ class ApiRoutes:
                     break
                 text = scanner.feed(_text(resp, output))
                 if text:
-                    await out.write(openai.sse(openai.chunk(gen, text)))
+                    await out.write(openai.token_event(around, text))
                 if scanner.stopped:
                     break
             rest = scanner.flush()
             if rest:
-                await out.write(openai.sse(openai.chunk(gen, rest)))
+                await out.write(openai.token_event(around, rest))
         except FrontendError as err:
             await out.write(openai.sse(openai.envelope(err)[1]))
             await out.write_eof()

@@ -1,0 +1,121 @@
+"""The OpenAI translation's pure parts (``fair_frontend.api.openai``): stop strings found
+across pieces, the pre-built token events, request checks and the error envelope."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fair_frontend import errors
+from fair_frontend.api import openai
+from tests.support import make_config
+
+
+@given(
+    text=st.text(alphabet="abc", max_size=60),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 60), max_size=10),
+)
+def test_stop_scanner_matches_a_search_of_the_whole_text(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    """However the text arrives in pieces, what goes out is the text up to the first
+    occurrence of any stop string (all of it when none occurs), and nothing after."""
+    scanner = openai.StopScanner(stops)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        out.append(scanner.feed(text[a:b]))
+        if scanner.stopped:
+            break
+    if not scanner.stopped:
+        out.append(scanner.flush())
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert "".join(out) == (text[: min(found)] if found else text)
+    assert scanner.stopped == bool(found)
+
+
+@given(st.text(max_size=20))
+def test_token_event_is_the_chunk_it_stands_for(text: str) -> None:
+    for chat in (True, False):
+        gen = openai.chat_request(
+            {"model": "llm", "messages": [{"role": "user", "content": "x"}], "stream": True},
+            {},
+            make_config(),
+        )
+        gen.chat = chat
+        assert openai.token_event(openai.token_events(gen), text) == openai.sse(
+            openai.chunk(gen, text)
+        )
+
+
+U = {"model": "llm", "messages": [{"role": "user"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "llm", "messages": []}, "messages"),
+        ({"model": "llm", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]"),
+        ({"model": "llm", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**U, "temperature": 1e308 * 10}, "temperature"),
+        ({**U, "max_tokens": 2**64}, "max_tokens"),
+        ({**U, "max_tokens": True}, "max_tokens"),
+        ({**U, "top_p": 0}, "top_p"),
+        ({**U, "stop": "x" * 300}, "stop"),
+        ({**U, "stream_options": {}}, "stream_options"),
+        ({**U, "tools": [{"type": "function"}]}, "tools"),
+        ({**U, "user": "u" * 1000}, "user"),
+        ({**U, "priority": "high"}, "priority"),
+    ],
+)  # fmt: skip
+def test_bad_chat_fields_are_refused_naming_the_field(body: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(openai.ParamError) as refused:
+        openai.chat_request(body, {}, make_config())
+    status, doc = openai.envelope(refused.value)
+    assert status == 400
+    assert doc["error"]["param"] == param
+    assert doc["error"]["type"] == "invalid_request_error"
+
+
+def test_huge_and_out_of_range_embeddings_inputs_are_refused() -> None:
+    for value in ("", [], [""], [-1], [2**31], [[]], [[1], "x"], {"a": 1}, 3.5):
+        with pytest.raises(openai.ParamError):
+            openai.embeddings_request({"model": "embed", "input": value})
+    with pytest.raises(openai.ParamError):
+        openai.embeddings_request({"model": "embed", "input": ["x"] * 2049})
+    with pytest.raises(openai.ParamError):
+        openai.embeddings_request({"model": "embed", "input": "x", "encoding_format": "hex"})
+
+
+def test_priority_clamped_and_service_tiers() -> None:
+    config = make_config()
+    levels = config.priority_levels
+    base = {"model": "llm", "messages": [{"role": "user", "content": "x"}]}
+    assert openai.priority_of({**base, "priority": 10**30}, {}, config) == (levels, "default")
+    assert openai.priority_of({**base, "priority": -5}, {}, config) == (0, "default")
+    assert openai.priority_of(base, {"x-priority": "1"}, config) == (1, "default")
+    assert openai.priority_of({**base, "service_tier": "priority"}, {}, config) == (1, "priority")
+    assert openai.priority_of({**base, "service_tier": "flex"}, {}, config) == (levels, "flex")
+    assert openai.priority_of({**base, "service_tier": "auto"}, {}, config) == (0, "default")
+
+
+def test_envelope_statuses_and_codes() -> None:
+    cases = [
+        (errors.Unauthenticated("no key"), 401, "invalid_api_key"),
+        (errors.PermissionDenied("not yours"), 403, "model_not_allowed"),
+        (errors.UnknownModel("m"), 404, "model_not_found"),
+        (errors.RateLimited("limit: 5 requests per minute"), 429, "rate_limit_exceeded"),
+        (errors.Overloaded("busy", retry_after=2.0), 503, "overloaded"),
+    ]
+    for err, status, code in cases:
+        got, doc = openai.envelope(err)
+        assert (got, doc["error"]["code"]) == (status, code), err
+        assert json.dumps(doc)  # serialisable as it is
