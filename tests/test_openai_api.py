@@ -381,3 +381,36 @@ async def test_a_flood_of_chats_does_not_hold_up_another_tenants_first_token(
             await globex.close()
     assert quiet
     assert not any(hogs_done), "globex waited for one of acme's generations to end"
+
+
+def test_kserve_usage_parameters_on_grpc_streams(api: RunningFrontend) -> None:
+    """On a gRPC stream the final response carries the usage; the others do not."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from tests.support import llm_inputs
+
+    results: queue.Queue[Any] = queue.Queue()
+    grpc = grpcclient.InferenceServerClient(api.grpc_url)
+    grpc.start_stream(
+        lambda result, error: results.put((result, error)), headers={"x-api-key": KEYS["acme"]}
+    )
+    inputs = [_sync_input(grpcclient, i) for i in llm_inputs("Once upon a time", MAX_TOKENS)]
+    grpc.async_stream_infer("llm", inputs, parameters={"include_usage": True})
+    got = [results.get(timeout=30) for _ in range(MAX_TOKENS)]
+    grpc.stop_stream()
+    assert all(e is None for _, e in got)
+    params = [r.get_response().parameters for r, _ in got]
+    assert params[-1]["usage_completion_tokens"].int64_param == MAX_TOKENS
+    assert params[-1]["usage_prompt_tokens"].int64_param == len(
+        tokenizer(api).encode("Once upon a time").ids
+    )
+    assert not any("usage_total_tokens" in p for p in params[:-1])
+
+
+def _sync_input(mod: Any, aio_input: Any) -> Any:
+    """tritonclient.grpc's input of the same name, type and data as a grpc.aio one."""
+    made = mod.InferInput(aio_input.name(), aio_input.shape(), aio_input.datatype())
+    made._raw_content = aio_input._raw_content
+    return made
