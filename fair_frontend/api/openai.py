@@ -116,7 +116,7 @@ def envelope(err: FrontendError) -> tuple[int, dict[str, Any]]:
         status, code = 400, code or "unsupported_parameter"
     elif isinstance(err, errors.Unavailable):
         kind, code = "server_error", code or "overloaded"
-    elif status >= 500 or not isinstance(err, InvalidArgument):
+    elif status >= 500:
         kind = "server_error"
     body = {"error": {"message": err.message, "type": kind, "param": param, "code": code}}
     return status, body
