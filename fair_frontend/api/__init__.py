@@ -1,0 +1,2 @@
+"""Translations of the APIs LLM clients call (OpenAI, Cohere, Jina) onto the frontend's KServe
+calls."""
