@@ -279,7 +279,9 @@ class Endpoint(_Strict):
         default=None,
         description="A `tokenizers` JSON file (tokenizer.json; relative paths are from the "
         "config file's folder): a BYTES token_input is counted in its tokens (text prompts), "
-        "and so is a BYTES token_output that comes in one piece.",
+        "and so is a BYTES token_output that comes in one piece. For a model that takes "
+        "token ids (INT32 token_input): the tokenizer that turns text into them, for the "
+        "routes that take text (rerank: its pair template joins query and document).",
     )
     token_output: str | None = Field(
         default=None,

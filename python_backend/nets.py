@@ -1,7 +1,8 @@
-"""The two networks, built from a fixed seed: a bidirectional encoder and a causal decoder.
+"""The networks, built from a fixed seed: a bidirectional encoder (``embed``), a cross-encoder
+(``rerank``: the same encoder, scoring a query+document pair) and a causal decoder.
 
-Both are deliberately small (d_model 128, 4 heads, feed-forward 256, pre-norm layers: 1 in
-the encoder, 2 in the decoder) so that one full batch costs tens of milliseconds on one CPU
+All are deliberately small (d_model 128, 4 heads, feed-forward 256, pre-norm layers: 1 in
+the encoders, 2 in the decoder) so that one full batch costs tens of milliseconds on one CPU
 thread, yet real: a scheduler in front of them sees service times that grow with rows and
 tokens the way a production model's do.
 
@@ -16,8 +17,9 @@ slower on these CPUs and materialises ``L x L`` scores, 64 MiB per row at 2048 t
 fused kernel does not.) The encoder scripts with ``torch.jit.script`` (``export_torchscript``).
 
 Invariants the serving code relies on:
-- ``TokenEncoder`` masks keys at positions ``>= length``: a row's embedding does not depend
-  on what is in its padding, and no query sees an all-masked row (lengths are ``>= 1``).
+- ``TokenEncoder`` and ``CrossEncoder`` mask keys at positions ``>= length``: a row's
+  embedding or score does not depend on what is in its padding, and no query sees an
+  all-masked row (lengths are ``>= 1``).
 - ``CausalDecoder`` lets position ``p`` attend to positions ``<= p`` only, so anything to
   the right of a row's last real token (padding, scratch) cannot change that row's logits
   at its last token. Its cached ``prefill``/``step`` compute what ``forward`` (no cache,
@@ -42,11 +44,13 @@ N_HEADS = 4
 # model_repository/README.md). A 2-layer encoder took 55-75 ms for 32 x 128 tokens; the
 # decoder's work per full batch is smaller (8 rows, one token per row per step).
 EMBED_LAYERS = 1
+RERANK_LAYERS = 1  # a pair is a row of embed's kind: the same cost per token
 GENERATE_LAYERS = 2
 D_FF = 256
 MAX_POSITIONS = 4096
 EMBED_SEED = 20240601
 GENERATE_SEED = 20240602
+RERANK_SEED = 20240603
 
 
 def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
@@ -141,14 +145,52 @@ class TokenEncoder(nn.Module):
 
     def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
         """``ids`` int64 ``[B, L]`` in range; ``lengths`` int64 ``[B]`` in ``[1, L]``."""
-        width = ids.shape[1]
-        valid = torch.arange(width, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-        # [B, 1, 1, L]: every query of row b may look at the first lengths[b] keys only.
-        key_mask = torch.zeros(valid.shape, dtype=torch.float32, device=ids.device)
-        key_mask = key_mask.masked_fill(~valid, float("-inf")).unsqueeze(1).unsqueeze(1)
-        h = self.trunk(ids, key_mask)
+        valid = valid_positions(ids, lengths)
+        h = self.trunk(ids, key_mask_of(valid))
         weights = valid.to(h.dtype).unsqueeze(2)
         return (h * weights).sum(dim=1) / lengths.to(h.dtype).unsqueeze(1)
+
+
+class CrossEncoder(nn.Module):
+    """A cross-encoder reranker: ``[B, L]`` ids of ``[CLS] query [SEP] document [SEP]``
+    -> one relevance logit per row, ``[B]``.
+
+    The encoder of ``TokenEncoder`` (bidirectional, keys masked past each row's length),
+    read at the first position (the ``[CLS]`` token, as BERT-style cross-encoders do) by a
+    linear head. Query and document see each other in every layer; that joint reading is
+    what makes a cross-encoder rank better, and cost more, than comparing two embeddings.
+    """
+
+    def __init__(
+        self,
+        vocab: int = VOCAB_SIZE,
+        d_model: int = D_MODEL,
+        n_heads: int = N_HEADS,
+        n_layers: int = RERANK_LAYERS,
+        d_ff: int = D_FF,
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.trunk = Trunk(vocab, d_model, n_heads, n_layers, d_ff, causal=False)
+        self.head = nn.Linear(d_model, 1)
+
+    def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
+        """``ids`` int64 ``[B, L]`` in range; ``lengths`` int64 ``[B]`` in ``[1, L]``."""
+        h = self.trunk(ids, key_mask_of(valid_positions(ids, lengths)))
+        return self.head(h[:, 0]).squeeze(1)
+
+
+def valid_positions(ids: Tensor, lengths: Tensor) -> Tensor:
+    """``[B, L]`` bool: position ``p`` of row ``b`` holds a real token (``p < lengths[b]``)."""
+    width = ids.shape[1]
+    return torch.arange(width, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def key_mask_of(valid: Tensor) -> Tensor:
+    """``[B, 1, 1, L]`` additive mask (0 or -inf): every query of row b may look at its
+    real tokens only."""
+    key_mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    return key_mask.masked_fill(~valid, float("-inf")).unsqueeze(1).unsqueeze(1)
 
 
 class CausalDecoder(nn.Module):
@@ -247,3 +289,9 @@ def build_decoder(seed: int = GENERATE_SEED) -> CausalDecoder:
     """The ``generate`` network; the same seed gives bit-identical weights on every build."""
     torch.manual_seed(seed)
     return CausalDecoder().eval()
+
+
+def build_cross_encoder(seed: int = RERANK_SEED) -> CrossEncoder:
+    """The ``rerank`` network; the same seed gives bit-identical weights on every build."""
+    torch.manual_seed(seed)
+    return CrossEncoder().eval()

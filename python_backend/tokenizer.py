@@ -13,6 +13,14 @@ Deterministic: the training text is read from one pinned commit (``TRAINING_COMM
 same ``tokenizer.json`` byte for byte::
 
     python -m python_backend.tokenizer --out model_repository/llm/tokenizer.json
+
+The ``rerank`` model's tokenizer is the same one with the two special tokens a
+cross-encoder's input needs, ``[CLS]`` and ``[SEP]``, and a post-processor that joins a
+query and a document as ``[CLS] query [SEP] document [SEP]`` (with type ids 0 and 1), the
+way a BERT-style cross-encoder's ``tokenizer.json`` does (``cross_encoder``)::
+
+    python -m python_backend.tokenizer --cross-encoder \\
+        --from model_repository/llm/tokenizer.json --out model_repository/rerank/tokenizer.json
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from python_backend import nets
 
@@ -32,6 +40,8 @@ TRAINING_COMMIT = "103158a79cefc9cc47edfea7d787a23183fc6f2d"
 TRAINING_SUFFIXES = (".md",)
 VOCAB_SIZE = nets.VOCAB_SIZE
 TOKENIZER_FILE = "tokenizer.json"
+CLS_TOKEN = "[CLS]"
+SEP_TOKEN = "[SEP]"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -83,12 +93,41 @@ def load(path: str | Path) -> Tokenizer:
     return tokenizer
 
 
+def cross_encoder(base: Tokenizer) -> Tokenizer:
+    """``base`` (unchanged) plus ``[CLS]`` and ``[SEP]`` as special tokens (the next two
+    ids) and BERT's pair template: ``[CLS] $A [SEP] $B [SEP]``, type ids 0 for the query
+    part and 1 for the document part. ``Tokenizer.post_process`` then joins any two
+    encodings as the model reads them, after each was truncated on its own."""
+    tokenizer = Tokenizer.from_str(base.to_str())
+    tokenizer.add_special_tokens([CLS_TOKEN, SEP_TOKEN])
+    cls_id, sep_id = tokenizer.token_to_id(CLS_TOKEN), tokenizer.token_to_id(SEP_TOKEN)
+    if cls_id is None or sep_id is None or max(cls_id, sep_id) >= VOCAB_SIZE:
+        raise ValueError(f"no room for {CLS_TOKEN} and {SEP_TOKEN} within {VOCAB_SIZE} ids")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS_TOKEN} $A {SEP_TOKEN}",
+        pair=f"{CLS_TOKEN} $A {SEP_TOKEN} $B:1 {SEP_TOKEN}:1",
+        special_tokens=[(CLS_TOKEN, cls_id), (SEP_TOKEN, sep_id)],
+    )
+    return tokenizer
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="tokenizer.json to write")
     parser.add_argument("--commit", default=TRAINING_COMMIT, help="commit to train on")
+    parser.add_argument(
+        "--cross-encoder",
+        action="store_true",
+        help="write the rerank tokenizer: --from's tokenizer with [CLS] and [SEP]",
+    )
+    parser.add_argument("--from", dest="base", type=Path, help="with --cross-encoder")
     args = parser.parse_args(argv)
-    tokenizer = build(training_text(args.commit))
+    if args.cross_encoder:
+        if args.base is None:
+            parser.error("--cross-encoder needs --from (the llm tokenizer.json)")
+        tokenizer = cross_encoder(load(args.base))
+    else:
+        tokenizer = build(training_text(args.commit))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out), pretty=False)
     print(f"{args.out}: {tokenizer.get_vocab_size()} tokens")

@@ -143,7 +143,7 @@ def test_gpu_configs_are_selected_by_model_config_name() -> None:
     server = EmbeddedTriton(default_model_repository(), model_config_name="gpu")
     with pytest.raises(TritonStartError) as info:
         server.start()
-    assert set(info.value.failed_models) == {"embed", "generate", "llm"}
+    assert set(info.value.failed_models) == {"embed", "generate", "llm", "rerank"}
     assert all("KIND_GPU" in reason for reason in info.value.failed_models.values())
 
 

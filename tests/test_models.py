@@ -657,7 +657,7 @@ def parse_config(path: Path) -> model_config_pb2.ModelConfig:
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-@pytest.mark.parametrize("name", ["embed", "generate"])
+@pytest.mark.parametrize("name", ["embed", "generate", "rerank"])
 def test_gpu_config_differs_from_the_cpu_one_only_in_instance_kind(name: str) -> None:
     cpu = parse_config(REPO / name / "config.pbtxt")
     gpu = parse_config(REPO / name / "configs" / "gpu.pbtxt")
