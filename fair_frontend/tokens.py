@@ -23,14 +23,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from fair_frontend.protocol import InferRequest, Tensor
+
+T = TypeVar("T")
 
 # Texts up to this many bytes (all of a request's together) are counted where they are:
 # a hop to a thread costs more than tokenising them (a few hundred microseconds).
@@ -161,6 +163,12 @@ class TokenCounter:
         """Tokens of each of ``texts`` with the tokenizer in ``path``."""
         if sum(len(t) for t in texts) <= self.inline_bytes:
             return count_tokens(load_tokenizer(path), texts)
+        counts: list[int] = await self.run(tenant, count_tokens, load_tokenizer(path), texts)
+        return counts
+
+    async def run(self, tenant: str | None, job: Callable[..., T], *args: Any) -> T:
+        """``job(*args)`` on the pool, in ``tenant``'s turn (one job per tenant at a time):
+        any tokenising a request needs (the rerank routes' pairs, the embeddings' ids)."""
         turn, users = self._turns.setdefault(tenant, (asyncio.Semaphore(1), [0]))
         users[0] += 1
         try:
@@ -170,7 +178,7 @@ class TokenCounter:
             raise
         loop = asyncio.get_running_loop()
         try:
-            job = loop.run_in_executor(self._pool, count_tokens, load_tokenizer(path), texts)
+            running = loop.run_in_executor(self._pool, job, *args)
         except BaseException:
             turn.release()
             self._leave(tenant, users)
@@ -180,10 +188,9 @@ class TokenCounter:
             turn.release()
             self._leave(tenant, users)
 
-        job.add_done_callback(finished)
+        running.add_done_callback(finished)
         # Cancelled here, the job still ends (and frees the turn) in its thread.
-        counts: list[int] = await asyncio.shield(job)
-        return counts
+        return await asyncio.shield(running)
 
     def _leave(self, tenant: str | None, users: list[int]) -> None:
         users[0] -= 1

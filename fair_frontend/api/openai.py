@@ -58,6 +58,8 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 MAX_USER_CHARS = 256
 TOKEN_ID_MAX = 2**31 - 1  # INT32 token ids
 OWNED_BY = "fair-frontend"
+# A rerank row's longest where neither the model nor the endpoint says (``max_model_len``).
+DEFAULT_ROW_TOKENS = 512
 
 # OpenAI's service tiers -> a priority level (``service_tier``): "priority" the highest,
 # "flex" the lowest, "auto"/"default" the tenant's default. Priority orders a tenant's own
@@ -86,7 +88,7 @@ class ModelNotFound(InvalidArgument):
         self.code = "model_not_found"
 
 
-def _unsupported(model: str, why: str) -> ParamError:
+def unsupported(model: str, why: str) -> ParamError:
     """400: the model exists but does not serve this route (vLLM answers the same)."""
     return ParamError("model", f"The model `{model}` {why}", "model_not_supported")
 
@@ -396,11 +398,11 @@ def priority_of(
 def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> InferRequest:
     """The KServe request for ``gen``: streamed, the prompt not echoed."""
     if not info.decoupled or endpoint.token_output is None:
-        raise _unsupported(gen.model, "does not serve completions (it is not a streaming engine)")
+        raise unsupported(gen.model, "does not serve completions (it is not a streaming engine)")
     text = endpoint.token_input
     spec = info.inputs.get(text)
     if spec is None or spec.datatype != "BYTES":
-        raise _unsupported(gen.model, "takes no text prompt")
+        raise unsupported(gen.model, "takes no text prompt")
     inputs = [_tensor(info, text, "BYTES", np.array([gen.prompt.encode()], dtype=np.object_))]
     for name in ("stream", "exclude_input_in_output"):
         if name in info.inputs:
@@ -616,7 +618,7 @@ def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
     """The endpoint's token-id input, or 404 where the model takes none."""
     spec = info.inputs.get(endpoint.token_input)
     if info.decoupled or spec is None or spec.datatype not in ("INT32", "INT64"):
-        raise _unsupported(model, "does not serve embeddings (it takes no token ids)")
+        raise unsupported(model, "does not serve embeddings (it takes no token ids)")
     return spec.name
 
 
@@ -625,7 +627,7 @@ def embedding_output(info: ModelInfo, model: str) -> str:
     for spec in info.outputs.values():
         if spec.datatype in ("FP32", "FP16", "FP64"):
             return spec.name
-    raise _unsupported(model, "does not serve embeddings (it has no floating-point output)")
+    raise unsupported(model, "does not serve embeddings (it has no floating-point output)")
 
 
 def row_request(

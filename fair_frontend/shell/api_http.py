@@ -17,18 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
-from fair_frontend.api import openai
+from fair_frontend.api import openai, rerank
 from fair_frontend.auth import Identity
 from fair_frontend.errors import FrontendError
-from fair_frontend.protocol import InferResponse
+from fair_frontend.protocol import InferRequest, InferResponse
 from fair_frontend.shell.gateway import Gateway
-from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, text_of
+from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, max_token_bytes, text_of
 from fair_frontend.usage import Usage
 
 # The parts of one embeddings call wait for their answers together; a call of many inputs
@@ -51,6 +51,8 @@ class ApiRoutes:
         router.add_post("/v1/chat/completions", self.chat, expect_handler=expect)
         router.add_post("/v1/completions", self.completions, expect_handler=expect)
         router.add_post("/v1/embeddings", self.embeddings, expect_handler=expect)
+        router.add_post("/v2/rerank", self.cohere_rerank, expect_handler=expect)
+        router.add_post("/v1/rerank", self.jina_rerank, expect_handler=expect)
         router.add_get("/v1/models", self.models)
         router.add_get("/v1/models/{model}", self.model)
 
@@ -214,32 +216,114 @@ class ApiRoutes:
             endpoint = gateway.config.endpoint(model)
             name = openai.embedding_input(info, endpoint, model)
             output = openai.embedding_output(info, model)
-            rows = (
-                call.ids
-                if call.ids is not None
-                else await _token_ids(endpoint.tokenizer, call.texts or [], model)
-            )
+            rows = call.ids
+            if rows is None:
+                # A row of n token ids is 4n bytes of the request's tensors at least.
+                most = info.bounds(endpoint).payload_bytes // 4
+                tenant = known.tenant if known is not None else None
+                texts = call.texts or []
+                rows = await _token_ids(gateway, tenant, endpoint.tokenizer, texts, model, most)
         except FrontendError as err:
             return self._refused(model, headers, err, started)
         datatype = info.inputs[name].datatype
-        rid = f"embd-{openai.uuid.uuid4().hex}"
-        usages = [Usage() for _ in rows]
-        gate = asyncio.Semaphore(MAX_PARTS_IN_FLIGHT)
-
-        async def part(i: int) -> np.ndarray:
-            req = openai.row_request(model, name, datatype, rows[i], output, f"{rid}-{i}")
-            async with gate:
-                resp = await gateway.infer(
-                    req, headers, known, usage=usages[i], requests=1 if i == 0 else 0
-                )
-            return next(t.data for t in resp.outputs if t.name == output)
-
+        rid = f"embd-{uuid.uuid4().hex}"
+        reqs = [
+            openai.row_request(model, name, datatype, row, output, f"{rid}-{i}")
+            for i, row in enumerate(rows)
+        ]
         try:
-            vectors = await _all(part(i) for i in range(len(rows)))
-            usage = Usage(sum(u.prompt_tokens for u in usages))
+            answers, usage = await self._parts(reqs, headers, known)
+            vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
             return web.json_response(openai.embeddings_body(call, vectors, usage))
         except FrontendError as err:
             return error_response(err)
+
+    async def _parts(
+        self, reqs: list[InferRequest], headers: Mapping[str, str], known: Identity | None
+    ) -> tuple[list[InferResponse], Usage]:
+        """Each of ``reqs`` (the parts of one API call, a row each) as a KServe call of its
+        own, at most ``MAX_PARTS_IN_FLIGHT`` in the core at once: their answers in order,
+        and what they used together. The first counts against the requests limits, all of
+        them against the tokens limits; the first failure cancels the others and is
+        raised (the call gets one answer)."""
+        gateway = self.gateway
+        usages = [Usage() for _ in reqs]
+        gate = asyncio.Semaphore(MAX_PARTS_IN_FLIGHT)
+
+        async def part(i: int) -> InferResponse:
+            async with gate:
+                return await gateway.infer(
+                    reqs[i], headers, known, usage=usages[i], requests=1 if i == 0 else 0
+                )
+
+        answers = await _all(part(i) for i in range(len(reqs)))
+        used = Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages))
+        return answers, used
+
+    # ---- rerank ---------------------------------------------------------------------------
+
+    async def cohere_rerank(self, request: web.Request) -> web.StreamResponse:
+        """Cohere's v2 rerank; errors as Cohere answers them, ``{"message": ...}``."""
+        return await self._rerank(request, rerank.parse_cohere, cohere=True)
+
+    async def jina_rerank(self, request: web.Request) -> web.StreamResponse:
+        """Jina's and vLLM's rerank; errors in OpenAI's envelope, as vLLM answers them."""
+        return await self._rerank(request, rerank.parse_jina, cohere=False)
+
+    async def _rerank(
+        self, request: web.Request, parse: Callable[..., rerank.RerankCall], *, cohere: bool
+    ) -> web.StreamResponse:
+        """One call per document (``rerank.row_request``): the fair batches take a
+        1,000-document call row by row, beside another tenant's 3-document call."""
+        gateway = self.gateway
+        headers = _headers(request)
+        answer_error = cohere_error if cohere else error_response
+        started = time.monotonic()
+        model = ""
+        try:
+            known, doc = await self._read(request, headers)
+            call = parse(doc)
+            model = call.model or rerank.RERANK_MODEL
+            known = self._admit(model, headers, known)
+            info = await gateway.model_info(model)
+            endpoint = gateway.config.endpoint(model)
+            if rerank.SCORE not in info.outputs or rerank.INPUT_IDS not in info.inputs:
+                raise openai.unsupported(model, "does not rerank (it gives no SCORE)")
+            if endpoint.tokenizer is None:
+                raise openai.unsupported(model, "has no tokenizer to join query and document")
+            longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
+            tenant = known.tenant if known is not None else None
+            rows = await gateway.tokens.run(
+                tenant,
+                rerank.pair_rows,
+                endpoint.tokenizer,
+                call.query,
+                call.documents,
+                call.max_tokens_per_doc,
+                longest,
+            )
+        except FrontendError as err:
+            self.gateway.rejected(model, headers, err, time.monotonic() - started)
+            return answer_error(err)
+        rid = rerank.new_response_id()
+        levels = gateway.config.priority_levels
+        # Cohere and vLLM: 0 is the first; Triton's: 1 is the highest, 0 the default.
+        level = 0 if call.priority is None else min(call.priority + 1, levels)
+        reqs = [
+            rerank.row_request(ids, model=model, request_id=f"{rid}-{i}", priority=level)
+            for i, ids in enumerate(rows)
+        ]
+        try:
+            answers, usage = await self._parts(reqs, headers, known)
+            logits = [rerank.row_logit(a) for a in answers]
+            tokens = usage.prompt_tokens
+            if cohere:
+                body = rerank.cohere_response(call, logits, tokens, response_id=rid)
+            else:
+                body = rerank.jina_response(call, logits, tokens, model=model, response_id=rid)
+            return web.json_response(body)
+        except FrontendError as err:
+            return answer_error(err)
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -284,6 +368,21 @@ def error_response(err: FrontendError) -> web.Response:
     )
 
 
+def cohere_error(err: FrontendError) -> web.Response:
+    """Cohere's error body, ``{"message": ...}``, with the status its SDK maps to its
+    errors (400, 401, 403, 404, 429 ``TooManyRequestsError``, 503) and Retry-After."""
+    status, body = openai.envelope(err)
+    headers = {}
+    if err.retry_after_header is not None:
+        headers["Retry-After"] = err.retry_after_header
+    return web.Response(
+        status=status,
+        body=json.dumps({"message": body["error"]["message"]}).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
 def _headers(request: web.Request) -> dict[str, str]:
     from fair_frontend.auth import identity_headers
 
@@ -297,20 +396,39 @@ def _text(resp: InferResponse, output: str) -> str:
     return ""
 
 
-async def _token_ids(tokenizer: str | None, texts: list[str], model: str) -> list[list[int]]:
-    """Each text's token ids with the endpoint's tokenizer (off the event loop when long)."""
+async def _token_ids(
+    gateway: Gateway,
+    tenant: str | None,
+    tokenizer: str | None,
+    texts: list[str],
+    model: str,
+    most_tokens: int,
+) -> list[list[int]]:
+    """Each text's token ids with the endpoint's tokenizer: off the event loop when long,
+    in the tenant's turn (``TokenCounter.run``). A text whose bytes prove it longer than
+    ``most_tokens`` is refused untokenised (each token covers at most
+    ``tokens.max_token_bytes`` of text)."""
     if tokenizer is None:
         raise openai.ParamError(
             "input", f"model '{model}' takes token ids only (it has no tokenizer): send them"
         )
+    widest = max_token_bytes(tokenizer)
+    if widest is not None:
+        for i, text in enumerate(texts):
+            at_least = -(-len(text.encode("utf-8", "surrogatepass")) // widest)
+            if at_least > most_tokens:
+                raise openai.ParamError(
+                    "input",
+                    f"input[{i}] is at least {at_least} tokens; model '{model}' takes at "
+                    f"most {most_tokens} in one input",
+                )
 
     def encode() -> list[list[int]]:
-        return [
-            e.ids for e in load_tokenizer(tokenizer).encode_batch(texts, add_special_tokens=False)
-        ]
+        encoded = load_tokenizer(tokenizer).encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in encoded]
 
     if sum(len(t) for t in texts) > INLINE_TOKENIZE_BYTES:
-        return await asyncio.to_thread(encode)
+        return await gateway.tokens.run(tenant, encode)
     return encode()
 
 
