@@ -64,10 +64,11 @@ def format_reset(ms: int) -> str:
     """A reset time as OpenAI writes it (Go's ``time.Duration`` at millisecond precision):
     ``0s``, ``120ms``, ``1s``, ``7.66s``, ``6m0s``, ``1h2m3s``; hours do not roll over
     into days (30 days: ``720h0m0s``)."""
-    if ms <= 0:
-        return "0s"
-    if ms < 1000:
-        return f"{ms}ms"
+    if ms < 60_000:  # the common case first (a window of a second or a minute)
+        if ms < 1000:
+            return f"{ms}ms" if ms > 0 else "0s"
+        seconds, fraction = divmod(ms, 1000)
+        return f"{seconds}.{fraction:03d}".rstrip("0") + "s" if fraction else f"{seconds}s"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
     seconds, fraction = divmod(rest, 1000)
@@ -89,6 +90,15 @@ def quota_headers(quota: Quota | None) -> dict[str, str]:
     if quota is None:
         return {}
     req, tok = quota.requests, quota.tokens
+    if req is not None and tok is not None:  # the common case, in one literal
+        return {
+            "x-ratelimit-limit-requests": str(req.limit),
+            "x-ratelimit-limit-tokens": str(tok.limit),
+            "x-ratelimit-remaining-requests": str(req.remaining),
+            "x-ratelimit-remaining-tokens": str(tok.remaining),
+            "x-ratelimit-reset-requests": format_reset(req.reset_ms),
+            "x-ratelimit-reset-tokens": format_reset(tok.reset_ms),
+        }
     headers: dict[str, str] = {}
     if req is not None:
         headers["x-ratelimit-limit-requests"] = str(req.limit)

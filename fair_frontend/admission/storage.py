@@ -505,7 +505,7 @@ for i = 1, #KEYS do
   local cost = tonumber(ARGV[a + 4])
   local current = bucket_of(now, width)
   local total, low, newest, here = prune(KEYS[i], current - span, span, current)
-  state[i] = {total, low, newest, here, current}
+  state[i] = {total, low, newest, here, current, limit, width, span, cost}
   if cost > limit then
     if worst == 0 or worst_wait >= 0 then worst, worst_wait = i, -1 end
   elseif total + cost > limit and (worst == 0 or worst_wait >= 0) then
@@ -516,11 +516,9 @@ end
 local out = {1}
 if worst > 0 then out = {0, worst - 1, worst_wait} end
 for i = 1, #KEYS do
-  local a = 1 + (i - 1) * 4
-  local limit, width, span = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local cost = tonumber(ARGV[a + 4])
   local s = state[i]
   local total, low, newest, here, current = s[1], s[2], s[3], s[4], s[5]
+  local limit, width, span, cost = s[6], s[7], s[8], s[9]
   local held
   if worst == 0 and cost > 0 then
     count(KEYS[i], width, span, cost, total, low, newest, here, current)
@@ -530,7 +528,8 @@ for i = 1, #KEYS do
   else
     held = newest_held(KEYS[i], total, newest, here, current)
   end
-  out[#out + 1] = math.max(0, limit - total)
+  local left = limit - total
+  out[#out + 1] = left > 0 and left or 0
   out[#out + 1] = held and (held + span + 1) * width - now or 0
 end
 return out
