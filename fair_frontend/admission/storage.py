@@ -287,7 +287,8 @@ class MemoryStorage:
         if now_us >= self._next_sweep_us:
             self._sweep(now_us)
         windows = self._windows
-        touched: list[tuple[_Window, int, int]] = []  # (window, current bucket, left)
+        # (window, current bucket, left: what remains if admitted (< 0: no room), cost)
+        touched: list[tuple[_Window, int, int, int]] = []
         worst: Rejection | None = None
         for i, item in enumerate(items):
             cost = costs[i]
@@ -295,8 +296,8 @@ class MemoryStorage:
             if window is None:
                 window = self._window(key, item)
             current = window.prune(now_us)
-            left = item.amount - window.total - cost  # remaining if admitted; < 0: no room
-            touched.append((window, current, left))
+            left = item.amount - window.total - cost
+            touched.append((window, current, left, cost))
             if cost > item.amount:
                 if worst is None or worst.wait_us is not None:
                     worst = Rejection(i, None)
@@ -307,11 +308,10 @@ class MemoryStorage:
                     worst = Rejection(i, wait)
         if worst is not None:  # nothing counted: the state as it was
             return worst, [
-                (max(0, left + cost), window.reset_us(now_us))
-                for (window, _, left), cost in zip(touched, costs, strict=True)
+                (max(0, left + cost), window.reset_us(now_us)) for window, _, left, cost in touched
             ]
         states: list[WindowState] = []
-        for (window, current, left), cost in zip(touched, costs, strict=True):
+        for window, current, left, cost in touched:
             if cost:
                 window.count(current, cost)
                 # The newest bucket holds this request: it empties once that one leaves.
