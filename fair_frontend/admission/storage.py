@@ -118,7 +118,8 @@ WindowState = tuple[int, int]
 reset_us)``. ``remaining``: the limit minus what its window counts (this request
 included if it was admitted), at least 0. ``reset_us``: microseconds until the window is
 empty again, i.e. until the newest bucket that holds anything has left it (0: it holds
-nothing); with no traffic meanwhile ``remaining`` is the whole limit again then."""
+nothing); with no traffic meanwhile ``remaining`` is the whole limit again then. (The
+limit itself is the item's ``amount``.)"""
 
 
 Checked = tuple[Rejection | None, Sequence[WindowState]]
