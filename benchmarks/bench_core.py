@@ -9,7 +9,12 @@ over the whole path: ``Core.submit`` -> scheduler -> batch -> pack -> (stand-in)
 unpack -> answer -> metrics, statistics, request outcome. Also the same for the shell's
 side (``Gateway``: identity, validation, the Call) and the IPC codec (one frame each way).
 
-    .venv/bin/python -m benchmarks.bench_core [--requests 20000]
+With ``--limits`` every tenant has rate limits on ``embed`` (requests per second and
+tokens per day, set far above what the run sends: every request is admitted), so each
+request takes the limiter's hot path (``check_now``, ``memory://``) and its answer carries
+a quota (results: ``core_limits.json``).
+
+    .venv/bin/python -m benchmarks.bench_core [--requests 20000] [--limits]
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class Sink:
         self.answers += 1
 
 
+LIMITS = False  # --limits: every tenant limited (never reached) on embed
+HIGH_LIMITS = {"embed": {"requests_per_second": 10**9, "tokens_per_day": 10**15}}
+
+
 def config() -> Any:
     data = load_example_config()
     data.pop("tier_limits", None)
@@ -82,6 +91,9 @@ def config() -> Any:
         f"t{i}": {"tier": "standard", "api_keys": [f"key-{i}"], "max_queued": 1_000_000}
         for i in range(TENANTS)
     }
+    if LIMITS:
+        for terms in data["tenants"].values():
+            terms["limits"] = HIGH_LIMITS
     data["queues"] = {"max_queued": 10_000_000}
     return parse_config(data)
 
@@ -178,9 +190,13 @@ async def main_async(n: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--limits", action="store_true", help="every tenant rate-limited")
     args = parser.parse_args()
+    global LIMITS
+    LIMITS = args.limits
     results = uvloop.run(main_async(args.requests))
-    write_result("core", results)
+    results["limits"] = HIGH_LIMITS if LIMITS else None
+    write_result("core_limits" if LIMITS else "core", results)
 
 
 if __name__ == "__main__":

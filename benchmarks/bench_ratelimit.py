@@ -32,8 +32,19 @@ frontend the core's loop, added by a wrapper that starts the same CLI with the h
 loop, for both versions alike). That is the loop lag the issue allows to make the old
 failure show; Redis is healthy throughout and answers well within its timeout.
 
-    .venv/bin/python -m benchmarks.bench_ratelimit [--quick] [--part cost|burst]
-        [--ref f324058] [--workers 1,2]
+**quota** (``--part quota``, issue 20): what reading each limit's state after the check
+(remaining, reset) and picking the binding windows (``Decision.quota``) costs, against
+``--quota-ref`` (default eb4bdce, the commit before), in one run, reps interleaved:
+
+- ``RateLimiter.check_now`` on ``memory://`` (the hot path: most requests are admitted
+  without an await), the same two limits, admitted;
+- Redis's own time per check (the script, ``INFO commandstats``), and a check's latency,
+  at concurrency 16, each storage on its own keys;
+- what a quota adds downstream: ``quota_headers`` per answer, and an ``Answer`` framed and
+  read back with and without one.
+
+    .venv/bin/python -m benchmarks.bench_ratelimit [--quick] [--part cost|burst|quota]
+        [--ref f324058] [--quota-ref eb4bdce] [--workers 1,2]
 
 Results: ``benchmarks/results/ratelimit.json`` (``ratelimit_quick.json`` for ``--quick``).
 """
@@ -85,8 +96,14 @@ from fair_frontend.admission import (
 )
 from fair_frontend.config import resolve_relative_paths
 from fair_frontend.embedded import free_port
+from fair_frontend.protocol import Tensor
+from fair_frontend.quota import Quota, QuotaWindow, quota_headers
+from fair_frontend.wire.framing import encode, to_shell
+from fair_frontend.wire.records import Answer
 
 DEFAULT_REF = "f324058"  # main before issue 17
+QUOTA_REF = "eb4bdce"  # before the quota headers (issue 20, part 3)
+QUOTA_REPS = 7
 ITEMS = [
     RateLimitItem("requests", "second", 10**9, 1.0),
     RateLimitItem("tokens", "day", 10**15, 86400.0),
@@ -218,7 +235,8 @@ def acquire_op(storage: Any, failed: Counter[str]) -> Callable[[int], Awaitable[
         except Exception as err:  # the old storage's StorageError is a class of its own
             failed[str(err)[:60]] += 1
             return err
-        assert rejection is None, rejection
+        # This tree's storage answers (rejection, states); the one of ``--ref`` a rejection.
+        assert (rejection[0] if isinstance(rejection, tuple) else rejection) is None, rejection
         return rejection
 
     return op
@@ -386,6 +404,120 @@ async def run_cost(quick: bool, ref: str) -> dict[str, Any]:
         results[f"ratio_check_to_ping_c{conc}"] = round(
             results[f"redis_c{conc}"]["mean_us"] / results[f"redis_ping_c{conc}"]["mean_us"], 2
         )
+    return results
+
+
+# ---- part 3: what the quota costs -------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 1)
+
+
+def check_now_ns(limiter: Any, n: int) -> float:
+    """Mean ns of ``check_now`` over ``n`` admitted checks, keys and time moving on."""
+    now = time.time()
+    clock = time.perf_counter_ns
+    start = clock()
+    for i in range(n):
+        limiter.check_now(KEYS[i % len(KEYS)], ITEMS, requests=1, tokens=64, now=now + i * 1e-5)
+    return (clock() - start) / n
+
+
+async def redis_check(storage: Any, client: Any, n: int, prefix: str) -> dict[str, float]:
+    """Redis's µs per check (EVALSHA) and the mean latency of ``n`` checks at 16."""
+    keys = [f"{prefix}{k}" for k in KEYS]
+
+    async def op(i: int) -> object:
+        checked = await storage.acquire(
+            keys[i % len(keys)], ITEMS, COSTS, round(time.time() * 1_000_000)
+        )
+        return checked
+
+    await client.config_resetstat()
+    result = await measure(op, n, CONCURRENCY)
+    stats = await client.info("commandstats")
+    return {"server_us": stats["cmdstat_evalsha"]["usec_per_call"], "mean_us": result["mean_us"]}
+
+
+async def run_quota(quick: bool, ref: str) -> dict[str, Any]:
+    n_memory = 20_000 if quick else 200_000
+    n_redis = 2_000 if quick else 20_000
+    old_storage, old_ratelimit = baseline_admission(ref)
+    results: dict[str, Any] = {"ref": ref}
+
+    old = old_ratelimit.RateLimiter(old_storage.MemoryStorage())
+    new = RateLimiter(MemoryStorage())
+    times: dict[str, list[float]] = {"ref": [], "tree": []}
+    progress(f"check_now, memory://: {QUOTA_REPS} x {n_memory} checks each, interleaved")
+    for _ in range(QUOTA_REPS):
+        times["ref"].append(check_now_ns(old, n_memory))
+        times["tree"].append(check_now_ns(new, n_memory))
+    assert new.check_now(KEYS[0], ITEMS, requests=1, tokens=64, now=time.time()).quota
+    results["check_now_ns"] = {k: sorted(round(v) for v in vs) for k, vs in times.items()}
+    results["check_now_ratio_tree_to_ref"] = round(
+        statistics.median(times["tree"]) / statistics.median(times["ref"]), 3
+    )
+    results["check_now_added_ns"] = round(
+        statistics.median(times["tree"]) - statistics.median(times["ref"])
+    )
+    progress(
+        f"  ref {_median(times['ref'])} ns, tree {_median(times['tree'])} ns: "
+        f"{results['check_now_ratio_tree_to_ref']}x"
+    )
+
+    proc, port = start_redis()
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = aioredis.Redis.from_url(url)
+        runs: dict[str, list[dict[str, float]]] = {"ref": [], "tree": []}
+        progress(f"redis://: {3} x {n_redis} checks each at concurrency {CONCURRENCY}")
+        for rep in range(3):
+            for name, make in (("ref", old_storage.RedisStorage), ("tree", RedisStorage)):
+                storage = make(url, timeout_s=10.0)
+                await redis_check(storage, client, n_redis // 10, f"{name}{rep}warm")
+                runs[name].append(await redis_check(storage, client, n_redis, f"{name}{rep}:"))
+                await storage.close()
+        await client.aclose()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    for name, got in runs.items():
+        results[f"redis_{name}"] = {
+            "server_us_per_check": _median([g["server_us"] for g in got]),
+            "mean_us": _median([g["mean_us"] for g in got]),
+        }
+    results["redis_server_ratio_tree_to_ref"] = round(
+        results["redis_tree"]["server_us_per_check"] / results["redis_ref"]["server_us_per_check"],
+        3,
+    )
+    progress(f"  {results['redis_ref']} -> {results['redis_tree']}")
+
+    quota = Quota(
+        QuotaWindow(10**9, 10**9 - 1, 1_020, "second"),
+        QuotaWindow(10**15, 10**15 - 64, 86_401_700, "day"),
+    )
+    n = n_memory
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        quota_headers(quota)
+    results["quota_headers_ns"] = round((time.perf_counter_ns() - start) / n)
+    out = Tensor("EMBEDDING", "FP32", (1, 128), np.zeros((1, 128), dtype=np.float32))
+    for name, answer in (
+        ("without", Answer(1, "1", [out], queued_s=0.01)),
+        ("with", Answer(1, "1", [out], queued_s=0.01, quota=quota)),
+    ):
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            to_shell.decode(encode(answer)[4:])
+        results[f"answer_frame_ns_{name}_quota"] = round((time.perf_counter_ns() - start) / n)
+        results[f"answer_frame_bytes_{name}_quota"] = len(encode(answer))
+    progress(
+        f"  quota_headers {results['quota_headers_ns']} ns; an Answer's frame "
+        f"{results['answer_frame_ns_without_quota']} -> {results['answer_frame_ns_with_quota']} "
+        f"ns, {results['answer_frame_bytes_without_quota']} -> "
+        f"{results['answer_frame_bytes_with_quota']} bytes"
+    )
     return results
 
 
@@ -592,8 +724,9 @@ async def run_burst(quick: bool, ref: str, workers: list[int], stall: Stall) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer checks (a smoke run)")
-    parser.add_argument("--part", choices=["cost", "burst"], help="one part only")
+    parser.add_argument("--part", choices=["cost", "burst", "quota"], help="one part only")
     parser.add_argument("--ref", default=DEFAULT_REF, help="the commit to compare with")
+    parser.add_argument("--quota-ref", default=QUOTA_REF, help="the quota part's baseline")
     parser.add_argument("--workers", default="1,2", help="shell processes, comma-separated")
     parser.add_argument("--stall-ms", type=float, default=STALL_S * 1000, help="loop stall")
     parser.add_argument(
@@ -623,6 +756,8 @@ def main() -> None:
         out["cost"] = asyncio.run(run_cost(args.quick, args.ref))
     if args.part in (None, "burst"):
         out["burst"] = asyncio.run(run_burst(args.quick, args.ref, workers, stall))
+    if args.part in (None, "quota"):
+        out["quota"] = asyncio.run(run_quota(args.quick, args.quota_ref))
     name = "ratelimit" + ("_quick" if args.quick else "") + (f"_{args.part}" if args.part else "")
     write_result(name, out)
 

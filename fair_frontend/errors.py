@@ -13,6 +13,7 @@ import math
 import grpc
 
 from fair_frontend.outcomes import Outcome
+from fair_frontend.quota import Quota
 
 # Triton's exact strings; clients match on them.
 MSG_TIMEOUT_EXPIRED = "Request timeout expired"
@@ -25,6 +26,10 @@ class FrontendError(Exception):
     grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     http_status: int = 500
     outcome: Outcome = Outcome.FAILED
+    quota: Quota | None = None
+    """The tenant's rate-limit state when the core answered with this error (its quota
+    headers): set on a refusal by its limits, and on an error after its limits counted it
+    (``records.Fault`` carries it across processes). None: no limits, or not checked."""
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -63,9 +68,27 @@ class PermissionDenied(FrontendError):
 
 
 class RateLimited(FrontendError):
+    """A tenant's rate limit refused the request: 429 / RESOURCE_EXHAUSTED, with the
+    time until it would fit (``Retry-After``) unless it never fits."""
+
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
     outcome = Outcome.REJECTED_RATE
+
+
+class QuotaExhausted(RateLimited):
+    """The binding limit is an allowance, a window of a day or a month: used up, rather
+    than sent too fast. The same status and outcome as any ``RateLimited`` (429 /
+    RESOURCE_EXHAUSTED, ``rejected_rate``); a class of its own so that a route can tell
+    the two apart for its clients: OpenAI's ``insufficient_quota`` (do not retry: the
+    plan's allowance is spent) against ``rate_limit_exceeded`` (a second, minute or hour
+    window: slow down and retry).
+
+    It keeps the retry hint: ``Retry-After`` is still true (the sliding window frees the
+    oldest of what it counts then: up to a day ahead for a day's limit, a month for a
+    month's), and KServe clients read it as they read any 429's. The OpenAI SDK retries
+    every 429 (after ``Retry-After`` when that is short) unless the answer says
+    ``x-should-retry: false``: that header, not the hint, is how a route tells it not to."""
 
 
 SHUTTING_DOWN = "the frontend is shutting down"  # a core's refusal while it stops

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.quota import Quota
 
 # Triton datatype -> numpy dtype (little-endian, as the protocol requires).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -171,6 +172,9 @@ class InferResponse:
     id: str
     outputs: list[Tensor]
     parameters: dict[str, ParamValue] = field(default_factory=dict)
+    # The tenant's rate-limit state after this request's check (the answer's headers,
+    # ``quota.quota_headers``); None: no limits. A stream's responses all carry its grant's.
+    quota: Quota | None = None
 
 
 # ---- Triton's own error texts (clients and Triton's QA tests match on them) --------------

@@ -245,11 +245,21 @@ def test_errors_in_openais_envelope_and_statuses(api: RunningFrontend) -> None:
 
 def test_429_rate_limit_exceeded_is_retryable(api: RunningFrontend) -> None:
     initech = client(api, "initech")
-    initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    first = initech.chat.completions.with_raw_response.create(
+        model="llm",
+        messages=MESSAGES,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert first.headers["x-ratelimit-limit-requests"] == "1"
+    assert first.headers["x-ratelimit-remaining-requests"] == "0"
+    assert first.headers["x-ratelimit-reset-requests"].endswith("s")
     with pytest.raises(openai.RateLimitError) as limited:
         initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
     assert _code(limited.value) == "rate_limit_exceeded"
-    assert int(limited.value.response.headers["retry-after"]) >= 1
+    headers = limited.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-should-retry" not in headers
 
 
 def test_429_insufficient_quota_when_a_day_allowance_is_used(api: RunningFrontend) -> None:
@@ -258,6 +268,8 @@ def test_429_insufficient_quota_when_a_day_allowance_is_used(api: RunningFronten
     with pytest.raises(openai.RateLimitError) as used_up:
         hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
     assert _code(used_up.value) == "insufficient_quota"
+    # OpenAI's SDKs retry every 429 unless told not to.
+    assert used_up.value.response.headers["x-should-retry"] == "false"
 
 
 def test_service_tier_and_priority(api: RunningFrontend) -> None:

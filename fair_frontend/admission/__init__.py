@@ -3,8 +3,10 @@
 ``ratelimit``: per-tenant, per-endpoint limits in requests and tokens over sliding windows
 (second .. month), exact (never more than N in any window of length T), checked and counted
 atomically over all of a request's limits; the algorithm and its guarantee are derived in
-``ratelimit``'s docstring. ``storage``: where the counters live, chosen by URI
-(``memory://``, ``redis://host:port[/db]``).
+``ratelimit``'s docstring. Each check also reads every limit's state after it (remaining,
+reset), from which ``Decision.quota`` (``fair_frontend.quota``) keeps the binding window
+per unit. ``storage``: where the counters live, chosen by URI (``memory://``,
+``redis://host:port[/db]``).
 """
 
 from __future__ import annotations

@@ -119,6 +119,24 @@ atomically together; and it reads the clock itself, so tests cannot drive it on 
 Storage (``storage.py``): ``memory://`` (one replica) or ``redis://`` (shared, one atomic Lua
 script per check or adjustment; concurrent checks share pipelined round trips).
 
+What is left: the quota
+-----------------------
+Every check answers, beside its decision, each limit's state right after it, read in the
+same atomic step (``storage.WindowState``): ``remaining = N - sum`` (at least 0; the sum
+as the admission rule above counts it, this request included when admitted) and ``reset``,
+the time until the window holds nothing: the newest bucket ``j`` that holds anything stops
+counting at ``(j + K + 1) w`` (see "Lateness"), so ``reset = (j + K + 1) w - now``, and 0
+for an empty window. Both follow from the buckets as they are after the check, so they
+are as exact as the admission rule: with no other traffic, ``remaining`` more of the
+unit are admitted now (in every limit of that unit: the least of them), and the whole
+``N`` again after ``reset``. On Redis the script reads them, so every replica sharing it
+reports the one count. ``Decision.quota`` (``fair_frontend.quota``) keeps, per unit, the
+binding window: the least ``remaining``, ties to the longer window. A check the storage did
+not answer (``degraded``, or the circuit open) has no quota.
+
+Refusals by a day's or a month's limit (an allowance used up, not a pace) are
+``QuotaExhausted``, a ``RateLimited`` of their own (``rate_limited_error``).
+
 Storage failures
 ----------------
 A check the storage does not answer (it failed, or stayed silent for longer than its
@@ -144,19 +162,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from fair_frontend.admission.limits import RateLimitItem, items_from_limits
 from fair_frontend.admission.storage import (
     DEFAULT_BUCKETS,
     DEFAULT_TIMEOUT_S,
-    Rejection,
+    Checked,
     Storage,
     StorageError,
     StorageFailure,
+    WindowState,
 )
-from fair_frontend.errors import RateLimited, Unavailable
+from fair_frontend.errors import QuotaExhausted, RateLimited, Unavailable
+from fair_frontend.quota import Quota, QuotaWindow
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +186,8 @@ DEFAULT_OPEN_AFTER_S = 1.0
 failures"): failures at least this far apart, no answer between them."""
 DEFAULT_PROBE_S = 0.25
 """While the circuit is open, one check in this long goes to the storage as a probe."""
+ALLOWANCE_WINDOWS = frozenset({"day", "month"})
+"""Windows whose limit is an allowance: a refusal by one is ``QuotaExhausted``."""
 
 StorageErrorMode = Literal["fail_open", "fail_closed"]
 StorageErrorReason = Literal["timeout", "error", "circuit_open"]
@@ -177,9 +200,9 @@ def limit_key(tenant: str, endpoint: str) -> str:
     return f"{tenant}:{endpoint}"
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The answer to one check."""
+class Decision(msgspec.Struct, frozen=True, gc=False):
+    """The answer to one check. (A struct: one is made per check, and a struct is made in
+    a fifth of a frozen dataclass's time.)"""
 
     allowed: bool
     retry_after: float | None = None
@@ -191,6 +214,9 @@ class Decision:
     """The storage failed and ``fail_open`` admitted the request unchecked and uncounted."""
     storage_error: StorageErrorReason | None = None
     """Why, when ``degraded``."""
+    quota: Quota | None = None
+    """The binding window per unit after this check (the module docstring: "What is
+    left"); None without limits, or where the storage did not answer."""
 
 
 ALLOWED = Decision(True)
@@ -276,7 +302,7 @@ class RateLimiter:
             return self._degraded("circuit_open", now)
         costs = [requests if item.unit == "requests" else tokens for item in items]
         try:
-            rejection = await self.storage.acquire(key, items, costs, round(now * 1_000_000))
+            checked = await self.storage.acquire(key, items, costs, round(now * 1_000_000))
         except StorageError as err:
             self._failed(err, now)
             return self._degraded(err.reason, now)
@@ -284,7 +310,7 @@ class RateLimiter:
             if probe:
                 self._probing = False
         self._answered()
-        return _decision(items, rejection)
+        return _decision(items, checked)
 
     async def adjust(
         self,
@@ -444,32 +470,71 @@ def _token_items(items: Sequence[RateLimitItem]) -> list[RateLimitItem]:
     return [item for item in items if item.unit == "tokens"]
 
 
-def _decision(items: Sequence[RateLimitItem], rejection: Rejection | None) -> Decision:
+def _decision(items: Sequence[RateLimitItem], checked: Checked) -> Decision:
+    rejection, windows = checked
+    quota = binding_quota(items, windows) if windows else None
     if rejection is None:
-        return ALLOWED
+        return ALLOWED if quota is None else Decision(True, quota=quota)
     wait = rejection.wait_us
     return Decision(
         False,
         retry_after=None if wait is None else wait / 1_000_000,
         violated=items[rejection.index],
+        quota=quota,
     )
+
+
+def binding_quota(items: Sequence[RateLimitItem], windows: Sequence[WindowState]) -> Quota:
+    """Per unit, the window with the least remaining (ties: the longer window), of the
+    items' states after a check (``windows[i]`` is ``items[i]``'s). Written for speed (it
+    runs once per check): a third faster than unpacking pairs from a ``zip``."""
+    req: tuple[RateLimitItem, WindowState] | None = None
+    tok: tuple[RateLimitItem, WindowState] | None = None
+    for i, item in enumerate(items):
+        state = windows[i]
+        left = state[0]
+        if item.unit == "requests":
+            if (
+                req is None
+                or left < req[1][0]
+                or (left == req[1][0] and item.seconds > req[0].seconds)
+            ):
+                req = (item, state)
+        elif (
+            tok is None or left < tok[1][0] or (left == tok[1][0] and item.seconds > tok[0].seconds)
+        ):
+            tok = (item, state)
+    return Quota(
+        None if req is None else _quota_window(*req),
+        None if tok is None else _quota_window(*tok),
+    )
+
+
+def _quota_window(item: RateLimitItem, state: WindowState) -> QuotaWindow:
+    return QuotaWindow(item.amount, state[0], -(-state[1] // 1000), item.window)
 
 
 def rate_limited_error(decision: Decision, *, tenant: str, endpoint: str) -> RateLimited:
-    """The 429 for a rejected decision: names the limit and its window, never a key."""
+    """The 429 for a rejected decision: names the limit and its window, never a key.
+    ``QuotaExhausted`` where the binding limit's window is a day or a month (an allowance
+    used up); the decision's quota goes with it (``FrontendError.quota``)."""
     item = decision.violated
     if decision.allowed or item is None:
         raise ValueError("rate_limited_error needs a decision that a limit rejected")
+    kind = QuotaExhausted if item.window in ALLOWANCE_WINDOWS else RateLimited
     where = f"Rate limit exceeded for tenant '{tenant}' on model '{endpoint}'"
     if decision.retry_after is None:
-        return RateLimited(
+        err = kind(
             f"{where}: this request alone costs more {item.unit} than the limit allows "
             f"(limit: {item}); it can never be admitted, send a smaller request"
         )
-    return RateLimited(
-        f"{where}: limit: {item}; retry after {_seconds(decision.retry_after)}",
-        retry_after=decision.retry_after,
-    )
+    else:
+        err = kind(
+            f"{where}: limit: {item}; retry after {_seconds(decision.retry_after)}",
+            retry_after=decision.retry_after,
+        )
+    err.quota = decision.quota
+    return err
 
 
 def _seconds(value: float) -> str:
@@ -479,6 +544,7 @@ def _seconds(value: float) -> str:
 
 
 __all__ = [
+    "ALLOWANCE_WINDOWS",
     "ALLOWED",
     "DEFAULT_BUCKETS",
     "DEFAULT_OPEN_AFTER_S",
@@ -489,6 +555,7 @@ __all__ = [
     "RateLimiter",
     "StorageErrorReason",
     "StorageUnavailable",
+    "binding_quota",
     "items_from_limits",
     "limit_key",
     "rate_limited_error",

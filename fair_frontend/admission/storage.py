@@ -21,7 +21,13 @@ buckets are kept and how one check stays atomic:
 
 Storage answers one question: "do these costs fit every one of these limits at ``now``? If
 so, count them"; and takes one correction without a question, ``adjust`` (the charge-back
-of an admitted request's tokens: "Adjustments" in ``ratelimit``). Time always comes from
+of an admitted request's tokens: "Adjustments" in ``ratelimit``). With the answer come
+each limit's state after the check, read in the same atomic step (``WindowState``: what
+remains of the limit, and how long until its window is empty again), from which the
+answer's quota headers are made (``fair_frontend.quota``). Reading it costs no more Redis
+work on the common path: the sum is at hand, and the newest bucket that holds anything
+is the one just counted into; only a refused check (or one that counted nothing) may read
+the newest bucket's field, and scan the hash where a refund emptied it. Time always comes from
 the caller (integer microseconds), never from the storage, so tests drive both storages on
 one fake clock. Replicas sharing Redis must keep their clocks synchronised (NTP): the
 guarantee holds on the timestamps the replicas pass, so with a skew of ``d`` between
@@ -107,19 +113,38 @@ class Rejection:
     traffic); ``None`` when the request's cost alone exceeds the limit: it never fits."""
 
 
+WindowState = tuple[int, int]
+"""One limit's state right after a check, read in the same atomic step: ``(remaining,
+reset_us)``. ``remaining``: the limit minus what its window counts (this request
+included if it was admitted), at least 0. ``reset_us``: microseconds until the window is
+empty again, i.e. until the newest bucket that holds anything has left it (0: it holds
+nothing); with no traffic meanwhile ``remaining`` is the whole limit again then. (The
+limit itself is the item's ``amount``.)"""
+
+
+Checked = tuple[Rejection | None, Sequence[WindowState]]
+"""What ``Storage.acquire`` answers: the rejection (None: counted) and each item's
+``WindowState`` after the check, in the order of the items (empty where a storage keeps no
+such state: the test doubles that model broken limiters). A plain tuple: one is made per
+check, on the hot path."""
+
+
 class Storage(Protocol):
     """Do these costs fit every one of these limits at ``now_us``? If so, count them.
 
     ``acquire`` checks and counts atomically: it counts the request against every item when
-    each has room, and against none when any has not (then it returns the binding
-    ``Rejection``). ``items`` must be distinct (unit, window) pairs; ``costs[i]`` is what the
-    request costs against ``items[i]``. ``acquire`` returns or raises ``StorageError``
-    (with its ``reason``); it never hangs (Redis: ``RoundTrips`` says how long it may take).
+    each has room, and against none when any has not (then its answer holds the binding
+    ``Rejection``); either way the answer holds every item's ``WindowState`` after the
+    check, read in the same atomic step (on Redis, by the same script: every replica
+    sharing it reads the one state). ``items`` must be distinct (unit, window) pairs;
+    ``costs[i]`` is what the request costs against ``items[i]``. ``acquire`` returns or
+    raises ``StorageError`` (with its ``reason``); it never hangs (Redis: ``RoundTrips``
+    says how long it may take).
     """
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None: ...
+    ) -> Checked: ...
 
     async def adjust(
         self,
@@ -195,6 +220,17 @@ class _Window:
             self.total -= held.popleft()[1]
         return current
 
+    def reset_us(self, now_us: int) -> int:
+        """Microseconds until the window holds nothing (pruned at ``now_us`` already): the
+        newest bucket that holds anything leaves at ``(j + span + 1) * width``. Buckets a
+        refund emptied stay as zero entries: they hold nothing and are skipped."""
+        if self.total <= 0:
+            return 0
+        for index, amount in reversed(self.buckets):
+            if amount > 0:
+                return (index + self.span + 1) * self.width - now_us
+        return 0  # a positive total is held by some bucket: not reached
+
     def count(self, current: int, amount: int) -> None:
         """Add ``amount`` (> 0) to bucket ``current`` (pruned already)."""
         held = self.buckets
@@ -241,18 +277,19 @@ class MemoryStorage:
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         with self._lock:
             return self.acquire_now(key, items, costs, now_us)
 
     def acquire_now(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         """``acquire`` without the coroutine: synchronous, for callers that hold no loop."""
         if now_us >= self._next_sweep_us:
             self._sweep(now_us)
         windows = self._windows
-        touched: list[tuple[_Window, int]] = []
+        # (window, current bucket, left: what remains if admitted (< 0: no room), cost)
+        touched: list[tuple[_Window, int, int, int]] = []
         worst: Rejection | None = None
         for i, item in enumerate(items):
             cost = costs[i]
@@ -260,24 +297,31 @@ class MemoryStorage:
             if window is None:
                 window = self._window(key, item)
             current = window.prune(now_us)
-            held = window.buckets
-            touched.append((window, current))
+            left = item.amount - window.total - cost
+            touched.append((window, current, left, cost))
             if cost > item.amount:
                 if worst is None or worst.wait_us is not None:
                     worst = Rejection(i, None)
-            elif window.total + cost > item.amount and (worst is None or worst.wait_us is not None):
-                live = [(b, amount) for b, amount in held]
-                wait = _release_wait_us(
-                    live, window.total + cost - item.amount, window.width, window.span, now_us
-                )
+            elif left < 0 and (worst is None or worst.wait_us is not None):
+                live = [(b, amount) for b, amount in window.buckets]
+                wait = _release_wait_us(live, -left, window.width, window.span, now_us)
                 if worst is None or worst.wait_us is None or wait > worst.wait_us:
                     worst = Rejection(i, wait)
-        if worst is not None:
-            return worst
-        for (window, current), cost in zip(touched, costs, strict=True):
+        if worst is not None:  # nothing counted: the state as it was
+            return worst, [
+                (max(0, left + cost), window.reset_us(now_us)) for window, _, left, cost in touched
+            ]
+        states: list[WindowState] = []
+        for window, current, left, cost in touched:
             if cost:
                 window.count(current, cost)
-        return None
+                # The newest bucket holds this request: it empties once that one leaves.
+                states.append(
+                    (left, (window.buckets[-1][0] + window.span + 1) * window.width - now_us)
+                )
+            else:
+                states.append((left, window.reset_us(now_us)))
+        return None, states
 
     async def adjust(
         self,
@@ -409,10 +453,31 @@ end
 """
 
 # ARGV[1] = now (µs); then per key 4 values: limit, bucket width (µs), span (K), cost.
-# Returns {1} when counted, {0, i, wait_us} when limit i binds (wait_us = -1: never fits).
+# Returns {1, <state>} when counted, {0, i, wait_us, <state>} when limit i binds (wait_us =
+# -1: never fits); <state> is each key's remaining and reset_us after the check, in order
+# (``WindowState``), read by the same script.
 _ACQUIRE_LUA = (
     _BUCKETS_LUA
     + """
+local function newest_held(key, total, newest, here, current)
+  -- The newest bucket that holds anything, given what prune(..., current) returned (nil
+  -- for none). A refund may have emptied (deleted) the one 'n' names: then a scan.
+  if total <= 0 or not newest then return nil end
+  if newest == current then
+    if here > 0 then return newest end
+  else
+    local amount = tonumber(redis.call('HGET', key, string.format('%d', newest)))
+    if amount and amount > 0 then return newest end
+  end
+  local flat = redis.call('HGETALL', key)
+  local best = nil
+  for j = 1, #flat, 2 do
+    local b = tonumber(flat[j])  -- 't', 'o' and 'n' are no bucket
+    if b and tonumber(flat[j + 1]) > 0 and (not best or b > best) then best = b end
+  end
+  return best
+end
+
 local function release_wait(key, need, width, span, now)
   -- Oldest buckets first until they hold `need`: the request fits once that one has left.
   local flat = redis.call('HGETALL', key)
@@ -441,7 +506,7 @@ for i = 1, #KEYS do
   local cost = tonumber(ARGV[a + 4])
   local current = bucket_of(now, width)
   local total, low, newest, here = prune(KEYS[i], current - span, span, current)
-  state[i] = {total, low, newest, here, current}
+  state[i] = {total, low, newest, here, current, limit, width, span, cost}
   if cost > limit then
     if worst == 0 or worst_wait >= 0 then worst, worst_wait = i, -1 end
   elseif total + cost > limit and (worst == 0 or worst_wait >= 0) then
@@ -449,17 +514,26 @@ for i = 1, #KEYS do
     if worst == 0 or wait > worst_wait then worst, worst_wait = i, wait end
   end
 end
-if worst > 0 then return {0, worst - 1, worst_wait} end
+local out = {1}
+if worst > 0 then out = {0, worst - 1, worst_wait} end
 for i = 1, #KEYS do
-  local a = 1 + (i - 1) * 4
-  local cost = tonumber(ARGV[a + 4])
-  if cost > 0 then
-    local width, span = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local total, low, newest, here, current = unpack(state[i])
+  local s = state[i]
+  local total, low, newest, here, current = s[1], s[2], s[3], s[4], s[5]
+  local limit, width, span, cost = s[6], s[7], s[8], s[9]
+  local held
+  if worst == 0 and cost > 0 then
     count(KEYS[i], width, span, cost, total, low, newest, here, current)
+    total = total + cost
+    held = current  -- counted there, or in the newest if the clock stepped back
+    if newest and newest > current then held = newest end
+  else
+    held = newest_held(KEYS[i], total, newest, here, current)
   end
+  local left = limit - total
+  out[#out + 1] = left > 0 and left or 0
+  out[#out + 1] = held and (held + span + 1) * width - now or 0
 end
-return {1}
+return out
 """
 )
 _ACQUIRE_SHA = hashlib.sha1(_ACQUIRE_LUA.encode()).hexdigest()
@@ -503,6 +577,11 @@ return 1
 """
 )
 _ADJUST_SHA = hashlib.sha1(_ADJUST_LUA.encode()).hexdigest()
+
+
+def _window_states(reply: list[Any], start: int) -> list[WindowState]:
+    """The (remaining, reset_us) pairs that follow ``reply[start - 1]``."""
+    return [(int(reply[i]), int(reply[i + 1])) for i in range(start, len(reply), 2)]
 
 
 def _escape_key(key: str) -> str:
@@ -807,7 +886,7 @@ class RedisStorage:
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         keys: list[str] = []
         args: list[int] = [now_us]
         for item, cost in zip(items, costs, strict=True):
@@ -818,9 +897,9 @@ class RedisStorage:
             ("EVALSHA", _ACQUIRE_SHA, len(keys), *keys, *args), _ACQUIRE_LUA
         )
         if reply[0] == 1:
-            return None
+            return None, _window_states(reply, 1)
         wait = int(reply[2])
-        return Rejection(int(reply[1]), None if wait < 0 else wait)
+        return Rejection(int(reply[1]), None if wait < 0 else wait), _window_states(reply, 3)
 
     async def adjust(
         self,

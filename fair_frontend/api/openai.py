@@ -109,7 +109,7 @@ def envelope(err: FrontendError) -> tuple[int, dict[str, Any]]:
         code = "invalid_api_key"
     elif isinstance(err, errors.PermissionDenied):
         kind, code = "permission_error", "model_not_allowed"
-    elif _quota_exhausted(err):
+    elif isinstance(err, errors.QuotaExhausted):
         kind = code = "insufficient_quota"
     elif isinstance(err, errors.RateLimited):
         kind = "tokens" if " tokens per " in err.message else "requests"
@@ -122,13 +122,6 @@ def envelope(err: FrontendError) -> tuple[int, dict[str, Any]]:
         kind = "server_error"
     body = {"error": {"message": err.message, "type": kind, "param": param, "code": code}}
     return status, body
-
-
-def _quota_exhausted(err: FrontendError) -> bool:
-    """A day or month allowance used up (``errors.QuotaExhausted`` where the core tells it
-    apart): 429 ``insufficient_quota``, which OpenAI's clients do not retry."""
-    cls = getattr(errors, "QuotaExhausted", None)
-    return cls is not None and isinstance(err, cls)
 
 
 # ---- reading fields ----------------------------------------------------------------------

@@ -123,9 +123,12 @@ class Accounting:
     @staticmethod
     def _counted(req: CoreRequest, decision: Decision | None, now: float) -> None:
         """Remember when a request's tokens were counted against its limits (to correct
-        them by what it produced); not when refused, or admitted unchecked (degraded)."""
-        if decision is not None and decision.allowed and not decision.degraded:
-            req.limits_at = now
+        them by what it produced); not when refused, or admitted unchecked (degraded).
+        And its limits' state after the check, for its answer (``fair_frontend.quota``)."""
+        if decision is not None:
+            req.quota = decision.quota
+            if decision.allowed and not decision.degraded:
+                req.limits_at = now
 
     def apply(self, req: CoreRequest, decision: Decision) -> None:
         """Count a check the storage did not answer (fail_open admitted it); raise the 429

@@ -74,6 +74,7 @@ from fair_frontend.protocol import (
     RequestedOutput,
     Tensor,
 )
+from fair_frontend.quota import Quota
 from fair_frontend.scheduler import QueuedRequest, QueueState, Scheduler
 from fair_frontend.tokens import output_tokens
 from fair_frontend.wire.records import Answer, Call, Fault, Grant
@@ -114,6 +115,7 @@ class CoreRequest(QueuedRequest):
     ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
     backend: int = -1  # the pool's backend its batch (or stream) went to last
     adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
+    quota: Quota | None = None  # its tenant's rate-limit state after its check: answered
 
     @property
     def request(self) -> InferRequest:
@@ -641,7 +643,13 @@ class Dispatcher(ABC):
         ended = req.ended = asyncio.get_running_loop().create_future()
         if not req.adopted:
             req.route.answer(
-                Grant(req.call.id, dict(req.request.sequence), req.queued_s, backend=backend)
+                Grant(
+                    req.call.id,
+                    dict(req.request.sequence),
+                    req.queued_s,
+                    backend=backend,
+                    quota=req.quota,
+                )
             )
         return await ended
 
@@ -706,7 +714,9 @@ class Dispatcher(ABC):
         if req.cancelled:
             self._done(req, Outcome.CANCELLED, None, version)
             return
-        req.route.answer(Answer(req.call.id, version, outputs, queued_s=req.queued_s))
+        req.route.answer(
+            Answer(req.call.id, version, outputs, queued_s=req.queued_s, quota=req.quota)
+        )
         self._done(req, Outcome.DISPATCHED, None, version)
 
     def _fail(self, req: CoreRequest, err: FrontendError) -> None:
@@ -715,7 +725,7 @@ class Dispatcher(ABC):
         if req.cancelled:
             self._done(req, Outcome.CANCELLED, None, "")
             return
-        req.route.answer(Answer(req.call.id, fault=Fault.of(err), queued_s=req.queued_s))
+        req.route.answer(Answer(req.call.id, fault=Fault.of(err, req.quota), queued_s=req.queued_s))
         self._done(req, err.outcome, err, "")
 
     def _done(self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, v: str) -> None:

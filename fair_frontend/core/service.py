@@ -286,7 +286,7 @@ class Core:
             runtime.submit(req)
             return req
         except FrontendError as err:
-            route.answer(Answer(call.id, fault=Fault.of(err)))
+            route.answer(Answer(call.id, fault=Fault.of(err, req.quota if req else None)))
             if req is not None:
                 self.accounting.charge_back_limits(req)  # refused after its limits counted it
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
@@ -547,7 +547,7 @@ class Core:
             runtime.submit(req)
         except FrontendError as err:
             if not req.cancelled:
-                route.answer(Answer(call.id, fault=Fault.of(err)))
+                route.answer(Answer(call.id, fault=Fault.of(err, req.quota)))
             self.accounting.charge_back_limits(req)
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
         except Exception as err:

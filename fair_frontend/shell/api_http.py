@@ -19,14 +19,15 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from fair_frontend.api import openai, rerank
 from fair_frontend.auth import Identity
-from fair_frontend.errors import FrontendError
+from fair_frontend.errors import FrontendError, QuotaExhausted
 from fair_frontend.protocol import InferRequest, InferResponse
+from fair_frontend.quota import Quota, quota_headers
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, max_token_bytes, text_of
 from fair_frontend.usage import Usage
@@ -34,6 +35,7 @@ from fair_frontend.usage import Usage
 # The parts of one embeddings call wait for their answers together; a call of many inputs
 # holds at most this many in the core at once (the rest follow as they are answered).
 MAX_PARTS_IN_FLIGHT = 256
+_R = TypeVar("_R", bound=web.StreamResponse)
 
 
 class ApiRoutes:
@@ -141,13 +143,15 @@ class ApiRoutes:
     ) -> web.Response:
         scanner = openai.StopScanner(gen.stop)
         parts = []
+        quota = None
         async for resp in replies:
+            quota = resp.quota
             parts.append(scanner.feed(_text(resp, output)))
             if scanner.stopped:
                 break
         parts.append(scanner.flush())
         body = openai.completion_body(gen, "".join(parts), openai.finish_reason(scanner), usage)
-        return web.json_response(body)
+        return _with_quota(web.json_response(body), quota)
 
     async def _stream(
         self,
@@ -165,6 +169,7 @@ class ApiRoutes:
         except StopAsyncIteration:
             first = None
         out = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+        _with_quota(out, first.quota if first is not None else None)
         out.content_type = "text/event-stream"
         await out.prepare(request)
         scanner = openai.StopScanner(gen.stop)
@@ -234,7 +239,8 @@ class ApiRoutes:
         try:
             answers, usage = await self._parts(reqs, headers, known)
             vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
-            return web.json_response(openai.embeddings_body(call, vectors, usage))
+            body = openai.embeddings_body(call, vectors, usage)
+            return _with_quota(web.json_response(body), answers[-1].quota)
         except FrontendError as err:
             return error_response(err)
 
@@ -321,7 +327,7 @@ class ApiRoutes:
                 body = rerank.cohere_response(call, logits, tokens, response_id=rid)
             else:
                 body = rerank.jina_response(call, logits, tokens, model=model, response_id=rid)
-            return web.json_response(body)
+            return _with_quota(web.json_response(body), answers[-1].quota)
         except FrontendError as err:
             return answer_error(err)
 
@@ -357,30 +363,44 @@ OFF_LOOP_BYTES = 256 << 10
 def error_response(err: FrontendError) -> web.Response:
     """OpenAI's error envelope with its status (``openai.envelope``) and Retry-After."""
     status, body = openai.envelope(err)
-    headers = {}
-    if err.retry_after_header is not None:
-        headers["Retry-After"] = err.retry_after_header
     return web.Response(
         status=status,
         body=json.dumps(body).encode(),
         content_type="application/json",
-        headers=headers,
+        headers=error_headers(err),
     )
+
+
+def error_headers(err: FrontendError) -> dict[str, str]:
+    """An error's headers: ``Retry-After``, the tenant's quota where the core checked it
+    (``x-ratelimit-*``), and ``x-should-retry: false`` for an allowance used up (OpenAI's
+    SDKs retry every other 429)."""
+    headers = quota_headers(err.quota) if err.quota is not None else {}
+    if err.retry_after_header is not None:
+        headers["Retry-After"] = err.retry_after_header
+    if isinstance(err, QuotaExhausted):
+        headers["x-should-retry"] = "false"
+    return headers
 
 
 def cohere_error(err: FrontendError) -> web.Response:
     """Cohere's error body, ``{"message": ...}``, with the status its SDK maps to its
     errors (400, 401, 403, 404, 429 ``TooManyRequestsError``, 503) and Retry-After."""
     status, body = openai.envelope(err)
-    headers = {}
-    if err.retry_after_header is not None:
-        headers["Retry-After"] = err.retry_after_header
     return web.Response(
         status=status,
         body=json.dumps({"message": body["error"]["message"]}).encode(),
         content_type="application/json",
-        headers=headers,
+        headers=error_headers(err),
     )
+
+
+def _with_quota(response: _R, quota: Quota | None) -> _R:
+    """``response`` with the tenant's ``x-ratelimit-*`` headers (a call of several parts:
+    the state after its last part's check)."""
+    if quota is not None:
+        response.headers.update(quota_headers(quota))
+    return response
 
 
 def _headers(request: web.Request) -> dict[str, str]:

@@ -230,7 +230,7 @@ class Gateway:
                         yield resp
                 return
             if answer.fault is not None:
-                raise answer.fault.error()
+                raise answer.fault.error()  # with its quota (``FrontendError.quota``)
             final: dict[str, ParamValue] = (
                 {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
             )
@@ -241,7 +241,9 @@ class Gateway:
                     )
                 if report_usage:
                     final.update(usage.as_parameters())
-            yield InferResponse(req.model, answer.version, req.id, answer.outputs, final)
+            yield InferResponse(
+                req.model, answer.version, req.id, answer.outputs, final, answer.quota
+            )
         finally:
             inbox.cancel()  # no-op once answered or ended
 
@@ -285,6 +287,8 @@ class Gateway:
             async for reply in stream:
                 if reply.error is not None:
                     inbox.end(version, reply.error)
+                    if reply.error.quota is None:  # this stream's own error: its grant's
+                        reply.error.quota = grant.quota
                     raise reply.error
                 version = reply.version or version
                 if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
@@ -310,7 +314,7 @@ class Gateway:
                 if reply.final and report_usage:
                     assert usage is not None
                     params.update(usage.as_parameters())
-                yield InferResponse(req.model, version, req.id, reply.outputs, params)
+                yield InferResponse(req.model, version, req.id, reply.outputs, params, grant.quota)
             inbox.end(version)
         finally:
             inbox.end(cancelled=True)  # no-op once ended

@@ -4,6 +4,13 @@ The servicer is tritonclient's generated ``GRPCInferenceServiceServicer``. Error
 the call with the status of ``fair_frontend.errors``; rate-limit and overload errors
 carry the retry hint in trailing metadata ``retry-after`` (seconds).
 
+Rate-limit state (``fair_frontend.quota``): OpenAI's ``x-ratelimit-*`` headers as
+metadata. ModelInfer sends them as initial metadata, with its response or its error (a
+429 included). A ModelStreamInfer stream carries many requests, and metadata once at
+each end: its initial metadata has the latest state known when its first reply goes out
+(that request's, or one answered since), its trailing metadata the latest state when it
+ends (each request's own state is in neither where several overlap).
+
 Identity before bytes (issue 17). gRPC's asyncio server reads a unary method's request
 message whole before it calls the method's handler (``_handle_unary_unary_rpc`` in
 grpc's ``aio/server.pyx.pxi`` awaits ``_receive_message`` first; an interceptor runs
@@ -38,6 +45,7 @@ from fair_frontend.auth import Identity, grpc_peer_address, identity_headers
 from fair_frontend.config import Config
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument, QueueFull
 from fair_frontend.protocol import InferRequest, ParamValue
+from fair_frontend.quota import Quota, quota_headers
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 
 log = logging.getLogger(__name__)
@@ -54,10 +62,33 @@ KEYED_METHODS = frozenset({"ModelReady", "ModelMetadata", "ModelConfig", "ModelS
 
 
 async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> NoReturn:
+    await send_quota(context, err.quota)
     if err.retry_after_header is not None:
         context.set_trailing_metadata((("retry-after", err.retry_after_header),))
     await context.abort(err.grpc_code, err.message)
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+async def send_quota(context: grpc.aio.ServicerContext, quota: Quota | None) -> None:
+    """The rate-limit headers of ``quota`` (``quota_headers``) as the call's initial
+    metadata; nothing for None. Only on a call whose initial metadata has not gone yet
+    (ModelInfer: with its response or error)."""
+    if quota is not None:
+        await context.send_initial_metadata(tuple(quota_headers(quota).items()))
+
+
+class LatestQuota:
+    """The latest rate-limit state a stream's requests were answered with (None: none
+    yet, or no limits): ModelStreamInfer's metadata (the module docstring)."""
+
+    __slots__ = ("quota",)
+
+    def __init__(self) -> None:
+        self.quota: Quota | None = None
+
+    def saw(self, quota: Quota | None) -> None:
+        if quota is not None:
+            self.quota = quota
 
 
 def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -243,6 +274,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             await self.gateway.turns.take(tenant)  # decoded in turn with other tenants'
             req = self._decode(raw, headers, tenant)
             resp = await self.gateway.infer(req, headers, known)
+            await send_quota(context, resp.quota)
             return grpc_codec.encode_infer(resp)
 
         return await _guard(context, call)
@@ -264,17 +296,24 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             # A full queue is answered per request, in-stream; the key, for the stream.
             known = await self._identify(headers, context, shed=False)
+            latest = LatestQuota()
             stream = StreamInfer(
-                lambda raw: self._stream_call(raw, headers, known),
+                lambda raw: self._stream_call(raw, headers, known, latest),
                 self.gateway.config.server.grpc_stream_max_inflight,
             )
+            first = True
             async for reply in stream.replies(request_iterator):
+                if first:
+                    first = False
+                    await send_quota(context, latest.quota)
                 yield reply
+            if latest.quota is not None:
+                context.set_trailing_metadata(tuple(quota_headers(latest.quota).items()))
         finally:
             self.calls -= 1
 
     def _stream_call(
-        self, raw: bytes, headers: dict[str, str], known: Identity | None
+        self, raw: bytes, headers: dict[str, str], known: Identity | None, latest: LatestQuota
     ) -> StreamCall:
         """One message of a stream, decoded by the stream's reader (in the order sent):
         its sequence, if it belongs to one, and how to run it. A refusal is its reply."""
@@ -290,7 +329,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         key = (req.model, req.version, sequence_id) if sequence_id not in (None, 0, "") else None
         return StreamCall(
             key,
-            lambda: self._stream_request(req, headers, known),
+            lambda: self._stream_request(req, headers, known, latest),
             lambda: self._in_order(req.model),
         )
 
@@ -305,18 +344,25 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
             return True
 
     async def _stream_request(
-        self, req: InferRequest, headers: dict[str, str], known: Identity | None
+        self,
+        req: InferRequest,
+        headers: dict[str, str],
+        known: Identity | None,
+        latest: LatestQuota,
     ) -> AsyncGenerator[Any, None]:
-        """One request of a stream: its replies, an error as an in-stream reply."""
+        """One request of a stream: its replies, an error as an in-stream reply; the
+        rate-limit state each came with goes to ``latest`` before it is put."""
         try:
             # Closed when this generator is (its stream ends): the request is cancelled
             # in the core at once, not when the generator is collected.
             async with aclosing(self.gateway.stream_infer(req, headers, known)) as answers:
                 async for resp in answers:
+                    latest.saw(resp.quota)
                     reply = service_pb2.ModelStreamInferResponse()
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
                     yield reply
         except FrontendError as err:
+            latest.saw(err.quota)
             yield _error_reply(err)
         except Exception as err:
             log.exception("internal error on a stream")

@@ -71,6 +71,7 @@ from fair_frontend.http_codec import (
 )
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
+from fair_frontend.quota import Quota, quota_headers
 from fair_frontend.shell.api_http import ApiRoutes
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
@@ -95,6 +96,7 @@ OFF_LOOP_BYTES = 256 << 10
 # closed after the answer, since the rest of the body would only be read to be discarded.
 _BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("body_abandoned", bool)
 _T = TypeVar("_T")
+_R = TypeVar("_R", bound=web.StreamResponse)
 
 
 class BodyTimeout(InvalidArgument):
@@ -157,12 +159,24 @@ def error_response(err: FrontendError) -> web.Response:
     headers = {}
     if err.retry_after_header is not None:
         headers["Retry-After"] = err.retry_after_header
-    return web.Response(
+    response = web.Response(
         status=err.http_status,
         body=encode_error(err.message),
         content_type="application/json",
         headers=headers,
     )
+    return with_quota(response, err.quota)
+
+
+def with_quota(response: _R, quota: Quota | None) -> _R:
+    """``response`` with OpenAI's rate-limit headers (``x-ratelimit-*``,
+    ``fair_frontend.quota.quota_headers``) for ``quota``: the tenant's limits after this
+    request's check, on an answer (``InferResponse.quota``) and on an error
+    (``FrontendError.quota``). None (no limits, or never checked): no headers. Before the
+    response is prepared (a stream's headers go with its first bytes)."""
+    if quota is not None:
+        response.headers.update(quota_headers(quota))
+    return response
 
 
 def _headers(request: web.Request) -> dict[str, str]:
@@ -391,7 +405,7 @@ class HttpShell:
             out.headers[HEADER_CONTENT_LENGTH] = str(json_length)
         if request.headers.get("Accept-Encoding"):
             out.enable_compression()
-        return out
+        return with_quota(out, resp.quota)
 
     @contextlib.contextmanager
     def hold_body(
@@ -489,11 +503,13 @@ class HttpShell:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         replies = await self._generate_request(request)
+        quota = None
         try:
             answers = []
             try:
                 async for resp in replies:
                     answers.append(encode_generate(resp))
+                    quota = resp.quota
             except FrontendError:
                 if not answers:
                     raise  # the first answer failed: its status and message, as Triton
@@ -501,17 +517,19 @@ class HttpShell:
         finally:
             await replies.aclose()
         if len(answers) == 1:
-            return _generate_json(answers[0])
+            return with_quota(_generate_json(answers[0]), quota)
         # Triton has sent its 200 with the first response by then, and only learns at
         # the final flag that there was not exactly one (SendChunkResponse).
-        return _generate_json(generate_error(MSG_NOT_ONE_RESPONSE))
+        return with_quota(_generate_json(generate_error(MSG_NOT_ONE_RESPONSE)), quota)
 
     async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
         replies = await self._generate_request(request)
         out = web.StreamResponse()
         try:
             try:
-                first: bytes | None = sse_event(encode_generate(await anext(replies)))
+                resp = await anext(replies)
+                with_quota(out, resp.quota)
+                first: bytes | None = sse_event(encode_generate(resp))
             except StopAsyncIteration:
                 first = None
             except FrontendError as err:
@@ -519,6 +537,7 @@ class HttpShell:
                     raise  # refused before inference (queue, deadline, validation)
                 # Triton or the model answered an error: Triton's first "response".
                 out.set_status(err.http_status)
+                with_quota(out, err.quota)
                 first = sse_event(generate_error(err.message))
                 await replies.aclose()
             out.content_type, out.charset = SSE_CONTENT_TYPE.split("; charset=")
@@ -578,7 +597,7 @@ def _generate_failure(err: FrontendError) -> web.Response:
     out = _generate_json(generate_error(err.message), err.http_status)
     if err.retry_after_header is not None:
         out.headers["Retry-After"] = err.retry_after_header
-    return out
+    return with_quota(out, err.quota)
 
 
 def _generate_json(body: bytes, status: int = 200) -> web.Response:

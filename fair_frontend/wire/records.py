@@ -29,6 +29,12 @@ each a 4-byte length and the bytes), decoded on arrival as numpy views of the fr
 
 Times are ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process of a host)
 and ``time.time()`` where a deadline goes to the model as a wall-clock instant.
+
+Records are msgpack arrays (``array_like``): a field is its position. New fields go at the
+end, with a default, so that a peer of the release before still reads them (it ignores
+elements past its last field; a record from it lacks them and takes the default): that
+is how ``quota`` (``fair_frontend.quota``: the rate-limit state the answer's headers
+show) was added to ``Fault``, ``Answer`` and ``Grant``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import msgspec
 from fair_frontend import errors
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, ParamValue, Tensor
+from fair_frontend.quota import Quota
 
 
 class Call(msgspec.Struct, tag=1, array_like=True):
@@ -91,9 +98,13 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
     outcome: str
     retry_after: float | None = None
     never_sent: bool = False  # an ``Unavailable`` that provably never reached Triton
+    quota: Quota | None = None  # the tenant's rate-limit state (``FrontendError.quota``)
 
     @classmethod
-    def of(cls, err: errors.FrontendError) -> Fault:
+    def of(cls, err: errors.FrontendError, quota: Quota | None = None) -> Fault:
+        """``err`` as it crosses; ``quota``: the rate-limit state of the request it
+        answers, where the error itself has none (one error may answer a whole batch,
+        of several tenants)."""
         return cls(
             type(err).__name__,
             err.message,
@@ -102,12 +113,13 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
             err.outcome.value,
             err.retry_after,
             bool(getattr(err, "never_sent", False)),
+            err.quota if err.quota is not None else quota,
         )
 
     def error(self) -> errors.FrontendError:
         """The same error again: its class (where the receiving process knows it, else the
-        nearest it does, ``FrontendError`` at worst), status, message and retry hint; so a
-        fault keeps its class across the socket as it does in one process."""
+        nearest it does, ``FrontendError`` at worst), status, message, retry hint and
+        quota; so a fault keeps its class across the socket as it does in one process."""
         cls = errors.error_class(self.kind)
         err = Exception.__new__(cls)
         errors.FrontendError.__init__(err, self.message, retry_after=self.retry_after)
@@ -116,6 +128,8 @@ class Fault(msgspec.Struct, array_like=True, frozen=True):
         err.outcome = Outcome(self.outcome)
         if isinstance(err, errors.Unavailable):
             err.never_sent = self.never_sent
+        if self.quota is not None:
+            err.quota = self.quota
         return err
 
 
@@ -131,6 +145,7 @@ class Answer(msgspec.Struct, tag=3, array_like=True):
     outputs: list[Tensor] = []
     fault: Fault | None = None
     queued_s: float = -1.0  # time from admission to dispatch; < 0: never queued
+    quota: Quota | None = None  # its tenant's rate-limit state (with a fault: on the fault)
 
 
 class Grant(msgspec.Struct, tag=18, array_like=True):
@@ -141,6 +156,7 @@ class Grant(msgspec.Struct, tag=18, array_like=True):
     sequence: dict[str, ParamValue] = {}  # a stateful model's ids, as the core mapped them
     queued_s: float = -1.0
     backend: int = 0  # the Triton to send it to: an index into ``Settings.triton_urls``
+    quota: Quota | None = None  # its tenant's rate-limit state after its admission
 
 
 class Produced(msgspec.Struct, tag=19, array_like=True):

@@ -19,7 +19,7 @@ from fair_frontend.admission import (
     storage_from_uri,
 )
 from fair_frontend.admission.limits import WINDOWS_S
-from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection, StorageError
+from fair_frontend.admission.storage import DEFAULT_BUCKETS, Checked, StorageError
 from fair_frontend.config import Limits, RateLimiting, parse_config
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.errors import RateLimited
@@ -290,7 +290,7 @@ class ScriptedStorage(MemoryStorage):
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         self.asked += 1
         await asyncio.sleep(0)
         if self.down:

@@ -13,7 +13,7 @@ import pytest
 
 from fair_frontend.admission import MemoryStorage, RateLimiter, RateLimitItem, Storage
 from fair_frontend.admission.limits import WINDOWS_S
-from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection
+from fair_frontend.admission.storage import DEFAULT_BUCKETS, Checked
 
 K = DEFAULT_BUCKETS
 T0 = 1_700_000_123.456789  # not on a bucket boundary of any window
@@ -181,7 +181,7 @@ class CountingStorage:
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         return await self.inner.acquire(key, items, costs, now_us)
 
     async def adjust(

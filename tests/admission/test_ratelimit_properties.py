@@ -30,7 +30,7 @@ from fair_frontend.admission import (
     Storage,
 )
 from fair_frontend.admission.limits import WINDOWS_S
-from fair_frontend.admission.storage import DEFAULT_BUCKETS, Rejection
+from fair_frontend.admission.storage import DEFAULT_BUCKETS, Checked, Rejection
 
 K = DEFAULT_BUCKETS
 TIMEOUT_S = 5.0  # functional runs must never see a storage error
@@ -240,14 +240,14 @@ class FixedWindowStorage:
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         slots = [(key, it.unit, now_us // round(it.seconds * 1e6)) for it in items]
         for i, (slot, it, c) in enumerate(zip(slots, items, costs, strict=True)):
             if self.counts.get(slot, 0) + c > it.amount:
-                return Rejection(i, 1)
+                return Rejection(i, 1), ()
         for slot, c in zip(slots, costs, strict=True):
             self.counts[slot] = self.counts.get(slot, 0) + c
-        return None
+        return None, ()
 
     async def close(self) -> None:
         pass
@@ -258,7 +258,7 @@ class NeverForgetStorage(FixedWindowStorage):
 
     async def acquire(
         self, key: str, items: Sequence[RateLimitItem], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         return await super().acquire(key, items, costs, 0)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fair_frontend.admission import RateLimiter, RedisStorage
-from fair_frontend.admission.storage import Rejection
+from fair_frontend.admission.storage import Checked
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
@@ -44,7 +44,7 @@ class GatedStorage:
 
     async def acquire(
         self, key: str, items: Sequence[Any], costs: Sequence[int], now_us: int
-    ) -> Rejection | None:
+    ) -> Checked:
         self.entered.release()
         await self.gate.wait()
         return await self.inner.acquire(key, items, costs, now_us)
