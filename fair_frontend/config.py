@@ -979,6 +979,13 @@ class Config(_Strict):
     tier_limits: dict[str, dict[str, Limits]] = Field(
         default_factory=dict, description="Rate limits per tier and model."
     )
+    tier_top_priority: dict[str, int] = Field(
+        default_factory=dict,
+        description="The highest priority level each tier's requests may ask for (1 = the "
+        "highest); one asking higher gets this level (clamped, not refused), on every route "
+        "(the OpenAI routes' service_tier echoes the tier used). A tier without an entry: "
+        "every level. Priority only orders a tenant's own queue.",
+    )
     tenants: dict[str, Tenant] = Field(
         default_factory=dict, description="Tenants by name: tier, weight, keys, limits."
     )
@@ -1031,6 +1038,11 @@ class Config(_Strict):
         base = self.tier_limits.get(t.tier, {}).get(endpoint, Limits())
         return base.merged(t.limits.get(endpoint))
 
+    def top_priority(self, tenant: str) -> int:
+        """The highest level the tenant's requests may ask for (``tier_top_priority``)."""
+        t = self.tenants.get(tenant)
+        return 1 if t is None else self.tier_top_priority.get(t.tier, 1)
+
     def default_priority(self, tenant: str | None, endpoint: str) -> int:
         """The level a request with priority 0 gets: tenant's, endpoint's, or the middle level."""
         if tenant is not None:
@@ -1065,6 +1077,12 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
     for tier in mapping(data.get("tier_limits")):
         if tier not in tiers:
             problems.append(f"tier_limits.{tier}: unknown tier (tiers: {tier_list})")
+    levels = data.get("priority_levels", DEFAULT_PRIORITY_LEVELS)
+    for tier, top in mapping(data.get("tier_top_priority")).items():
+        if tier not in tiers:
+            problems.append(f"tier_top_priority.{tier}: unknown tier (tiers: {tier_list})")
+        elif not isinstance(top, int) or (isinstance(levels, int) and not 1 <= top <= levels):
+            problems.append(f"tier_top_priority.{tier}: {top} is not a level 1 to {levels}")
     for tier, models in mapping(data.get("tier_models")).items():
         if tier not in tiers:
             problems.append(f"tier_models.{tier}: unknown tier (tiers: {tier_list})")

@@ -119,3 +119,21 @@ def test_envelope_statuses_and_codes() -> None:
         got, doc = openai.envelope(err)
         assert (got, doc["error"]["code"]) == (status, code), err
         assert json.dumps(doc)  # serialisable as it is
+
+
+def test_a_tiers_top_priority_clamps_and_the_echo_says_so() -> None:
+    config = make_config(tier_top_priority={"standard": 3})
+    assert config.top_priority("initech") == 3  # standard
+    assert config.top_priority("acme") == 1  # enterprise: no entry, every level
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "x"}],
+        "service_tier": "priority",
+    }
+    gen = openai.chat_request(body, {}, config)
+    assert openai.tier_used(gen, config, "initech") == "default"
+    assert openai.tier_used(gen, config, "acme") == "priority"
+    with pytest.raises(ValueError, match=r"tier_top_priority\.gold"):
+        make_config(tier_top_priority={"gold": 1})
+    with pytest.raises(ValueError, match=r"tier_top_priority\.trial"):
+        make_config(tier_top_priority={"trial": 99})

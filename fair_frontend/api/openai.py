@@ -388,6 +388,14 @@ def priority_of(
     return (0 if asked <= 0 else min(asked, levels)), "default"
 
 
+def tier_used(gen: Generation, config: Config, tenant: str | None) -> str:
+    """The service tier to echo: "priority" only where the tenant's tier may ask for the
+    highest level (``tier_top_priority``); the level is clamped by the gateway then."""
+    if gen.service_tier == "priority" and tenant is not None and config.top_priority(tenant) > 1:
+        return "default"
+    return gen.service_tier
+
+
 def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> InferRequest:
     """The KServe request for ``gen``: streamed, the prompt not echoed."""
     if not info.decoupled or endpoint.token_output is None:

@@ -114,6 +114,8 @@ class ApiRoutes:
             gen = parse(doc, headers, gateway.config)
             model = gen.model
             known = self._admit(model, headers, known)
+            tenant = known.tenant if known is not None else None
+            gen.service_tier = openai.tier_used(gen, gateway.config, tenant)
             info = await gateway.model_info(model)
             endpoint = gateway.config.endpoint(model)
             req = openai.engine_request(gen, info, endpoint)

@@ -478,7 +478,8 @@ class Gateway:
                 f"priority {requested} is out of range: 1 (highest) to {levels}, or 0 for "
                 "the default level"
             )
-        return requested or self.config.default_priority(tenant, model)
+        level = requested or self.config.default_priority(tenant, model)
+        return max(level, self.config.top_priority(tenant))  # clamped to the tier's top
 
     # ---- health and metadata: the side doors -------------------------------------------
     #
