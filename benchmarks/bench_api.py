@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.harness import (
+    RESULTS,
     frontend,
     load_example_config,
     process_tree_cpu_s,
@@ -250,6 +251,30 @@ def rerank(url: str, triton_url: str, count: int) -> dict[str, Any]:
     return result
 
 
+def plot_rerank(result: dict[str, Any]) -> None:
+    """The quiet tenant's latencies, each call a dot, alone and under the flood."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    groups = [(t, label) for t in ("frontend", "triton") for label in ("alone", "flooded")]
+    for x, (target, label) in enumerate(groups):
+        lat = result[target][label]["latencies_ms"]
+        ax.scatter([x] * len(lat), lat, s=12, alpha=0.6)
+        ax.hlines(statistics.median(lat), x - 0.25, x + 0.25, color="k", lw=1.5)
+    names = {"frontend": "through the frontend", "triton": "Triton direct"}
+    ax.set_xticks(range(4), [f"{names[t]}\n{label}" for t, label in groups], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("3-document rerank latency (ms)")
+    ax.set_title("Quiet tenant beside a 1,000-document rerank flood", fontsize=10)
+    fig.tight_layout()
+    path = RESULTS / "api_rerank.png"
+    fig.savefig(path, dpi=120)
+    progress(f"plot written to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default="embeddings,chat,rerank")
@@ -284,6 +309,7 @@ def main() -> None:
             if not triton_url.startswith("http"):
                 triton_url = f"http://{triton_url}"
             results["rerank"] = rerank(url, triton_url, 20)
+            plot_rerank(results["rerank"])
     for name, r in results.items():
         if "ratio" in r:
             progress(f"{name}: OpenAI / KServe = {r['ratio']:.2f} ({r['median_us']})")
