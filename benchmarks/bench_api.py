@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -32,11 +35,13 @@ from benchmarks.harness import (
     RESULTS,
     frontend,
     load_example_config,
+    load_generators,
     process_tree_cpu_s,
     progress,
     triton,
     write_result,
 )
+from fair_frontend.testing import perf_analyzer_binary
 
 KEY = "acme-demo-key"
 QUIET_KEY = "globex-demo-key"  # the same tier as acme: the fair share decides
@@ -153,11 +158,11 @@ def _documents(n: int) -> list[str]:
 
 
 async def _rerank_calls(
-    url: str, key: str, docs: int, count: int, direct: bool, out: list[float]
+    url: str, key: str, docs: int, count: int, direct: bool, out: list[float], queue: Any
 ) -> None:
     """``count`` rerank calls of ``docs`` documents, one after another, each timed: through
     the frontend's ``/v2/rerank``, or (``direct``) as the frontend sends them to Triton,
-    one KServe infer per document (all at once), straight to Triton."""
+    one KServe infer per document (256 at a time), straight to Triton."""
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     documents = _documents(docs)
     rows: list[list[int]] = []
@@ -168,9 +173,10 @@ async def _rerank_calls(
         tokenizer = data["endpoints"]["rerank"]["tokenizer"]
         rows = [r.tolist() for r in pair_rows(tokenizer, "rivers of Europe", documents, None, 512)]
     body = json.dumps({"model": "rerank", "query": "rivers of Europe", "documents": documents})
-    # Straight to Triton a client sends every row at once (Triton queues them); the
-    # frontend holds a call's rows in its own queues, a client's one call at a time.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # Straight to Triton a client keeps 256 rows in flight (its connection pool; more open
+    # connections than Triton's HTTP threads serve only stall), as the frontend keeps
+    # at most 256 of a call's rows in its own queues.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
 
         async def row(ids: list[int]) -> None:
             tensor = {"name": "INPUT_IDS", "datatype": "INT32", "shape": [1, len(ids)], "data": ids}
@@ -181,6 +187,7 @@ async def _rerank_calls(
                 if resp.status != 200:
                     raise RuntimeError(f"rerank row: {resp.status}")
 
+        queue.put("started")  # its rows are made: the load starts now
         for _ in range(count):
             t0 = time.monotonic()
             if direct:
@@ -195,7 +202,7 @@ async def _rerank_calls(
 
 def _rerank_client(url: str, key: str, docs: int, count: int, direct: bool, queue: Any) -> None:
     out: list[float] = []
-    asyncio.run(_rerank_calls(url, key, docs, count, direct, out))
+    asyncio.run(_rerank_calls(url, key, docs, count, direct, out, queue))
     queue.put(out)
 
 
@@ -209,32 +216,39 @@ def _result(queue: Any, proc: Any) -> Any:
                 raise RuntimeError(f"client process exited with {proc.exitcode}") from None
 
 
-def rerank(url: str, triton_url: str, count: int) -> dict[str, Any]:
+def rerank(url: str, triton_url: str, triton_grpc: str, count: int) -> dict[str, Any]:
     """The quiet tenant's 3-document rerank latency, alone and beside another tenant's
-    1,000-document calls, each in its own process: through the frontend and straight to
-    Triton (the same rows, one infer per document)."""
+    flood, each in its own process. Through the frontend the flood is 1,000-document
+    calls one after another (the frontend keeps 256 of a call's rows in its queues at
+    once); straight to Triton it is the same rows as a client sends them, 256 in flight
+    at all times: perf_analyzer's plain command (``--shape INPUT_IDS:ROW_TOKENS``, rows
+    as long as the documents' pairs), which keeps Triton's queue as full as the
+    frontend's flood keeps the frontend's."""
     ctx = multiprocessing.get_context("spawn")
     result: dict[str, Any] = {}
     for target, base, direct in (("frontend", url, False), ("triton", triton_url, True)):
         for label, flood in (("alone", False), ("flooded", True)):
-            q: Any = ctx.Queue()
-            hog = None
-            if flood:
-                hog_queue: Any = ctx.Queue()  # held here: a queue collected breaks its user
-                hog = ctx.Process(
-                    target=_rerank_client, args=(base, KEY, 1000, 1000, direct, hog_queue)
+            with contextlib.ExitStack() as stack:
+                if flood and not direct:
+                    hog_queue: Any = ctx.Queue()  # held here: a queue collected breaks its user
+                    hog = ctx.Process(
+                        target=_rerank_client, args=(base, KEY, 1000, 1000, False, hog_queue)
+                    )
+                    hog.start()
+                    stack.callback(_stop, hog)
+                    _result(hog_queue, hog)  # "started": its first call is going out
+                elif flood:
+                    logs = Path(tempfile.mkdtemp(prefix="fair-bench-api-"))
+                    stack.enter_context(load_generators({"flood": _perf_flood(triton_grpc)}, logs))
+                time.sleep(2.0 if flood else 0.0)  # the flood is queued (a load, not a server)
+                q: Any = ctx.Queue()
+                quiet = ctx.Process(
+                    target=_rerank_client, args=(base, QUIET_KEY, 3, count, direct, q)
                 )
-                hog.start()
-                time.sleep(3.0)  # the flood's first call is queued (a load, not a server)
-            quiet = ctx.Process(target=_rerank_client, args=(base, QUIET_KEY, 3, count, direct, q))
-            quiet.start()
-            lat = sorted(_result(q, quiet))
-            quiet.join()
-            if hog is not None:
-                if not hog.is_alive():
-                    raise RuntimeError(f"the flood's client exited with {hog.exitcode}")
-                hog.terminate()
-                hog.join()
+                quiet.start()
+                _result(q, quiet)  # "started"
+                lat = sorted(_result(q, quiet))
+                quiet.join()
             entry = {
                 "p50_ms": statistics.median(lat) * 1e3,
                 "p90_ms": lat[int(len(lat) * 0.9)] * 1e3,
@@ -248,7 +262,26 @@ def rerank(url: str, triton_url: str, count: int) -> dict[str, Any]:
             )
     f, t = result["frontend"]["flooded"], result["triton"]["flooded"]
     result["flooded_p50_triton_over_frontend"] = t["p50_ms"] / f["p50_ms"]
+    result["flooded_p90_triton_over_frontend"] = t["p90_ms"] / f["p90_ms"]
     return result
+
+
+ROW_TOKENS = 220  # a document's pair: [CLS] query [SEP] ~210 tokens [SEP]
+
+
+def _perf_flood(triton_grpc: str) -> list[str]:
+    return [
+        perf_analyzer_binary(), "-m", "rerank", "-u", triton_grpc, "-i", "grpc",
+        "--shape", f"INPUT_IDS:{ROW_TOKENS}", "--concurrency-range", "256",
+        "--measurement-interval", "600000",
+    ]  # fmt: skip
+
+
+def _stop(proc: Any) -> None:
+    if not proc.is_alive():
+        raise RuntimeError(f"the flood's client exited with {proc.exitcode}")
+    proc.terminate()
+    proc.join()
 
 
 def plot_rerank(result: dict[str, Any]) -> None:
@@ -308,7 +341,7 @@ def main() -> None:
             triton_url = server.http_url
             if not triton_url.startswith("http"):
                 triton_url = f"http://{triton_url}"
-            results["rerank"] = rerank(url, triton_url, 20)
+            results["rerank"] = rerank(url, triton_url, server.grpc_url, 20)
             plot_rerank(results["rerank"])
     for name, r in results.items():
         if "ratio" in r:
