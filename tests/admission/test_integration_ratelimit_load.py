@@ -124,7 +124,9 @@ async def test_a_busy_core_keeps_limits_exact(
         assert (await burst(kserve, fe, OTHER, 1, 1))[0].ok
         with CoreStalls(fe) as stalls:
             replies = await burst(kserve, fe, LOADED, 300, 150)
-        assert stalls.stalls >= 3, stalls.stalls  # the control: the core really stalled
+        # The control: the core really stalled while the burst was in flight (the first
+        # stall starts as the burst does; a burst of 0.5-0.8 s here sees 2 to 4).
+        assert stalls.stalls >= 2, stalls.stalls
         assert codes(replies) == {"OK": 20, "RESOURCE_EXHAUSTED": 280}
         assert storage_errors(kserve, fe) == 0
 
