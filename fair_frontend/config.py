@@ -898,6 +898,35 @@ class Observability(_Strict):
     )
 
 
+class Tracing(_Strict):
+    """OpenTelemetry traces of requests (``fair_frontend.tracing``): off unless an OTLP
+    endpoint is named."""
+
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="Where spans go: an OTLP/HTTP traces URL (e.g. "
+        "http://otel-collector:4318/v1/traces); none: no traces, no cost (the default). "
+        "The exporter reads OTEL_EXPORTER_OTLP_HEADERS for a collector's credentials.",
+    )
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="The share of requests traced among those whose client sent no "
+        "traceparent; a client's traceparent decides for its own request (sampled or "
+        "not, W3C trace context).",
+    )
+    service_name: str = Field(
+        default="fair-frontend", min_length=1, description="The traces' service.name."
+    )
+    export_delay_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How long finished spans gather before they are sent (in a batch, "
+        "off the event loop).",
+    )
+
+
 class SideDoors(_Strict):
     """Model metadata, config, readiness and statistics calls: what each shell keeps of
     Triton's answers, so that a flood of them reaches Triton once per question and TTL."""
@@ -952,6 +981,9 @@ class Config(_Strict):
     auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
     observability: Observability = Field(
         default_factory=Observability, description="Metrics labels, logs, feedback."
+    )
+    tracing: Tracing = Field(
+        default_factory=Tracing, description="Request traces (OpenTelemetry), off by default."
     )
     side_doors: SideDoors = Field(
         default_factory=SideDoors,
@@ -1440,6 +1472,7 @@ def reference() -> str:
         ("`rate_limiting`", RateLimiting),
         ("`auth`", Auth),
         ("`observability`", Observability),
+        ("`tracing`", Tracing),
         ("`side_doors`", SideDoors),
         ("`endpoints.<model>` and `default_endpoint`", Endpoint),
         ("`padding` (of an endpoint)", Padding),

@@ -93,7 +93,7 @@ class FrontendMetrics(Observer):
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self._token_sinks: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._token_sinks: dict[tuple[str, str], tuple[Any, ...]] = {}
         self.config = config
         self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
         self.endpoint_label = EndpointLabels(config.endpoints)
@@ -189,6 +189,30 @@ class FrontendMetrics(Observer):
             registry=r,
         )
 
+        # OpenTelemetry's GenAI semantic conventions, beside the fair_* families, for the
+        # dashboards made for them: per model, the names Prometheus gives those metrics.
+        self.genai_duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "GenAI server request duration: arrival to answer (gen_ai.server.request.duration).",
+            ["gen_ai_request_model", "error_type"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.genai_first_token = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Time to generate the first token (gen_ai.server.time_to_first_token).",
+            ["gen_ai_request_model"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.genai_per_token = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Time per output token after the first (gen_ai.server.time_per_output_token).",
+            ["gen_ai_request_model"],
+            buckets=_INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
+
         # Side doors: labels are the door and the answer (frontend constants, bounded) and
         # the tenant once authenticated (a configured one, under the guard): no model name.
         self.side_door_calls = Counter(
@@ -250,6 +274,9 @@ class FrontendMetrics(Observer):
         labels = self._count(tenant, model, outcome, 1)
         if queued_s is not None:
             self._child(self.queue_wait, *labels).observe(queued_s)
+        if latency_s is not None and outcome is not Outcome.CANCELLED:
+            error_type = "" if outcome is Outcome.DISPATCHED else outcome.value
+            self._child(self.genai_duration, labels[2], error_type).observe(latency_s)
 
     def requests_answered(
         self, tenant: str | None, model: str, outcome: Outcome, count: int
@@ -320,20 +347,25 @@ class FrontendMetrics(Observer):
         sink[0].inc(tokens)
         if first_token_s is not None:
             sink[1].observe(first_token_s)
+            sink[3].observe(first_token_s)
         if inter_token_s:
-            observe = sink[2].observe
+            observe, observe_genai = sink[2].observe, sink[4].observe
             for gap in inter_token_s:
                 observe(gap)
+                observe_genai(gap)
 
-    def _token_sink(self, tenant: str, model: str) -> tuple[Any, Any, Any]:
+    def _token_sink(self, tenant: str, model: str) -> tuple[Any, ...]:
         """The output-token counter and the first- and inter-token histograms of a
-        tenant's model (every streamed token reaches them): resolved once while the
-        labels stand (a config's tiers, a model not yet confirmed: not kept)."""
+        tenant's model, then the model's GenAI ones (every streamed token reaches them):
+        resolved once while the labels stand (a config's tiers, a model not yet
+        confirmed: not kept)."""
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
         sink = (
             self._child(self.output_tokens, *labels),
             self._child(self.first_token, *labels),
             self._child(self.inter_token, *labels),
+            self._child(self.genai_first_token, labels[2]),
+            self._child(self.genai_per_token, labels[2]),
         )
         if labels[2] != OTHER_ENDPOINT:
             self._token_sinks[(tenant, model)] = sink

@@ -15,7 +15,7 @@ for the rate limits' windows, which replicas on other hosts share through their 
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fair_frontend.admission import (
     RateLimiter,
@@ -35,6 +35,11 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.stats import Statistics
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
+
+    from fair_frontend.tracing import Traces
 
 _NO_LIMITS = Decision(True)
 
@@ -65,6 +70,7 @@ class Accounting:
         self.tier_of = tier_of
         self.spawn = spawn  # a correction the storage must be waited for
         self.now = now
+        self.traces: Traces | None = None  # request traces, where configured (the core's)
         self.wall = wall
         self._limit_items: dict[tuple[str, str], list[RateLimitItem]] = {}
 
@@ -158,7 +164,9 @@ class Accounting:
         if req.dispatched_at is not None:
             infer_s = self.now() - req.dispatched_at
         self.charge_back_limits(req)
-        self.record(req.call, outcome, err, version, req.queued_s, infer_s, req.produced)
+        self.record(
+            req.call, outcome, err, version, req.queued_s, infer_s, req.produced, req.batch_trace
+        )
 
     def on_tokens(self, req: CoreRequest, tokens: int) -> None:
         """Output tokens of a dispatched request, as they come: its tenant's fair share is
@@ -217,11 +225,14 @@ class Accounting:
         queued_s: float,
         infer_s: float | None,
         produced: int = 0,
+        batch: SpanContext | None = None,
     ) -> None:
         """A request's outcome, once: in the statistics and to the observers, with its
-        usage (``produced``: its output tokens, where the endpoint counts them)."""
+        usage (``produced``: its output tokens, where the endpoint counts them); a traced
+        one's time here as spans (``batch``: its batch's span, ``Traces.finished``)."""
         request = call.request
-        total_s = self.now() - call.arrived
+        now = self.now()
+        total_s = now - call.arrived
         if outcome is Outcome.DISPATCHED:
             self.stats.success(
                 request.model, version, call.rows, total_s, max(queued_s, 0.0), infer_s or 0.0
@@ -240,6 +251,8 @@ class Accounting:
             usage=Usage(call.tokens - call.max_tokens, produced),
             service_s=infer_s,
         )
+        if call.traceparent and self.traces is not None:
+            self.traces.finished(call, outcome, err, queued_s, infer_s, now, batch)
 
     def on_batch(self, report: BatchReport) -> None:
         """A batch came back: observed, in the statistics and in the throttle's estimates."""

@@ -77,13 +77,17 @@ from fair_frontend.protocol import (
 from fair_frontend.quota import Quota
 from fair_frontend.scheduler import QueuedRequest, QueueState, Scheduler
 from fair_frontend.tokens import output_tokens
+from fair_frontend.tracing import carried, failed, wall_ns
 from fair_frontend.wire.records import Answer, Call, Fault, Grant
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from opentelemetry.trace import SpanContext
+
     from fair_frontend.core.admission import EndpointAdmission
     from fair_frontend.feedback import ServiceModel
+    from fair_frontend.tracing import Traces
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ class CoreRequest(QueuedRequest):
     backend: int = -1  # the pool's backend its batch (or stream) went to last
     adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
     quota: Quota | None = None  # its tenant's rate-limit state after its check: answered
+    batch_trace: SpanContext | None = None  # its batch's span, where traced (``tracing``)
 
     @property
     def request(self) -> InferRequest:
@@ -267,6 +272,8 @@ class Dispatcher(ABC):
     whether to wait for a fuller batch (``_hold_until``), what a call not answered in time
     says of Triton (``_timed_out``) and what a model error fails (``_model_error``).
     """
+
+    traces: Traces | None = None  # request traces, where configured (set by the core)
 
     def __init__(
         self,
@@ -621,7 +628,12 @@ class Dispatcher(ABC):
         self, packed: Packed, batch: list[CoreRequest], backend: int
     ) -> tuple[str, list[Tensor]]:
         first = batch[0].request
-        return await self.pool.forwarders[backend].infer(
+        forwarder = self.pool.forwarders[backend]
+        span = None
+        if self.traces is not None:
+            url = str(getattr(forwarder, "url", backend))
+            span = self.traces.batch(self.model, [r.call for r in batch], url, self.clock.now())
+        sent = forwarder.infer(
             self.model,
             first.version,
             packed.inputs,
@@ -629,7 +641,19 @@ class Dispatcher(ABC):
             packed.parameters,
             request_id=first.id if len(batch) == 1 else "",
             sequence=packed.sequence,
+            **({"traceparent": carried(span)[0]} if span is not None else {}),
         )
+        if span is None:
+            return await sent
+        for r in batch:
+            r.batch_trace = span.get_span_context()
+        try:
+            return await sent
+        except FrontendError as err:
+            failed(span, err)
+            raise
+        finally:
+            span.end(wall_ns(self.clock.now()))
 
     # ---- grants: a decoupled model's request, streamed by its shell ---------------------
 

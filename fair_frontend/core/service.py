@@ -77,6 +77,7 @@ from fair_frontend.scheduler import (
     cost_model_for,
 )
 from fair_frontend.stats import Statistics
+from fair_frontend.tracing import Traces
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
 
@@ -188,6 +189,7 @@ class Core:
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
         self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
+        self.traces = Traces.of(config)  # ``tracing.*`` takes a restart: the first config's
         self._clock = clock
         self._pool: BackendPool | None = None
         self.caps = global_caps(config.queues)
@@ -206,6 +208,7 @@ class Core:
             now=lambda: self.clock.now(),  # the clock is made on first use (a loop's)
             wall=wall,
         )
+        self.accounting.traces = self.traces
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
         self.triton_metrics: TritonMetrics | None = None
         self.accepting = True
@@ -633,6 +636,7 @@ class Core:
                 on_done=self.accounting.on_done,
                 on_tokens=self.accounting.on_tokens,
             )
+            runtime.traces = self.traces
             self.runtimes[model] = runtime
         return runtime
 
@@ -779,6 +783,8 @@ class Core:
         if self.triton_metrics is not None:
             await self.triton_metrics.stop()
         await self.limiter.close()
+        if self.traces is not None:  # the last spans out (off the loop: a blocking flush)
+            await asyncio.to_thread(self.traces.flush)
 
 
 # What a reload applies at once (``Core.reload``); every other section, and any added

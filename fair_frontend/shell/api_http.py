@@ -97,13 +97,13 @@ class ApiRoutes:
     # ---- completions -------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, openai.chat_request)
+        return await self._generate(request, openai.chat_request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, openai.completion_request)
+        return await self._generate(request, openai.completion_request, "text_completion")
 
     async def _generate(
-        self, request: web.Request, parse: Callable[..., openai.Generation]
+        self, request: web.Request, parse: Callable[..., openai.Generation], operation: str
     ) -> web.StreamResponse:
         gateway = self.gateway
         headers = _headers(request)
@@ -124,7 +124,7 @@ class ApiRoutes:
         usage = Usage()
         output = endpoint.token_output
         assert output is not None  # engine_request checked it
-        replies = gateway.stream_infer(req, headers, known, usage=usage)
+        replies = gateway.stream_infer(req, headers, known, usage=usage, operation=operation)
         try:
             if gen.stream:
                 return await self._stream(request, gen, replies, usage, output)
@@ -239,7 +239,10 @@ class ApiRoutes:
             for i, row in enumerate(rows)
         ]
         try:
-            answers, usage = await self._parts(reqs, headers, known)
+            with gateway.operation("embeddings", model, headers, started) as span:
+                answers, usage = await self._parts(reqs, headers, known)
+                if span is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
             vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
             body = openai.embeddings_body(call, vectors, usage)
             return _with_quota(web.json_response(body), answers[-1].quota)
@@ -322,7 +325,10 @@ class ApiRoutes:
             for i, ids in enumerate(rows)
         ]
         try:
-            answers, usage = await self._parts(reqs, headers, known)
+            with gateway.operation("rerank", model, headers, started) as span:
+                answers, usage = await self._parts(reqs, headers, known)
+                if span is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
             logits = [rerank.row_logit(a) for a in answers]
             tokens = usage.prompt_tokens
             if cohere:

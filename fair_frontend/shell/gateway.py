@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tritonclient.grpc import service_pb2
 
@@ -57,9 +57,13 @@ from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns
 from fair_frontend.tokens import TokenCounter, output_tokens
+from fair_frontend.tracing import Traces, carried, failed, wall_ns
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import INCLUDE_USAGE, Usage
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 T = TypeVar("T")
 
@@ -124,6 +128,9 @@ class Gateway:
         self.config = config
         self.auth = Authenticator.from_config(config, keyring)
         self.access = ModelAccess.from_config(config)
+        # Request traces (``tracing.*`` takes a restart: the first config's, kept).
+        if not hasattr(self, "traces"):
+            self.traces = Traces.of(config)
 
     # ---- inference ----------------------------------------------------------------------
 
@@ -135,13 +142,17 @@ class Gateway:
         *,
         usage: Usage | None = None,
         requests: int = 1,
+        operation: str = "infer",
     ) -> InferResponse:
         """One request, one response (ModelInfer, HTTP infer). ``known``: its tenant as
         the transport found it from the headers (``admit_early``), if it did. ``usage``:
         filled in with what the request used, as it goes. ``requests``: what it counts
         against its tenant's request limits (0 for every part of an API call made of
-        several, but its first: ``Call.requests``)."""
-        replies = self._handle(req, headers, known, streaming=False, usage=usage, requests=requests)
+        several, but its first: ``Call.requests``). ``operation``: its trace span's name
+        (``fair_frontend.tracing``), before the model's."""
+        replies = self._replies(
+            req, headers, known, False, usage=usage, requests=requests, operation=operation
+        )
         try:
             return await anext(replies)
         finally:
@@ -154,11 +165,75 @@ class Gateway:
         known: Identity | None = None,
         *,
         usage: Usage | None = None,
+        operation: str = "stream_infer",
     ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer, generate): its responses; several
-        for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``
-        and ``usage``: as for ``infer`` (a stream's, found once for all its messages)."""
-        return self._handle(req, headers, known, streaming=True, usage=usage)
+        for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``,
+        ``usage`` and ``operation``: as for ``infer`` (a stream's, found once for all its
+        messages)."""
+        return self._replies(req, headers, known, True, usage=usage, operation=operation)
+
+    def operation(
+        self, name: str, model: str, headers: Mapping[str, str], started: float
+    ) -> AbstractContextManager[Span | None]:
+        """An API call of several requests (an embeddings' inputs, a rerank's documents):
+        its trace span, their parent (``Traces.operation``); nothing with tracing off."""
+        if self.traces is None:
+            return nullcontext()
+        attributes = {"gen_ai.operation.name": name, "gen_ai.request.model": model}
+        return self.traces.operation(f"{name} {model}", headers, started, attributes)
+
+    def _replies(
+        self,
+        req: InferRequest,
+        headers: Mapping[str, str],
+        known: Identity | None,
+        streaming: bool,
+        *,
+        usage: Usage | None,
+        operation: str,
+        requests: int = 1,
+    ) -> AsyncGenerator[InferResponse, None]:
+        if self.traces is None:  # tracing off: the request's own generator, nothing more
+            return self._handle(
+                req, headers, known, streaming=streaming, usage=usage, requests=requests
+            )
+        return self._traced(req, headers, known, streaming, usage, operation, requests)
+
+    async def _traced(
+        self,
+        req: InferRequest,
+        headers: Mapping[str, str],
+        known: Identity | None,
+        streaming: bool,
+        usage: Usage | None,
+        operation: str,
+        requests: int,
+    ) -> AsyncGenerator[InferResponse, None]:
+        """``_handle`` inside the request's span (``Traces.request``): its tenant,
+        priority and usage on it, and how it ended."""
+        assert self.traces is not None
+        usage = usage or Usage()  # counted for the span whether the client asked or not
+        span = self.traces.request(
+            f"{operation} {req.model}",
+            headers,
+            time.monotonic(),
+            {"gen_ai.operation.name": operation, "gen_ai.request.model": req.model},
+        )
+        replies = self._handle(
+            req, headers, known, streaming=streaming, usage=usage, requests=requests, span=span
+        )
+        try:
+            async with aclosing(replies):
+                async for resp in replies:
+                    yield resp
+        except FrontendError as err:
+            failed(span, err)
+            raise
+        finally:
+            span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+            span.end()
 
     async def _handle(
         self,
@@ -169,6 +244,7 @@ class Gateway:
         streaming: bool,
         usage: Usage | None = None,
         requests: int = 1,
+        span: Span | None = None,
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
@@ -215,6 +291,9 @@ class Gateway:
             checked.max_tokens,
             requests,
         )
+        if span is not None:
+            span.set_attributes({"fair.tenant": tenant, "fair.priority": priority})
+            call.traceparent, call.tracestate = carried(span)
         if usage is not None:
             usage.prompt_tokens = checked.tokens - checked.max_tokens
         # From here on the core counts and logs the request, whatever its outcome.
@@ -223,7 +302,7 @@ class Gateway:
             answer = await inbox.get()
             if isinstance(answer, Grant):
                 replies = self._relay(
-                    call, info, endpoint, answer, inbox, streaming, usage, report_usage
+                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span
                 )
                 async with aclosing(replies):
                     async for resp in replies:
@@ -257,15 +336,22 @@ class Gateway:
         streaming: bool,
         usage: Usage | None = None,
         report_usage: bool = False,
+        span: Span | None = None,
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
         docstring), counting the output tokens they carry for the core. The slot goes
         back once, however it ends: served, Triton's error, the core taking it back
         (``on_revoke``), a client that stops reading (``TritonStream``), or one that went
-        away (this generator closed)."""
+        away (this generator closed). ``span``: the request's, where it is traced: the
+        call to Triton gets its own under it, whose context Triton gets."""
         req = call.request
         packed = pack([call], info, endpoint)
+        traced = None
+        if span is not None and call.traceparent:
+            assert self.traces is not None
+            traced = self.traces.stream(span, req.model, time.monotonic())
+            traced.set_attribute("server.address", self.tritons[grant.backend].url)
         stream = self.tritons[grant.backend].stream(
             req.model,
             req.version,
@@ -275,6 +361,7 @@ class Gateway:
             request_id=req.id,
             sequence=grant.sequence,
             stalled_s=self.config.queues.stalled_stream_s,
+            traceparent=carried(traced)[0] if traced is not None else "",
         )
         stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
         inbox.on_revoke = stream.stop
@@ -302,6 +389,8 @@ class Gateway:
                         inbox.produced(n, -1.0, now - last)
                     else:
                         inbox.produced(n, now - call.arrived, -1.0)
+                        if traced is not None:
+                            traced.add_event("first_token", timestamp=wall_ns(now))
                     produced += n
                     last = now
                     if usage is not None:
@@ -316,9 +405,16 @@ class Gateway:
                     params.update(usage.as_parameters())
                 yield InferResponse(req.model, version, req.id, reply.outputs, params, grant.quota)
             inbox.end(version)
+        except FrontendError as err:
+            if traced is not None:
+                failed(traced, err)
+            raise
         finally:
             inbox.end(cancelled=True)  # no-op once ended
             await stream.aclose()
+            if traced is not None:
+                traced.set_attribute("gen_ai.usage.output_tokens", produced)
+                traced.end()
 
     def admit_early(self, model: str, headers: Mapping[str, str]) -> Identity | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is

@@ -281,23 +281,29 @@ class TritonForwarder:
         parameters: dict[str, ParamValue],
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
+        traceparent: str = "",
     ) -> tuple[str, list[Tensor]]:
         """One inference request; returns (the model version that ran, its outputs).
 
         ``sequence``: the client's ``sequence_id`` / ``sequence_start`` / ``sequence_end``,
         passed through for sequence-batched (stateful) models. The request is built with
         raw contents straight from the tensors and sent on the generated stub: one batch
-        costs one protobuf message and one call, nothing per element.
+        costs one protobuf message and one call, nothing per element. ``traceparent``:
+        the W3C trace context Triton's own spans join (``fair_frontend.tracing``).
         """
         if self.http is not None and carries({**parameters, **(sequence or {})}, request_id):
             return await self.http.infer(
-                model, version, inputs, outputs, parameters, request_id, sequence
+                model, version, inputs, outputs, parameters, request_id, sequence, traceparent
             )
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
         )
         try:
-            response = await self.stub.ModelInfer(msg, timeout=self.request_timeout_s)
+            response = await self.stub.ModelInfer(
+                msg,
+                timeout=self.request_timeout_s,
+                metadata=(("traceparent", traceparent),) if traceparent else None,
+            )
         except grpc.aio.AioRpcError as err:
             raise upstream_error(_rpc_exception(err)) from None
         return response.model_version, grpc_codec.decode_outputs(response)
@@ -313,20 +319,23 @@ class TritonForwarder:
         sequence: Mapping[str, ParamValue] | None = None,
         *,
         stalled_s: float | None = None,
+        traceparent: str = "",
     ) -> TritonStream:
         """One request to a decoupled model: its responses (``TritonStream``); a consumer
         that holds one for ``stalled_s`` has the request cancelled. tritonclient's aio
-        client refuses ``triton_`` parameters, so this one call uses the generated stub."""
+        client refuses ``triton_`` parameters, so this one call uses the generated stub.
+        ``traceparent``: as for ``infer``."""
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
         )
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
-        call = self.stub.ModelStreamInfer(iter([msg]))
+        metadata = (("traceparent", traceparent),) if traceparent else None
+        call = self.stub.ModelStreamInfer(iter([msg]), metadata=metadata)
 
         async def reopen() -> Any:
             # The channel is reconnecting (a backoff of at most 1 s): this call waits for
             # it, up to REOPEN_WAIT_S, rather than failing fast as the first did.
-            again = self.stub.ModelStreamInfer(iter([msg]), wait_for_ready=True)
+            again = self.stub.ModelStreamInfer(iter([msg]), metadata=metadata, wait_for_ready=True)
             try:
                 await asyncio.wait_for(again.wait_for_connection(), REOPEN_WAIT_S)
             except TimeoutError:

@@ -172,9 +172,13 @@ class TritonHttp:
         parameters: Mapping[str, ParamValue],
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
+        traceparent: str = "",
     ) -> tuple[str, list[Tensor]]:
-        """One inference request; returns (the model version that ran, its outputs)."""
-        data = encode_request(model, version, inputs, outputs, parameters, request_id, sequence)
+        """One inference request; returns (the model version that ran, its outputs);
+        ``traceparent``: the W3C trace context Triton's spans join."""
+        data = encode_request(
+            model, version, inputs, outputs, parameters, request_id, sequence, traceparent
+        )
         try:
             # asyncio.timeout, not wait_for: no task of its own per call (wait_for's costs
             # a task and a loop iteration at each end, on every batch's path).
@@ -227,6 +231,7 @@ def encode_request(
     parameters: Mapping[str, ParamValue],
     request_id: str = "",
     sequence: Mapping[str, ParamValue] | None = None,
+    traceparent: str = "",
 ) -> bytes:
     """The HTTP request: head, JSON header, raw input tensors."""
     raws = [tensor_to_raw(t) for t in inputs]
@@ -263,9 +268,11 @@ def encode_request(
     if version:
         path += f"/versions/{quote(version, safe='')}"
     size = len(header) + sum(len(r) for r in raws)
+    trace_head = f"traceparent: {traceparent}\r\n" if traceparent else ""
     head = (
         f"POST {path}/infer HTTP/1.1\r\nHost: triton\r\n"
         f"Content-Type: application/octet-stream\r\n"
+        f"{trace_head}"
         f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {size}\r\n\r\n"
     ).encode()
     return b"".join((head, header, *raws))

@@ -34,7 +34,7 @@ Records are msgpack arrays (``array_like``): a field is its position. New fields
 end, with a default, so that a peer of the release before still reads them (it ignores
 elements past its last field; a record from it lacks them and takes the default): that
 is how ``quota`` (``fair_frontend.quota``: the rate-limit state the answer's headers
-show) was added to ``Fault``, ``Answer`` and ``Grant``.
+show) was added to ``Fault``, ``Answer`` and ``Grant``, and a trace's context to ``Call``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # What it counts against its tenant's request limits: 1, or 0 for each part of an API
     # call made of several but its first (a rerank's documents, an embeddings' inputs).
     requests: int = 1
+    # Its trace (``fair_frontend.tracing``): the W3C traceparent and tracestate of its
+    # shell's span, where it is sampled; "" otherwise (tracing off: nothing to carry).
+    traceparent: str = ""
+    tracestate: str = ""
 
     @property
     def deadline(self) -> float | None:
