@@ -4,9 +4,11 @@ sampled, sampled 1 in 10, and every request traced.
 Four frontends (``fair-frontend serve --workers 2``: the core and two shell processes) in
 front of one real Triton, the same config but for ``tracing``; each load's client runs in
 a process of its own, and the frontends are measured in alternating rounds of one run, so
-the ratios are of one run. CPU is each frontend's own (user + system from /proc), the
-core's and its shells' apart: a traced request's shell makes its request span, the core
-its admission, queue and batch spans and the batch's call to Triton. The spans go to an
+the ratios are of one run: each round's figure over the same round's tracing-off figure,
+the median of those (paired: the machine's speed drifts between rounds). CPU is each
+frontend's own (user + system from /proc), the core's and its shells' apart: a traced
+request's shell makes its request span, the core its admission, queue and batch spans and
+the batch's call to Triton. The spans go to an
 OTLP/HTTP sink of this process's (it decodes nothing, counts the exports' bytes), so the
 exporter does its whole work.
 
@@ -135,12 +137,18 @@ def run(rounds: int, count: int, ref: str | None) -> dict[str, Any]:
             median = {
                 v: {p: statistics.median(xs) for p, xs in parts.items()} for v, parts in per.items()
             }
-            off = median["off"]
-            results[load] = {
-                "us_per_unit": per,
-                "median_us": median,
-                "ratio_to_off": {v: {p: m[p] / off[p] for p in m} for v, m in median.items()},
+            # Paired: each round's figure over the same round's ``off`` (the machine's
+            # speed drifts by tens of percent between rounds), the median of those.
+            paired = {
+                v: {
+                    p: statistics.median(
+                        x / o for x, o in zip(parts[p], per["off"][p], strict=True)
+                    )
+                    for p in parts
+                }
+                for v, parts in per.items()
             }
+            results[load] = {"us_per_unit": per, "median_us": median, "ratio_to_off": paired}
         results["sink"] = dict(seen)
     return results
 
