@@ -452,6 +452,38 @@ async def _flush(running: RunningFrontend) -> None:
     traces.flush()
 
 
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "00-zz-not-hex-01",
+        "00-" + "0" * 32 + "-" + "0" * 16 + "-01",  # all-zero ids: invalid
+        "ff-" + "1" * 32 + "-" + "2" * 16 + "-01",  # version ff: forbidden
+        "00-" + "a" * 32 + "-" + "b" * 16 + "-01-" + "x" * 4000,  # long, trailing junk
+    ],
+    ids=["not-hex", "zero-ids", "version-ff", "long"],
+)
+async def test_a_malformed_traceparent_starts_a_trace_of_its_own(
+    collector: tuple[Collector, str], traced_triton: EmbeddedTriton, traceparent: str
+) -> None:
+    """A client's traceparent is input like any other: one W3C trace context does not
+    accept is ignored (the request is served, and traced as a new trace's root)."""
+    seen, _ = collector
+    frontend, service = traced_frontend(collector, traced_triton)
+    with frontend as running:
+        body = http_post(
+            running, "/v2/models/embed/infer", embed_doc(4), {"traceparent": traceparent}
+        )
+        assert body["outputs"]
+
+        def request_span() -> SpanSeen | None:
+            spans = [s for s in seen.of_service(service) if s.name == "infer embed"]
+            return spans[0] if spans else None
+
+        span = await aeventually(request_span, 20, what="the request's span")
+    assert span.parent == ""  # a root: nothing of the malformed header was taken
+    assert span.trace_id not in traceparent
+
+
 def test_tracing_is_off_by_default() -> None:
     config = parse_config(config_dict())
     assert config.tracing.otlp_endpoint is None
