@@ -216,6 +216,11 @@ def embed_doc(tokens: int) -> dict[str, Any]:
     }
 
 
+def embed(running: RunningFrontend, tokens: int, headers: dict[str, str]) -> Any:
+    """A KServe infer of ``tokens`` token ids on ``embed``; its JSON answer."""
+    return http_post(running, "/v2/models/embed/infer", embed_doc(tokens), headers)
+
+
 def one(spans: list[SpanSeen], name: str) -> SpanSeen:
     found = [s for s in spans if s.name == name]
     assert len(found) == 1, f"{name}: {len(found)} spans among {[s.name for s in spans]}"
@@ -236,12 +241,7 @@ async def test_a_request_is_traced_from_its_client_through_the_queue_to_triton(
     trace_id, client_span = new_ids()
     frontend, service = traced_frontend(collector, traced_triton, workers)
     with frontend as running:
-        http_post(
-            running,
-            "/v2/models/embed/infer",
-            embed_doc(12),
-            {"traceparent": f"00-{trace_id}-{client_span}-01"},
-        )
+        embed(running, 12, {"traceparent": f"00-{trace_id}-{client_span}-01"})
 
         def complete() -> list[SpanSeen] | None:
             spans = seen.of_trace(trace_id)
@@ -346,15 +346,7 @@ async def test_a_batch_of_several_traced_requests_is_one_span_linked_to_each(
     traces = [new_ids() for _ in range(12)]
     with frontend as running:
         threads = [
-            threading.Thread(
-                target=http_post,
-                args=(
-                    running,
-                    "/v2/models/embed/infer",
-                    embed_doc(8),
-                    {"traceparent": f"00-{t}-{s}-01"},
-                ),
-            )
+            threading.Thread(target=embed, args=(running, 8, {"traceparent": f"00-{t}-{s}-01"}))
             for t, s in traces
         ]
         for thread in threads:
@@ -421,19 +413,9 @@ async def test_sampling_follows_the_client_and_the_ratio(
     sampled, unsampled = new_ids(), new_ids()
     frontend, service = traced_frontend(collector, traced_triton, sample_ratio=0.0)
     with frontend as running:
-        http_post(running, "/v2/models/embed/infer", embed_doc(4), {})
-        http_post(
-            running,
-            "/v2/models/embed/infer",
-            embed_doc(4),
-            {"traceparent": f"00-{unsampled[0]}-{unsampled[1]}-00"},
-        )
-        http_post(
-            running,
-            "/v2/models/embed/infer",
-            embed_doc(4),
-            {"traceparent": f"00-{sampled[0]}-{sampled[1]}-01"},
-        )
+        embed(running, 4, {})
+        embed(running, 4, {"traceparent": f"00-{unsampled[0]}-{unsampled[1]}-00"})
+        embed(running, 4, {"traceparent": f"00-{sampled[0]}-{sampled[1]}-01"})
 
         def complete() -> list[SpanSeen] | None:
             spans = seen.of_service(service)
@@ -470,9 +452,7 @@ async def test_a_malformed_traceparent_starts_a_trace_of_its_own(
     seen, _ = collector
     frontend, service = traced_frontend(collector, traced_triton)
     with frontend as running:
-        body = http_post(
-            running, "/v2/models/embed/infer", embed_doc(4), {"traceparent": traceparent}
-        )
+        body = embed(running, 4, {"traceparent": traceparent})
         assert body["outputs"]
 
         def request_span() -> SpanSeen | None:
@@ -510,7 +490,7 @@ async def test_genai_metrics_count_beside_the_fair_ones(
                 assert error is None
         finally:
             await client.close()
-        http_post(running, "/v2/models/embed/infer", embed_doc(4), {})
+        embed(running, 4, {})
 
         async def counted() -> Any:
             samples = await ascrape(running.metrics_url)
