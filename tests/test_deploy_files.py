@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import posixpath
 import re
 import secrets
 import shlex
@@ -65,6 +66,7 @@ from fair_frontend.config import (
     DEFAULT_METRICS_PORT,
     load_config,
     parse_config,
+    resolve_relative_paths,
 )
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
@@ -310,7 +312,15 @@ def test_every_yaml_and_json_file_parses() -> None:
 
 def test_the_config_is_valid_and_the_same_in_the_k8s_configmap() -> None:
     config = load_config(CONFIG)
-    assert set(config.endpoints) == {"embed", "generate", "llm"}
+    assert set(config.endpoints) == {"embed", "rerank", "generate", "llm"}
+    # The tokenizers it names are the ones the serve image copies, at the paths the config
+    # resolves to where it is mounted (/etc/fair-frontend/config.yaml).
+    serve = (DOCKER / "Dockerfile.serve").read_text()
+    for endpoint in ("embed", "rerank", "llm"):
+        raw = yaml.safe_load(CONFIG.read_text())["endpoints"][endpoint]["tokenizer"]
+        in_image = posixpath.normpath(posixpath.join("/etc/fair-frontend", raw))
+        source = Path(config.endpoints[endpoint].tokenizer or "").relative_to(ROOT)
+        assert f"COPY {source} {in_image}\n" in serve, (endpoint, source, in_image)
     # The Helm chart's default config is this same file.
     chart_values = yaml.safe_load((DOCKER / "helm" / "fair-frontend" / "values.yaml").read_text())
     assert yaml.safe_load(chart_values["config"]) == yaml.safe_load(CONFIG.read_text())
@@ -337,6 +347,13 @@ def _compose_configs() -> list[tuple[str, Path]]:
     return out
 
 
+def _mounted(data: dict[str, Any]) -> dict[str, Any]:
+    """A config as the containers mount it (/etc/fair-frontend, as docker/config.yaml is
+    here): its tokenizers' paths made absolute from that folder."""
+    resolve_relative_paths(data, CONFIG.parent)
+    return data
+
+
 def test_every_deployment_config_serves_llm_in_engine_mode() -> None:
     """docker/config.yaml, the k8s ConfigMap's and what compose mounts (the chart's:
     ``test_helm_chart.py``): ``llm`` is an endpoint in engine mode (``max_inflight``:
@@ -344,7 +361,9 @@ def test_every_deployment_config_serves_llm_in_engine_mode() -> None:
     configmap = k8s_object("ConfigMap", "fair-frontend-config")["data"]["config.yaml"]
     configs = {
         "docker/config.yaml": load_config(CONFIG),
-        "k8s ConfigMap": parse_config(yaml.safe_load(configmap), "configmap"),
+        # Mounted at /etc/fair-frontend, as docker/config.yaml is here: its tokenizers'
+        # paths are relative to that folder.
+        "k8s ConfigMap": parse_config(_mounted(yaml.safe_load(configmap)), "configmap"),
     }
     mounted = _compose_configs()
     assert {name for name, _ in mounted} == {"core", "core-standby"}
@@ -1113,8 +1132,9 @@ def test_fleet_commands_in_the_deploy_files_serve(
     procs: dict[str, subprocess.Popen[bytes]] = {
         "redis": _start_redis(_redis_container(rendered), tmp_path, redis_port)
     }
-    # docker/config.yaml, pointed at this machine's Triton and Redis and the key files here.
-    data = yaml.safe_load(CONFIG.read_text())
+    # docker/config.yaml, pointed at this machine's Triton and Redis and the key files here
+    # (its tokenizers where the image has them, relative to its folder: docker/ here).
+    data = _mounted(yaml.safe_load(CONFIG.read_text()))
     data["triton"].update(
         url=triton.grpc_url, http_url=triton.http_url, metrics_url=triton.metrics_url
     )

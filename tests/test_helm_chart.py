@@ -52,6 +52,7 @@ from fair_frontend.config import (
     Config,
     load_config,
     parse_config,
+    resolve_relative_paths,
 )
 from fair_frontend.fleet import DEFAULT_CORE_PORT
 from fair_frontend.metrics import STATE_GAUGES, FrontendMetrics
@@ -212,8 +213,13 @@ def shell_args(rel: Release) -> Any:
 
 
 def rendered_config(rel: Release) -> Config:
+    """The config the chart's core reads, its tokenizers' paths made absolute from the
+    folder it is mounted in (/etc/fair-frontend, as docker/config.yaml is here: the
+    image's tokenizers are at those paths, ``test_deploy_files``)."""
     configmap = rel.get("ConfigMap", f"{FULLNAME}-config")
-    return parse_config(yaml.safe_load(configmap["data"]["config.yaml"]), "the chart's config")
+    data = yaml.safe_load(configmap["data"]["config.yaml"])
+    resolve_relative_paths(data, CONFIG.parent)
+    return parse_config(data, "the chart's config")
 
 
 def triton_hosts(rel: Release) -> list[str]:
