@@ -47,11 +47,13 @@ from fair_frontend.models import (
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     FINAL_RESPONSE,
+    MAX_NAME_BYTES,
     InferRequest,
     InferResponse,
     ParamValue,
     Precheck,
     check_name,
+    clipped,
 )
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
@@ -214,11 +216,14 @@ class Gateway:
         priority and usage on it, and how it ended."""
         assert self.traces is not None
         usage = usage or Usage()  # counted for the span whether the client asked or not
+        # The name's length is checked at the door where the headers name the tenant, in
+        # ``_handle`` where the request does (a trusted gateway's claim): clipped here.
+        model = clipped(req.model, MAX_NAME_BYTES)
         span = self.traces.request(
-            f"{operation} {req.model}",
+            f"{operation} {model}",
             headers,
             time.monotonic(),
-            {"gen_ai.operation.name": operation, "gen_ai.request.model": req.model},
+            {"gen_ai.operation.name": operation, "gen_ai.request.model": model},
         )
         replies = self._handle(
             req, headers, known, streaming=streaming, usage=usage, requests=requests, span=span
