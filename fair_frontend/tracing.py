@@ -70,10 +70,10 @@ def wall_ns(monotonic: float) -> int:
     return int((monotonic + _WALL_OFFSET) * 1e9)
 
 
-def carried(span: Span | SpanContext) -> tuple[str, str]:
+def carried(span: Span) -> tuple[str, str]:
     """(traceparent, tracestate) of a sampled span, as W3C headers carry them; ("", "")
     for one not sampled (nothing to join)."""
-    ctx = span if isinstance(span, SpanContext) else span.get_span_context()
+    ctx = span.get_span_context()
     if not ctx.is_valid or not ctx.trace_flags.sampled:
         return "", ""
     parent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
@@ -191,7 +191,7 @@ class Traces:
         traced = [c for c in calls if c.traceparent]
         if not traced:
             return None
-        first = traced[0]
+        first = parent_context(traced[0].traceparent, traced[0].tracestate)
         links = [
             Link(
                 trace.get_current_span(
@@ -202,7 +202,7 @@ class Traces:
         ]
         return self.tracer.start_span(
             f"triton infer {model}",
-            context=parent_context(first.traceparent, first.tracestate),
+            context=first,
             kind=SpanKind.CLIENT,
             start_time=wall_ns(started),
             links=links,

@@ -227,10 +227,6 @@ def one(spans: list[SpanSeen], name: str) -> SpanSeen:
     return found[0]
 
 
-def children(spans: list[SpanSeen], parent: SpanSeen) -> list[SpanSeen]:
-    return [s for s in spans if s.parent == parent.span_id]
-
-
 # ---- a request, from its client to Triton ------------------------------------------------------
 
 
@@ -299,16 +295,15 @@ async def test_a_stream_is_traced_with_its_first_token_and_its_engine_slot(
             yield {"model_name": "llm", "inputs": llm_inputs("a traced prompt", 5)}
 
         tokens = 0
-        try:
+        try:  # read to the stream's end: its spans end with it
             async for result, error in client.stream_infer(requests(), headers=headers):
                 assert error is None, error
                 text = result.as_numpy("text_output")
                 if text is not None and text.size:
                     tokens += 1
-                if tokens == 5:
-                    break
         finally:
             await client.close()
+        assert tokens == 5
 
         def complete() -> list[SpanSeen] | None:
             spans = [s for s in seen.of_trace(trace_id) if s.service == service]

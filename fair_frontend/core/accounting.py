@@ -160,12 +160,21 @@ class Accounting:
         self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, version: str
     ) -> None:
         """A queued request is answered (or its client went away): count it once."""
+        now = self.now()
         infer_s = None
         if req.dispatched_at is not None:
-            infer_s = self.now() - req.dispatched_at
+            infer_s = now - req.dispatched_at
         self.charge_back_limits(req)
         self.record(
-            req.call, outcome, err, version, req.queued_s, infer_s, req.produced, req.batch_trace
+            req.call,
+            outcome,
+            err,
+            version,
+            req.queued_s,
+            infer_s,
+            req.produced,
+            req.batch_trace,
+            now=now,
         )
 
     def on_tokens(self, req: CoreRequest, tokens: int) -> None:
@@ -226,12 +235,17 @@ class Accounting:
         infer_s: float | None,
         produced: int = 0,
         batch: SpanContext | None = None,
+        *,
+        now: float | None = None,
     ) -> None:
         """A request's outcome, once: in the statistics and to the observers, with its
         usage (``produced``: its output tokens, where the endpoint counts them); a traced
-        one's time here as spans (``batch``: its batch's span, ``Traces.finished``)."""
+        one's time here as spans (``batch``: its batch's span, ``Traces.finished``). ``now``:
+        the moment it was answered, where ``infer_s`` was measured to it (the spans' times
+        are taken back from it: its dispatch is ``now - infer_s`` exactly)."""
         request = call.request
-        now = self.now()
+        if now is None:
+            now = self.now()
         total_s = now - call.arrived
         if outcome is Outcome.DISPATCHED:
             self.stats.success(

@@ -645,8 +645,9 @@ class Dispatcher(ABC):
         )
         if span is None:
             return await sent
+        context = span.get_span_context()
         for r in batch:
-            r.batch_trace = span.get_span_context()
+            r.batch_trace = context
         try:
             return await sent
         except FrontendError as err:

@@ -239,10 +239,7 @@ class ApiRoutes:
             for i, row in enumerate(rows)
         ]
         try:
-            with gateway.operation("embeddings", model, headers, started) as span:
-                answers, usage = await self._parts(reqs, headers, known)
-                if span is not None:
-                    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+            answers, usage = await self._parts(reqs, headers, known, "embeddings", started)
             vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
             body = openai.embeddings_body(call, vectors, usage)
             return _with_quota(web.json_response(body), answers[-1].quota)
@@ -250,13 +247,19 @@ class ApiRoutes:
             return error_response(err)
 
     async def _parts(
-        self, reqs: list[InferRequest], headers: Mapping[str, str], known: Identity | None
+        self,
+        reqs: list[InferRequest],
+        headers: Mapping[str, str],
+        known: Identity | None,
+        operation: str,
+        started: float,
     ) -> tuple[list[InferResponse], Usage]:
         """Each of ``reqs`` (the parts of one API call, a row each) as a KServe call of its
         own, at most ``MAX_PARTS_IN_FLIGHT`` in the core at once: their answers in order,
         and what they used together. The first counts against the requests limits, all of
         them against the tokens limits; the first failure cancels the others and is
-        raised (the call gets one answer)."""
+        raised (the call gets one answer; ``reqs`` is never empty). Traced, the call is one
+        span (``operation``, from ``started``) over its parts' (``Gateway.operation``)."""
         gateway = self.gateway
         usages = [Usage() for _ in reqs]
         gate = asyncio.Semaphore(MAX_PARTS_IN_FLIGHT)
@@ -267,8 +270,13 @@ class ApiRoutes:
                     reqs[i], headers, known, usage=usages[i], requests=1 if i == 0 else 0
                 )
 
-        answers = await _all(part(i) for i in range(len(reqs)))
-        used = Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages))
+        with gateway.operation(operation, reqs[0].model, headers, started) as span:
+            answers = await _all(part(i) for i in range(len(reqs)))
+            used = Usage(
+                sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+            )
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", used.prompt_tokens)
         return answers, used
 
     # ---- rerank ---------------------------------------------------------------------------
@@ -325,10 +333,7 @@ class ApiRoutes:
             for i, ids in enumerate(rows)
         ]
         try:
-            with gateway.operation("rerank", model, headers, started) as span:
-                answers, usage = await self._parts(reqs, headers, known)
-                if span is not None:
-                    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+            answers, usage = await self._parts(reqs, headers, known, "rerank", started)
             logits = [rerank.row_logit(a) for a in answers]
             tokens = usage.prompt_tokens
             if cohere:

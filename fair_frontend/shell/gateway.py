@@ -122,6 +122,8 @@ class Gateway:
         self._infos: dict[str, ModelInfo] = {}
         self.tokens = TokenCounter()  # text prompts are tokenised off the event loop
         self.turns = Turns()  # requests' decodes, round robin per tenant under a burst
+        # Request traces: ``tracing.*`` takes a restart (a reload keeps the first config's).
+        self.traces = Traces.of(config)
         self.configure(config, keyring)
 
     def configure(self, config: Config, keyring: KeyRing) -> None:
@@ -130,9 +132,6 @@ class Gateway:
         self.config = config
         self.auth = Authenticator.from_config(config, keyring)
         self.access = ModelAccess.from_config(config)
-        # Request traces (``tracing.*`` takes a restart: the first config's, kept).
-        if not hasattr(self, "traces"):
-            self.traces = Traces.of(config)
 
     # ---- inference ----------------------------------------------------------------------
 
