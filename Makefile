@@ -22,11 +22,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: system-deps $(STAMP) $(PERF_ANALYZER) $(AIPERF)
 
 # Debian packages: redis-server (tests start their own), libb64-0d (perf_analyzer),
-# openssl (the fleet's TLS tests make their certificates with it).
+# openssl (the fleet's TLS tests make their certificates with it), kubectl (the k8s
+# manifests' tests render them with `kubectl kustomize`; Debian's package for it is
+# kubernetes-client). The tests that need one fail, not skip, where it is missing.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
 	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
 	if [ -n "$$missing" ]; then \
 	  echo "==> installing Debian packages:$$missing"; \

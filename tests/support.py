@@ -79,6 +79,27 @@ def config_dict(**overrides: Any) -> dict[str, Any]:
     return data
 
 
+def required_tool(name: str) -> str:
+    """The path of the program ``name``, which ``make setup`` installs: a test that needs it
+    fails where it is missing (a skip would pass a suite that tested nothing of it)."""
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: `make setup` installs it", pytrace=False)
+    return found
+
+
+def llm_served(triton: EmbeddedTriton) -> None:
+    """Fail unless the Triton serves ``model_repository/llm`` (a model that does not load is
+    a failure of every test that needs it, with Triton's reason)."""
+    try:
+        with urllib.request.urlopen(f"{triton.http_url}/v2/models/llm/ready", timeout=10) as r:
+            if r.status == 200:
+                return
+    except OSError:
+        pass
+    pytest.fail(f"model_repository/llm is not ready on this Triton: see {triton.log_path}")
+
+
 def make_config(**overrides: Any) -> Config:
     return parse_config(config_dict(**overrides))
 
@@ -200,9 +221,7 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed")
+        binary = required_tool("redis-server")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"],
@@ -442,8 +461,12 @@ def embed_body(tokens: int, **extra: Any) -> bytes:
 
 
 async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None) -> tuple[int, Any]:
-    """One repeat_int32 request on a gRPC stream through the frontend: (responses before
-    the end, the error that ended it or None). ``on_first`` runs at the first response."""
+    """One repeat_int32 request on a gRPC stream through the frontend: (responses with a
+    value, the error that ended it or None). ``on_first`` runs at the first response.
+
+    The stream is read to its end (the server closes it once the request's final response
+    is out), so whatever the frontend records of the request (its outcome, its tokens) is
+    recorded as served, not as cancelled by a client that left early."""
     client = grpcaio.InferenceServerClient(url)
     n = len(delays_ms)
     tensors = []
@@ -469,8 +492,6 @@ async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None)
             got += 1
             if got == 1 and on_first is not None:
                 on_first()
-            if got == n:
-                break
     finally:
         await client.close()
     return got, None
@@ -511,8 +532,9 @@ class Stream:
 async def generate(
     url: str, tenant: str | None, prompt: str, max_tokens: int, *, log: list[Any] | None = None
 ) -> Stream:
-    """Stream one generation (one gRPC stream, one request); ``log`` gets
-    (time, tenant) per token, in arrival order across concurrent streams."""
+    """Stream one generation (one gRPC stream, one request), read to the stream's end
+    (as ``repeat_stream``); ``log`` gets (time, tenant) per token, in arrival order across
+    concurrent streams."""
     client = grpcaio.InferenceServerClient(url)
     headers = {"x-api-key": KEYS[tenant]} if tenant is not None else None
     out = Stream(tenant or "-", sent=time.monotonic())
@@ -533,8 +555,6 @@ async def generate(
             out.times.append(now)
             if log is not None:
                 log.append((now, out.tenant))
-            if len(out.tokens) == max_tokens:
-                break
     finally:
         await client.close()
     return out
@@ -544,7 +564,7 @@ async def generate_many(
     url: str, tenant: str, count: int, max_tokens: int, log: list[Any]
 ) -> dict[str, Stream]:
     """``count`` generations on one gRPC stream (queued at once, as a busy client's
-    are); ``log`` gets (time, tenant) per token."""
+    are), read to the stream's end; ``log`` gets (time, tenant) per token."""
     client = grpcaio.InferenceServerClient(url)
     streams = {
         str(i): Stream(tenant, sent=time.monotonic(), prompt=f"{PROMPT} {i}") for i in range(count)
@@ -558,7 +578,6 @@ async def generate_many(
                 "request_id": str(i),
             }
 
-    left = count * max_tokens
     try:
         async for result, error in client.stream_infer(
             requests(), headers={"x-api-key": KEYS[tenant]}
@@ -572,9 +591,6 @@ async def generate_many(
             s.tokens.append(b"".join(text.reshape(-1)).decode())
             s.times.append(now)
             log.append((now, tenant))
-            left -= 1
-            if not left:
-                break
     finally:
         await client.close()
     return streams

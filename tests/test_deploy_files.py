@@ -85,7 +85,14 @@ from tests.deploy_support import (
     selects,
     workload_pods,
 )
-from tests.support import ROOT, config_dict, ids_input, make_config, running_frontend
+from tests.support import (
+    ROOT,
+    config_dict,
+    ids_input,
+    make_config,
+    required_tool,
+    running_frontend,
+)
 
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"
@@ -190,8 +197,7 @@ def kustomize(folder: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
+    required_tool("kubectl")
     made = Secrets()
     folder = _copy_k8s(tmp_path_factory.mktemp("k8s"))
     made.write_k8s(folder / "secrets")
@@ -495,8 +501,7 @@ def test_k8s_provides_every_key_file_and_variable_the_config_names(
 def test_k8s_renders_nothing_without_the_operators_secrets(tmp_path: Path) -> None:
     """No default secret: without the files, ``kubectl kustomize`` (so ``apply -k``)
     stops and names the missing one."""
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
+    required_tool("kubectl")
     out = kustomize(_copy_k8s(tmp_path))
     assert out.returncode != 0
     assert re.search(r"secrets/\w+\.(keys|password|secret)", out.stderr), out.stderr
@@ -1595,9 +1600,7 @@ def _start_redis(container: dict[str, Any], folder: Path, port: int) -> subproce
     script = container["command"][2]
     script = script.replace("/run/secrets/redis/password", str(folder / "password"))
     script = script.replace("/tmp/redis.conf", str(folder / "redis.conf"))
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
+    required_tool("redis-server")  # the script runs it from PATH
     return subprocess.Popen(
         [*container["command"][:2], script, container["command"][3],
          "--port", str(port), "--bind", "127.0.0.1", *container["args"]],

@@ -5,7 +5,6 @@ made here by the real ``openssl``: a CA, the core's (for 127.0.0.1) and a shell'
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.testing import free_port
 from fair_frontend.wire.records import Hello
 from fair_frontend.wire.remote import SecretError, Tls
-from tests.support import config_dict
+from tests.support import config_dict, required_tool
 
 SECRET = b"tls-test-secret-0123456789abcdef"
 
@@ -30,8 +29,7 @@ def openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    required_tool("openssl")
     d = tmp_path_factory.mktemp("pki")
     days = ("-days", "2")
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",

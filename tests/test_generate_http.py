@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import KEYS
+from tests.support import KEYS, llm_served
 
 KEY = {"x-api-key": KEYS["hooli"]}
 SSE = "text/event-stream; charset=utf-8"
@@ -201,12 +201,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None: 
 
 
 def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
-    conn = http.client.HTTPConnection(_hostport(triton.http_url), timeout=10)
-    conn.request("GET", "/v2/models/llm/ready")
-    ready = conn.getresponse().status == 200
-    conn.close()
-    if not ready:
-        pytest.skip("model_repository/llm is not served by this Triton (absent or not loading)")
+    llm_served(triton)
     body = {
         "text_input": "The quick brown fox",
         "parameters": {"stream": True, "max_tokens": 8, "temperature": 0},

@@ -11,7 +11,6 @@ log says why ("Authentication"), not what the password is.
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from fair_frontend.admission import RedisStorage
 from fair_frontend.config import ConfigError, RateLimiting, parse_config, url_with_password
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
-from tests.support import KEYS, config_dict, ids_input, running_frontend
+from tests.support import KEYS, config_dict, ids_input, required_tool, running_frontend
 
 # Characters a URI must escape, so the test sees the encoding work.
 PASSWORD = "pa:ss@w/rd%41#?x y"
@@ -41,9 +40,7 @@ class LockedRedis:
     """A ``redis-server`` of this module's, on a free loopback port, with a password."""
 
     def __init__(self, password: str) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed")
+        binary = required_tool("redis-server")
         self.port = free_port()
         self.password = password
         self.proc = subprocess.Popen(

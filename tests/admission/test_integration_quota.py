@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,14 @@ from fair_frontend.shell.process import keyring_of
 from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Settings
-from tests.support import KEYS, http_body, infer_request, make_config, running_frontend
+from tests.support import (
+    KEYS,
+    http_body,
+    infer_request,
+    llm_served,
+    make_config,
+    running_frontend,
+)
 from tests.test_quota import parse_duration
 
 if TYPE_CHECKING:
@@ -148,17 +154,6 @@ async def client() -> AsyncIterator[Client]:
 
 def _nothing() -> None:
     pass
-
-
-def llm_served(triton: Any) -> None:
-    """Skip where ``model_repository/llm`` is not served (as test_generate_http does)."""
-    try:
-        with urllib.request.urlopen(f"{triton.http_url}/v2/models/llm/ready", timeout=10) as r:
-            if r.status == 200:
-                return
-    except OSError:
-        pass
-    pytest.skip("model_repository/llm is not served by this Triton (absent or not loading)")
 
 
 # ---- counts down, refuses, resets -------------------------------------------------------------
