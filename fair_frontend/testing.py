@@ -10,7 +10,10 @@ module. It holds:
 - waiting with a deadline: ``eventually`` / ``aeventually`` poll a condition until it
   holds and fail, naming what was awaited, once the time is up;
 - perf_analyzer: ``perf_analyzer_binary`` and ``perf_analyzer`` (one measurement);
-- ``free_port``.
+- ``free_port``;
+- a gate a test model holds its answers at until the test opens it: ``Gate`` (the test's
+  side) and ``hold_at_gate`` (the model's, in its ``execute``), in place of a model that
+  sleeps a time sized to the machine's speed (``fair_frontend.gates``).
 
 Helpers only one side uses stay there: ``tests/support.py`` (the tests'),
 ``benchmarks/harness.py`` (the benchmarks').
@@ -35,8 +38,11 @@ from typing import Any, TypeVar, overload
 from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.embedded import free_port
+from fair_frontend.gates import GATE_PARAMETER, Gate, hold_at_gate
 
 __all__ = [
+    "GATE_PARAMETER",
+    "Gate",
     "Sample",
     "Samples",
     "aeventually",
@@ -44,6 +50,7 @@ __all__ = [
     "eventually",
     "fetch",
     "free_port",
+    "hold_at_gate",
     "parse",
     "perf_analyzer",
     "perf_analyzer_binary",

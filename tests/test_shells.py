@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,7 +40,7 @@ from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import aeventually
+from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, RunningFrontend, ids_input, make_config
 
@@ -287,17 +288,20 @@ LARGE = [("grpc.max_receive_message_length", -1)]  # answers of 8 and 16 MiB
 
 def _link_config(stalled_shell_s: float) -> Any:
     data = make_config().model_dump(mode="json")
-    # The burst in one batch: the frontend waits for it while Triton is idle.
-    data["endpoints"]["flood"] = {"max_queue_delay_ms": 2000, "throttle": False}
+    data["endpoints"]["flood"] = {"throttle": False}
     data["queues"]["stalled_shell_s"] = stalled_shell_s
     return parse_config(data)
 
 
-def _flood(request_id: str, count: int, size: int, delay_ms: int) -> bytes:
+def _flood(
+    request_id: str, count: int, size: int, delay_ms: int, gate: Gate | None = None
+) -> bytes:
     msg = service_pb2.ModelInferRequest(model_name="flood", id=request_id)
     for name, value in (("COUNT", count), ("SIZE", size), ("DELAY_MS", delay_ms)):
         msg.inputs.add(name=name, datatype="INT32", shape=[1, 1])
         msg.raw_input_contents.append(np.array([value], dtype="<i4").tobytes())
+    if gate is not None:
+        msg.parameters[GATE_PARAMETER].string_param = gate.parameter
     return msg.SerializeToString()
 
 
@@ -310,31 +314,35 @@ def _infer(channel: grpc.aio.Channel) -> Any:
 
 
 async def _until(condition: Any, what: str, deadline_s: float = 60.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {deadline_s} s: {what}"
-        await asyncio.sleep(0.01)
+    await aeventually(condition, deadline_s, 0.01, what=what)
 
 
 def _unsent(connections: set[ShellConnection]) -> int:
     return sum(c.transport.get_write_buffer_size() for c in connections if c.transport)
 
 
+def _in_core(runtime: Any) -> int:
+    """Requests the core holds for a model: queued, or in batches sent to Triton."""
+    return int(runtime.scheduler.queued_requests) + sum(len(b) for b in runtime._tasks.values())
+
+
 async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
-    triton: EmbeddedTriton,
+    triton: EmbeddedTriton, tmp_path: Path
 ) -> None:
-    """272 MiB of answers become due while both shells are stopped (SIGSTOP, a few
-    seconds: a pause, not a hang): the core holds them unsent, more than the old fixed
-    bound, and delivers every one once the shells go on. Before: the link was cut at
-    256 MiB, the shell restarted and its client's stream failed."""
+    """272 MiB of answers become due while both shells are stopped (SIGSTOP: a pause, not
+    a hang): the core holds them unsent, more than the old fixed bound, and delivers every
+    one once the shells go on. Before: the link was cut at 256 MiB, the shell restarted
+    and its client's stream failed. The answers wait at a gate the test opens once the
+    shells are stopped, and the shells are continued once the core holds them all."""
     outcomes = Outcomes()
     server = FrontendServer(
-        _link_config(stalled_shell_s=30.0),
+        _link_config(stalled_shell_s=600.0),  # stopped as long as the core takes to fill
         triton.grpc_url,
         Listen(),
         workers=2,
         core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
     )
+    gate = Gate(tmp_path)
     with BackgroundServer(server):
         assert server.shells is not None
         shells = server.shells
@@ -346,33 +354,37 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
         ) as channel:
             infer = _infer(channel)  # one connection: every answer goes to one shell
             await infer(_flood("warm", 1, 1, 0), metadata=metadata, timeout=60)
-            # Answered 5 s after Triton has them: meanwhile the shells are stopped.
             calls = [
-                infer(_flood(f"burst{i}", PARTS, PART, 5000), metadata=metadata, timeout=120)
+                asyncio.ensure_future(
+                    infer(_flood(f"burst{i}", PARTS, PART, 0, gate), metadata=metadata)
+                )
                 for i in range(BURST)
             ]
             core = server.core
             assert core is not None
             await _until(
                 lambda: (
-                    core.runtimes["flood"].inflight == 1
-                    and core.runtimes["flood"].scheduler.queued_requests == 0
+                    (runtime := core.runtimes.get("flood")) is not None
+                    and runtime.inflight >= 1
+                    and _in_core(runtime) == BURST
                 ),
-                "the burst in Triton, as one batch",
+                "the whole burst in the core, its first batch held at the gate",
             )
-            peak = 0
             try:
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
-                stopped = time.monotonic()
-                while time.monotonic() - stopped < 12.0 and peak <= OLD_BOUND + (8 << 20):
-                    peak = max(peak, _unsent(shells.server.connections))
-                    await asyncio.sleep(0.05)
+                gate.open()
+                # Every answer comes back from Triton and waits, unsent, for the shell.
+                await _until(
+                    lambda: _unsent(shells.server.connections) > OLD_BOUND,
+                    "more than the old bound unsent to the stopped shell",
+                    300.0,
+                )
+                assert not any(c.cut_off for c in links)
             finally:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
-            assert peak > OLD_BOUND, f"only {peak >> 20} MiB were ever unsent"
-            replies = await asyncio.gather(*calls)
+            replies = await asyncio.wait_for(asyncio.gather(*calls), 300)
         assert [r.outputs[0].shape for r in replies] == [[1, PARTS]] * BURST
         assert shells.restarts == 0 and set(shells.server.connections) == links
         assert not any(c.cut_off for c in links)
@@ -382,13 +394,14 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
 
 
 async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
-    triton: EmbeddedTriton,
+    triton: EmbeddedTriton, tmp_path: Path
 ) -> None:
     """A shell stopped for good (SIGSTOP) while the core has a 16 MiB answer for it:
     after queues.stalled_shell_s without a byte taken, the core cuts its link (the answer
     unsent is dropped: its request counted once), and the shell, continued, is replaced.
     Before: 16 MiB was below the fixed 256 MiB bound, and the link stayed held."""
     outcomes = Outcomes()
+    gate = Gate(tmp_path)
     stall_s = 2.0
     server = FrontendServer(
         _link_config(stalled_shell_s=stall_s),
@@ -406,7 +419,7 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
         ) as channel:
             infer = _infer(channel)
             await infer(_flood("warm", 1, 1, 0), metadata=metadata, timeout=60)
-            call = infer(_flood("stuck", 16, PART, 2000), metadata=metadata, timeout=120)
+            call = infer(_flood("stuck", 16, PART, 0, gate), metadata=metadata, timeout=120)
             await _until(
                 lambda: any(c.calls for c in shells.server.connections), "the call in the core"
             )
@@ -414,6 +427,7 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
             victim = link.pid
             os.kill(victim, signal.SIGSTOP)
             try:
+                gate.open()  # its answer comes once the shell is stopped
                 started = time.monotonic()
                 await _until(lambda: link.closed, "the stopped shell's link cut", 60.0)
                 assert link.cut_off and time.monotonic() - started >= stall_s

@@ -1,14 +1,17 @@
 """Large answers from small requests: each row's OUT = COUNT strings of SIZE bytes.
 
 A batch endpoint's stand-in for a burst of large answers: the frontend's link to a
-shell must deliver a burst of them whole to a shell that paused. Sleeps DELAY_MS ms
-(the first row's) once per ``execute``, then answers every request of it.
+shell must deliver a burst of them whole to a shell that paused. Holds each ``execute``
+at the gate its first request names (``fair_frontend.testing.Gate``: the test opens it),
+then sleeps DELAY_MS ms (the first row's), then answers every request of it.
 """
 
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from fair_frontend.gates import hold_at_gate
 
 
 def _column(request, name):
@@ -17,6 +20,7 @@ def _column(request, name):
 
 class TritonPythonModel:
     def execute(self, requests):
+        hold_at_gate(requests[0].parameters())
         delay = int(_column(requests[0], "DELAY_MS")[0])
         time.sleep(max(0, delay) / 1e3)
         responses = []
