@@ -14,7 +14,12 @@ Invariants of this mode:
 * a batch whose model call fails for one bad row does not fail its neighbours: on a
   model error it is bisected (each half sent on its own, a failing half split again), so
   only the culprit sees the error, at about 2 log2(n) extra sends for one culprit among
-  n, not n; a half that succeeded is finished and never sent again. This resends the
+  n, not n; a half that succeeded is finished and never sent again. A half goes only
+  while nothing else of this model is in that Triton (the calls sent before wait to come
+  back), and nothing else goes to it meanwhile (no batch to a free instance, no early
+  send): Triton's batcher would put it into the same execution as a half, and a lone
+  innocent request sharing a culprit's execution would get its error with nothing left
+  to bisect (``tests/core/test_merged_executions.py``). This resends the
   requests of a failed call, which assumes what Triton's batching assumes of a model: a
   call that fails as a whole had no effect (the Python backend fails every request of
   an ``execute`` that raises; a model with side effects per row must answer per-row
@@ -27,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 
-from fair_frontend.batching import pack, unpack
+from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
 from fair_frontend.errors import FrontendError, ModelUnavailable, Unavailable
 from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import Tensor
 
 
 class BatchDispatcher(Dispatcher):
@@ -41,7 +47,11 @@ class BatchDispatcher(Dispatcher):
         return configured if configured is not None else self.info.instances
 
     def _start(self) -> None:
-        self._isolating = 0  # failed batches being bisected
+        # Per backend: failed batches being bisected there (nothing else goes to it), and
+        # this model's calls in it now (a half waits until it is the only one).
+        self._isolating = [0] * len(self.pool)
+        self._calls = [0] * len(self.pool)
+        self._alone: list[list[asyncio.Future[None]]] = [[] for _ in range(len(self.pool))]
         self._isolation: asyncio.Lock | None = None  # they take turns (made on first use)
         self._overlapped: set[asyncio.Task[None]] = set()  # were in Triton beside another
         # Per backend: when its batches in flight are predicted to be done.
@@ -59,11 +69,15 @@ class BatchDispatcher(Dispatcher):
         gap while the batch is still assembled at the last moment (late binding); of
         those, the one predicted to free first."""
         pin = self._pinned(now)
-        free = self.pool.choose(self.running, self.max_inflight, pin)
+        running = self.running
+        if any(self._isolating):  # a backend bisecting takes nothing: as if it were full
+            full = self.max_inflight
+            running = [full if n else r for n, r in zip(self._isolating, running, strict=True)]
+        free = self.pool.choose(running, self.max_inflight, pin)
         if free is not None:
             return free
         lead = self._lead()
-        if lead <= 0 or self._isolating:
+        if lead <= 0:
             return None
         early = self._fullest_first(pin)
         if early is not None and now >= self._busy_until[early] - lead:
@@ -71,13 +85,15 @@ class BatchDispatcher(Dispatcher):
         return None
 
     def _fullest_first(self, only: int | None) -> int | None:
-        """Of the reachable backends whose slots are all taken (``only``: that one), the
-        one whose batches are predicted to be done first."""
+        """Of the reachable backends whose slots are all taken (``only``: that one) and
+        that are not bisecting, the one whose batches are predicted to be done first."""
         best: int | None = None
         for i, backend in enumerate(self.pool.backends):
             if only is not None and i != only:
                 continue
             if not backend.available or self.running[i] != self.max_inflight:
+                continue
+            if self._isolating[i]:
                 continue
             if best is None or self._busy_until[i] < self._busy_until[best]:
                 best = i
@@ -89,7 +105,7 @@ class BatchDispatcher(Dispatcher):
         passes, and a timer for it would fire at once, for ever; ``kick`` runs again when
         it is back)."""
         lead = self._lead()
-        if lead <= 0 or self._isolating:
+        if lead <= 0:
             return
         early = self._fullest_first(None)
         if early is not None:
@@ -160,6 +176,28 @@ class BatchDispatcher(Dispatcher):
 
     # ---- failed batches -----------------------------------------------------------------
 
+    async def _forward(
+        self, packed: Packed, batch: list[CoreRequest], backend: int
+    ) -> tuple[str, list[Tensor]]:
+        self._calls[backend] += 1
+        try:
+            return await super()._forward(packed, batch, backend)
+        finally:
+            self._calls[backend] -= 1
+            if not self._calls[backend]:
+                for waiting in self._alone[backend]:
+                    if not waiting.done():
+                        waiting.set_result(None)
+                self._alone[backend].clear()
+
+    async def _alone_in(self, backend: int) -> None:
+        """Until no call of this model is in ``backend`` (none goes meanwhile: it is
+        bisecting); each is bounded by the batch deadline."""
+        while self._calls[backend]:
+            waiting = asyncio.get_running_loop().create_future()
+            self._alone[backend].append(waiting)
+            await waiting
+
     def _timed_out(self, backend: int) -> None:
         """A batch is expected back in time: that Triton is taken for down."""
         self.pool.backends[backend].mark_down()
@@ -171,17 +209,17 @@ class BatchDispatcher(Dispatcher):
         alone whose batch overlapped another in Triton, whose own batcher may have run
         them as one execution: it is tried once more alone), and nothing beside it (no
         early send: Triton's own batcher would put a request sent meanwhile into the same
-        execution as the culprit)."""
+        execution as the culprit, nor anything to a free instance of the same Triton)."""
         if len(batch) == 1 and asyncio.current_task() not in self._overlapped:
             return await super()._model_error(batch, err, backend)
-        self._isolating += 1
+        self._isolating[backend] += 1
         try:
             if self._isolation is None:
                 self._isolation = asyncio.Lock()
             async with self._isolation:  # one batch at a time: none meets another's
                 unsent = await self._bisect(batch, backend)
         finally:
-            self._isolating -= 1
+            self._isolating[backend] -= 1
         if unsent:  # Triton went away meanwhile: the rest waits for it, as a batch
             self._held.append(unsent)
             return False, True
@@ -243,6 +281,7 @@ class BatchDispatcher(Dispatcher):
     async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
         """Send part of a failed batch as one call, and finish its requests (raises the
         call's error, nothing answered, when it fails)."""
+        await self._alone_in(backend)
         packed = pack(group, self.info, self.endpoint)
         version, outputs = await self._forward(packed, group, backend)
         outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)

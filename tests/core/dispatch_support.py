@@ -18,7 +18,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -166,6 +166,16 @@ class FakeTriton:
         request_id: str = "",
         sequence: Mapping[str, ParamValue] | None = None,
     ) -> tuple[str, list[Tensor]]:
+        return await self.record(model, inputs, parameters, request_id).reply
+
+    def record(
+        self,
+        model: str,
+        inputs: Sequence[Tensor],
+        parameters: dict[str, ParamValue],
+        request_id: str,
+    ) -> Sent:
+        """A call as it reaches Triton: kept in ``sent``, its answer pending."""
         assert model == MODEL
         rows = json.loads(str(parameters[ROWS_PARAMETER]))
         ids: list[str] = []
@@ -180,7 +190,68 @@ class FakeTriton:
             ids, tenants, len(rows["id"]), request_id, self.clock.now(), list(inputs), reply
         )
         self.sent.append(sent)
-        return await reply
+        return sent
+
+
+class MergingTriton(FakeTriton):
+    """A Triton stand-in that batches as Triton's dynamic batcher does, for the bisection.
+
+    Calls wait in its queue (``sent``, each ``Sent`` pending) until the test starts an
+    execution on a free instance (``start``): the execution takes every call waiting then,
+    in arrival order, up to ``max_rows`` rows (at least one call), as Triton merges the
+    requests queued for a free instance into one ``execute``. ``finish`` ends one: a call
+    whose token ids are in ``poisoned`` makes the model raise, which fails every call of
+    that execution (the Python backend's behaviour); otherwise each call gets its own rows'
+    embeddings. Calls that arrive while an execution runs wait for the next one."""
+
+    def __init__(
+        self, clock: FakeClock, *, instances: int = 1, max_rows: int = 32, error: Any = None
+    ) -> None:
+        super().__init__(clock)
+        self.instances = instances
+        self.max_rows = max_rows
+        self.poisoned: set[int] = set()
+        self.error = error  # what a failed execution raises (made per execution)
+        self.waiting: list[Sent] = []
+        self.running: list[list[Sent]] = []
+        self.executions: list[list[str]] = []  # each execution's requests, by id
+
+    def record(
+        self,
+        model: str,
+        inputs: Sequence[Tensor],
+        parameters: dict[str, ParamValue],
+        request_id: str,
+    ) -> Sent:
+        sent = super().record(model, inputs, parameters, request_id)
+        self.waiting.append(sent)
+        return sent
+
+    def start(self) -> bool:
+        """Start an execution of what waits, if an instance is free; whether one started."""
+        self.waiting = [s for s in self.waiting if not s.reply.cancelled()]
+        if not self.waiting or len(self.running) >= self.instances:
+            return False
+        taken = [self.waiting.pop(0)]
+        rows = taken[0].rows
+        while self.waiting and rows + self.waiting[0].rows <= self.max_rows:
+            rows += self.waiting[0].rows
+            taken.append(self.waiting.pop(0))
+        self.running.append(taken)
+        self.executions.append([i for s in taken for i in s.ids])
+        return True
+
+    def finish(self, index: int = 0) -> None:
+        """End the ``index``-th running execution: all its calls fail if one is poisoned."""
+        calls = self.running.pop(index)
+        bad = any(int(i) in self.poisoned for s in calls for i in s.inputs[0].data[:, 0])
+        for s in calls:
+            if s.reply.done():
+                continue
+            if bad:
+                s.fail(self.error())
+            else:
+                s.ok()
 
 
 class Probe:
@@ -261,11 +332,13 @@ class Harness:
         tenants: Mapping[str, TenantSpec] = TENANTS,
         backends: int = 1,
         sequence_batching: bool = False,
+        triton: Callable[[FakeClock], FakeTriton] | None = None,
     ) -> None:
         self.clock = StepClock()
-        # ``backends`` Tritons in a pool (``core.pool``), each a fake with its own probe;
+        # ``backends`` Tritons in a pool (``core.pool``), each a fake with its own probe
+        # (``triton``: what makes one; a ``FakeTriton`` by default);
         # ``triton``, ``probe``, ``backend``: the first one's (one: the only one's).
-        self.tritons = [FakeTriton(self.clock) for _ in range(backends)]
+        self.tritons = [(triton or FakeTriton)(self.clock) for _ in range(backends)]
         self.probes = [Probe(self.clock) for _ in range(backends)]
         self.triton = self.tritons[0]
         self.probe = self.probes[0]
