@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.api.rerank import pair_rows, row_request
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import perf_analyzer
+from fair_frontend.testing import eventually, perf_analyzer
 from fair_frontend.tokens import load_tokenizer
 from python_backend import nets
 from python_backend.rerank import SCORE, RerankModel, RerankOptions
@@ -143,8 +143,12 @@ def test_tritons_batcher_mixes_widths_and_each_answer_matches_alone(direct: Any)
         futures = [pool.submit(infer, direct, r) for r in rows]
         answers = [f.result() for f in futures]
         first.result()
-    stats = direct.get_inference_statistics("rerank").model_stats[0]
-    assert stats.inference_count - before[0] == 32 + len(rows)
+
+    def counted() -> Any:  # Triton counts a request once its execute() has returned
+        stats = direct.get_inference_statistics("rerank").model_stats[0]
+        return stats if stats.inference_count - before[0] == 32 + len(rows) else None
+
+    stats = eventually(counted, 30, what="Triton's statistics to count every request")
     assert stats.execution_count - before[1] < 1 + len(rows), "short requests were batched"
     for row, got in zip(rows, answers, strict=True):
         np.testing.assert_allclose(got, infer(direct, row), rtol=RTOL, atol=ATOL)

@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import Unavailable
 from fair_frontend.outcomes import Outcome
-from fair_frontend.testing import scrape
+from fair_frontend.testing import aeventually, scrape
 from fair_frontend.triton.http import error_of
 from fair_frontend.triton.upstream import upstream_error
 from tests.core.dispatch_support import Harness
@@ -174,12 +174,20 @@ async def test_an_abandoned_stream_stops_running_in_triton(triton: Any, workers:
             stream.cancel()
         finally:
             await client.close()
-        loop = asyncio.get_running_loop()
-        until = loop.time() + DEADLINE_S
-        while scrape(triton.metrics_url).sum("fair_llm_running_sequences", model="llm") > 0:
-            assert loop.time() < until, "the sequence never left the engine"
-            await asyncio.sleep(0.02)
-    assert scrape(triton.metrics_url).sum("fair_llm_cancelled_total", model="llm") - before == 1
+        await aeventually(
+            lambda: scrape(triton.metrics_url).sum("fair_llm_running_sequences", model="llm") == 0,
+            DEADLINE_S,
+            0.02,
+            what="the sequence to leave the engine",
+        )
+    await aeventually(
+        lambda: scrape(triton.metrics_url).sum("fair_llm_cancelled_total", model="llm") - before,
+        DEADLINE_S,
+        0.02,
+        what="the model to count the cancellation",
+    )
+    cancelled = scrape(triton.metrics_url).sum("fair_llm_cancelled_total", model="llm")
+    assert cancelled - before == 1
 
 
 # ---- 9c. RESOURCE_EXHAUSTED -------------------------------------------------------------
