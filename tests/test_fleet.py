@@ -14,10 +14,11 @@ Redis. What users see:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import aeventually, ascrape, eventually, free_port, scrape
-from fair_frontend.tokens import count_text_tokens
+from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape, eventually, free_port
 from tests.support import (
     KEYS,
     Proc,
@@ -39,8 +40,6 @@ from tests.support import (
     generate_many,
     http_status,
     ids_input,
-    make_config,
-    repeat_stream,
     start,
 )
 
@@ -48,6 +47,7 @@ TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
 SECRET = "fleet-test-secret-0123456789abcdef"
 LEASE_S = 1.5
 SLOTS = 4  # llm's engine slots per Triton
+WEIGHTS = {"acme": 2.0, "globex": 1.0}
 
 
 @dataclass
@@ -125,7 +125,7 @@ def fleet_config(tritons: list[EmbeddedTriton], redis_url: str) -> dict[str, Any
     }
     data["rate_limiting"] = {"storage": redis_url}
     data["endpoints"]["llm"].update(max_inflight=SLOTS, reserved_slots=0)
-    for name, weight in (("acme", 2.0), ("globex", 1.0)):
+    for name, weight in WEIGHTS.items():
         data["tenants"][name].update(weight=weight, max_queued=1000)
     return data
 
@@ -140,6 +140,7 @@ def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> I
             "--load-model=embed",
             "--load-model=llm",
             "--load-model=repeat_int32",
+            "--load-model=flood",
         ],
     )
     redis = RedisProcess()
@@ -183,23 +184,197 @@ async def _embed(url: str, tenant: str = "acme") -> Any:
         await client.close()
 
 
+async def _flood(
+    client: grpcaio.InferenceServerClient, gate: Gate, answered: list[float] | None = None
+) -> Any:
+    """One row of ``flood`` (a one-byte answer) through ``client``'s shell, held in Triton
+    at ``gate`` until the test opens it; ``answered`` gets the time of an OK answer."""
+    inputs = []
+    for name in ("COUNT", "SIZE", "DELAY_MS"):
+        tensor = grpcaio.InferInput(name, [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[0 if name == "DELAY_MS" else 1]], dtype=np.int32))
+        inputs.append(tensor)
+    try:
+        result = await client.infer(
+            "flood",
+            inputs,
+            headers={"x-api-key": KEYS["initech"]},
+            parameters={GATE_PARAMETER: gate.parameter},
+        )
+    except InferenceServerException as err:
+        return err
+    if answered is not None:
+        answered.append(time.monotonic())
+    return result
+
+
+async def gated_stream(
+    url: str, values: int, gate: Gate, *, on_first: Callable[[], None]
+) -> tuple[int, Any]:
+    """One repeat_int32 stream through the shell at ``url``, held after its first response
+    at ``gate`` (``repeat_int32``'s model) until the test opens it, then its other values
+    20 ms apart, read to its end: (responses with a value, the error that ended it or None).
+    ``on_first`` runs at the first response."""
+    client = grpcaio.InferenceServerClient(url)
+    tensors = []
+    for name, dtype, data in (
+        ("IN", "INT32", np.arange(values, dtype=np.int32)),
+        ("DELAY", "UINT32", np.array([0] + [20] * (values - 1), dtype=np.uint32)),
+        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
+    ):
+        tensor = grpcaio.InferInput(name, list(data.shape), dtype)
+        tensor.set_data_from_numpy(data)
+        tensors.append(tensor)
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {
+            "model_name": "repeat_int32",
+            "inputs": tensors,
+            "parameters": {GATE_PARAMETER: gate.parameter},
+        }
+
+    got = 0
+    try:
+        async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]}):
+            if error is not None:
+                return got, error
+            if result.as_numpy("OUT") is None:
+                continue
+            got += 1
+            if got == 1:
+                on_first()
+    finally:
+        await client.close()
+    return got, None
+
+
+async def _sum(core: Core, name: str, **labels: str) -> float:
+    page = await ascrape(f"http://127.0.0.1:{core.metrics}/metrics")
+    return page.sum(name, **labels)
+
+
+async def holds_flood(core: Core, tritons: list[EmbeddedTriton]) -> bool:
+    """Has ``core`` ``flood`` in every Triton (a batch held at its gate there) and more
+    of it queued?"""
+    page = await ascrape(f"http://127.0.0.1:{core.metrics}/metrics")
+    each = [
+        page.sum("fair_triton_backend_inflight", endpoint="flood", backend=t.grpc_url)
+        for t in tritons
+    ]
+    return all(each) and page.sum("fair_queue_depth", endpoint="flood") > 0
+
+
 async def test_every_shell_feeds_the_one_core(fleet: Fleet) -> None:
     leader = fleet.leader()
-    metrics = f"http://127.0.0.1:{leader.metrics}/metrics"
-    before = scrape(metrics).sum("fair_requests_total", tenant="initech", outcome="dispatched")
+
+    async def dispatched() -> float:
+        return await _sum(leader, "fair_requests_total", tenant="initech", outcome="dispatched")
+
+    before = await dispatched()
     results = await asyncio.gather(*(_embed(s.url, "initech") for s in fleet.shells))
     assert not [r for r in results if isinstance(r, InferenceServerException)], results
-    after = scrape(metrics).sum("fair_requests_total", tenant="initech", outcome="dispatched")
-    assert after - before == 3  # counted by the leader: all three went through it
+    # Counted by the leader (all three went through it) as it records each one's end, a
+    # moment after its client had the answer: 3, and never more.
+    await aeventually(
+        lambda: _reached(dispatched(), before + 3), 30, what="the leader to count all three"
+    )
     standby = next(c for c in fleet.cores if c is not leader)
     assert not standby.ready
 
 
+async def _reached(count: Awaitable[float], expected: float) -> bool:
+    """Has a count that only grows reached ``expected``? Beyond it fails at once."""
+    got = await count
+    assert got <= expected, (got, expected)
+    return got == expected
+
+
+async def _is(value: Awaitable[float], expected: float) -> bool:
+    return await value == expected
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One request served to its end, as the core logged it (``fair_frontend.logs.
+    RequestLog``), on the wall clock: when it joined the core's queue, left it for an
+    engine slot (its dispatch), and ended; its tokens in and out."""
+
+    tenant: str
+    queued: float
+    dispatched: float
+    ended: float
+    tokens_in: int
+    tokens_out: int
+
+    @classmethod
+    def of(cls, line: dict[str, Any]) -> Logged:
+        assert line["outcome"] == "dispatched", line
+        ended = float(line["ts"])
+        dispatched = ended - line["service_ms"] / 1e3
+        queued = dispatched - line["queued_ms"] / 1e3
+        return cls(line["tenant"], queued, dispatched, ended, line["tokens_in"], line["tokens_out"])
+
+
+def request_log(core: Core, endpoint: str, offset: int = 0) -> list[dict[str, Any]]:
+    """The request lines of ``endpoint`` that ``core`` logged after byte ``offset`` of its
+    log (a line still being written is left for the next read)."""
+    out = []
+    for line in core.proc.log.read_bytes()[offset:].decode(errors="replace").splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # not a JSON record: the core's other output, or a line half written
+        if isinstance(doc, dict) and (doc.get("logger"), doc.get("endpoint")) == (
+            REQUEST_LOGGER,
+            endpoint,
+        ):
+            out.append(doc)
+    return out
+
+
+def backlog_end(log: list[Logged], tenant: str, at: float) -> float:
+    """Until when ``tenant`` had requests queued in the core without a break, from ``at``
+    on (``at`` itself: none queued then)."""
+    end = at
+    for r in sorted((r for r in log if r.tenant == tenant), key=lambda r: r.queued):
+        if r.queued > end:
+            break
+        end = max(end, r.dispatched)
+    return end
+
+
+def backlogged_service(
+    log: list[Logged], tenants: tuple[str, ...], skip: int
+) -> tuple[dict[str, float], float, float]:
+    """Tokens the core served each of ``tenants`` while every one of them had requests
+    queued (VTC's bound holds over such a window), from the moment each had had ``skip``
+    requests dispatched: (tenant -> tokens, the window's start, its end). As VTC charges
+    them: a request's input tokens at its dispatch, its output tokens as they stream
+    (spread evenly over its service)."""
+    since = max(sorted(r.dispatched for r in log if r.tenant == t)[skip] for t in tenants)
+    until = min(backlog_end(log, t, since) for t in tenants)
+    served = dict.fromkeys(tenants, 0.0)
+    for r in log:
+        if r.tenant not in served:
+            continue
+        if since < r.dispatched <= until:
+            served[r.tenant] += r.tokens_in
+        overlap = min(r.ended, until) - max(r.dispatched, since)
+        if overlap > 0:
+            served[r.tenant] += r.tokens_out * overlap / (r.ended - r.dispatched)
+    return served, since, until
+
+
 async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet: Fleet) -> None:
+    """acme (weight 2) only through shell 0, globex (weight 1) only through shell 1, each
+    with a backlog of generations: while both are backlogged, the core serves acme two
+    thirds of the tokens. Judged from the core's own record (its request log: when each
+    request queued, went to its slot and ended, and its tokens), not from when the
+    clients, behind separate shell processes, received their tokens."""
     leader = fleet.leader()
     metrics = f"http://127.0.0.1:{leader.metrics}/metrics"
     peak = {0: 0.0, 1: 0.0}
-    log: list[tuple[float, str]] = []
+    offset = leader.proc.log.stat().st_size  # this test's requests are logged after
 
     async def watch_slots() -> None:
         while True:
@@ -213,40 +388,42 @@ async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet:
 
     watcher = asyncio.ensure_future(watch_slots())
     try:
-        by_tenant = await asyncio.gather(
-            generate_many(fleet.shells[0].url, "acme", BACKLOG, 16, log),
-            generate_many(fleet.shells[1].url, "globex", BACKLOG, 16, log),
+        await asyncio.gather(
+            generate_many(fleet.shells[0].url, "acme", BACKLOG, 16, []),
+            generate_many(fleet.shells[1].url, "globex", BACKLOG, 16, []),
         )
     finally:
         watcher.cancel()
-    streams = [s for streams in by_tenant for s in streams.values()]
-    # While both were backlogged, after the first fill of the slots (which both get
-    # alike, whatever their weights): from the moment each has had two rounds of the
-    # fleet's slots started, up to the moment the first one's last stream started.
-    starts = {t: sorted(s.first_token_at for s in streams if s.tenant == t) for t in KEYS_AB}
-    since = max(times[4 * SLOTS] for times in starts.values())
-    until = min(times[-1] for times in starts.values())
-    served = {"acme": 0, "globex": 0}
-    for at, tenant in log:
-        if since < at <= until:
-            served[tenant] += 1
-    tokenizer = fleet_tokenizer()
-    for s in streams:
-        if since < s.first_token_at <= until:
-            served[s.tenant] += count_text_tokens(tokenizer, [s.prompt])[0]
-    share = served["acme"] / sum(served.values())
-    assert abs(share - 2 / 3) <= 0.05 * 2 / 3, served
+    # The core logs each request as it records its end: a moment after its client's.
+    await aeventually(
+        lambda: len(request_log(leader, "llm", offset)) >= 2 * BACKLOG,
+        30,
+        what="the core to log every generation",
+    )
+    log = [Logged.of(line) for line in request_log(leader, "llm", offset)]
+    assert sorted(r.tenant for r in log) == sorted(KEYS_AB * BACKLOG)
+    # After the first fills of the slots (which both get alike, whatever their weights):
+    # from the moment each has had two rounds of the fleet's slots.
+    skip = 2 * SLOTS * len(fleet.tritons)
+    served, since, until = backlogged_service(log, KEYS_AB, skip)
+    window = f"{served} over {until - since:.2f} s"
+    # VTC's bound (fair_frontend.scheduler.vtc, (B)): while both are backlogged, their
+    # weighted service differs by at most U_acme + U_globex, U = (I + O * S) / weight (I
+    # and O a request's most tokens in and out, S the fleet's slots), so acme's share is
+    # 2/3 within (2/3)(U_acme + U_globex) / total: the window must be long enough that
+    # this is within the 5 % asked.
+    most_in, most_out = max(r.tokens_in for r in log), max(r.tokens_out for r in log)
+    bound = sum((most_in + most_out * SLOTS * len(fleet.tritons)) / w for w in WEIGHTS.values())
+    total = sum(served.values())
+    assert total * 0.05 >= bound, f"a window too short for VTC's bound ({bound:.0f}): {window}"
+    share = served["acme"] / total
+    print(f"acme's share {share:.3f}: {window}")
+    assert abs(share - 2 / 3) <= 0.05 * 2 / 3, window
     assert max(peak.values()) > 0 and all(p <= SLOTS for p in peak.values()), peak
 
 
 KEYS_AB = ("acme", "globex")
 BACKLOG = 200  # generations each tenant queues: the window is long beside VTC's bound
-
-
-def fleet_tokenizer() -> Any:
-    tokenizer = make_config().endpoints["llm"].tokenizer
-    assert tokenizer is not None
-    return tokenizer
 
 
 def test_a_shell_with_a_wrong_secret_is_refused(fleet: Fleet, tmp_path: Path) -> None:
@@ -265,59 +442,75 @@ def test_a_shell_with_a_wrong_secret_is_refused(fleet: Fleet, tmp_path: Path) ->
 async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> None:
     """Last in this module: it leaves the fleet with one core (the new leader). Every
     queued call is answered OK (the shells send them again), and the streams the old
-    leader had granted run on with their slots held by the new one."""
+    leader had granted run on with their slots held by the new one. The flood and the
+    streams are held at gates (in Triton) until the new leader has them: none of it can
+    end before the kill, however fast or slow this machine is."""
     leader = fleet.leader()
     standby = next(c for c in fleet.cores if c is not leader)
-    wide = np.full((1, 1024), 3, dtype=np.int32)
+    flood_gate, streams_gate = Gate(fleet.tmp), Gate(fleet.tmp)
     answered: list[float] = []
-
-    async def one(url: str) -> Any:
-        client = grpcaio.InferenceServerClient(url)
-        try:
-            result = await client.infer(
-                "embed", [ids_input(grpcaio, wide)], headers={"x-api-key": KEYS["initech"]}
-            )
-            answered.append(time.monotonic())
-            return result
-        except InferenceServerException as err:
-            return err
-        finally:
-            await client.close()
-
-    # Streams granted by the leader, relayed by shell 0 across the failover.
     started: list[int] = []
-    streams = asyncio.gather(
-        *(
-            repeat_stream(fleet.shells[0].url, STREAM_DELAYS_MS, on_first=lambda: started.append(1))
-            for _ in range(STREAMS)
+    clients = [grpcaio.InferenceServerClient(s.url) for s in fleet.shells]
+    try:
+        # Streams granted by the leader, relayed by shell 0 across the failover.
+        streams = asyncio.gather(
+            *(
+                gated_stream(
+                    fleet.shells[0].url,
+                    STREAM_VALUES,
+                    streams_gate,
+                    on_first=lambda: started.append(1),
+                )
+                for _ in range(STREAMS)
+            )
         )
-    )
-    await aeventually(lambda: len(started) == STREAMS, 60, 0.005, what="the streams to run")
-    flood = [asyncio.ensure_future(one(fleet.shells[i % 3].url)) for i in range(FLOOD)]
-    await aeventually(lambda: len(answered) >= 10, 60, 0.005, what="the flood to be served")
-    assert len(answered) < FLOOD // 2, "the flood ended before the kill"
-    killed_at = time.monotonic()
-    leader.proc.popen.kill()
-    # The new leader holds the running streams' slots: its engine count says so while
-    # they still stream (granted by the old one, told by the shell on reconnecting).
-    metrics = f"http://127.0.0.1:{standby.metrics}/metrics"
-    await aeventually(lambda: standby.ready, 30, 0.01, what="the standby to lead")
+        await aeventually(lambda: len(started) == STREAMS, 60, 0.005, what="the streams to run")
+        flood = [
+            asyncio.ensure_future(_flood(clients[i % 3], flood_gate, answered))
+            for i in range(FLOOD)
+        ]
+        await aeventually(
+            lambda: holds_flood(leader, fleet.tritons),
+            60,
+            0.01,
+            what="the leader to hold the flood: in both Tritons, and queued",
+        )
+        assert not answered and not streams.done()
+        killed_at = time.monotonic()
+        leader.proc.popen.kill()
+        await aeventually(lambda: standby.ready, 30, 0.01, what="the standby to lead")
+        print(f"failover: the standby led {time.monotonic() - killed_at:.2f} s after the kill")
 
-    def held() -> float:
-        return scrape(metrics).sum("fair_triton_backend_inflight", endpoint="repeat_int32")
+        # The new leader holds the running streams' slots: its engine count says so while
+        # they still stream (granted by the old one, told by the shell on reconnecting);
+        # and the flood, which the shells sent it again.
+        async def held() -> float:
+            return await _sum(standby, "fair_triton_backend_inflight", endpoint="repeat_int32")
 
-    await aeventually(lambda: held() == STREAMS, 30, 0.01, what="the streams' slots held")
-    assert not streams.done()
-    ended = await asyncio.wait_for(streams, 120)
-    assert ended == [(len(STREAM_DELAYS_MS), None)] * STREAMS
-    await aeventually(lambda: held() == 0, 30, 0.01, what="the slots to be freed at their end")
-    results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+        await aeventually(lambda: _is(held(), STREAMS), 30, 0.01, what="the streams' slots held")
+        await aeventually(
+            lambda: holds_flood(standby, fleet.tritons),
+            60,
+            0.01,
+            what="the new leader to hold the flood the shells sent again",
+        )
+        assert not answered and not streams.done()
+        flood_gate.open()
+        streams_gate.open()
+        ended = await asyncio.wait_for(streams, 120)
+        assert ended == [(STREAM_VALUES, None)] * STREAMS
+        await aeventually(
+            lambda: _is(held(), 0), 30, 0.01, what="the slots to be freed at their end"
+        )
+        results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+    finally:
+        flood_gate.open()  # never left shut: Triton's instances would wait for it
+        streams_gate.open()
+        for client in clients:
+            await client.close()
     failed = [r for r in results if isinstance(r, InferenceServerException)]
     assert not failed, failed[:3]
-    after = [t for t in answered if t > killed_at]
-    assert after, "nothing was left to serve after the kill"
-    gap = min(after) - killed_at
-    print(f"failover gap: {gap:.2f} s (lease {LEASE_S} s)")
+    assert len(answered) == FLOOD and min(answered) > killed_at
     assert standby.ready
     assert all(s.ready for s in fleet.shells)
     resent = sum(s.proc.output().count("sending") for s in fleet.shells)
@@ -326,25 +519,46 @@ async def test_the_leader_killed_under_a_flood_loses_nothing(fleet: Fleet) -> No
     fleet.killed.append(leader.port)
 
 
-FLOOD = 240
+FLOOD = 300  # rows of flood: more than the Tritons' batches in flight hold (64 rows each)
 STREAMS = 2  # one on each Triton (repeat_int32 runs one request at a time)
-STREAM_DELAYS_MS = [250] * 32  # 8 s a stream: it outlasts the failover
+STREAM_VALUES = 8  # the first before the gate, the others once the test opens it
 
 
 async def test_a_leader_stopped_cleanly_hands_over_without_failing_a_call(fleet: Fleet) -> None:
     """After the kill (this module's order): a new standby joins; the leader gets SIGTERM
-    under a flood. It drains what it holds, frees the lease, and the standby takes the
-    shells at its next poll; every call is answered OK."""
+    under a flood (held at a gate in Triton until the leader has begun to stop). It
+    drains what it holds, frees the lease, and the standby takes the shells at its next
+    poll; every call is answered OK."""
     leader = fleet.leader()
     standby = fleet.core(2, port=fleet.killed[0])  # the killed core's address, anew
     fleet.cores.append(standby)
     await aeventually(
         lambda: "waiting for the lease" in standby.proc.output(), 60, 0.01, what="a standby"
     )
-    flood = [asyncio.ensure_future(_embed(fleet.shells[i % 3].url)) for i in range(120)]
-    await aeventually(lambda: sum(f.done() for f in flood) >= 5, 60, 0.005, what="the flood")
-    leader.proc.popen.send_signal(signal.SIGTERM)
-    results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+    gate = Gate(fleet.tmp)
+    clients = [grpcaio.InferenceServerClient(s.url) for s in fleet.shells]
+    try:
+        flood = [asyncio.ensure_future(_flood(clients[i % 3], gate)) for i in range(FLOOD)]
+        await aeventually(
+            lambda: holds_flood(leader, fleet.tritons),
+            60,
+            0.01,
+            what="the leader to hold the flood: in both Tritons, and queued",
+        )
+        assert not any(f.done() for f in flood)
+        leader.proc.popen.send_signal(signal.SIGTERM)
+        await aeventually(
+            lambda: "stopping: finishing queued" in leader.proc.output(),
+            30,
+            0.01,
+            what="the leader to begin its drain",
+        )
+        gate.open()
+        results = await asyncio.wait_for(asyncio.gather(*flood), 120)
+    finally:
+        gate.open()
+        for client in clients:
+            await client.close()
     failed = [r for r in results if isinstance(r, InferenceServerException)]
     assert not failed, failed[:3]
     assert leader.proc.popen.wait(30) == 0  # a clean stop

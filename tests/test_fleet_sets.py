@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.testing import eventually, free_port, scrape
+from fair_frontend.testing import aeventually, ascrape, eventually, free_port
 from tests.support import KEYS, Proc, config_dict, http_status, ids_input, repeat_stream, start
 
 HEADERS = {"x-api-key": KEYS["acme"]}
@@ -80,12 +80,17 @@ async def test_a_shell_sends_each_model_to_the_core_of_its_set(
         await client.close()
     assert await repeat_stream(url, [0, 0]) == (2, None)
 
-    def counted(core: int, endpoint: str) -> float:
-        page = scrape(f"http://127.0.0.1:{metrics[core]}/metrics")
+    async def counted(core: int, endpoint: str) -> float:
+        page = await ascrape(f"http://127.0.0.1:{metrics[core]}/metrics")
         return page.sum("fair_requests_total", endpoint=endpoint, outcome="dispatched")
 
-    assert counted(0, "embed") == 5 and counted(1, "embed") == 0
-    assert counted(1, "repeat_int32") == 1 and counted(0, "repeat_int32") == 0
+    # A core counts a request once it has recorded its end: a moment after its client
+    # had the answer (a stream's, once its shell's record of the end arrives).
+    async def each_counted_by_its_own() -> bool:
+        return await counted(0, "embed") == 5 and await counted(1, "repeat_int32") == 1
+
+    await aeventually(each_counted_by_its_own, 30, what="each core to count its own set's")
+    assert await counted(1, "embed") == 0 and await counted(0, "repeat_int32") == 0
 
 
 def test_two_sets_naming_one_model_are_refused(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
 """A pool of two real Tritons behind one frontend (``triton.backends``; ``core.pool``).
 
 Two ``tritonserver`` processes of this test's own (one of them gets killed), each serving
-``embed`` and the decoupled ``repeat_int32``, on free loopback ports; the frontend in
-front of both, in either link mode (``workers``: the shell in the core's process, or two
-shell processes streaming over the socket). What users see: load spreads over both, a
-Triton killed mid-load costs only the requests running on it (UNAVAILABLE, retryable),
-the rest is served by the other one, and the killed one takes work again once restarted.
+``embed``, the decoupled ``repeat_int32`` and ``flood`` (its answers held at a gate the test
+opens), on free loopback ports; the frontend in front of both, in either link mode
+(``workers``: the shell in the core's process, or two shell processes streaming over the
+socket). What users see: load spreads over both, a Triton killed mid-load costs only the
+requests running on it (UNAVAILABLE, retryable), the rest is served by the other one, and
+the killed one takes work again once restarted.
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import aeventually, ascrape
+from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, repeat_stream
 
 TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
-WIDE = np.full((1, 1024), 3, dtype=np.int32)  # Triton serves a flood of these for seconds
-FLOOD = 200
+WIDE = np.full((1, 1024), 3, dtype=np.int32)
+# Rows of flood, held at a gate: more than both Tritons' batches in flight hold (their
+# slots' batches and an early send each, of 64 rows), so that some wait in the queue.
+FLOOD = 300
 
 
 @pytest.fixture
 def two_tritons() -> Iterator[list[EmbeddedTriton]]:
-    """Two Tritons of this test's own, serving only ``embed`` and ``repeat_int32``."""
+    """Two Tritons of this test's own, serving only ``embed``, ``repeat_int32``, ``flood``."""
     servers = [
         EmbeddedTriton(
             [default_model_repository(), TEST_MODELS],
@@ -45,6 +48,7 @@ def two_tritons() -> Iterator[list[EmbeddedTriton]]:
                 "--model-control-mode=explicit",
                 "--load-model=embed",
                 "--load-model=repeat_int32",
+                "--load-model=flood",
             ],
         )
         for _ in range(2)
@@ -79,6 +83,25 @@ async def _embed(client: grpcaio.InferenceServerClient, ids: np.ndarray = WIDE) 
         return err
 
 
+async def _flood(client: grpcaio.InferenceServerClient, gate: Gate, request_id: str) -> Any:
+    """One row of ``flood`` (a one-byte answer), held in Triton at ``gate``."""
+    inputs = []
+    for name in ("COUNT", "SIZE", "DELAY_MS"):
+        tensor = grpcaio.InferInput(name, [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[0 if name == "DELAY_MS" else 1]], dtype=np.int32))
+        inputs.append(tensor)
+    try:
+        return await client.infer(
+            "flood",
+            inputs,
+            request_id=request_id,
+            headers={"x-api-key": KEYS["acme"]},
+            parameters={GATE_PARAMETER: gate.parameter},
+        )
+    except InferenceServerException as err:
+        return err
+
+
 async def served_by(triton: EmbeddedTriton, model: str) -> int:
     """Requests ``triton`` itself says it served of ``model`` (its statistics extension)."""
     client = grpcaio.InferenceServerClient(triton.grpc_url)
@@ -89,6 +112,18 @@ async def served_by(triton: EmbeddedTriton, model: str) -> int:
     return sum(int(s.inference_stats.success.count) for s in stats.model_stats)
 
 
+async def served_some(tritons: list[EmbeddedTriton], model: str) -> None:
+    """Wait until each of ``tritons`` says it served ``model``: Triton counts a request
+    once its ``execute`` has returned, after its answers went out (a decoupled model's
+    final response among them), so a moment after the client had them."""
+    for triton in tritons:
+
+        async def counted(triton: EmbeddedTriton = triton) -> bool:
+            return await served_by(triton, model) > 0
+
+        await aeventually(counted, 30, 0.05, what=f"{triton.grpc_url} to count {model} served")
+
+
 def ready(fe: RunningFrontend) -> bool:
     try:
         with urllib.request.urlopen(f"http://{fe.http_url}/v2/health/ready", timeout=5) as r:
@@ -97,20 +132,37 @@ def ready(fe: RunningFrontend) -> bool:
         return False
 
 
-async def _queued(fe: RunningFrontend) -> int:
-    runtime = fe.frontend.runtimes.get("embed")
+async def _queued(fe: RunningFrontend, model: str) -> int:
+    runtime = fe.frontend.runtimes.get(model)
     return 0 if runtime is None else runtime.scheduler.queued_requests
 
 
-async def _running(fe: RunningFrontend) -> list[int]:
-    return list(fe.frontend.runtimes["embed"].running)
+async def _running(fe: RunningFrontend, model: str) -> list[int]:
+    runtime = fe.frontend.runtimes.get(model)
+    return [0, 0] if runtime is None else list(runtime.running)
+
+
+async def _in_core(fe: RunningFrontend, model: str) -> int:
+    """Requests of ``model`` the core holds: queued, or in the batches it has in Triton."""
+    runtime = fe.frontend.runtimes.get(model)
+    if runtime is None:
+        return 0
+    return int(runtime.scheduler.queued_requests) + sum(len(b) for b in runtime._tasks.values())
+
+
+async def _sent_to(fe: RunningFrontend, model: str, backend: int) -> set[str]:
+    """The ids of the requests of ``model`` in the batches the frontend has in ``backend``."""
+    runtime = fe.frontend.runtimes[model]
+    tasks = runtime._tasks.items()
+    return {r.request.id for task, batch in tasks if runtime._where[task] == backend for r in batch}
 
 
 async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
-    two_tritons: list[EmbeddedTriton], workers: int
+    two_tritons: list[EmbeddedTriton], workers: int, tmp_path: Path
 ) -> None:
     first, second = two_tritons
     server, background = pool_frontend(two_tritons, workers)
+    gate = Gate(tmp_path)
     with background:
         fe = RunningFrontend(server, background)
         assert [b.grpc_url for b in server.backends] == [first.grpc_url, second.grpc_url]
@@ -124,25 +176,30 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
                 *(repeat_stream(fe.grpc_url, [50] * 4) for _ in range(6))
             )
             assert streams == [(4, None)] * 6
-            for triton in two_tritons:
-                assert await served_by(triton, "embed") > 0
-                assert await served_by(triton, "repeat_int32") > 0
+            await served_some(two_tritons, "embed")
+            await served_some(two_tritons, "repeat_int32")
 
-            # 2. The second one SIGKILLed under a flood: the frontend stays ready and
-            # serves on the first; only what ran on the second fails, UNAVAILABLE.
-            flood = [asyncio.ensure_future(_embed(client)) for _ in range(FLOOD)]
+            # 2. The second one SIGKILLed under a flood, held at a gate in both Tritons
+            # until the test opens it (none of it can end first): the frontend stays ready
+            # and serves on the first; only what ran on the second fails, UNAVAILABLE.
+            ids = [f"flood{i}" for i in range(FLOOD)]
+            flood = [asyncio.ensure_future(_flood(client, gate, i)) for i in ids]
 
-            async def both_busy() -> bool:
-                running = await fe.acall(_running(fe))
-                assert not all(f.done() for f in flood), "the flood ended before it queued"
-                return await fe.acall(_queued(fe)) >= 50 and all(running)
+            async def all_held() -> bool:
+                running = await fe.acall(_running(fe, "flood"))
+                return all(running) and await fe.acall(_in_core(fe, "flood")) == FLOOD
 
-            await aeventually(both_busy, 60, 0.005, what="the flood to queue on both Tritons")
-            slots = fe.frontend.runtimes["embed"].max_inflight
+            await aeventually(
+                all_held, 60, 0.01, what="the whole flood in the core, held in both Tritons"
+            )
+            runtime = fe.frontend.runtimes["flood"]
+            slots, rows = runtime.max_inflight, runtime.info.max_batch_size
+            on_second = await fe.acall(_sent_to(fe, "flood", 1))
+            assert not any(f.done() for f in flood)  # held: none can end before the kill
             assert second.pid is not None
             os.killpg(second.pid, signal.SIGKILL)
             killed_at = time.monotonic()
-            queued_at_kill = await fe.acall(_queued(fe))
+            queued_at_kill = await fe.acall(_queued(fe, "flood"))
             await aeventually(
                 lambda: not fe.frontend.pool.backends[1].available,
                 10,
@@ -157,16 +214,24 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
             }
             assert up == {first.grpc_url: 1.0, second.grpc_url: 0.0}
             assert got.sum("fair_backend_available") == 1.0
+            gate.open()
             results = await asyncio.wait_for(asyncio.gather(*flood), 180)
             took_s = time.monotonic() - killed_at
-            failed = [r for r in results if isinstance(r, InferenceServerException)]
+            failed = {
+                i: r
+                for i, r in zip(ids, results, strict=True)
+                if isinstance(r, InferenceServerException)
+            }
             ok = [r for r in results if not isinstance(r, InferenceServerException)]
             assert len(ok) + len(failed) == FLOOD  # every request answered
-            assert all(e.status() == "StatusCode.UNAVAILABLE" for e in failed), failed[:3]
-            # At most what the killed Triton had running: its slots' batches of 32 rows,
-            # and the one the early send may have added (dispatch_lead_ms).
-            assert len(failed) <= (slots + 1) * 32, (len(failed), slots)
-            assert len(ok) >= queued_at_kill  # all that waited was served, by the first
+            errors = list(failed.values())
+            assert all(e.status() == "StatusCode.UNAVAILABLE" for e in errors), errors[:3]
+            # What the killed Triton had running fails: what the frontend had sent it (in
+            # Triton, held), and no more than one batch the early send may have added
+            # (dispatch_lead_ms) before it was marked down: nothing that waited.
+            assert on_second and on_second <= set(failed), (sorted(on_second), sorted(failed))
+            assert len(failed) <= len(on_second) + rows <= (slots + 1) * rows, (failed, slots)
+            assert queued_at_kill > 0 and len(ok) >= queued_at_kill  # served by the first
             assert not fe.frontend.pool.backends[1].available, f"after {took_s:.1f} s"
 
             # 3. Restarted, it rejoins (its probe) and takes work again.
@@ -179,10 +244,11 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
             )
             results = await asyncio.gather(*(_embed(client) for _ in range(40)))
             assert not [r for r in results if isinstance(r, InferenceServerException)]
-            assert await served_by(second, "embed") > 0  # a fresh Triton: counted anew
+            await served_some([second], "embed")  # a fresh Triton: counted anew
             streams = await asyncio.gather(
                 *(repeat_stream(fe.grpc_url, [20] * 3) for _ in range(4))
             )
             assert streams == [(3, None)] * 4
         finally:
+            gate.open()
             await client.close()

@@ -1,9 +1,16 @@
-"""Triton's repeat backend: OUT = IN[i], IDX = i, one response each, DELAY[i] ms apart."""
+"""Triton's repeat backend: OUT = IN[i], IDX = i, one response each, DELAY[i] ms apart.
+
+A request that names a gate (the ``test_gate`` parameter: ``fair_frontend.testing.Gate``)
+is held at it after its first response, until the test opens it: a stream that runs
+until the test says so. A request without one is answered as Triton's example does.
+"""
 
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from fair_frontend.gates import hold_at_gate
 
 
 def _values(request, name):
@@ -22,6 +29,8 @@ class TritonPythonModel:
                     pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32)),
                 ]
                 sender.send(pb_utils.InferenceResponse(outputs))
+                if index == 0:
+                    hold_at_gate(request.parameters())  # no gate named: passes at once
             time.sleep(int(_values(request, "WAIT")[0]) / 1e3)
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
