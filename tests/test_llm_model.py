@@ -5,7 +5,10 @@ detokenisation, and the engine's iterations (``Engine.step``) with fake senders.
 talk to the session's real Triton (fixture ``triton``) over gRPC streaming
 (``start_stream`` / ``async_stream_infer``) and over Triton's own HTTP generate extension
 (``/generate``, ``/generate_stream``). Nothing waits by sleeping: tests block on the
-responses themselves.
+responses themselves, and poll Triton's metrics (recorded beside the responses) with a
+deadline. Order is read where the model made it: one gRPC stream delivers its responses in
+the order Triton sent them, and the model sends each engine iteration's tokens in turn, so
+a response's place on its stream (not the client's clock) says which iteration made it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import scrape
+from fair_frontend.testing import eventually, scrape
 from python_backend import nets
 from python_backend import tokenizer as tokenizer_module
 from python_backend.llm import (
@@ -722,10 +724,11 @@ def test_gpu_config_differs_only_in_instance_kind() -> None:
 
 @dataclass
 class Streamed:
-    """One request's responses on a gRPC stream, with arrival times."""
+    """One request's responses on a gRPC stream, with their places on it (the order Triton
+    sent them in, across the stream's requests)."""
 
     texts: list[str] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
+    places: list[int] = field(default_factory=list)
     finals: list[bool] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     error: Any = None
@@ -744,11 +747,10 @@ class Stream:
 
     def __init__(self, triton: EmbeddedTriton) -> None:
         self.client = grpcclient.InferenceServerClient(triton.grpc_url)
-        self.events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
+        self.events: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.results: dict[str, Streamed] = {}
-        self.client.start_stream(
-            callback=lambda result, error: self.events.put((time.perf_counter(), result, error))
-        )
+        self.place = 0  # responses read so far, every request's
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
 
     def send(
         self,
@@ -781,7 +783,8 @@ class Stream:
             self.next()
 
     def next(self) -> None:
-        at, result, error = self.events.get(timeout=TIMEOUT_S)
+        result, error = self.events.get(timeout=TIMEOUT_S)
+        place, self.place = self.place, self.place + 1
         if error is not None:  # tritonclient gives errors no request id: one pending request
             pending = [s for s in self.results.values() if not s.done]
             assert len(pending) == 1, "an error on a stream with several requests"
@@ -796,7 +799,7 @@ class Stream:
         else:
             streamed.texts.append(text[0].decode())
             streamed.counts.append(int(result.as_numpy("num_output_tokens")[0]))
-            streamed.times.append(at)
+            streamed.places.append(place)
         streamed.finals.append(final)
 
     def close(self, cancel: bool = False) -> None:
@@ -899,10 +902,12 @@ def test_requests_are_metered_per_tenant(triton: EmbeddedTriton, tokenizer: Any)
     )  # fmt: skip
     assert status == 200
     prompt_tokens = len(tokenizer.encode("Hi").ids)
-    assert (
-        scrape(triton.metrics_url, TIMEOUT_S).sum("fair_model_tokens_total", **labels) - before
-        == prompt_tokens + 6
-    )
+
+    def metered() -> float:
+        return scrape(triton.metrics_url, TIMEOUT_S).sum("fair_model_tokens_total", **labels)
+
+    counted = eventually(lambda: metered() - before, TIMEOUT_S, what="the request metered")
+    assert counted == prompt_tokens + 6
 
 
 def test_a_short_request_joins_a_running_long_one_and_finishes_first(
@@ -914,13 +919,14 @@ def test_a_short_request_joins_a_running_long_one_and_finishes_first(
     stream.send("short", "Quick", sampling={"max_tokens": 4, **GREEDY})
     stream.until_done("short")
     long, short = stream.results["long"], stream.results["short"]
-    assert not long.done, "the short request waited for the long one"
+    assert not long.done, "the short request waited for the long one"  # in stream order
     stream.until_done("long")
     assert len(long.texts) == 200 and len(short.texts) == 4
-    # Interleaved in time: the long stream kept producing while the short one ran.
-    during = [t for t in long.times if short.times[0] < t < short.times[-1]]
-    assert during, "no token of the long stream arrived while the short one ran"
-    assert long.times[0] < short.times[0] and long.times[-1] > short.times[-1]
+    # Interleaved in the engine's order (the stream's): the long one made tokens in the
+    # iterations that made the short one's, not before or after them all.
+    during = [p for p in long.places if short.places[0] < p < short.places[-1]]
+    assert during, "no token of the long stream was made while the short one ran"
+    assert long.places[0] < short.places[0] and long.places[-1] > short.places[-1]
 
 
 def test_a_cancelled_stream_leaves_the_batch(triton: EmbeddedTriton) -> None:
@@ -939,13 +945,24 @@ def test_a_cancelled_stream_leaves_the_batch(triton: EmbeddedTriton) -> None:
     finally:
         after.close()
     assert len(after.results["after"].texts) == 16
-    # Had the cancelled sequence stayed, it would still run (464 tokens were left).
-    assert (
-        scrape(triton.metrics_url, TIMEOUT_S).sum("fair_llm_cancelled_total", model="llm")
-        - cancelled_before
-        == 1
+
+    def metric(name: str) -> float:
+        return scrape(triton.metrics_url, TIMEOUT_S).sum(name, model="llm")
+
+    # The engine counts a sequence cancelled only when it retires one whose client went
+    # away (one that ran to its end is not): at its next iteration after Triton marks the
+    # request cancelled, which may come after "after" is done.
+    cancelled = eventually(
+        lambda: metric("fair_llm_cancelled_total") - cancelled_before,
+        TIMEOUT_S,
+        0.02,
+        what="the cancelled sequence retired",
     )
-    assert scrape(triton.metrics_url, TIMEOUT_S).sum("fair_llm_running_sequences", model="llm") == 0
+    assert cancelled == 1
+    running = eventually(
+        lambda: metric("fair_llm_running_sequences") == 0, TIMEOUT_S, 0.02, what="none running"
+    )
+    assert running
 
 
 def test_a_bad_request_fails_alone(triton: EmbeddedTriton, stream: Stream) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
-import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from fair_frontend.api.openai import CHAT_ANSWER, CHAT_TEMPLATE
 from fair_frontend.config import parse_config
 from fair_frontend.logs import REQUEST_LOGGER
-from fair_frontend.testing import aeventually
+from fair_frontend.testing import aeventually, eventually
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 MAX_TOKENS = 8
@@ -342,21 +342,105 @@ def test_request_log_carries_usage_for_billing(
 def _records(caplog: pytest.LogCaptureFixture, request_id: str) -> list[logging.LogRecord]:
     """The request's log records, once the core has written one: a stream's end reaches
     the core just after its client got the last token (a condition waited for, bounded)."""
-    deadline = time.monotonic() + 10
-    while True:
-        found = [r for r in caplog.records if getattr(r, "request_id", "") == request_id]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.01)
+
+    def found() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "request_id", "") == request_id]
+
+    return eventually(found, 10, 0.01, what=f"the request log's record of {request_id}")
+
+
+class Slots:
+    """The core's record of one model's engine slots, in the order its loop handled them:
+    each request queued, dispatched (given a slot) and ended, by tenant. A spy on the
+    model's scheduler (``enqueue``, ``next_batch``) and the runtime's ``on_done``, put in
+    and taken out on the core's loop (the core runs in this process)."""
+
+    def __init__(self, fe: RunningFrontend, model: str) -> None:
+        self.fe = fe
+        self.model = model
+        self.steps: list[tuple[str, Any]] = []  # ("queued" | "dispatched" | "ended", req)
+        self._restore: Callable[[], None] = lambda: None
+
+    async def install(self) -> None:
+        await self.fe.frontend.model_info(self.model)  # its runtime, made before any call
+        runtime = self.fe.frontend.runtimes[self.model]
+        scheduler = runtime.scheduler
+        enqueue, next_batch, on_done = scheduler.enqueue, scheduler.next_batch, runtime.on_done
+
+        def spied_enqueue(req: Any, now: float) -> None:
+            enqueue(req, now)
+            self.steps.append(("queued", req))
+
+        def spied_next_batch(now: float) -> list[Any]:
+            batch: list[Any] = next_batch(now)
+            self.steps += [("dispatched", req) for req in batch]
+            return batch
+
+        def spied_on_done(req: Any, outcome: Any, err: Any, version: str) -> None:
+            on_done(req, outcome, err, version)
+            self.steps.append(("ended", req))
+
+        scheduler.enqueue, scheduler.next_batch, runtime.on_done = (
+            spied_enqueue,
+            spied_next_batch,
+            spied_on_done,
+        )
+
+        def restore() -> None:
+            del scheduler.enqueue, scheduler.next_batch
+            runtime.on_done = on_done
+
+        self._restore = restore
+
+    async def remove(self) -> None:
+        self._restore()
+
+    def held(self, tenant: str) -> int:
+        """The most slots ``tenant`` held at once."""
+        most, held = 0, set()
+        for what, req in list(self.steps):
+            if req.tenant == tenant:
+                if what == "dispatched":
+                    held.add(id(req))
+                elif what == "ended":
+                    held.discard(id(req))
+                most = max(most, len(held))
+        return most
+
+    def ends_while_waiting(self, tenant: str, other: str) -> list[int]:
+        """For each request of ``tenant``: how many of ``other``'s requests ended between
+        its being queued and its dispatch (the turnovers it waited for)."""
+        steps = list(self.steps)
+        counts = []
+        for i, (what, req) in enumerate(steps):
+            if what == "queued" and req.tenant == tenant:
+                end = next(
+                    (j for j, (w, r) in enumerate(steps) if w == "dispatched" and r is req),
+                    len(steps),
+                )
+                counts.append(sum(1 for w, r in steps[i:end] if w == "ended" and r.tenant == other))
+        return counts
+
+
+@contextlib.asynccontextmanager
+async def slots(fe: RunningFrontend, model: str = "llm") -> AsyncIterator[Slots]:
+    spy = Slots(fe, model)
+    await fe.acall(spy.install())
+    try:
+        yield spy
+    finally:
+        await fe.acall(spy.remove())
 
 
 async def test_a_flood_of_chats_does_not_hold_up_another_tenants_first_token(
     triton: Any,
 ) -> None:
     """4 engine slots, 2 reserved: acme floods 12 long streamed chats (200 tokens); globex's
-    streamed chat of 4 tokens, sent once acme streams, is answered whole while every one of
-    acme's is still generating: its first token waited for no generation of acme's to
-    end (the engine bound), through the OpenAI route as through KServe's."""
+    streamed chat of 4 tokens, sent once acme streams, is answered, and waited for no
+    generation of acme's to end (the engine bound), through the OpenAI route as through
+    KServe's: in the core's order, acme never held more than its 2 slots, and none of
+    acme's requests ended between globex's being queued and its dispatch (without the
+    reservation acme holds all 4 and globex waits for one of them to end)."""
     data = config_dict()
     data["endpoints"]["llm"].update(max_inflight=4, reserved_slots=2)
     with running_frontend(parse_config(data), triton) as fe:
@@ -380,19 +464,20 @@ async def test_a_flood_of_chats_does_not_hold_up_another_tenants_first_token(
                         log.append(c.choices[0].delta.content)
             return "".join(text)
 
-        hogs = [asyncio.ensure_future(chat(acme, 200, tokens)) for _ in range(12)]
-        try:
-            await aeventually(lambda: len(tokens) >= 6, 60, 0.005, what="acme streaming")
-            quiet = await asyncio.wait_for(chat(globex, 4, None), 60)
-            hogs_done = [h.done() for h in hogs]
-        finally:
-            for h in hogs:
-                h.cancel()
-            await asyncio.gather(*hogs, return_exceptions=True)
-            await acme.close()
-            await globex.close()
+        async with slots(fe) as spy:
+            hogs = [asyncio.ensure_future(chat(acme, 200, tokens)) for _ in range(12)]
+            try:
+                await aeventually(lambda: len(tokens) >= 6, 60, 0.005, what="acme streaming")
+                quiet = await asyncio.wait_for(chat(globex, 4, None), 60)
+            finally:
+                for h in hogs:
+                    h.cancel()
+                await asyncio.gather(*hogs, return_exceptions=True)
+                await acme.close()
+                await globex.close()
     assert quiet
-    assert not any(hogs_done), "globex waited for one of acme's generations to end"
+    assert spy.held("acme") == 2, "acme held more than its share of the slots"
+    assert spy.ends_while_waiting("globex", "acme") == [0], "globex waited for acme's turnover"
 
 
 def test_kserve_usage_parameters_on_grpc_streams(api: RunningFrontend) -> None:

@@ -10,7 +10,10 @@ after the timeout, alone, and nothing is marked down.
 
 ``repeat_int32`` (tests/model_repository: one response per element of ``IN``, each
 ``DELAY[i]`` ms after the one before) streams for a known time, whatever the machine's
-speed; it is an engine endpoint here (``max_inflight``), as ``llm`` is.
+speed; it is an engine endpoint here (``max_inflight``), as ``llm`` is. A request that
+names a gate (``fair_frontend.testing.Gate``) is held after its first response until the
+test opens it: a model that stops answering for as long as the test says. Whether
+anything was marked down is read once the core has recorded the stream's end.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +32,7 @@ import tritonclient.grpc.aio as grpcaio
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.protocol import Tensor
+from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from tests.support import (
     KEYS,
@@ -65,6 +70,52 @@ async def count_mark_down(fe: Any) -> list[float]:
     return calls
 
 
+async def settled(fe: Any, model: str = "repeat_int32") -> None:
+    """Until the core has recorded the end of every stream of ``model`` (its slots back):
+    a mark-down would have come with it."""
+
+    async def idle() -> bool:
+        runtime = fe.frontend.runtimes.get(model)
+        return runtime is not None and runtime.inflight == 0
+
+    what = f"the end of {model}'s stream recorded by the core"
+    await aeventually(lambda: fe.acall(idle()), DEADLINE_S, 0.01, what=what)
+
+
+async def gated_stream(url: str, gate: Gate) -> tuple[int, Any]:
+    """One repeat_int32 request of two responses, held at ``gate`` after its first, on a
+    gRPC stream through the frontend: (responses with a value, the error that ended it or
+    None), the stream read to its end."""
+    client = grpcaio.InferenceServerClient(url)
+    tensors = []
+    for name, dtype, values in (
+        ("IN", "INT32", np.arange(2, dtype=np.int32)),
+        ("DELAY", "UINT32", np.zeros(2, dtype=np.uint32)),
+        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
+    ):
+        tensor = grpcaio.InferInput(name, list(values.shape), dtype)
+        tensor.set_data_from_numpy(values)
+        tensors.append(tensor)
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {
+            "model_name": "repeat_int32",
+            "inputs": tensors,
+            "parameters": {GATE_PARAMETER: gate.parameter},
+        }
+
+    got = 0
+    try:
+        async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS["acme"]}):
+            if error is not None:
+                return got, error
+            if result.as_numpy("OUT") is not None:
+                got += 1
+    finally:
+        await client.close()
+    return got, None
+
+
 async def test_a_stream_longer_than_the_request_timeout_completes_and_marks_nothing_down(
     triton: EmbeddedTriton, workers: int
 ) -> None:
@@ -74,18 +125,24 @@ async def test_a_stream_longer_than_the_request_timeout_completes_and_marks_noth
         marked = await fe.acall(count_mark_down(fe))
         got, error = await asyncio.wait_for(repeat_stream(fe.grpc_url, [500] * 6), DEADLINE_S)
         assert (got, error) == (6, None)
+        await settled(fe)
         assert marked == []
 
 
 async def test_a_stream_without_progress_fails_alone_after_the_timeout(
-    triton: EmbeddedTriton, workers: int
+    triton: EmbeddedTriton, workers: int, tmp_path: Path
 ) -> None:
-    """The model stops answering (6 s before its second response) under a 1.5 s timeout:
-    the request is answered UNAVAILABLE once the timeout passes without a response,
-    nothing is marked down, and another model is served right after."""
+    """The model stops answering after its first response (held at a gate the test opens
+    only once the stream has ended) under a 1.5 s timeout: the request is answered
+    UNAVAILABLE once the timeout passes without a response, nothing is marked down, and
+    another model is served right after."""
+    gate = Gate(tmp_path)
     with running_frontend(config(1.5), triton, workers=workers) as fe:
         marked = await fe.acall(count_mark_down(fe))
-        got, error = await asyncio.wait_for(repeat_stream(fe.grpc_url, [0, 6000]), DEADLINE_S)
+        try:
+            got, error = await asyncio.wait_for(gated_stream(fe.grpc_url, gate), DEADLINE_S)
+        finally:
+            gate.open()  # the model's instance goes on
         assert got == 1 and error is not None
         assert NO_PROGRESS in error.message() and "1.5 s" in error.message(), error
         client = grpcaio.InferenceServerClient(fe.grpc_url)
@@ -99,6 +156,7 @@ async def test_a_stream_without_progress_fails_alone_after_the_timeout(
             )
         finally:
             await client.close()
+        await settled(fe)
         assert marked == []
 
 
