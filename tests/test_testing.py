@@ -1,4 +1,12 @@
-"""``fair_frontend.testing``: the scraper and the waits the tests and benchmarks share."""
+"""``fair_frontend.testing``: the scraper and the waits the tests and benchmarks share.
+
+``eventually`` runs on a clock of the test's own (``FakeTime``: its sleeps move it on and
+are recorded), so what it waits is asserted exactly. ``aeventually`` runs on the loop's
+real clock: each wait there is given an interval far longer than its timeout, so that a
+bug (sleeping a whole interval past the deadline, or awaiting a condition unbounded) would
+take many times longer than the bound the test allows, and the bound many times longer
+than the wait a loaded machine can stretch.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,13 @@ import time
 
 import pytest
 
+from fair_frontend import testing
 from fair_frontend.testing import aeventually, eventually, parse
+
+# aeventually's bound on a wait of 0.1 s: far above what a loaded machine adds to it, far
+# below the interval a bug would sleep (LONG_INTERVAL_S), or a hang.
+BOUND_S = 10.0
+LONG_INTERVAL_S = 60.0
 
 PAGE = """\
 # HELP fair_requests_total Requests by outcome.
@@ -61,29 +75,61 @@ def test_per_label_sums_and_values() -> None:
     }
 
 
-def test_eventually_returns_the_first_truthy_value_at_once() -> None:
+class FakeTime:
+    """``fair_frontend.testing``'s ``time`` module, on a clock of the test's own: ``sleep``
+    moves it on at once and records how long; ``monotonic`` reads it. (The times the tests
+    use are binary fractions: sums of them are exact.)"""
+
+    def __init__(self) -> None:
+        self.now = 1024.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(testing, "time", fake)
+    return fake
+
+
+def test_eventually_returns_the_first_truthy_value_at_once(fake_time: FakeTime) -> None:
     calls = []
 
     def ready() -> str:
-        calls.append(1)
+        calls.append(fake_time.now)
         return "yes"
 
-    start = time.monotonic()
     assert eventually(ready, timeout=5, interval=1) == "yes"
-    assert calls == [1] and time.monotonic() - start < 0.5
+    assert calls == [1024.0] and fake_time.sleeps == []  # one look, no sleep
 
 
-def test_eventually_polls_until_true() -> None:
+def test_eventually_polls_until_true(fake_time: FakeTime) -> None:
     values = iter([0, None, "", 42])
-    assert eventually(lambda: next(values), timeout=5, interval=0.001) == 42
+    assert eventually(lambda: next(values), timeout=5, interval=0.125) == 42
+    assert fake_time.sleeps == [0.125] * 3  # one interval between looks
 
 
-def test_eventually_fails_after_the_timeout_naming_what() -> None:
-    start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"not within 0\.2 s: the queue to drain"):
-        eventually(lambda: False, timeout=0.2, interval=0.05, what="the queue to drain")
-    took = time.monotonic() - start
-    assert 0.2 <= took < 0.2 + 0.15  # the last look at the deadline, no sleep past it
+def test_eventually_fails_after_the_timeout_naming_what(fake_time: FakeTime) -> None:
+    looks: list[float] = []
+
+    def drained() -> bool:
+        looks.append(fake_time.now - 1024.0)
+        return False
+
+    with pytest.raises(AssertionError, match=r"not within 0\.25 s: the queue to drain"):
+        eventually(drained, timeout=0.25, interval=0.1875, what="the queue to drain")
+    # An interval, then only the time left: the last look at the deadline, no sleep past
+    # it, and no failure before it.
+    assert fake_time.sleeps == [0.1875, 0.0625]
+    assert looks == [0.0, 0.1875, 0.25]
 
 
 def test_eventually_names_the_condition_by_default() -> None:
@@ -105,16 +151,32 @@ async def test_aeventually_takes_coroutines_and_plain_values() -> None:
 
 
 async def test_aeventually_fails_after_the_timeout_and_bounds_a_hung_condition() -> None:
+    # An interval far longer than the timeout: it sleeps only the time left, and fails at
+    # the deadline (not before it; a whole interval would be LONG_INTERVAL_S).
+    looks = 0
+
+    def nothing() -> int:
+        nonlocal looks
+        looks += 1
+        return 0
+
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"not within 0\.1 s: nothing"):
-        await aeventually(lambda: 0, timeout=0.1, interval=0.02, what="nothing")
-    assert time.monotonic() - start < 0.25
+        await asyncio.wait_for(
+            aeventually(nothing, timeout=0.1, interval=LONG_INTERVAL_S, what="nothing"), BOUND_S
+        )
+    took = time.monotonic() - start
+    assert 0.1 - 1e-3 <= took < BOUND_S, took
+    assert looks == 2  # at once, and at the deadline
 
     async def hangs() -> bool:
         await asyncio.Event().wait()
         return True
 
+    # A condition that never answers fails the wait at its deadline (unbounded, it would
+    # hang: wait_for turns that into a TimeoutError, not the AssertionError expected).
     start = time.monotonic()
     with pytest.raises(AssertionError, match="did not answer"):
-        await aeventually(hangs, timeout=0.1, interval=0.02)
-    assert time.monotonic() - start < 0.25
+        await asyncio.wait_for(aeventually(hangs, timeout=0.1, interval=0.02), BOUND_S)
+    took = time.monotonic() - start
+    assert 0.1 - 1e-3 <= took < BOUND_S, took

@@ -5,10 +5,12 @@ stub), real Redis.
 What a client reads: OpenAI's ``x-ratelimit-*`` headers (HTTP) and metadata (gRPC) on
 every answer of the KServe routes: infer, generate, generate_stream, ModelInfer,
 ModelStreamInfer, the 429s included. ``remaining`` counts down with each request and a
-refusal counts nothing; once ``reset`` has passed (a one-second window: a short, measured
-wait) the whole limit is back. Two frontends sharing one Redis report one count. A day's
-limit used up is ``QuotaExhausted`` in the shell that answers (its class crossed the
-core's socket by name), a 429 with the headers for its client.
+refusal counts nothing; once ``reset`` has passed the whole limit is back, and not a
+millisecond before (on the core's wall clock, which the test holds still and moves on
+itself: a one-second window does not depend on how fast this machine answers). Two
+frontends sharing one Redis report one count. A day's limit used up is ``QuotaExhausted``
+in the shell that answers (its class crossed the core's socket by name), a 429 with the
+headers for its client.
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ class Got:
     refused: bool  # 429 / RESOURCE_EXHAUSTED
     quota: dict[str, str]
     retry_after: str | None
-    at: float  # time.monotonic() when it was read
 
     def remaining(self, unit: str = "requests") -> int:
         return int(self.quota[f"x-ratelimit-remaining-{unit}"])
@@ -123,7 +124,6 @@ class Client:
             code == grpc.StatusCode.RESOURCE_EXHAUSTED,
             _quota(await call.initial_metadata() or ()),
             None if retry is None else str(retry),
-            time.monotonic(),
         )
 
     async def http(self, url: str, path: str, body: bytes) -> Got:
@@ -136,7 +136,6 @@ class Client:
                 response.status == 429,
                 _quota(response.headers.items()),
                 response.headers.get("Retry-After"),
-                time.monotonic(),
             )
 
     async def close(self) -> None:
@@ -156,6 +155,28 @@ def _nothing() -> None:
     pass
 
 
+class StillWall:
+    """A wall clock that stands still until the test moves it on, for a running core: the
+    rate limits' only clock is the core's ``wall`` (``Core(wall=...)``, read by its
+    ``accounting`` at each check), so requests answered at any speed are all at one moment
+    of their windows. Whole microseconds from a whole second, as the limiter counts them."""
+
+    def __init__(self) -> None:
+        self._us = int(time.time()) * 1_000_000
+
+    def __call__(self) -> float:
+        return self._us / 1e6
+
+    def advance_ms(self, ms: int) -> None:
+        self._us += ms * 1000
+
+    def hold(self, fe: RunningFrontend) -> StillWall:
+        """Be the clock of ``fe``'s rate limits from now on (its core runs in this process
+        whatever the number of shells)."""
+        fe.frontend.accounting.wall = self
+        return self
+
+
 # ---- counts down, refuses, resets -------------------------------------------------------------
 
 
@@ -165,6 +186,7 @@ async def test_remaining_counts_down_and_the_window_resets(
 ) -> None:
     limits = {"embed": {"requests_per_second": 4, "tokens_per_minute": 1000}}
     with limited(triton, workers, limits) as fe:
+        wall = StillWall().hold(fe)
         admitted = [await client.infer(protocol, fe) for _ in range(4)]
         assert all(g.ok for g in admitted), admitted
         assert [g.limit() for g in admitted] == [4] * 4
@@ -175,15 +197,20 @@ async def test_remaining_counts_down_and_the_window_resets(
             # The window empties one second (plus at most one 20 ms bucket) after the
             # newest admission; the minute's a minute (plus 1.2 s) after it.
             assert 0 < g.reset_s() <= 1.02, g.quota
+            assert g.reset_s() == admitted[0].reset_s()  # one moment: one bucket
             assert 58 < g.reset_s("tokens") <= 61.2, g.quota
         refused = await client.infer(protocol, fe)
         assert refused.refused and refused.retry_after is not None, refused
         # The 429 has the headers too, and counted nothing.
         assert (refused.remaining(), refused.remaining("tokens")) == (0, 968)
         assert 0 < refused.reset_s() <= 1.02
-        # Once the reset it told has passed (measured from when it was read: the window
-        # emptied no later), the whole limit is back: this request leaves 3.
-        await asyncio.sleep(max(0.0, refused.at + refused.reset_s() - time.monotonic()))
+        reset_ms = parse_duration(refused.quota["x-ratelimit-reset-requests"])
+        # A millisecond before the reset it told, the window still holds the four.
+        wall.advance_ms(reset_ms - 1)
+        early = await client.infer(protocol, fe)
+        assert early.refused and early.remaining() == 0, early
+        # Once that reset has passed, the whole limit is back: this request leaves 3.
+        wall.advance_ms(1)
         again = await client.infer(protocol, fe)
         assert again.ok, again
         assert again.remaining() == 3 and again.remaining("tokens") == 960

@@ -7,10 +7,14 @@ With ``fail_open`` every request is still admitted; with ``fail_closed`` every r
 answered UNAVAILABLE / 503; ``fair_rate_limit_storage_errors{mode, reason}`` counts them:
 each check asks Redis (``error`` when it is killed, ``timeout`` when it is hung) until it
 has answered nothing for a second, then the circuit opens (``circuit_open``: checks take
-the mode at once, one probe at a time). In both modes no request waits longer than the
-storage timeout twice (the round trip ahead of it, and its own) plus a generous margin (a
-behaviour bound: without the timeout a hung Redis holds requests until the test ends).
-Once Redis answers again the limits count again.
+the mode at once, one probe at a time). In both modes every request is answered sooner than
+the storage's backstop could have answered its check (a timer of the core's loop, never
+early): so by its round trip's own timeout, or the circuit, and never held (without the
+timeout a hung Redis holds each check until the backstop). How long a check waits beyond
+its timeout is bounded exactly in ``test_ratelimit_redis``; here a request also waits for
+Triton and for a loaded machine. The outage lasts until the traffic has met it (requests
+sent after it began, the circuit open), not a time sized to this machine's speed. Once
+Redis answers again the limits count again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
+from fair_frontend.admission.storage import BACKSTOP_S, BACKSTOP_TIMEOUTS
+from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
@@ -33,8 +39,13 @@ if TYPE_CHECKING:
 TIMEOUT_S = 0.2  # the storage timeout: above the 50 ms default so that a loaded machine
 # never times out before Redis is down, which would make the "before" phase flaky
 OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S  # 1 s of failures open the circuit
-BOUND_S = 2 * TIMEOUT_S + 1.0  # what any request may take, Redis up, down or hung
-OUTAGE_S = 2.5 * OPEN_AFTER_S  # long enough for the circuit to open and probes to fail
+# The storage's backstop: a check its round trip never answered is answered by the core's
+# loop this long after it began (4.2 s), never sooner. A request answered sooner had its
+# check answered by its round trip's timeout (0.2 s; the one ahead of it: 0.4 s) or by the
+# circuit: what any request may take, Redis up, down or hung.
+BOUND_S = BACKSTOP_S + BACKSTOP_TIMEOUTS * TIMEOUT_S
+DURING = 20  # requests sent during the outage, at least
+OUTAGE_LIMIT_S = 60.0  # for the traffic to meet the outage: far above it, a hang fails
 RECOVERY_S = 10.0  # how long Redis may take to count again once it answers
 PACE_S = 0.005  # each client's pause between requests (keeps the two cores for the stack)
 TRAFFIC = "initech"  # its limit is far away: every refusal here is the storage's
@@ -113,6 +124,21 @@ def storage_errors(kserve: KServe, fe: RunningFrontend, mode: str, **labels: str
     return kserve.counter(fe.metrics_url, "fair_rate_limit_storage_errors", mode=mode, **labels)
 
 
+async def met_the_outage(
+    traffic: Traffic, fe: RunningFrontend, mode: str, down_at: float, asked: str
+) -> bool:
+    """Has the traffic met the whole outage: DURING requests sent after it began, checks
+    that asked Redis and failed (``asked``), and then the circuit open?"""
+    if sum(r.sent > down_at for r in traffic.replies) < DURING:
+        return False
+    page = await ascrape(fe.metrics_url)
+    errors = "fair_rate_limit_storage_errors"
+    return all(
+        page.family_sum(errors, mode=mode, tenant=TRAFFIC, reason=reason) >= 1
+        for reason in (asked, "circuit_open")
+    )
+
+
 async def probe_until_refused(kserve: KServe, fe: RunningFrontend) -> list[Reply]:
     """The probe tenant's requests, one at a time, until one is refused by its limit."""
     replies: list[Reply] = []
@@ -141,6 +167,7 @@ async def test_redis_down_mid_run(
     traffic = Traffic(kserve, fe)
     traffic.start()
     hung = False
+    asked = "error" if failure == "killed" else "timeout"  # why the checks that ask fail
     try:
         await traffic.until(REQUESTS_BEFORE)
         errors_before = storage_errors(kserve, fe, mode)
@@ -151,7 +178,12 @@ async def test_redis_down_mid_run(
             os.kill(pid, signal.SIGSTOP)
             hung = True
         down_at = time.monotonic()
-        await asyncio.sleep(OUTAGE_S)  # the outage runs this long (traffic keeps flowing)
+        # The outage lasts (traffic keeps flowing) until the traffic has met all of it.
+        await aeventually(
+            lambda: met_the_outage(traffic, fe, mode, down_at, asked),
+            OUTAGE_LIMIT_S,
+            what=f"{DURING} requests through the outage, and the circuit open",
+        )
         await traffic.stop()
         errors_after = storage_errors(kserve, fe, mode)
     finally:
@@ -163,7 +195,7 @@ async def test_redis_down_mid_run(
     during = [r for r in traffic.replies if r.sent > down_at]
     assert len(before) >= REQUESTS_BEFORE and all(r.ok for r in before), before[:3]
     assert errors_before == 0
-    assert len(during) >= 20, f"only {len(during)} requests during the outage"
+    assert len(during) >= DURING, f"only {len(during)} requests during the outage"
 
     # Every check after the outage began was a storage error, counted under the mode
     # (those in flight at that moment may or may not have been).
@@ -187,7 +219,6 @@ async def test_redis_down_mid_run(
 
     # Each check asked Redis and failed with the outage's reason, until the circuit opened
     # (after OPEN_AFTER_S), and was not asked after.
-    asked = "error" if failure == "killed" else "timeout"
     assert storage_errors(kserve, fe, mode, tenant=TRAFFIC, reason=asked) >= 1
     assert storage_errors(kserve, fe, mode, tenant=TRAFFIC, reason="circuit_open") >= 1
 

@@ -1,7 +1,11 @@
 """Charge-back on Redis only: the hash stays consistent, keys expire, and a Redis that is
 down or hung never makes ``adjust`` raise or wait past the timeout.
 
-Failure tests use the production timeout (50 ms) on a Redis of their own.
+Failure tests use the production timeout (50 ms) on a Redis of their own, and time each
+adjustment beside a control wait of one timeout started with it (``beside_a_wait``: a loaded
+machine delays both alike): against a killed Redis they end, typically, before their
+controls, against a hung one less than one more timeout after them, each after one round
+trip (and, refused, one reconnect at once).
 """
 
 from __future__ import annotations
@@ -9,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from typing import Protocol
 
 import pytest
@@ -18,10 +21,10 @@ from redis.asyncio import Redis
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
 from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
+from tests.admission.conftest import Timed, beside_a_wait, typical
 
 T0 = 1_700_000_123.456789
 TIMEOUT_S = DEFAULT_TIMEOUT_S
-BOUND_S = TIMEOUT_S + 0.1
 OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S
 TPM = RateLimitItem("tokens", "minute", 1000, 60.0)
 RPM = RateLimitItem("requests", "minute", 3, 60.0)
@@ -109,10 +112,17 @@ async def test_adjust_script_is_loaded_again_after_a_flush(
         await rl.close()
 
 
-async def timed_adjust(rl: RateLimiter, now: float) -> float:
-    start = time.perf_counter()
-    await rl.adjust("acme:gen", [TPM], tokens=-100, admitted_at=T0, now=now)
-    return time.perf_counter() - start
+async def timed_adjust(rl: RateLimiter, now: float) -> Timed[None]:
+    """A refund (never raises), timed beside a control wait of one storage timeout."""
+    return await beside_a_wait(
+        rl.adjust("acme:gen", [TPM], tokens=-100, admitted_at=T0, now=now), TIMEOUT_S
+    )
+
+
+def trips(rl: RateLimiter) -> int:
+    """Round trips the limiter's Redis storage has sent (a reconnect counts once more)."""
+    assert isinstance(rl.storage, RedisStorage)
+    return rl.storage.round_trips.round_trips
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
@@ -128,11 +138,16 @@ async def test_redis_killed_adjust_never_raises_and_counts_towards_the_circuit(
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed
         server.stop()
         # Each adjustment asks Redis and fails on its own: no skip after one failure.
+        waits: list[Timed[None]] = []
         for n, now in enumerate([T0 + 1, T0 + 1.2, T0 + 1.5], start=1):
-            took = await timed_adjust(rl, now)  # must not raise, even under fail_closed
-            assert took < BOUND_S, took
+            sent = trips(rl)
+            waits.append(await timed_adjust(rl, now))  # must not raise, even under fail_closed
+            assert 1 <= trips(rl) - sent <= 2, trips(rl) - sent  # it asked; one reconnect
             assert rl.storage_errors == n
             assert not rl.circuit_open
+        # Answered before a wait of one timeout, started with each, had ended: nothing
+        # waited out, nor backed off.
+        assert typical(waits) < 0, waits
         # Failing for open_after_s (1 s) opens the circuit, for admissions too.
         await timed_adjust(rl, T0 + 1 + OPEN_AFTER_S)
         assert rl.circuit_open and rl.storage_errors == 4
@@ -164,11 +179,17 @@ async def test_hung_redis_adjust_returns_within_the_timeout(
     try:
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed
         os.kill(pid, signal.SIGSTOP)
+        waits: list[Timed[None]] = []
         try:
             for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # two round trips; the third opens it
-                took = await timed_adjust(rl, now)
-                assert took < BOUND_S, took
+                sent = trips(rl)
+                t = await timed_adjust(rl, now)
+                waits.append(t)
+                assert trips(rl) - sent == 1, trips(rl) - sent  # one round trip
+                assert t.seconds >= 0.9 * TIMEOUT_S, t  # that really waited
             assert rl.storage_errors == 3
+            # Each gave up after its own timeout: less than one more than a control wait.
+            assert typical(waits) < TIMEOUT_S, waits
         finally:
             os.kill(pid, signal.SIGCONT)
         server.wait_ready()

@@ -1,7 +1,12 @@
 """Redis only: replicas sharing one server, key layout, and Redis down, hung or restarted.
 
-The failure tests use the production timeout (50 ms) on a Redis of their own, and bound
-every check by timeout + 100 ms of wall time: a check never hangs a request.
+The failure tests use the production timeout (50 ms) on a Redis of their own. A check never
+hangs a request: each is timed beside a control wait of one timeout started with it
+(``beside_a_wait``: a loaded machine delays both alike), and the checks of a test must end,
+typically, less than one more timeout after their controls (a hung Redis: each waited out
+its own timeout once, not a retry's, not the backstop's), or before them (a refused
+connection is not waited out); and the round trips each made are counted (one; a refused
+one: and one reconnect at once).
 """
 
 from __future__ import annotations
@@ -10,9 +15,8 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 from redis.asyncio import Redis
@@ -27,10 +31,10 @@ from fair_frontend.admission.ratelimit import (
 )
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
 from fair_frontend.errors import Unavailable
+from tests.admission.conftest import Timed, beside_a_wait, clocked, typical
 
 T0 = 1_700_000_123.456789
 TIMEOUT_S = DEFAULT_TIMEOUT_S  # 50 ms, the production default
-BOUND_S = TIMEOUT_S + 0.1  # what any check may take, storage down or not
 OPEN_AFTER_S = DEFAULT_OPEN_AFTER_S
 PROBE_S = DEFAULT_PROBE_S
 RPM = RateLimitItem("requests", "minute", 3, 60.0)
@@ -51,14 +55,22 @@ def item(unit: str, window: str, amount: int) -> RateLimitItem:
     return RateLimitItem(unit, window, amount, WINDOWS_S[window])  # type: ignore[arg-type]
 
 
-async def timed_check(rl: RateLimiter, now: float) -> tuple[float, object]:
-    """(seconds taken, the Decision or the exception raised)."""
-    start = time.perf_counter()
+async def check(rl: RateLimiter, now: float) -> object:
+    """A check of ``acme:embed``: its Decision, or the Unavailable it raised."""
     try:
-        result: object = await rl.check("acme:embed", [RPM], requests=1, tokens=0, now=now)
+        return await rl.check("acme:embed", [RPM], requests=1, tokens=0, now=now)
     except Unavailable as err:
-        result = err
-    return time.perf_counter() - start, result
+        return err
+
+
+async def timed_check(rl: RateLimiter, now: float) -> Timed[object]:
+    """``check``, timed beside a control wait of one storage timeout."""
+    return await beside_a_wait(check(rl, now), TIMEOUT_S)
+
+
+def trips(storage: RedisStorage) -> int:
+    """Round trips the storage has sent (a reconnect counts once more)."""
+    return storage.round_trips.round_trips
 
 
 # ---- shared by replicas ------------------------------------------------------------------
@@ -165,20 +177,24 @@ def reason_of(d: object) -> str | None:
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str) -> None:
     server = redis_process
-    rl = RateLimiter(
-        RedisStorage(server.url, timeout_s=TIMEOUT_S),
-        on_storage_error=mode,  # type: ignore[arg-type]
-    )
+    storage = RedisStorage(server.url, timeout_s=TIMEOUT_S)
+    rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
     try:
-        took, d = await timed_check(rl, T0)
+        d = await check(rl, T0)
         assert getattr(d, "allowed", False) and not getattr(d, "degraded", True)
 
         server.stop()
         # Each check asks Redis and takes the mode on its own (no skip after one failure)
         # until Redis has answered nothing for open_after_s; then the circuit opens.
+        waits: list[Timed[object]] = []
         for n, now in enumerate([T0 + 1, T0 + 1, T0 + 1.5, T0 + 1 + OPEN_AFTER_S], start=1):
-            took, d = await timed_check(rl, now)
-            assert took < BOUND_S, took
+            sent = trips(storage)
+            t = await timed_check(rl, now)
+            waits.append(t)
+            d = t.result
+            # It asked: one round trip, and one reconnect at once (Redis closed the
+            # connection), no more.
+            assert 1 <= trips(storage) - sent <= 2, trips(storage) - sent
             assert reason_of(d) == "error", d
             if mode == "fail_open":
                 assert getattr(d, "allowed", False) and getattr(d, "degraded", False)
@@ -189,21 +205,26 @@ async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str
                 assert d.retry_after == (PROBE_S if rl.circuit_open else None)
             assert rl.storage_errors == n
             assert rl.circuit_open == (n == 4)
+        # Each was answered before a wait of one timeout, started with it, had ended: a
+        # refused connection is neither waited out nor backed off.
+        assert typical(waits) < 0, waits
 
         # Open: the mode at once, without asking, until a probe is due.
-        took, d = await timed_check(rl, T0 + 2.1)
+        sent = trips(storage)
+        d = await check(rl, T0 + 2.1)
         assert reason_of(d) == "circuit_open" and rl.storage_errors == 5
         if mode == "fail_closed":
             assert isinstance(d, Unavailable) and d.retry_after == pytest.approx(0.15)
         server.start()  # same port: Redis is back, empty
-        took, d = await timed_check(rl, T0 + 2.0 + PROBE_S / 2)  # no probe due yet
+        d = await check(rl, T0 + 2.0 + PROBE_S / 2)  # no probe due yet
         assert reason_of(d) == "circuit_open" and rl.storage_errors == 6
+        assert trips(storage) == sent  # neither asked
         # A probe is due: it reconnects, Redis answers, the circuit closes, limits count.
         for _ in range(3):
-            took, d = await timed_check(rl, T0 + 2.0 + PROBE_S)
+            d = await check(rl, T0 + 2.0 + PROBE_S)
             assert getattr(d, "allowed", False) and not getattr(d, "degraded", True), d
         assert not rl.circuit_open
-        took, d = await timed_check(rl, T0 + 2.0 + PROBE_S)
+        d = await check(rl, T0 + 2.0 + PROBE_S)
         assert getattr(d, "allowed", True) is False and getattr(d, "violated", None) == RPM
         assert rl.storage_errors == 6
     finally:
@@ -216,25 +237,32 @@ async def test_hung_redis_times_out_then_recovers(redis_process: RedisServer, mo
     server = redis_process
     assert server.proc is not None
     pid = server.proc.pid
-    rl = RateLimiter(
-        RedisStorage(server.url, timeout_s=TIMEOUT_S),
-        on_storage_error=mode,  # type: ignore[arg-type]
-    )
+    storage = RedisStorage(server.url, timeout_s=TIMEOUT_S)
+    rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
     try:
         assert (await rl.check("acme:embed", [RPM], requests=1, tokens=0, now=T0)).allowed
         os.kill(pid, signal.SIGSTOP)
+        waits: list[Timed[object]] = []
         try:
             for now in (T0 + 1, T0 + 1.2, T0 + 2.5):  # each asks; the third opens it
-                took, d = await timed_check(rl, now)
-                assert took < BOUND_S, took
+                sent = trips(storage)
+                t = await timed_check(rl, now)
+                waits.append(t)
+                d = t.result
+                # It asked once, and really waited for Redis.
+                assert trips(storage) - sent == 1, trips(storage) - sent
+                assert t.seconds >= 0.9 * TIMEOUT_S, t
+                assert reason_of(d) == "timeout", d
                 if mode == "fail_open":
                     assert getattr(d, "degraded", False)
                 else:
                     assert isinstance(d, Unavailable)
         finally:
             os.kill(pid, signal.SIGCONT)
+        # Each gave up after its own timeout: less than one more after a control wait of one.
+        assert typical(waits) < TIMEOUT_S, waits
         server.wait_ready()
-        took, d = await timed_check(rl, T0 + 4)
+        d = await check(rl, T0 + 4)
         assert getattr(d, "allowed", False) and not getattr(d, "degraded", True), d
     finally:
         await rl.close()
@@ -277,28 +305,29 @@ async def test_silent_server_fails_each_round_trip_then_one_probe_at_a_time(
     black_hole: BlackHole, mode: str
 ) -> None:
     """A server that never answers: concurrent checks share one round trip (one connection:
-    the timeout drops it), each takes the mode within the bound; once it has answered
+    the timeout drops it), each takes the mode after that one timeout; once it has answered
     nothing for open_after_s the circuit opens and one check per probe_s asks."""
     async with black_hole as url:
-        rl = RateLimiter(
-            RedisStorage(url, timeout_s=TIMEOUT_S),
-            on_storage_error=mode,  # type: ignore[arg-type]
-        )
+        storage = RedisStorage(url, timeout_s=TIMEOUT_S)
+        rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
 
-        async def burst(now: float) -> list[tuple[float, object]]:
-            start = time.perf_counter()
-            results = await asyncio.gather(*(timed_check(rl, now) for _ in range(10)))
-            assert time.perf_counter() - start < BOUND_S
-            assert all(took < BOUND_S for took, _ in results)
-            return results
+        waits: list[Timed[Any]] = []
+
+        async def burst(now: float) -> list[object]:
+            sent = trips(storage)
+            t = await beside_a_wait(asyncio.gather(*(check(rl, now) for _ in range(10))), TIMEOUT_S)
+            waits.append(t)
+            assert trips(storage) - sent <= 1  # the ten share one round trip, or none asks
+            return list(t.result)
 
         try:
-            took, d = await timed_check(rl, T0)
-            assert took >= 0.9 * TIMEOUT_S and reason_of(d) == "timeout"  # really waited
+            t = await timed_check(rl, T0)
+            waits.append(t)
+            assert t.seconds >= 0.9 * TIMEOUT_S and reason_of(t.result) == "timeout"  # waited
             assert black_hole.connections == 1
             # Each asks again (no skip after a failure): ten checks, one round trip.
             results = await burst(T0 + 0.5)
-            assert [reason_of(d) for _, d in results] == ["timeout"] * 10
+            assert [reason_of(d) for d in results] == ["timeout"] * 10
             assert black_hole.connections == 2 and rl.storage_errors == 11
             assert not rl.circuit_open
             # 1.5 s of failures: this round trip opens the circuit.
@@ -306,13 +335,16 @@ async def test_silent_server_fails_each_round_trip_then_one_probe_at_a_time(
             assert black_hole.connections == 3 and rl.circuit_open
             # Open, no probe due: nobody asks.
             results = await burst(T0 + 1.5 + PROBE_S / 2)
-            assert [reason_of(d) for _, d in results] == ["circuit_open"] * 10
+            assert [reason_of(d) for d in results] == ["circuit_open"] * 10
             assert black_hole.connections == 3
             # A probe is due: one of the ten asks (and times out), the others do not wait.
             results = await burst(T0 + 1.5 + PROBE_S)
-            reasons = sorted(str(reason_of(d)) for _, d in results)
+            reasons = sorted(str(reason_of(d)) for d in results)
             assert reasons == ["circuit_open"] * 9 + ["timeout"]
             assert black_hole.connections == 4 and rl.storage_errors == 41
+            # Together, each round trip's checks waited one timeout at most (one round trip
+            # between them, not one after another): less than one more than a control wait.
+            assert typical(waits) < TIMEOUT_S, waits
         finally:
             await rl.close()
 
@@ -330,10 +362,15 @@ async def test_a_call_the_thread_never_answers_is_answered_by_the_backstop(
         storage.round_trips.backstop_s = 0.2
         rl = RateLimiter(storage, on_storage_error="fail_closed")
         try:
-            results = await asyncio.gather(*(timed_check(rl, T0) for _ in range(3)))
-            for took, d in results:
-                assert 0.15 < took < 0.9, took  # the backstop, not the 1 s timeout
+            t = await beside_a_wait(
+                asyncio.gather(*(clocked(check(rl, T0)) for _ in range(3))), 0.2
+            )
+            for d, took in t.result:
+                assert took > 0.15, took  # the backstop is a loop timer: never early
                 assert reason_of(d) == "timeout"
+            # The backstop answered, not the 1 s socket timeout: the three ended nearer a
+            # control wait of the backstop's 0.2 s, started with them, than 0.8 s after it.
+            assert t.beyond < (1.0 - 0.2) / 2, t
             assert rl.storage_errors == 3
         finally:
             await rl.close()  # waits for the thread's own timeout: nothing left behind
