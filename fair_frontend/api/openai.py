@@ -137,6 +137,21 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return doc
 
 
+def decode_chat(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/chat/completions`` body, from its bytes, checked."""
+    return chat_request(parse_body(raw), headers, config)
+
+
+def decode_completion(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/completions`` body, from its bytes, checked."""
+    return completion_request(parse_body(raw), headers, config)
+
+
+def decode_embeddings(raw: bytes) -> Embeddings:
+    """A ``/v1/embeddings`` body, from its bytes, checked."""
+    return embeddings_request(parse_body(raw))
+
+
 def _get(doc: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
     value = doc.get(name)
     if value is None:

@@ -162,6 +162,16 @@ def parse_jina(body: Any, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
     )
 
 
+def decode_cohere(raw: bytes) -> RerankCall:
+    """A Cohere v2 rerank body, from its bytes, checked."""
+    return parse_cohere(raw)
+
+
+def decode_jina(raw: bytes) -> RerankCall:
+    """A Jina/vLLM rerank body, from its bytes, checked."""
+    return parse_jina(raw)
+
+
 def _validate(model: type[_Body], body: Any) -> Any:
     try:
         if isinstance(body, (bytes, bytearray, str)):
