@@ -221,13 +221,6 @@ class Partition:
         await self._server.wait_closed()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fair_frontend.fleet.election._Lease._renew checks the step-down only after each "
-    "renewal attempt, and the attempts are lease/3 of sleep plus up to lease/3 of timeout "
-    "apart: a leader cut off from Redis steps down at lease + lease/3, a standby leads at "
-    "lease (+ its poll)",
-)
 async def test_a_partitioned_leader_stops_leading_before_a_standby_leads(
     redis_server: RedisProcess,
 ) -> None:

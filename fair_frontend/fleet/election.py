@@ -112,7 +112,31 @@ class _Lease:
         self._renewer = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
-        interval = self.lease_s / 3
+        """Lead until a renewal finds the key another core's, or until STEP_DOWN of the
+        lease has passed since the last renewal. The clock is watched on its own, not
+        between attempts: an attempt that hangs (a partition) cannot delay the step-down
+        past the key's expiry, when a standby may take it."""
+        attempts = asyncio.get_running_loop().create_task(self._attempts(self.lease_s / 3))
+        try:
+            while not attempts.done():
+                since = time.monotonic() - self._renewed_at
+                if since >= STEP_DOWN * self.lease_s:
+                    log.error(
+                        "no renewal for %.1f s of a %.1f s lease: stepping down",
+                        since,
+                        self.lease_s,
+                    )
+                    break
+                await asyncio.wait({attempts}, timeout=STEP_DOWN * self.lease_s - since)
+            else:
+                if not attempts.cancelled() and (err := attempts.exception()) is not None:
+                    log.error("the lease's renewals failed: stepping down", exc_info=err)
+        finally:
+            attempts.cancel()
+        self.lost.set()
+
+    async def _attempts(self, interval: float) -> None:
+        """Renew every ``interval``; return once the key is another core's."""
         while True:
             await asyncio.sleep(interval)
             started = time.monotonic()
@@ -120,20 +144,12 @@ class _Lease:
                 held = await asyncio.wait_for(self._try_renew(), interval)
             except (RedisError, OSError, aiohttp.ClientError, TimeoutError) as err:
                 log.warning("cannot renew the lease: %s", err)
-                held = None
+                continue
             if held:
                 self._renewed_at = started
-            elif held is False:
+            else:
                 log.error("the lease is another core's now: stepping down")
-                break
-            if time.monotonic() - self._renewed_at >= STEP_DOWN * self.lease_s:
-                log.error(
-                    "no renewal for %.1f s of a %.1f s lease: stepping down",
-                    time.monotonic() - self._renewed_at,
-                    self.lease_s,
-                )
-                break
-        self.lost.set()
+                return
 
     async def release(self) -> None:
         if self._renewer is not None:
