@@ -160,8 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument(
         "--advertise",
         default=None,
-        help="HOST:PORT the shells reach this core at, told to them by a standby "
+        help="HOST:PORT the shells reach this core at, in its lease identity and logs "
         "(default: --listen's, with this host's name for 0.0.0.0)",
+    )
+    core.add_argument(
+        "--identity",
+        default=None,
+        help="this core's name in the lease; each core needs its own (default: the "
+        "--advertise address, this host's name, the process id and a random part: unique "
+        "per process)",
     )
     core.add_argument(
         "--lease-s",

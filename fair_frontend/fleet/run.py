@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 from collections.abc import Sequence
@@ -50,6 +51,21 @@ def advertised(listen: str, advertise: str | None) -> str:
     if host in ("0.0.0.0", "[::]", "::", ""):
         host = socket.gethostname()
     return f"{host}:{port}"
+
+
+def lease_identity(args: argparse.Namespace) -> str:
+    """Who this core is in the lease: ``--identity``, else the address shells reach it at
+    (``advertised``), this host's name, this process's id and a random part.
+
+    Unique per process by default: an address alone is not (two cores on different hosts
+    both listening on 127.0.0.1:P, containers sharing a host name, a core restarted in
+    the pod of the one before it), and the lease is renewed, freed and, for a Kubernetes
+    Lease, taken again by whoever carries the name it holds: two cores of one name would
+    both lead."""
+    if args.identity:
+        return str(args.identity)
+    where = advertised(args.listen, args.advertise)
+    return f"{where}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
 
 
 def make_election(args: argparse.Namespace, config: Config, identity: str) -> Election:
@@ -80,7 +96,7 @@ async def run_core(
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         tls = Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
         tls.server_credentials()  # unreadable or incomplete: said now, not once leading
-    identity = advertised(args.listen, args.advertise)
+    identity = lease_identity(args)
     election = make_election(args, config, identity)
     server = FrontendServer(config, list(triton_urls), listen, workers=0)
     await server.start()
