@@ -22,6 +22,7 @@ Shape (see ``examples/config.yaml`` for a complete, commented example)::
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import os
@@ -1445,6 +1446,39 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(str(p), ["the top level must be a mapping"])
     resolve_relative_paths(data, p.parent)
     return parse_config(data, str(p))
+
+
+def model_name_warnings(config: Config) -> list[str]:
+    """Model names in ``tier_models``, the limits and the tenants' model lists that no
+    ``endpoints`` entry carries, each with the closest endpoint's name where one is close
+    (``difflib``). Said at start (and by check-config), not refused: a name needs no entry
+    (Triton may serve models the config does not name, with ``default_endpoint``'s
+    policy), but a misspelt one opens or limits nothing the operator meant it to. Nothing
+    to say where no endpoints are configured."""
+    known = sorted(config.endpoints)
+    if not known:
+        return []
+    named: list[tuple[str, str]] = []  # (where, name)
+    for tier, models in config.tier_models.items():
+        named += [(f"tier_models.{tier}", m) for m in models]
+    for tier, per_model in config.tier_limits.items():
+        named += [(f"tier_limits.{tier}", m) for m in per_model]
+    for tname, tenant in config.tenants.items():
+        named += [(f"tenants.{tname}.limits", m) for m in tenant.limits]
+        for field in ("models", "extra_models", "denied_models"):
+            named += [(f"tenants.{tname}.{field}", m) for m in getattr(tenant, field) or []]
+    warnings = []
+    for where, name in named:
+        if name == ALL_MODELS or name in config.endpoints:
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        warnings.append(
+            f"{where}: no endpoint is named '{name}'{hint}; endpoints: {', '.join(known)}. "
+            "It applies only to a Triton model of that name, served with default_endpoint's "
+            "policy"
+        )
+    return warnings
 
 
 def resolve_relative_paths(data: dict[str, Any], folder: Path) -> None:
