@@ -53,6 +53,7 @@ from fair_frontend.wire.remote import (
 )
 
 if TYPE_CHECKING:
+    from fair_frontend.config import Config
     from fair_frontend.core.dispatch import CoreRequest
     from fair_frontend.core.service import Core
 
@@ -130,6 +131,7 @@ class ShellConnection(Framed):
         super().__init__()
         self.server = server
         self.core = server.core
+        self.max_frame = server.core.config.link_max_message_bytes()
         self.index = -1
         self.pid = 0
         self.host = ""  # a shell on another host: its address
@@ -278,6 +280,23 @@ class ShellConnection(Framed):
         self.server.shell_gone(self)
 
 
+def link_server_options(config: Config) -> list[tuple[str, int]]:
+    """The link's gRPC options: ``SERVER_OPTIONS`` (keepalive, the port its own) and the
+    port's bounds (``core_link``), like the tenant ports': connections, streams on one,
+    the handshake and a connection without a stream, the largest message. What anyone
+    who reaches the port holds before its secret is checked is bounded by them."""
+    link = config.core_link
+    handshake_ms = max(1, min(round(link.handshake_timeout_s * 1000), 2**31 - 1))
+    bounds = {
+        "grpc.max_receive_message_length": config.link_max_message_bytes(),
+        "grpc.max_allowed_incoming_connections": link.max_connections,
+        "grpc.max_concurrent_streams": link.max_streams_per_connection,
+        "grpc.server_handshake_timeout_ms": handshake_ms,
+        "grpc.max_connection_idle_ms": handshake_ms,
+    }
+    return [(k, v) for k, v in SERVER_OPTIONS if k not in bounds] + list(bounds.items())
+
+
 _CANCELLED: Any = object()  # a call cancelled while still in the intake
 View = tuple[  # QueueView's
     list[tuple[str, str, str]], list[tuple[str, str, int, str]], list[tuple[str, str, str, float]]
@@ -323,7 +342,7 @@ class CoreServer:
         """Accept shells from other hosts at ``address`` (HOST:PORT), each stream carrying
         ``secret`` (over TLS where ``tls`` is given); returns the port bound."""
         self._secret = secret
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=link_server_options(self.core.config))
         handler = grpc.stream_stream_rpc_method_handler(self._link)  # bytes in, bytes out
         service, method = METHOD.rsplit("/", 1)
         server.add_generic_rpc_handlers(
