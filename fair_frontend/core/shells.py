@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from fair_frontend.auth import GatewayTrust
+from fair_frontend.config import SHA256_PREFIX
 from fair_frontend.errors import FrontendError, Internal
 from fair_frontend.wire.framing import Framed, FrameTooLarge, to_core
 from fair_frontend.wire.records import (
@@ -278,6 +280,25 @@ class ShellConnection(Framed):
             log.warning("%s disconnected: dropped %d of its requests", self.peer, waiting + dropped)
         self.calls.clear()
         self.server.shell_gone(self)
+
+
+def shell_config(config: Config) -> dict[str, Any]:
+    """What a shell is told of the config (``Settings.config``): all of it but what a
+    shell never uses and must not hold. The tenants' keys (inline, and where their files
+    and variables are): a shell gets their digests (``Settings.keys``), which is all
+    ``KeyRing`` compares with. The trusted gateway's secret: its digest, in the
+    "sha256:<hex>" form ``GatewayTrust`` reads (where it is a variable of the core's, the
+    shell need not have that variable)."""
+    data = config.model_dump(mode="json")
+    for tenant in data["tenants"].values():
+        tenant.update(api_keys=[], api_keys_file=None, api_keys_env=None)
+    trust = GatewayTrust.from_config(config.auth)
+    digest = trust.secret_digest if trust is not None else None
+    data["auth"].update(
+        trusted_gateway_secret=None if digest is None else SHA256_PREFIX + digest.hex(),
+        trusted_gateway_secret_env=None,
+    )
+    return data
 
 
 def link_server_options(config: Config) -> list[tuple[str, int]]:
