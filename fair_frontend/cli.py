@@ -508,7 +508,15 @@ def _fleet_core(config: Config, args: argparse.Namespace) -> int:
 
     async def main() -> int:
         stop = _stop_on_signals()
-        return await run_core(config, args.triton_url, listen, args, secret, stop)
+        return await run_core(
+            config,
+            args.triton_url,
+            listen,
+            args,
+            secret,
+            stop,
+            reload=lambda server: _reload(server, args.config),
+        )
 
     try:
         return uvloop.run(main())

@@ -8,12 +8,17 @@ gateway secret, as an operator may write them.
 * A shell is sent the keys' digests and the gateway secret's digest, never the keys or
   the secret (before: the whole config, ``model_dump()``); auth through it still works,
   by key and by the gateway's proof.
+* SIGHUP to the leading core reloads its config file as ``serve`` does: a key rotated in
+  the file works through the shell at once and the old one is refused, and the core
+  lives on (before: SIGHUP's default action killed it). A standby reads the file again as
+  it takes the lease, so a reload signalled to the leader alone survives a failover.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ import yaml
 from fair_frontend.auth import hash_key
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.testing import eventually, free_port
+from fair_frontend.testing import aeventually, eventually, free_port
 from fair_frontend.wire.framing import encode
 from fair_frontend.wire.records import Hello, Settings
 from tests.support import (
@@ -185,3 +190,55 @@ async def test_a_shell_is_sent_digests_never_keys_or_the_gateway_secret(fleet: F
     assert as_gateway(fleet, GATEWAY_SECRET) == 200
     assert as_gateway(fleet, hash_key(GATEWAY_SECRET)) == 401  # the digest is no proof
     assert as_gateway(fleet, "a-wrong-secret") == 401
+
+
+def rotated(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """``data`` with acme's key replaced by ``key`` (the old one revoked)."""
+    new = yaml.safe_load(yaml.safe_dump(data))
+    new["tenants"]["acme"]["api_keys"] = [key]
+    return new
+
+
+async def test_sighup_reloads_the_leading_core_and_its_shells(fleet: Fleet) -> None:
+    leader = fleet.leader()
+    old, new = KEYS["acme"], "acme-rotated-by-sighup"
+    assert await through_shell(fleet, old) == "OK"
+    fleet.write(rotated(fleet.data, new))
+    leader.proc.popen.send_signal(signal.SIGHUP)
+
+    async def applied() -> bool:
+        return await through_shell(fleet, new) == "OK"
+
+    await aeventually(applied, APPLY_S, what="the rotated key to work through the shell")
+    assert await through_shell(fleet, old) == "UNAUTHENTICATED"
+    assert leader.proc.popen.poll() is None, leader.proc.output()[-3000:]
+    assert fleet.leader() is leader
+    assert "reloaded:" in leader.proc.output()
+
+
+async def test_a_standby_takes_the_reloaded_config_as_it_leads(fleet: Fleet) -> None:
+    """The leader alone is signalled; it stops; the standby, which never was, leads with
+    the file as it is now: the rotated key works through the shell, the revoked ones do
+    not (the standby started with the first key)."""
+    leader = fleet.leader()
+    (standby,) = [c for c in fleet.cores if c is not leader]
+    revoked = fleet.data["tenants"]["acme"]["api_keys"][0]
+    new = "acme-rotated-again"
+    fleet.write(rotated(fleet.data, new))
+    leader.proc.popen.send_signal(signal.SIGHUP)
+
+    async def works(key: str) -> bool:
+        return await through_shell(fleet, key) == "OK"
+
+    await aeventually(lambda: works(new), APPLY_S, what="the leader's reload")
+    leader.proc.stop()  # SIGTERM: it drains, frees the lease; the standby leads
+    eventually(lambda: standby.ready, APPLY_S, what="the standby to lead")
+    eventually(
+        lambda: f"connected to the core at {standby.address}" in fleet.shell.output(),
+        APPLY_S,
+        what="the shell on the new leader",
+    )
+    await aeventually(lambda: works(new), APPLY_S, what="the new leader's config")
+    for key in (revoked, KEYS["acme"]):
+        assert await through_shell(fleet, key) == "UNAUTHENTICATED", key
+    assert standby.proc.popen.poll() is None
