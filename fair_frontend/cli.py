@@ -4,7 +4,7 @@ fair-frontend up    [--config F | --demo] [--http-port N] [--grpc-port N] [--met
 fair-frontend serve --config F [--triton-url HOST:PORT ...] [ports as above]
 fair-frontend core  --config F --triton-url HOST:PORT ... --secret-file S [--election redis]
 fair-frontend shell --core HOST:PORT ... --secret-file S [--http-port N] [--grpc-port N]
-fair-frontend check-config F
+fair-frontend check-config F      (0: OK, 1: starts with warnings, 2: refused)
 fair-frontend hash-key KEY
 
 Keys. ``serve``, and ``up`` with an operator's config, refuse to start when no request
@@ -25,18 +25,20 @@ import signal
 import sys
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from fair_frontend.auth import KeyRing, ModelAccess, hash_key
+from fair_frontend.auth import GatewayTrust, KeyRing, ModelAccess, hash_key
 from fair_frontend.config import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
     Config,
     ConfigError,
     load_config,
+    model_name_warnings,
     reference,
 )
 from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
@@ -160,8 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument(
         "--advertise",
         default=None,
-        help="HOST:PORT the shells reach this core at, told to them by a standby "
+        help="HOST:PORT the shells reach this core at, in its lease identity and logs "
         "(default: --listen's, with this host's name for 0.0.0.0)",
+    )
+    core.add_argument(
+        "--identity",
+        default=None,
+        help="this core's name in the lease; each core needs its own (default: the "
+        "--advertise address, this host's name, the process id and a random part: unique "
+        "per process)",
     )
     core.add_argument(
         "--lease-s",
@@ -212,7 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     shell.add_argument("--log-level", default="INFO")
     shell.add_argument("--log-format", default="json", choices=("json", "text"))
 
-    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check = sub.add_parser(
+        "check-config",
+        help="run every check serve runs on a config before it starts (in this "
+        "environment: its key files and variables) and exit: 0 OK, 1 it starts with "
+        "warnings (printed), 2 serve would refuse it",
+    )
     check.add_argument("config")
 
     hk = sub.add_parser("hash-key", help='print the "sha256:<hex>" form of an API key')
@@ -247,32 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.observability.log_format, getattr(args, "log_level", "INFO"))
     if args.command == "check-config":
-        print(
-            f"{args.config}: OK ({len(config.tenants)} tenants, {len(config.endpoints)} endpoints)"
-        )
-        return 0
+        return _check_config(args.config, config)
     try:
-        keyring = KeyRing.from_config(config)
-    except ConfigError as err:
+        checked = check_start(config, demo=demo)
+    except StartRefused as err:
         print(f"fair-frontend: {err}", file=sys.stderr)
         return 2
     if demo:
         log.warning("%s", demo_banner(_listen(args, config).host))
-    else:
-        problem = key_set_problem(config, keyring)
-        if problem is not None:
-            print(f"fair-frontend: {problem}", file=sys.stderr)
-            return 2
-        demo_tenants = tenants_with_demo_keys(keyring)
-        if demo_tenants:
-            log.warning(
-                "tenants %s accept the example config's published demo keys: anyone may "
-                "send them; replace them (fair-frontend hash-key KEY)",
-                ", ".join(demo_tenants),
-            )
-    closed = model_access_problem(config)
-    if closed is not None:
-        log.warning("%s", closed)
+    for warning in checked.warnings:
+        log.warning("%s", warning)
     if args.command in ("serve", "core") and not (args.triton_url or config.triton.backends):
         print(
             f"fair-frontend: {args.command} needs a Triton: --triton-url HOST:PORT (repeat it "
@@ -306,6 +304,70 @@ def main(argv: list[str] | None = None) -> int:
 
 class StartupError(RuntimeError):
     pass
+
+
+class StartRefused(ValueError):
+    """A config a frontend does not start with (exit 2), said as the start says it."""
+
+
+@dataclass(frozen=True)
+class StartCheck:
+    """What ``check_start`` found: the keys read, and what to warn of."""
+
+    keyring: KeyRing
+    warnings: list[str]
+
+
+def check_start(config: Config, *, demo: bool = False) -> StartCheck:
+    """Every check ``serve``, ``up`` and ``core`` run on a config before they start with
+    it (and on SIGHUP before they apply it), and ``check-config`` runs: one function, so
+    that check-config's OK means the frontend starts.
+
+    Refused (``StartRefused``): a key file that cannot be read, a key variable not set,
+    the gateway's secret or Redis's password not to be had, a key set that admits nobody
+    (outside ``up``'s demo mode). Warned of: tenants that accept a published demo key,
+    tenants that may call no model, model names no endpoint carries (with the closest)."""
+    try:
+        keyring = KeyRing.from_config(config)
+        GatewayTrust.from_config(config.auth)
+        config.rate_limiting.storage_url()
+    except ConfigError as err:
+        raise StartRefused(str(err)) from None
+    warnings = []
+    if not demo:
+        problem = key_set_problem(config, keyring)
+        if problem is not None:
+            raise StartRefused(problem)
+        demo_tenants = tenants_with_demo_keys(keyring)
+        if demo_tenants:
+            warnings.append(
+                f"tenants {', '.join(demo_tenants)} accept the example config's published "
+                "demo keys: anyone may send them; replace them (fair-frontend hash-key KEY)"
+            )
+    closed = model_access_problem(config)
+    if closed is not None:
+        warnings.append(closed)
+    warnings += model_name_warnings(config)
+    return StartCheck(keyring, warnings)
+
+
+def _check_config(path: str, config: Config) -> int:
+    """``check-config``: ``check_start`` on the file, in this environment (its key files
+    and variables): 0 and OK when serve starts with nothing to say, 1 when it starts with
+    warnings (printed), 2 when it refuses (said as serve says it)."""
+    try:
+        checked = check_start(config)
+    except StartRefused as err:
+        print(f"fair-frontend: {err}", file=sys.stderr)
+        return 2
+    counts = f"{len(config.tenants)} tenants, {len(config.endpoints)} endpoints"
+    if checked.warnings:
+        for warning in checked.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"{path}: starts, with {len(checked.warnings)} warning(s) above ({counts})")
+        return 1
+    print(f"{path}: OK ({counts})")
+    return 0
 
 
 def is_example_config(path: str) -> bool:
@@ -416,18 +478,13 @@ def _reload(server: FrontendServer, path: str) -> None:
     ``Core.reload``); the rest is kept, named in an ERROR log line."""
     try:
         config = load_config(path)
-        keyring = KeyRing.from_config(config)  # read once: checked here, applied below
-        problem = key_set_problem(config, keyring)
-        if problem is not None:  # refused at start too (exit 2): every request would be 401
-            log.error("reload refused, keeping the running config: %s", problem)
-            return
-        server.reload(config, keyring)
-    except ConfigError as err:
+        checked = check_start(config)  # the keys read once: checked here, applied below
+        server.reload(config, checked.keyring)
+    except (ConfigError, StartRefused) as err:  # refused at start too (exit 2)
         log.error("reload refused, keeping the running config: %s", err)
         return
-    closed = model_access_problem(config)
-    if closed is not None:
-        log.warning("%s", closed)
+    for warning in checked.warnings:
+        log.warning("%s", warning)
 
 
 def _secret(args: argparse.Namespace) -> bytes | None:
@@ -451,7 +508,15 @@ def _fleet_core(config: Config, args: argparse.Namespace) -> int:
 
     async def main() -> int:
         stop = _stop_on_signals()
-        return await run_core(config, args.triton_url, listen, args, secret, stop)
+        return await run_core(
+            config,
+            args.triton_url,
+            listen,
+            args,
+            secret,
+            stop,
+            reload=lambda server: _reload(server, args.config),
+        )
 
     try:
         return uvloop.run(main())

@@ -22,6 +22,7 @@ Shape (see ``examples/config.yaml`` for a complete, commented example)::
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import os
@@ -57,7 +58,8 @@ from fair_frontend.scheduler.caps import (
 )
 from fair_frontend.scheduler.cost import CostUnit
 from fair_frontend.triton.metrics import DEFAULT_METRICS_INTERVAL_S
-from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S
+from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S, MAX_FRAME
+from fair_frontend.wire.remote import MESSAGE_BYTES
 
 # ---- defaults, named once -------------------------------------------------------------
 # (those of the scheduler, the admission and the feedback loop are theirs: imported above)
@@ -113,6 +115,14 @@ DEFAULT_METADATA_TTL_S = 60.0
 DEFAULT_READY_TTL_S = 1.0
 DEFAULT_NEGATIVE_TTL_S = 1.0
 DEFAULT_SIDE_DOOR_CACHE_ENTRIES = 1024
+
+# The core's port for shells on other hosts (``core_link``): each shell holds one
+# connection with one stream on it, so these sit far above a fleet's (shells restarting
+# or failing over at once included) and bound what anyone who reaches the port holds
+# before the secret is checked. A shell connects and opens its stream at once.
+DEFAULT_LINK_MAX_CONNECTIONS = 1024
+DEFAULT_LINK_MAX_STREAMS_PER_CONNECTION = 8
+DEFAULT_LINK_HANDSHAKE_TIMEOUT_S = 10.0
 
 SHA256_PREFIX = "sha256:"
 # In a list of models a tenant may call: every model, those Triton serves now and any
@@ -635,6 +645,43 @@ class Server(_Strict):
     )
 
 
+class CoreLink(_Strict):
+    """The core's port for shells on other hosts (``fair-frontend core --listen``): its
+    own bounds, as the tenant ports have theirs. Fixed at start."""
+
+    max_connections: int = Field(
+        default=DEFAULT_LINK_MAX_CONNECTIONS,
+        ge=1,
+        description="Open connections to the core's port (gRPC's "
+        "grpc.max_allowed_incoming_connections): one over it is closed at once, unread. "
+        "Each shell process holds one.",
+    )
+    max_streams_per_connection: int = Field(
+        default=DEFAULT_LINK_MAX_STREAMS_PER_CONNECTION,
+        ge=1,
+        description="Streams at once on one connection (HTTP/2's "
+        "SETTINGS_MAX_CONCURRENT_STREAMS); a shell opens one.",
+    )
+    handshake_timeout_s: float = Field(
+        default=DEFAULT_LINK_HANDSHAKE_TIMEOUT_S,
+        gt=0,
+        description="Longest a new connection may take over its HTTP/2 handshake (TLS's "
+        "included), and a connection may stay without a stream open (before its first, "
+        "after its last); beyond, it is closed. Bounds a peer that connects and sends "
+        "nothing.",
+    )
+    max_message_bytes: int | None = Field(
+        default=None,
+        ge=MESSAGE_BYTES,
+        le=MAX_FRAME,
+        description="Largest message a shell may send, and largest record (frame) in what "
+        "it sends: one over it is refused (RESOURCE_EXHAUSTED), or ends the shell's "
+        "connection, before it is buffered whole. Shells send messages of at most 4 MiB. "
+        "Default, and the least allowed: twice the largest request a model accepts and 1 "
+        "MiB (a request's tensors, and the rest of its body), at least 4 MiB.",
+    )
+
+
 class TritonBackend(_Strict):
     """One Triton of the pool that serves the endpoints (``triton.backends``)."""
 
@@ -979,6 +1026,10 @@ class Config(_Strict):
         default_factory=RateLimiting, description="Where rate-limit counters live."
     )
     auth: Auth = Field(default_factory=Auth, description="Tenant identity.")
+    core_link: CoreLink = Field(
+        default_factory=CoreLink,
+        description="The core's port for shells on other hosts: its bounds.",
+    )
     observability: Observability = Field(
         default_factory=Observability, description="Metrics labels, logs, feedback."
     )
@@ -1040,7 +1091,29 @@ class Config(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _link_carries_a_request(self) -> Config:
+        given = self.core_link.max_message_bytes
+        if given is not None and given < self.least_link_message_bytes():
+            raise ValueError(
+                f"core_link.max_message_bytes: {given} is less than the largest record a "
+                f"shell may need to send ({self.least_link_message_bytes()} bytes: twice the "
+                "largest request a model accepts and 1 MiB), which would end its connection"
+            )
+        return self
+
     # -- derived views -------------------------------------------------------------------
+
+    def least_link_message_bytes(self) -> int:
+        """The largest record a shell sends the core: a request's tensors (at most its
+        model's max_request_bytes) and the rest of it (at most its body), each at most
+        ``max_wire_bytes``, and 1 MiB; at least what one message carries."""
+        need = 2 * self.max_wire_bytes() + WIRE_FRAMING_BYTES
+        return min(max(need, MESSAGE_BYTES), MAX_FRAME)
+
+    def link_max_message_bytes(self) -> int:
+        """``core_link.max_message_bytes``, or its default."""
+        return self.core_link.max_message_bytes or self.least_link_message_bytes()
 
     def endpoint(self, model: str) -> Endpoint:
         """The policy for a model: its entry, else the default policy."""
@@ -1447,6 +1520,39 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return parse_config(data, str(p))
 
 
+def model_name_warnings(config: Config) -> list[str]:
+    """Model names in ``tier_models``, the limits and the tenants' model lists that no
+    ``endpoints`` entry carries, each with the closest endpoint's name where one is close
+    (``difflib``). Said at start (and by check-config), not refused: a name needs no entry
+    (Triton may serve models the config does not name, with ``default_endpoint``'s
+    policy), but a misspelt one opens or limits nothing the operator meant it to. Nothing
+    to say where no endpoints are configured."""
+    known = sorted(config.endpoints)
+    if not known:
+        return []
+    named: list[tuple[str, str]] = []  # (where, name)
+    for tier, models in config.tier_models.items():
+        named += [(f"tier_models.{tier}", m) for m in models]
+    for tier, per_model in config.tier_limits.items():
+        named += [(f"tier_limits.{tier}", m) for m in per_model]
+    for tname, tenant in config.tenants.items():
+        named += [(f"tenants.{tname}.limits", m) for m in tenant.limits]
+        for field in ("models", "extra_models", "denied_models"):
+            named += [(f"tenants.{tname}.{field}", m) for m in getattr(tenant, field) or []]
+    warnings = []
+    for where, name in named:
+        if name == ALL_MODELS or name in config.endpoints:
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        warnings.append(
+            f"{where}: no endpoint is named '{name}'{hint}; endpoints: {', '.join(known)}. "
+            "It applies only to a Triton model of that name, served with default_endpoint's "
+            "policy"
+        )
+    return warnings
+
+
 def resolve_relative_paths(data: dict[str, Any], folder: Path) -> None:
     """Relative tokenizer paths are from the config file's folder: made absolute in
     ``data`` (the raw mapping, before validation)."""
@@ -1471,6 +1577,7 @@ def reference() -> str:
         ("`tier_guard`", TierGuard),
         ("`rate_limiting`", RateLimiting),
         ("`auth`", Auth),
+        ("`core_link`", CoreLink),
         ("`observability`", Observability),
         ("`tracing`", Tracing),
         ("`side_doors`", SideDoors),

@@ -36,7 +36,13 @@ from fair_frontend import __version__
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config
 from fair_frontend.core import Core
-from fair_frontend.core.shells import QUEUE_VIEW_INTERVAL_S, CoreServer, Intake, ShellConnection
+from fair_frontend.core.shells import (
+    QUEUE_VIEW_INTERVAL_S,
+    CoreServer,
+    Intake,
+    ShellConnection,
+    shell_config,
+)
 from fair_frontend.errors import FrontendError
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import abort, make_server
@@ -394,7 +400,7 @@ class RemoteShells:
 def _settings(core: Core, triton_urls: Sequence[str]) -> Settings:
     """What a shell is told of the config: sent when it connects and on every reload."""
     keys = {d.hex(): tenant for d, tenant in core.keyring.digests().items()}
-    return Settings(core.config.model_dump(mode="json"), keys, triton_urls[0], list(triton_urls))
+    return Settings(shell_config(core.config), keys, triton_urls[0], list(triton_urls))
 
 
 class ShellPool:

@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from fair_frontend.cli import build_parser
 from fair_frontend.fleet.election import STEP_DOWN, KubernetesLease, RedisLease
+from fair_frontend.fleet.run import lease_identity
 from fair_frontend.testing import aeventually
 from fair_frontend.wire.remote import MIN_SECRET_BYTES, SecretError, load_secret, secret_matches
 from tests.support import RedisProcess
@@ -392,6 +394,66 @@ async def test_a_kubernetes_lease_written_over_by_another_is_not_taken(
     finally:
         await a.close()
         await b.close()
+
+
+# ---- the identity: one per process ------------------------------------------------------
+
+
+def default_identities(n: int = 2, *extra: str) -> list[str]:
+    """The lease identities ``fair-frontend core`` takes for ``n`` cores started with the
+    same flags: the same --listen (two hosts each on 127.0.0.1:P, or containers of one
+    host name), no --identity."""
+    args = ["core", "--config", "c.yaml", "--listen", "127.0.0.1:8010", "--election", "redis"]
+    return [lease_identity(build_parser().parse_args([*args, *extra])) for _ in range(n)]
+
+
+def test_cores_of_one_address_get_identities_of_their_own_unless_told() -> None:
+    first, second = default_identities()
+    assert first != second
+    assert first.startswith("127.0.0.1:8010@")  # still says where the shells reach it
+    assert default_identities(2, "--identity", "core-a") == ["core-a", "core-a"]
+
+
+async def test_two_cores_of_one_address_on_a_kubernetes_lease_one_leads(
+    api: tuple[str, FakeLeases],
+) -> None:
+    """A Lease is taken again by whoever carries the name it holds: two cores of one
+    default name would both lead. With one identity each, the second waits while the
+    first renews."""
+    url, fake = api
+    elections = [kube(url, identity) for identity in default_identities()]
+    winner, others = await race(elections)
+    try:
+        await aeventually(
+            lambda: fake.renewals[winner.identity] >= RENEWALS, 10, what="the renewals"
+        )
+        assert not others[0].done(), "both cores lead"
+        assert fake.leases["fair-frontend-core"]["spec"]["holderIdentity"] == winner.identity
+    finally:
+        await close(elections, others)
+
+
+async def test_a_stalled_leader_cannot_renew_the_lease_a_core_of_its_address_took(
+    redis_server: RedisProcess,
+) -> None:
+    """Redis renews only for the name the key holds: a leader whose renewal comes late
+    (stalled, its call delayed) must find the lease another core took in the meantime
+    not its own, and step down, even when both listen on the same address."""
+    key = f"lease-{next(_names)}"
+    leader, standby = (
+        RedisLease(redis_server.url, key, identity, LEASE_S) for identity in default_identities()
+    )
+    try:
+        await leader.acquire()
+        assert leader._renewer is not None
+        leader._renewer.cancel()  # stalled: no renewal from here on
+        await asyncio.wait_for(standby.acquire(), 10 * LEASE_S)
+        assert not await leader._try_renew(), "the stalled leader renewed the other's lease"
+        assert await standby.leader() == standby.identity
+    finally:
+        for election in (leader, standby):
+            await election.release()
+            await election.close()
 
 
 # ---- the shared secret ------------------------------------------------------------------

@@ -109,6 +109,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "shell": {"autoscaling": {"enabled": False}, "replicas": 4},
         "triton": {"replicas": 3, "nodeSelector": {"nvidia.com/gpu.present": "true"}},
     },
+    "prometheus-by-namespace-labels": {
+        "networkPolicy": {
+            "prometheus": {"namespace": None, "namespaceLabels": {"purpose": "monitoring"}}
+        }
+    },
     "mutual-tls": {"coreTls": {"coreSecret": "core-tls", "shellSecret": "shell-tls"}},
     "existing-secrets": {
         "keys": {"existingSecret": "tenant-keys"},
@@ -286,7 +291,14 @@ def test_the_chart_renders_nothing_without_the_tenants_keys(chart: helm.Chart) -
         ({"core": {"election": "none"}}, "core.election: none"),
         # null removes a default (Helm merges maps: {} would keep the default's labels)
         ({"networkPolicy": {"gateway": {"podLabels": None}}}, "nobody could reach the shells"),
-        ({"networkPolicy": {"prometheus": {"podLabels": None}}}, "every pod of the cluster"),
+        (
+            {"networkPolicy": {"prometheus": {"namespace": None}}},
+            "namespace and namespaceLabels are both empty",
+        ),
+        (
+            {"networkPolicy": {"prometheus": {"podLabels": None, "namespace": ""}}},
+            "every pod of the cluster",
+        ),
         ({"redis": {"external": {"url": "redis://:pw@r:6379/0"}}}, "holds credentials"),
         ({"redis": {"external": {"url": "http://r:6379"}}}, "redis://host:port/db"),
         (
@@ -905,9 +917,17 @@ def _peers(rel: Release) -> dict[str, Endpoint]:
             "prometheus",
             "monitoring",
             {"app.kubernetes.io/name": "prometheus"},
-            {"kubernetes.io/metadata.name": "monitoring"},
+            {"kubernetes.io/metadata.name": "monitoring", "purpose": "monitoring"},
         ),
         "tenant-pod": Endpoint("tenant-pod", "tenants", {"app": "client"}, {}),
+        # A tenant's pod labelled as Prometheus is: the metrics peer is Prometheus's
+        # namespace, not a label anyone may put on a pod.
+        "stray-prometheus": Endpoint(
+            "stray-prometheus",
+            "tenants",
+            {"app.kubernetes.io/name": "prometheus"},
+            {"kubernetes.io/metadata.name": "tenants", "team": "tenants"},
+        ),
         # A pod elsewhere labelled as this release's shell: a podSelector alone means the
         # policy's own namespace.
         "impostor": Endpoint(
@@ -961,6 +981,28 @@ def test_network_policies_allow_exactly_the_fleets_paths(release: Release) -> No
     # The negative control: without the policies, anyone reaches Triton and the core.
     assert connects([], peers["tenant-pod"], pods[triton], 8001)
     assert connects([], peers["neighbour"], pods[core], DEFAULT_CORE_PORT)
+
+
+def test_the_metrics_peer_is_prometheus_in_its_namespace_and_the_gateway_any() -> None:
+    """The core's and Triton's metrics ports admit Prometheus's pods in the namespace
+    named (``monitoring`` by default), never a pod so labelled in any namespace; the
+    gateway's peer does span namespaces, and values.yaml says so where it is set."""
+    rel = _cached("default")
+    prometheus = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    for name, port in ((f"{FULLNAME}-core", DEFAULT_METRICS_PORT), (f"{FULLNAME}-triton", 8002)):
+        rules = rel.get("NetworkPolicy", name)["spec"]["ingress"]
+        peers = [r["from"] for r in rules if {"protocol": "TCP", "port": port} in r["ports"]]
+        assert [prometheus] in peers, (name, peers)
+        for peer in (p for group in peers for p in group):
+            assert peer.get("namespaceSelector", {"x": 1}) != {}, (name, peer)  # not "any"
+    gateway = rel.get("NetworkPolicy", f"{FULLNAME}-shell")["spec"]["ingress"][0]["from"][0]
+    assert gateway["namespaceSelector"] == {}
+    values = (CHART / "values.yaml").read_text()
+    said = values[: values.index('podLabels: {fair-frontend/gateway: "true"}')]
+    assert "in ANY namespace" in said[said.rindex("gateway:") :]
 
 
 def test_the_policies_ports_are_the_pods_ports(release: Release) -> None:

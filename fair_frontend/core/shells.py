@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from fair_frontend.auth import GatewayTrust
+from fair_frontend.config import SHA256_PREFIX
 from fair_frontend.errors import FrontendError, Internal
 from fair_frontend.wire.framing import Framed, FrameTooLarge, to_core
 from fair_frontend.wire.records import (
@@ -53,6 +55,7 @@ from fair_frontend.wire.remote import (
 )
 
 if TYPE_CHECKING:
+    from fair_frontend.config import Config
     from fair_frontend.core.dispatch import CoreRequest
     from fair_frontend.core.service import Core
 
@@ -130,6 +133,7 @@ class ShellConnection(Framed):
         super().__init__()
         self.server = server
         self.core = server.core
+        self.max_frame = server.core.config.link_max_message_bytes()
         self.index = -1
         self.pid = 0
         self.host = ""  # a shell on another host: its address
@@ -278,6 +282,42 @@ class ShellConnection(Framed):
         self.server.shell_gone(self)
 
 
+def shell_config(config: Config) -> dict[str, Any]:
+    """What a shell is told of the config (``Settings.config``): all of it but what a
+    shell never uses and must not hold. The tenants' keys (inline, and where their files
+    and variables are): a shell gets their digests (``Settings.keys``), which is all
+    ``KeyRing`` compares with. The trusted gateway's secret: its digest, in the
+    "sha256:<hex>" form ``GatewayTrust`` reads (where it is a variable of the core's, the
+    shell need not have that variable)."""
+    data = config.model_dump(mode="json")
+    for tenant in data["tenants"].values():
+        tenant.update(api_keys=[], api_keys_file=None, api_keys_env=None)
+    trust = GatewayTrust.from_config(config.auth)
+    digest = trust.secret_digest if trust is not None else None
+    data["auth"].update(
+        trusted_gateway_secret=None if digest is None else SHA256_PREFIX + digest.hex(),
+        trusted_gateway_secret_env=None,
+    )
+    return data
+
+
+def link_server_options(config: Config) -> list[tuple[str, int]]:
+    """The link's gRPC options: ``SERVER_OPTIONS`` (keepalive, the port its own) and the
+    port's bounds (``core_link``), like the tenant ports': connections, streams on one,
+    the handshake and a connection without a stream, the largest message. What anyone
+    who reaches the port holds before its secret is checked is bounded by them."""
+    link = config.core_link
+    handshake_ms = max(1, min(round(link.handshake_timeout_s * 1000), 2**31 - 1))
+    bounds = {
+        "grpc.max_receive_message_length": config.link_max_message_bytes(),
+        "grpc.max_allowed_incoming_connections": link.max_connections,
+        "grpc.max_concurrent_streams": link.max_streams_per_connection,
+        "grpc.server_handshake_timeout_ms": handshake_ms,
+        "grpc.max_connection_idle_ms": handshake_ms,
+    }
+    return [(k, v) for k, v in SERVER_OPTIONS if k not in bounds] + list(bounds.items())
+
+
 _CANCELLED: Any = object()  # a call cancelled while still in the intake
 View = tuple[  # QueueView's
     list[tuple[str, str, str]], list[tuple[str, str, int, str]], list[tuple[str, str, str, float]]
@@ -323,7 +363,7 @@ class CoreServer:
         """Accept shells from other hosts at ``address`` (HOST:PORT), each stream carrying
         ``secret`` (over TLS where ``tls`` is given); returns the port bound."""
         self._secret = secret
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=link_server_options(self.core.config))
         handler = grpc.stream_stream_rpc_method_handler(self._link)  # bytes in, bytes out
         service, method = METHOD.rsplit("/", 1)
         server.add_generic_rpc_handlers(

@@ -5,7 +5,9 @@ cores may run: each starts warm (its core up, Tritons connected, the operator's 
 answering ``/v2/health/live``), waits for the lease, and only the leader accepts shells
 (and answers ``/v2/health/ready``). A leader that loses its lease exits at once (its
 queued work is resent by the shells to the next leader); SIGTERM drains what it holds,
-then frees the lease for a standby.
+then frees the lease for a standby. SIGHUP reloads the config file, as for ``serve``:
+the leader's shells get what changed at once, and a standby reads the file again as it
+takes the lease (``run_core``).
 
 A new leader starts its fairness state empty: every tenant's virtual token counter at 0,
 no debt carried from before. That is fair from that moment (the bounds of the README's
@@ -24,9 +26,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fair_frontend.config import Config
 from fair_frontend.fleet import SECRET_ENV
@@ -52,6 +55,21 @@ def advertised(listen: str, advertise: str | None) -> str:
     return f"{host}:{port}"
 
 
+def lease_identity(args: argparse.Namespace) -> str:
+    """Who this core is in the lease: ``--identity``, else the address shells reach it at
+    (``advertised``), this host's name, this process's id and a random part.
+
+    Unique per process by default: an address alone is not (two cores on different hosts
+    both listening on 127.0.0.1:P, containers sharing a host name, a core restarted in
+    the pod of the one before it), and the lease is renewed, freed and, for a Kubernetes
+    Lease, taken again by whoever carries the name it holds: two cores of one name would
+    both lead."""
+    if args.identity:
+        return str(args.identity)
+    where = advertised(args.listen, args.advertise)
+    return f"{where}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
+
+
 def make_election(args: argparse.Namespace, config: Config, identity: str) -> Election:
     if args.election == "redis":
         url = config.rate_limiting.storage_url()
@@ -73,17 +91,47 @@ async def run_core(
     args: argparse.Namespace,
     secret: bytes,
     stop: asyncio.Event,
+    reload: Callable[[FrontendServer], None] | None = None,
 ) -> int:
     """Serve as one of the fleet's cores until ``stop`` (a signal) or the lease is lost
-    (exit status 1: the orchestrator starts it again, as a standby)."""
+    (exit status 1: the orchestrator starts it again, as a standby).
+
+    ``reload`` (``fair-frontend core``: read the config file again and apply it, as
+    ``serve`` does) runs on SIGHUP, leading or standing by: a leader's shells get what
+    changed at once (their settings are sent again), a standby's core holds it for when
+    it leads. It also runs as a standby takes the lease: a reload signalled to the
+    leader alone (a key revoked, a tenant removed) is not undone by a failover to a core
+    still holding the file as it was when that core started."""
     tls = None
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         tls = Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
         tls.server_credentials()  # unreadable or incomplete: said now, not once leading
-    identity = advertised(args.listen, args.advertise)
+    identity = lease_identity(args)
     election = make_election(args, config, identity)
     server = FrontendServer(config, list(triton_urls), listen, workers=0)
-    await server.start()
+    started = False
+    signalled = False  # a SIGHUP before the start finished: applied right after it
+
+    def on_sighup() -> None:
+        nonlocal signalled
+        if reload is None:
+            return
+        if started:
+            reload(server)
+        else:
+            signalled = True
+
+    # Handled from the start: SIGHUP's default action would kill the core.
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    try:
+        await server.start()
+    except BaseException:
+        loop.remove_signal_handler(signal.SIGHUP)
+        raise
+    started = True
+    if signalled and reload is not None:
+        reload(server)
     log.info(
         "core %s started (operator's port %d); %s",
         identity,
@@ -97,6 +145,8 @@ async def run_core(
         if not acquire.done():
             acquire.cancel()
             return 0
+        if reload is not None and args.election != "none":
+            reload(server)  # the file as it is now, before any shell connects
         await server.lead(args.listen, secret, tls)
         print(
             f"fair_frontend core {identity} leads: shells connect to port {server.core_port}",
@@ -117,6 +167,7 @@ async def run_core(
         close = getattr(election, "close", None)
         if close is not None:
             await close()
+        loop.remove_signal_handler(signal.SIGHUP)
 
 
 class ShellSupervisor(ShellPool):

@@ -92,6 +92,7 @@ class Framed(asyncio.Protocol):
     """Length-prefixed frames in and out; writes of one loop iteration go out together."""
 
     decoder: msgspec.msgpack.Decoder[Any]
+    max_frame = MAX_FRAME  # the largest frame taken from the peer; one over it ends the link
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -137,7 +138,7 @@ class Framed(asyncio.Protocol):
         try:
             while end - start >= _HEADER:
                 size = int.from_bytes(buf[start : start + _HEADER], "big")
-                if size > MAX_FRAME:
+                if size > self.max_frame:
                     log.error("%s sent a %d-byte frame: closing the connection", self.peer, size)
                     view.release()
                     self.close()

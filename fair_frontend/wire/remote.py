@@ -4,7 +4,9 @@ carried by one gRPC bidirectional stream per shell, authenticated by a shared se
 Why gRPC: it is the transport the frontend already speaks (HTTP/2 flow control, keepalive
 pings that notice a host gone silent, TLS where the network needs it), so nothing about
 the connection is ours to get wrong. What rides on it is what rides on the Unix socket:
-each message is one or more whole frames, the same records, in order. The connection is
+the same frames, the same records, in order, in messages of at most ``MESSAGE_BYTES``
+(frames joined up to it, a larger write cut into parts: the reader reassembles frames
+across messages, as from a socket). The connection is
 still the shell: when its stream ends, however it ends, the core drops that shell's queued
 work at once (``Core.drop_route``), as for a shell process that died.
 
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 METHOD = "/fair_frontend.Core/Link"
 SECRET_HEADER = "x-fair-core-secret"
 MIN_SECRET_BYTES = 16
-MESSAGE_BYTES = 4 << 20  # frames joined into one message up to this (a larger one alone)
+MESSAGE_BYTES = 4 << 20  # the most one message carries: frames joined, or a write's part
 # Both ends: no size limit of gRPC's own (a frame is bounded by MAX_FRAME), and pings
 # that notice a peer whose host went silent within seconds rather than TCP's hours.
 CHANNEL_OPTIONS = [
@@ -211,6 +213,19 @@ class StreamTransport:
         self._closing = True
         self._writer.cancel()
 
+    async def _write_parts(self, data: bytes) -> None:
+        """Write ``data`` as messages of ``MESSAGE_BYTES`` at most: the peer reassembles
+        frames across messages, and bounds what one message may hold (a core's
+        ``core_link.max_message_bytes``), whatever went out in one loop iteration."""
+        view = memoryview(data)
+        for start in range(0, len(data), MESSAGE_BYTES):
+            part = bytes(view[start : start + MESSAGE_BYTES])
+            await self._write(part)
+            self._size -= len(part)
+            if self._paused and self._size <= self._low:
+                self._paused = False
+                self._protocol.resume_writing()
+
     async def _run(self) -> None:
         pending = self._pending
         error: BaseException | None = None
@@ -223,6 +238,9 @@ class StreamTransport:
                     await self._wake.wait()
                     continue
                 data = pending.popleft()
+                if len(data) > MESSAGE_BYTES:  # one message at most MESSAGE_BYTES
+                    await self._write_parts(data)
+                    continue
                 if pending and len(data) < MESSAGE_BYTES:
                     parts = [data]
                     size = len(data)
