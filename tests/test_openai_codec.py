@@ -65,7 +65,7 @@ U = {"model": "llm", "messages": [{"role": "user"}]}
         ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0]"),
         ({"model": "llm", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({**U, "temperature": 1e308 * 10}, "temperature"),
+        (b'{"model": "llm", "messages": [{"role": "user"}], "temperature": 1e400}', "temperature"),
         ({**U, "max_tokens": 2**64}, "max_tokens"),
         ({**U, "max_tokens": True}, "max_tokens"),
         ({**U, "top_p": 0}, "top_p"),
@@ -76,9 +76,10 @@ U = {"model": "llm", "messages": [{"role": "user"}]}
         ({**U, "priority": "high"}, "priority"),
     ],
 )  # fmt: skip
-def test_bad_chat_fields_are_refused_naming_the_field(body: dict, param: str) -> None:  # type: ignore[type-arg]
+def test_bad_chat_fields_are_refused_naming_the_field(body: dict | bytes, param: str) -> None:  # type: ignore[type-arg]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(openai.ParamError) as refused:
-        openai.chat_request(body, {}, make_config())
+        openai.decode_chat(raw, {}, make_config())
     status, doc = openai.envelope(refused.value)
     assert status == 400
     assert doc["error"]["param"] == param

@@ -27,17 +27,36 @@ allowance used up: clients must not retry).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
+import msgspec
 import numpy as np
 
 from fair_frontend import errors
+from fair_frontend.api.body import (
+    ABSENT,
+    TOKEN_ID_MAX,
+    Body,
+    Container,
+    InvalidText,
+    Members,
+    NotAnObject,
+    NotJson,
+    count,
+    elements,
+    first_element,
+    holds_array,
+    kind,
+    token_ids,
+    type_name,
+)
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import FrontendError, InvalidArgument
 from fair_frontend.models import ModelInfo
@@ -49,14 +68,15 @@ from fair_frontend.usage import Usage
 # answer. The shipped ``llm`` has no special tokens: the markers are plain text to it.
 CHAT_TEMPLATE = "<|im_start|>{role}\n{content}<|im_end|>\n"
 CHAT_ANSWER = "<|im_start|>assistant\n"
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES = frozenset(get_args(Role))
 
 MAX_MESSAGES = 4096
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
+MAX_CONTENT_PARTS = 4096  # a message's content parts
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 MAX_USER_CHARS = 256
-TOKEN_ID_MAX = 2**31 - 1  # INT32 token ids
 OWNED_BY = "fair-frontend"
 # A rerank row's longest where neither the model nor the endpoint says (``max_model_len``).
 DEFAULT_ROW_TOKENS = 512
@@ -124,10 +144,117 @@ def envelope(err: FrontendError) -> tuple[int, dict[str, Any]]:
     return status, body
 
 
-# ---- reading fields ----------------------------------------------------------------------
+# ---- reading bodies ------------------------------------------------------------------------
+#
+# A body is read from its bytes (``body.Body``): its top-level members as raw JSON, each then
+# decoded when the checks below ask for it, arrays counted before their elements are
+# decoded. The checks are written against a ``Mapping`` (``body.Members``), in the order
+# they have always run, so that each malformed field is refused with the message it has
+# always had: an array or object where a scalar is due is seen as a ``Container``, unbuilt.
+
+
+class _GenerationShape(msgspec.Struct):
+    """The members both completion routes read (any other member is skipped unbuilt)."""
+
+    model: msgspec.Raw = ABSENT
+    max_tokens: msgspec.Raw = ABSENT
+    logprobs: msgspec.Raw = ABSENT
+    n: msgspec.Raw = ABSENT
+    frequency_penalty: msgspec.Raw = ABSENT
+    presence_penalty: msgspec.Raw = ABSENT
+    logit_bias: msgspec.Raw = ABSENT
+    temperature: msgspec.Raw = ABSENT
+    top_p: msgspec.Raw = ABSENT
+    seed: msgspec.Raw = ABSENT
+    user: msgspec.Raw = ABSENT
+    stream: msgspec.Raw = ABSENT
+    stream_options: msgspec.Raw = ABSENT
+    service_tier: msgspec.Raw = ABSENT
+    priority: msgspec.Raw = ABSENT
+    stop: msgspec.Raw = ABSENT
+
+
+class _ChatShape(_GenerationShape):
+    messages: msgspec.Raw = ABSENT
+    tools: msgspec.Raw = ABSENT
+    functions: msgspec.Raw = ABSENT
+    tool_choice: msgspec.Raw = ABSENT
+    response_format: msgspec.Raw = ABSENT
+    top_logprobs: msgspec.Raw = ABSENT
+    max_completion_tokens: msgspec.Raw = ABSENT
+
+
+class _CompletionShape(_GenerationShape):
+    prompt: msgspec.Raw = ABSENT
+    echo: msgspec.Raw = ABSENT
+    best_of: msgspec.Raw = ABSENT
+    suffix: msgspec.Raw = ABSENT
+
+
+class _MessageShape(msgspec.Struct):
+    role: msgspec.Raw = ABSENT
+    content: msgspec.Raw = ABSENT
+
+
+class _PartShape(msgspec.Struct):
+    type: msgspec.Raw = ABSENT
+    text: msgspec.Raw = ABSENT
+
+
+class _StreamOptionsShape(msgspec.Struct):
+    include_usage: msgspec.Raw = ABSENT
+
+
+class _ResponseFormatShape(msgspec.Struct):
+    type: msgspec.Raw = ABSENT
+
+
+class _EmbeddingsShape(msgspec.Struct):
+    model: msgspec.Raw = ABSENT
+    input: msgspec.Raw = ABSENT
+    encoding_format: msgspec.Raw = ABSENT
+    dimensions: msgspec.Raw = ABSENT
+    user: msgspec.Raw = ABSENT
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """What reading a body raises, as the 400s OpenAI answers (``ParamError``)."""
+    try:
+        yield
+    except NotJson as err:
+        raise ParamError(
+            None, f"We could not parse the JSON body of your request: {err.detail}"
+        ) from None
+    except NotAnObject:
+        raise ParamError(None, "The request body must be a JSON object") from None
+    except InvalidText as err:
+        where = err.where
+        text = f"'{where}'" if where is not None else "The request body"
+        raise ParamError(where, f"{text} is not valid Unicode text: {err.reason}") from None
+
+
+def decode_chat(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/chat/completions`` body, from its bytes, checked."""
+    with _reading():
+        return _chat(Body(raw).members(_ChatShape), headers, config)
+
+
+def decode_completion(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/completions`` body, from its bytes, checked."""
+    with _reading():
+        return _completion(Body(raw).members(_CompletionShape), headers, config)
+
+
+def decode_embeddings(raw: bytes) -> Embeddings:
+    """A ``/v1/embeddings`` body, from its bytes, checked."""
+    with _reading():
+        return _embeddings(Body(raw).members(_EmbeddingsShape))
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
+    """A body parsed whole (``json.loads``): for the callers of ``chat_request``,
+    ``completion_request`` and ``embeddings_request``; the routes call ``decode_*``."""
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -137,32 +264,47 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return doc
 
 
-def decode_chat(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
-    """A ``/v1/chat/completions`` body, from its bytes, checked."""
-    return chat_request(parse_body(raw), headers, config)
+def _encoded(doc: Mapping[str, Any]) -> bytes:
+    """A document parsed by ``json.loads``, as JSON again (a lone surrogate in it as its
+    escape, which ``decode_*`` then refuses naming its field)."""
+    return json.dumps(doc).encode()
 
 
-def decode_completion(raw: bytes, headers: Mapping[str, str], config: Config) -> Generation:
-    """A ``/v1/completions`` body, from its bytes, checked."""
-    return completion_request(parse_body(raw), headers, config)
+def chat_request(doc: Mapping[str, Any], headers: Mapping[str, str], config: Config) -> Generation:
+    """A ``/v1/chat/completions`` body already parsed (``parse_body``), checked as
+    ``decode_chat`` checks its bytes."""
+    return decode_chat(_encoded(doc), headers, config)
 
 
-def decode_embeddings(raw: bytes) -> Embeddings:
-    """A ``/v1/embeddings`` body, from its bytes, checked."""
-    return embeddings_request(parse_body(raw))
+def completion_request(
+    doc: Mapping[str, Any], headers: Mapping[str, str], config: Config
+) -> Generation:
+    """A ``/v1/completions`` body already parsed, checked as ``decode_completion`` does."""
+    return decode_completion(_encoded(doc), headers, config)
+
+
+def embeddings_request(doc: Mapping[str, Any]) -> Embeddings:
+    """A ``/v1/embeddings`` body already parsed, checked as ``decode_embeddings`` does."""
+    return decode_embeddings(_encoded(doc))
 
 
 def _get(doc: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+    """A member of one of ``kinds`` (None: ``default``); an object member asked for as a
+    ``dict`` comes back as its ``Container``, unbuilt."""
     value = doc.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+    seq = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, Container):
+        if value.kind == "object" and dict in seq:
+            return value
+    elif isinstance(value, bool) and bool not in seq:
         raise ParamError(name, f"Invalid type for '{name}': expected {_kind(kinds)}, got a bool")
-    if not isinstance(value, kinds):
-        raise ParamError(
-            name, f"Invalid type for '{name}': expected {_kind(kinds)}, got {type(value).__name__}"
-        )
-    return value
+    elif isinstance(value, seq):
+        return value
+    raise ParamError(
+        name, f"Invalid type for '{name}': expected {_kind(kinds)}, got {type_name(value)}"
+    )
 
 
 def _kind(kinds: type | tuple[type, ...]) -> str:
@@ -197,8 +339,17 @@ def require_model(doc: Mapping[str, Any]) -> str:
 
 
 def _refuse_unless(doc: Mapping[str, Any], name: str, allowed: Sequence[Any], why: str) -> None:
+    """``name`` absent, null or equal to one of ``allowed`` (as ``==`` has it: 0 is False;
+    an empty array or object is ``[]`` or ``{}``), else 400 ``unsupported_parameter``."""
     value = doc.get(name)
-    if value is not None and value not in allowed:
+    if value is None:
+        return
+    if isinstance(value, Container):
+        empty: Any = [] if value.kind == "array" else {}
+        fits = empty in allowed and value.is_empty()
+    else:
+        fits = value in allowed
+    if not fits:
         raise ParamError(name, f"'{name}' is not supported: {why}", "unsupported_parameter")
 
 
@@ -223,20 +374,23 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_request(doc: Mapping[str, Any], headers: Mapping[str, str], config: Config) -> Generation:
+def _chat(doc: Members, headers: Mapping[str, str], config: Config) -> Generation:
     """A ``/v1/chat/completions`` body, checked."""
     model = require_model(doc)
-    messages = doc.get("messages")
-    if not isinstance(messages, list) or not messages:
+    messages = doc.raw("messages")
+    n = count(messages, MAX_MESSAGES) if kind(messages) == "array" else 0
+    if not n:
         raise ParamError("messages", "'messages' must be a non-empty array of messages")
-    if len(messages) > MAX_MESSAGES:
+    if n > MAX_MESSAGES:
         raise ParamError("messages", f"'messages' holds at most {MAX_MESSAGES} messages")
-    parts = [_message(i, m) for i, m in enumerate(messages)]
+    prompt = _plain_messages(doc.body, messages)
+    if prompt is None:
+        prompt = "".join(_message(doc.body, i, m) for i, m in enumerate(elements(messages)))
     _refuse_unless(doc, "tools", ([],), "this model calls no tools")
     _refuse_unless(doc, "functions", ([],), "this model calls no functions")
     _refuse_unless(doc, "tool_choice", ("none",), "this model calls no tools")
     fmt = doc.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+    if fmt is not None and not _text_format(doc.body, fmt):
         raise ParamError(
             "response_format", "only {'type': 'text'} is supported", "unsupported_parameter"
         )
@@ -245,51 +399,88 @@ def chat_request(doc: Mapping[str, Any], headers: Mapping[str, str], config: Con
     max_tokens = _integer(doc, "max_completion_tokens", 1, 2**63 - 1)
     if max_tokens is None:
         max_tokens = _integer(doc, "max_tokens", 1, 2**63 - 1)
-    return _generation(doc, headers, config, model, "".join(parts) + CHAT_ANSWER, max_tokens, True)
+    return _generation(doc, headers, config, model, prompt + CHAT_ANSWER, max_tokens, True)
 
 
-def _message(i: int, message: Any) -> str:
+def _text_format(body: Body, fmt: Any) -> bool:
+    """``response_format`` is ``{"type": "text"}`` (other members ignored)."""
+    if not isinstance(fmt, Container) or fmt.kind != "object":
+        return False
+    fields = body.members(_ResponseFormatShape, fmt.raw, "response_format.")
+    return bool(fields.get("type") == "text")
+
+
+class _PlainMessage(msgspec.Struct):
+    role: Role
+    content: str | None = None
+
+
+_PLAIN_MESSAGES = msgspec.json.Decoder(list[_PlainMessage])
+
+
+def _plain_messages(body: Body, raw: msgspec.Raw) -> str | None:
+    """The messages as a prompt, decoded at once where each is well formed and its content
+    a string (no array inside: nothing unbounded to build); None otherwise, for
+    ``_message`` to read one at a time and name what is wrong."""
+    if body.marker is not None or holds_array(raw):
+        return None
+    try:
+        messages = _PLAIN_MESSAGES.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return "".join(CHAT_TEMPLATE.format(role=m.role, content=m.content or "") for m in messages)
+
+
+def _message(body: Body, i: int, raw: msgspec.Raw) -> str:
     where = f"messages[{i}]"
-    if not isinstance(message, dict):
+    if kind(raw) != "object":
         raise ParamError(where, f"'{where}' must be an object with 'role' and 'content'")
+    message = body.members(_MessageShape, raw, f"{where}.")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ParamError(
             f"{where}.role", f"'{where}.role' must be one of {', '.join(sorted(ROLES))}"
         )
-    content = message.get("content")
-    if content is None:
-        content = ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ParamError(
-                    f"{where}.content[{j}]",
-                    f"'{where}.content[{j}]': only text parts are supported",
-                    "unsupported_parameter",
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ParamError(
-                    f"{where}.content[{j}].text", f"'{where}.content[{j}].text' must be a string"
-                )
-            texts.append(text)
-        content = "".join(texts)
-    if not isinstance(content, str):
+    content = message.raw("content")
+    what = kind(content)
+    if what in ("absent", "null"):
+        text = ""
+    elif what == "array":
+        text = _content_parts(body, f"{where}.content", content)
+    elif what == "string":
+        text = body.string(content, f"{where}.content") or ""
+    else:
         raise ParamError(f"{where}.content", f"'{where}.content' must be a string or text parts")
-    return CHAT_TEMPLATE.format(role=role, content=content)
+    return CHAT_TEMPLATE.format(role=role, content=text)
 
 
-def completion_request(
-    doc: Mapping[str, Any], headers: Mapping[str, str], config: Config
-) -> Generation:
+def _content_parts(body: Body, where: str, raw: msgspec.Raw) -> str:
+    """A message's content given as parts: text parts only, at most ``MAX_CONTENT_PARTS``."""
+    if count(raw, MAX_CONTENT_PARTS) > MAX_CONTENT_PARTS:
+        raise ParamError(where, f"'{where}' holds at most {MAX_CONTENT_PARTS} parts")
+    texts = []
+    for j, part in enumerate(elements(raw)):
+        at = f"{where}[{j}]"
+        fields = body.members(_PartShape, part, f"{at}.") if kind(part) == "object" else None
+        if fields is None or fields.get("type") != "text":
+            raise ParamError(at, f"'{at}': only text parts are supported", "unsupported_parameter")
+        text = body.string(fields.raw("text"), f"{at}.text")
+        if text is None:
+            raise ParamError(f"{at}.text", f"'{at}.text' must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _completion(doc: Members, headers: Mapping[str, str], config: Config) -> Generation:
     """A ``/v1/completions`` body, checked: one text prompt."""
     model = require_model(doc)
-    prompt = doc.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
+    given = doc.raw("prompt")
+    prompt = None
+    if kind(given) == "array" and count(given, 1) == 1:
+        prompt = doc.body.string(elements(given)[0], "prompt[0]")
+    elif kind(given) == "string":
+        prompt = doc.body.string(given, "prompt")
+    if prompt is None:
         raise ParamError(
             "prompt",
             "'prompt' must be a string (or a list of one string): one prompt per request, as text",
@@ -303,7 +494,7 @@ def completion_request(
 
 
 def _generation(
-    doc: Mapping[str, Any],
+    doc: Members,
     headers: Mapping[str, str],
     config: Config,
     model: str,
@@ -341,14 +532,15 @@ def _generation(
             raise ParamError(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
             )
-        include_usage = _get(options, "include_usage", bool, False)
+        fields = doc.body.members(_StreamOptionsShape, options.raw, "stream_options.")
+        include_usage = _get(fields, "include_usage", bool, False)
     priority, tier = priority_of(doc, headers, config)
     return Generation(
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=_stops(doc.get("stop")),
+        stop=_stops(doc),
         stream=stream,
         include_usage=include_usage,
         priority=priority,
@@ -357,14 +549,17 @@ def _generation(
     )
 
 
-def _stops(value: Any) -> list[str]:
+def _stops(doc: Members) -> list[str]:
+    value = doc.get("stop")
     if value is None:
         return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    stops: list[Any] = [value]
+    if isinstance(value, Container) and value.kind == "array":
+        if count(value.raw, MAX_STOPS) > MAX_STOPS:
+            raise ParamError("stop", f"'stop' holds at most {MAX_STOPS} sequences")
+        stops = [doc.body.scalar(raw, "stop") for raw in elements(value.raw)]
+    if not all(isinstance(s, str) for s in stops):
         raise ParamError("stop", "'stop' must be a string or an array of strings")
-    if len(stops) > MAX_STOPS:
-        raise ParamError("stop", f"'stop' holds at most {MAX_STOPS} sequences")
     for s in stops:
         if not s or len(s) > MAX_STOP_CHARS:
             raise ParamError("stop", f"each 'stop' sequence is 1 to {MAX_STOP_CHARS} characters")
@@ -583,39 +778,22 @@ SSE_DONE = b"data: [DONE]\n\n"
 class Embeddings:
     model: str
     texts: list[str] | None  # text inputs (tokenised by the endpoint's tokenizer)
-    ids: list[list[int]] | None  # token-id inputs
+    ids: list[np.ndarray] | None  # token-id inputs: one int32 row each
     base64: bool
     dimensions: int | None
 
 
-def embeddings_request(doc: Mapping[str, Any]) -> Embeddings:
+_INPUT_KINDS = (
+    "'input' must be a non-empty string, array of strings, array of token ids or "
+    "array of token id arrays"
+)
+
+
+def _embeddings(doc: Members) -> Embeddings:
     """A ``/v1/embeddings`` body, checked: ``input`` as a string, strings, token ids
     (integers) or lists of token ids."""
     model = require_model(doc)
-    value = doc.get("input")
-    texts: list[str] | None = None
-    ids: list[list[int]] | None = None
-    if isinstance(value, str):
-        texts = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        texts = value
-    elif isinstance(value, list) and value and all(_is_id(v) for v in value):
-        ids = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-        if not all(v and all(_is_id(t) for t in v) for v in value):
-            raise ParamError(
-                "input", f"each token id list in 'input' is non-empty, ids 0 to {TOKEN_ID_MAX}"
-            )
-        ids = value
-    else:
-        raise ParamError(
-            "input",
-            "'input' must be a non-empty string, array of strings, array of token ids or "
-            "array of token id arrays",
-        )
-    count = len(texts if texts is not None else ids or [])
-    if count > MAX_EMBEDDING_INPUTS:
-        raise ParamError("input", f"'input' holds at most {MAX_EMBEDDING_INPUTS} items")
+    texts, ids = _inputs(doc.body, doc.raw("input"))
     if texts is not None and any(not t for t in texts):
         raise ParamError("input", "'input' cannot contain an empty string")
     fmt = _get(doc, "encoding_format", str, "float")
@@ -626,8 +804,46 @@ def embeddings_request(doc: Mapping[str, Any]) -> Embeddings:
     return Embeddings(model, texts, ids, fmt == "base64", dimensions)
 
 
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= TOKEN_ID_MAX
+_TEXTS = msgspec.json.Decoder(list[str])
+
+
+def _inputs(body: Body, raw: msgspec.Raw) -> tuple[list[str] | None, list[np.ndarray] | None]:
+    """``input`` as texts or as rows of token ids. Its kind is told by its first element;
+    a list of texts or of id lists is counted before its elements are decoded, and ids go
+    straight into int32 rows (``body.token_ids``)."""
+    if kind(raw) == "string":
+        return [body.string(raw, "input") or ""], None
+    first = first_element(raw) if kind(raw) == "array" else None
+    if first is None:
+        raise ParamError("input", _INPUT_KINDS)
+    if first in b"-0123456789":
+        row = token_ids(raw)
+        if row is None:
+            raise ParamError("input", _INPUT_KINDS)
+        return None, [row]
+    if first not in b'"[':
+        raise ParamError("input", _INPUT_KINDS)
+    if count(raw, MAX_EMBEDDING_INPUTS) > MAX_EMBEDDING_INPUTS:
+        raise ParamError("input", f"'input' holds at most {MAX_EMBEDDING_INPUTS} items")
+    if first == ord('"') and body.marker is None:
+        try:  # all strings: at once
+            return _TEXTS.decode(raw), None
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # one at a time, to name what is wrong
+    items = elements(raw)
+    if first == ord('"'):
+        texts = [body.string(item, f"input[{i}]") for i, item in enumerate(items)]
+        if any(t is None for t in texts):
+            raise ParamError("input", _INPUT_KINDS)
+        return [t or "" for t in texts], None
+    if any(kind(item) != "array" for item in items):
+        raise ParamError("input", _INPUT_KINDS)
+    rows = [token_ids(item) for item in items]
+    if any(row is None for row in rows):
+        raise ParamError(
+            "input", f"each token id list in 'input' is non-empty, ids 0 to {TOKEN_ID_MAX}"
+        )
+    return None, [row for row in rows if row is not None]
 
 
 def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
@@ -647,7 +863,7 @@ def embedding_output(info: ModelInfo, model: str) -> str:
 
 
 def row_request(
-    model: str, name: str, datatype: str, ids: Sequence[int], output: str, rid: str
+    model: str, name: str, datatype: str, ids: Sequence[int] | np.ndarray, output: str, rid: str
 ) -> InferRequest:
     """One input as its own KServe request: one row of token ids."""
     data = np.asarray(ids, dtype=np.int32 if datatype == "INT32" else np.int64).reshape(1, -1)

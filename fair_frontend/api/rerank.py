@@ -16,7 +16,7 @@ it. ``max_documents`` (default ``MAX_DOCUMENTS``, Cohere's limit) bounds a call.
 
 What a route does, in order:
 
-1. ``parse_cohere(body)`` or ``parse_jina(body)`` -> ``RerankCall``.
+1. ``decode_cohere(raw)`` or ``decode_jina(raw)`` -> ``RerankCall``, from the body's bytes.
 2. ``pair_rows(tokenizer, call.query, call.documents, call.max_tokens_per_doc,
    max_row_tokens)``: one row of token ids per document, ``[CLS] query [SEP] document
    [SEP]`` as the endpoint's tokenizer joins a pair. Tokenising costs time in proportion
@@ -35,17 +35,29 @@ What a route does, in order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+import msgspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 from tokenizers import Encoding, Tokenizer
 
+from fair_frontend.api.body import (
+    ABSENT,
+    Body,
+    InvalidText,
+    NotAnObject,
+    NotJson,
+    count,
+    elements,
+    kind,
+)
 from fair_frontend.errors import Internal, InvalidArgument
 from fair_frontend.protocol import (
     INT64_MAX,
@@ -69,44 +81,56 @@ MAX_PROBLEMS = 5
 
 
 # ---- requests -----------------------------------------------------------------------------
+#
+# A body is read from its bytes (``body.Body``): its members as raw JSON, each decoded when
+# checked; ``documents`` is counted from its bytes and refused over ``max_documents``
+# before one document is decoded. What is wrong is gathered field by field, in the order
+# the fields are declared below, a document at a time, into one message of at most
+# ``MAX_PROBLEMS`` of them (``Problems``): the first few are written, the rest counted.
 
 
-class _Body(BaseModel):
-    # Strict: a JSON number is not a string, nor "5" an integer, nor 1 a boolean.
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextDocument(_Body):
-    """A document given as an object: its ``text`` (other keys are ignored)."""
-
-    text: StrictStr
-
-
-class RelevantSpans(_Body):
-    mode: Literal["enabled", "disabled"]
-
-
-class CohereRerankRequest(_Body):
+class _CohereShape(msgspec.Struct):
     """Cohere's ``POST /v2/rerank`` body (``cohere.v2`` ``rerank``'s parameters)."""
 
-    model: StrictStr
-    query: StrictStr
-    documents: list[StrictStr | TextDocument]
-    top_n: StrictInt | None = None
-    max_tokens_per_doc: StrictInt | None = None
-    priority: StrictInt | None = None
-    relevant_spans: RelevantSpans | None = None
+    model: msgspec.Raw = ABSENT
+    query: msgspec.Raw = ABSENT
+    documents: msgspec.Raw = ABSENT
+    top_n: msgspec.Raw = ABSENT
+    max_tokens_per_doc: msgspec.Raw = ABSENT
+    priority: msgspec.Raw = ABSENT
+    relevant_spans: msgspec.Raw = ABSENT
 
 
-class JinaRerankRequest(_Body):
+class _JinaShape(msgspec.Struct):
     """Jina's and vLLM's ``POST /v1/rerank`` body."""
 
-    model: StrictStr | None = None
-    query: StrictStr
-    documents: list[StrictStr | TextDocument]
-    top_n: StrictInt | None = None
-    return_documents: StrictBool = True
-    priority: StrictInt | None = None  # vLLM's: lower is earlier
+    model: msgspec.Raw = ABSENT
+    query: msgspec.Raw = ABSENT
+    documents: msgspec.Raw = ABSENT
+    top_n: msgspec.Raw = ABSENT
+    return_documents: msgspec.Raw = ABSENT
+    priority: msgspec.Raw = ABSENT  # vLLM's: lower is earlier
+
+
+class _TextDocumentShape(msgspec.Struct):
+    """A document given as an object: its ``text`` (other keys are ignored)."""
+
+    text: msgspec.Raw = ABSENT
+
+
+class _TextDocument(msgspec.Struct):
+    text: str
+
+
+_DOCUMENTS = msgspec.json.Decoder(list[str | _TextDocument])
+
+
+class _RelevantSpansShape(msgspec.Struct):
+    mode: msgspec.Raw = ABSENT
+
+
+RELEVANT_SPANS_MODES = ("enabled", "disabled")
+_NOT_A_DOCUMENT = "must be a string, or an object with a string 'text'"
 
 
 @dataclass(frozen=True)
@@ -122,108 +146,238 @@ class RerankCall:
     priority: int | None  # as sent (Cohere, vLLM: 0 is first, larger is later)
 
 
-def parse_cohere(body: Any, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
-    """A Cohere v2 rerank body (JSON text, or the object it decodes to) -> ``RerankCall``;
-    ``InvalidArgument`` naming the field where it is malformed or out of range."""
-    req = _validate(CohereRerankRequest, body)
-    if req.relevant_spans is not None and req.relevant_spans.mode == "enabled":
+class Problems:
+    """What is wrong with a body, field by field: the first ``MAX_PROBLEMS`` written, the
+    rest only counted (10,000 malformed documents make one short line)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.count = 0
+
+    def add(self, where: str, message: str) -> None:
+        """``message`` about ``where``: "is required", or ": input should be ..."."""
+        self.count += 1
+        if len(self.lines) < MAX_PROBLEMS:
+            self.lines.append(
+                f"{where}{message}" if message.startswith(":") else f"{where} {message}"
+            )
+
+    def raise_any(self) -> None:
+        if self.count:
+            more = self.count - len(self.lines)
+            raise InvalidArgument(
+                "; ".join(self.lines) + (f"; and {more} more" if more > 0 else "")
+            )
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """What reading a body raises about the whole of it, as the 400 it is."""
+    try:
+        yield
+    except NotJson as err:
+        raise InvalidArgument(f"the request body is not valid JSON: {err.detail}") from None
+    except NotAnObject:
+        raise InvalidArgument("the request body must be a JSON object") from None
+    except InvalidText as err:
+        why = f"the request body is not valid Unicode text: {err.reason}"
+        raise InvalidArgument(why) from None
+
+
+class _Fields:
+    """One body's members, each read as one type (a problem noted where it is not one)."""
+
+    def __init__(self, body: Body, shape: type[msgspec.Struct], problems: Problems) -> None:
+        self.body = body
+        self.problems = problems
+        self.fields = body.object(shape)
+
+    def raw(self, name: str) -> msgspec.Raw:
+        raw: msgspec.Raw = getattr(self.fields, name)
+        return raw
+
+    def string(self, name: str, *, required: bool = True) -> str | None:
+        raw = self.raw(name)
+        if kind(raw) == "absent" or (kind(raw) == "null" and not required):
+            if required:
+                self.problems.add(name, "is required")
+            return None
+        return _text(self.body, raw, name, self.problems, ": input should be a valid string")
+
+    def integer(self, name: str) -> int | None:
+        raw = self.raw(name)
+        if kind(raw) in ("absent", "null"):
+            return None
+        if kind(raw) != "integer":
+            self.problems.add(name, ": input should be a valid integer")
+            return None
+        value: int = self.body.scalar(raw, name)
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        raw = self.raw(name)
+        if kind(raw) == "absent":
+            return default
+        if kind(raw) != "boolean":
+            self.problems.add(name, ": input should be a valid boolean")
+            return default
+        return bool(self.body.scalar(raw, name))
+
+    def documents(self, max_documents: int) -> list[str]:
+        """Each document's text; none decoded where there are more than ``max_documents``."""
+        raw = self.raw("documents")
+        if kind(raw) == "absent":
+            self.problems.add("documents", "is required")
+            return []
+        if kind(raw) != "array":
+            self.problems.add("documents", ": input should be a valid list")
+            return []
+        n = count(raw, max_documents)
+        if n > max_documents:
+            n = count(raw, 2**62)  # the whole count, for the message: a scan, nothing built
+            self.problems.add("documents", f": {n} documents; at most {max_documents} per call")
+            return []
+        if self.body.marker is None:
+            try:  # all well formed: at once
+                given = _DOCUMENTS.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass  # one at a time, to name each one that is not
+            else:
+                return [d if isinstance(d, str) else d.text for d in given]
+        texts = []
+        for i, item in enumerate(elements(raw)):
+            where = f"documents[{i}]"
+            if kind(item) == "object":
+                item = self.body.object(_TextDocumentShape, item).text
+            text = _text(self.body, item, where, self.problems, _NOT_A_DOCUMENT)
+            texts.append(text or "")
+        return texts
+
+    def relevant_spans(self) -> str | None:
+        """``relevant_spans.mode``; None where absent."""
+        raw = self.raw("relevant_spans")
+        if kind(raw) in ("absent", "null"):
+            return None
+        if kind(raw) != "object":
+            self.problems.add(
+                "relevant_spans",
+                ": input should be a valid dictionary or instance of RelevantSpans",
+            )
+            return None
+        mode = self.body.object(_RelevantSpansShape, raw).mode
+        if kind(mode) == "absent":
+            self.problems.add("relevant_spans.mode", "is required")
+            return None
+        where, wrong = "relevant_spans.mode", ": input should be 'enabled' or 'disabled'"
+        value = _text(self.body, mode, where, self.problems, wrong)
+        if value is not None and value not in RELEVANT_SPANS_MODES:
+            self.problems.add(where, wrong)
+            return None
+        return value
+
+
+def _text(body: Body, raw: msgspec.Raw, where: str, problems: Problems, wrong: str) -> str | None:
+    """A string member (``wrong`` noted where it is not one; not valid text noted too)."""
+    try:
+        text = body.string(raw, where)
+    except InvalidText as err:
+        problems.add(where, f"is not valid Unicode text: {err.reason}")
+        return None
+    if text is None:
+        problems.add(where, wrong)
+    return text
+
+
+def decode_cohere(raw: bytes, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
+    """A Cohere v2 rerank body, from its bytes -> ``RerankCall``; ``InvalidArgument``
+    naming the fields that are malformed or out of range."""
+    with _reading():
+        return _cohere(Body(raw), max_documents)
+
+
+def _cohere(body: Body, max_documents: int) -> RerankCall:
+    problems = Problems()
+    fields = _Fields(body, _CohereShape, problems)
+    model = fields.string("model")
+    query = fields.string("query")
+    documents = fields.documents(max_documents)
+    top_n = fields.integer("top_n")
+    max_tokens_per_doc = fields.integer("max_tokens_per_doc")
+    priority = fields.integer("priority")
+    spans = fields.relevant_spans()
+    problems.raise_any()
+    assert query is not None
+    if spans == "enabled":
         raise InvalidArgument(
             "relevant_spans: not supported by this model (it scores each document whole)"
         )
-    if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < 1:
-        raise InvalidArgument(
-            f"max_tokens_per_doc must be at least 1, got {req.max_tokens_per_doc}"
-        )
-    documents = _documents(req.documents, max_documents)
+    if max_tokens_per_doc is not None and max_tokens_per_doc < 1:
+        raise InvalidArgument(f"max_tokens_per_doc must be at least 1, got {max_tokens_per_doc}")
+    _documents(documents)
     return RerankCall(
-        model=req.model,
-        query=_query(req.query),
+        model=model,
+        query=_query(query),
         documents=documents,
-        top_n=_top_n(req.top_n, len(documents), zero_is_all=False),
-        max_tokens_per_doc=req.max_tokens_per_doc,
+        top_n=_top_n(top_n, len(documents), zero_is_all=False),
+        max_tokens_per_doc=max_tokens_per_doc,
         return_documents=False,
-        priority=_priority(req.priority),
+        priority=_priority(priority),
     )
+
+
+def decode_jina(raw: bytes, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
+    """A Jina/vLLM ``/v1/rerank`` body, from its bytes -> ``RerankCall``;
+    ``InvalidArgument`` naming the fields that are malformed."""
+    with _reading():
+        return _jina(Body(raw), max_documents)
+
+
+def _jina(body: Body, max_documents: int) -> RerankCall:
+    problems = Problems()
+    fields = _Fields(body, _JinaShape, problems)
+    model = fields.string("model", required=False)
+    query = fields.string("query")
+    documents = fields.documents(max_documents)
+    top_n = fields.integer("top_n")
+    return_documents = fields.boolean("return_documents", True)
+    priority = fields.integer("priority")
+    problems.raise_any()
+    assert query is not None
+    _documents(documents)
+    return RerankCall(
+        model=model,
+        query=_query(query),
+        documents=documents,
+        top_n=_top_n(top_n, len(documents), zero_is_all=True),
+        max_tokens_per_doc=None,
+        return_documents=return_documents,
+        priority=_priority(priority),
+    )
+
+
+def parse_cohere(body: Any, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
+    """``decode_cohere`` of a body given as bytes, text, or the object ``json.loads`` made
+    of it (written as JSON again)."""
+    return decode_cohere(_encoded(body), max_documents=max_documents)
 
 
 def parse_jina(body: Any, *, max_documents: int = MAX_DOCUMENTS) -> RerankCall:
-    """A Jina/vLLM ``/v1/rerank`` body (JSON text, or the object it decodes to) ->
-    ``RerankCall``; ``InvalidArgument`` naming the field where it is malformed."""
-    req = _validate(JinaRerankRequest, body)
-    documents = _documents(req.documents, max_documents)
-    return RerankCall(
-        model=req.model,
-        query=_query(req.query),
-        documents=documents,
-        top_n=_top_n(req.top_n, len(documents), zero_is_all=True),
-        max_tokens_per_doc=None,
-        return_documents=req.return_documents,
-        priority=_priority(req.priority),
-    )
+    """``decode_jina`` of a body given as bytes, text, or the object ``json.loads`` made
+    of it (written as JSON again)."""
+    return decode_jina(_encoded(body), max_documents=max_documents)
 
 
-def decode_cohere(raw: bytes) -> RerankCall:
-    """A Cohere v2 rerank body, from its bytes, checked."""
-    return parse_cohere(raw)
+def _encoded(body: Any) -> bytes:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return bytes(body)
+    if isinstance(body, str):
+        return body.encode("utf-8", "surrogatepass")
+    return json.dumps(body).encode()
 
 
-def decode_jina(raw: bytes) -> RerankCall:
-    """A Jina/vLLM rerank body, from its bytes, checked."""
-    return parse_jina(raw)
-
-
-def _validate(model: type[_Body], body: Any) -> Any:
-    try:
-        if isinstance(body, (bytes, bytearray, str)):
-            return model.model_validate_json(body)
-        if not isinstance(body, Mapping):
-            raise InvalidArgument("the request body must be a JSON object")
-        return model.model_validate(body)
-    except ValidationError as err:
-        raise InvalidArgument(_problems(err)) from None
-
-
-# Names pydantic adds to a location for the branch of a union it tried.
-_UNION_BRANCHES = frozenset({"str", "TextDocument"})
-
-
-def _problems(err: ValidationError) -> str:
-    """What is wrong, field by field (the first problem of each): ``documents[3] must be a
-    string, or an object with a string 'text'; top_n: input should be a valid integer``."""
-    seen: dict[str, str] = {}
-    for e in err.errors(include_url=False, include_input=False):
-        if e["type"] == "json_invalid":
-            return f"the request body is not valid JSON: {e['msg'].removeprefix('Invalid JSON: ')}"
-        if e["type"] == "model_type" and not e["loc"]:
-            return "the request body must be a JSON object"
-        loc = [part for part in e["loc"] if part not in _UNION_BRANCHES]
-        if len(loc) >= 2 and loc[0] == "documents" and isinstance(loc[1], int):
-            # Either branch of the union failed: one message for the document.
-            seen.setdefault(
-                f"documents[{loc[1]}]", "must be a string, or an object with a string 'text'"
-            )
-            continue
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-        if e["type"] == "missing":
-            seen.setdefault(where, "is required")
-        else:
-            seen.setdefault(where, ": " + e["msg"][:1].lower() + e["msg"][1:])
-    lines = [
-        f"{where}{message}" if message.startswith(":") else f"{where} {message}"
-        for where, message in seen.items()
-    ]
-    more = len(lines) - MAX_PROBLEMS
-    return "; ".join(lines[:MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
-
-
-def _documents(given: Sequence[str | TextDocument], max_documents: int) -> list[str]:
-    if not given:
+def _documents(documents: Sequence[str]) -> None:
+    if not documents:
         raise InvalidArgument("documents must hold at least one document")
-    if len(given) > max_documents:
-        raise InvalidArgument(
-            f"documents: {len(given)} documents; at most {max_documents} per call"
-        )
-    return [d if isinstance(d, str) else d.text for d in given]
 
 
 def _query(query: str) -> str:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -223,7 +223,7 @@ class ApiRoutes:
             endpoint = gateway.config.endpoint(model)
             name = openai.embedding_input(info, endpoint, model)
             output = openai.embedding_output(info, model)
-            rows = call.ids
+            rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
             if rows is None:
                 # A row of n token ids is 4n bytes of the request's tensors at least.
                 most = info.bounds(endpoint).payload_bytes // 4
