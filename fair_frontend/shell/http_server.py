@@ -35,7 +35,9 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from google.protobuf import json_format
 
 from fair_frontend import __version__
@@ -570,6 +572,20 @@ class GuardedProtocol(RequestHandler):
         if self.transport is not None:
             self._connections.refused("header_timeout")
             self.force_close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to what it could not parse, but never the client's bytes: a
+        request line over its limit (a model name of a megabyte in the path) is not quoted
+        back, even cut short."""
+        if isinstance(exc, LineTooLong):
+            message = f"the request line or a header is longer than {exc.args[1]} bytes"
+        return super().handle_error(request, status, exc, message)
 
 
 class _GuardedServer(web.Server):
