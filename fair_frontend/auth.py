@@ -35,7 +35,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -400,6 +400,14 @@ class ModelAccess:
     def allows(self, tenant: str, model: str) -> bool:
         grant = self._grants.get(tenant)
         return grant is not None and grant.allows(model)
+
+    def opens_beyond(self, tenant: str, names: Collection[str]) -> bool:
+        """Whether ``tenant`` may call some model not among ``names`` (every model, or
+        one its lists name): what bounds the bodies it may send (``shell.door``)."""
+        grant = self._grants.get(tenant)
+        if grant is None or grant.none:
+            return False
+        return grant.every or bool(grant.opened - grant.denied - set(names))
 
     def closed_tenants(self) -> list[str]:
         """The tenants that may call no model at all (a config from before model access,

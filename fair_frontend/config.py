@@ -587,6 +587,8 @@ class Server(_Strict):
         "once, over all its connections: a body counts its Content-Length (a chunked or "
         "compressed one, its model's body limit) from its headers until it is decoded; one "
         "that does not fit is refused 503 'Exceeds maximum queue size' before it is read. "
+        "A body that names its model (the OpenAI and rerank routes) counts what is read of "
+        "it until its model is let in, then as above. "
         "Default: 4 times the largest body limit of any model. At least that limit.",
     )
     grpc_max_connections: int = Field(

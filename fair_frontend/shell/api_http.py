@@ -4,19 +4,19 @@
 same identity, model access, validation, fair scheduling and limits, and one counted,
 logged outcome per request (``Gateway.rejected`` for what is refused before the gateway).
 
-The door as on the KServe routes: the key and the global queue are checked from the
-headers before a byte of the body is read (``Gateway.admit_early``); the body is read
-within ``server.http_body_timeout_s`` against the largest body any endpoint takes, counted
-against ``server.http_max_reading_bytes`` while it is read, and parsed off the event loop
-when large. The model is named in the body, so the tenant's access to it is checked once
-the body is parsed.
+Every route enters through the shell's door (``shell.door``), as the KServe routes do:
+the key and the global queue from the headers before a byte of the body is read; the
+model from the body's top-level ``"model"``, found by a scan of its first bytes as they
+arrive; the name's length and the tenant's access to it checked before the rest of the
+body is read, and the rest read against that model's own bound; then the body decoded
+through the route's seam (``openai.decode_chat`` ..., ``rerank.decode_cohere`` ...), off
+the event loop when large. Nothing is parsed for a model the tenant may not call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from fair_frontend.auth import Identity
 from fair_frontend.errors import FrontendError, QuotaExhausted
 from fair_frontend.protocol import InferRequest, InferResponse
 from fair_frontend.quota import Quota, quota_headers
+from fair_frontend.shell.door import Door
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, max_token_bytes, text_of
 from fair_frontend.usage import Usage
@@ -36,6 +37,7 @@ from fair_frontend.usage import Usage
 # holds at most this many in the core at once (the rest follow as they are answered).
 MAX_PARTS_IN_FLIGHT = 256
 _R = TypeVar("_R", bound=web.StreamResponse)
+_T = TypeVar("_T")
 
 
 class ApiRoutes:
@@ -58,73 +60,37 @@ class ApiRoutes:
         router.add_get("/v1/models", self.models)
         router.add_get("/v1/models/{model}", self.model)
 
-    # ---- common ------------------------------------------------------------------------
-
-    async def _read(
-        self, request: web.Request, headers: Mapping[str, str]
-    ) -> tuple[Identity | None, dict[str, Any]]:
-        """The tenant as the headers tell, and the body parsed (refused from the headers
-        first where they decide: no key, an unknown one, a full queue)."""
-        gateway = self.gateway
-        known = gateway.admit_early("", headers)
-        await gateway.turns.take(known.tenant if known is not None else None)
-        limit = gateway.config.max_wire_bytes()
-        with self.shell.hold_body(request, "", headers, limit):
-            raw = await self.shell.read_body(request, "", limit)
-            if len(raw) > OFF_LOOP_BYTES:
-                doc = await asyncio.to_thread(openai.parse_body, raw)
-            else:
-                doc = openai.parse_body(raw)
-        return known, doc
-
-    def _admit(
-        self, model: str, headers: Mapping[str, str], known: Identity | None
-    ) -> Identity | None:
-        """The tenant may call ``model``: else 404 ``model_not_found``, as OpenAI answers
-        for a model that does not exist or that the key has no access to (the same answer
-        either way: no name a client tries tells whether it exists)."""
-        gateway = self.gateway
-        if known is not None and not gateway.access.allows(known.tenant, model):
-            raise openai.ModelNotFound(model, "does not exist or you do not have access to it")
-        return gateway.admit_early(model, headers) or known
-
-    def _refused(
-        self, model: str, headers: Mapping[str, str], err: FrontendError, t0: float
-    ) -> web.Response:
-        self.gateway.rejected(model, headers, err, time.monotonic() - t0)
-        return error_response(err)
+    @property
+    def door(self) -> Door:
+        door: Door = self.shell.door
+        return door
 
     # ---- completions -------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, openai.chat_request, "chat")
+        return await self._generate(request, openai.decode_chat, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, openai.completion_request, "text_completion")
+        return await self._generate(request, openai.decode_completion, "text_completion")
 
     async def _generate(
-        self, request: web.Request, parse: Callable[..., openai.Generation], operation: str
+        self, request: web.Request, decode: Callable[..., openai.Generation], operation: str
     ) -> web.StreamResponse:
         gateway = self.gateway
-        headers = _headers(request)
-        started = time.monotonic()
-        model = ""
         try:
-            known, doc = await self._read(request, headers)
-            gen = parse(doc, headers, gateway.config)
-            model = gen.model
-            known = self._admit(model, headers, known)
-            tenant = known.tenant if known is not None else None
-            gen.service_tier = openai.tier_used(gen, gateway.config, tenant)
-            info = await gateway.model_info(model)
-            endpoint = gateway.config.endpoint(model)
-            req = openai.engine_request(gen, info, endpoint)
+            async with self.door.body(request) as p:
+                gen = await p.decode(decode, p.headers, gateway.config)
+                p.named(gen.model)
+                gen.service_tier = openai.tier_used(gen, gateway.config, p.tenant)
+                info = await gateway.model_info(p.model)
+                endpoint = gateway.config.endpoint(p.model)
+                req = openai.engine_request(gen, info, endpoint)
         except FrontendError as err:
-            return self._refused(model, headers, err, started)
+            return error_response(err)
         usage = Usage()
         output = endpoint.token_output
         assert output is not None  # engine_request checked it
-        replies = gateway.stream_infer(req, headers, known, usage=usage, operation=operation)
+        replies = gateway.stream_infer(req, p.headers, p.known, usage=usage, operation=operation)
         try:
             if gen.stream:
                 return await self._stream(request, gen, replies, usage, output)
@@ -211,38 +177,41 @@ class ApiRoutes:
         another's single input. The first counts against the request limits, all of them
         against the token limits."""
         gateway = self.gateway
-        headers = _headers(request)
-        started = time.monotonic()
-        model = ""
         try:
-            known, doc = await self._read(request, headers)
-            call = openai.embeddings_request(doc)
-            model = call.model
-            known = self._admit(model, headers, known)
-            info = await gateway.model_info(model)
-            endpoint = gateway.config.endpoint(model)
-            name = openai.embedding_input(info, endpoint, model)
-            output = openai.embedding_output(info, model)
-            rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
-            if rows is None:
-                # A row of n token ids is 4n bytes of the request's tensors at least.
-                most = info.bounds(endpoint).payload_bytes // 4
-                tenant = known.tenant if known is not None else None
-                texts = call.texts or []
-                rows = await _token_ids(gateway, tenant, endpoint.tokenizer, texts, model, most)
+            async with self.door.body(request) as p:
+                call = await p.decode(openai.decode_embeddings)
+                p.named(call.model)
+                headers, known, model, started = p.headers, p.known, p.model, p.started
+                info = await gateway.model_info(model)
+                endpoint = gateway.config.endpoint(model)
+                name = openai.embedding_input(info, endpoint, model)
+                output = openai.embedding_output(info, model)
+                rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
+                if rows is None:
+                    # A row of n token ids is 4n bytes of the request's tensors at least.
+                    most = info.bounds(endpoint).payload_bytes // 4
+                    tenant = known.tenant if known is not None else None
+                    texts = call.texts or []
+                    rows = await _token_ids(gateway, tenant, endpoint.tokenizer, texts, model, most)
         except FrontendError as err:
-            return self._refused(model, headers, err, started)
+            return error_response(err)
         datatype = info.inputs[name].datatype
         rid = f"embd-{uuid.uuid4().hex}"
-        reqs = [
-            openai.row_request(model, name, datatype, row, output, f"{rid}-{i}")
-            for i, row in enumerate(rows)
-        ]
+        reqs = await _off_loop(
+            len(rows) > OFF_LOOP_PARTS,
+            lambda: [
+                openai.row_request(model, name, datatype, row, output, f"{rid}-{i}")
+                for i, row in enumerate(rows)
+            ],
+        )
         try:
             answers, usage = await self._parts(reqs, headers, known, "embeddings", started)
             vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
-            body = openai.embeddings_body(call, vectors, usage)
-            return _with_quota(web.json_response(body), answers[-1].quota)
+            numbers = sum(int(v.size) for v in vectors)
+            response = await _json_answer(
+                numbers > OFF_LOOP_NUMBERS, lambda: openai.embeddings_body(call, vectors, usage)
+            )
+            return _with_quota(response, answers[-1].quota)
         except FrontendError as err:
             return error_response(err)
 
@@ -283,64 +252,67 @@ class ApiRoutes:
 
     async def cohere_rerank(self, request: web.Request) -> web.StreamResponse:
         """Cohere's v2 rerank; errors as Cohere answers them, ``{"message": ...}``."""
-        return await self._rerank(request, rerank.parse_cohere, cohere=True)
+        return await self._rerank(request, rerank.decode_cohere, cohere=True)
 
     async def jina_rerank(self, request: web.Request) -> web.StreamResponse:
         """Jina's and vLLM's rerank; errors in OpenAI's envelope, as vLLM answers them."""
-        return await self._rerank(request, rerank.parse_jina, cohere=False)
+        return await self._rerank(request, rerank.decode_jina, cohere=False)
 
     async def _rerank(
-        self, request: web.Request, parse: Callable[..., rerank.RerankCall], *, cohere: bool
+        self, request: web.Request, decode: Callable[..., rerank.RerankCall], *, cohere: bool
     ) -> web.StreamResponse:
         """One call per document (``rerank.row_request``): the fair batches take a
-        1,000-document call row by row, beside another tenant's 3-document call."""
+        1,000-document call row by row, beside another tenant's 3-document call. Cohere
+        requires ``model``; Jina and vLLM default it to ``rerank.RERANK_MODEL``."""
         gateway = self.gateway
-        headers = _headers(request)
         answer_error = cohere_error if cohere else error_response
-        started = time.monotonic()
-        model = ""
+        default = None if cohere else rerank.RERANK_MODEL
         try:
-            known, doc = await self._read(request, headers)
-            call = parse(doc)
-            model = call.model or rerank.RERANK_MODEL
-            known = self._admit(model, headers, known)
-            info = await gateway.model_info(model)
-            endpoint = gateway.config.endpoint(model)
-            if rerank.SCORE not in info.outputs or rerank.INPUT_IDS not in info.inputs:
-                raise openai.unsupported(model, "does not rerank (it gives no SCORE)")
-            if endpoint.tokenizer is None:
-                raise openai.unsupported(model, "has no tokenizer to join query and document")
-            longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
-            tenant = known.tenant if known is not None else None
-            rows = await gateway.tokens.run(
-                tenant,
-                rerank.pair_rows,
-                endpoint.tokenizer,
-                call.query,
-                call.documents,
-                call.max_tokens_per_doc,
-                longest,
-            )
+            async with self.door.body(request, default) as p:
+                call = await p.decode(decode)
+                p.named(call.model, default)
+                headers, known, model, started = p.headers, p.known, p.model, p.started
+                info = await gateway.model_info(model)
+                endpoint = gateway.config.endpoint(model)
+                if rerank.SCORE not in info.outputs or rerank.INPUT_IDS not in info.inputs:
+                    raise openai.unsupported(model, "does not rerank (it gives no SCORE)")
+                if endpoint.tokenizer is None:
+                    raise openai.unsupported(model, "has no tokenizer to join query and document")
+                longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
+                rows = await gateway.tokens.run(
+                    p.tenant,
+                    rerank.pair_rows,
+                    endpoint.tokenizer,
+                    call.query,
+                    call.documents,
+                    call.max_tokens_per_doc,
+                    longest,
+                )
         except FrontendError as err:
-            self.gateway.rejected(model, headers, err, time.monotonic() - started)
             return answer_error(err)
         rid = rerank.new_response_id()
         levels = gateway.config.priority_levels
         # Cohere and vLLM: 0 is the first; Triton's: 1 is the highest, 0 the default.
         level = 0 if call.priority is None else min(call.priority + 1, levels)
-        reqs = [
-            rerank.row_request(ids, model=model, request_id=f"{rid}-{i}", priority=level)
-            for i, ids in enumerate(rows)
-        ]
+        many = len(rows) > OFF_LOOP_PARTS
+        reqs = await _off_loop(
+            many,
+            lambda: [
+                rerank.row_request(ids, model=model, request_id=f"{rid}-{i}", priority=level)
+                for i, ids in enumerate(rows)
+            ],
+        )
         try:
             answers, usage = await self._parts(reqs, headers, known, "rerank", started)
             logits = [rerank.row_logit(a) for a in answers]
             tokens = usage.prompt_tokens
-            if cohere:
-                body = rerank.cohere_response(call, logits, tokens, response_id=rid)
-            else:
-                body = rerank.jina_response(call, logits, tokens, model=model, response_id=rid)
-            return _with_quota(web.json_response(body), answers[-1].quota)
+
+            def body() -> dict[str, Any]:
+                if cohere:
+                    return rerank.cohere_response(call, logits, tokens, response_id=rid)
+                return rerank.jina_response(call, logits, tokens, model=model, response_id=rid)
+
+            return _with_quota(await _json_answer(many, body), answers[-1].quota)
         except FrontendError as err:
             return answer_error(err)
 
@@ -370,7 +342,24 @@ class ApiRoutes:
         return web.json_response(openai.model_entry(name))
 
 
-OFF_LOOP_BYTES = 256 << 10
+# What is done on a worker thread rather than the event loop, above these: the requests of
+# an API call's parts and its answer (10,000 rerank rows take about 0.3 s to make; the JSON
+# of 2,048 embeddings of 128 numbers about 0.4 s to write), which on the loop would hold
+# every other client of this shell that long.
+OFF_LOOP_PARTS = 64
+OFF_LOOP_NUMBERS = 2048
+
+
+async def _off_loop(large: bool, work: Callable[[], _T]) -> _T:
+    """``work()``: on a worker thread when ``large``, here otherwise (where the hop to a
+    thread would cost more than the work)."""
+    return await asyncio.to_thread(work) if large else work()
+
+
+async def _json_answer(large: bool, build: Callable[[], Any]) -> web.Response:
+    """The JSON answer ``build`` makes, made and written off the loop when ``large``."""
+    text = await _off_loop(large, lambda: json.dumps(build()))
+    return web.json_response(text=text)
 
 
 def error_response(err: FrontendError) -> web.Response:

@@ -11,7 +11,8 @@ model's limit) before any of its body is read, and ``Expect: 100-continue`` is g
 then. A body is read against its own model's bound (``Endpoint.max_wire_bytes``: chunked
 bodies cut off at it, inflated ones too) and within ``server.http_body_timeout_s`` (then
 408); a body abandoned midway gets ``Connection: close``. Large bodies are decoded on a
-worker thread, so the event loop keeps serving other clients meanwhile.
+worker thread, so the event loop keeps serving other clients meanwhile. Every POST route,
+these and the API's (``api_http``), goes through the same prologue: ``shell.door``.
 
 Connections (issue 17): each shell holds at most ``server.http_max_connections`` open, and
 at most ``server.http_max_connections_per_peer`` from one address; one over either is
@@ -28,16 +29,15 @@ request. ``Listener`` wires this into aiohttp's protocol (``GuardedProtocol``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 import zlib
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
-from aiohttp.http import HttpVersion11
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from google.protobuf import json_format
 
 from fair_frontend import __version__
@@ -45,7 +45,6 @@ from fair_frontend.auth import identity_headers
 from fair_frontend.errors import (
     FrontendError,
     InvalidArgument,
-    QueueFull,
     UnknownModel,
     Unsupported,
 )
@@ -69,10 +68,17 @@ from fair_frontend.http_codec import (
     is_raw_binary,
     parse_header_length,
 )
+from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
 from fair_frontend.quota import Quota, quota_headers
 from fair_frontend.shell.api_http import ApiRoutes
+from fair_frontend.shell.door import (
+    Door,
+    close_abandoned,
+    expect_after_checks,
+    too_large,
+)
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
@@ -88,71 +94,7 @@ _WBITS = {
 }
 
 
-# Bodies larger than this (or compressed ones) are decoded on a worker thread: parsing a
-# megabyte of JSON into tensors holds the thread running it for about 20 ms on these
-# CPUs, which on the event loop would stall every other client of this shell.
-OFF_LOOP_BYTES = 256 << 10
-# Marks a request whose body was abandoned midway (too large, too slow): its connection is
-# closed after the answer, since the rest of the body would only be read to be discarded.
-_BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("body_abandoned", bool)
-_T = TypeVar("_T")
 _R = TypeVar("_R", bound=web.StreamResponse)
-
-
-class BodyTimeout(InvalidArgument):
-    """The body did not arrive in time: HTTP's 408 Request Timeout (the client's fault,
-    counted as invalid input)."""
-
-    http_status = 408
-
-
-def _too_large(model: str, limit: int, what: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"request too large: {what} exceeds {limit} bytes, the body limit for '{model}'"
-    )
-
-
-async def _expect_after_checks(request: web.Request) -> None:
-    """``Expect`` handler of the POST routes: grants nothing itself. ``100 Continue`` is
-    sent by ``read_body``, once the headers passed, so a client that waits for it (curl,
-    for large bodies) sends no body to be refused; aiohttp's default grants it at once."""
-    expect = request.headers.get("Expect", "")
-    if request.version == HttpVersion11 and expect.lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
-
-
-async def _grant_continue(request: web.Request) -> None:
-    if (
-        request.version == HttpVersion11
-        and request.headers.get("Expect", "").lower() == "100-continue"
-    ):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the response proper starts after it
-
-
-async def _read_at_most(request: web.Request, limit: int, model: str) -> bytes:
-    """The whole body, refused as soon as more than ``limit`` bytes have arrived (a
-    chunked body declares no length up front)."""
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(model, limit, "the body")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _off_loop(size: int, decode: Callable[..., _T], *args: Any) -> _T:
-    """``decode(*args)``: on a worker thread for a body over ``OFF_LOOP_BYTES``, here for a
-    small one (where the hop to a thread would cost more than the decode)."""
-    if size > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(decode, *args)
-    return decode(*args)
-
-
-def _encoded(headers: Mapping[str, str]) -> bool:
-    return headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
 
 
 def error_response(err: FrontendError) -> web.Response:
@@ -246,7 +188,7 @@ class HttpShell:
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
         self.connections = Connections(gateway)
-        self.reading = 0  # bytes of bodies being read and decoded now (hold_body)
+        self.door = Door(gateway)  # every POST route's prologue
 
     def runner(self) -> web.AppRunner:
         """The shell's app, served behind the door's connection bounds (``Listener``).
@@ -263,7 +205,7 @@ class HttpShell:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.max_body_bytes,
-            middlewares=[_close_abandoned, self._errors_middleware],
+            middlewares=[close_abandoned, self._errors_middleware],
         )
         app[GATEWAY_KEY] = self.gateway
         r = app.router
@@ -281,8 +223,8 @@ class HttpShell:
                 ("/generate", self.generate),
                 ("/generate_stream", self.generate_stream),
             ):
-                r.add_post(prefix + door, handler, expect_handler=_expect_after_checks)
-        ApiRoutes(self).add(r, _expect_after_checks)
+                r.add_post(prefix + door, handler, expect_handler=expect_after_checks)
+        ApiRoutes(self).add(r, expect_after_checks)
         return app
 
     @web.middleware
@@ -355,7 +297,7 @@ class HttpShell:
             except zlib.error:
                 continue
             if len(body) > limit or inflater.unconsumed_tail:
-                raise _too_large(model, limit, f"the body decoded from Content-Encoding '{name}'")
+                raise too_large(model, limit, f"the body decoded from Content-Encoding '{name}'")
             if not inflater.eof:
                 raise InvalidArgument(
                     f"the request body is truncated for its Content-Encoding '{name}'"
@@ -371,31 +313,18 @@ class HttpShell:
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         model, version = _model_version(request)
-        headers = _headers(request)
-        started = time.monotonic()
-        try:
-            known = self.gateway.admit_early(model, headers)
-            # Read and decoded in turn with other tenants' requests (``shell.turns``).
-            await self.gateway.turns.take(known.tenant if known is not None else None)
-            with self.hold_body(request, model, headers):
-                raw = await self.read_body(request, model)
-                limit = await self.gateway.wire_bound(model)
-                precheck = self.gateway.precheck(model)
-                size = OFF_LOOP_BYTES + 1 if _encoded(headers) else len(raw)
-                decoded = await _off_loop(
-                    size, self._decode_infer, model, version, raw, headers, limit, precheck
-                )
-                if isinstance(decoded, InferRequest):
-                    req = decoded
-                else:
-                    # A raw binary body: its one input is deduced from the model's description.
-                    info = await self.gateway.model_info(model)
-                    req = decode_raw_infer(model, version, decoded, info)
-        except FrontendError as err:
-            # Answered before Gateway.infer: still one counted, logged outcome.
-            self.gateway.rejected(model, headers, err, time.monotonic() - started)
-            raise
-        resp = await self.gateway.infer(req, headers, known)
+        gateway = self.gateway
+        async with self.door.path(request, model) as p:
+            limit = await gateway.wire_bound(model)
+            precheck = gateway.precheck(model)
+            decoded = await p.decode(self._decode_infer, model, version, p.headers, limit, precheck)
+            if isinstance(decoded, InferRequest):
+                req = decoded
+            else:
+                # A raw binary body: its one input is deduced from the model's description.
+                info = await gateway.model_info(model)
+                req = decode_raw_infer(model, version, decoded, info)
+        resp = await gateway.infer(req, p.headers, p.known)
         payload, json_length = encode_infer(resp, req)
         out = web.Response(body=payload)
         if json_length is None:
@@ -407,68 +336,11 @@ class HttpShell:
             out.enable_compression()
         return with_quota(out, resp.quota)
 
-    @contextlib.contextmanager
-    def hold_body(
-        self,
-        request: web.Request,
-        model: str,
-        headers: Mapping[str, str],
-        bound: int | None = None,
-    ) -> Iterator[None]:
-        """Count a body against ``server.http_max_reading_bytes`` while it is read and
-        decoded, or refuse it (503, unread) when it does not fit beside the bodies this
-        shell is reading now. It counts its declared length; one that declares none or
-        is compressed, its model's bound (as far as it could grow); one declared over its
-        bound, nothing (``read_body`` refuses it unread). ``bound``: where the body's model is
-        not known yet (the OpenAI routes name it in the body), the bound it is read with."""
-        if bound is None:
-            bound = self.gateway.config.endpoint(model).max_wire_bytes
-        declared = request.content_length
-        size = bound if declared is None or _encoded(headers) else declared
-        size = 0 if size > bound else size
-        limit = self.gateway.config.http_max_reading_bytes()
-        if self.reading + size > limit:
-            request[_BODY_ABANDONED] = True
-            raise QueueFull(
-                f"{limit} bytes of request bodies are being read in this shell "
-                "(server.http_max_reading_bytes)"
-            )
-        self.reading += size
-        try:
-            yield
-        finally:
-            self.reading -= size
-
-    async def read_body(self, request: web.Request, model: str, limit: int | None = None) -> bytes:
-        """The body, read against ``model``'s own bound (``Endpoint.max_wire_bytes``: a
-        declared length over it is refused unread) and within ``server.http_body_timeout_s``
-        (then 408). A body abandoned midway marks its request to have its connection
-        closed. ``limit``: as ``hold_body``'s ``bound``."""
-        if limit is None:
-            limit = await self.gateway.wire_bound(model)
-        timeout_s = self.gateway.config.server.http_body_timeout_s
-        try:
-            declared = request.content_length
-            if declared is not None and declared > limit:
-                raise _too_large(model, limit, f"the declared Content-Length of {declared} bytes")
-            await _grant_continue(request)
-            async with asyncio.timeout(timeout_s):
-                return await _read_at_most(request, limit, model)
-        except TimeoutError:
-            request[_BODY_ABANDONED] = True
-            raise BodyTimeout(
-                f"the request body did not arrive within {timeout_s:g} s "
-                "(server.http_body_timeout_s)"
-            ) from None
-        except FrontendError:
-            request[_BODY_ABANDONED] = True
-            raise
-
     def _decode_infer(
         self,
+        raw: bytes,
         model: str,
         version: str,
-        raw: bytes,
         headers: Mapping[str, str],
         limit: int,
         precheck: Precheck | None = None,
@@ -559,36 +431,24 @@ class HttpShell:
 
     async def _generate_request(self, request: web.Request) -> AsyncGenerator[InferResponse, None]:
         model, version = _model_version(request)
-        headers = _headers(request)
-        started = time.monotonic()
-        try:
-            known = self.gateway.admit_early(model, headers)
-            await self.gateway.turns.take(known.tenant if known is not None else None)
+        gateway = self.gateway
+
+        async def ahead() -> None:  # what Triton checks before it reads the body
             try:
-                info = await self.gateway.model_info(model)
+                info = await gateway.model_info(model)
             except UnknownModel:  # (from a shell process too: a fault keeps its class)
                 raise ModelNotFound(model) from None
             check_model(info, version)
-            check_encoding(headers.get("content-encoding"))
-            with self.hold_body(request, model, headers):
-                body = await self.read_body(request, model)
-                req = await _off_loop(len(body), decode_generate, model, version, body, info)
-        except FrontendError as err:
-            # Answered before the gateway's stream: still one counted, logged outcome.
-            self.gateway.rejected(model, headers, err, time.monotonic() - started)
-            raise
-        return self.gateway.stream_infer(req, headers, known)
+            check_encoding(request.headers.get("Content-Encoding"))
+
+        async with self.door.path(request, model, ahead) as p:
+            info = await gateway.model_info(model)
+            req = await p.decode(_decode_generate, model, version, info)
+        return gateway.stream_infer(req, p.headers, p.known)
 
 
-@web.middleware
-async def _close_abandoned(request: web.Request, handler: Any) -> web.StreamResponse:
-    """``Connection: close`` on the answer to a request whose body was abandoned midway
-    (aiohttp then reads and discards what is still coming for a bounded while, so that
-    the client gets its answer, and closes)."""
-    response: web.StreamResponse = await handler(request)
-    if request.get(_BODY_ABANDONED):
-        response.force_close()
-    return response
+def _decode_generate(body: bytes, model: str, version: str, info: ModelInfo) -> InferRequest:
+    return decode_generate(model, version, body, info)
 
 
 def _generate_failure(err: FrontendError) -> web.Response:
@@ -712,6 +572,20 @@ class GuardedProtocol(RequestHandler):
         if self.transport is not None:
             self._connections.refused("header_timeout")
             self.force_close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to what it could not parse, but never the client's bytes: a
+        request line over its limit (a model name of a megabyte in the path) is not quoted
+        back, even cut short."""
+        if isinstance(exc, LineTooLong):
+            message = f"the request line or a header is longer than {exc.args[1]} bytes"
+        return super().handle_error(request, status, exc, message)
 
 
 class _GuardedServer(web.Server):
