@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -208,10 +208,13 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
                 SETUP_S,
                 what="50 streams relaying",
             )
-            assert all(doomed.tokens[i] < LONG for i in ids)  # still streaming
             before = (await ascrape(metrics)).sum(
                 "fair_requests_total", tenant="acme", endpoint="llm", outcome="cancelled"
             )
+            # The streams the kill cuts are those not yet ended when it comes: on a slow
+            # machine the first ones started may finish their LONG tokens while the last
+            # ones start, and are served whole (counted as served, not as cut).
+            finished = {i for i in ids if outcomes.count[i]}
             recorded = _after_drop(core, victim, lambda: sum(outcomes.count[i] for i in ids))
 
             killed_at = time.monotonic()
@@ -219,12 +222,17 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
             await aeventually(lambda: runtime.inflight == 0, SETUP_S, 0.005, what="every slot back")
             # Every slot back by the socket's end, at once, each stream's outcome once.
             assert all(outcomes.count[i] == 1 for i in ids), outcomes.count
-            assert {outcomes.outcome[i] for i in ids} == {Outcome.CANCELLED}
-            back_s = max(outcomes.at[i] for i in ids) - killed_at
+            cut = [i for i in ids if outcomes.outcome[i] is Outcome.CANCELLED]
+            served = [i for i in ids if i not in cut]
+            assert cut, f"all {STREAMS} streams ended before the kill: nothing was cut"
+            assert {outcomes.outcome[i] for i in served} <= {Outcome.DISPATCHED}
+            assert all(doomed.tokens[i] == LONG for i in served), "served whole"
+            back_s = max(outcomes.at[i] for i in cut) - killed_at
             assert back_s >= 0, back_s  # after the kill, not before
             assert recorded == [STREAMS], (
                 f"outcomes recorded within two loop iterations of the shell's socket end: "
-                f"{recorded} of {STREAMS} (the last {back_s:.3f} s after the kill)"
+                f"{recorded} of {STREAMS}, {len(finished)} served before the kill "
+                f"(the last cut one {back_s:.3f} s after the kill)"
             )
 
             async def counted() -> float:
@@ -232,10 +240,12 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
                 name = "fair_requests_total"
                 return page.sum(name, tenant="acme", endpoint="llm", outcome="cancelled") - before
 
-            cancelled = await aeventually(counted, SETUP_S, what="the cancellations counted")
-            assert cancelled == STREAMS
+            cancelled = await aeventually(
+                lambda: _at_least(counted, len(cut)), SETUP_S, what="the cancellations counted"
+            )
+            assert cancelled == len(cut)
             errors = await asyncio.wait_for(
-                asyncio.gather(*(doomed.tasks[i] for i in ids)), SETUP_S
+                asyncio.gather(*(doomed.tasks[i] for i in cut)), SETUP_S
             )
             assert all(e is not None for e in errors)  # their clients saw them fail
 
@@ -264,6 +274,12 @@ async def _probe(server: FrontendServer, streams: Streams, request_id: str) -> N
 def _idle(core: Core) -> bool:
     runtime = core.runtimes.get("llm")
     return runtime is not None and runtime.inflight == 0
+
+
+async def _at_least(value: Callable[[], Awaitable[float]], least: float) -> float | None:
+    """``value()`` once it has reached ``least`` (None before: a poll's not yet)."""
+    got = await value()
+    return got if got >= least else None
 
 
 def _after_drop(core: Core, shell: ShellConnection, recorded: Callable[[], int]) -> list[int]:
