@@ -305,13 +305,21 @@ def check_id(what: str, value: str) -> str:
 
 
 def check_name(what: str, value: str) -> str:
-    """``value`` (a model name) if it is at most ``MAX_NAME_BYTES`` long. The refusal
-    says how long it is, never what it is."""
+    """``value`` (a model name) if it is at most ``MAX_NAME_BYTES`` long and valid Unicode
+    text. The refusal says how long it is, never what it is."""
     size = len(value.encode("utf-8", errors="surrogatepass"))
     if size > MAX_NAME_BYTES:
         raise InvalidArgument(
             f"{what} is too long: {size} bytes, the limit is {MAX_NAME_BYTES} bytes"
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON can spell one ("\ud800"): no model has such a name, and none can be asked of
+        # Triton (it would fail encoding the call, a 500).
+        raise InvalidArgument(
+            f"{what} holds a lone surrogate (a \\ud800-\\udfff escape not in a pair)"
+        ) from None
     return value
 
 
