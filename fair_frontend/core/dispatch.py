@@ -391,13 +391,25 @@ class Dispatcher(ABC):
         to ``req.route``."""
         now = self.clock.now()
         self.scheduler.enqueue(req, now)
+        self._queued(now, req.deadline)
+
+    def submit_all(self, reqs: Sequence[CoreRequest]) -> None:
+        """Queue the parts of one call, all or none (raises ``QueueFull`` before any is
+        queued: ``Scheduler.enqueue_all``); each one's answers go to its ``route``."""
+        now = self.clock.now()
+        self.scheduler.enqueue_all(reqs, now)
+        deadlines = [r.deadline for r in reqs if r.deadline is not None]
+        self._queued(now, min(deadlines) if deadlines else None)
+
+    def _queued(self, now: float, deadline: float | None) -> None:
+        """Work was queued (with ``deadline``, its earliest): send, or arm the timers."""
         if self.pool.available and self._may_send(now) is not None:
             self.kick()
             return
         # No batch can go now (the hot path under load): only its timers may change.
         self._arm_lead()
-        if req.deadline is not None:
-            self._arm(req.deadline)
+        if deadline is not None:
+            self._arm(deadline)
 
     def cancel(self, req: CoreRequest) -> None:
         """The client went away. Still queued: it leaves and is never sent. In a batch: the

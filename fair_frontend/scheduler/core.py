@@ -8,6 +8,7 @@ the package docstring; this module is its bookkeeping.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fair_frontend.errors import Internal, QueueFull
@@ -118,24 +119,46 @@ class Scheduler:
         The tenant directory is consulted when the tenant has nothing queued here; while
         it has, its terms (tier, weight, caps) stay as they were (see ``TenantQueue``).
         """
-        if req.state is not _NEW:
-            raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
-        if req.rows < 1 or req.tokens < 0 or req.nbytes < 0 or req.priority < 1:
-            raise ValueError(
-                f"bad request: rows={req.rows} (>= 1), tokens={req.tokens} (>= 0), "
-                f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
-            )
-        tenant = req.tenant
+        _check_new(req)
+        queue = self._queue_for(req.tenant)
+        self._room(queue, 1, req.nbytes)
+        self._add(req, queue, now)
+
+    def enqueue_all(self, reqs: Sequence[QueuedRequest], now: float) -> None:
+        """Queue every one of ``reqs`` (the parts of one call, all of one tenant), or
+        none: ``QueueFull`` naming the first cap the whole group would exceed, checked
+        as ``enqueue`` checks one request (the group counts as ``len(reqs)`` requests
+        and its bytes together), before any of them is queued; a refused group is left
+        untouched. Queued in the order given (its requests' own order then decides)."""
+        if not reqs:
+            return
+        tenant = reqs[0].tenant
+        for req in reqs:
+            _check_new(req)
+            if req.tenant != tenant:
+                raise ValueError(f"a group is one tenant's: {req.tenant!r} in {tenant!r}'s")
+        queue = self._queue_for(tenant)
+        self._room(queue, len(reqs), sum(r.nbytes for r in reqs))
+        for req in reqs:
+            self._add(req, queue, now)
+
+    def _queue_for(self, tenant: str) -> TenantQueue:
+        """The tenant's queue here, made anew from the directory's terms when it is empty
+        (the terms apply from the moment a tenant's queue is empty: ``TenantQueue``)."""
         queue = self._queues.get(tenant)
         if queue is None or not queue.requests:
-            # The directory is read when the tenant's queue is empty (TenantQueue).
             terms = self._tenants.get(tenant)
             if terms is None:
                 raise Internal(f"scheduler: unknown tenant {tenant!r}")
             if queue is None or queue.terms is not terms:
                 queue = self._new_queue(tenant, terms)
-        nbytes = req.nbytes
-        if queue.requests >= queue.max_queued:
+        return queue
+
+    def _room(self, queue: TenantQueue, count: int, nbytes: int) -> None:
+        """Raise ``QueueFull`` naming the first cap ``count`` more requests of
+        ``nbytes`` tensor bytes in all would exceed (the order ``enqueue`` documents)."""
+        tenant = queue.tenant
+        if queue.requests + count > queue.max_queued:
             raise QueueFull(f"tenant {tenant!r} max_queued={queue.max_queued}")
         cap = queue.max_queued_bytes
         caps = self._caps
@@ -144,11 +167,15 @@ class Scheduler:
                 raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
         elif nbytes and caps.tenant_bytes.get(tenant, 0) + nbytes > caps.tenant_max_queued_bytes:
             raise QueueFull(f"tenant {tenant!r} {caps.tenant_default_cap()}")
-        if caps.queued >= caps.max_queued:
+        if caps.queued + count > caps.max_queued:
             raise QueueFull(f"global max_queued={caps.max_queued}")
         if caps.queued_bytes + nbytes > caps.max_queued_bytes:
             raise QueueFull(f"global max_queued_bytes={caps.max_queued_bytes}")
 
+    def _add(self, req: QueuedRequest, queue: TenantQueue, now: float) -> None:
+        """Queue ``req`` in ``queue`` (its caps checked: ``_room``)."""
+        tenant = req.tenant
+        caps = self._caps
         seq = self._seq
         self._seq = seq + 1
         req.arrival = now
@@ -163,7 +190,7 @@ class Scheduler:
 
         was_idle = not queue.requests
         queue.add(req)
-        caps.add(tenant, nbytes)
+        caps.add(tenant, req.nbytes)
         self._admitted += 1
         self._arrivals.push(handle)
         if req.deadline is not None:
@@ -585,3 +612,14 @@ class Scheduler:
             # A tenant whose queue empties leaves its tier's round (and loses its budget).
             tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
             self._fairness.leave(tier.fair_state, queue)
+
+
+def _check_new(req: QueuedRequest) -> None:
+    """``req`` may be queued: new (never queued before) and well formed."""
+    if req.state is not _NEW:
+        raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
+    if req.rows < 1 or req.tokens < 0 or req.nbytes < 0 or req.priority < 1:
+        raise ValueError(
+            f"bad request: rows={req.rows} (>= 1), tokens={req.tokens} (>= 0), "
+            f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
+        )
