@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,14 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.quota import Quota
 from fair_frontend.testing import aeventually, eventually
 from fair_frontend.tokens import load_tokenizer, max_token_bytes
-from tests.support import KEYS, RunningFrontend, config_dict, make_config, running_frontend
+from tests.support import (
+    KEYS,
+    RunningFrontend,
+    config_dict,
+    llm_served,
+    make_config,
+    running_frontend,
+)
 
 PLENTY = {"tokens_per_day": 10**9, "requests_per_day": 10**7}
 EMBED_TOKENS = 1_000  # "umbrella"'s on embed a day: a call of parts refused whole
@@ -57,7 +65,7 @@ def _config() -> Any:
         "limits": {"embed": {"tokens_per_day": CHARGED_TOKENS, "requests_per_day": 100}},
     }
     data["tenants"]["long"] = {"tier": "standard", "api_keys": [EXTRA["long"]]}
-    data["tenants"]["long"]["limits"] = {"embed": PLENTY}
+    data["tenants"]["long"]["limits"] = {"embed": PLENTY, "llm": PLENTY}
     return parse_config(data)
 
 
@@ -238,6 +246,32 @@ def test_a_text_over_the_context_by_its_tokens_is_refused_after_paying_for_them(
     assert f"input[1] is {count} tokens; model 'embed' takes at most {CONTEXT}" in message
     least = sum(-(-len(t) // widest) for t in ("short", text))  # every input's, at least
     assert left(served, "long", "embed") == (requests - 1, tokens - least)
+
+
+def test_a_kserve_text_prompt_pays_for_its_tokenising_too(
+    served: RunningFrontend, triton: EmbeddedTriton
+) -> None:
+    """Triton's generate extension, a text prompt of 1,200 bytes to llm: at least 38
+    tokens by its size, 601 tokenised, over llm's context of 512: 400 from the shell
+    once tokenised, with the request and the 38 tokens counted before it was."""
+    llm_served(triton)
+    tokenizer = served.server.config.endpoints["llm"].tokenizer
+    widest = max_token_bytes(tokenizer)
+    assert widest is not None
+    prompt = "a " * 600
+    requests, tokens = left(served, "long", "llm")
+    assert requests is not None
+    body = {"text_input": prompt, "sampling_parameters": json.dumps({"max_tokens": 4})}
+    req = urllib.request.Request(
+        f"http://{served.http_url}/v2/models/llm/generate",
+        data=json.dumps(body).encode(),
+        headers={"x-api-key": key("long"), "content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 400
+    assert "the prompt has" in json.loads(refused.value.read())["error"]
+    assert left(served, "long", "llm") == (requests - 1, tokens - -(-len(prompt) // widest))
 
 
 class Spy:
