@@ -327,7 +327,8 @@ class Core:
                     self._spawn(self._admit_group_later(reqs, route, lookup=True))
                     return reqs
                 runtime = self._runtime(model, info)
-            reqs = [self._new_request(c, route, runtime) for c in calls]
+            # The batch keys are taken as the parts are queued (``Dispatcher.submit_all``).
+            reqs = [self._new_request(c, route, runtime, keyed=False) for c in calls]
             self._throttle(runtime, reqs[0])
             decision = self.accounting.check_group_now(reqs)
             if decision is None:  # the storage must be waited for
@@ -547,7 +548,11 @@ class Core:
 
     # ---- admission ----------------------------------------------------------------------
 
-    def _new_request(self, call: Call, route: Route, runtime: Dispatcher | None) -> CoreRequest:
+    def _new_request(
+        self, call: Call, route: Route, runtime: Dispatcher | None, *, keyed: bool = True
+    ) -> CoreRequest:
+        """The core's request for ``call``; its batch key taken now where ``keyed`` (and
+        the runtime is there), else left None for whoever queues it."""
         request = call.request
         return CoreRequest(
             call.tenant,
@@ -556,7 +561,9 @@ class Core:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(request, runtime.info, runtime.endpoint) if runtime is not None else None,
+            batch_key(request, runtime.info, runtime.endpoint)
+            if runtime is not None and keyed
+            else None,
             call=call,
             route=route,
         )
@@ -644,8 +651,7 @@ class Core:
             runtime = self.runtimes.get(model)
             if runtime is None:
                 runtime = self._runtime(model, await self.models.get(model))
-                for req in reqs:
-                    req.shape_key = batch_key(req.call.request, runtime.info, runtime.endpoint)
+                for req in reqs:  # (the batch keys: as they are queued)
                     req.tokens = _scheduled_tokens(req.call, runtime)
                 self._known(head.tenant)  # a reload may have removed it meanwhile
             if lookup:

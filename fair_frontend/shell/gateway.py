@@ -92,6 +92,9 @@ EXTENSIONS_WITHOUT_STATISTICS = tuple(e for e in EXTENSIONS if e != "statistics"
 # behind it, as clients expect (Triton's simple_*_health_metadata.py examples check for
 # the name "triton").
 FRONTEND_HEADER = "x-fair-frontend"
+# The parts of one call a shell checks before its loop runs anything else (a call of
+# many parts, checked part by part, lets other requests through between these).
+PARTS_PER_ITERATION = 256
 # The model a refusal is tallied under when its own name may not be a label (the metrics
 # count it as ``endpoint="other"``; the statistics not at all).
 UNLABELLED_MODEL = ""
@@ -199,7 +202,9 @@ class Gateway:
             if info.decoupled:
                 raise Unsupported(f"model '{model}' streams its answers: it takes no call of parts")
             endpoint = self.config.endpoint(model)
-            for req in reqs:
+            for i, req in enumerate(reqs):
+                if i and not i % PARTS_PER_ITERATION:
+                    await asyncio.sleep(0)  # a call of 10,000 parts: other requests between
                 current = req
                 if req.model != model:
                     raise Internal("the parts of one call are for one model")

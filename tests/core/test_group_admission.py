@@ -27,8 +27,9 @@ from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock,
 from fair_frontend.admission import RateLimiter, RateLimitItem
 from fair_frontend.admission.storage import Checked, MemoryStorage
 from fair_frontend.config import Config, parse_config
+from fair_frontend.core.dispatch import PARTS_PER_SLICE
 from fair_frontend.core.service import Core
-from fair_frontend.errors import QueueFull, RateLimited
+from fair_frontend.errors import QueueFull, RateLimited, Unavailable
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -41,6 +42,7 @@ EPOCH = 1.7e9  # the fake wall clock: the fake monotonic time, shifted by this
 TOKENS_PER_MINUTE = 60  # tenant a's on embed: 20 parts of WIDTH (3) tokens
 REQUESTS_PER_MINUTE = 3  # tenant a's on embed: calls, whatever their parts
 MAX_QUEUED = 6  # tenant b's queue on embed (no rate limits)
+GLOBAL_MAX_QUEUED = 1000  # every tenant's, over every model (c: no caps of its own)
 
 
 def core_config() -> Config:
@@ -60,7 +62,9 @@ def core_config() -> Config:
                     },
                 },
                 "b": {"tier": "paid", "api_keys": ["b-test-key"], "max_queued": MAX_QUEUED},
+                "c": {"tier": "paid", "api_keys": ["c-test-key"]},
             },
+            "queues": {"max_queued": GLOBAL_MAX_QUEUED},
             "default_endpoint": {"throttle": False},
             "endpoints": {EMBED: {"throttle": False, "cost": "tokens"}},
         }
@@ -396,3 +400,72 @@ async def test_an_awaited_precharge_counts_as_the_memory_one_does() -> None:
     assert (rig.counted("a", "requests"), rig.counted("a", "tokens")) == (1, 30)
     with pytest.raises(RateLimited):
         await rig.core.precharge("a", EMBED, requests=1, tokens=31)
+
+
+# ---- a large call queued in slices, its room held --------------------------------------------
+
+
+async def test_a_large_call_is_queued_in_slices_with_its_room_held_from_the_start() -> None:
+    """600 parts: the first slice is queued at once (its first batch goes to Triton),
+    the rest one slice per loop iteration; their room in the caps is held from the
+    start, so a call one part larger than the room left (1,000 queued at most) that
+    arrives meanwhile is refused, and one that fits queues."""
+    rig = Rig()
+    big = rig.group("c", 600)
+    assert rig.core.submit_group(Group(big), rig.shell) is not None
+    caps = rig.core.caps
+    assert rig.admitted == PARTS_PER_SLICE  # one slice in this step
+    sent = rig.core.runtimes[EMBED].scheduler.counters.dispatched  # left the queue
+    assert caps.queued == 600 - sent  # the rest held, queued or not yet
+    room = GLOBAL_MAX_QUEUED - caps.queued
+    over = rig.group("c", room + 1)
+    assert rig.core.submit_group(Group(over), rig.shell) is None
+    assert _faults(rig.answers(over)) == {QueueFull.__name__}
+    fits = rig.group("c", room)
+    assert rig.core.submit_group(Group(fits), rig.shell) is not None
+    assert caps.queued == GLOBAL_MAX_QUEUED
+    await rig.serve()
+    assert rig.admitted == 600 + room and caps.queued == 0
+    assert all(len(one) == 1 and one[0].fault is None for one in rig.answers([*big, *fits]))
+
+
+async def test_parts_cancelled_before_their_slice_end_there_and_give_their_room_back() -> None:
+    rig = Rig()
+    calls = rig.group("c", 600)
+    reqs = rig.core.submit_group(Group(calls), rig.shell)
+    assert reqs is not None
+    for req in reqs:
+        rig.core.cancel(req)  # the client went away: every part, queued or not yet
+    await rig.serve()
+    assert rig.core.caps.queued == 0 and rig.core.runtimes[EMBED].incoming == 0
+    ids = {c.request.id for c in calls}
+    outcomes = [o for rid, o in rig.finished if rid in ids]
+    assert len(outcomes) == 600 and set(outcomes) <= {Outcome.CANCELLED, Outcome.DISPATCHED}
+    assert Outcome.CANCELLED in outcomes
+
+
+async def test_a_shutdown_answers_the_parts_still_waiting_for_their_slice() -> None:
+    rig = Rig()
+    calls = rig.group("c", 600)
+    assert rig.core.submit_group(Group(calls), rig.shell) is not None
+    runtime = rig.core.runtimes[EMBED]
+    assert not runtime.idle
+    sent = runtime.scheduler.counters.dispatched  # its first batch, in Triton
+    failed = runtime.fail_queued(Unavailable("shutting down"))
+    assert failed == 600 - sent
+    await rig.serve()
+    answers = rig.answers(calls)
+    assert all(len(one) == 1 for one in answers)  # exactly one answer each
+    assert rig.core.caps.queued == 0 and runtime.idle
+
+
+async def test_a_shell_gone_drops_its_parts_still_waiting_for_their_slice() -> None:
+    rig = Rig()
+    calls = rig.group("c", 600)
+    assert rig.core.submit_group(Group(calls), rig.shell) is not None
+    dropped = rig.core.drop_route(rig.shell)
+    assert dropped == 600  # the first batch's too (in Triton: its answers dropped)
+    await rig.serve()
+    assert rig.core.caps.queued == 0
+    ids = {c.request.id for c in calls}
+    assert len([rid for rid, _ in rig.finished if rid in ids]) == 600  # each recorded once
