@@ -205,7 +205,8 @@ class TokenCounter:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize")
         self._idle = self.threads
         # Per tenant, its pieces waiting; the dict's order is the round (the tenant served
-        # next first: one that is served goes to the back while it has more waiting).
+        # next first; the one served last goes to the back when the next piece is taken,
+        # behind any tenant that joined meanwhile).
         self._waiting: dict[str | None, deque[_Piece]] = {}
         self._served: object = _NOBODY  # the tenant whose piece started last
         # Pieces started per tenant, ever (what a test or an operator reads of the pool).
