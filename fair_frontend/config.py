@@ -411,11 +411,13 @@ class Endpoint(_Strict):
     max_model_len: int | None = Field(
         default=None,
         gt=0,
-        description="Engine endpoints: prompt + generated tokens per sequence (vLLM's "
-        "max_model_len). A text prompt (token_input, counted with the tokenizer) longer "
-        "than this is refused with 400, before it is tokenised where its bytes already "
-        "prove it (each token covers at most the tokenizer's longest token). Unset: the "
-        "model config's max_model_len parameter, if it has one.",
+        description="The most tokens one row (a sequence) takes: engine endpoints, prompt "
+        "+ generated tokens (vLLM's max_model_len); batch endpoints, the network's context "
+        "(a row's tokens; an embeddings input, a rerank query and document together). A "
+        "text prompt or embeddings input (counted with the tokenizer) longer than this is "
+        "refused with 400, before it is tokenised where its bytes already prove it (each "
+        "token covers at most the tokenizer's longest token). Unset: the model config's "
+        "max_model_len parameter, if it has one.",
     )
 
     @property

@@ -192,13 +192,15 @@ def test_embeddings_texts_ids_and_base64_match_the_model(api: RunningFrontend) -
         assert got.data[i].index == i
     assert got.usage.prompt_tokens == sum(len(r) for r in ids)
     by_ids = client(api).embeddings.create(model="embed", input=ids[1])
-    np.testing.assert_allclose(by_ids.data[0].embedding, got.data[1].embedding, rtol=1e-6)
+    # The same row, batched beside another (a call's inputs queue together) or alone:
+    # equal within float32's rounding of a differently shaped batch.
+    np.testing.assert_allclose(by_ids.data[0].embedding, got.data[1].embedding, rtol=1e-5)
     packed = client(api).embeddings.with_raw_response.create(
         model="embed", input=texts[0], encoding_format="base64"
     )
     raw = json.loads(packed.http_response.text)["data"][0]["embedding"]
     floats = np.frombuffer(base64.b64decode(raw), dtype="<f4")
-    np.testing.assert_allclose(floats, got.data[0].embedding, rtol=1e-6)
+    np.testing.assert_allclose(floats, got.data[0].embedding, rtol=1e-5)  # (alone, as above)
     short = client(api).embeddings.create(model="embed", input=texts[0], dimensions=16)
     assert len(short.data[0].embedding) == 16
     assert np.linalg.norm(short.data[0].embedding) == pytest.approx(1.0, rel=1e-5)

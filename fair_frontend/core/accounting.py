@@ -8,13 +8,19 @@ share in its model's scheduler (charged back as its output tokens are counted,
 request, whatever path it took). ``Core`` holds one ``Accounting``, calls it from
 admission and hands its ``on_done``, ``on_tokens`` and ``on_batch`` to every dispatcher.
 
+The parts of one API call (``records.Group``) are checked together, once: the call's
+request and every part's tokens (``check_group_now``). A request whose text its shell
+tokenised paid before (``precharge``: its request and the tokens its text has at least,
+counted then); its admission counts the rest, and gives back what the precharge counted
+beyond its tokens (``Call.precharged``). Refused after the precharge, it stays paid.
+
 Two clocks, both injected: ``now`` (the core's monotonic clock) for latencies, ``wall``
 for the rate limits' windows, which replicas on other hosts share through their storage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fair_frontend.admission import (
@@ -32,6 +38,7 @@ from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Observer
 from fair_frontend.outcomes import Outcome
+from fair_frontend.quota import Quota
 from fair_frontend.stats import Statistics
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call
@@ -42,6 +49,18 @@ if TYPE_CHECKING:
     from fair_frontend.tracing import Traces
 
 _NO_LIMITS = Decision(True)
+
+
+def _cost(reqs: Sequence[CoreRequest]) -> tuple[int, int]:
+    """What admission counts of a request (or of the parts of one call, together):
+    its ``requests``, and its tokens less what a precharge counted of them already."""
+    requests = tokens = precharged = 0
+    for r in reqs:
+        call = r.call
+        requests += call.requests
+        tokens += call.tokens
+        precharged += call.precharged
+    return requests, max(0, tokens - precharged)
 
 
 class Accounting:
@@ -82,8 +101,11 @@ class Accounting:
     # ---- rate limits --------------------------------------------------------------------
 
     def _limits(self, req: CoreRequest) -> list[RateLimitItem]:
-        key = (req.tenant, req.request.model)
-        if req.tenant not in self.config.tenants:
+        return self._items(req.tenant, req.request.model)
+
+    def _items(self, tenant: str, model: str) -> list[RateLimitItem]:
+        key = (tenant, model)
+        if tenant not in self.config.tenants:
             return []  # removed by a reload: admission refuses it, a charge-back is moot
         items = self._limit_items.get(key)
         if items is None:
@@ -93,48 +115,124 @@ class Accounting:
 
     def check_now(self, req: CoreRequest) -> Decision | None:
         """The rate-limit decision, if the storage answers without waiting (memory)."""
-        items = self._limits(req)
-        if not items:
-            return _NO_LIMITS
-        now = self.wall()
-        decision = self.limiter.check_now(
-            limit_key(req.tenant, req.request.model),
-            items,
-            requests=req.call.requests,
-            tokens=req.call.tokens,
-            now=now,
-        )
-        self._counted(req, decision, now)
-        return decision
+        return self.check_group_now((req,))
 
     async def check(self, req: CoreRequest) -> Decision:
         """The rate-limit decision, once the storage answers (Redis)."""
+        return await self.check_group((req,))
+
+    def check_group_now(self, reqs: Sequence[CoreRequest]) -> Decision | None:
+        """``check_now`` for the parts of one call (``records.Group``), all in one check:
+        the call's request (the parts' ``requests``: 1 in all) and every part's tokens,
+        so that the call fits its limits whole or is refused whole."""
+        head = reqs[0]
+        items = self._limits(head)
+        if not items:
+            return _NO_LIMITS
+        now = self.wall()
+        requests, tokens = _cost(reqs)
+        decision = self.limiter.check_now(
+            limit_key(head.tenant, head.request.model),
+            items,
+            requests=requests,
+            tokens=tokens,
+            now=now,
+        )
+        self._counted(reqs, decision, now)
+        return decision
+
+    async def check_group(self, reqs: Sequence[CoreRequest]) -> Decision:
+        """``check_group_now`` once the storage answers (Redis)."""
+        head = reqs[0]
         try:
             now = self.wall()
+            requests, tokens = _cost(reqs)
             decision = await self.limiter.check(
-                limit_key(req.tenant, req.request.model),
-                self._limits(req),
-                requests=req.call.requests,
-                tokens=req.call.tokens,
+                limit_key(head.tenant, head.request.model),
+                self._limits(head),
+                requests=requests,
+                tokens=tokens,
                 now=now,
             )
-            self._counted(req, decision, now)
+            self._counted(reqs, decision, now)
             return decision
         except StorageUnavailable as err:  # not answered, and the mode is fail_closed
             self.observer.rate_limit_degraded(
-                tenant=req.tenant, model=req.request.model, mode="fail_closed", reason=err.reason
+                tenant=head.tenant,
+                model=head.request.model,
+                mode="fail_closed",
+                reason=err.reason,
             )
             raise
 
-    @staticmethod
-    def _counted(req: CoreRequest, decision: Decision | None, now: float) -> None:
+    def _counted(self, reqs: Sequence[CoreRequest], decision: Decision | None, now: float) -> None:
         """Remember when a request's tokens were counted against its limits (to correct
         them by what it produced); not when refused, or admitted unchecked (degraded).
-        And its limits' state after the check, for its answer (``fair_frontend.quota``)."""
-        if decision is not None:
+        And its limits' state after the check, for its answer (``fair_frontend.quota``).
+        Admitted, what a precharge counted beyond its tokens is given back."""
+        if decision is None:
+            return
+        for req in reqs:
             req.quota = decision.quota
             if decision.allowed and not decision.degraded:
                 req.limits_at = now
+        if decision.allowed:
+            self._settle_precharge(reqs, now)
+
+    def _settle_precharge(self, reqs: Sequence[CoreRequest], now: float) -> None:
+        """Give back what a precharge (``records.Precharge``) counted beyond the tokens the
+        request turned out to have (a bound from its text's bytes that the tokens did not
+        reach: a rerank's documents cut to the model's context), from the window it was
+        counted in. What it counted up to them stands: admission counted only the rest."""
+        head = reqs[0]
+        precharged = sum(r.call.precharged for r in reqs)
+        surplus = precharged - sum(r.call.tokens for r in reqs)
+        at = head.call.precharged_at
+        if surplus <= 0 or not at:
+            return
+        items = self._limits(head)
+        key = limit_key(head.tenant, head.request.model)
+        if not self.limiter.adjust_now(key, items, tokens=-surplus, admitted_at=at, now=now):
+            self.spawn(self.limiter.adjust(key, items, tokens=-surplus, admitted_at=at, now=now))
+
+    async def precharge(
+        self, tenant: str, model: str, *, requests: int, tokens: int
+    ) -> tuple[float | None, Quota | None]:
+        """Count ``requests`` and ``tokens`` against the tenant's limits on ``model`` now,
+        before its shell tokenises a request's text (``records.Precharge``): the wall
+        time they were counted at, and the limits' state after (None, None: nothing was
+        counted: no limits, or the storage did not answer and ``fail_open`` let it
+        through). Raises the 429 where they do not fit (``StorageUnavailable`` where the
+        storage did not answer and the mode is ``fail_closed``)."""
+        items = self._items(tenant, model)
+        if not items:
+            return None, None
+        key = limit_key(tenant, model)
+        now = self.wall()
+        decision = self.limiter.check_now(key, items, requests=requests, tokens=tokens, now=now)
+        if decision is None:
+            try:
+                decision = await self.limiter.check(
+                    key, items, requests=requests, tokens=tokens, now=now
+                )
+            except StorageUnavailable as err:
+                self.observer.rate_limit_degraded(
+                    tenant=tenant, model=model, mode="fail_closed", reason=err.reason
+                )
+                raise
+        if decision.degraded:
+            self.observer.rate_limit_degraded(
+                tenant=tenant,
+                model=model,
+                mode="fail_open",
+                reason=decision.storage_error or "error",
+            )
+            return None, None
+        if not decision.allowed:
+            assert decision.violated is not None
+            self.observer.rate_limit_hit(tenant=tenant, model=model, limit=str(decision.violated))
+            raise rate_limited_error(decision, tenant=tenant, endpoint=model)
+        return now, decision.quota
 
     def apply(self, req: CoreRequest, decision: Decision) -> None:
         """Count a check the storage did not answer (fail_open admitted it); raise the 429

@@ -46,12 +46,12 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from fair_frontend.batching import Packed, pack, unpack
+from fair_frontend.batching import Packed, batch_key, pack, unpack
 from fair_frontend.clock import Clock, Timer
 from fair_frontend.config import Endpoint
 from fair_frontend.core.pool import BackendPool
@@ -90,6 +90,10 @@ if TYPE_CHECKING:
     from fair_frontend.tracing import Traces
 
 log = logging.getLogger(__name__)
+
+# Parts of admitted calls queued per loop iteration (``Dispatcher.submit_all``): a call of
+# 10,000 parts holds the core's loop for a slice at a time (about 2 ms here).
+PARTS_PER_SLICE = 256
 
 
 class Route(Protocol):
@@ -321,6 +325,9 @@ class Dispatcher(ABC):
         self._timer: Timer | None = None
         self._timer_at: float | None = None
         self._held: list[list[CoreRequest]] = []  # batches that never reached Triton
+        # Parts of admitted calls, their room held, waiting for their slice (``submit_all``).
+        self._incoming: deque[CoreRequest] = deque()
+        self._slicing = False
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
@@ -391,13 +398,65 @@ class Dispatcher(ABC):
         to ``req.route``."""
         now = self.clock.now()
         self.scheduler.enqueue(req, now)
+        self._queued(now, req.deadline)
+
+    def submit_all(self, reqs: Sequence[CoreRequest]) -> None:
+        """Queue the parts of one call, all or none: their room in the queue caps is held
+        at once (raises ``QueueFull`` before any is: ``Scheduler.reserve``), and they are
+        queued ``PARTS_PER_SLICE`` per loop iteration (a call of 10,000 parts does not
+        hold the loop), oldest call first; each one's answers go to its ``route``. A part
+        whose client goes away before its turn ends there. Its batch key is taken then
+        too (``batching.batch_key``: the costly part of making a request)."""
+        self.scheduler.reserve(reqs)
+        self._incoming.extend(reqs)
+        if not self._slicing:
+            self._slice()
+
+    def _slice(self) -> None:
+        """Queue the next ``PARTS_PER_SLICE`` parts that wait; the rest at the next loop
+        iteration."""
+        self._slicing = False
+        now = self.clock.now()
+        incoming = self._incoming
+        deadline: float | None = None
+        queued = False
+        for _ in range(min(PARTS_PER_SLICE, len(incoming))):
+            req = incoming.popleft()
+            if req.cancelled:
+                self.scheduler.release(req)
+                self._done(req, Outcome.CANCELLED, None, "")
+                continue
+            if req.shape_key is None:
+                req.shape_key = batch_key(req.request, self.info, self.endpoint)
+            self.scheduler.enqueue_reserved((req,), now)
+            queued = True
+            if req.deadline is not None and (deadline is None or req.deadline < deadline):
+                deadline = req.deadline
+        if incoming:
+            self._slicing = True
+            asyncio.get_running_loop().call_soon(self._slice)
+        if queued:
+            self._queued(now, deadline)
+
+    def _release_incoming(self, keep: Callable[[CoreRequest], bool]) -> list[CoreRequest]:
+        """Take the parts waiting for their slice that ``keep`` does not keep out of the
+        waiting line, their room given back; returns them."""
+        gone = [r for r in self._incoming if not keep(r)]
+        if gone:
+            self._incoming = deque(r for r in self._incoming if keep(r))
+            for req in gone:
+                self.scheduler.release(req)
+        return gone
+
+    def _queued(self, now: float, deadline: float | None) -> None:
+        """Work was queued (with ``deadline``, its earliest): send, or arm the timers."""
         if self.pool.available and self._may_send(now) is not None:
             self.kick()
             return
         # No batch can go now (the hot path under load): only its timers may change.
         self._arm_lead()
-        if req.deadline is not None:
-            self._arm(req.deadline)
+        if deadline is not None:
+            self._arm(deadline)
 
     def cancel(self, req: CoreRequest) -> None:
         """The client went away. Still queued: it leaves and is never sent. In a batch: the
@@ -770,8 +829,13 @@ class Dispatcher(ABC):
         self.fail_queued(self.outage_error())
 
     @property
+    def incoming(self) -> int:
+        """Parts of admitted calls waiting for their slice (``submit_all``)."""
+        return len(self._incoming)
+
+    @property
     def idle(self) -> bool:
-        return self.inflight == 0 and self.scheduler.queued_requests == 0
+        return self.inflight == 0 and self.scheduler.queued_requests == 0 and not self._incoming
 
     def fail_queued(self, err: FrontendError) -> int:
         """Answer everything queued or held with ``err`` (shutdown, a given-up outage);
@@ -779,6 +843,9 @@ class Dispatcher(ABC):
         nor charged to anyone's DRR budget. The held were dispatched (and charged) when
         their batch was assembled; they are answered all the same."""
         failed = 0
+        for waiting in self._release_incoming(lambda r: False):
+            self._fail(waiting, err)
+            failed += 1
         for req in self.scheduler.cancel_all(self.clock.now()):
             self._fail(req, err)  # type: ignore[arg-type]
             failed += 1
@@ -794,6 +861,9 @@ class Dispatcher(ABC):
         """A shell went away: forget every request whose answer would go to it; returns
         how many were still waiting. Queued ones leave; in a batch, answers are dropped."""
         dropped = 0
+        for gone in self._release_incoming(lambda r: r.route is not route):
+            self._done(gone, Outcome.CANCELLED, None, "")
+            dropped += 1
         for req in self.scheduler.queued():
             if req.route is route:  # type: ignore[attr-defined]
                 self.cancel(req)  # type: ignore[arg-type]

@@ -11,9 +11,10 @@ one ``Outcome``, reported to the observers (metrics, the request log) and the st
 ``Core`` is the facade the shells call; what it decides itself is admission's order and
 the endpoints' set-up (``_runtime``: a dispatcher per model, in the mode its plan says).
 
-The hot path is synchronous: a call is admitted, queued and, when a slot is free,
-batched in one step, without a task of its own. Only a rate-limit check that must wait
-for its storage (Redis) continues asynchronously.
+The parts of one API call (``records.Group``) take the same path together, admitted or
+refused whole (``submit_group``). The hot path is synchronous: a call is admitted, queued
+and, when a slot is free, batched in one step, without a task of its own. Only a
+rate-limit check that must wait for its storage (Redis) continues asynchronously.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
+from fair_frontend.quota import Quota
 from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
@@ -79,7 +81,7 @@ from fair_frontend.scheduler import (
 from fair_frontend.stats import Statistics
 from fair_frontend.tracing import Traces
 from fair_frontend.triton.forwarder import TritonForwarder
-from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Tally
+from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Group, Tally
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +297,64 @@ class Core:
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
             return None
 
+    def submit_group(self, group: Group, route: Route) -> list[CoreRequest] | None:
+        """Take the parts of one API call (``records.Group``) through admission together,
+        all into their model's queue or none: the throttle judges the call by its first
+        part (whether the call can start within its target: its later parts wait behind
+        it by its own doing, as a long generation's tokens do), the tenant's rate limits
+        count the call's request once and every part's tokens in one check, and the
+        queue caps take every part at once (``Scheduler.enqueue_all``). A refusal answers
+        every part with it, and records each. Returns the queued parts (each to
+        ``cancel``), or None when the call was answered at once (refused)."""
+        calls = group.calls
+        head = calls[0]
+        model = head.request.model
+        runtime = self.runtimes.get(model)
+        self.last_call_at = self.clock.now()
+        reqs: list[CoreRequest] = []
+        try:
+            if not self.accepting:
+                raise Unavailable(SHUTTING_DOWN)
+            _one_call(calls)
+            self._known(head.tenant)
+            pool = self.pool
+            if pool.gave_up:
+                raise Unavailable(f"Triton has been unavailable for {pool.outage_s:.0f} s")
+            if runtime is None:
+                info = self.models.cached(model)
+                if info is None:  # as in ``submit``: looked up again
+                    reqs = [self._new_request(c, route, None) for c in calls]
+                    self._spawn(self._admit_group_later(reqs, route, lookup=True))
+                    return reqs
+                runtime = self._runtime(model, info)
+            # The batch keys are taken as the parts are queued (``Dispatcher.submit_all``).
+            reqs = [self._new_request(c, route, runtime, keyed=False) for c in calls]
+            self._throttle(runtime, reqs[0])
+            decision = self.accounting.check_group_now(reqs)
+            if decision is None:  # the storage must be waited for
+                self._spawn(self._admit_group_later(reqs, route, lookup=False))
+                return reqs
+            self.accounting.apply(reqs[0], decision)
+            runtime.submit_all(reqs)
+            return reqs
+        except FrontendError as err:
+            self._refuse_all(calls, reqs, route, err)
+            return None
+
+    def _refuse_all(
+        self, calls: Sequence[Call], reqs: Sequence[CoreRequest], route: Route, err: FrontendError
+    ) -> None:
+        """Answer each part of a refused call with ``err`` (but for those whose client went
+        away), correct what its limits counted, and record each."""
+        quota = reqs[0].quota if reqs else None
+        for i, call in enumerate(calls):
+            req = reqs[i] if reqs else None
+            if req is None or not req.cancelled:
+                route.answer(Answer(call.id, fault=Fault.of(err, quota)))
+            if req is not None:
+                self.accounting.charge_back_limits(req)
+            self.accounting.record(call, err.outcome, err, "", -1.0, None)
+
     def adopt(self, call: Call, route: Route, backend: int) -> CoreRequest | None:
         """A stream a lost core granted, still relayed by the shell of ``route`` (a
         failover): its slot on ``backend`` is held here until it ends, so the engine's
@@ -321,6 +381,19 @@ class Core:
         if not req.answered and not req.cancelled:
             req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
             runtime.adopt(req, backend)
+
+    async def precharge(
+        self, tenant: str, model: str, *, requests: int, tokens: int
+    ) -> tuple[float | None, Quota | None]:
+        """Count what a request's text costs at least against its tenant's limits, before
+        its shell tokenises it (``records.Precharge``; ``Accounting.precharge``): the
+        wall time it was counted at (None: not counted) and the quota after. Raises the
+        429 where it does not fit, and what admission would raise for a core that is
+        stopping or a tenant a reload removed."""
+        if not self.accepting:
+            raise Unavailable(SHUTTING_DOWN)
+        self._known(tenant)
+        return await self.accounting.precharge(tenant, model, requests=requests, tokens=tokens)
 
     def cancel(self, req: CoreRequest) -> None:
         """The client of ``req`` went away (it is answered no more)."""
@@ -475,7 +548,11 @@ class Core:
 
     # ---- admission ----------------------------------------------------------------------
 
-    def _new_request(self, call: Call, route: Route, runtime: Dispatcher | None) -> CoreRequest:
+    def _new_request(
+        self, call: Call, route: Route, runtime: Dispatcher | None, *, keyed: bool = True
+    ) -> CoreRequest:
+        """The core's request for ``call``; its batch key taken now where ``keyed`` (and
+        the runtime is there), else left None for whoever queues it."""
         request = call.request
         return CoreRequest(
             call.tenant,
@@ -484,7 +561,9 @@ class Core:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(request, runtime.info, runtime.endpoint) if runtime is not None else None,
+            batch_key(request, runtime.info, runtime.endpoint)
+            if runtime is not None and keyed
+            else None,
             call=call,
             route=route,
         )
@@ -560,6 +639,52 @@ class Core:
                 route.answer(Answer(call.id, fault=Fault.of(error)))
             self.accounting.charge_back_limits(req)
             self.accounting.record(call, Outcome.FAILED, error, "", -1.0, None)
+
+    async def _admit_group_later(
+        self, reqs: list[CoreRequest], route: Route, *, lookup: bool
+    ) -> None:
+        """``_admit_later`` for the parts of one call (``submit_group``): all or none."""
+        head = reqs[0]
+        calls = [r.call for r in reqs]
+        try:
+            model = head.request.model
+            runtime = self.runtimes.get(model)
+            if runtime is None:
+                runtime = self._runtime(model, await self.models.get(model))
+                for req in reqs:  # (the batch keys: as they are queued)
+                    req.tokens = _scheduled_tokens(req.call, runtime)
+                self._known(head.tenant)  # a reload may have removed it meanwhile
+            if lookup:
+                self._throttle(runtime, head)
+            decision = self.accounting.check_group_now(reqs)
+            if decision is None:
+                decision = await self.accounting.check_group(reqs)
+            self.accounting.apply(head, decision)
+        except FrontendError as err:
+            self._refuse_all(calls, reqs, route, err)
+            return
+        except Exception as err:
+            log.exception("internal error admitting a call to %s", head.request.model)
+            self._refuse_all(calls, reqs, route, Internal(f"internal error: {type(err).__name__}"))
+            return
+        # Admitted: parts whose client went away during the check end here (the shell
+        # cancels a call's parts together); the others queue together.
+        live = []
+        for req in reqs:
+            if req.cancelled:
+                self.accounting.charge_back_limits(req)
+                self.accounting.record(req.call, Outcome.CANCELLED, None, "", -1.0, None)
+            else:
+                live.append(req)
+        if not live:
+            return
+        try:
+            if not self.accepting:
+                raise Unavailable(SHUTTING_DOWN)
+            self._known(head.tenant)  # a reload may have removed it during the check
+            runtime.submit_all(live)
+        except FrontendError as err:
+            self._refuse_all([r.call for r in live], live, route, err)
 
     def _own_sequence(self, runtime: Dispatcher, req: CoreRequest) -> None:
         """A stateful model's request goes under the frontend's id for its tenant's
@@ -830,6 +955,14 @@ def with_running_values(running: Config, new: Config, kept: Sequence[str]) -> Co
         else:
             data[section] = old[section]
     return parse_config(data, "(reload, with the running values of what needs a restart)")
+
+
+def _one_call(calls: Sequence[Call]) -> None:
+    """The parts of a ``Group`` are one call's: one tenant and model, none streamed."""
+    head = calls[0]
+    for call in calls:
+        if call.tenant != head.tenant or call.request.model != head.request.model or call.stream:
+            raise Internal("a group of calls must be one tenant's, for one model, not streamed")
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:

@@ -3,7 +3,8 @@
 Fair intake: the core does not admit calls in the order bytes arrived. ``Intake`` keeps
 the calls read but not yet admitted per tenant and admits them round robin, a slice at a
 time, so that a burst one tenant poured into a socket delays another tenant's call by at
-most one call per tenant with calls waiting, not by the whole burst.
+most one call per tenant with calls waiting, not by the whole burst. A ``Group`` (the
+parts of one API call) is one entry: admitted whole, in one turn.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from fair_frontend.wire.records import (
     Flushed,
     FlushTally,
     Grant,
+    Group,
     Hello,
     InfoAnswer,
     InfoQuery,
+    Precharge,
+    Precharged,
     Produced,
     QueueView,
     Ready,
@@ -75,11 +79,11 @@ class Intake:
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._waiting: dict[str, deque[tuple[Call, ShellConnection]]] = {}
+        self._waiting: dict[str, deque[tuple[Call | Group, ShellConnection]]] = {}
         self._scheduled = False
         self.admitted = 0  # calls admitted, in order (tests read how many went ahead)
 
-    def push(self, call: Call, conn: ShellConnection) -> None:
+    def push(self, call: Call | Group, conn: ShellConnection) -> None:
         queue = self._waiting.get(call.tenant)
         if queue is None:
             queue = self._waiting[call.tenant] = deque()
@@ -167,6 +171,13 @@ class ShellConnection(Framed):
         if isinstance(record, Call):
             self.calls[record.id] = None
             self.server.intake.push(record, self)
+        elif isinstance(record, Group):
+            if record.calls:
+                for call in record.calls:
+                    self.calls[call.id] = None
+                self.server.intake.push(record, self)
+        elif isinstance(record, Precharge):
+            self._spawn(self._precharge(record))
         elif isinstance(record, Cancel):
             if record.id in self.calls:
                 req = self.calls.pop(record.id)
@@ -210,9 +221,12 @@ class ShellConnection(Framed):
         else:
             log.error("%s sent an unexpected %s", self.peer, type(record).__name__)
 
-    def admit(self, call: Call) -> None:
-        """The intake's turn for this call: into the core."""
+    def admit(self, call: Call | Group) -> None:
+        """The intake's turn for this call (or group of calls): into the core."""
         if self.closed:
+            return
+        if isinstance(call, Group):
+            self._admit_group(call)
             return
         if self.calls.get(call.id, None) is _CANCELLED:
             del self.calls[call.id]
@@ -223,6 +237,37 @@ class ShellConnection(Framed):
                 self.calls.pop(call.id, None)
             else:
                 self.calls[call.id] = req
+
+    def _admit_group(self, group: Group) -> None:
+        """A group's turn: its parts not cancelled meanwhile, into the core together."""
+        calls = self.calls
+        live = []
+        for call in group.calls:
+            if calls.get(call.id, None) is _CANCELLED:
+                del calls[call.id]
+            else:
+                live.append(call)
+        if not live:
+            return
+        reqs = self.core.submit_group(Group(live) if len(live) < len(group.calls) else group, self)
+        for i, call in enumerate(live):
+            if call.id in calls:  # not answered at once
+                if reqs is None:
+                    calls.pop(call.id, None)
+                else:
+                    calls[call.id] = reqs[i]
+
+    async def _precharge(self, query: Precharge) -> None:
+        try:
+            at, _ = await self.core.precharge(
+                query.tenant, query.model, requests=query.requests, tokens=query.tokens
+            )
+            self.send(Precharged(query.id, at))
+        except FrontendError as err:
+            self.send(Precharged(query.id, fault=Fault.of(err)))
+        except Exception as err:
+            log.exception("precharge failed")
+            self.send(Precharged(query.id, fault=Fault.of(Internal(type(err).__name__))))
 
     def answer(self, answer: Answer | Grant) -> None:
         """The core's answer to one of this shell's calls (the ``Route``); a granted call

@@ -106,14 +106,24 @@ class GlobalCaps:
 
     def add(self, tenant: str, nbytes: int) -> None:
         """A request of ``tenant`` was queued."""
-        self.queued += 1
+        self.hold(tenant, 1, nbytes)
+
+    def remove(self, tenant: str, nbytes: int) -> None:
+        """A request of ``tenant`` left its queue."""
+        self.release(tenant, 1, nbytes)
+
+    def hold(self, tenant: str, count: int, nbytes: int) -> None:
+        """``count`` requests of ``tenant``, ``nbytes`` in all, are queued or will be (a
+        call's parts whose room is held: ``Scheduler.reserve``)."""
+        self.queued += count
         self.queued_bytes += nbytes
         if nbytes:
             self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + nbytes
 
-    def remove(self, tenant: str, nbytes: int) -> None:
-        """A request of ``tenant`` left its queue."""
-        self.queued -= 1
+    def release(self, tenant: str, count: int, nbytes: int) -> None:
+        """``count`` requests of ``tenant``, ``nbytes`` in all, left (or never took) the
+        room they held."""
+        self.queued -= count
         self.queued_bytes -= nbytes
         if nbytes:
             left = self.tenant_bytes[tenant] - nbytes

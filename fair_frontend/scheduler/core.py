@@ -8,6 +8,7 @@ the package docstring; this module is its bookkeeping.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fair_frontend.errors import Internal, QueueFull
@@ -93,6 +94,8 @@ class Scheduler:
         self._tier_by_name = {tier.name: tier for tier in self._tiers}
         self._assembler = BatchAssembler(policy.max_batch_size, policy.max_batch_tokens)
         self._queues: dict[str, TenantQueue] = {}
+        # Per tenant: (requests, bytes) whose room ``reserve`` holds, not queued yet.
+        self._reserved: dict[str, tuple[int, int]] = {}
         self._arrivals = ArrivalQueue()
         self._deadlines = DeadlineQueue()
         self._expired: list[QueuedRequest] = []  # expired inside next_batch, not yet returned
@@ -118,37 +121,98 @@ class Scheduler:
         The tenant directory is consulted when the tenant has nothing queued here; while
         it has, its terms (tier, weight, caps) stay as they were (see ``TenantQueue``).
         """
-        if req.state is not _NEW:
-            raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
-        if req.rows < 1 or req.tokens < 0 or req.nbytes < 0 or req.priority < 1:
-            raise ValueError(
-                f"bad request: rows={req.rows} (>= 1), tokens={req.tokens} (>= 0), "
-                f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
-            )
-        tenant = req.tenant
+        _check_new(req)
+        queue = self._queue_for(req.tenant)
+        self._room(queue, 1, req.nbytes)
+        self._add(req, queue, now)
+
+    def enqueue_all(self, reqs: Sequence[QueuedRequest], now: float) -> None:
+        """Queue every one of ``reqs`` (the parts of one call, all of one tenant), or
+        none: ``QueueFull`` naming the first cap the whole group would exceed, checked
+        as ``enqueue`` checks one request (the group counts as ``len(reqs)`` requests
+        and its bytes together), before any of them is queued; a refused group is left
+        untouched. Queued in the order given (its requests' own order then decides).
+        ``reserve`` and ``enqueue_reserved`` together, at once."""
+        if not reqs:
+            return
+        self.reserve(reqs)
+        self.enqueue_reserved(reqs, now)
+
+    def reserve(self, reqs: Sequence[QueuedRequest]) -> None:
+        """Hold the room ``reqs`` (the parts of one call, all of one tenant) take in every
+        cap, or raise ``QueueFull`` as ``enqueue_all`` would (nothing held then): they
+        are counted in the caps from now on, as if queued, and each is queued later by
+        ``enqueue_reserved`` (or its room given back by ``release``). So a call too
+        large to queue in one step is admitted whole at once, and queued in slices
+        without another request taking its room meanwhile."""
+        tenant = reqs[0].tenant
+        for req in reqs:
+            _check_new(req)
+            if req.tenant != tenant:
+                raise ValueError(f"a group is one tenant's: {req.tenant!r} in {tenant!r}'s")
+        count, nbytes = len(reqs), sum(r.nbytes for r in reqs)
+        self._room(self._queue_for(tenant), count, nbytes)
+        held = self._reserved.get(tenant, (0, 0))
+        self._reserved[tenant] = (held[0] + count, held[1] + nbytes)
+        self._caps.hold(tenant, count, nbytes)
+
+    def enqueue_reserved(self, reqs: Sequence[QueuedRequest], now: float) -> None:
+        """Queue ``reqs``, whose room ``reserve`` holds (no cap is checked again)."""
+        for req in reqs:
+            _check_new(req)
+            self._unreserve(req.tenant, 1, req.nbytes)
+            self._add(req, self._queue_for(req.tenant), now, counted=True)
+
+    def release(self, req: QueuedRequest) -> None:
+        """Give back the room ``reserve`` holds for ``req``, which will not be queued."""
+        self._unreserve(req.tenant, 1, req.nbytes)
+        self._caps.release(req.tenant, 1, req.nbytes)
+
+    def _unreserve(self, tenant: str, count: int, nbytes: int) -> None:
+        held_count, held_bytes = self._reserved[tenant]
+        if held_count == count:
+            del self._reserved[tenant]
+        else:
+            self._reserved[tenant] = (held_count - count, held_bytes - nbytes)
+
+    def _queue_for(self, tenant: str) -> TenantQueue:
+        """The tenant's queue here, made anew from the directory's terms when it is empty
+        (the terms apply from the moment a tenant's queue is empty: ``TenantQueue``)."""
         queue = self._queues.get(tenant)
         if queue is None or not queue.requests:
-            # The directory is read when the tenant's queue is empty (TenantQueue).
             terms = self._tenants.get(tenant)
             if terms is None:
                 raise Internal(f"scheduler: unknown tenant {tenant!r}")
             if queue is None or queue.terms is not terms:
                 queue = self._new_queue(tenant, terms)
-        nbytes = req.nbytes
-        if queue.requests >= queue.max_queued:
+        return queue
+
+    def _room(self, queue: TenantQueue, count: int, nbytes: int) -> None:
+        """Raise ``QueueFull`` naming the first cap ``count`` more requests of
+        ``nbytes`` tensor bytes in all would exceed (the order ``enqueue`` documents)."""
+        tenant = queue.tenant
+        held_count, held_bytes = self._reserved.get(tenant, _NONE_HELD)
+        if queue.requests + held_count + count > queue.max_queued:
             raise QueueFull(f"tenant {tenant!r} max_queued={queue.max_queued}")
         cap = queue.max_queued_bytes
         caps = self._caps
         if cap is not None:
-            if queue.nbytes + nbytes > cap:
+            if queue.nbytes + held_bytes + nbytes > cap:
                 raise QueueFull(f"tenant {tenant!r} max_queued_bytes={cap}")
         elif nbytes and caps.tenant_bytes.get(tenant, 0) + nbytes > caps.tenant_max_queued_bytes:
             raise QueueFull(f"tenant {tenant!r} {caps.tenant_default_cap()}")
-        if caps.queued >= caps.max_queued:
+        if caps.queued + count > caps.max_queued:
             raise QueueFull(f"global max_queued={caps.max_queued}")
         if caps.queued_bytes + nbytes > caps.max_queued_bytes:
             raise QueueFull(f"global max_queued_bytes={caps.max_queued_bytes}")
 
+    def _add(
+        self, req: QueuedRequest, queue: TenantQueue, now: float, *, counted: bool = False
+    ) -> None:
+        """Queue ``req`` in ``queue`` (its caps checked: ``_room``; ``counted``: in the
+        process-wide caps already, by ``reserve``)."""
+        tenant = req.tenant
+        caps = self._caps
         seq = self._seq
         self._seq = seq + 1
         req.arrival = now
@@ -163,7 +227,8 @@ class Scheduler:
 
         was_idle = not queue.requests
         queue.add(req)
-        caps.add(tenant, nbytes)
+        if not counted:
+            caps.add(tenant, req.nbytes)
         self._admitted += 1
         self._arrivals.push(handle)
         if req.deadline is not None:
@@ -275,15 +340,16 @@ class Scheduler:
         them; an unknown tenant by the process-wide caps alone."""
         caps = self._caps
         queue = self._queues.get(tenant)
+        held_count, held_bytes = self._reserved.get(tenant, _NONE_HELD)
         if queue is not None and queue.requests:
-            if queue.requests >= queue.max_queued:
+            if queue.requests + held_count >= queue.max_queued:
                 return f"tenant {tenant!r} max_queued={queue.max_queued}"
             own = queue.max_queued_bytes
-            here = queue.nbytes
+            here = queue.nbytes + held_bytes
         else:
             terms = self._tenants.get(tenant)
             own = terms.max_queued_bytes if terms is not None else None
-            here = 0
+            here = held_bytes
         if nbytes:
             if own is not None:
                 if here + nbytes > own:
@@ -585,3 +651,17 @@ class Scheduler:
             # A tenant whose queue empties leaves its tier's round (and loses its budget).
             tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
             self._fairness.leave(tier.fair_state, queue)
+
+
+_NONE_HELD = (0, 0)
+
+
+def _check_new(req: QueuedRequest) -> None:
+    """``req`` may be queued: new (never queued before) and well formed."""
+    if req.state is not _NEW:
+        raise ValueError(f"request is {req.state.value}, not new: enqueue it once")
+    if req.rows < 1 or req.tokens < 0 or req.nbytes < 0 or req.priority < 1:
+        raise ValueError(
+            f"bad request: rows={req.rows} (>= 1), tokens={req.tokens} (>= 0), "
+            f"nbytes={req.nbytes} (>= 0), priority={req.priority} (>= 1)"
+        )

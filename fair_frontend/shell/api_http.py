@@ -16,26 +16,31 @@ the event loop when large. Nothing is parsed for a model the tenant may not call
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from fair_frontend.api import openai, rerank
 from fair_frontend.auth import Identity
-from fair_frontend.errors import FrontendError, QuotaExhausted
+from fair_frontend.errors import FrontendError, InvalidArgument, QuotaExhausted
 from fair_frontend.protocol import InferRequest, InferResponse
 from fair_frontend.quota import Quota, quota_headers
 from fair_frontend.shell.door import Door
-from fair_frontend.shell.gateway import Gateway
-from fair_frontend.tokens import INLINE_TOKENIZE_BYTES, load_tokenizer, max_token_bytes, text_of
+from fair_frontend.shell.gateway import Gateway, Precharge
+from fair_frontend.tokens import (
+    at_least_tokens,
+    load_tokenizer,
+    max_token_bytes,
+    text_of,
+    utf8_size,
+)
 from fair_frontend.usage import Usage
 
-# The parts of one embeddings call wait for their answers together; a call of many inputs
-# holds at most this many in the core at once (the rest follow as they are answered).
-MAX_PARTS_IN_FLIGHT = 256
 _R = TypeVar("_R", bound=web.StreamResponse)
 _T = TypeVar("_T")
 
@@ -223,24 +228,22 @@ class ApiRoutes:
         operation: str,
         started: float,
     ) -> tuple[list[InferResponse], Usage]:
-        """Each of ``reqs`` (the parts of one API call, a row each) as a KServe call of its
-        own, at most ``MAX_PARTS_IN_FLIGHT`` in the core at once: their answers in order,
-        and what they used together. The first counts against the requests limits, all of
-        them against the tokens limits; the first failure cancels the others and is
-        raised (the call gets one answer; ``reqs`` is never empty). Traced, the call is one
-        span (``operation``, from ``started``) over its parts' (``Gateway.operation``)."""
+        """``reqs`` (the parts of one API call, a row each) as one call of parts, admitted
+        or refused whole before any part queues (``Gateway.infer_group``): their answers
+        in order, and what they used together. The call counts once against the requests
+        limits, every part against the tokens limits (less what its precharge counted,
+        where its texts were tokenised: ``_token_ids``); the first failure cancels the
+        others and is raised (the call gets one answer; ``reqs`` is never empty). Traced,
+        the call is one span (``operation``, from ``started``) over its parts'
+        (``Gateway.operation``)."""
         gateway = self.gateway
         usages = [Usage() for _ in reqs]
-        gate = asyncio.Semaphore(MAX_PARTS_IN_FLIGHT)
-
-        async def part(i: int) -> InferResponse:
-            async with gate:
-                return await gateway.infer(
-                    reqs[i], headers, known, usage=usages[i], requests=1 if i == 0 else 0
-                )
-
+        paid = _PAID.get()
+        _PAID.set(None)
+        if paid is not None and paid.made_at < started:
+            paid = None  # an earlier request's on this connection (it failed before here)
         with gateway.operation(operation, reqs[0].model, headers, started) as span:
-            answers = await _all(part(i) for i in range(len(reqs)))
+            answers = await gateway.infer_group(reqs, headers, known, usages=usages, paid=paid)
             used = Usage(
                 sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
             )
@@ -279,15 +282,7 @@ class ApiRoutes:
                 if endpoint.tokenizer is None:
                     raise openai.unsupported(model, "has no tokenizer to join query and document")
                 longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
-                rows = await gateway.tokens.run(
-                    p.tenant,
-                    rerank.pair_rows,
-                    endpoint.tokenizer,
-                    call.query,
-                    call.documents,
-                    call.max_tokens_per_doc,
-                    longest,
-                )
+                rows = await _pair_rows(gateway, p.tenant, model, endpoint.tokenizer, call, longest)
         except FrontendError as err:
             return answer_error(err)
         rid = rerank.new_response_id()
@@ -418,6 +413,14 @@ def _text(resp: InferResponse, output: str) -> str:
     return ""
 
 
+# What a precharge counted for the API call this task serves (``_token_ids`` and
+# ``_pair_rows`` set it before tokenising, ``_parts`` hands it to the call's parts): the
+# route handlers call both without carrying it between them. A task serves the requests
+# of one keep-alive connection one after another: ``_parts`` takes only one made after its
+# own request started.
+_PAID: ContextVar[Precharge | None] = ContextVar("fair_frontend_precharge", default=None)
+
+
 async def _token_ids(
     gateway: Gateway,
     tenant: str | None,
@@ -426,39 +429,146 @@ async def _token_ids(
     model: str,
     most_tokens: int,
 ) -> list[list[int]]:
-    """Each text's token ids with the endpoint's tokenizer: off the event loop when long,
-    in the tenant's turn (``TokenCounter.run``). A text whose bytes prove it longer than
-    ``most_tokens`` is refused untokenised (each token covers at most
-    ``tokens.max_token_bytes`` of text)."""
+    """Each text's token ids with the endpoint's tokenizer, none longer than the model's
+    context (``max_model_len``) or ``most_tokens``.
+
+    Nothing is tokenised that its bytes prove too long: each token covers at most
+    ``tokens.max_token_bytes`` of text, so a text of more bytes than the context holds
+    of them is refused untokenised (``at least N tokens``). A call of more than a little
+    text (``INLINE_TOKENIZE_BYTES``) then pays before its tokenising: the tokens its
+    texts have at least are counted against its tenant's limits (``Gateway.precharge``:
+    a 429 there tokenises nothing, and a call refused after its tokenising has paid for
+    it), and it is tokenised off the event loop in its tenant's turns
+    (``TokenCounter.map``, a piece of texts at a time)."""
+    _PAID.set(None)
     if tokenizer is None:
         raise openai.ParamError(
             "input", f"model '{model}' takes token ids only (it has no tokenizer): send them"
         )
+    most = await _context(gateway, model, most_tokens)
     widest = max_token_bytes(tokenizer)
-    if widest is not None:
-        for i, text in enumerate(texts):
-            at_least = -(-len(text.encode("utf-8", "surrogatepass")) // widest)
-            if at_least > most_tokens:
-                raise openai.ParamError(
-                    "input",
-                    f"input[{i}] is at least {at_least} tokens; model '{model}' takes at "
-                    f"most {most_tokens} in one input",
-                )
+    sizes = [utf8_size(t) for t in texts]
+    for i, size in enumerate(sizes):
+        least = at_least_tokens(size, widest)
+        if least > most:
+            raise openai.ParamError(
+                "input",
+                f"input[{i}] is at least {least} tokens; model '{model}' takes at most "
+                f"{most} in one input",
+            )
+    pool = gateway.tokens
+    if sum(sizes) <= pool.inline_bytes:
+        rows = _encode(tokenizer, texts, 0)
+    else:
+        least = sum(at_least_tokens(size, widest) for size in sizes)
+        _PAID.set(await gateway.precharge(tenant, model, least))
+        pieces = pool.pieces(texts, sizes)
+        starts = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
+        jobs = [(_encode, tokenizer, p, start) for p, start in zip(pieces, starts, strict=True)]
+        done = await pool.map(tenant, jobs)
+        rows = [ids for piece in done for ids in piece]
+    for i, ids in enumerate(rows):
+        if len(ids) > most:
+            raise openai.ParamError(
+                "input", f"input[{i}] is {len(ids)} tokens; model '{model}' takes at most {most}"
+            )
+    return rows
 
-    def encode() -> list[list[int]]:
-        encoded = load_tokenizer(tokenizer).encode_batch(texts, add_special_tokens=False)
-        return [e.ids for e in encoded]
 
-    if sum(len(t) for t in texts) > INLINE_TOKENIZE_BYTES:
-        return await gateway.tokens.run(tenant, encode)
-    return encode()
-
-
-async def _all(parts: Any) -> list[Any]:
-    """Every part's result, in order; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(p) for p in parts]
+def _encode(tokenizer: str, texts: list[str], first: int) -> list[list[int]]:
+    """Token ids of ``texts`` (inputs ``first`` on); a text that is not valid Unicode (a
+    lone surrogate, which JSON can spell) refused naming its input."""
     try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
+        encoded = load_tokenizer(tokenizer).encode_batch(texts, add_special_tokens=False)
+    except TypeError:  # the tokenizer takes valid Unicode only: find the text that is not
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise openai.ParamError(
+                    "input", f"input[{first + i}] is not valid Unicode text: {err.reason}"
+                ) from None
+        raise
+    return [e.ids for e in encoded]
+
+
+async def _context(gateway: Gateway, model: str, most: int) -> int:
+    """The most tokens one row of ``model`` takes: its context (``max_model_len``, the
+    endpoint's or the model config's), and at most ``most``."""
+    info = await gateway.model_info(model)
+    context = info.bounds(gateway.config.endpoint(model)).max_model_len
+    return most if context is None else min(most, context)
+
+
+async def _pair_rows(
+    gateway: Gateway,
+    tenant: str | None,
+    model: str,
+    tokenizer: str,
+    call: rerank.RerankCall,
+    longest: int,
+) -> list[Any]:
+    """A rerank's rows (``rerank.pair_rows``: the query and each document, joined), none
+    longer than ``longest``. A query whose bytes prove it leaves no room for a document
+    is refused untokenised; documents are cut to what the row has room for (as text
+    first: their tails are never tokenised). A call of more than a little text pays
+    before its tokenising (the tokens its rows have at least, against its tenant's
+    limits: ``Gateway.precharge``) and is tokenised in its tenant's turns, some documents
+    at a time (``TokenCounter.map``)."""
+    _PAID.set(None)
+    widest = max_token_bytes(tokenizer)
+    specials = rerank.pair_tokenizer(tokenizer).num_special_tokens_to_add(is_pair=True)
+    room = longest - specials  # for the query and a document together
+    query = at_least_tokens(utf8_size(call.query), widest)
+    if query >= room:
+        raise InvalidArgument(
+            f"query: at least {query} tokens; this model reads at most {longest} tokens per "
+            f"query and document together, so a query may have at most {room - 1}"
+        )
+    per_doc = room if call.max_tokens_per_doc is None else call.max_tokens_per_doc
+    # What a document's row can take of it, as text: its kept tokens' most, and one more.
+    cut = (min(room, per_doc) + 1) * widest if widest else None
+    sizes = [len(d) if cut is None else min(len(d), cut) for d in call.documents]
+    pool = gateway.tokens
+    args = (tokenizer, call.query)
+    if len(call.query) + sum(sizes) <= pool.inline_bytes:
+        return rerank.pair_rows(*args, call.documents, call.max_tokens_per_doc, longest)
+    # Each row is the specials, the query and as much of its document as fits: at least
+    # this much of each, whatever the query's own count turns out to be.
+    # (A document's characters are at most its bytes: a lower bound of its tokens too.)
+    least = sum(
+        specials + min(query + at_least_tokens(size, widest), room, query + per_doc)
+        for size in sizes
+    )
+    _PAID.set(await gateway.precharge(tenant, model, least))
+    pieces = pool.pieces(call.documents, sizes)
+    starts = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
+    jobs = [
+        (_pair_piece, *args, p, call.max_tokens_per_doc, longest, start)
+        for p, start in zip(pieces, starts, strict=True)
+    ]
+    done = await pool.map(tenant, jobs)
+    return [row for piece in done for row in piece]
+
+
+def _pair_piece(
+    tokenizer: str,
+    query: str,
+    documents: list[str],
+    max_tokens_per_doc: int | None,
+    longest: int,
+    first: int,
+) -> list[Any]:
+    """``rerank.pair_rows`` of a piece of a call's documents (its ``first`` on): a
+    document that is not valid Unicode named by its index in the call."""
+    try:
+        return rerank.pair_rows(tokenizer, query, documents, max_tokens_per_doc, longest)
+    except InvalidArgument:
+        for i, text in enumerate(documents):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InvalidArgument(
+                    f"documents[{first + i}] is not valid Unicode text: {err.reason}"
+                ) from None
+        raise

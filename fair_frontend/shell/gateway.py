@@ -30,6 +30,7 @@ from fair_frontend.batching import pack
 from fair_frontend.config import Config, Endpoint, SideDoors
 from fair_frontend.errors import (
     FrontendError,
+    Internal,
     InvalidArgument,
     QueueFull,
     Unavailable,
@@ -38,6 +39,7 @@ from fair_frontend.errors import (
 )
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
+    Checked,
     ModelInfo,
     RefusedByModel,
     check_declared,
@@ -58,11 +60,11 @@ from fair_frontend.protocol import (
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns
-from fair_frontend.tokens import TokenCounter, output_tokens
+from fair_frontend.tokens import TokenCounter, at_least_tokens, output_tokens, utf8_size
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import INCLUDE_USAGE, Usage
-from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Call, Grant, TallyEntry
+from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Answer, Call, Grant, TallyEntry
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -90,6 +92,9 @@ EXTENSIONS_WITHOUT_STATISTICS = tuple(e for e in EXTENSIONS if e != "statistics"
 # behind it, as clients expect (Triton's simple_*_health_metadata.py examples check for
 # the name "triton").
 FRONTEND_HEADER = "x-fair-frontend"
+# The parts of one call a shell checks before its loop runs anything else (a call of
+# many parts, checked part by part, lets other requests through between these).
+PARTS_PER_ITERATION = 256
 # The model a refusal is tallied under when its own name may not be a label (the metrics
 # count it as ``endpoint="other"``; the statistics not at all).
 UNLABELLED_MODEL = ""
@@ -158,6 +163,140 @@ class Gateway:
             return await anext(replies)
         finally:
             await replies.aclose()
+
+    async def infer_group(
+        self,
+        reqs: Sequence[InferRequest],
+        headers: Mapping[str, str],
+        known: Identity | None = None,
+        *,
+        usages: Sequence[Usage],
+        paid: Precharge | None = None,
+        operation: str = "infer",
+    ) -> list[InferResponse]:
+        """The parts of one API call (an embeddings' inputs, a rerank's documents: a row
+        each), each a request of its own, admitted or refused as a whole before any of
+        them queues (``records.Group``, ``Core.submit_group``): the call counts one
+        request against its tenant's request limits and every part's tokens against its
+        token limits, in one check, and no part queues if the call cannot be admitted
+        whole (its limits, the queue caps, the throttle). Once admitted each part is
+        scheduled on its own (the fair batches take the call row by row beside other
+        tenants' calls). Their answers, in order; the first failure cancels the others
+        and is raised (the call has one answer). ``usages[i]``: filled in with what part
+        ``i`` used. ``paid``: what a precharge counted for the call before its texts were
+        tokenised (``precharge``): the call counts only the rest. ``operation``: each
+        part's trace span's name, before the model's."""
+        arrived = time.monotonic()
+        arrived_wall = time.time()
+        head = reqs[0]
+        model = head.model
+        tenant: str | None = None
+        info: ModelInfo | None = None
+        current = head
+        checked: list[tuple[Checked, int]] = []
+        try:
+            tenant = self.auth.confirm(known, headers, head.tenant_claim)
+            self._admit_model(tenant, model)
+            self._shed(tenant, model, sum(r.nbytes for r in reqs))
+            info = await self._model_info(model)
+            if info.decoupled:
+                raise Unsupported(f"model '{model}' streams its answers: it takes no call of parts")
+            endpoint = self.config.endpoint(model)
+            for i, req in enumerate(reqs):
+                if i and not i % PARTS_PER_ITERATION:
+                    await asyncio.sleep(0)  # a call of 10,000 parts: other requests between
+                current = req
+                if req.model != model:
+                    raise Internal("the parts of one call are for one model")
+                texts = prompt_texts(req, info, endpoint)
+                counts = None
+                if texts is not None and endpoint.tokenizer is not None:
+                    counts = await self.tokens.count(tenant, endpoint.tokenizer, texts)
+                ok = validate(req, info, endpoint, text_tokens=counts)
+                checked.append((ok, self._priority(req.priority, tenant, model)))
+        except FrontendError as err:
+            self._refused(tenant, current, err, arrived, info)
+            raise
+        except asyncio.CancelledError:
+            self._refused(tenant, current, None, arrived, info)
+            raise
+        calls: list[Call] = []
+        spans: list[Span] = []
+        for i, (req, (ok, priority)) in enumerate(zip(reqs, checked, strict=True)):
+            call = Call(
+                self.link.new_id(),
+                tenant,
+                priority,
+                arrived,
+                arrived_wall,
+                ok.rows,
+                ok.tokens,
+                req.nbytes,
+                ok.lengths,
+                req,
+                False,
+                ok.max_tokens,
+                0 if i else 1,  # the call's request, once (OpenAI's limits count calls)
+            )
+            if self.traces is not None:
+                span = self.traces.request(
+                    f"{operation} {model}",
+                    headers,
+                    arrived,
+                    {"gen_ai.operation.name": operation, "gen_ai.request.model": model},
+                )
+                span.set_attributes({"fair.tenant": tenant, "fair.priority": priority})
+                call.traceparent, call.tracestate = carried(span)
+                spans.append(span)
+            usages[i].prompt_tokens = ok.tokens - ok.max_tokens
+            calls.append(call)
+        if paid is not None:
+            paid.settled_by(calls[0])
+        # From here on the core counts and logs each part, whatever its outcome.
+        inboxes = self.link.submit_group(calls)
+        failure: FrontendError | None = None
+        try:
+            answers = await _answers(inboxes)
+            out = []
+            for req, answer, usage in zip(reqs, answers, usages, strict=True):
+                if endpoint.token_output is not None:
+                    usage.completion_tokens = output_tokens(
+                        answer.outputs, endpoint.token_output, endpoint.tokenizer, req
+                    )
+                out.append(
+                    InferResponse(
+                        req.model, answer.version, req.id, answer.outputs, {}, answer.quota
+                    )
+                )
+            return out
+        except FrontendError as err:
+            failure = err
+            raise
+        finally:
+            for inbox in inboxes:
+                inbox.cancel()  # no-op once answered
+            for span, usage in zip(spans, usages, strict=False):
+                if failure is not None:
+                    failed(span, failure)
+                span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+                span.end()
+
+    async def precharge(self, tenant: str | None, model: str, tokens: int) -> Precharge | None:
+        """Count a request's cost against its tenant's limits on ``model`` before its text
+        is tokenised (``records.Precharge``): the request itself and ``tokens``, what its
+        text has at least (``tokens.at_least_tokens``), so that tokenising is paid for
+        even where the request is refused after it. Raises the 429 where that does not
+        fit (nothing is tokenised then). None: nothing was counted (a tenant without
+        limits on the model, or not known yet; a rate-limit storage that did not answer):
+        the request counts in full at its admission. Its ``Call`` carries what was
+        counted (``Precharge.settled_by``)."""
+        if tenant is None or tenant not in self.config.tenants:
+            return None
+        if not self.config.limits_for(tenant, model).items():
+            return None  # nothing to count: no round trip
+        at = await self.link.precharge(tenant, model, 1, tokens)
+        return None if at is None else Precharge(tokens, at, time.monotonic())
 
     def stream_infer(
         self,
@@ -255,6 +394,7 @@ class Gateway:
         tenant: str | None = None
         info: ModelInfo | None = None
         report_usage = False
+        paid: Precharge | None = None
         try:
             tenant = self.auth.confirm(known, headers, req.tenant_claim)
             if _wants_usage(req):  # the client asked for USAGE_PARAMETERS
@@ -271,6 +411,10 @@ class Gateway:
             texts = prompt_texts(req, info, endpoint)  # refuses what its bytes prove too long
             counts = None
             if texts is not None and endpoint.tokenizer is not None:
+                if sum(len(t) for t in texts) > self.tokens.inline_bytes:
+                    widest = info.bounds(endpoint).max_token_bytes
+                    least = sum(at_least_tokens(utf8_size(t), widest) for t in texts)
+                    paid = await self.precharge(tenant, req.model, least)
                 counts = await self.tokens.count(tenant, endpoint.tokenizer, texts)
             checked = validate(req, info, endpoint, text_tokens=counts)
             priority = self._priority(req.priority, tenant, req.model)
@@ -295,6 +439,8 @@ class Gateway:
             checked.max_tokens,
             requests,
         )
+        if paid is not None:
+            paid.settled_by(call)
         if span is not None:
             span.set_attributes({"fair.tenant": tenant, "fair.priority": priority})
             call.traceparent, call.tracestate = carried(span)
@@ -794,3 +940,58 @@ def _wants_usage(req: InferRequest) -> bool:
             f"parameter '{INCLUDE_USAGE}' must be a bool, not {type(asked).__name__}"
         )
     return asked
+
+
+class Precharge:
+    """What a precharge counted of a request before its text was tokenised
+    (``Gateway.precharge``): ``tokens``, and the request itself, at wall time ``at``.
+    ``made_at``: ``time.monotonic()`` when this shell had the answer."""
+
+    __slots__ = ("at", "made_at", "tokens")
+
+    def __init__(self, tokens: int, at: float, made_at: float) -> None:
+        self.tokens = tokens
+        self.at = at
+        self.made_at = made_at
+
+    def settled_by(self, call: Call) -> None:
+        """``call`` (a request's, or the first part's of a call of several) counts what is
+        left: not its request (counted), and its tokens beyond these."""
+        call.requests = 0
+        call.precharged = self.tokens
+        call.precharged_at = self.at
+
+
+async def _answers(inboxes: Sequence[Inbox]) -> list[Answer]:
+    """Each inbox's answer, in order, once all have come; the first failure (in order,
+    of those answered when one failed) is raised at once."""
+    settled = asyncio.get_running_loop().create_future()
+    left = len(inboxes)
+
+    def heard(answer: Answer | Grant) -> None:
+        nonlocal left
+        left -= 1
+        failed = isinstance(answer, Grant) or answer.fault is not None
+        if (failed or not left) and not settled.done():
+            settled.set_result(None)
+
+    for inbox in inboxes:
+        came = inbox.answered
+        if came is None:
+            inbox.on_answer = heard
+        else:  # answered already (a link that answers at once: its core is gone)
+            heard(came)
+    await settled
+    answers: list[Answer] = []
+    for inbox in inboxes:
+        if not inbox.answered:
+            continue
+        answer = await inbox.get()  # there: at once
+        if isinstance(answer, Grant):
+            raise Internal("a part of a call was granted a stream")
+        if answer.fault is not None:
+            raise answer.fault.error()  # with its quota (``FrontendError.quota``)
+        answers.append(answer)
+    if len(answers) < len(inboxes):
+        raise Internal("a call's parts settled unanswered")
+    return answers

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from fair_frontend.errors import FrontendError, Overloaded
 from fair_frontend.models import ModelInfo
-from fair_frontend.wire.records import Answer, Call, Grant, Tally, TallyEntry
+from fair_frontend.wire.records import Answer, Call, Grant, Group, Tally, TallyEntry
 
 
 class Inbox:
@@ -32,7 +33,8 @@ class Inbox:
     """
 
     __slots__ = (
-        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "on_revoke"
+        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "on_answer",
+        "on_revoke",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -42,6 +44,8 @@ class Inbox:
         self._produced: Produce = _no_tokens  # set by the link: how to report tokens
         self._end: Callable[[str, FrontendError | None, bool], None] = _never
         self.on_revoke: Callable[[FrontendError], None] = _nothing
+        # Told of the answer as it comes (the parts of one call wait on them together).
+        self.on_answer: Callable[[Answer | Grant], None] | None = None
         self.done = False  # answered and read, or ended
         self.granted = False
 
@@ -54,6 +58,13 @@ class Inbox:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self.on_answer is not None:
+            self.on_answer(answer)
+
+    @property
+    def answered(self) -> Answer | Grant | None:
+        """The answer, once it has come (``get`` returns it at once then)."""
+        return self._answer
 
     async def get(self) -> Answer | Grant:
         while self._answer is None:
@@ -124,6 +135,17 @@ class CoreLink(Protocol):
         """Hand a call to the core; its answers arrive in the returned inbox."""
         ...
 
+    def submit_group(self, calls: list[Call]) -> list[Inbox]:
+        """Hand the parts of one API call to the core, to be admitted or refused whole
+        (``records.Group``); each part's answers arrive in its inbox (in order)."""
+        ...
+
+    async def precharge(self, tenant: str, model: str, requests: int, tokens: int) -> float | None:
+        """Count ``requests`` and ``tokens`` against the tenant's limits on ``model`` now
+        (``records.Precharge``): the wall time they were counted at (None: not counted);
+        raises the core's refusal (429)."""
+        ...
+
     async def model_info(self, model: str) -> ModelInfo:
         """What is this model? (the core's answer, raising Triton's error if unknown)"""
         ...
@@ -164,6 +186,12 @@ class InProcessCore(Protocol):
 
     def submit(self, call: Call, route: Inbox) -> Any: ...
 
+    def submit_group(self, group: Group, route: Any) -> list[Any] | None: ...
+
+    async def precharge(
+        self, tenant: str, model: str, *, requests: int, tokens: int
+    ) -> tuple[float | None, Any]: ...
+
     def cancel(self, req: Any) -> None: ...
 
     def produced(
@@ -189,7 +217,21 @@ class Intake(Protocol):
     """The core's intake (``fair_frontend.core.shells.Intake``): calls are admitted in
     turns per tenant, each by ``conn.admit(call)``, as a shell process's are."""
 
-    def push(self, call: Call, conn: Any) -> None: ...
+    def push(self, call: Call | Group, conn: Any) -> None: ...
+
+
+class _Parts:
+    """The route of a group's parts in the core's process: each answer to its inbox."""
+
+    __slots__ = ("inboxes",)
+
+    def __init__(self, inboxes: dict[int, Inbox]) -> None:
+        self.inboxes = inboxes
+
+    def answer(self, answer: Answer | Grant) -> None:
+        inbox = self.inboxes.get(answer.id)
+        if inbox is not None:
+            inbox.answer(answer)
 
 
 class LocalLink:
@@ -214,22 +256,61 @@ class LocalLink:
         self.intake.push(call, self)
         return inbox
 
-    def admit(self, call: Call) -> None:
-        """The intake's turn for this call: into the core (unless its client went)."""
+    def submit_group(self, calls: list[Call]) -> list[Inbox]:
+        inboxes = []
+        for call in calls:
+            inbox = Inbox()
+            call_id = call.id
+            self._waiting[call_id] = inbox
+            inbox._cancel = partial(self._waiting.pop, call_id, None)  # gone before admitted
+            inboxes.append(inbox)
+        self.intake.push(Group(calls), self)
+        return inboxes
+
+    def admit(self, call: Call | Group) -> None:
+        """The intake's turn for this call (or the parts of one): into the core (those
+        whose client has not gone)."""
+        if isinstance(call, Group):
+            self._admit_group(call)
+            return
         inbox = self._waiting.pop(call.id, None)
         if inbox is None:
             return
         inbox._cancel = None
         req = self.core.submit(call, inbox)
         if req is not None:
-            core = self.core
-            inbox._cancel = lambda: core.cancel(req)
-            inbox._produced = lambda tokens, first, gap: core.produced(
-                req, tokens, first, (gap,) if gap >= 0 else ()
-            )
-            inbox._end = lambda version, fault, cancelled: core.stream_ended(
-                req, version, fault, cancelled
-            )
+            self._wire(inbox, req)
+
+    def _admit_group(self, group: Group) -> None:
+        inboxes: dict[int, Inbox] = {}
+        live = []
+        for call in group.calls:
+            inbox = self._waiting.pop(call.id, None)
+            if inbox is not None:
+                inbox._cancel = None
+                inboxes[call.id] = inbox
+                live.append(call)
+        if not live:
+            return
+        reqs = self.core.submit_group(Group(live), _Parts(inboxes))
+        if reqs is not None:
+            for call, req in zip(live, reqs, strict=True):
+                self._wire(inboxes[call.id], req)
+
+    def _wire(self, inbox: Inbox, req: Any) -> None:
+        """Tell ``inbox`` how to reach the core about its call, kept there as ``req``."""
+        core = self.core
+        inbox._cancel = lambda: core.cancel(req)
+        inbox._produced = lambda tokens, first, gap: core.produced(
+            req, tokens, first, (gap,) if gap >= 0 else ()
+        )
+        inbox._end = lambda version, fault, cancelled: core.stream_ended(
+            req, version, fault, cancelled
+        )
+
+    async def precharge(self, tenant: str, model: str, requests: int, tokens: int) -> float | None:
+        at, _ = await self.core.precharge(tenant, model, requests=requests, tokens=tokens)
+        return at
 
     async def model_info(self, model: str) -> ModelInfo:
         return await self.core.model_info(model)

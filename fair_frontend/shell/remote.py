@@ -44,6 +44,7 @@ from fair_frontend.wire.records import (
     Draining,
     Fault,
     Grant,
+    Group,
     Hello,
     Ready,
     Running,
@@ -95,6 +96,9 @@ class RemoteLink(SocketLink):
         self.core = ""  # the address of the core connected to ("": none)
         self.connects = 0  # connections made (1 + failovers)
         self._held: dict[int, tuple[Call, float]] = {}  # not yet answered or granted
+        # The parts of one call (``Group``), by each part's id: its group's part ids
+        # (sent again together, those still held, to the next core).
+        self._groups: dict[int, list[int]] = {}
         self._streaming: dict[int, tuple[Call, int]] = {}  # granted: (call, backend)
         self._stopping = False
         self._draining = False  # the core connected to steps down: hold new calls
@@ -143,9 +147,26 @@ class RemoteLink(SocketLink):
             self.send(call)
         return inbox
 
+    def submit_group(self, calls: list[Call]) -> list[Inbox]:
+        inboxes = [self._register(call.id) for call in calls]
+        now = asyncio.get_running_loop().time()
+        ids = [call.id for call in calls]
+        for call in calls:
+            self._held[call.id] = (call, now)
+            self._groups[call.id] = ids
+        if self.closed or self._draining:
+            self._watch_hold()
+        else:
+            self.send(Group(calls))
+        return inboxes
+
     def _cancel(self, call_id: int) -> None:
-        self._held.pop(call_id, None)
+        self._unhold(call_id)
         super()._cancel(call_id)
+
+    def _unhold(self, call_id: int) -> None:
+        self._held.pop(call_id, None)
+        self._groups.pop(call_id, None)
 
     def received(self, record: Any) -> None:
         if isinstance(record, Answer):
@@ -161,7 +182,7 @@ class RemoteLink(SocketLink):
                 self._draining = True
                 self._watch_hold()
                 return
-            self._held.pop(record.id, None)
+            self._unhold(record.id)
         elif isinstance(record, Grant):
             held = self._held.pop(record.id, None)
             if held is not None:
@@ -257,9 +278,17 @@ class RemoteLink(SocketLink):
         held there until they end), then every call not yet answered, in arrival order."""
         for call, backend in self._streaming.values():
             self.send(Running(call, backend))
+        sent: set[int] = set()
         for call_id in sorted(self._held):
-            call, _ = self._held[call_id]
-            self.send(call)
+            if call_id in sent:
+                continue
+            group = self._groups.get(call_id)
+            if group is None:
+                self.send(self._held[call_id][0])
+                continue
+            parts = [i for i in group if i in self._held]  # the call's parts not answered
+            sent.update(parts)
+            self.send(Group([self._held[i][0] for i in parts]))
 
     async def _read(self, call: Any, transport: StreamTransport) -> None:
         error: BaseException | None = None
@@ -300,7 +329,7 @@ class RemoteLink(SocketLink):
         now = asyncio.get_running_loop().time()
         for call_id, (call, _) in list(self._held.items()):
             if call.request.sequence.get("sequence_id"):
-                self._held.pop(call_id)
+                self._unhold(call_id)
                 inbox = self._inboxes.pop(call_id, None)
                 if inbox is not None:
                     fault = Fault.of(
@@ -326,7 +355,7 @@ class RemoteLink(SocketLink):
         cutoff = asyncio.get_running_loop().time() - self.hold_s
         for call_id, (_, since) in list(self._held.items()):
             if since <= cutoff:
-                self._held.pop(call_id)
+                self._unhold(call_id)
                 inbox = self._inboxes.pop(call_id, None)
                 if inbox is not None:
                     fault = Fault.of(Unavailable(f"no core reachable for {self.hold_s:g} s"))

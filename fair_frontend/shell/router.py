@@ -148,6 +148,18 @@ class RouterLink:
             return inbox
         return link.submit(call)
 
+    def submit_group(self, calls: list[Call]) -> list[Inbox]:
+        link = self.link_for(calls[0].request.model)
+        if link is None:
+            return [self.submit(call) for call in calls]
+        return link.submit_group(calls)
+
+    async def precharge(self, tenant: str, model: str, requests: int, tokens: int) -> float | None:
+        link = self.link_for(model)
+        if link is None:
+            raise Unavailable(_no_core(model))
+        return await link.precharge(tenant, model, requests, tokens)
+
     async def model_info(self, model: str) -> ModelInfo:
         link = self.link_for(model)
         if link is None:

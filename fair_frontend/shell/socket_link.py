@@ -27,8 +27,11 @@ from fair_frontend.wire.records import (
     Flushed,
     FlushTally,
     Grant,
+    Group,
     InfoAnswer,
     InfoQuery,
+    Precharge,
+    Precharged,
     Produced,
     QueueView,
     Settings,
@@ -100,6 +103,21 @@ class SocketLink(Framed):
         inbox = self._register(call.id)
         super().send(call)
         return inbox
+
+    def submit_group(self, calls: list[Call]) -> list[Inbox]:
+        if self.closed:
+            return [self.submit(call) for call in calls]  # each answered: the core is gone
+        inboxes = [self._register(call.id) for call in calls]
+        super().send(Group(calls))
+        return inboxes
+
+    async def precharge(self, tenant: str, model: str, requests: int, tokens: int) -> float | None:
+        answer: Precharged = await self._query(
+            lambda i: Precharge(i, tenant, model, requests, tokens)
+        )
+        if answer.fault is not None:
+            raise answer.fault.error()
+        return answer.at
 
     def _register(self, call_id: int) -> Inbox:
         """The inbox of call ``call_id``, wired to this link."""
@@ -238,7 +256,7 @@ class SocketLink(Framed):
             inbox = self._inboxes.get(record.id)
             if inbox is not None:
                 inbox.answer(record)
-        elif isinstance(record, (InfoAnswer, StatsAnswer)):
+        elif isinstance(record, (InfoAnswer, StatsAnswer, Precharged)):
             fut = self._queries.get(record.id)
             if fut is not None and not fut.done():
                 fut.set_result(record)

@@ -5,12 +5,16 @@ the model, encode the answer. The core (``fair_frontend.core``) does policy: adm
 scheduling, batching, dispatch to Triton. Between them travel only the records below,
 ``msgspec`` structs:
 
-* a shell sends a ``Call`` per inference request (decoded, identified, validated), a
-  ``Cancel`` when its client goes away, a ``Tally`` of what it answered itself (requests
-  refused before the core saw them), and queries (``InfoQuery``, ``StatsQuery``);
+* a shell sends a ``Call`` per inference request (decoded, identified, validated), or a
+  ``Group`` of them for an API call made of several (admitted or refused whole), a
+  ``Cancel`` when its client goes away, a ``Precharge`` before it tokenises a request's
+  text (what that text costs at least, counted against its tenant's limits first), a
+  ``Tally`` of what it answered itself (requests refused before the core saw them), and
+  queries (``InfoQuery``, ``StatsQuery``);
 * the core answers each ``Call`` with exactly one ``Answer`` (its outputs, or the error it
-  is answered with), each query with its answer, and pushes ``Settings`` (the config a
-  shell needs, at start and on reload), ``Draining`` and ``Stop`` (shutdown).
+  is answered with), each query with its answer (a ``Precharge`` with ``Precharged``),
+  and pushes ``Settings`` (the config a shell needs, at start and on reload),
+  ``Draining`` and ``Stop`` (shutdown).
 
 Streams take one hop. A decoupled model's request is not relayed through the core: when
 its turn comes the core answers the call with a ``Grant`` (a slot in the engine), and the
@@ -72,6 +76,13 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # shell's span, where it is sampled; "" otherwise (tracing off: nothing to carry).
     traceparent: str = ""
     tracestate: str = ""
+    # Of its tenant's token limits, what a ``Precharge`` counted for it already (the
+    # tokens its text has at least, counted before it was tokenised) and the wall time
+    # it was counted at: its admission counts only the rest, and gives back what the
+    # precharge counted beyond its tokens. 0: no precharge (``requests`` then counts
+    # the request; with one, the precharge counted it).
+    precharged: int = 0
+    precharged_at: float = 0.0
 
     @property
     def deadline(self) -> float | None:
@@ -84,6 +95,45 @@ class Call(msgspec.Struct, tag=1, array_like=True):
         """The deadline as unix microseconds, for the model (0: none)."""
         timeout_us = self.request.timeout_us
         return int(self.arrived_wall * 1e6) + timeout_us if timeout_us else 0
+
+
+class Group(msgspec.Struct, tag=22, array_like=True):
+    """The parts of one API call (an embeddings' inputs, a rerank's documents), each a
+    ``Call`` of its own (one row), admitted or refused as a whole before any of them
+    queues (``Core.submit_group``): the throttle, the tenant's rate limits (the call's
+    request once, every part's tokens) and the queue caps judge the call, and a refusal
+    answers every part with it. Once admitted each part is scheduled, answered and
+    cancelled as a ``Call``. All of one tenant, model and shell; never streamed."""
+
+    calls: list[Call]
+
+    @property
+    def tenant(self) -> str:
+        return self.calls[0].tenant
+
+
+class Precharge(msgspec.Struct, tag=23, array_like=True):
+    """Count ``requests`` and ``tokens`` against ``tenant``'s limits on ``model`` now: a
+    shell asks before it tokenises a request's text, with the tokens that text has at
+    least (``tokens.max_token_bytes``), so that a request refused after its tokenising
+    has paid for it. Answered with ``Precharged``; the request's ``Call`` then carries
+    what was counted (``Call.precharged``)."""
+
+    id: int
+    tenant: str
+    model: str
+    requests: int
+    tokens: int
+
+
+class Precharged(msgspec.Struct, tag=24, array_like=True):
+    """The answer to ``Precharge`` ``id``: the wall time its cost was counted at (None:
+    not counted: no limits, or a storage that did not answer let it through), or the
+    refusal (a ``RateLimited`` with the tenant's quota)."""
+
+    id: int
+    at: float | None = None
+    fault: Fault | None = None
 
 
 class Cancel(msgspec.Struct, tag=2, array_like=True):
@@ -326,8 +376,29 @@ class Running(msgspec.Struct, tag=21, array_like=True):
 
 
 ToCore = Union[  # noqa: UP007
-    Call, Cancel, Tally, InfoQuery, StatsQuery, Hello, Ready, Flushed, Produced, Ended, Running
+    Call,
+    Group,
+    Cancel,
+    Precharge,
+    Tally,
+    InfoQuery,
+    StatsQuery,
+    Hello,
+    Ready,
+    Flushed,
+    Produced,
+    Ended,
+    Running,
 ]
 ToShell = Union[  # noqa: UP007
-    Answer, Grant, InfoAnswer, StatsAnswer, Settings, Draining, Stop, FlushTally, QueueView
+    Answer,
+    Grant,
+    Precharged,
+    InfoAnswer,
+    StatsAnswer,
+    Settings,
+    Draining,
+    Stop,
+    FlushTally,
+    QueueView,
 ]
