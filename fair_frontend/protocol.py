@@ -318,7 +318,8 @@ def check_name(what: str, value: str) -> str:
         # JSON can spell one ("\ud800"): no model has such a name, and none can be asked of
         # Triton (it would fail encoding the call, a 500).
         raise InvalidArgument(
-            f"{what} holds a lone surrogate (a \\ud800-\\udfff escape not in a pair)"
+            f"{what} is not valid Unicode text: it holds a lone surrogate (a \\ud800-\\udfff "
+            "escape not in a pair)"
         ) from None
     return value
 
