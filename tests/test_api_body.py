@@ -745,3 +745,28 @@ def test_every_route_answers_a_lone_surrogate_with_a_400_naming_the_field(
             ]  # fmt: skip
 
         assert len(eventually(logged, 10, 0.01, what="the refusal's request-log line")) == 1
+
+
+# ---- token ids over the model's context: counted, never read --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [(list(range(5000)), "input"), ([[1, 2], list(range(5000))], "input[1]")],
+)
+def test_token_ids_over_the_context_are_refused_from_their_count_unread(
+    value: list[Any], where: str
+) -> None:
+    """The route passes the model's context (``decode_embeddings(raw, most_ids)``): a list
+    of ids longer is refused naming it from a scan of its bytes, and no id in it is
+    converted (24M ids cost a count, not a decode: 0.65 s of a shell's CPU before)."""
+    raw = json.dumps({"model": "embed", "input": value}).encode()
+    with mock.patch.object(openai, "token_ids", side_effect=AssertionError("read")) as read:
+        with pytest.raises(openai.ParamError) as refused:
+            openai.decode_embeddings(raw, 4096)
+    assert read.call_count == 0  # every row counted before any is read
+    assert refused.value.param == "input"
+    assert f"{where} holds more than 4096 token ids" in refused.value.message
+    # Within the context, or with none known, the same body is read as before.
+    assert openai.decode_embeddings(raw, 5000).ids is not None
+    assert openai.decode_embeddings(raw).ids is not None

@@ -246,10 +246,12 @@ def decode_completion(raw: bytes, headers: Mapping[str, str], config: Config) ->
         return _completion(Body(raw).members(_CompletionShape), headers, config)
 
 
-def decode_embeddings(raw: bytes) -> Embeddings:
-    """A ``/v1/embeddings`` body, from its bytes, checked."""
+def decode_embeddings(raw: bytes, most_ids: int | None = None) -> Embeddings:
+    """A ``/v1/embeddings`` body, from its bytes, checked. ``most_ids``: the model's
+    context, where known: a list of token ids longer is refused from its count, before
+    any id in it is read."""
     with _reading():
-        return _embeddings(Body(raw).members(_EmbeddingsShape))
+        return _embeddings(Body(raw).members(_EmbeddingsShape), most_ids)
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -789,11 +791,11 @@ _INPUT_KINDS = (
 )
 
 
-def _embeddings(doc: Members) -> Embeddings:
+def _embeddings(doc: Members, most_ids: int | None = None) -> Embeddings:
     """A ``/v1/embeddings`` body, checked: ``input`` as a string, strings, token ids
     (integers) or lists of token ids."""
     model = require_model(doc)
-    texts, ids = _inputs(doc.body, doc.raw("input"))
+    texts, ids = _inputs(doc.body, doc.raw("input"), most_ids)
     if texts is not None and any(not t for t in texts):
         raise ParamError("input", "'input' cannot contain an empty string")
     fmt = _get(doc, "encoding_format", str, "float")
@@ -807,7 +809,9 @@ def _embeddings(doc: Members) -> Embeddings:
 _TEXTS = msgspec.json.Decoder(list[str])
 
 
-def _inputs(body: Body, raw: msgspec.Raw) -> tuple[list[str] | None, list[np.ndarray] | None]:
+def _inputs(
+    body: Body, raw: msgspec.Raw, most_ids: int | None = None
+) -> tuple[list[str] | None, list[np.ndarray] | None]:
     """``input`` as texts or as rows of token ids. Its kind is told by its first element;
     a list of texts or of id lists is counted before its elements are decoded, and ids go
     straight into int32 rows (``body.token_ids``)."""
@@ -817,6 +821,7 @@ def _inputs(body: Body, raw: msgspec.Raw) -> tuple[list[str] | None, list[np.nda
     if first is None:
         raise ParamError("input", _INPUT_KINDS)
     if first in b"-0123456789":
+        _within_context(raw, most_ids, "input")
         row = token_ids(raw)
         if row is None:
             raise ParamError("input", _INPUT_KINDS)
@@ -838,12 +843,23 @@ def _inputs(body: Body, raw: msgspec.Raw) -> tuple[list[str] | None, list[np.nda
         return [t or "" for t in texts], None
     if any(kind(item) != "array" for item in items):
         raise ParamError("input", _INPUT_KINDS)
+    for i, item in enumerate(items):
+        _within_context(item, most_ids, f"input[{i}]")
     rows = [token_ids(item) for item in items]
     if any(row is None for row in rows):
         raise ParamError(
             "input", f"each token id list in 'input' is non-empty, ids 0 to {TOKEN_ID_MAX}"
         )
     return None, [row for row in rows if row is not None]
+
+
+def _within_context(raw: msgspec.Raw, most_ids: int | None, where: str) -> None:
+    """A list of token ids longer than the model's context is refused from its count
+    (a scan of its bytes), before any id is read: 24M ids cost a count, not a decode."""
+    if most_ids is not None and count(raw, most_ids) > most_ids:
+        raise ParamError(
+            "input", f"{where} holds more than {most_ids} token ids, the model's context"
+        )
 
 
 def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:

@@ -184,11 +184,12 @@ class ApiRoutes:
         gateway = self.gateway
         try:
             async with self.door.body(request) as p:
-                call = await p.decode(openai.decode_embeddings)
+                info = await gateway.model_info(p.model)
+                endpoint = gateway.config.endpoint(p.model)
+                context = info.bounds(endpoint).max_model_len
+                call = await p.decode(openai.decode_embeddings, context)
                 p.named(call.model)
                 headers, known, model, started = p.headers, p.known, p.model, p.started
-                info = await gateway.model_info(model)
-                endpoint = gateway.config.endpoint(model)
                 name = openai.embedding_input(info, endpoint, model)
                 output = openai.embedding_output(info, model)
                 rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
