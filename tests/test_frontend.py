@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, ids_input
 
 RNG = np.random.default_rng(7)
@@ -63,27 +66,46 @@ def test_same_answer_as_triton(triton, frontend, protocol, binary, model, output
 
 
 async def test_concurrent_requests_are_batched_and_answered_right(triton, frontend) -> None:  # type: ignore[no-untyped-def]
-    """Ragged requests of two tenants share padded batches; each gets its own answer."""
+    """Ragged requests of two tenants share padded batches; each gets its own answer.
+
+    Whether requests sent at once wait together depends on how fast Triton serves the
+    first ones: on a loaded machine the client may send each after the last was served,
+    and every batch holds one (seen on a fresh clone). So Triton is stopped (SIGSTOP)
+    until the core holds all 24, queued behind the batches it could send: then they must
+    share batches, whatever the machine's speed."""
     lengths = [int(n) for n in RNG.integers(1, 96, size=24)]
     batches = [RNG.integers(0, 4000, size=(1, n), dtype=np.int32) for n in lengths]
     direct = grpcaio.InferenceServerClient(triton.grpc_url)
     front = grpcaio.InferenceServerClient(frontend.grpc_url)
     batches_before = await frontend.acall(frontend.batch_count("embed"))
+    before = await frontend.acall(frontend.counters("embed"))
     try:
         expected = await asyncio.gather(
             *(direct.infer("embed", [ids_input(grpcaio, ids)]) for ids in batches)
         )
         tenants = ["acme", "initech"]
-        got = await asyncio.gather(
-            *(
-                front.infer(
-                    "embed",
-                    [ids_input(grpcaio, ids)],
-                    headers={"x-api-key": KEYS[tenants[i % 2]]},
+        os.kill(triton.pid, signal.SIGSTOP)
+        try:
+            sends = asyncio.gather(
+                *(
+                    front.infer(
+                        "embed",
+                        [ids_input(grpcaio, ids)],
+                        headers={"x-api-key": KEYS[tenants[i % 2]]},
+                    )
+                    for i, ids in enumerate(batches)
                 )
-                for i, ids in enumerate(batches)
             )
-        )
+
+            async def held() -> bool:
+                now = await frontend.acall(frontend.counters("embed"))
+                queued = (now.admitted - now.dispatched) - (before.admitted - before.dispatched)
+                return now.admitted - before.admitted == len(batches) and queued >= 2
+
+            await aeventually(held, 60, what="all 24 in the core, several queued")
+        finally:
+            os.kill(triton.pid, signal.SIGCONT)
+        got = await sends
     finally:
         await direct.close()
         await front.close()
