@@ -20,7 +20,6 @@ import itertools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -193,12 +192,15 @@ class ApiRoutes:
                 name = openai.embedding_input(info, endpoint, model)
                 output = openai.embedding_output(info, model)
                 rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
+                paid: Precharge | None = None
                 if rows is None:
                     # A row of n token ids is 4n bytes of the request's tensors at least.
                     most = info.bounds(endpoint).payload_bytes // 4
                     tenant = known.tenant if known is not None else None
                     texts = call.texts or []
-                    rows = await _token_ids(gateway, tenant, endpoint.tokenizer, texts, model, most)
+                    rows, paid = await _token_ids(
+                        gateway, tenant, endpoint.tokenizer, texts, model, most
+                    )
         except FrontendError as err:
             return error_response(err)
         datatype = info.inputs[name].datatype
@@ -211,7 +213,7 @@ class ApiRoutes:
             ],
         )
         try:
-            answers, usage = await self._parts(reqs, headers, known, "embeddings", started)
+            answers, usage = await self._parts(reqs, headers, known, "embeddings", started, paid)
             vectors = [next(t.data for t in a.outputs if t.name == output) for a in answers]
             numbers = sum(int(v.size) for v in vectors)
             response = await _json_answer(
@@ -228,21 +230,18 @@ class ApiRoutes:
         known: Identity | None,
         operation: str,
         started: float,
+        paid: Precharge | None = None,
     ) -> tuple[list[InferResponse], Usage]:
         """``reqs`` (the parts of one API call, a row each) as one call of parts, admitted
         or refused whole before any part queues (``Gateway.infer_group``): their answers
         in order, and what they used together. The call counts once against the requests
         limits, every part against the tokens limits (less what its precharge counted,
-        where its texts were tokenised: ``_token_ids``); the first failure cancels the
+        ``paid``, where its texts were tokenised: ``_token_ids``); the first failure cancels the
         others and is raised (the call gets one answer; ``reqs`` is never empty). Traced,
         the call is one span (``operation``, from ``started``) over its parts'
         (``Gateway.operation``)."""
         gateway = self.gateway
         usages = [Usage() for _ in reqs]
-        paid = _PAID.get()
-        _PAID.set(None)
-        if paid is not None and paid.made_at < started:
-            paid = None  # an earlier request's on this connection (it failed before here)
         with gateway.operation(operation, reqs[0].model, headers, started) as span:
             answers = await gateway.infer_group(reqs, headers, known, usages=usages, paid=paid)
             used = Usage(
@@ -283,7 +282,9 @@ class ApiRoutes:
                 if endpoint.tokenizer is None:
                     raise openai.unsupported(model, "has no tokenizer to join query and document")
                 longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
-                rows = await _pair_rows(gateway, p.tenant, model, endpoint.tokenizer, call, longest)
+                rows, paid = await _pair_rows(
+                    gateway, p.tenant, model, endpoint.tokenizer, call, longest
+                )
         except FrontendError as err:
             return answer_error(err)
         rid = rerank.new_response_id()
@@ -299,7 +300,7 @@ class ApiRoutes:
             ],
         )
         try:
-            answers, usage = await self._parts(reqs, headers, known, "rerank", started)
+            answers, usage = await self._parts(reqs, headers, known, "rerank", started, paid)
             logits = [rerank.row_logit(a) for a in answers]
             tokens = usage.prompt_tokens
 
@@ -414,14 +415,6 @@ def _text(resp: InferResponse, output: str) -> str:
     return ""
 
 
-# What a precharge counted for the API call this task serves (``_token_ids`` and
-# ``_pair_rows`` set it before tokenising, ``_parts`` hands it to the call's parts): the
-# route handlers call both without carrying it between them. A task serves the requests
-# of one keep-alive connection one after another: ``_parts`` takes only one made after its
-# own request started.
-_PAID: ContextVar[Precharge | None] = ContextVar("fair_frontend_precharge", default=None)
-
-
 async def _token_ids(
     gateway: Gateway,
     tenant: str | None,
@@ -429,9 +422,9 @@ async def _token_ids(
     texts: list[str],
     model: str,
     most_tokens: int,
-) -> list[list[int]]:
+) -> tuple[list[list[int]], Precharge | None]:
     """Each text's token ids with the endpoint's tokenizer, none longer than the model's
-    context (``max_model_len``) or ``most_tokens``.
+    context (``max_model_len``) or ``most_tokens``, and what was charged for them before.
 
     Nothing is tokenised that its bytes prove too long: each token covers at most
     ``tokens.max_token_bytes`` of text, so a text of more bytes than the context holds
@@ -441,7 +434,6 @@ async def _token_ids(
     a 429 there tokenises nothing, and a call refused after its tokenising has paid for
     it), and it is tokenised off the event loop in its tenant's turns
     (``TokenCounter.map``, a piece of texts at a time)."""
-    _PAID.set(None)
     if tokenizer is None:
         raise openai.ParamError(
             "input", f"model '{model}' takes token ids only (it has no tokenizer): send them"
@@ -458,11 +450,12 @@ async def _token_ids(
                 f"{most} in one input",
             )
     pool = gateway.tokens
+    paid = None
     if sum(sizes) <= pool.inline_bytes:
         rows = _encode(tokenizer, texts, 0)
     else:
         least = sum(at_least_tokens(size, widest) for size in sizes)
-        _PAID.set(await gateway.precharge(tenant, model, least))
+        paid = await gateway.precharge(tenant, model, least)
         pieces = pool.pieces(texts, sizes)
         starts = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
         jobs = [(_encode, tokenizer, p, start) for p, start in zip(pieces, starts, strict=True)]
@@ -473,7 +466,7 @@ async def _token_ids(
             raise openai.ParamError(
                 "input", f"input[{i}] is {len(ids)} tokens; model '{model}' takes at most {most}"
             )
-    return rows
+    return rows, paid
 
 
 def _encode(tokenizer: str, texts: list[str], first: int) -> list[list[int]]:
@@ -508,15 +501,14 @@ async def _pair_rows(
     tokenizer: str,
     call: rerank.RerankCall,
     longest: int,
-) -> list[Any]:
+) -> tuple[list[Any], Precharge | None]:
     """A rerank's rows (``rerank.pair_rows``: the query and each document, joined), none
-    longer than ``longest``. A query whose bytes prove it leaves no room for a document
-    is refused untokenised; documents are cut to what the row has room for (as text
-    first: their tails are never tokenised). A call of more than a little text pays
-    before its tokenising (the tokens its rows have at least, against its tenant's
-    limits: ``Gateway.precharge``) and is tokenised in its tenant's turns, some documents
-    at a time (``TokenCounter.map``)."""
-    _PAID.set(None)
+    longer than ``longest``, and what was charged for them before. A query whose bytes
+    prove it leaves no room for a document is refused untokenised; documents are cut to
+    what the row has room for (as text first: their tails are never tokenised). A call
+    of more than a little text pays before its tokenising (the tokens its rows have at
+    least, against its tenant's limits: ``Gateway.precharge``) and is tokenised in its
+    tenant's turns, some documents at a time (``TokenCounter.map``)."""
     widest = max_token_bytes(tokenizer)
     specials = rerank.pair_tokenizer(tokenizer).num_special_tokens_to_add(is_pair=True)
     room = longest - specials  # for the query and a document together
@@ -533,7 +525,7 @@ async def _pair_rows(
     pool = gateway.tokens
     args = (tokenizer, call.query)
     if len(call.query) + sum(sizes) <= pool.inline_bytes:
-        return rerank.pair_rows(*args, call.documents, call.max_tokens_per_doc, longest)
+        return rerank.pair_rows(*args, call.documents, call.max_tokens_per_doc, longest), None
     # Each row is the specials, the query and as much of its document as fits: at least
     # this much of each, whatever the query's own count turns out to be.
     # (A document's characters are at most its bytes: a lower bound of its tokens too.)
@@ -541,7 +533,7 @@ async def _pair_rows(
         specials + min(query + at_least_tokens(size, widest), room, query + per_doc)
         for size in sizes
     )
-    _PAID.set(await gateway.precharge(tenant, model, least))
+    paid = await gateway.precharge(tenant, model, least)
     pieces = pool.pieces(call.documents, sizes)
     starts = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
     jobs = [
@@ -549,7 +541,7 @@ async def _pair_rows(
         for p, start in zip(pieces, starts, strict=True)
     ]
     done = await pool.map(tenant, jobs)
-    return [row for piece in done for row in piece]
+    return [row for piece in done for row in piece], paid
 
 
 def _pair_piece(

@@ -296,7 +296,7 @@ class Gateway:
         if not self.config.limits_for(tenant, model).items():
             return None  # nothing to count: no round trip
         at = await self.link.precharge(tenant, model, 1, tokens)
-        return None if at is None else Precharge(tokens, at, time.monotonic())
+        return None if at is None else Precharge(tokens, at)
 
     def stream_infer(
         self,
@@ -944,15 +944,13 @@ def _wants_usage(req: InferRequest) -> bool:
 
 class Precharge:
     """What a precharge counted of a request before its text was tokenised
-    (``Gateway.precharge``): ``tokens``, and the request itself, at wall time ``at``.
-    ``made_at``: ``time.monotonic()`` when this shell had the answer."""
+    (``Gateway.precharge``): ``tokens``, and the request itself, at wall time ``at``."""
 
-    __slots__ = ("at", "made_at", "tokens")
+    __slots__ = ("at", "tokens")
 
-    def __init__(self, tokens: int, at: float, made_at: float) -> None:
+    def __init__(self, tokens: int, at: float) -> None:
         self.tokens = tokens
         self.at = at
-        self.made_at = made_at
 
     def settled_by(self, call: Call) -> None:
         """``call`` (a request's, or the first part's of a call of several) counts what is
