@@ -211,12 +211,24 @@ NOT_RUN: dict[str, str] = {
 }
 
 
+# One parse at a time: run_all reads QA files from a thread pool, and on CPython 3.11
+# ast.parse in two threads at once can fail ("SystemError: AST constructor recursion depth
+# mismatch", the interpreter's AST state is shared; seen on a fresh clone, every item of
+# this suite then an error), as can catch_warnings, which swaps the process's filters.
+# Each file is parsed once (at collection, in the main thread), then read from _TREES.
+_PARSING = threading.Lock()
+_TREES: dict[str, ast.Module] = {}
+
+
 def qa_items(qa: QaFile) -> list[Item]:
     """The test methods of a vendored QA file, read from its source (no import)."""
-    with warnings.catch_warnings():  # Triton's files hold invalid escapes ('\\ ' in a str)
-        warnings.simplefilter("ignore", SyntaxWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        tree = ast.parse((QA / qa.path).read_text())
+    with _PARSING:
+        tree = _TREES.get(str(qa.path))
+        if tree is None:
+            with warnings.catch_warnings():  # Triton's files hold invalid escapes ('\\ ')
+                warnings.simplefilter("ignore", SyntaxWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tree = _TREES[str(qa.path)] = ast.parse((QA / qa.path).read_text())
     items = []
     for cls in tree.body:
         if not isinstance(cls, ast.ClassDef):
