@@ -73,6 +73,10 @@ class Example:
 
 
 SEQ = "sequence-ids"  # the sequence examples use correlation ids 1000-1002
+# Examples that register system shared memory under fixed region names, and first unregister
+# every region Triton holds: two at once against the same Triton take each other's regions
+# ("Unable to find shared memory region: 'output0_data'", seen against Triton itself).
+SHM = "system shared memory"
 
 EXAMPLE_RUNS: tuple[Example, ...] = (
     Example("simple_http_infer_client.py", "http"),
@@ -99,15 +103,15 @@ EXAMPLE_RUNS: tuple[Example, ...] = (
     Example("grpc_explicit_int_content_client.py", "grpc"),
     Example("grpc_explicit_int8_content_client.py", "grpc"),
     Example("grpc_explicit_byte_content_client.py", "grpc"),
-    Example("reuse_infer_objects_client.py", "http", ("-i", "http")),
-    Example("reuse_infer_objects_client.py", "grpc", ("-i", "grpc")),
+    Example("reuse_infer_objects_client.py", "http", ("-i", "http"), serial=SHM),
+    Example("reuse_infer_objects_client.py", "grpc", ("-i", "grpc"), serial=SHM),
     # What the frontend does not offer (EXCEPTIONS): run too, to check the answer it gives.
-    Example("simple_http_shm_client.py", "http"),
-    Example("simple_http_shm_string_client.py", "http"),
-    Example("simple_grpc_shm_client.py", "grpc"),
-    Example("simple_grpc_shm_string_client.py", "grpc"),
-    Example("simple_http_cudashm_client.py", "http"),
-    Example("simple_grpc_cudashm_client.py", "grpc"),
+    Example("simple_http_shm_client.py", "http", serial=SHM),
+    Example("simple_http_shm_string_client.py", "http", serial=SHM),
+    Example("simple_grpc_shm_client.py", "grpc", serial=SHM),
+    Example("simple_grpc_shm_string_client.py", "grpc", serial=SHM),
+    Example("simple_http_cudashm_client.py", "http", serial=SHM),
+    Example("simple_grpc_cudashm_client.py", "grpc", serial=SHM),
     Example("simple_http_model_control.py", "http"),
     Example("simple_grpc_model_control.py", "grpc"),
 )
