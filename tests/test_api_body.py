@@ -761,9 +761,12 @@ def test_token_ids_over_the_context_are_refused_from_their_count_unread(
     of ids longer is refused naming it from a scan of its bytes, and no id in it is
     converted (24M ids cost a count, not a decode: 0.65 s of a shell's CPU before)."""
     raw = json.dumps({"model": "embed", "input": value}).encode()
-    with mock.patch.object(openai, "token_ids", side_effect=AssertionError("read")) as read:
-        with pytest.raises(openai.ParamError) as refused:
-            openai.decode_embeddings(raw, 4096)
+    never = AssertionError("read")
+    with (
+        mock.patch.object(openai, "token_ids", side_effect=never) as read,
+        pytest.raises(openai.ParamError) as refused,
+    ):
+        openai.decode_embeddings(raw, 4096)
     assert read.call_count == 0  # every row counted before any is read
     assert refused.value.param == "input"
     assert f"{where} holds more than 4096 token ids" in refused.value.message
