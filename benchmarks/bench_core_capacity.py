@@ -282,7 +282,6 @@ class Stream:
     """A granted stream a simulated shell relays: its tokens so far."""
 
     call: Call
-    granted_at: float
     tokens: int = 0
 
 
@@ -414,12 +413,11 @@ class SimShell(Framed):
             call = self.streams_asked.pop(record.id, None)
             if sent is None or call is None:
                 return
-            now = time.monotonic()
             books = self.driver.books[sent[0]]
             books.answered += 1
             books.served += PROMPT_TOKENS
-            books.latencies.append(now - sent[1])
-            self.streams[record.id] = Stream(call, now)
+            books.latencies.append(time.monotonic() - sent[1])
+            self.streams[record.id] = Stream(call)
             self.driver.granted(self, record.id)
         elif isinstance(record, Settings):
             self.settings = record
