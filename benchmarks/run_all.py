@@ -31,6 +31,7 @@ BENCHMARKS = [
     "bench_generation_cost",
     "bench_hostile",
     "bench_door",
+    "bench_core_capacity",
 ]
 
 
