@@ -252,3 +252,47 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
         finally:
             gate.open()
             await client.close()
+
+
+# Streams sent after a Triton's SIGKILL: more than both Tritons' slots for repeat_int32
+# (one per Triton), so that most wait in the core's queue while the first are granted.
+AFTER_KILL = 8
+
+
+async def test_streams_granted_to_a_killed_triton_are_served_by_the_other(
+    two_tritons: list[EmbeddedTriton], workers: int
+) -> None:
+    """The second Triton SIGKILLed while nothing runs on it: the core does not know (only
+    a call to it can tell), and grants it a stream of those that come next (the pool's
+    round robin gives it one of any two). Its shell cannot reach it: the stream goes
+    back to the core before anything of it reached the client, the core marks that
+    Triton down and grants the stream to the first one. None of the streams sent after
+    the kill fails: the first Triton serves them all, and the core grants the dead one
+    nothing more."""
+    first, second = two_tritons
+    server, background = pool_frontend(two_tritons, workers)
+    with background:
+        fe = RunningFrontend(server, background)
+        # Both Tritons take streams (each shell's channel to each is up).
+        streams = await asyncio.gather(*(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(6)))
+        assert streams == [(3, None)] * 6
+        await served_some(two_tritons, "repeat_int32")
+        before = await served_by(first, "repeat_int32")
+        assert second.pid is not None
+        os.killpg(second.pid, signal.SIGKILL)
+        await aeventually(lambda: not second.is_running(), 30, 0.01, what="the Triton to die")
+        assert fe.frontend.pool.backends[1].available  # the core has not heard of it yet
+
+        results = await asyncio.gather(
+            *(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(AFTER_KILL))
+        )
+        failures = [str(err) for _, err in results if err is not None]
+        assert results == [(3, None)] * AFTER_KILL, failures[:3]
+        # A stream was granted to the dead one (nothing else tells the core it is gone).
+        assert not fe.frontend.pool.backends[1].available
+        assert fe.frontend.pool.backends[0].available
+
+        async def all_on_first() -> bool:
+            return await served_by(first, "repeat_int32") - before == AFTER_KILL
+
+        await aeventually(all_on_first, 30, 0.05, what="the first Triton to count them all")
