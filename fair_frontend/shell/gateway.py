@@ -98,6 +98,10 @@ PARTS_PER_ITERATION = 256
 # The model a refusal is tallied under when its own name may not be a label (the metrics
 # count it as ``endpoint="other"``; the statistics not at all).
 UNLABELLED_MODEL = ""
+# Grants one stream may have: one whose Triton is gone before it answered anything is
+# given back to the core for another (``Gateway._relay``), but not for ever (a Triton
+# that fails every stream at once while its probe says ready would take it back each time).
+STREAM_GRANTS = 3
 
 
 class Gateway:
@@ -450,10 +454,13 @@ class Gateway:
         inbox = self.link.submit(call)
         try:
             answer = await inbox.get()
+            grants = 0
             while isinstance(answer, Grant):
+                grants += 1
                 replies = self._relay(
-                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span
-                )
+                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span,
+                    give_back=grants < STREAM_GRANTS,
+                )  # fmt: skip
                 async with aclosing(replies):
                     async for resp in replies:
                         yield resp
@@ -491,6 +498,8 @@ class Gateway:
         usage: Usage | None = None,
         report_usage: bool = False,
         span: Span | None = None,
+        *,
+        give_back: bool = True,
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
@@ -500,7 +509,8 @@ class Gateway:
         away (this generator closed). A Triton that is gone before the client had any
         response (not reached, or lost before its first) gives the call back to the core
         instead (``Inbox.again``: it ends with nothing yielded and the inbox not done),
-        to be granted to another Triton. ``span``: the request's, where it is traced:
+        to be granted to another Triton, unless ``give_back`` is false (its last grant:
+        ``STREAM_GRANTS``). ``span``: the request's, where it is traced:
         the call to Triton gets its own under it, whose context Triton gets."""
         req = call.request
         packed = pack([call], info, endpoint)
@@ -531,7 +541,7 @@ class Gateway:
         try:
             async for reply in stream:
                 if reply.error is not None:
-                    if not answered and _triton_gone(reply.error, stream.stopped):
+                    if give_back and not answered and _triton_gone(reply.error, stream.stopped):
                         inbox.again(reply.error)
                         if traced is not None:
                             failed(traced, reply.error)
