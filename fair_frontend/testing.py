@@ -38,9 +38,10 @@ from typing import Any, TypeVar, overload
 from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.embedded import free_port
-from fair_frontend.gates import GATE_PARAMETER, Gate, hold_at_gate
+from fair_frontend.gates import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, hold_at_gate
 
 __all__ = [
+    "GATE_FIRST_PARAMETER",
     "GATE_PARAMETER",
     "Gate",
     "Sample",

@@ -460,9 +460,12 @@ def embed_body(tokens: int, **extra: Any) -> bytes:
     return json.dumps({**doc, **extra}).encode()
 
 
-async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None) -> tuple[int, Any]:
+async def repeat_stream(
+    url: str, delays_ms: list[int], *, on_first: Any = None, parameters: Any = None
+) -> tuple[int, Any]:
     """One repeat_int32 request on a gRPC stream through the frontend: (responses with a
-    value, the error that ended it or None). ``on_first`` runs at the first response.
+    value, the error that ended it or None). ``on_first`` runs at the first response;
+    ``parameters``: the request's (a gate's, for the model).
 
     The stream is read to its end (the server closes it once the request's final response
     is out), so whatever the frontend records of the request (its outcome, its tokens) is
@@ -480,7 +483,7 @@ async def repeat_stream(url: str, delays_ms: list[int], *, on_first: Any = None)
         tensors.append(tensor)
 
     async def one() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": "repeat_int32", "inputs": tensors}
+        yield {"model_name": "repeat_int32", "inputs": tensors, "parameters": parameters}
 
     got = 0
     try:

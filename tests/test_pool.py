@@ -6,7 +6,9 @@ opens), on free loopback ports; the frontend in front of both, in either link mo
 (``workers``: the shell in the core's process, or two shell processes streaming over the
 socket). What users see: load spreads over both, a Triton killed mid-load costs only the
 requests running on it (UNAVAILABLE, retryable), the rest is served by the other one, and
-the killed one takes work again once restarted.
+the killed one takes work again once restarted. A stream that had answered its client
+nothing when its Triton was killed, or that was granted to a Triton already dead, is
+served by the other one: none fails.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape
+from fair_frontend.testing import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, repeat_stream
 
 TEST_MODELS = Path(__file__).resolve().parent / "model_repository"
@@ -252,3 +254,93 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
         finally:
             gate.open()
             await client.close()
+
+
+# Streams sent after a Triton's SIGKILL: more than both Tritons' slots for repeat_int32
+# (one per Triton), so that most wait in the core's queue while the first are granted.
+AFTER_KILL = 8
+
+
+async def test_streams_granted_to_a_killed_triton_are_served_by_the_other(
+    two_tritons: list[EmbeddedTriton], workers: int
+) -> None:
+    """The second Triton SIGKILLed while nothing runs on it: the core does not know (only
+    a call to it can tell), and grants it a stream of those that come next (the pool's
+    round robin gives it one of any two). Its shell cannot reach it: the stream goes
+    back to the core before anything of it reached the client, the core marks that
+    Triton down and grants the stream to the first one. None of the streams sent after
+    the kill fails: the first Triton serves them all, and the core grants the dead one
+    nothing more."""
+    first, second = two_tritons
+    server, background = pool_frontend(two_tritons, workers)
+    with background:
+        fe = RunningFrontend(server, background)
+        # Both Tritons take streams (each shell's channel to each is up).
+        streams = await asyncio.gather(*(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(6)))
+        assert streams == [(3, None)] * 6
+        await served_some(two_tritons, "repeat_int32")
+        before = await served_by(first, "repeat_int32")
+        assert second.pid is not None
+        os.killpg(second.pid, signal.SIGKILL)
+        await aeventually(lambda: not second.is_running(), 30, 0.01, what="the Triton to die")
+        assert fe.frontend.pool.backends[1].available  # the core has not heard of it yet
+
+        results = await asyncio.gather(
+            *(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(AFTER_KILL))
+        )
+        failures = [str(err) for _, err in results if err is not None]
+        assert results == [(3, None)] * AFTER_KILL, failures[:3]
+        # A stream was granted to the dead one (nothing else tells the core it is gone).
+        assert not fe.frontend.pool.backends[1].available
+        assert fe.frontend.pool.backends[0].available
+
+        async def all_on_first() -> bool:
+            return await served_by(first, "repeat_int32") - before == AFTER_KILL
+
+        await aeventually(all_on_first, 30, 0.05, what="the first Triton to count them all")
+
+
+async def test_a_stream_in_a_killed_triton_before_its_first_response_is_served_by_the_other(
+    two_tritons: list[EmbeddedTriton], workers: int, tmp_path: Path
+) -> None:
+    """Two streams in Triton, one in each, held there before their first response (a gate
+    the test opens); the second Triton SIGKILLed. Its stream had answered its client
+    nothing: its shell gives it back to the core, which marks that Triton down and holds
+    the stream for the first Triton's slot, where it is served once the other stream
+    there ends. Neither fails."""
+    first, second = two_tritons
+    server, background = pool_frontend(two_tritons, workers)
+    gate = Gate(tmp_path)
+    with background:
+        fe = RunningFrontend(server, background)
+        try:
+            held = [
+                asyncio.ensure_future(
+                    repeat_stream(
+                        fe.grpc_url, [0] * 3, parameters={GATE_FIRST_PARAMETER: gate.parameter}
+                    )
+                )
+                for _ in range(2)
+            ]
+            # Each Triton has one instance of repeat_int32, and the core one slot on each.
+            await aeventually(lambda: gate.held == 2, 60, 0.01, what="a stream in each Triton")
+            assert await fe.acall(_running(fe, "repeat_int32")) == [1, 1]
+            assert second.pid is not None
+            os.killpg(second.pid, signal.SIGKILL)
+            await aeventually(
+                lambda: not fe.frontend.pool.backends[1].available,
+                30,
+                0.01,
+                what="its stream given back, and the killed Triton marked down",
+            )
+            assert not any(f.done() for f in held)  # neither answered, nor failed
+            gate.open()
+            results = await asyncio.wait_for(asyncio.gather(*held), 120)
+            assert results == [(3, None)] * 2, [str(err) for _, err in results if err]
+
+            async def both_on_first() -> bool:
+                return await served_by(first, "repeat_int32") == 2
+
+            await aeventually(both_on_first, 30, 0.05, what="the first Triton to count both")
+        finally:
+            gate.open()

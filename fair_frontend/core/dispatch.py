@@ -37,7 +37,14 @@ Each mode's own invariants are in its module. Those of both:
   (``produced``: charged to its tenant's counter as they come, one loop iteration late at
   most over a socket) and, once, how it ended (``ended``); the slot is held until then,
   or until the shell is gone (``drop``). A shutdown that stops waiting takes the slot
-  back (an ``Answer`` with the reason, which ends the stream in the shell).
+  back (an ``Answer`` with the reason, which ends the stream in the shell);
+* a stream whose Triton is gone before anything of it reached its client (its shell
+  could not reach that Triton, or lost it before the first response: an ``Unavailable``
+  with ``never_sent``) is a batch that never reached Triton: that backend is marked
+  down and the request is held, with its slot, for the next backend with a free one
+  (granted again, ahead of the queue); its shell waits for that grant, or for the
+  answer (its deadline, ``max_outage_s``, a shutdown). A stream that had sent its client
+  anything fails with its Triton: it cannot be replayed.
 """
 
 from __future__ import annotations
@@ -120,7 +127,9 @@ class CoreRequest(QueuedRequest):
     produced: int = 0  # output tokens counted so far (Endpoint.token_output)
     # Accounting.wall() when its tokens were counted in its limits (None again once corrected)
     limits_at: float | None = None
-    ended: asyncio.Future[bool] | None = None  # granted: set when its shell says it ended
+    # Granted: set when its shell says it ended (served or not; None: it never reached
+    # its Triton, and waits for another grant).
+    ended: asyncio.Future[bool | None] | None = None
     backend: int = -1  # the pool's backend its batch (or stream) went to last
     adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
     quota: Quota | None = None  # its tenant's rate-limit state after its check: answered
@@ -616,7 +625,7 @@ class Dispatcher(ABC):
         held = False
         try:
             if self.info.decoupled:
-                ok = await self._grant(batch[0], backend)
+                ok, held = await self._grant(batch[0], backend)
             else:
                 ok, held = await self._send(batch, backend)
         except asyncio.CancelledError:
@@ -717,13 +726,14 @@ class Dispatcher(ABC):
 
     # ---- grants: a decoupled model's request, streamed by its shell ---------------------
 
-    async def _grant(self, req: CoreRequest, backend: int) -> bool:
+    async def _grant(self, req: CoreRequest, backend: int) -> tuple[bool, bool]:
         """A decoupled model's request: its slot (on ``backend``) goes to the shell that
         holds its client, which streams it from that Triton itself (one hop) and reports
         what it produced and how it ended (``produced``, ``ended``); the slot is held
-        until then. True when it was served."""
+        until then. Returns ``_send``'s (served, held): held where it never reached that
+        Triton (``ended``), to be granted again as the next batch with a free slot."""
         if req.answered:
-            return True
+            return True, False
         ended = req.ended = asyncio.get_running_loop().create_future()
         if not req.adopted:
             req.route.answer(
@@ -735,7 +745,12 @@ class Dispatcher(ABC):
                     quota=req.quota,
                 )
             )
-        return await ended
+        served = await ended
+        if served is None and not req.answered:
+            req.adopted = False  # granted from here on, whoever granted it first
+            self._held.append([req])
+            return False, True
+        return bool(served), False
 
     def adopt(self, req: CoreRequest, backend: int) -> bool:
         """A stream another core granted, still relayed by its shell (a failover): it
@@ -771,7 +786,10 @@ class Dispatcher(ABC):
         """A granted request's stream ended (its shell says so, once): its slot is free.
         Only a failure to reach Triton marks it down: the model's error for this request,
         Triton's answer about the model, a stream without progress for
-        ``request_timeout_s`` (``forwarder.NoProgress``) are this request's alone."""
+        ``request_timeout_s`` (``forwarder.NoProgress``) are this request's alone. One
+        that never reached its client (``never_sent``) is not over: its shell waits for
+        another grant (held, as a batch that never reached Triton is) or, where the pool
+        has given up, for the answer."""
         if req.answered:
             return  # taken back meanwhile, or its shell went away
         if cancelled:
@@ -779,7 +797,13 @@ class Dispatcher(ABC):
         elif err is not None:
             if isinstance(err, Unavailable) and req.backend >= 0:
                 self.pool.backends[req.backend].mark_down()
-            self._done(req, err.outcome, err, version)
+            if isinstance(err, Unavailable) and err.never_sent:
+                if req.ended is not None and not req.ended.done() and not self.pool.gave_up:
+                    req.ended.set_result(None)  # _grant holds it for the next backend
+                    return
+                self._fail(req, err)  # its shell waits for an answer
+            else:
+                self._done(req, err.outcome, err, version)
         else:
             self._done(req, Outcome.DISPATCHED, None, version)
         if req.ended is not None and not req.ended.done():

@@ -42,11 +42,13 @@ class EngineDispatcher(Dispatcher):
         if backend is None:
             return None
         reserved = self.endpoint.reserved_slots
-        if not reserved:
+        if not reserved or self._held:
+            # A stream granted again (its Triton was gone) kept its slot while held: no
+            # tenant's count changes when it goes, whoever is next in line.
             return backend
         head = self.scheduler.peek(now)
         if head is None:
-            return None if not self._held else backend
+            return None
         # The next in line holds its cap: wait until the order changes (its counter grows
         # as its streams produce: _tokens_charged kicks again meanwhile).
         cap = self.pool.up * self.max_inflight - reserved

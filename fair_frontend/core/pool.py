@@ -21,6 +21,9 @@ What a backend's outage does:
 * it takes only what runs on it: a call that fails because the backend went away (a
   connection lost, refused) marks it down, its requests answered UNAVAILABLE (retryable)
   where they may have reached it, held and sent to another backend where they never did;
+  a granted stream likewise: held and granted again where its shell says nothing of it
+  reached its client (it could not reach that Triton, or lost it before the first
+  response), failed where it had sent its client anything;
 * nothing queued is lost: the queue is the dispatcher's, and it keeps feeding the
   backends that are there (a backend down has no free slot);
 * it rejoins when its own probe says Triton is ready (``Backend.mark_up``: every

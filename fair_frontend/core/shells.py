@@ -192,7 +192,10 @@ class ShellConnection(Framed):
                 if req is not None and req is not _CANCELLED:
                     self.core.produced(req, tokens, first_s, gaps)
         elif isinstance(record, Ended):
-            req = self.calls.pop(record.id, None)
+            # A stream given back (never sent: its Triton was gone) is still this shell's
+            # call: granted again or answered (``answer``) here.
+            again = record.fault is not None and record.fault.never_sent
+            req = self.calls.get(record.id) if again else self.calls.pop(record.id, None)
             if req is not None and req is not _CANCELLED:
                 err = record.fault.error() if record.fault is not None else None
                 self.core.stream_ended(req, record.version, err, record.cancelled)

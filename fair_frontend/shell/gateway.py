@@ -98,6 +98,10 @@ PARTS_PER_ITERATION = 256
 # The model a refusal is tallied under when its own name may not be a label (the metrics
 # count it as ``endpoint="other"``; the statistics not at all).
 UNLABELLED_MODEL = ""
+# Grants one stream may have: one whose Triton is gone before it answered anything is
+# given back to the core for another (``Gateway._relay``), but not for ever (a Triton
+# that fails every stream at once while its probe says ready would take it back each time).
+STREAM_GRANTS = 3
 
 
 class Gateway:
@@ -450,14 +454,21 @@ class Gateway:
         inbox = self.link.submit(call)
         try:
             answer = await inbox.get()
-            if isinstance(answer, Grant):
+            grants = 0
+            while isinstance(answer, Grant):
+                grants += 1
                 replies = self._relay(
-                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span
-                )
+                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span,
+                    give_back=grants < STREAM_GRANTS,
+                )  # fmt: skip
                 async with aclosing(replies):
                     async for resp in replies:
                         yield resp
-                return
+                if inbox.done:
+                    return
+                # Given back (its Triton was gone before it answered anything): the
+                # core's next grant, to another Triton, or its answer.
+                answer = await inbox.get()
             if answer.fault is not None:
                 raise answer.fault.error()  # with its quota (``FrontendError.quota``)
             final: dict[str, ParamValue] = (
@@ -487,14 +498,20 @@ class Gateway:
         usage: Usage | None = None,
         report_usage: bool = False,
         span: Span | None = None,
+        *,
+        give_back: bool = True,
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
         docstring), counting the output tokens they carry for the core. The slot goes
         back once, however it ends: served, Triton's error, the core taking it back
         (``on_revoke``), a client that stops reading (``TritonStream``), or one that went
-        away (this generator closed). ``span``: the request's, where it is traced: the
-        call to Triton gets its own under it, whose context Triton gets."""
+        away (this generator closed). A Triton that is gone before the client had any
+        response (not reached, or lost before its first) gives the call back to the core
+        instead (``Inbox.again``: it ends with nothing yielded and the inbox not done),
+        to be granted to another Triton, unless ``give_back`` is false (its last grant:
+        ``STREAM_GRANTS``). ``span``: the request's, where it is traced:
+        the call to Triton gets its own under it, whose context Triton gets."""
         req = call.request
         packed = pack([call], info, endpoint)
         traced = None
@@ -520,9 +537,15 @@ class Gateway:
         want_final = streaming and req.empty_final_response
         produced = 0
         last = 0.0  # time.monotonic() of its latest token
+        answered = False  # anything yielded to the client: the stream cannot be replayed
         try:
             async for reply in stream:
                 if reply.error is not None:
+                    if give_back and not answered and _triton_gone(reply.error, stream.stopped):
+                        inbox.again(reply.error)
+                        if traced is not None:
+                            failed(traced, reply.error)
+                        return
                     inbox.end(version, reply.error)
                     if reply.error.quota is None:  # this stream's own error: its grant's
                         reply.error.quota = grant.quota
@@ -553,6 +576,7 @@ class Gateway:
                 if reply.final and report_usage:
                     assert usage is not None
                     params.update(usage.as_parameters())
+                answered = True
                 yield InferResponse(req.model, version, req.id, reply.outputs, params, grant.quota)
             inbox.end(version)
         except FrontendError as err:
@@ -958,6 +982,13 @@ class Precharge:
         call.requests = 0
         call.precharged = self.tokens
         call.precharged_at = self.at
+
+
+def _triton_gone(err: FrontendError, stopped: FrontendError | None) -> bool:
+    """Did a stream end because its Triton is gone (not reached, or the connection lost:
+    ``Unavailable``), rather than by the model's error, Triton's answer about the model,
+    the watchdog or the core taking the slot back (``stopped``)?"""
+    return isinstance(err, Unavailable) and err is not stopped
 
 
 async def _answers(inboxes: Sequence[Inbox]) -> list[Answer]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from fair_frontend.errors import FrontendError, Overloaded
+from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.wire.records import Answer, Call, Grant, Group, Tally, TallyEntry
 
@@ -28,8 +28,11 @@ class Inbox:
     ``get`` returns it: an ``Answer``, or a ``Grant``. After a grant the shell relays the
     stream, tells the core what it produced (``produced``) and, once, how it ended
     (``end``); an ``Answer`` arriving after the grant is the core taking the slot back
-    (``on_revoke`` hears of it). ``cancel`` tells the core the client went away before
-    the call was answered (a call not yet answered is dropped there).
+    (``on_revoke`` hears of it). A stream whose Triton was gone before anything of it
+    reached the client is not ended but given back (``again``): the core grants it once
+    more (another Triton) or answers it, and ``get`` waits for that as for the first
+    answer. ``cancel`` tells the core the client went away before the call was answered
+    (a call not yet answered is dropped there).
     """
 
     __slots__ = (
@@ -89,12 +92,27 @@ class Inbox:
     def end(
         self, version: str = "", fault: FrontendError | None = None, cancelled: bool = False
     ) -> None:
-        """The granted stream ended (once; later calls are no-ops): served (no ``fault``),
-        failed with ``fault``, or ``cancelled`` (its client went away)."""
-        if self.done:
+        """The granted stream ended (once; later calls are no-ops, as is one after
+        ``again``): served (no ``fault``), failed with ``fault``, or ``cancelled`` (its
+        client went away)."""
+        if self.done or not self.granted:
             return
         self.done = True
+        if gone_before_answered(fault):  # ended here: the core must not grant it again
+            assert fault is not None
+            fault = Unavailable(fault.message, retry_after=fault.retry_after)
         self._end(version, fault, cancelled)
+
+    def again(self, fault: FrontendError) -> None:
+        """The granted stream's Triton is gone, and nothing of the stream reached its
+        client (``gone_before_answered``): the core hears of it as never sent, holds the
+        call for another grant or answers it, and this inbox waits for that (``get``)."""
+        if self.done or not self.granted:
+            return
+        self.granted = False
+        self._answer = None
+        self.on_revoke = _nothing
+        self._end("", Unavailable(fault.message, never_sent=True), False)
 
     def cancel(self) -> None:
         """The client went away: a call not answered is cancelled in the core; a granted
@@ -106,6 +124,12 @@ class Inbox:
         elif self._cancel is not None:
             self.done = True
             self._cancel()
+
+
+def gone_before_answered(fault: FrontendError | None) -> bool:
+    """Does a stream's end with ``fault`` give its call back to the core (``Inbox.again``:
+    its Triton was gone before anything reached its client) rather than end it?"""
+    return isinstance(fault, Unavailable) and fault.never_sent
 
 
 Produce = Callable[[int, float, float], None]

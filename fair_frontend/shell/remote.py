@@ -14,7 +14,9 @@ What a client sees across a failover:
   UNAVAILABLE (retryable) rather than replayed elsewhere;
 * a granted stream: untouched. The shell streams it from Triton itself; its tokens reach
   the client as before. The shell tells the new leader of it (``Running``), which holds
-  its slot until it ends: the engine's slots stay exact across the failover;
+  its slot until it ends: the engine's slots stay exact across the failover. One whose
+  Triton was gone before anything of it reached its client is a call again (held,
+  ``Inbox.again``), sent to the next core like the rest if its grant had not come;
 * a core that stops cleanly (SIGTERM) serves what it can in its drain; a call it refuses
   for stopping (``SHUTTING_DOWN``) never reached Triton, and is held for the next;
 * no core for ``hold_s``: the calls held that long are answered UNAVAILABLE.
@@ -36,7 +38,7 @@ from typing import Any
 import grpc
 
 from fair_frontend.errors import SHUTTING_DOWN, Unavailable
-from fair_frontend.shell.link import Inbox
+from fair_frontend.shell.link import Inbox, gone_before_answered
 from fair_frontend.shell.socket_link import CORE_GONE, SocketLink
 from fair_frontend.wire.records import (
     Answer,
@@ -270,7 +272,11 @@ class RemoteLink(SocketLink):
         self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
 
     def _ended(self, call_id: int, version: str, fault: Any, cancelled: bool) -> None:
-        self._streaming.pop(call_id, None)
+        streaming = self._streaming.pop(call_id, None)
+        if streaming is not None and gone_before_answered(fault):
+            # Given back (its Triton was gone): held again until granted or answered, and
+            # sent again to the next core if this one is lost meanwhile.
+            self._held[call_id] = (streaming[0], asyncio.get_running_loop().time())
         super()._ended(call_id, version, fault, cancelled)
 
     def _resend(self) -> None:

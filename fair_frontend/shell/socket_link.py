@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.shell.link import Inbox
+from fair_frontend.shell.link import Inbox, gone_before_answered
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
     PRODUCED_TICK_S,
@@ -161,8 +161,11 @@ class SocketLink(Framed):
         fault: FrontendError | None,
         cancelled: bool,
     ) -> None:
-        """A granted stream ended: its tokens not yet told go first (none after)."""
-        if self._inboxes.pop(call_id, None) is None:
+        """A granted stream ended: its tokens not yet told go first (none after). One
+        given back (``Inbox.again``) keeps its inbox: the core's next grant or its answer
+        comes to it."""
+        again = gone_before_answered(fault)
+        if (self._inboxes.get(call_id) if again else self._inboxes.pop(call_id, None)) is None:
             return
         entry = self._produced.pop(call_id, None)
         if entry is not None:

@@ -231,7 +231,9 @@ shell, and the core wakes for a record per shell per tick, not per token."""
 class Ended(msgspec.Struct, tag=20, array_like=True):
     """Granted call ``id``'s stream ended: its slot is free (its tokens were all told in
     ``Produced`` records before this one); ``fault``: the error its client was answered
-    with (None: served, or ``cancelled``: its client went away)."""
+    with (None: served, or ``cancelled``: its client went away). A fault ``never_sent``
+    is the exception: its Triton was gone before anything reached the client, which was
+    answered nothing; the call is the core's again (granted once more, or answered)."""
 
     id: int
     version: str = ""

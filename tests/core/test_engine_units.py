@@ -13,7 +13,7 @@ import time
 
 import grpc
 import numpy as np
-from dispatch_support import SETTLE_ROUNDS, RecordingRoute, StepClock
+from dispatch_support import SETTLE_ROUNDS, Probe, RecordingRoute, StepClock
 
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest
@@ -100,8 +100,9 @@ class NoTriton:
 class Engine:
     """The runtime of ``llm`` in engine mode, wired as ``Core._runtime`` wires it."""
 
-    def __init__(self, *, slots: int, reserved: int) -> None:
+    def __init__(self, *, slots: int, reserved: int, max_outage_s: float = 60.0) -> None:
         self.clock = StepClock()
+        self.probe = Probe(self.clock)  # Triton's readiness, once it is down
         self.triton = FakeShell()
         self.done: list[tuple[CoreRequest, Outcome, FrontendError | None]] = []
         self.endpoint = Endpoint(
@@ -119,7 +120,7 @@ class Engine:
             endpoint=self.endpoint,
             scheduler=self.scheduler,
             forwarder=NoTriton(),
-            backend=Backend(self.clock),
+            backend=Backend(self.clock, probe=self.probe, max_outage_s=max_outage_s),
             clock=self.clock,
             on_done=lambda req, outcome, err, version: self.done.append((req, outcome, err)),
             on_tokens=self._charge,
@@ -160,6 +161,16 @@ class Engine:
     async def settle(self) -> None:
         for _ in range(SETTLE_ROUNDS):
             await asyncio.sleep(0)
+
+    async def advance(self, seconds: float) -> None:
+        """Move the fake time on, timer by timer, letting the tasks run after each."""
+        until = self.clock.now() + seconds
+        await self.settle()
+        while (due := self.clock.next_timer) is not None and due <= until:
+            self.clock.advance_to(due)
+            await self.settle()
+        self.clock.advance_to(until)
+        await self.settle()
 
     async def close(self) -> None:
         """Answer what is queued and end every stream: no task outlives the test."""
@@ -333,6 +344,56 @@ async def test_a_drain_that_stops_waiting_takes_the_slot_back() -> None:
     assert e.outcomes(req) == [Outcome.FAILED] and e.runtime.inflight == 0
     e.triton.open("a")[0].end()  # the shell's end, after: ignored
     assert e.outcomes(req) == [Outcome.FAILED]
+    await e.close()
+
+
+def never_reached() -> Unavailable:
+    """A granted stream's shell could not reach its Triton: nothing reached its client."""
+    return Unavailable("Triton is unavailable: not connected within 2 s", never_sent=True)
+
+
+async def test_a_stream_whose_triton_is_gone_waits_for_it_with_its_slot() -> None:
+    """One Triton, gone when a stream was granted (its shell could not reach it): the
+    stream is not answered but held with its slot, and granted again, ahead of the queue,
+    once Triton is back (its probe); served, it is counted once."""
+    e = Engine(slots=1, reserved=0)
+    first, second = e.submit("a", 1), e.submit("b", 1)
+    await e.settle()
+    e.triton.open("a")[0].fail(never_reached())
+    await e.advance(1.0)
+    assert not e.runtime.backend.available and e.probe.calls  # probed: not back yet
+    assert [g.id for g in e.triton.grants] == [first.call.id]
+    assert not e.triton.answers and not e.done  # neither answered
+    assert e.runtime.inflight == 1 and e.runtime.running == [0]  # its slot, held
+    e.probe.ready = True
+    await e.advance(1.0)
+    assert [g.id for g in e.triton.grants] == [first.call.id] * 2  # again, before b's
+    assert e.runtime.running == [1]
+    e.triton.open("a")[0].end()
+    await e.settle()
+    assert e.outcomes(first) == [Outcome.DISPATCHED] and not e.triton.answers
+    assert e.triton.grants[-1].id == second.call.id
+    e.triton.open("b")[0].end()
+    await e.settle()
+    assert e.outcomes(second) == [Outcome.DISPATCHED] and e.runtime.inflight == 0
+    await e.close()
+
+
+async def test_a_stream_held_for_its_triton_is_answered_unavailable_after_max_outage() -> None:
+    """The held stream waits as a batch would: once Triton has been gone ``max_outage_s``
+    it is answered UNAVAILABLE (the answer its shell waits for), and so is what is
+    queued."""
+    e = Engine(slots=1, reserved=0, max_outage_s=5.0)
+    first, second = e.submit("a", 1), e.submit("b", 1)
+    await e.settle()
+    e.triton.open("a")[0].fail(never_reached())
+    await e.advance(4.0)
+    assert not e.triton.answers and not e.done
+    await e.advance(2.0)
+    assert sorted(a.id for a in e.triton.answers) == [first.call.id, second.call.id]
+    assert all(a.fault is not None and a.fault.kind == "Unavailable" for a in e.triton.answers)
+    assert e.outcomes(first) == [Outcome.FAILED] and e.outcomes(second) == [Outcome.FAILED]
+    assert e.runtime.inflight == 0 and e.runtime.running == [0]
     await e.close()
 
 

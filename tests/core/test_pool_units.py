@@ -343,6 +343,44 @@ async def test_grants_name_the_backend_and_a_lost_stream_frees_only_its_own() ->
     await settle()
 
 
+async def test_a_stream_granted_to_a_triton_that_is_gone_is_granted_to_the_other() -> None:
+    """Two backends of two slots: four streams granted, two queued. The shells of both
+    streams granted to backend 1 could not reach it (nothing of them reached a client:
+    never sent): backend 1 is marked down, and each is held with its slot and granted
+    again, ahead of the queue, to the next slot that frees on backend 0, and served
+    there. Each request is counted once, served; the slots stay exact throughout."""
+    runtime, shell, pool, done = engine(slots=2)
+    reqs = [stream_request(i, "ab"[i % 2], shell) for i in range(1, 7)]
+    for r in reqs:
+        runtime.submit(r)
+    await settle()
+    assert [(g.id, g.backend) for g in shell.grants] == [(1, 0), (2, 1), (3, 0), (4, 1)]
+    runtime.ended(reqs[1], "", refused(), False)  # call 2, on backend 1
+    await settle()
+    assert not pool.backends[1].available and pool.backends[0].available
+    assert runtime.running == [2, 1] and runtime.inflight == 4  # its slot held, off backend 1
+    runtime.ended(reqs[3], "", refused(), False)  # call 4, on backend 1
+    await settle()
+    assert runtime.running == [2, 0] and runtime.inflight == 4
+    assert len(shell.grants) == 4 and not shell.answers and not done  # held: not answered
+    for served, regranted, held in ((0, 2, 1), (2, 4, 0)):  # a slot on 0 frees: a held takes it
+        runtime.ended(reqs[served], "1", None, False)
+        await settle()
+        assert (shell.grants[-1].id, shell.grants[-1].backend) == (regranted, 0)
+        assert runtime.running == [2, 0] and runtime.inflight == 2 + held
+    for r in (reqs[1], reqs[3]):  # then the queue, on backend 0 alone
+        runtime.ended(r, "1", None, False)
+        await settle()
+    assert [(g.id, g.backend) for g in shell.grants[4:]] == [(2, 0), (4, 0), (5, 0), (6, 0)]
+    assert runtime.running == [2, 0] and runtime.scheduler.queued_requests == 0
+    for r in reqs[4:]:
+        runtime.ended(r, "1", None, False)
+    await settle()
+    assert sorted(done) == [(i, Outcome.DISPATCHED) for i in range(1, 7)]  # each once
+    assert not shell.answers and runtime.running == [0, 0] and runtime.inflight == 0
+    assert not runtime._tasks and not runtime._held
+
+
 # ---- sequences stay where their state is ---------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 A request that names a gate (the ``test_gate`` parameter: ``fair_frontend.testing.Gate``)
 is held at it after its first response, until the test opens it: a stream that runs
-until the test says so. A request without one is answered as Triton's example does.
+until the test says so; one named ``test_gate_first`` holds it before its first response
+(a stream in Triton that has answered nothing yet). A request without one is answered
+as Triton's example does.
 """
 
 import time
@@ -10,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fair_frontend.gates import hold_at_gate
+from fair_frontend.gates import GATE_FIRST_PARAMETER, hold_at_gate
 
 
 def _values(request, name):
@@ -22,6 +24,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             values, delays = _values(request, "IN"), _values(request, "DELAY")
+            hold_at_gate(request.parameters(), name=GATE_FIRST_PARAMETER)  # none: passes
             for index, value in enumerate(values):
                 time.sleep(int(delays[index]) / 1e3 if index < len(delays) else 0)
                 outputs = [
