@@ -97,7 +97,7 @@ class DrrState:
         self.count = 0  # listed tenants
         self.jumps = 0
         # Deficits of a failed-over leader's backlogged tenants, restored as each joins
-        # again (``snapshot``), until the scheduler forgets them.
+        # again and kept as each leaves (``snapshot``), until the scheduler forgets them.
         self.resumed: dict[str, float] = {}
 
 
@@ -126,7 +126,7 @@ class DeficitRoundRobin:
         turn.queue = queue
         turn.weight = queue.weight
         turn.grant = self.quantum * queue.weight
-        turn.deficit = state.resumed.pop(queue.tenant, 0.0) if state.resumed else 0.0
+        turn.deficit = state.resumed.get(queue.tenant, 0.0) if state.resumed else 0.0
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
         turn.listed = True
         turn.entries += 1
@@ -135,6 +135,10 @@ class DeficitRoundRobin:
 
     def leave(self, state: DrrState, queue: TenantQueue) -> None:
         turn = state.turns[queue.tenant]
+        if state.resumed and queue.tenant in state.resumed:
+            # Carried over from a failed leader: kept for its next join (the held calls
+            # come back one by one, and each may empty the queue as it is sent).
+            state.resumed[queue.tenant] = turn.effective(state.jumps)
         turn.listed = False
         turn.deficit = 0.0  # an emptied queue keeps no budget (no hoarding while idle)
         state.count -= 1

@@ -18,10 +18,14 @@ calls again, in an order of their own: each backlogged tenant *joins* again. A j
 normally resets the tenant (DRR: deficit 0; VTC: lifted to the least active counter,
 so idle time banks no credit). For a tenant that was backlogged at the export, that
 join is not a return from idle but the same backlog carried over, so the join restores
-what was exported (``resumed``) instead. That exception lasts ``keep_s`` after the
-resume (``Scheduler.resume_fairness``: the time the shells take to send their calls
-again), then every join is an ordinary one: a tenant whose calls never came back cannot
-bank its old position for later.
+what was exported (``resumed``) instead: DRR its deficit, VTC its counter without the
+lift. At every join, not only the first: the held calls come back one by one, and while
+the new leader has free slots each is dispatched as it comes, so its tenant's queue
+empties and fills again (DRR keeps the deficit it leaves with for the next join; a
+VTC lift at the second join would undo the first). That
+exception lasts ``keep_s`` after the resume (``Scheduler.resume_fairness``: the time the
+shells take to send their calls again), then every join is an ordinary one: a tenant
+whose calls never came back cannot bank its old position for later.
 
 The round order of DRR is not carried (it is rebuilt by the joins); a tenant restored in
 the middle of its turn may therefore hold one quantum more than (I2) allows, once: the

@@ -74,7 +74,7 @@ class VtcState:
         self.live: dict[str, int] = {}  # tenant -> order of its one live heap entry
         self.order = itertools.count()
         self.last_left = 0.0
-        # A failed-over leader's backlogged tenants: their next join keeps the counter
+        # A failed-over leader's backlogged tenants: their joins keep the counter
         # restored, without the lift (``snapshot``), until the scheduler forgets them.
         self.resumed: set[str] = set()
 
@@ -90,7 +90,8 @@ class VirtualTokenCounter:
     def join(self, state: VtcState, queue: TenantQueue) -> None:
         tenant = queue.tenant
         if state.resumed and tenant in state.resumed:
-            state.resumed.discard(tenant)  # the same backlog, carried over: no lift
+            # The same backlog, carried over: no lift, however often its queue empties
+            # while the held calls come back one by one into free slots.
             state.counters.setdefault(tenant, state.last_left)
         else:
             floor = self._least(state)

@@ -156,3 +156,44 @@ def test_an_export_after_a_resume_still_carries_what_is_owed() -> None:
     backlog(third, "a", 5, prompt=8, out=200)
     backlog(third, "b", 5, prompt=8, out=200)
     assert third.deficits() == leader.deficits()
+
+
+def test_calls_coming_back_one_by_one_into_free_slots_keep_the_debt() -> None:
+    """At the new leader the slots are free as the held calls come back, one at a time:
+    each is sent as it comes and its tenant's queue empties again. Every join of a
+    carried tenant keeps its counter (a lift at the second would undo the first), so B
+    still gets the slots once both are backlogged. Negative control: lifted joins."""
+    leader, _ = a_ahead_of_b()
+    saved = carried(leader)
+
+    def then_backlogged(resume: bool) -> list[str]:
+        s = engine_scheduler({"a": TenantSpec("paid"), "b": TenantSpec("paid")})
+        if resume:
+            s.resume_fairness(saved, 0.0, KEEP_S)
+        for _ in range(4):  # one call each, sent at once into a free slot
+            for tenant in ("a", "b"):
+                backlog(s, tenant, 1, prompt=8, out=SHORT)
+                assert [r.tenant for r in s.next_batch(0.0)] == [tenant]
+        backlog(s, "a", 20, prompt=8, out=SHORT)
+        backlog(s, "b", 20, prompt=8, out=SHORT)
+        return [s.next_batch(0.0)[0].tenant for _ in range(20)]
+
+    assert then_backlogged(resume=True) == ["b"] * 20
+    assert then_backlogged(resume=False).count("a") >= 8
+
+
+def test_a_drr_deficit_left_with_is_the_one_joined_with_again() -> None:
+    tenants = {"a": "paid", "b": "paid"}
+    leader = make_scheduler(tenants, quantum=4.0, max_batch_size=1)
+    for tenant in ("a", "b"):
+        for _ in range(20):
+            leader.enqueue(make_request(tenant), 0.0)
+    for _ in range(6):
+        leader.next_batch(0.0)
+    saved = carried(leader)
+    s = make_scheduler(tenants, quantum=4.0, max_batch_size=1)
+    s.resume_fairness(saved, 0.0, KEEP_S)
+    s.enqueue(make_request("b"), 0.0)
+    s.next_batch(0.0)  # b's turn: its 2 units + 4, one spent; its queue empties
+    s.enqueue(make_request("b"), 0.0)
+    assert s.deficits() == {"b": 5.0}
