@@ -177,6 +177,11 @@ class RedisLease(_Lease):
         )
         self._ms = max(1, int(lease_s * 1000))
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The lease's Redis client (the fairness journal writes beside the lease)."""
+        return self._redis
+
     async def _try_take(self) -> bool:
         return bool(await self._redis.set(self.key, self.identity, nx=True, px=self._ms))
 
