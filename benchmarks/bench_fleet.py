@@ -13,9 +13,11 @@ Scenarios (``--scenarios``, all by default):
   (engine mode, 8 slots; tokens received in a window) and on ``embed`` (token cost;
   perf_analyzer's infer/s, equal shapes). Target: within 5 % of 2:1 for the fleet.
 * ``failover``: two Tritons, Redis, two cores (``--election redis``, default lease), one
-  shell, a closed-loop client (its own process) through the shell. The leader SIGKILLed
-  three times (the killed one restarted as the standby): the gap from each kill to the
-  first answer after it, and the calls that failed (target: gap <= 5 s, none failed);
+  shell, two closed-loop clients (acme, weight 2, and globex, 1; each its own process)
+  through the shell. The leader SIGKILLed three times (the killed one restarted as the
+  standby): the gap from each kill to the first answer after it, the calls that failed
+  (target: gap <= 1.5 s, none failed), and the service difference over the throughput
+  (by weight) in the 10 s after each kill against the 10 s before (target: <= 1.1x);
   then one Triton SIGKILLed: the calls that failed (only what ran on it: at most a
   batch), the rest served by the other.
 * ``capacity``: one ``core`` process (``--election none``) with shells on the other CPU:
@@ -484,9 +486,15 @@ def plot_shares(out: dict[str, Any]) -> None:
 # ---- failover ----------------------------------------------------------------------------
 
 
-def load_client(url: str, seconds: float, out: str) -> None:
-    """A closed-loop client (its own process): 16 calls at a time to ``sleeper``; writes
-    (time, ok) per answer."""
+# Calls each failover client keeps in flight: the two together keep a queue in the core
+# beside what the two Tritons run (2 x 8 rows a batch, batches pipelined), so both are
+# backlogged and their shares follow their weights.
+CALLS = 48
+
+
+def load_client(url: str, seconds: float, out: str, tenant: str = "acme") -> None:
+    """A closed-loop client (its own process) of ``tenant``: ``CALLS`` at a time to
+    ``sleeper``; writes (time, ok) per answer."""
     import tritonclient.grpc.aio as grpcaio
     import uvloop
     from tritonclient.utils import InferenceServerException
@@ -504,7 +512,7 @@ def load_client(url: str, seconds: float, out: str) -> None:
                     inp.set_data_from_numpy(ids)
                     try:
                         await client.infer(
-                            "sleeper", [inp], headers={"x-api-key": KEYS["acme"]}, client_timeout=60
+                            "sleeper", [inp], headers={"x-api-key": KEYS[tenant]}, client_timeout=60
                         )
                         answers.append((time.time(), True, ""))
                     except InferenceServerException as err:
@@ -512,7 +520,7 @@ def load_client(url: str, seconds: float, out: str) -> None:
             finally:
                 await client.close()
 
-        await asyncio.gather(*(loop() for _ in range(16)))
+        await asyncio.gather(*(loop() for _ in range(CALLS)))
         Path(out).write_text(json.dumps(answers))
 
     uvloop.run(main())
@@ -549,20 +557,24 @@ def run_failover(tmp: Path, seconds: int) -> dict[str, Any]:
             wait_until(lambda: any(c.ready() for c in cores), 60)
             shell = start_shell(cores, tmp, "shell")
             answers = tmp / "answers.json"
-            duration = 12 * 4 + seconds
-            client = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.bench_fleet",
-                    "load-client",
-                    shell.url,
-                    str(duration),
-                    str(answers),
-                ]
-            )
+            duration = (WINDOW_S + 2) * 4 + seconds
+            clients = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.bench_fleet",
+                        "load-client",
+                        shell.url,
+                        str(duration),
+                        str(tmp / f"answers-{tenant}.json" if tenant != "acme" else answers),
+                        tenant,
+                    ]
+                )
+                for tenant in ("acme", "globex")
+            ]
             started = time.time()
-            time.sleep(4)
+            time.sleep(WINDOW_S + 1)
             for n in range(3):  # the leader killed; the killed one back as the standby
                 leader = next(c for c in cores if c.ready())
                 killed_at = time.time()
@@ -574,24 +586,36 @@ def run_failover(tmp: Path, seconds: int) -> dict[str, Any]:
                 wait_until(lambda: any(c.ready() for c in cores), 30)
                 name = f"core{len(out['kills']) + 1}"
                 cores.append(start_core(config, tmp, name, "redis", port=leader.port))
-                time.sleep(8)
+                time.sleep(WINDOW_S + 1)
             progress("Triton 1 SIGKILLed")
             triton_killed_at = time.time()
             assert servers[1].pid is not None
             os.killpg(servers[1].pid, signal.SIGKILL)
-            client.wait()
+            for client in clients:
+                client.wait()
             for c in cores:
                 c.proc.stop()
             shell.proc.stop()
     finally:
         redis.terminate()
         redis.wait()
-    results = json.loads(answers.read_text())
+    acme = json.loads(answers.read_text())
+    others = json.loads((tmp / "answers-globex.json").read_text())
+    results = acme + others
     errors = sorted({e for _, ok, e in results if not ok})
     progress(f"{len(results)} answers, {sum(1 for r in results if r[1])} ok; errors: {errors[:3]}")
     for killed_at in out["kills"]:
-        after = [t for t, ok, _ in results if ok and t > killed_at]
-        out["core_gaps_s"].append(min(after) - killed_at)
+        after = sorted(t for t, ok, _ in results if ok and t > killed_at)
+        out["core_gaps_s"].append(first_after_outage(after, killed_at) - killed_at)
+    # Acme (weight 2) and globex (1), both backlogged: the service difference over the
+    # throughput, |S_a/2 - S_g| / (S_a/2 + S_g), in the WINDOW_S before each kill and after.
+    out["imbalance_before_after"] = [
+        [
+            imbalance(acme, others, killed_at - WINDOW_S, killed_at),
+            imbalance(acme, others, killed_at, killed_at + WINDOW_S),
+        ]
+        for killed_at in out["kills"]
+    ]
     out["failed_core_phase"] = sum(1 for t, ok, _ in results if not ok and t < triton_killed_at)
     failed_triton = [(t, e) for t, ok, e in results if not ok and t >= triton_killed_at]
     out["failed_after_triton_kill"] = len(failed_triton)
@@ -606,10 +630,37 @@ def run_failover(tmp: Path, seconds: int) -> dict[str, Any]:
         f"failed meanwhile: {out['failed_core_phase']} of {len(results)}"
     )
     progress(
+        "service difference over throughput, before -> after each kill: "
+        + ", ".join(f"{b:.3f} -> {a:.3f}" for b, a in out["imbalance_before_after"])
+    )
+    progress(
         f"Triton killed: {len(failed_triton)} failed (a batch holds at most 8), "
         f"{out['served_after_triton_kill']} served after it"
     )
     return out
+
+
+WINDOW_S = 10.0  # the windows before and after a kill whose service is compared
+OUTAGE_S = 0.2  # a pause between answers this long, after a kill: the leader is gone
+
+
+def first_after_outage(times: list[float], killed_at: float) -> float:
+    """The first answer by the new leader: the first after the outage that follows the
+    kill (answers the old leader had sent before it died still arrive in its first
+    milliseconds); the first after the kill where no pause shows."""
+    previous = killed_at
+    for t in times:
+        if t - previous >= OUTAGE_S:
+            return t
+        previous = t
+    return times[0]
+
+
+def imbalance(acme: list[list[Any]], globex: list[list[Any]], since: float, until: float) -> float:
+    """|S_a/2 - S_g| / (S_a/2 + S_g): answers OK in [since, until), by weight."""
+    a = sum(1 for t, ok, _ in acme if ok and since <= t < until) / 2
+    g = sum(1 for t, ok, _ in globex if ok and since <= t < until)
+    return abs(a - g) / (a + g) if a + g else 0.0
 
 
 def wait_until(condition: Any, timeout_s: float) -> None:
@@ -759,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
         llm_client(argv[1], argv[2], int(argv[3]), float(argv[4]), argv[5])
         return 0
     if argv and argv[0] == "load-client":
-        load_client(argv[1], float(argv[2]), argv[3])
+        load_client(argv[1], float(argv[2]), argv[3], *argv[4:5])
         return 0
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_fleet")
     parser.add_argument("--scenarios", default="pool,shares,failover,capacity")

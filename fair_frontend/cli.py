@@ -42,7 +42,12 @@ from fair_frontend.config import (
     reference,
 )
 from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
-from fair_frontend.fleet import DEFAULT_CORE_PORT, DEFAULT_LEASE_S, SECRET_ENV
+from fair_frontend.fleet import (
+    DEFAULT_CORE_PORT,
+    DEFAULT_KUBERNETES_LEASE_S,
+    DEFAULT_LEASE_S,
+    SECRET_ENV,
+)
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
@@ -175,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument(
         "--lease-s",
         type=float,
-        default=DEFAULT_LEASE_S,
+        default=None,
         help=f"leader lease: a leader that cannot renew it for this long is replaced "
-        f"(default {DEFAULT_LEASE_S})",
+        f"(default {DEFAULT_LEASE_S} with redis, {DEFAULT_KUBERNETES_LEASE_S} with kubernetes)",
     )
     core.add_argument(
         "--lease-name", default="fair-frontend-core", help="the Redis key or Kubernetes Lease"

@@ -75,6 +75,7 @@ from fair_frontend.quota import Quota
 from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
+    SchedulerFairness,
     VirtualTokenCounter,
     cost_model_for,
 )
@@ -220,6 +221,10 @@ class Core:
         # last ``refresh_overload``; the tiers' largest weights (reset by a reload).
         self._closed: dict[tuple[str, str], tuple[str, float]] = {}
         self._tier_weights: dict[str, tuple[float, int]] | None = None  # (largest, count)
+        # A failed leader's fairness state per model, for the endpoints not set up yet:
+        # resumed as each is (``resume_fairness``).
+        self._resumed: dict[str, SchedulerFairness] = {}
+        self._resumed_until = 0.0  # clock.now() past which the rest of it is forgotten
 
     @property
     def clock(self) -> Clock:
@@ -763,7 +768,34 @@ class Core:
             )
             runtime.traces = self.traces
             self.runtimes[model] = runtime
+            saved = self._resumed.pop(model, None)
+            now = self.clock.now()
+            if saved is not None and now < self._resumed_until:
+                runtime.scheduler.resume_fairness(saved, now, self._resumed_until - now)
         return runtime
+
+    # ---- failover (``fair_frontend.fleet.debt``) ----------------------------------------
+
+    def export_fairness(self) -> dict[str, SchedulerFairness]:
+        """Each endpoint's fairness state (``Scheduler.export_fairness``), and what a
+        resume left for endpoints this core has not set up yet: still owed."""
+        out = dict(self._resumed) if self.clock.now() < self._resumed_until else {}
+        for model, runtime in list(self.runtimes.items()):
+            out[model] = runtime.scheduler.export_fairness()
+        return out
+
+    def resume_fairness(self, saved: dict[str, SchedulerFairness], keep_s: float) -> None:
+        """Take over a failed leader's ``export_fairness``, before this core serves: each
+        endpoint resumes it as it is set up (at once where it is already), within
+        ``keep_s`` of now: the carried backlog comes back in that time, or not at all."""
+        now = self.clock.now()
+        self._resumed_until = now + keep_s
+        for model, state in saved.items():
+            runtime = self.runtimes.get(model)
+            if runtime is None:
+                self._resumed[model] = state
+            else:
+                runtime.scheduler.resume_fairness(state, now, keep_s)
 
     # ---- feedback from Triton's metrics -------------------------------------------------
 

@@ -5,5 +5,10 @@ by gRPC streams authenticated with a shared secret (``fair_frontend.wire.remote`
 from __future__ import annotations
 
 DEFAULT_CORE_PORT = 8010  # where a core accepts its shells
-DEFAULT_LEASE_S = 2.0  # a leader that cannot renew its lease for this long is replaced
+# A leader that cannot renew its lease for this long is replaced (``fleet.election``):
+# within 0.9 s of a leader's death with the Redis election's default, whose renewals are
+# round trips of a millisecond; a Kubernetes Lease holds whole seconds and is renewed
+# through the API server, whose writes take longer: 2 s there.
+DEFAULT_LEASE_S = 0.8
+DEFAULT_KUBERNETES_LEASE_S = 2.0
 SECRET_ENV = "FAIR_FRONTEND_CORE_SECRET"  # the shared secret, where no --secret-file is given

@@ -9,10 +9,11 @@ then frees the lease for a standby. SIGHUP reloads the config file, as for ``ser
 the leader's shells get what changed at once, and a standby reads the file again as it
 takes the lease (``run_core``).
 
-A new leader starts its fairness state empty: every tenant's virtual token counter at 0,
-no debt carried from before. That is fair from that moment (the bounds of the README's
-fairness section hold from the failover on); what a tenant had received before is not
-held against it. Rate limits carry on unchanged: they live in Redis.
+A new leader resumes the fairness state of the one before it (``--election redis``):
+the leader publishes its deficits and virtual token counters every tick beside its
+lease, and a standby reads them back as it takes the lease, before any shell connects
+(``fair_frontend.fleet.debt``): a tenant that had taken more than its share is served
+less after the failover, until even. Rate limits carry on unchanged: they live in Redis.
 
 ``fair-frontend shell`` runs ``--workers`` shell processes on one HTTP and one gRPC port
 (``ShellSupervisor``), each connected to the leading one of the ``--core`` addresses
@@ -32,7 +33,8 @@ import socket
 from collections.abc import Callable, Sequence
 
 from fair_frontend.config import Config
-from fair_frontend.fleet import SECRET_ENV
+from fair_frontend.fleet import DEFAULT_KUBERNETES_LEASE_S, DEFAULT_LEASE_S, SECRET_ENV
+from fair_frontend.fleet.debt import FairnessJournal
 from fair_frontend.fleet.election import Election, KubernetesLease, NoElection, RedisLease
 from fair_frontend.server import FrontendServer, Listen, ShellPool
 from fair_frontend.shell.remote import SECRET_REFUSED
@@ -78,9 +80,11 @@ def make_election(args: argparse.Namespace, config: Config, identity: str) -> El
                 "--election redis uses the Redis of rate_limiting.storage, which is "
                 f"{config.rate_limiting.storage.split(':', 1)[0]}:// here"
             )
-        return RedisLease(url, args.lease_name, identity, args.lease_s)
+        lease_s = DEFAULT_LEASE_S if args.lease_s is None else args.lease_s
+        return RedisLease(url, args.lease_name, identity, lease_s)
     if args.election == "kubernetes":
-        return KubernetesLease(args.lease_name, identity, args.lease_s)
+        lease_s = DEFAULT_KUBERNETES_LEASE_S if args.lease_s is None else args.lease_s
+        return KubernetesLease(args.lease_name, identity, lease_s)
     return NoElection(identity)
 
 
@@ -140,6 +144,8 @@ async def run_core(
     )
     acquire = asyncio.ensure_future(election.acquire())
     stopped = asyncio.ensure_future(stop.wait())
+    journal = FairnessJournal.of(election)
+    follow: asyncio.Future[None] | None = None
     try:
         await asyncio.wait((acquire, stopped), return_when=asyncio.FIRST_COMPLETED)
         if not acquire.done():
@@ -147,6 +153,9 @@ async def run_core(
             return 0
         if reload is not None and args.election != "none":
             reload(server)  # the file as it is now, before any shell connects
+        if journal is not None and server.core is not None:
+            await journal.resume(server.core)  # the debt the last leader left
+            follow = asyncio.ensure_future(journal.follow(server.core))
         await server.lead(args.listen, secret, tls)
         print(
             f"fair_frontend core {identity} leads: shells connect to port {server.core_port}",
@@ -161,8 +170,12 @@ async def run_core(
         return 0
     finally:
         stopped.cancel()
+        if follow is not None:
+            follow.cancel()
         if not election.lost.is_set() or stop.is_set():
             await server.stop()
+            if follow is not None and journal is not None and server.core is not None:
+                await journal.last(server.core)  # what the drain left, for the next
         await election.release()
         close = getattr(election, "close", None)
         if close is not None:

@@ -139,6 +139,14 @@ every count (per tenant, per tier, per scheduler, process-wide in ``GlobalCaps``
 updated at once, so at every moment
 ``admitted == dispatched + expired + cancelled + queued``.
 
+Failover
+========
+A standby that takes over resumes the fairness state the leader exported
+(``Scheduler.export_fairness``, ``resume_fairness``): the deficits and virtual token
+counters, exactly, so who was ahead by how much survives the failover. How the carried
+backlog joins again, and what that costs the bounds (at most one quantum, once), is in
+``fair_frontend.scheduler.snapshot``.
+
 Complexity
 ==========
 n = a tenant's queued requests, d = queued requests with a deadline, T = tiers,
@@ -168,6 +176,7 @@ from fair_frontend.scheduler.cost import (
 from fair_frontend.scheduler.fairness import DeficitRoundRobin, DrrState, FairnessPolicy
 from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
 from fair_frontend.scheduler.queues import TenantQueue
+from fair_frontend.scheduler.snapshot import SchedulerFairness, TierFairness
 from fair_frontend.scheduler.tiers import (
     GuardedTierOrder,
     ShareWindow,
@@ -209,6 +218,7 @@ __all__ = [
     "QueuedRequest",
     "RequestCost",
     "Scheduler",
+    "SchedulerFairness",
     "ShareWindow",
     "StrictTierOrder",
     "TenantDirectory",
@@ -216,6 +226,7 @@ __all__ = [
     "TenantSpec",
     "TenantTerms",
     "Tier",
+    "TierFairness",
     "TierSelector",
     "TokenCost",
     "VirtualTokenCounter",

@@ -18,6 +18,7 @@ from fair_frontend.scheduler.cost import CostModel, cost_model_for
 from fair_frontend.scheduler.fairness import DeficitRoundRobin, FairnessPolicy
 from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
 from fair_frontend.scheduler.queues import ArrivalQueue, DeadlineQueue, TenantQueue
+from fair_frontend.scheduler.snapshot import SchedulerFairness, TierFairness
 from fair_frontend.scheduler.tiers import GuardedTierOrder, StrictTierOrder, Tier, TierSelector
 from fair_frontend.scheduler.types import (
     Backlog,
@@ -104,6 +105,7 @@ class Scheduler:
         self._dispatched = 0
         self._expired_count = 0
         self._cancelled = 0
+        self._resumed_until: float | None = None  # see resume_fairness
         self._peek: Peek = self._peek_fair if self._fair else self._arrivals.head
         self._take: Take = self._take_fair if self._fair else self._take_fifo
 
@@ -225,6 +227,8 @@ class Scheduler:
         req._handle = handle
         req._queue = queue
 
+        if self._resumed_until is not None and now >= self._resumed_until:
+            self._forget_resumed()
         was_idle = not queue.requests
         queue.add(req)
         if not counted:
@@ -324,6 +328,41 @@ class Scheduler:
                 return  # removed by a reload: nobody to correct
             tier = self._tier_of(tenant, terms)
         self._fairness.credit(tier.fair_state, tenant, cost)
+
+    # ---- failover (``fair_frontend.scheduler.snapshot``) ---------------------------------
+
+    def export_fairness(self) -> SchedulerFairness:
+        """What this endpoint's fairness owes each tenant now, exactly (fifo: nothing)."""
+        if not self._fair:
+            return SchedulerFairness({})
+        learned = self.quantum if self._learn_quantum and self._seen_rows else 0.0
+        return SchedulerFairness(
+            {tier.name: self._fairness.export(tier.fair_state) for tier in self._tiers},
+            learned,
+            self._mean_row_cost,
+            self._seen_rows,
+        )
+
+    def resume_fairness(self, saved: SchedulerFairness, now: float, keep_s: float) -> None:
+        """Take over a failed leader's ``export_fairness`` (this scheduler has served
+        nothing yet): its backlogged tenants get their state back as their calls, sent
+        again by the shells, join within ``keep_s`` of ``now``; later, joins are plain."""
+        if not self._fair:
+            return
+        for tier in self._tiers:
+            state = saved.tiers.get(tier.name)
+            if state is not None:
+                self._fairness.resume(tier.fair_state, state)
+        if self._learn_quantum and saved.seen_rows:
+            self._mean_row_cost, self._seen_rows = saved.mean_row_cost, saved.seen_rows
+            if isinstance(self._fairness, DeficitRoundRobin) and saved.quantum > 0:
+                self._fairness.quantum = saved.quantum
+        self._resumed_until = now + keep_s
+
+    def _forget_resumed(self) -> None:
+        self._resumed_until = None
+        for tier in self._tiers:
+            self._fairness.resume(tier.fair_state, _NOTHING)
 
     # ---- views --------------------------------------------------------------------------
 
@@ -654,6 +693,7 @@ class Scheduler:
 
 
 _NONE_HELD = (0, 0)
+_NOTHING = TierFairness({})
 
 
 def _check_new(req: QueuedRequest) -> None:

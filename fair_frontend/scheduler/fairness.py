@@ -11,6 +11,7 @@ from collections import deque
 from typing import Protocol, TypeVar
 
 from fair_frontend.scheduler.queues import TenantQueue
+from fair_frontend.scheduler.snapshot import TierFairness
 
 S = TypeVar("S")
 
@@ -49,6 +50,16 @@ class FairnessPolicy(Protocol[S]):
         """Tenant -> its current budget, for tenants with queued work (for metrics)."""
         ...
 
+    def export(self, state: S) -> TierFairness:
+        """What this tier owes its tenants, for a standby to resume from
+        (``fair_frontend.scheduler.snapshot``)."""
+        ...
+
+    def resume(self, state: S, saved: TierFairness) -> None:
+        """Take over ``saved`` (an ``export``) into a state that has served nothing: the
+        tenants backlogged then get their own state back as they join again. An empty
+        ``saved`` forgets what a resume left for tenants that have not joined since."""
+
 
 class _Turn:
     """One tenant's DRR record in one tier's state."""
@@ -77,7 +88,7 @@ class DrrState:
     ``jumps`` counts the empty rounds skipped at once (package docstring, "Round jumps").
     """
 
-    __slots__ = ("active", "count", "current", "jumps", "turns")
+    __slots__ = ("active", "count", "current", "jumps", "resumed", "turns")
 
     def __init__(self) -> None:
         self.turns: dict[str, _Turn] = {}
@@ -85,6 +96,9 @@ class DrrState:
         self.current: _Turn | None = None
         self.count = 0  # listed tenants
         self.jumps = 0
+        # Deficits of a failed-over leader's backlogged tenants, restored as each joins
+        # again and kept as each leaves (``snapshot``), until the scheduler forgets them.
+        self.resumed: dict[str, float] = {}
 
 
 class DeficitRoundRobin:
@@ -112,7 +126,7 @@ class DeficitRoundRobin:
         turn.queue = queue
         turn.weight = queue.weight
         turn.grant = self.quantum * queue.weight
-        turn.deficit = 0.0
+        turn.deficit = state.resumed.get(queue.tenant, 0.0) if state.resumed else 0.0
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
         turn.listed = True
         turn.entries += 1
@@ -121,6 +135,10 @@ class DeficitRoundRobin:
 
     def leave(self, state: DrrState, queue: TenantQueue) -> None:
         turn = state.turns[queue.tenant]
+        if state.resumed and queue.tenant in state.resumed:
+            # Carried over from a failed leader: kept for its next join (the held calls
+            # come back one by one, and each may empty the queue as it is sent).
+            state.resumed[queue.tenant] = turn.effective(state.jumps)
         turn.listed = False
         turn.deficit = 0.0  # an emptied queue keeps no budget (no hoarding while idle)
         state.count -= 1
@@ -191,3 +209,12 @@ class DeficitRoundRobin:
         return {
             tenant: turn.effective(jumps) for tenant, turn in state.turns.items() if turn.listed
         }
+
+    def export(self, state: DrrState) -> TierFairness:
+        """The deficits of the backlogged tenants (an idle one's is 0 by definition), and
+        those restored but not yet joined again (still owed from the failover before)."""
+        deficits = {**state.resumed, **self.deficits(state)}
+        return TierFairness(deficits, active=list(deficits))
+
+    def resume(self, state: DrrState, saved: TierFairness) -> None:
+        state.resumed = {t: saved.counters[t] for t in saved.active if t in saved.counters}

@@ -49,12 +49,22 @@ import heapq
 import itertools
 
 from fair_frontend.scheduler.queues import TenantQueue
+from fair_frontend.scheduler.snapshot import TierFairness
 
 
 class VtcState:
     """One tier's counters, active tenants and heap."""
 
-    __slots__ = ("active", "counters", "heap", "last_left", "live", "order", "weights")
+    __slots__ = (
+        "active",
+        "counters",
+        "heap",
+        "last_left",
+        "live",
+        "order",
+        "resumed",
+        "weights",
+    )
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
@@ -64,6 +74,9 @@ class VtcState:
         self.live: dict[str, int] = {}  # tenant -> order of its one live heap entry
         self.order = itertools.count()
         self.last_left = 0.0
+        # A failed-over leader's backlogged tenants: their joins keep the counter
+        # restored, without the lift (``snapshot``), until the scheduler forgets them.
+        self.resumed: set[str] = set()
 
 
 class VirtualTokenCounter:
@@ -76,10 +89,15 @@ class VirtualTokenCounter:
 
     def join(self, state: VtcState, queue: TenantQueue) -> None:
         tenant = queue.tenant
-        floor = self._least(state)
-        if floor is None:
-            floor = state.last_left
-        state.counters[tenant] = max(state.counters.get(tenant, 0.0), floor)
+        if state.resumed and tenant in state.resumed:
+            # The same backlog, carried over: no lift, however often its queue empties
+            # while the held calls come back one by one into free slots.
+            state.counters.setdefault(tenant, state.last_left)
+        else:
+            floor = self._least(state)
+            if floor is None:
+                floor = state.last_left
+            state.counters[tenant] = max(state.counters.get(tenant, 0.0), floor)
         state.weights[tenant] = queue.weight
         state.active[tenant] = queue
         self._push(state, tenant, rank=0)
@@ -118,6 +136,27 @@ class VirtualTokenCounter:
     def deficits(self, state: VtcState) -> dict[str, float]:
         """Tenant -> its counter, for tenants with queued work."""
         return {t: state.counters[t] for t in state.active}
+
+    def export(self, state: VtcState) -> TierFairness:
+        """Every counter and weight known, and the floor a tenant joining an idle tier
+        would be lifted to: the least active counter (the last to leave's if none)."""
+        floor = self._least(state)
+        active = [*state.active, *(t for t in state.resumed if t not in state.active)]
+        return TierFairness(
+            dict(state.counters),
+            dict(state.weights),
+            state.last_left if floor is None else floor,
+            active,
+        )
+
+    def resume(self, state: VtcState, saved: TierFairness) -> None:
+        state.counters.update(saved.counters)
+        state.weights.update(saved.weights)
+        # A tenant that joins without a restored counter, first in the tier, starts at
+        # the least counter of the backlogged tenants the leader had: none ahead of them.
+        if saved.counters or saved.active:
+            state.last_left = saved.floor
+        state.resumed = {t for t in saved.active if t in saved.counters}
 
     def _least(self, state: VtcState) -> float | None:
         """The least counter among the active tenants (None: none is active)."""

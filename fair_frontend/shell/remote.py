@@ -19,6 +19,11 @@ What a client sees across a failover:
   ``Inbox.again``), sent to the next core like the rest if its grant had not come;
 * a core that stops cleanly (SIGTERM) serves what it can in its drain; a call it refuses
   for stopping (``SHUTTING_DOWN``) never reached Triton, and is held for the next;
+* a model's lookup, its statistics or a precharge asked while no core is connected:
+  held as calls are, and asked of the next core (a shell that never served a model
+  holds its first call through a failover, not only the calls it has looked up); a
+  lookup or statistics query lost with its core is asked again of the next (it changes
+  nothing), a precharge is not (the old core may have counted it);
 * no core for ``hold_s``: the calls held that long are answered UNAVAILABLE.
 
 Meanwhile the shell stays ready (for ``hold_s`` at most): a failover takes seconds, less
@@ -31,6 +36,7 @@ configuration error: the shell exits (``SECRET_REFUSED``) rather than retry fore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -48,9 +54,11 @@ from fair_frontend.wire.records import (
     Grant,
     Group,
     Hello,
+    InfoQuery,
     Ready,
     Running,
     Settings,
+    StatsQuery,
     Stop,
 )
 from fair_frontend.wire.remote import (
@@ -65,8 +73,21 @@ from fair_frontend.wire.remote import (
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # for a core's first record (its Settings) once the stream is open
-RETRY_S = (0.05, 0.25)  # first pause after trying every core, and the cap it doubles to
+# The first pause after trying every core, and the cap it doubles to: a refused connection
+# costs a core nothing, and the cap adds to every failover's gap.
+RETRY_S = (0.05, 0.1)
 HOLD_CHECK_S = 0.25
+# Each try at a core on a connection of its own, reconnecting at once: by default gRPC
+# shares subchannels between a process's channels and backs off a refused address for
+# 1 s, then 1.6 s and more, so a shell that tried the standby's port before it led
+# would reach it seconds after it leads.
+CONNECT_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", int(RETRY_S[0] * 1000)),
+    ("grpc.min_reconnect_backoff_ms", int(RETRY_S[0] * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(RETRY_S[1] * 1000)),
+]
 SECRET_REFUSED = 78  # EX_CONFIG: the exit status of a shell whose secret no core takes
 
 
@@ -111,6 +132,7 @@ class RemoteLink(SocketLink):
         self._hold_timer: asyncio.TimerHandle | None = None
         self._accepting = True
         self._lost_at: float | None = None  # when the core connected to was lost
+        self._connected = asyncio.Event()  # set while connected to a core (``core``)
         self.closed = True
 
     async def find_core(self) -> None:
@@ -199,9 +221,45 @@ class RemoteLink(SocketLink):
 
     def close(self) -> None:
         self._stopping = True
+        self._connected.set()  # queries held for a core: answered, see _placed
         if self._reconnect is not None:
             self._reconnect.cancel()
         super().close()
+
+    # queries
+
+    async def _query(self, make: Callable[[int], Any]) -> Any:
+        """Ask the core; held while no core is connected, until one is or ``hold_s``
+        passes. A lookup or statistics query whose core is lost before it answers is
+        asked again of the next (the module's doc)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.hold_s
+        while True:
+            await self._placed(deadline)
+            query_id = self.new_id()
+            record = make(query_id)
+            fut = loop.create_future()
+            self._queries[query_id] = fut
+            try:
+                self.send(record)
+                return await fut
+            except Unavailable as err:
+                if err.message != CORE_GONE or not isinstance(record, (InfoQuery, StatsQuery)):
+                    raise
+            finally:
+                self._queries.pop(query_id, None)
+
+    async def _placed(self, deadline: float) -> None:
+        """Return once connected to a core; Unavailable at ``deadline`` or on a stop."""
+        loop = asyncio.get_running_loop()
+        while not self.core:
+            if self._stopping:
+                raise Unavailable(CORE_GONE)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Unavailable(f"no core reachable for {self.hold_s:g} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._connected.wait(), left)
 
     async def aclose(self) -> None:
         self.close()
@@ -232,9 +290,9 @@ class RemoteLink(SocketLink):
 
     async def _open(self, address: str) -> None:
         if self._credentials is not None:
-            channel = grpc.aio.secure_channel(address, self._credentials, CHANNEL_OPTIONS)
+            channel = grpc.aio.secure_channel(address, self._credentials, CONNECT_OPTIONS)
         else:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CONNECT_OPTIONS)
         call = channel.stream_stream(METHOD)(metadata=self._metadata)
         transport = StreamTransport(call.write, self, done_writing=call.done_writing, peer=address)
         self.reattach(transport)
@@ -254,6 +312,7 @@ class RemoteLink(SocketLink):
                 raise SecretRefused(err.details()) from err
             raise
         self._channel, self._transport, self.core = channel, transport, address
+        self._connected.set()
         self.connects += 1
         self._draining = False
         log.info(
@@ -317,6 +376,8 @@ class RemoteLink(SocketLink):
         self.closed = True
         self._lost_at = asyncio.get_running_loop().time()
         was, self.core = self.core, ""
+        if not self._stopping:
+            self._connected.clear()
         channel, self._channel = self._channel, None
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())

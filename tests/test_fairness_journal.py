@@ -1,0 +1,78 @@
+"""The fairness journal (``fair_frontend.fleet.debt``) on a real Redis: the leader's state
+beside its lease, written only while the lease is the writer's, read back by the core
+that takes the lease over."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from fair_frontend.fleet.debt import FairnessJournal
+from fair_frontend.fleet.election import RedisLease
+from fair_frontend.scheduler import SchedulerFairness, TierFairness
+from tests.support import RedisProcess
+
+LEASE_S = 5.0  # never expires in these tests: who holds it is set by hand
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisProcess]:
+    server = RedisProcess()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class FakeCore:
+    """What the journal reads and writes of a ``Core``: its fairness state."""
+
+    def __init__(self, counters: dict[str, float] | None = None) -> None:
+        tier = TierFairness(counters or {}, dict.fromkeys(counters or {}, 1.0), 0.0, [])
+        self.state = {"llm": SchedulerFairness({"paid": tier})}
+        self.resumed: dict[str, SchedulerFairness] | None = None
+
+    def export_fairness(self) -> dict[str, SchedulerFairness]:
+        return self.state
+
+    def resume_fairness(self, saved: dict[str, SchedulerFairness], keep_s: float) -> None:
+        self.resumed = saved
+
+
+async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_cannot_overwrite(
+    redis_server: RedisProcess,
+) -> None:
+    key = f"journal-{next(_names)}"
+    old, new = (RedisLease(redis_server.url, key, name, LEASE_S) for name in ("old", "new"))
+    try:
+        assert await old._try_take()
+        leader = FakeCore({"acme": 900.0, "globex": 100.0})
+        journal = FairnessJournal(old)
+        assert await journal.publish(leader)  # type: ignore[arg-type]
+        # The old leader is deposed (its lease gone, another's now) ...
+        await old.redis.delete(key)
+        assert await new._try_take()
+        # ... and whatever it still tries to publish is refused: the state stays its last.
+        leader.state = FakeCore({"acme": 0.0, "globex": 0.0}).state
+        assert not await journal.publish(leader, force=True)  # type: ignore[arg-type]
+        standby = FakeCore()
+        assert await FairnessJournal(new).resume(standby)  # type: ignore[arg-type]
+        assert standby.resumed == FakeCore({"acme": 900.0, "globex": 100.0}).state
+    finally:
+        for lease in (old, new):
+            await lease.close()
+
+
+async def test_nothing_published_starts_even(redis_server: RedisProcess) -> None:
+    lease = RedisLease(redis_server.url, f"journal-{next(_names)}", "core", LEASE_S)
+    try:
+        core = FakeCore()
+        assert not await FairnessJournal(lease).resume(core)  # type: ignore[arg-type]
+        assert core.resumed is None
+    finally:
+        await lease.close()
