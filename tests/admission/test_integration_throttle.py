@@ -24,6 +24,8 @@ neighbours' load, and the throttle predicts from batch times measured a moment e
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import random
 import re
@@ -127,7 +129,7 @@ async def open_loop(
     return {tenant: list(await asyncio.gather(*ts)) for tenant, ts in tasks.items()}
 
 
-def request_log(caplog: pytest.LogCaptureFixture, tenant: str, outcome: str) -> list[Any]:
+def request_log(caplog: pytest.LogCaptureFixture, tenant: str | None, outcome: str) -> list[Any]:
     """The request log's records of ``tenant``'s ``embed`` requests with ``outcome``: the
     core's, and the shell's where it runs in this process (each with ``latency_ms``, from
     the request's arrival to its answer; ``queued_ms`` where it was queued)."""
@@ -136,7 +138,7 @@ def request_log(caplog: pytest.LogCaptureFixture, tenant: str, outcome: str) -> 
         for r in caplog.records
         if r.name == REQUEST_LOGGER
         and getattr(r, "endpoint", None) == "embed"
-        and getattr(r, "tenant", None) == tenant
+        and (tenant is None or getattr(r, "tenant", None) == tenant)
         and getattr(r, "outcome", None) == outcome
     ]
 
@@ -151,19 +153,55 @@ def near_target(latencies_ms: list[float], target_s: float = TARGET_S) -> dict[s
     }
 
 
-def assert_near_target(served: list[Any], target_s: float = TARGET_S, *, tail: float = 0.9) -> None:
+def work_ahead_s(served: list[Any], dispatched: list[Any], service_s: float) -> list[float]:
+    """Each admitted request's wait in the machine's solo time: the work dispatched from
+    its arrival to its own dispatch, itself included (any tenant's, in full batches: a
+    record's prompt tokens over a full batch's), each full batch taking ``service_s``, as
+    one did alone; plus one batch, the one in Triton when it arrived.
+
+    What the throttle decides is how much work may be ahead of an admitted request: the
+    wall clock times that by the speed of the batches, which on these 2 shared cores
+    changes fourfold from one moment to the next under the neighbours' load (a full-suite
+    run beside two CPU hogs answered a quarter of the lower tier's admissions after 4.1-4.6
+    s against a 1 s target, the batches as slow). In work ahead the throttle's choice is
+    judged, not the machine's speed; a throttle that did not count the higher tier's
+    arrivals (they pass the lower tier in the queue) still fails it."""
+    batch_tokens = ROWS * TOKENS
+    events = sorted(
+        (r.created - r.service_ms / 1e3, r.tokens_in / batch_tokens) for r in dispatched
+    )
+    times = [at for at, _ in events]
+    sums = list(itertools.accumulate((w for _, w in events), initial=0.0))
+    waits = []
+    for r in served:
+        arrived = r.created - r.latency_ms / 1e3
+        sent = r.created - r.service_ms / 1e3
+        first = bisect.bisect_right(times, arrived)
+        last = bisect.bisect_right(times, sent)
+        waits.append((sums[last] - sums[first] + 1) * service_s)
+    return waits
+
+
+def assert_near_target(
+    served: list[Any],
+    dispatched: list[Any],
+    service_s: float,
+    target_s: float = TARGET_S,
+    *,
+    tail: float = 0.9,
+) -> None:
     """The records of what the throttle admitted (``request_log``): answered near the
-    target, not after a queue left to grow (at 3x overload, seconds deep by the end of the
-    flood). Loose: under the neighbours' load a batch here takes 40-170 ms from one moment
-    to the next, and the throttle admits up to a prediction of the target from the batch
-    times just measured, so a fraction of what it admits lands just over it (measured:
-    20-100 % within the target, one tier)."""
+    target in work ahead (``work_ahead_s``; ``dispatched``: every tenant's dispatched
+    records of the same time), not after a queue left to grow (at 3x overload, seconds
+    deep by the end of the flood). Loose: the throttle admits up to a prediction of the
+    target from the batch times just measured, so a fraction of what it admits lands just
+    over it (measured: 20-100 % within the target, one tier)."""
     assert served, "nothing was admitted"
-    latencies = [r.latency_ms for r in served]
-    summary = near_target(latencies, target_s)
-    slowest = sorted(latencies)[-5:]
-    assert summary["within 1.5x target"] >= 0.5, (summary, slowest)
-    assert summary["within 2x target"] >= tail, (summary, slowest)
+    waits_ms = [s * 1e3 for s in work_ahead_s(served, dispatched, service_s)]
+    summary = near_target(waits_ms, target_s)
+    slowest = sorted(zip(waits_ms, [r.latency_ms for r in served], strict=True))[-5:]
+    assert summary["within 1.5x target"] >= 0.5, (summary, slowest, service_s)
+    assert summary["within 2x target"] >= tail, (summary, slowest, service_s)
 
 
 async def test_throttle_admits_idle_traffic_and_rejects_a_flood_early(
@@ -224,7 +262,7 @@ async def test_throttle_admits_idle_traffic_and_rejects_a_flood_early(
     # Each admitted one recorded (as it was answered: by the time its client read it).
     served = request_log(caplog, FLOODER, "dispatched")
     assert len(served) == len(admitted), (len(served), len(admitted))
-    assert_near_target(served)
+    assert_near_target(served, request_log(caplog, None, "dispatched"), service_s)
 
 
 LOWER_TIER_TARGET_S = 1.0  # room for the higher tier's Poisson bursts (full batches)
@@ -250,7 +288,8 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
     target."""
     fe = throttled_1s
     caplog.set_level(logging.INFO, logger=REQUEST_LOGGER)
-    capacity = 1 / await trickle(kserve, fe)
+    service_s = await trickle(kserve, fe)
+    capacity = 1 / service_s
     caplog.clear()
     replies = await open_loop(
         kserve,
@@ -268,7 +307,8 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
     # a full-suite run: 0.8 within 2x, all four late ones at 2.3-2.5 s, 0.65 within 1x).
     served = request_log(caplog, FLOODER, "dispatched")
     assert len(served) == len(lower), (len(served), len(lower))
-    assert_near_target(served, LOWER_TIER_TARGET_S, tail=0.75)
+    dispatched = request_log(caplog, None, "dispatched")
+    assert_near_target(served, dispatched, service_s, LOWER_TIER_TARGET_S, tail=0.75)
 
 
 @given(
