@@ -74,10 +74,17 @@ async def _send(client: grpcaio.InferenceServerClient, request_id: str) -> Any:
         return err
 
 
-async def test_a_shell_killed_mid_load_loses_nothing_else(triton: EmbeddedTriton) -> None:
+@pytest.mark.parametrize("unary", ["relay", "one_hop"])
+async def test_a_shell_killed_mid_load_loses_nothing_else(
+    triton: EmbeddedTriton, unary: str
+) -> None:
+    """In both unary modes: relayed, and one hop (the dead shell's rows in batches beside
+    the other shell's: those batches free their slots, the other shell's rows are served)."""
     outcomes = Outcomes()
+    data = make_config().model_dump(mode="json")
+    data["endpoints"]["embed"]["unary"] = unary
     server = FrontendServer(
-        make_config(),
+        parse_config(data),
         triton.grpc_url,
         Listen(),
         workers=2,
@@ -116,6 +123,7 @@ async def test_a_shell_killed_mid_load_loses_nothing_else(triton: EmbeddedTriton
         assert all(outcomes.outcome[i] is Outcome.DISPATCHED for i in ok)
         # The core's books balance: nothing left queued or held for the dead shell.
         runtime = server.core.runtimes["embed"]  # type: ignore[union-attr]
+        assert (type(runtime).__name__ == "GrantedDispatcher") == (unary == "one_hop")
         deadline = time.monotonic() + 30
         while not runtime.idle:
             assert time.monotonic() < deadline
