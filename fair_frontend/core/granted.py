@@ -42,7 +42,6 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from fair_frontend.batching import pack, unpack
 from fair_frontend.core.batches import BatchDispatcher
@@ -55,13 +54,10 @@ from fair_frontend.errors import (
     Unavailable,
 )
 from fair_frontend.outcomes import Outcome
+from fair_frontend.tracing import span_context
 from fair_frontend.wire.records import Rows, RowsDone
 
-
-class RowsRoute(Protocol):
-    """A shell that takes grants of rows (``shells.ShellConnection``)."""
-
-    def grant_rows(self, rows: Rows) -> None: ...
+REPORT_MARGIN_S = 10.0  # beyond triton.request_timeout_s, before a part is given up on
 
 
 @dataclass(eq=False)
@@ -127,6 +123,13 @@ class GrantedDispatcher(BatchDispatcher):
         batch_id = next(self._ids)
         granted = _Batch(dict(parts), asyncio.get_running_loop().create_future())
         self._granted[batch_id] = granted
+        # A shell's call to Triton is bounded by the same timeout as the core's own; a
+        # report later than that and a margin is not waited for (its calls fail).
+        limit = getattr(self.pool.forwarders[backend], "request_timeout_s", None)
+        timer = None
+        if limit:
+            due = self.clock.now() + limit + REPORT_MARGIN_S
+            timer = self.clock.call_at(due, lambda: self._overdue(batch_id))
         try:
             for route, reqs in parts.items():
                 rows = Rows(
@@ -148,7 +151,24 @@ class GrantedDispatcher(BatchDispatcher):
                 await granted.done
         finally:
             self._granted.pop(batch_id, None)
+            if timer is not None:
+                timer.cancel()
         failures.extend(granted.failed)
+
+    def _overdue(self, batch_id: int) -> None:
+        """A batch's parts not reported in time: their shells are connected but do not
+        answer for them (the batch's slot is not held for ever). They fail here; a
+        shell's answer that comes after the core's does not reach its client twice (the
+        client has had the core's)."""
+        granted = self._granted.get(batch_id)
+        if granted is None:
+            return
+        err = Unavailable("the shell holding this request did not report its call to Triton")
+        for reqs in granted.parts.values():
+            self._fail_all(reqs, err)
+        granted.parts.clear()
+        if not granted.done.done():
+            granted.done.set_result(None)
 
     async def _relay(self, whole: list[CoreRequest], backend: int, failures: Failures) -> None:
         """The calls that came whole: sent from here, as batch mode sends them."""
@@ -174,10 +194,12 @@ class GrantedDispatcher(BatchDispatcher):
             return
         by_id = {r.call.id: r for r in reqs}
         sent = []
+        call_span = span_context(done.traceparent) if done.traceparent else None
         for call_id, tokens in done.served:
             r = by_id.pop(call_id, None)
             if r is None:
                 continue
+            r.batch_trace = call_span
             if done.fault is None:
                 self._served(r, done.version, tokens)
             else:

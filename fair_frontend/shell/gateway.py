@@ -545,8 +545,11 @@ class Gateway:
         self._sending.update(ids)
         started = time.monotonic()
         fault: Fault | None = None
+        traceparent = ""
         try:
-            version, outs = await self._infer_rows(rows, calls, info, endpoint, started)
+            version, outs, traceparent = await self._infer_rows(
+                rows, calls, info, endpoint, started
+            )
         except FrontendError as err:
             fault = Fault.of(err)
         except Exception as err:  # never lose a part: the core judges it
@@ -570,20 +573,26 @@ class Gateway:
             for call, out in zip(calls, outs, strict=True)
         ]
         # The core hears of it before the clients do (as of a stream's end).
-        link.rows_done(RowsDone(rows.model, rows.batch, served, gone, None, version, exec_s))
+        link.rows_done(
+            RowsDone(rows.model, rows.batch, served, gone, None, version, exec_s, traceparent)
+        )
         for (inbox, call, queued_s, quota), out in zip(live, outs, strict=True):
             inbox.answer(Answer(call.id, version, out, queued_s=queued_s, quota=quota))
 
     async def _infer_rows(
         self, rows: Rows, calls: list[Call], info: ModelInfo, endpoint: Endpoint, started: float
-    ) -> tuple[str, list[list[Any]]]:
-        """The part's one Triton request: (the version that ran, each call's outputs)."""
+    ) -> tuple[str, list[list[Any]], str]:
+        """The part's one Triton request: (the version that ran, each call's outputs, the
+        traceparent of its span where traced)."""
         packed = pack(calls, info, endpoint)
         forwarder = self.tritons[rows.backend]
         first = calls[0].request
         span = None
+        traceparent = ""
         if self.traces is not None:
             span = self.traces.batch(rows.model, calls, forwarder.url, started)
+            if span is not None:
+                traceparent = carried(span)[0]
         try:
             version, outputs = await forwarder.infer(
                 rows.model,
@@ -593,7 +602,7 @@ class Gateway:
                 packed.parameters,
                 request_id=first.id if len(calls) == 1 else "",
                 sequence=packed.sequence,
-                **({"traceparent": carried(span)[0]} if span is not None else {}),
+                **({"traceparent": traceparent} if traceparent else {}),
             )
         except FrontendError as err:
             if span is not None:
@@ -602,7 +611,7 @@ class Gateway:
         finally:
             if span is not None:
                 span.end()
-        return version, unpack(outputs, calls, info, endpoint, packed.stripped)
+        return version, unpack(outputs, calls, info, endpoint, packed.stripped), traceparent
 
     async def _relay(
         self,

@@ -252,7 +252,8 @@ class RowsDone(msgspec.Struct, tag=26, array_like=True):
     away (not sent); ``fault``: None where Triton answered the part (the shell answered
     its clients), else its error, and those calls wait for the core's word (a new
     ``Rows`` or an ``Answer``). ``exec_s``: the part's time in Triton, as its shell timed
-    the call."""
+    the call; ``traceparent``: that call's span, where traced, which the batch span of
+    each of its requests links to."""
 
     model: str
     batch: int
@@ -261,6 +262,7 @@ class RowsDone(msgspec.Struct, tag=26, array_like=True):
     fault: Fault | None = None
     version: str = ""
     exec_s: float = 0.0
+    traceparent: str = ""  # the part's call to Triton, where traced (``tracing``)
 
 
 class Produced(msgspec.Struct, tag=19, array_like=True):

@@ -28,7 +28,7 @@ from dispatch_support import MODEL, FakeClock, FakeTriton, Harness, MergingTrito
 from fair_frontend.batching import pack, unpack, wire_key
 from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.dispatch import CoreRequest
-from fair_frontend.core.granted import GrantedDispatcher
+from fair_frontend.core.granted import REPORT_MARGIN_S, GrantedDispatcher
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import Tensor
@@ -311,3 +311,24 @@ async def test_batch_mode_is_untouched_by_facts_it_never_gets(
     h.triton.pending[0].ok()
     await h.settle()
     assert [a.id for a in h.answers(req)] == [req.call.id]
+
+
+async def test_a_part_never_reported_is_given_up_on_after_the_timeout(
+    make: Callable[..., Harness],
+) -> None:
+    """A shell that stays connected but never reports its part (hung): after
+    triton.request_timeout_s and the margin its calls are answered UNAVAILABLE by the
+    core and the batch's slot is free again."""
+    h = make(dispatcher=GrantedDispatcher)
+    h.triton.request_timeout_s = 2.0  # type: ignore[attr-defined]
+    shell = FakeShell(h, "one")
+    req = shell.submit("a")
+    await h.settle()
+    assert h.runtime.inflight == 1 and h.triton.pending  # in Triton, never answered
+    await h.advance(2.0 + REPORT_MARGIN_S - 0.01)
+    assert not shell.answers and h.runtime.inflight == 1
+    await h.advance(0.02)
+    assert [a.id for a in shell.answers] == [req.call.id]
+    fault = shell.answers[0].fault
+    assert fault is not None and fault.kind == "Unavailable"
+    assert h.outcomes(req) == [Outcome.FAILED] and h.runtime.inflight == 0
