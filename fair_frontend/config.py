@@ -337,7 +337,7 @@ class Endpoint(_Strict):
         "paper uses 2, as API prices do).",
     )
     unary: Literal["one_hop", "relay"] = Field(
-        default="relay",
+        default="one_hop",
         description="How a unary request's tensors reach Triton where shells are processes "
         "of their own (--workers > 1, remote shells). one_hop: the shell keeps them and "
         "sends the core only the request's facts; the core forms the fair batches as "
