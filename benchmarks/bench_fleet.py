@@ -660,17 +660,17 @@ def run_capacity(tmp: Path, seconds: int) -> dict[str, Any]:
                 for s in locals().get("shells", []):
                     s.proc.stop()
                 core.proc.stop()
-        # The same core with its two shells on this host (serve --workers 2, Unix socket),
-        # unary requests taking one hop (the config of the last run above).
-        with frontend(config, [], workers=2) as fe:
-            out["unix socket, unary one_hop"] = core_cost(
-                fe.process.pid,
-                [],
-                [fe.grpc_url],
-                f"http://127.0.0.1:{fe.metrics_port}/metrics",
-                tmp,
-                seconds,
-            )
+            # The same core with its two shells on this host (serve --workers 2, Unix
+            # socket).
+            with frontend(config, [], workers=2) as fe:
+                out[f"unix socket, unary {unary}"] = core_cost(
+                    fe.process.pid,
+                    [],
+                    [fe.grpc_url],
+                    f"http://127.0.0.1:{fe.metrics_port}/metrics",
+                    tmp,
+                    seconds,
+                )
     return out
 
 
