@@ -149,7 +149,8 @@ class Gateway:
         if rows_link is not None:
             rows_link.on_rows = self.send_rows
         self._rows_link = rows_link
-        self._sending: set[int] = set()  # calls whose granted rows are in Triton now
+        # Calls whose granted rows are in Triton now: set when their send is over.
+        self._sending: dict[int, asyncio.Event] = {}
         self._parts: set[asyncio.Task[None]] = set()
         self.configure(config, keyring)
 
@@ -524,15 +525,25 @@ class Gateway:
         """One part of a batch: packed, sent to the Triton the grant names, reported to
         the core, then answered. A part that failed is reported and not answered: its
         calls wait for the core's word (another grant, or an answer with the error).
-        Calls gone meanwhile (their client left, or already in Triton by an earlier grant
-        of a core since lost) are reported gone."""
+        Calls gone meanwhile (their client left) are reported gone. A call still in
+        Triton by the grant of a core since lost (a failover sent it again) is waited
+        for: answered by then, it is reported gone; failed, it goes with this part."""
         link = self._rows_link
+        earlier = [self._sending[i].wait() for i in rows.calls if i in self._sending]
+        if earlier:
+            await asyncio.gather(*earlier)
         live: list[tuple[Inbox, Call, float, Any]] = []
         gone: list[int] = []
         for call_id, inbox, queued_s, quota in zip(
             rows.calls, inboxes, rows.queued_s, rows.quotas, strict=True
         ):
-            if inbox is None or inbox.held is None or inbox.done or call_id in self._sending:
+            if (
+                inbox is None
+                or inbox.held is None
+                or inbox.done
+                or inbox.answered is not None
+                or call_id in self._sending
+            ):
                 gone.append(call_id)
             else:
                 live.append((inbox, inbox.held[0], queued_s, quota))
@@ -542,7 +553,9 @@ class Gateway:
         _, info, endpoint = live[0][0].held
         calls = [call for _, call, _, _ in live]
         ids = [call.id for call in calls]
-        self._sending.update(ids)
+        sent = asyncio.Event()
+        for call_id in ids:
+            self._sending[call_id] = sent
         started = time.monotonic()
         fault: Fault | None = None
         traceparent = ""
@@ -556,7 +569,9 @@ class Gateway:
             log.exception("a granted part of %s failed unexpectedly", rows.model)
             fault = Fault.of(Internal(f"internal error: {type(err).__name__}"))
         finally:
-            self._sending.difference_update(ids)
+            for call_id in ids:
+                self._sending.pop(call_id, None)
+            sent.set()
         exec_s = time.monotonic() - started
         if fault is not None:
             served = [(call_id, 0) for call_id in ids]
