@@ -10,8 +10,9 @@ same slots per model instance, the same throttle predictions and early send, the
 holds rows of it: that shell packs its rows into one Triton request (``batching.pack``),
 sends it to the Triton the grant names, answers its clients and reports in one
 ``records.RowsDone``. The rows of several shells meet in Triton's dynamic batcher. A call
-that came whole (a shell in the core's process) is relayed from here, as batch mode
-does, beside the granted parts of the same batch.
+that came whole (a shell in the core's process, ``--workers 1``) is relayed from here,
+as batch mode does; its key (a tuple) differs from the digest a shell sends, so it shares
+no batch with granted rows (a core has one kind of shell or the other).
 
 Invariants, beyond batch mode's:
 

@@ -37,8 +37,7 @@ and reports the outcome in one ``RowsDone``. A part that failed is not answered 
 shell: the core decides (another grant: a bisection's half, or another Triton for a part
 that never reached one; or an ``Answer`` with the error). Only a shell process's link
 takes grants (``SocketLink``, and so the remote shells'); a shell in the core's process
-(``--workers 1``) sends its calls whole, and the core relays them as before, in the same
-batches.
+(``--workers 1``) sends its calls whole, and the core relays them as before.
 
 With ``--workers 1`` the shell lives in the core's process and the records are passed as
 objects; with several shell processes ``fair_frontend.wire.framing`` frames them as msgpack over a

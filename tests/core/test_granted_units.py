@@ -332,3 +332,25 @@ async def test_a_part_never_reported_is_given_up_on_after_the_timeout(
     fault = shell.answers[0].fault
     assert fault is not None and fault.kind == "Unavailable"
     assert h.outcomes(req) == [Outcome.FAILED] and h.runtime.inflight == 0
+
+
+async def test_whole_calls_are_relayed_beside_the_granted_ones(
+    make: Callable[..., Harness],
+) -> None:
+    """A call that came whole (a shell in the core's process) queues with the facts of a
+    shell process's calls, in one fair order, and the core relays its batch itself (and
+    answers it, outputs and all) while the shell sends its own rows. (Their keys differ,
+    a digest and a tuple: they do not share a batch; one core has either kind of shell.)"""
+    h = make(dispatcher=GrantedDispatcher)
+    shell = FakeShell(h, "one")
+    first = h.submit("a")  # whole: goes alone at once
+    await h.settle()
+    whole = [h.submit("a") for _ in range(2)]
+    facts = [shell.submit("b") for _ in range(2)]
+    await answer_all(h)
+    for r in [first, *whole]:
+        (answer,) = h.answers(r)
+        assert answer.fault is None and answer.outputs[0].name == "EMBEDDING"
+    assert sorted(shell.served) == [r.call.id for r in facts] and not shell.answers
+    assert all(h.outcomes(r) == [Outcome.DISPATCHED] for r in [first, *whole, *facts])
+    assert h.runtime.idle
