@@ -23,7 +23,9 @@ Scenarios (``--scenarios``, all by default):
 * ``capacity``: one ``core`` process (``--election none``) with shells on the other CPU:
   the core's CPU per request (embed, 16 tokens, perf_analyzer through two shells) and
   per stream slot (``repeat_int32``, one response each: grant, report, end), from the
-  process's own CPU time; one core's capacity is the inverse. Triton is real (embed is
+  process's own CPU time; one core's capacity is the inverse. Over the gRPC link, with
+  embed's unary requests relayed through the core and taking one hop (issue 30), and the
+  bytes on the core's TCP sockets per request (``ss``). Triton is real (embed is
   cheap at 16 tokens): the core's CPU does not depend on Triton's speed.
 
     .venv/bin/python -m benchmarks.bench_fleet [--scenarios pool,shares,failover,capacity]
@@ -685,38 +687,41 @@ def run_capacity(tmp: Path, seconds: int) -> dict[str, Any]:
             "--load-model=repeat_int32",
         ],
     ) as (triton,):
-        data = base_config()
-        data["triton"] = {"backends": [backend(triton)]}
-        data["endpoints"]["repeat_int32"] = {"max_inflight_batches": 64, "throttle": False}
-        (tmp / "capacity").mkdir(exist_ok=True)
-        config = write_config(data, tmp / "capacity")
-        # The fleet's core, its two shells elsewhere (over gRPC).
-        core = start_core(config, tmp, "capacity-core")
-        try:
-            wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
-            shells = [start_shell([core], tmp, f"cap-shell{i}") for i in range(2)]
-            out["grpc link"] = core_cost(
-                core.proc.popen.pid,
-                [s.proc.popen.pid for s in shells],
-                [s.url for s in shells],
-                core.metrics_url,
-                tmp,
-                seconds,
-            )
-        finally:
-            for s in locals().get("shells", []):
-                s.proc.stop()
-            core.proc.stop()
-        # The same core with its two shells on this host (serve --workers 2, Unix socket).
-        with frontend(config, [], workers=2) as fe:
-            out["unix socket"] = core_cost(
-                fe.process.pid,
-                [],
-                [fe.grpc_url],
-                f"http://127.0.0.1:{fe.metrics_port}/metrics",
-                tmp,
-                seconds,
-            )
+        for unary in ("relay", "one_hop"):  # embed's tensors through the core, or not
+            data = base_config()
+            data["triton"] = {"backends": [backend(triton)]}
+            data["endpoints"]["repeat_int32"] = {"max_inflight_batches": 64, "throttle": False}
+            data["endpoints"]["embed"]["unary"] = unary
+            (tmp / f"capacity-{unary}").mkdir(exist_ok=True)
+            config = write_config(data, tmp / f"capacity-{unary}")
+            # The fleet's core, its two shells elsewhere (over gRPC).
+            core = start_core(config, tmp, f"capacity-core-{unary}")
+            try:
+                wait_http_ready(f"http://127.0.0.1:{core.metrics}/v2/health/ready", core.proc.popen)
+                shells = [start_shell([core], tmp, f"cap-shell{i}-{unary}") for i in range(2)]
+                out[f"grpc link, unary {unary}"] = core_cost(
+                    core.proc.popen.pid,
+                    [s.proc.popen.pid for s in shells],
+                    [s.url for s in shells],
+                    core.metrics_url,
+                    tmp,
+                    seconds,
+                )
+            finally:
+                for s in locals().get("shells", []):
+                    s.proc.stop()
+                core.proc.stop()
+            # The same core with its two shells on this host (serve --workers 2, Unix
+            # socket).
+            with frontend(config, [], workers=2) as fe:
+                out[f"unix socket, unary {unary}"] = core_cost(
+                    fe.process.pid,
+                    [],
+                    [fe.grpc_url],
+                    f"http://127.0.0.1:{fe.metrics_port}/metrics",
+                    tmp,
+                    seconds,
+                )
     return out
 
 
@@ -761,10 +766,12 @@ def core_cost(
         with load_generators(commands, tmp):
             time.sleep(4)
             cpu0 = process_tree_cpu_s(core)["core"]
+            bytes0 = tcp_bytes(core)
             count0 = scrape(metrics).sum("fair_requests_total", endpoint=model)
             t0 = time.monotonic()
             time.sleep(seconds)
             cpu = process_tree_cpu_s(core)["core"] - cpu0
+            moved = tcp_bytes(core) - bytes0
             count = scrape(metrics).sum("fair_requests_total", endpoint=model) - count0
             wall = time.monotonic() - t0
         if not count:
@@ -777,12 +784,33 @@ def core_cost(
             "served_per_s": count / wall,
             "core_busy": cpu / wall,
         }
+        if shells:  # TCP all of it (a Unix socket keeps no byte counts)
+            out[name]["core_socket_bytes"] = moved / count
         progress(
             f"{link}, {name}: core CPU {per_us:.0f} µs each -> one core "
             f"{1e6 / per_us:,.0f}/s (served {count / wall:,.0f}/s here, core "
             f"{cpu / wall:.0%} busy)"
+            + (f", {moved / count:,.0f} bytes on the core's sockets each" if shells else "")
         )
     return out
+
+
+def tcp_bytes(pid: int) -> int:
+    """Bytes process ``pid``'s open TCP sockets have sent (acknowledged) and received, as
+    the kernel counts them (``ss -ti``): its links to shells, Triton and the scrapers."""
+    listing = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+    total = 0
+    mine = False
+    for line in listing.splitlines():
+        if not line[:1].isspace():  # a socket's line; its counters follow on the next
+            mine = f"pid={pid}," in line
+            continue
+        if mine:
+            for field in line.split():
+                name, _, value = field.partition(":")
+                if name in ("bytes_acked", "bytes_received"):
+                    total += int(value)
+    return total
 
 
 def pin(pid: int, cpus: str, tree: bool = False) -> None:

@@ -35,8 +35,10 @@ with rows of its power-of-two class, each padded to less than twice its own widt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,6 +95,26 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
     per_row = endpoint.max_tokens_parameter if info.batching and info.takes_rows else None
     params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
+
+
+def one_hop(info: ModelInfo, endpoint: Endpoint) -> bool:
+    """Whether a unary request to this endpoint takes one hop where its shell is a process
+    of its own (``Endpoint.unary``): its shell keeps its tensors and sends its rows to
+    Triton when the core grants them (``fair_frontend.core.granted``). Not for the
+    requests that keep Triton's own semantics one at a time (decoupled: streamed, one hop
+    already; sequence batching: the core maps their ids), nor for engine endpoints
+    (``max_inflight``). The core's plan and every shell read the same config."""
+    return endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None
+
+
+def wire_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> bytes:
+    """``batch_key`` as it crosses to the core (``Call.key``): a digest of it, equal for
+    requests that may share a batch. A request that goes alone (no inputs) gets a key of
+    its own, never equal to another's."""
+    key = batch_key(req, info, endpoint)
+    if type(key) is object:
+        return b"alone:" + os.urandom(16)
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
 
 def mergeable_padding(info: ModelInfo, endpoint: Endpoint) -> frozenset[str]:

@@ -336,6 +336,17 @@ class Endpoint(_Strict):
         "cost and charge-back (decoding a token costs more than prefilling one; VTC's "
         "paper uses 2, as API prices do).",
     )
+    unary: Literal["one_hop", "relay"] = Field(
+        default="one_hop",
+        description="How a unary request's tensors reach Triton where shells are processes "
+        "of their own (--workers > 1, remote shells). one_hop: the shell keeps them and "
+        "sends the core only the request's facts; the core forms the fair batches as "
+        "ever and grants each shell its rows of each, which the shell sends to Triton "
+        "itself (the rows of several shells meet in Triton's dynamic batcher). relay: "
+        "the tensors go through the core, which sends each batch and hands back the "
+        "answers. Streams, stateful (sequence) models and engine endpoints always go as "
+        "they do (streams take one hop already). A shell in the core's process relays.",
+    )
     max_inflight_batches: int | None = Field(
         default=None,
         ge=1,

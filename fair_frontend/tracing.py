@@ -92,6 +92,11 @@ _SHARED: dict[str, Traces] = {}  # this process's, by their config (``Traces.of`
 _LOCK = threading.Lock()
 
 
+def span_context(traceparent: str) -> SpanContext:
+    """The span a W3C ``traceparent`` names (a part's call to Triton, made by a shell)."""
+    return trace.get_current_span(parent_context(traceparent)).get_span_context()
+
+
 class Traces:
     """One process's tracer for one ``tracing`` config (``Traces.of``)."""
 

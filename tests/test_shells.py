@@ -74,10 +74,17 @@ async def _send(client: grpcaio.InferenceServerClient, request_id: str) -> Any:
         return err
 
 
-async def test_a_shell_killed_mid_load_loses_nothing_else(triton: EmbeddedTriton) -> None:
+@pytest.mark.parametrize("unary", ["relay", "one_hop"])
+async def test_a_shell_killed_mid_load_loses_nothing_else(
+    triton: EmbeddedTriton, unary: str
+) -> None:
+    """In both unary modes: relayed, and one hop (the dead shell's rows in batches beside
+    the other shell's: those batches free their slots, the other shell's rows are served)."""
     outcomes = Outcomes()
+    data = make_config().model_dump(mode="json")
+    data["endpoints"]["embed"]["unary"] = unary
     server = FrontendServer(
-        make_config(),
+        parse_config(data),
         triton.grpc_url,
         Listen(),
         workers=2,
@@ -111,15 +118,18 @@ async def test_a_shell_killed_mid_load_loses_nothing_else(triton: EmbeddedTriton
         assert ok and failed, (len(ok), len(failed))
         # The dead shell's clients see their calls end, as a dropped connection does.
         assert {f.status() for f in failed} <= {"StatusCode.UNAVAILABLE"}, failed[:3]
-        # Nothing answered twice; everything a client got was dispatched by the core.
-        assert max(outcomes.by_id.values()) == 1
-        assert all(outcomes.outcome[i] is Outcome.DISPATCHED for i in ok)
-        # The core's books balance: nothing left queued or held for the dead shell.
+        # The core idle: with one hop a shell answers its clients once it has reported
+        # their part, and the core records them when the report arrives (a moment later).
         runtime = server.core.runtimes["embed"]  # type: ignore[union-attr]
+        assert (type(runtime).__name__ == "GrantedDispatcher") == (unary == "one_hop")
         deadline = time.monotonic() + 30
         while not runtime.idle:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
+        # Nothing answered twice; everything a client got was dispatched by the core.
+        assert max(outcomes.by_id.values()) == 1
+        assert all(outcomes.outcome[i] is Outcome.DISPATCHED for i in ok)
+        # The core's books balance: nothing left queued or held for the dead shell.
         c = runtime.scheduler.counters
         assert c.admitted == c.dispatched + c.expired + c.cancelled
         # The pool started the shell again, and it serves.
@@ -288,7 +298,8 @@ LARGE = [("grpc.max_receive_message_length", -1)]  # answers of 8 and 16 MiB
 
 def _link_config(stalled_shell_s: float) -> Any:
     data = make_config().model_dump(mode="json")
-    data["endpoints"]["flood"] = {"throttle": False}
+    # Relayed: the answers this link must carry cross the core (one hop, they would not).
+    data["endpoints"]["flood"] = {"throttle": False, "unary": "relay"}
     data["queues"]["stalled_shell_s"] = stalled_shell_s
     return parse_config(data)
 

@@ -264,9 +264,13 @@ async def test_a_request_is_traced_from_its_client_through_the_queue_to_triton(
         assert span.parent == request.span_id
     # One request's time in the core, end to end, in order and without a gap.
     assert request.start <= admission.start <= admission.end == queue.start
-    assert queue.end == batch.start <= batch.end <= request.end
+    assert queue.end == batch.start <= batch.end
     call = one(ours, "triton infer embed")
     assert call.parent == request.span_id and call.kind == 3  # CLIENT
+    if workers == 1:  # the core answers: its time ends before the request's
+        assert batch.end <= request.end
+    else:  # one hop: the shell calls Triton within the batch's slot, reports, answers
+        assert batch.start <= call.start and call.end <= batch.end
     assert batch.links == [call.span_id]
     assert call.attributes["fair.batch.requests"] >= 1
     # Triton's own spans hang under the batch's call to it (its traceparent header).

@@ -1,12 +1,14 @@
-"""One model's dispatch, in either mode: queue, slots, answers, expiry.
+"""One model's dispatch, in any mode: queue, slots, answers, expiry.
 
 The scheduler core is pure and synchronous; this module owns the timers (through one
 injected ``Clock``), the tasks that talk to Triton and the bound on what is in flight.
-``Dispatcher`` is what every model runs; its mode is one of two subclasses, picked by
-``Core._runtime`` from the endpoint's plan (``plan.endpoint_policy``: ``slots``):
+``Dispatcher`` is what every model runs; its mode is one of three subclasses, named by
+the endpoint's plan (``plan.dispatch_mode``) and built by ``Core._runtime``:
 
-* ``batches.BatchDispatcher`` (the default): batches of rows are assembled here, at most
+* ``batches.BatchDispatcher``: batches of rows are assembled here, at most
   ``max_inflight_batches`` (one per model instance) in Triton at once;
+* ``granted.GrantedDispatcher`` (a unary endpoint with ``unary: one_hop``, the default):
+  batch mode whose batches the shells that hold their rows send to Triton, one hop;
 * ``engine.EngineDispatcher`` (``max_inflight``): a model that batches inside itself
   (continuous batching) gets each request alone, at most ``max_inflight`` at once.
 
@@ -31,7 +33,7 @@ Each mode's own invariants are in its module. Those of both:
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
   held or still in Triton when a shutdown's drain ends (``drain``);
-* a decoupled model's request (in either mode) takes one hop: when its turn comes its
+* a decoupled model's request (in any mode) takes one hop: when its turn comes its
   slot is granted to the shell that holds its client (``records.Grant``), which sends it
   to Triton and relays the responses itself, reporting the output tokens they carry
   (``produced``: charged to its tenant's counter as they come, one loop iteration late at

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fair_frontend.admission import EngineThrottle, RateLimiter, Throttle, storage_from_uri
 from fair_frontend.admission.storage import DEFAULT_BUCKETS
+from fair_frontend.batching import one_hop
 from fair_frontend.config import Config, Endpoint, Queues, RateLimiting
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo
@@ -37,6 +38,18 @@ def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> Endp
         tier_min_share=dict(config.tier_guard.min_share),
         slots=endpoint.max_inflight,
     )
+
+
+def dispatch_mode(endpoint: Endpoint, info: ModelInfo) -> str:
+    """The endpoint's dispatch mode, by name (``Core`` builds its dispatcher from it):
+    ``engine`` for a model that batches inside itself (``max_inflight``), ``granted``
+    where unary requests take one hop (``batching.one_hop``: the shells send the rows the
+    core grants them), ``batches`` otherwise (the core sends the batches it forms)."""
+    if endpoint.max_inflight is not None:
+        return "engine"
+    if one_hop(info, endpoint):
+        return "granted"
+    return "batches"
 
 
 def queue_limits(queues: Queues) -> QueueLimits:

@@ -38,8 +38,10 @@ from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.engine import EngineDispatcher
+from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.plan import (
     batch_throttle,
+    dispatch_mode,
     endpoint_policy,
     engine_throttle,
     global_caps,
@@ -82,11 +84,26 @@ from fair_frontend.scheduler import (
 from fair_frontend.stats import Statistics
 from fair_frontend.tracing import Traces
 from fair_frontend.triton.forwarder import TritonForwarder
-from fair_frontend.wire.records import CONNECTION_DOOR, Answer, Call, Fault, Group, Tally
+from fair_frontend.wire.records import (
+    CONNECTION_DOOR,
+    Answer,
+    Call,
+    Fault,
+    Group,
+    RowsDone,
+    Tally,
+)
 
 log = logging.getLogger(__name__)
 
 REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
+
+# The dispatch modes, by the name the plan gives (``plan.dispatch_mode``).
+DISPATCH_MODES: dict[str, type[Dispatcher]] = {
+    "batches": BatchDispatcher,
+    "engine": EngineDispatcher,
+    "granted": GrantedDispatcher,
+}
 
 
 class ModelRegistry:
@@ -444,6 +461,13 @@ class Core:
         if runtime is not None:
             runtime.ended(req, version, err, cancelled)
 
+    def rows_done(self, done: RowsDone, route: Route) -> None:
+        """A shell's report on its part of a granted batch (``core.granted``)."""
+        runtime = self.runtimes.get(done.model)
+        report = getattr(runtime, "rows_done", None)
+        if report is not None:
+            report(route, done)
+
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
         dropped = 0
@@ -558,7 +582,10 @@ class Core:
     ) -> CoreRequest:
         """The core's request for ``call``; its batch key taken now where ``keyed`` (and
         the runtime is there), else left None for whoever queues it."""
-        request = call.request
+        if call.key and runtime is not None and not hasattr(runtime, "rows_done"):
+            # Its shell kept the tensors for an endpoint this core relays: the shell and
+            # the core read different configs (the plan is the same function of it).
+            raise Internal(f"model '{runtime.model}' takes whole calls here, not their facts")
         return CoreRequest(
             call.tenant,
             call.rows,
@@ -566,9 +593,7 @@ class Core:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(request, runtime.info, runtime.endpoint)
-            if runtime is not None and keyed
-            else None,
+            _shape_key(call, runtime) if keyed or call.key else None,
             call=call,
             route=route,
         )
@@ -614,7 +639,7 @@ class Core:
             runtime = self.runtimes.get(model)
             if runtime is None:
                 runtime = self._runtime(model, await self.models.get(model))
-                req.shape_key = batch_key(call.request, runtime.info, runtime.endpoint)
+                req.shape_key = _shape_key(call, runtime)
                 req.tokens = _scheduled_tokens(call, runtime)
                 self._known(req.tenant)  # a reload may have removed it meanwhile
             if lookup:
@@ -746,7 +771,7 @@ class Core:
                 ),
                 slot_times=SlotTimes.for_slots((endpoint.max_inflight or 1) * len(self.pool)),
             )
-            dispatcher = EngineDispatcher if engine else BatchDispatcher
+            dispatcher = DISPATCH_MODES[dispatch_mode(endpoint, info)]
             runtime = dispatcher(
                 model=model,
                 info=info,
@@ -995,6 +1020,16 @@ def _one_call(calls: Sequence[Call]) -> None:
     for call in calls:
         if call.tenant != head.tenant or call.request.model != head.request.model or call.stream:
             raise Internal("a group of calls must be one tenant's, for one model, not streamed")
+
+
+def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
+    """Which calls may share a batch (``batching.batch_key``): the key its shell took,
+    where it kept the tensors (``Call.key``), else taken here (None: no runtime yet)."""
+    if call.key:
+        return call.key
+    if runtime is None:
+        return None
+    return batch_key(call.request, runtime.info, runtime.endpoint)
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:

@@ -42,6 +42,8 @@ from fair_frontend.wire.records import (
     Produced,
     QueueView,
     Ready,
+    Rows,
+    RowsDone,
     Running,
     Settings,
     StatsAnswer,
@@ -199,6 +201,14 @@ class ShellConnection(Framed):
             if req is not None and req is not _CANCELLED:
                 err = record.fault.error() if record.fault is not None else None
                 self.core.stream_ended(req, record.version, err, record.cancelled)
+        elif isinstance(record, RowsDone):
+            self.core.rows_done(record, self)
+            calls = self.calls
+            if record.fault is None:  # answered by the shell: no answer follows
+                for call_id, _ in record.served:
+                    calls.pop(call_id, None)
+            for call_id in record.gone:
+                calls.pop(call_id, None)
         elif isinstance(record, Running):
             req = self.core.adopt(record.call, self, record.backend)
             if req is not None:
@@ -282,6 +292,11 @@ class ShellConnection(Framed):
         except FrameTooLarge as err:  # outputs beyond what one frame carries
             log.error("answer to %s: %s", self.peer, err)
             self.send(Answer(answer.id, fault=Fault.of(Internal(str(err)))))
+
+    def grant_rows(self, rows: Rows) -> None:
+        """Rows of a batch for this shell to send (``core.granted``); their calls stay
+        until it reports (``RowsDone``)."""
+        self.send(rows)
 
     async def _info(self, query: InfoQuery) -> None:
         try:

@@ -17,16 +17,19 @@ becomes a metric label or a statistics entry.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, aclosing, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.auth import Authenticator, Identity, KeyRing, ModelAccess
-from fair_frontend.batching import pack
+from fair_frontend.batching import one_hop, pack, unpack, wire_key
 from fair_frontend.config import Config, Endpoint, SideDoors
 from fair_frontend.errors import (
     FrontendError,
@@ -64,12 +67,23 @@ from fair_frontend.tokens import TokenCounter, at_least_tokens, output_tokens, u
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import INCLUDE_USAGE, Usage
-from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, Answer, Call, Grant, TallyEntry
+from fair_frontend.wire.records import (
+    SIDE_DOOR_LOOKUP,
+    Answer,
+    Call,
+    Fault,
+    Grant,
+    Rows,
+    RowsDone,
+    TallyEntry,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # Server metadata extensions the frontend implements (a subset of Triton's: no shared
 # memory, which cannot cross hosts; no repository control or tracing, which stay with
@@ -133,6 +147,15 @@ class Gateway:
         self.turns = Turns()  # requests' decodes, round robin per tenant under a burst
         # Request traces: ``tracing.*`` takes a restart (a reload keeps the first config's).
         self.traces = Traces.of(config)
+        # A link that takes grants of rows (a shell process's): unary calls to a one-hop
+        # endpoint keep their tensors here and go as their facts (``records``).
+        rows_link: Any = link if getattr(link, "takes_rows", False) else None
+        if rows_link is not None:
+            rows_link.on_rows = self.send_rows
+        self._rows_link = rows_link
+        # Calls whose granted rows are in Triton now: set when their send is over.
+        self._sending: dict[int, asyncio.Event] = {}
+        self._parts: set[asyncio.Task[None]] = set()
         self.configure(config, keyring)
 
     def configure(self, config: Config, keyring: KeyRing) -> None:
@@ -257,7 +280,12 @@ class Gateway:
         if paid is not None:
             paid.settled_by(calls[0])
         # From here on the core counts and logs each part, whatever its outcome.
-        inboxes = self.link.submit_group(calls)
+        if self._keeps_rows(info, endpoint):
+            inboxes = self.link.submit_group([_facts(c, info, endpoint) for c in calls])
+            for inbox, call in zip(inboxes, calls, strict=True):
+                inbox.held = (call, info, endpoint)
+        else:
+            inboxes = self.link.submit_group(calls)
         failure: FrontendError | None = None
         try:
             answers = await _answers(inboxes)
@@ -451,7 +479,11 @@ class Gateway:
         if usage is not None:
             usage.prompt_tokens = checked.tokens - checked.max_tokens
         # From here on the core counts and logs the request, whatever its outcome.
-        inbox = self.link.submit(call)
+        if self._keeps_rows(info, endpoint):
+            inbox = self.link.submit(_facts(call, info, endpoint))
+            inbox.held = (call, info, endpoint)
+        else:
+            inbox = self.link.submit(call)
         try:
             answer = await inbox.get()
             grants = 0
@@ -486,6 +518,126 @@ class Gateway:
             )
         finally:
             inbox.cancel()  # no-op once answered or ended
+
+    # ---- granted rows: a batch's part, sent from here (``core.granted``) -----------------
+
+    def _keeps_rows(self, info: ModelInfo, endpoint: Endpoint) -> bool:
+        """Whether a unary call keeps its tensors here (its facts go to the core)."""
+        return self._rows_link is not None and one_hop(info, endpoint)
+
+    def send_rows(self, rows: Rows, inboxes: list[Inbox | None]) -> None:
+        """The core granted these calls rows of a batch: send them to Triton as one
+        request (``_send_rows``)."""
+        task = asyncio.get_running_loop().create_task(self._send_rows(rows, inboxes))
+        self._parts.add(task)
+        task.add_done_callback(self._parts.discard)
+
+    async def _send_rows(self, rows: Rows, inboxes: list[Inbox | None]) -> None:
+        """One part of a batch: packed, sent to the Triton the grant names, reported to
+        the core, then answered. A part that failed is reported and not answered: its
+        calls wait for the core's word (another grant, or an answer with the error).
+        Calls gone meanwhile (their client left) are reported gone. A call still in
+        Triton by the grant of a core since lost (a failover sent it again) is waited
+        for: answered by then, it is reported gone; failed, it goes with this part."""
+        link = self._rows_link
+        earlier = [self._sending[i].wait() for i in rows.calls if i in self._sending]
+        if earlier:
+            await asyncio.gather(*earlier)
+        live: list[tuple[Inbox, Call, float, Any]] = []
+        gone: list[int] = []
+        for call_id, inbox, queued_s, quota in zip(
+            rows.calls, inboxes, rows.queued_s, rows.quotas, strict=True
+        ):
+            if (
+                inbox is None
+                or inbox.held is None
+                or inbox.done
+                or inbox.answered is not None
+                or call_id in self._sending
+            ):
+                gone.append(call_id)
+            else:
+                live.append((inbox, inbox.held[0], queued_s, quota))
+        if not live:
+            link.rows_done(RowsDone(rows.model, rows.batch, [], gone))
+            return
+        _, info, endpoint = live[0][0].held
+        calls = [call for _, call, _, _ in live]
+        ids = [call.id for call in calls]
+        sent = asyncio.Event()
+        for call_id in ids:
+            self._sending[call_id] = sent
+        started = time.monotonic()
+        fault: Fault | None = None
+        traceparent = ""
+        try:
+            version, outs, traceparent = await self._infer_rows(
+                rows, calls, info, endpoint, started
+            )
+        except FrontendError as err:
+            fault = Fault.of(err)
+        except Exception as err:  # never lose a part: the core judges it
+            log.exception("a granted part of %s failed unexpectedly", rows.model)
+            fault = Fault.of(Internal(f"internal error: {type(err).__name__}"))
+        finally:
+            for call_id in ids:
+                self._sending.pop(call_id, None)
+            sent.set()
+        exec_s = time.monotonic() - started
+        if fault is not None:
+            served = [(call_id, 0) for call_id in ids]
+            link.rows_done(RowsDone(rows.model, rows.batch, served, gone, fault, "", exec_s))
+            return
+        name = endpoint.token_output
+        served = [
+            (
+                call.id,
+                output_tokens(out, name, endpoint.tokenizer, call.request)
+                if name is not None and out
+                else 0,
+            )
+            for call, out in zip(calls, outs, strict=True)
+        ]
+        # The core hears of it before the clients do (as of a stream's end).
+        link.rows_done(
+            RowsDone(rows.model, rows.batch, served, gone, None, version, exec_s, traceparent)
+        )
+        for (inbox, call, queued_s, quota), out in zip(live, outs, strict=True):
+            inbox.answer(Answer(call.id, version, out, queued_s=queued_s, quota=quota))
+
+    async def _infer_rows(
+        self, rows: Rows, calls: list[Call], info: ModelInfo, endpoint: Endpoint, started: float
+    ) -> tuple[str, list[list[Any]], str]:
+        """The part's one Triton request: (the version that ran, each call's outputs, the
+        traceparent of its span where traced)."""
+        packed = pack(calls, info, endpoint)
+        forwarder = self.tritons[rows.backend]
+        first = calls[0].request
+        span = None
+        traceparent = ""
+        if self.traces is not None:
+            span = self.traces.batch(rows.model, calls, forwarder.url, started)
+            if span is not None:
+                traceparent = carried(span)[0]
+        try:
+            version, outputs = await forwarder.infer(
+                rows.model,
+                first.version,
+                packed.inputs,
+                packed.outputs,
+                packed.parameters,
+                request_id=first.id if len(calls) == 1 else "",
+                sequence=packed.sequence,
+                **({"traceparent": traceparent} if traceparent else {}),
+            )
+        except FrontendError as err:
+            if span is not None:
+                failed(span, err)
+            raise
+        finally:
+            if span is not None:
+                span.end()
+        return version, unpack(outputs, calls, info, endpoint, packed.stripped), traceparent
 
     async def _relay(
         self,
@@ -951,6 +1103,14 @@ class Gateway:
             )
             self._cache_config = self.config
         return self._cache
+
+
+def _facts(call: Call, info: ModelInfo, endpoint: Endpoint) -> Call:
+    """What the core is told of a call whose tensors stay here: all but its request's
+    inputs, outputs and parameters, and the batch key they make (``Call.key``)."""
+    req = call.request
+    bare = dataclasses.replace(req, inputs=[], outputs=[], parameters={})
+    return msgspec.structs.replace(call, request=bare, key=wire_key(req, info, endpoint))
 
 
 def _wants_usage(req: InferRequest) -> bool:

@@ -36,8 +36,8 @@ class Inbox:
     """
 
     __slots__ = (
-        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "on_answer",
-        "on_revoke",
+        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "held",
+        "on_answer", "on_revoke",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -51,6 +51,9 @@ class Inbox:
         self.on_answer: Callable[[Answer | Grant], None] | None = None
         self.done = False  # answered and read, or ended
         self.granted = False
+        # A call whose tensors its shell kept (granted mode): what it needs to send the
+        # rows the core grants (set by the gateway; ``Gateway.send_rows``).
+        self.held: Any = None
 
     def answer(self, answer: Answer | Grant) -> None:
         if self.granted:  # the core takes the slot back

@@ -56,6 +56,7 @@ from fair_frontend.wire.records import (
     Hello,
     InfoQuery,
     Ready,
+    RowsDone,
     Running,
     Settings,
     StatsQuery,
@@ -218,6 +219,14 @@ class RemoteLink(SocketLink):
         elif isinstance(record, Stop):  # the core is leaving: the next one follows
             return
         super().received(record)
+
+    def rows_done(self, done: RowsDone) -> None:
+        """Calls a granted part served are answered: held no more (one that failed stays
+        held, for the core's word or the next core)."""
+        if done.fault is None:
+            for call_id, _ in done.served:
+                self._unhold(call_id)
+        super().rows_done(done)
 
     def close(self) -> None:
         self._stopping = True

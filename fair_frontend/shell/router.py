@@ -25,7 +25,17 @@ from fair_frontend.errors import Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.wire.records import Answer, Call, Fault, Hello, Ready, Settings, TallyEntry
+from fair_frontend.shell.socket_link import RowsTaker
+from fair_frontend.wire.records import (
+    Answer,
+    Call,
+    Fault,
+    Hello,
+    Ready,
+    RowsDone,
+    Settings,
+    TallyEntry,
+)
 from fair_frontend.wire.remote import Tls
 
 
@@ -98,6 +108,24 @@ class RouterLink:
 
     def link_for(self, model: str) -> RemoteLink | None:
         return self._by_model.get(model, self._default)
+
+    # granted rows (``records.Rows``): each set's core grants its own models' rows
+
+    takes_rows = True
+
+    @property
+    def on_rows(self) -> RowsTaker | None:
+        return self.links[0][1].on_rows
+
+    @on_rows.setter
+    def on_rows(self, value: RowsTaker | None) -> None:
+        for _, link in self.links:
+            link.on_rows = value
+
+    def rows_done(self, done: RowsDone) -> None:
+        link = self.link_for(done.model)
+        if link is not None:
+            link.rows_done(done)
 
     # what ShellProcess sets and reads of a remote link
 

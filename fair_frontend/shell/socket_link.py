@@ -34,6 +34,8 @@ from fair_frontend.wire.records import (
     Precharged,
     Produced,
     QueueView,
+    Rows,
+    RowsDone,
     Settings,
     StatsAnswer,
     StatsQuery,
@@ -48,10 +50,17 @@ TALLY_INTERVAL_S = 0.25
 TALLY_MAX_KEYS = 1024  # distinct (tenant, model, outcome) before a tally goes early
 
 
+RowsTaker = Callable[[Rows, list[Inbox | None]], None]
+"""(a grant of rows, the inbox of each of its calls or None where gone): the gateway's
+``send_rows``."""
+
+
 class SocketLink(Framed):
-    """A shell process's link to the core (``fair_frontend.shell.link.CoreLink``)."""
+    """A shell process's link to the core (``fair_frontend.shell.link.CoreLink``); it
+    takes grants of rows (``records.Rows``) for the calls whose tensors its shell kept."""
 
     decoder = to_shell
+    takes_rows = True
 
     def __init__(
         self,
@@ -75,6 +84,7 @@ class SocketLink(Framed):
         # the end of this loop iteration, all calls' in one ``Produced``.
         self._produced: dict[int, tuple[int, float, list[float]]] = {}
         self.accepting = True
+        self.on_rows: RowsTaker | None = None  # who sends granted rows (the gateway)
 
     @classmethod
     async def connect(
@@ -173,6 +183,14 @@ class SocketLink(Framed):
         sent = Fault.of(fault) if fault is not None else None
         super().send(Ended(call_id, version, sent, cancelled))
 
+    def rows_done(self, done: RowsDone) -> None:
+        """Report a part of a granted batch; the calls it served are answered here (the
+        core sends no answer for them)."""
+        if done.fault is None:
+            for call_id, _ in done.served:
+                self._inboxes.pop(call_id, None)
+        super().send(done)
+
     async def model_info(self, model: str) -> ModelInfo:
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
         if answer.fault is not None:
@@ -259,6 +277,12 @@ class SocketLink(Framed):
             inbox = self._inboxes.get(record.id)
             if inbox is not None:
                 inbox.answer(record)
+        elif isinstance(record, Rows):
+            inboxes = [self._inboxes.get(call_id) for call_id in record.calls]
+            if self.on_rows is not None:
+                self.on_rows(record, inboxes)
+            else:  # nobody here sends rows: the core hears they are gone
+                self.rows_done(RowsDone(record.model, record.batch, [], list(record.calls)))
         elif isinstance(record, (InfoAnswer, StatsAnswer, Precharged)):
             fut = self._queries.get(record.id)
             if fut is not None and not fut.done():

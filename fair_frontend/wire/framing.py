@@ -102,6 +102,7 @@ class Framed(asyncio.Protocol):
         self.closed = False
         self.stall_s = DEFAULT_STALLED_SHELL_S  # queues.stalled_shell_s
         self._written = 0  # bytes handed to the transport, ever
+        self.received_bytes = 0  # bytes taken from the transport, ever
         self._watch: asyncio.TimerHandle | None = None  # set while the transport is paused
         self._sent_seen = 0  # bytes sent at the last progress seen
         self._progress_at = 0.0  # the loop's time of that progress
@@ -128,6 +129,7 @@ class Framed(asyncio.Protocol):
         self.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        self.received_bytes += len(data)
         buf = self._buffer
         buf += data
         start = 0

@@ -26,6 +26,19 @@ then frees the slot and records the outcome. A call granted a slot is answered n
 by the core, except to take the slot back (a shutdown that stopped waiting for it): an
 ``Answer`` with the error, which ends the stream in the shell.
 
+Unary requests take one hop too, on an endpoint the plan puts in granted mode
+(``batching.one_hop``; ``fair_frontend.core.granted``): the shell keeps the tensors and
+sends the ``Call`` with its facts alone (its request without inputs, outputs or
+parameters, and ``key``: the batch key it computed, ``batching.wire_key``). The core
+forms each batch from the queued facts as it forms a relayed one and grants each shell
+its rows of it, one ``Rows`` per shell per batch; the shell packs them into one Triton
+request, sends it to the Triton the grant names, answers its clients when it succeeds,
+and reports the outcome in one ``RowsDone``. A part that failed is not answered by the
+shell: the core decides (another grant: a bisection's half, or another Triton for a part
+that never reached one; or an ``Answer`` with the error). Only a shell process's link
+takes grants (``SocketLink``, and so the remote shells'); a shell in the core's process
+(``--workers 1``) sends its calls whole, and the core relays them as before.
+
 With ``--workers 1`` the shell lives in the core's process and the records are passed as
 objects; with several shell processes ``fair_frontend.wire.framing`` frames them as msgpack over a
 Unix socket, tensors as Triton's raw bytes (row-major, little-endian; BYTES elements
@@ -83,6 +96,10 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # the request; with one, the precharge counted it).
     precharged: int = 0
     precharged_at: float = 0.0
+    # Granted mode (the module docstring): the batch key its shell computed
+    # (``batching.wire_key``), where the shell keeps the tensors and ``request`` carries
+    # none; b"": the request whole, relayed by the core.
+    key: bytes = b""
 
     @property
     def deadline(self) -> float | None:
@@ -211,6 +228,40 @@ class Grant(msgspec.Struct, tag=18, array_like=True):
     queued_s: float = -1.0
     backend: int = 0  # the Triton to send it to: an index into ``Settings.triton_urls``
     quota: Quota | None = None  # its tenant's rate-limit state after its admission
+
+
+class Rows(msgspec.Struct, tag=25, array_like=True):
+    """Batch ``batch`` of ``model`` takes these of a shell's calls (granted mode, the
+    module docstring): its shell packs them, in this order, into one Triton request to
+    backend ``backend`` (an index into ``Settings.triton_urls``), answers each client
+    when it succeeds, and reports in one ``RowsDone``. Per call, in the order of
+    ``calls``: its time queued and its tenant's rate-limit state (its answer's)."""
+
+    model: str
+    batch: int
+    backend: int
+    calls: list[int]
+    queued_s: list[float]
+    quotas: list[Quota | None]
+
+
+class RowsDone(msgspec.Struct, tag=26, array_like=True):
+    """How a shell's part of batch ``batch`` (a ``Rows``) went: ``served``, the calls it
+    sent, each with the output tokens of its answer; ``gone``, those whose client had gone
+    away (not sent); ``fault``: None where Triton answered the part (the shell answered
+    its clients), else its error, and those calls wait for the core's word (a new
+    ``Rows`` or an ``Answer``). ``exec_s``: the part's time in Triton, as its shell timed
+    the call; ``traceparent``: that call's span, where traced, which the batch span of
+    each of its requests links to."""
+
+    model: str
+    batch: int
+    served: list[tuple[int, int]]
+    gone: list[int] = []
+    fault: Fault | None = None
+    version: str = ""
+    exec_s: float = 0.0
+    traceparent: str = ""  # the part's call to Triton, where traced (``tracing``)
 
 
 class Produced(msgspec.Struct, tag=19, array_like=True):
@@ -391,6 +442,7 @@ ToCore = Union[  # noqa: UP007
     Produced,
     Ended,
     Running,
+    RowsDone,
 ]
 ToShell = Union[  # noqa: UP007
     Answer,
@@ -403,4 +455,5 @@ ToShell = Union[  # noqa: UP007
     Stop,
     FlushTally,
     QueueView,
+    Rows,
 ]

@@ -333,6 +333,7 @@ class Harness:
         backends: int = 1,
         sequence_batching: bool = False,
         triton: Callable[[FakeClock], FakeTriton] | None = None,
+        dispatcher: type[BatchDispatcher] = BatchDispatcher,
     ) -> None:
         self.clock = StepClock()
         # ``backends`` Tritons in a pool (``core.pool``), each a fake with its own probe
@@ -370,7 +371,7 @@ class Harness:
         self.finished: list[Finished] = []
         self.reports: list[BatchReport] = []
         self.route = RecordingRoute()
-        self.runtime = BatchDispatcher(
+        self.runtime = dispatcher(
             model=MODEL,
             info=self.info,
             endpoint=self.endpoint,
