@@ -953,8 +953,12 @@ def processes(tmp: Path) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
             raise RuntimeError("the Triton stand-in did not start")
         (tmp / "secret").write_text(SECRET)
         config = write_config(config_data(f"127.0.0.1:{standin_port}"), tmp)
+        # FAIR_BENCH_PROFILE=FILE: the core runs under cProfile, its stats written to FILE
+        # when it exits (a profile of where its CPU goes; the figures are then not its own).
+        profile = os.environ.get("FAIR_BENCH_PROFILE")
         core_cmd = [
             sys.executable,
+            *(["-m", "cProfile", "-o", profile] if profile else []),
             "-m",
             "fair_frontend.cli",
             "core",
