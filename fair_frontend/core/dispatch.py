@@ -753,12 +753,23 @@ class Dispatcher(ABC):
     def produced(self, req: CoreRequest, tokens: int) -> None:
         """A granted request's stream relayed ``tokens`` output tokens (its shell says so,
         as they come): charged to its tenant now."""
+        if self.count_produced(req, tokens):
+            self._tokens_charged()
+
+    def count_produced(self, req: CoreRequest, tokens: int) -> bool:
+        """``produced`` but for asking whether a slot waits on the charge: True where its
+        tenant was charged, and the caller then calls ``charged`` once, after all the
+        reports it counts together (a shell's ``Produced``: one record per tick)."""
         if req.answered or tokens <= 0:
-            return
+            return False
         req.produced += tokens
         if self._token_output is None:
-            return
+            return False
         self.on_tokens(req, tokens)
+        return True
+
+    def charged(self) -> None:
+        """Streams' tokens were charged to their tenants (``count_produced``)."""
         self._tokens_charged()
 
     def ended(

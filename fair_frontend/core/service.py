@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fair_frontend.admission import (
@@ -425,6 +425,33 @@ class Core:
             first_token_s=first_token_s if first_token_s >= 0 else None,
             inter_token_s=gaps_s,
         )
+
+    def produced_all(
+        self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
+    ) -> None:
+        """``produced`` for each report of one record (a shell's ``Produced``: its streams'
+        tokens of one tick), in order; each model is asked once, after them all, whether a
+        slot waits on the charges (``Dispatcher.charged``). The charges and observations
+        are those of one ``produced`` each, at the same moment of the core's clock: the
+        fairness bounds (``tests/core/test_report_delays.py``) are the same."""
+        runtimes = self.runtimes
+        observe = self.observer.tokens_produced
+        charged: list[Dispatcher] = []
+        for req, tokens, first_token_s, gaps_s in reports:
+            runtime = runtimes.get(req.call.request.model)
+            if runtime is None or req.answered or tokens <= 0:
+                continue
+            if runtime.count_produced(req, tokens) and runtime not in charged:
+                charged.append(runtime)
+            observe(
+                tenant=req.tenant,
+                model=req.call.request.model,
+                tokens=tokens,
+                first_token_s=first_token_s if first_token_s >= 0 else None,
+                inter_token_s=gaps_s,
+            )
+        for runtime in charged:
+            runtime.charged()
 
     def stream_ended(
         self,
