@@ -329,6 +329,10 @@ class Dispatcher(ABC):
         self._incoming: deque[CoreRequest] = deque()
         self._slicing = False
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
+        # Each tenant's requests in the batches of ``_tasks`` (kept by ``_launch`` and
+        # ``_forget``, the only two that change ``_tasks``): an engine's cap per tenant
+        # reads it per slot it fills, not a scan of every slot.
+        self._in_tasks: dict[str, int] = {}
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
@@ -516,13 +520,24 @@ class Dispatcher(ABC):
             self._pin(batch, backend, now)
         task = asyncio.get_running_loop().create_task(self._run(batch, backend))
         self._tasks[task] = batch
+        in_tasks = self._in_tasks
+        for r in batch:
+            in_tasks[r.tenant] = in_tasks.get(r.tenant, 0) + 1
         self._where[task] = backend
         task.add_done_callback(self._forget)
         return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
+        batch = self._tasks.pop(task, None)
         self._where.pop(task, None)
+        if batch is not None:  # (called twice per task: by its end, and its callback)
+            in_tasks = self._in_tasks
+            for r in batch:
+                left = in_tasks[r.tenant] - 1
+                if left:
+                    in_tasks[r.tenant] = left
+                else:
+                    del in_tasks[r.tenant]
 
     # ---- sequences in a pool: each stays on the backend that holds its state -----------
 
