@@ -579,8 +579,13 @@ class Core:
         self, call: Call, route: Route, runtime: Dispatcher | None, *, keyed: bool = True
     ) -> CoreRequest:
         """The core's request for ``call``; its batch key taken now where ``keyed`` (and
-        the runtime is there), else left None for whoever queues it."""
+        the runtime is there), else left None for whoever queues it. A model whose
+        requests go one per batch (engine mode, decoupled, not batching: the plan's
+        ``max_batch_size`` 0) never compares keys: none is taken."""
         request = call.request
+        key = None
+        if keyed and runtime is not None and runtime.scheduler.policy.max_batch_size:
+            key = batch_key(request, runtime.info, runtime.endpoint)
         return CoreRequest(
             call.tenant,
             call.rows,
@@ -588,9 +593,7 @@ class Core:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(request, runtime.info, runtime.endpoint)
-            if runtime is not None and keyed
-            else None,
+            key,
             call=call,
             route=route,
         )
