@@ -196,6 +196,7 @@ class FrontendMetrics(Observer):
         self.pending = Pending()
         self.registry.register(_FlushPending(self.pending))  # before the families it feeds
         self._token_sinks: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._request_sinks: dict[tuple[str | None, str, Outcome], tuple[Any, ...]] = {}
         self.config = config
         self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
         self.endpoint_label = EndpointLabels(config.endpoints)
@@ -381,13 +382,35 @@ class FrontendMetrics(Observer):
         usage: Usage | None = None,
         service_s: float | None = None,
     ) -> None:
-        labels = self._count(tenant, model, outcome, 1)
+        sink = self._request_sinks.get((tenant, model, outcome))
+        if sink is None:
+            sink = self._request_sink(tenant, model, outcome)
+        pending = self.pending
+        pending.inc(sink[0])
         if queued_s is not None:
-            self.pending.observe(self._series(self.queue_wait, *labels), queued_s)
-        if latency_s is not None and outcome is not Outcome.CANCELLED:
+            pending.observe(sink[1], queued_s)
+        if latency_s is not None and sink[2] is not None:
+            pending.observe(sink[2], latency_s)
+
+    def _request_sink(self, tenant: str | None, model: str, outcome: Outcome) -> tuple[Any, ...]:
+        """A finished request's counter, queue-wait series and GenAI duration series (None
+        for a cancelled one), by tenant, model and outcome: resolved once while the labels
+        stand (a config's tiers, a model not yet confirmed: not kept)."""
+        if outcome in _MODEL_EXISTS:
+            self.endpoint_label.confirm(model)
+        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
+        duration = None
+        if outcome is not Outcome.CANCELLED:
             error_type = "" if outcome is Outcome.DISPATCHED else outcome.value
-            series = self._series(self.genai_duration, labels[2], error_type)
-            self.pending.observe(series, latency_s)
+            duration = self._series(self.genai_duration, labels[2], error_type)
+        sink = (
+            self._child(self.requests, *labels, outcome.value),
+            self._series(self.queue_wait, *labels),
+            duration,
+        )
+        if labels[2] != OTHER_ENDPOINT:
+            self._request_sinks[(tenant, model, outcome)] = sink
+        return sink
 
     def requests_answered(
         self, tenant: str | None, model: str, outcome: Outcome, count: int
@@ -490,6 +513,7 @@ class FrontendMetrics(Observer):
         """A (re)loaded config: tenants' tiers (labels) may have changed."""
         self._config = config
         self._token_sinks = {}
+        self._request_sinks = {}
 
     def throttle_decision(self, *, model: str, decision: Any) -> None:
         self.endpoint_label.confirm(model)
