@@ -40,7 +40,9 @@ The driver's shell is one small class (``SimShell``): its unary call is one meth
 
 ``--quick``: shorter steps and a coarser ramp (under about a minute), written to
 ``core_capacity_quick.json``; the default run takes a few minutes and writes
-``benchmarks/results/core_capacity.json`` and ``core_capacity.png``.
+``benchmarks/results/core_capacity.json`` and ``core_capacity.png``. With
+``FAIR_BENCH_PROFILE=FILE`` in its environment the core runs under cProfile and writes its
+profile to FILE when it exits (where its CPU goes; that run's figures are not its own).
 """
 
 from __future__ import annotations
