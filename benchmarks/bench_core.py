@@ -14,7 +14,14 @@ tokens per day, set far above what the run sends: every request is admitted), so
 request takes the limiter's hot path (``check_now``, ``memory://``) and its answer carries
 a quota (results: ``core_limits.json``).
 
-    .venv/bin/python -m benchmarks.bench_core [--requests 20000] [--limits]
+With ``--streams`` it measures a new stream instead (issue 30): the example config's
+``llm`` (decoupled, engine mode, 64 slots, two tenants of weights 2:1 kept backlogged),
+each ``Call`` decoded from its frame as the link delivers it, granted, then one
+``Produced`` record (its one token, ``Core.produced_all``) and its ``Ended``: the core's
+own Python work per stream, without the link that ``bench_core_capacity`` adds (results:
+``core_streams.json``).
+
+    .venv/bin/python -m benchmarks.bench_core [--requests 20000] [--limits] [--streams]
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import Intake
+from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.wire.framing import encode, to_core, to_shell
-from fair_frontend.wire.records import Answer, Call
+from fair_frontend.wire.records import Answer, Call, Grant
 
 TOKENS = 128
 TENANTS = 8
@@ -164,10 +172,94 @@ def ipc_per_request(n: int) -> dict[str, float]:
     return {"us_per_request": (time.process_time() - cpu0) / n * 1e6}
 
 
+def llm_info() -> ModelInfo:
+    """The shipped ``llm``'s config (decoupled)."""
+    from google.protobuf import text_format
+
+    from benchmarks.harness import ROOT
+
+    text = (ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
+    return ModelInfo.from_config(text_format.Parse(text, model_config_pb2.ModelConfig()), ("1",))
+
+
+class Shell:
+    """A route that keeps the grants."""
+
+    def __init__(self) -> None:
+        self.grants: list[Grant] = []
+
+    def answer(self, answer: Answer | Grant) -> None:
+        if isinstance(answer, Grant):
+            self.grants.append(answer)
+
+
+async def core_per_stream(n: int) -> dict[str, float]:
+    """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1)."""
+    data = load_example_config()
+    data.pop("tier_limits", None)
+    data["default_endpoint"] = {"throttle": False}
+    data["endpoints"]["llm"]["throttle"] = False
+    for tenant, weight in (("acme", 2.0), ("globex", 1.0)):
+        data["tenants"][tenant].update(weight=weight, max_queued=1_000_000)
+        data["tenants"][tenant].pop("limits", None)
+    core = Core(parse_config(data), InstantTriton())  # type: ignore[arg-type]
+    core._runtime("llm", llm_info())
+    shell = Shell()
+    text = np.array([b"a tenant asks the shared model a question"], dtype=object)
+    request = InferRequest(
+        "llm",
+        inputs=[
+            Tensor("text_input", "BYTES", (1,), text),
+            Tensor("stream", "BOOL", (1,), np.array([True])),
+        ],
+    )
+    reqs: dict[int, Any] = {}
+    ids = iter(range(1, 1 << 62))
+
+    def submit(tenant: str) -> None:
+        i = next(ids)
+        call = Call(i, tenant, 2, time.monotonic(), time.time(), 1, 17, 64, None, request, True, 1)
+        reqs[i] = core.submit(to_core.decode(encode(call)[4:]), shell)  # as it arrives
+
+    for k in range(256):
+        submit(("acme", "globex")[k % 2])
+    done = seen = 0
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    while done < n:
+        grants, seen = shell.grants[seen:], len(shell.grants)
+        for grant in grants:
+            req = reqs.pop(grant.id)
+            core.produced_all([(req, 1, 0.001, [])])
+            core.stream_ended(req, "1", None, False)
+            submit(req.tenant)
+            done += 1
+        await asyncio.sleep(0)
+    cpu = time.process_time() - cpu0
+    wall = time.perf_counter() - wall0
+    core.runtimes["llm"].fail_queued(Unavailable("the run is over"))
+    for req in list(reqs.values()):
+        if req is not None and not req.answered:
+            core.stream_ended(req, "1", None, True)
+    await core.runtimes["llm"].drain(1.0)
+    return {"us_per_stream": cpu / done * 1e6, "streams_per_s": done / wall}
+
+
 def _done(value: Any) -> asyncio.Future[Any]:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(value)
     return fut
+
+
+async def streams_async(n: int) -> dict[str, Any]:
+    import logging
+
+    logging.getLogger("fair_frontend.requests").setLevel(logging.WARNING)
+    progress(f"core: {n} new streams of llm, Call .. Grant .. Produced .. Ended")
+    await core_per_stream(n // 4)  # warm-up
+    out = await core_per_stream(n)
+    progress(f"  {out['us_per_stream']:.1f} us of CPU per new stream")
+    return {"streams": n, **out}
 
 
 async def main_async(n: int) -> dict[str, Any]:
@@ -191,7 +283,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--limits", action="store_true", help="every tenant rate-limited")
+    parser.add_argument("--streams", action="store_true", help="new streams of llm instead")
     args = parser.parse_args()
+    if args.streams:
+        write_result("core_streams", uvloop.run(streams_async(args.requests)))
+        return
     global LIMITS
     LIMITS = args.limits
     results = uvloop.run(main_async(args.requests))

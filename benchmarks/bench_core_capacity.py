@@ -40,7 +40,9 @@ The driver's shell is one small class (``SimShell``): its unary call is one meth
 
 ``--quick``: shorter steps and a coarser ramp (under about a minute), written to
 ``core_capacity_quick.json``; the default run takes a few minutes and writes
-``benchmarks/results/core_capacity.json`` and ``core_capacity.png``.
+``benchmarks/results/core_capacity.json`` and ``core_capacity.png``. With
+``FAIR_BENCH_PROFILE=FILE`` in its environment the core runs under cProfile and writes its
+profile to FILE when it exits (where its CPU goes; that run's figures are not its own).
 """
 
 from __future__ import annotations
@@ -953,8 +955,12 @@ def processes(tmp: Path) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
             raise RuntimeError("the Triton stand-in did not start")
         (tmp / "secret").write_text(SECRET)
         config = write_config(config_data(f"127.0.0.1:{standin_port}"), tmp)
+        # FAIR_BENCH_PROFILE=FILE: the core runs under cProfile, its stats written to FILE
+        # when it exits (a profile of where its CPU goes; the figures are then not its own).
+        profile = os.environ.get("FAIR_BENCH_PROFILE")
         core_cmd = [
             sys.executable,
+            *(["-m", "cProfile", "-o", profile] if profile else []),
             "-m",
             "fair_frontend.cli",
             "core",

@@ -9,6 +9,16 @@ own ``tenant`` label; later ones are counted under ``tenant="other"``. Configure
 tenants are few in most deployments; a platform with many thousands of tenants keeps
 per-tenant detail for the busiest first-comers and still has exact totals per tier.
 
+Per tick, not per event: what the core counts on its hot path (a request's outcome and
+waits, a batch's or a granted stream's rows, a stream's reported tokens and each of its
+inter-token gaps) is added to ``Pending`` (a dict entry, a list append) and reaches the
+prometheus families in bulk: every gap of a report is binned at once, a counter is
+incremented once by the sum. ``Pending`` is flushed by the first collector of the
+registry, so whatever reads the registry (a scrape, ``get_sample_value``) reads every
+event before it; and for one series whose observations pile up between scrapes, when
+``PENDING_VALUES`` wait (memory stays bounded). The registry is read on the core's loop
+(the metrics port is an aiohttp app of that loop), the thread that adds to it.
+
 The ``endpoint`` label is the model name, which the client sends: a request for a model
 that does not exist (or one rejected before its model was looked up: no key, a bad key)
 must not mint a label. So an endpoint gets its own label once it is known to exist: it
@@ -22,9 +32,11 @@ names the model only where it knows it exists and the tenant may call it (``Gate
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -42,6 +54,94 @@ UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity w
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+
+# Observations of one series held before they are binned, whatever the scrapes do.
+PENDING_VALUES = 4096
+# Fewer values than this are binned one by one (bisect); more at once (numpy).
+_BIN_AT_ONCE = 64
+
+
+def observe_many(child: Any, values: Sequence[float]) -> None:
+    """``child.observe(v)`` for each of ``values`` (a labelled ``Histogram``), in bulk: the
+    values binned together, each bucket and the sum incremented once. The same counts and
+    sum as one ``observe`` each (``tests/test_observability.py`` holds it to that)."""
+    if not values:
+        return
+    bounds = child._upper_bounds  # what ``observe`` compares with, +Inf last
+    buckets = child._buckets  # one count per bucket (made cumulative at collect)
+    if len(values) < _BIN_AT_ONCE:
+        counts = [0] * len(bounds)
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1  # the first bound >= v, as ``observe``
+        total = sum(values)
+    else:
+        array = np.asarray(values, dtype=np.float64)
+        where = np.searchsorted(np.asarray(bounds), array, side="left")
+        counts = np.bincount(where, minlength=len(bounds)).tolist()
+        total = float(array.sum())
+    child._sum.inc(total)
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+
+
+class Pending:
+    """Counter increments and histogram observations not yet in their families (the
+    module docstring: per tick, not per event). Keys are labelled children (counters) and
+    tuples of them (histograms observing the same values: each gets every value)."""
+
+    __slots__ = ("counts", "values")
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, float] = {}
+        self.values: dict[tuple[Any, ...], list[float]] = {}
+
+    def inc(self, child: Any, amount: float = 1) -> None:
+        counts = self.counts
+        counts[child] = counts.get(child, 0) + amount
+
+    def observe(self, children: tuple[Any, ...], value: float) -> None:
+        values = self.values.get(children)
+        if values is None:
+            self.values[children] = [value]
+        else:
+            values.append(value)
+            if len(values) >= PENDING_VALUES:
+                self._bin(children)
+
+    def observe_all(self, children: tuple[Any, ...], values: Iterable[float]) -> None:
+        held = self.values.get(children)
+        if held is None:
+            held = self.values[children] = []
+        held.extend(values)
+        if len(held) >= PENDING_VALUES:
+            self._bin(children)
+
+    def _bin(self, children: tuple[Any, ...]) -> None:
+        values = self.values.pop(children)
+        for child in children:
+            observe_many(child, values)
+
+    def flush(self) -> None:
+        """Everything held, into its families."""
+        counts, self.counts = self.counts, {}
+        for child, amount in counts.items():
+            child.inc(amount)
+        for children in list(self.values):
+            self._bin(children)
+
+
+class _FlushPending(Collector):
+    """The registry's first collector: it collects nothing, it flushes ``Pending`` so that
+    the families collected after it hold every event counted so far."""
+
+    def __init__(self, pending: Pending) -> None:
+        self.pending = pending
+
+    def collect(self) -> Iterable[Any]:
+        self.pending.flush()
+        return ()
 
 
 class TenantLabels:
@@ -93,7 +193,10 @@ class FrontendMetrics(Observer):
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.pending = Pending()
+        self.registry.register(_FlushPending(self.pending))  # before the families it feeds
         self._token_sinks: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._request_sinks: dict[tuple[str | None, str, Outcome], tuple[Any, ...]] = {}
         self.config = config
         self.tenant_label = TenantLabels(config.observability.max_metric_tenants)
         self.endpoint_label = EndpointLabels(config.endpoints)
@@ -251,6 +354,14 @@ class FrontendMetrics(Observer):
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def _series(self, metric: Any, *labels: str) -> tuple[Any]:
+        """The labelled child of a histogram as ``Pending`` keys it (one series), cached."""
+        key = (id(metric), "series", *labels)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = (self._child(metric, *labels),)
+        return series  # type: ignore[no-any-return]
+
     def tier_of(self, tenant: str | None) -> str:
         if tenant is None or tenant not in self.config.tenants:
             return UNAUTHENTICATED
@@ -271,12 +382,35 @@ class FrontendMetrics(Observer):
         usage: Usage | None = None,
         service_s: float | None = None,
     ) -> None:
-        labels = self._count(tenant, model, outcome, 1)
+        sink = self._request_sinks.get((tenant, model, outcome))
+        if sink is None:
+            sink = self._request_sink(tenant, model, outcome)
+        pending = self.pending
+        pending.inc(sink[0])
         if queued_s is not None:
-            self._child(self.queue_wait, *labels).observe(queued_s)
-        if latency_s is not None and outcome is not Outcome.CANCELLED:
+            pending.observe(sink[1], queued_s)
+        if latency_s is not None and sink[2] is not None:
+            pending.observe(sink[2], latency_s)
+
+    def _request_sink(self, tenant: str | None, model: str, outcome: Outcome) -> tuple[Any, ...]:
+        """A finished request's counter, queue-wait series and GenAI duration series (None
+        for a cancelled one), by tenant, model and outcome: resolved once while the labels
+        stand (a config's tiers, a model not yet confirmed: not kept)."""
+        if outcome in _MODEL_EXISTS:
+            self.endpoint_label.confirm(model)
+        labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
+        duration = None
+        if outcome is not Outcome.CANCELLED:
             error_type = "" if outcome is Outcome.DISPATCHED else outcome.value
-            self._child(self.genai_duration, labels[2], error_type).observe(latency_s)
+            duration = self._series(self.genai_duration, labels[2], error_type)
+        sink = (
+            self._child(self.requests, *labels, outcome.value),
+            self._series(self.queue_wait, *labels),
+            duration,
+        )
+        if labels[2] != OTHER_ENDPOINT:
+            self._request_sinks[(tenant, model, outcome)] = sink
+        return sink
 
     def requests_answered(
         self, tenant: str | None, model: str, outcome: Outcome, count: int
@@ -294,7 +428,7 @@ class FrontendMetrics(Observer):
         if confirms and outcome in _MODEL_EXISTS:
             self.endpoint_label.confirm(model)
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
-        self._child(self.requests, *labels, outcome.value).inc(count)
+        self.pending.inc(self._child(self.requests, *labels, outcome.value), count)
         return labels
 
     def side_door(self, tenant: str | None, door: str, outcome: str, count: int) -> None:
@@ -311,16 +445,17 @@ class FrontendMetrics(Observer):
     def batch_finished(self, report: BatchReport) -> None:
         model = report.model
         self.endpoint_label.confirm(model)
-        self._child(self.batches, model, "ok" if report.ok else "error").inc()
-        self._child(self.batch_seconds, model).observe(report.seconds)
-        self._child(self.batch_rows, model).observe(report.rows)
+        pending = self.pending
+        pending.inc(self._child(self.batches, model, "ok" if report.ok else "error"))
+        pending.observe(self._series(self.batch_seconds, model), report.seconds)
+        pending.observe(self._series(self.batch_rows, model), report.rows)
         if not report.ok:
             return
         for tenant, rows in report.tenants.items():
             label = self.tenant_label(tenant)
-            self._child(self.served_rows, label, model).inc(rows)
-            self._child(self.served_tokens, label, model).inc(report.tenant_tokens[tenant])
-            self._child(self.served_cost, label, model).inc(report.tenant_cost[tenant])
+            pending.inc(self._child(self.served_rows, label, model), rows)
+            pending.inc(self._child(self.served_tokens, label, model), report.tenant_tokens[tenant])
+            pending.inc(self._child(self.served_cost, label, model), report.tenant_cost[tenant])
 
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
         self.endpoint_label.confirm(model)
@@ -344,28 +479,26 @@ class FrontendMetrics(Observer):
         sink = self._token_sinks.get((tenant, model))
         if sink is None:
             sink = self._token_sink(tenant, model)
-        sink[0].inc(tokens)
+        pending = self.pending
+        pending.inc(sink[0], tokens)
         if first_token_s is not None:
-            sink[1].observe(first_token_s)
-            sink[3].observe(first_token_s)
+            pending.observe(sink[1], first_token_s)
         if inter_token_s:
-            observe, observe_genai = sink[2].observe, sink[4].observe
-            for gap in inter_token_s:
-                observe(gap)
-                observe_genai(gap)
+            pending.observe_all(sink[2], inter_token_s)  # binned in bulk: not per token
 
     def _token_sink(self, tenant: str, model: str) -> tuple[Any, ...]:
-        """The output-token counter and the first- and inter-token histograms of a
-        tenant's model, then the model's GenAI ones (every streamed token reaches them):
-        resolved once while the labels stand (a config's tiers, a model not yet
-        confirmed: not kept)."""
+        """The output-token counter of a tenant's model, then its first-token histogram
+        with the model's GenAI one and its inter-token histogram with the model's GenAI
+        one (``Pending`` keys: both of a pair get the same values), resolved once while
+        the labels stand (a config's tiers, a model not yet confirmed: not kept)."""
         labels = (self.tenant_label(tenant), self.tier_of(tenant), self.endpoint_label(model))
         sink = (
             self._child(self.output_tokens, *labels),
-            self._child(self.first_token, *labels),
-            self._child(self.inter_token, *labels),
-            self._child(self.genai_first_token, labels[2]),
-            self._child(self.genai_per_token, labels[2]),
+            (
+                self._child(self.first_token, *labels),
+                self._child(self.genai_first_token, labels[2]),
+            ),
+            (self._child(self.inter_token, *labels), self._child(self.genai_per_token, labels[2])),
         )
         if labels[2] != OTHER_ENDPOINT:
             self._token_sinks[(tenant, model)] = sink
@@ -380,11 +513,12 @@ class FrontendMetrics(Observer):
         """A (re)loaded config: tenants' tiers (labels) may have changed."""
         self._config = config
         self._token_sinks = {}
+        self._request_sinks = {}
 
     def throttle_decision(self, *, model: str, decision: Any) -> None:
         self.endpoint_label.confirm(model)
-        self._child(self.throttle, model, decision.reason.replace(" ", "_")).inc()
-        self._child(self.predicted_wait, model).observe(decision.predicted_wait_s)
+        self.pending.inc(self._child(self.throttle, model, decision.reason.replace(" ", "_")))
+        self.pending.observe(self._series(self.predicted_wait, model), decision.predicted_wait_s)
 
 
 # The gauges ``StateCollector`` exports: name -> help. Every one is exported, without

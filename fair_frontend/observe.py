@@ -91,18 +91,34 @@ class Observer:
 
 
 class Observers(Observer):
-    """Tells every observer; one that raises is logged and does not stop the others."""
+    """Tells every observer; one that raises is logged and does not stop the others.
+
+    Per event, the observers that listen to it (override it) are looked up once, on its
+    first call: an event on the hot path (a request's end, a granted stream's batch, a
+    report of tokens) goes only to them, without a name looked up per observer and call.
+    The observers are fixed at construction."""
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = list(observers)
-        self._token_listeners: list[Any] | None = None
+        self._listeners: dict[str, list[Any]] = {}
+
+    def _of(self, method: str) -> list[Any]:
+        listeners = self._listeners.get(method)
+        if listeners is None:
+            base = getattr(Observer, method)
+            listeners = self._listeners[method] = [
+                getattr(o, method)
+                for o in self.observers
+                if getattr(type(o), method, base) is not base  # the base's: a no-op
+            ]
+        return listeners
 
     def _each(self, method: str, **kwargs: Any) -> None:
-        for observer in self.observers:
+        for listener in self._of(method):
             try:
-                getattr(observer, method)(**kwargs)
+                listener(**kwargs)
             except Exception:
-                log.exception("observer %s failed in %s", type(observer).__name__, method)
+                log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
 
     def request_finished(self, **kwargs: Any) -> None:  # type: ignore[override]
         self._each("request_finished", **kwargs)
@@ -120,16 +136,4 @@ class Observers(Observer):
         self._each("throttle_decision", **kwargs)
 
     def tokens_produced(self, **kwargs: Any) -> None:  # type: ignore[override]
-        # Per streamed token: the observers' methods are looked up once, not per call.
-        listeners = self._token_listeners
-        if listeners is None:
-            listeners = self._token_listeners = [
-                o.tokens_produced
-                for o in self.observers
-                if type(o).tokens_produced is not Observer.tokens_produced
-            ]
-        for listener in listeners:
-            try:
-                listener(**kwargs)
-            except Exception:
-                log.exception("observer failed in tokens_produced")
+        self._each("tokens_produced", **kwargs)

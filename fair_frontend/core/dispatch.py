@@ -340,6 +340,10 @@ class Dispatcher(ABC):
         self._incoming: deque[CoreRequest] = deque()
         self._slicing = False
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
+        # Each tenant's requests in the batches of ``_tasks`` (kept by ``_launch`` and
+        # ``_forget``, the only two that change ``_tasks``): an engine's cap per tenant
+        # reads it per slot it fills, not a scan of every slot.
+        self._in_tasks: dict[str, int] = {}
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
@@ -527,13 +531,24 @@ class Dispatcher(ABC):
             self._pin(batch, backend, now)
         task = asyncio.get_running_loop().create_task(self._run(batch, backend))
         self._tasks[task] = batch
+        in_tasks = self._in_tasks
+        for r in batch:
+            in_tasks[r.tenant] = in_tasks.get(r.tenant, 0) + 1
         self._where[task] = backend
         task.add_done_callback(self._forget)
         return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
+        batch = self._tasks.pop(task, None)
         self._where.pop(task, None)
+        if batch is not None:  # (called twice per task: by its end, and its callback)
+            in_tasks = self._in_tasks
+            for r in batch:
+                left = in_tasks[r.tenant] - 1
+                if left:
+                    in_tasks[r.tenant] = left
+                else:
+                    del in_tasks[r.tenant]
 
     # ---- sequences in a pool: each stays on the backend that holds its state -----------
 
@@ -770,12 +785,23 @@ class Dispatcher(ABC):
     def produced(self, req: CoreRequest, tokens: int) -> None:
         """A granted request's stream relayed ``tokens`` output tokens (its shell says so,
         as they come): charged to its tenant now."""
+        if self.count_produced(req, tokens):
+            self._tokens_charged()
+
+    def count_produced(self, req: CoreRequest, tokens: int) -> bool:
+        """``produced`` but for asking whether a slot waits on the charge: True where its
+        tenant was charged, and the caller then calls ``charged`` once, after all the
+        reports it counts together (a shell's ``Produced``: one record per tick)."""
         if req.answered or tokens <= 0:
-            return
+            return False
         req.produced += tokens
         if self._token_output is None:
-            return
+            return False
         self.on_tokens(req, tokens)
+        return True
+
+    def charged(self) -> None:
+        """Streams' tokens were charged to their tenants (``count_produced``)."""
         self._tokens_charged()
 
     def ended(

@@ -70,8 +70,7 @@ class EngineDispatcher(Dispatcher):
         Triton, and only that request fails."""
 
     def in_engine(self, tenant: str) -> int:
-        """``tenant``'s requests in Triton (or held for it): a scan of the slots, made only
-        where slots are reserved."""
-        return sum(
-            1 for batch in (*self._tasks.values(), *self._held) for r in batch if r.tenant == tenant
-        )
+        """``tenant``'s requests in Triton (counted as they go and end) or held for it (a
+        scan of the held, which are few: batches that never reached a Triton)."""
+        held = sum(1 for b in self._held for r in b if r.tenant == tenant) if self._held else 0
+        return self._in_tasks.get(tenant, 0) + held

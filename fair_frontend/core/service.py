@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fair_frontend.admission import (
@@ -448,6 +448,33 @@ class Core:
             inter_token_s=gaps_s,
         )
 
+    def produced_all(
+        self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
+    ) -> None:
+        """``produced`` for each report of one record (a shell's ``Produced``: its streams'
+        tokens of one tick), in order; each model is asked once, after them all, whether a
+        slot waits on the charges (``Dispatcher.charged``). The charges and observations
+        are those of one ``produced`` each, at the same moment of the core's clock: the
+        fairness bounds (``tests/core/test_report_delays.py``) are the same."""
+        runtimes = self.runtimes
+        observe = self.observer.tokens_produced
+        charged: list[Dispatcher] = []
+        for req, tokens, first_token_s, gaps_s in reports:
+            runtime = runtimes.get(req.call.request.model)
+            if runtime is None or req.answered or tokens <= 0:
+                continue
+            if runtime.count_produced(req, tokens) and runtime not in charged:
+                charged.append(runtime)
+            observe(
+                tenant=req.tenant,
+                model=req.call.request.model,
+                tokens=tokens,
+                first_token_s=first_token_s if first_token_s >= 0 else None,
+                inter_token_s=gaps_s,
+            )
+        for runtime in charged:
+            runtime.charged()
+
     def stream_ended(
         self,
         req: CoreRequest,
@@ -581,7 +608,9 @@ class Core:
         self, call: Call, route: Route, runtime: Dispatcher | None, *, keyed: bool = True
     ) -> CoreRequest:
         """The core's request for ``call``; its batch key taken now where ``keyed`` (and
-        the runtime is there), else left None for whoever queues it."""
+        the runtime is there), else left None for whoever queues it. A model whose
+        requests go one per batch (engine mode, decoupled, not batching: the plan's
+        ``max_batch_size`` 0) never compares keys: none is taken."""
         if call.key and runtime is not None and not hasattr(runtime, "rows_done"):
             # Its shell kept the tensors for an endpoint this core relays: the shell and
             # the core read different configs (the plan is the same function of it).
@@ -1027,8 +1056,8 @@ def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
     where it kept the tensors (``Call.key``), else taken here (None: no runtime yet)."""
     if call.key:
         return call.key
-    if runtime is None:
-        return None
+    if runtime is None or not runtime.scheduler.policy.max_batch_size:
+        return None  # no runtime yet, or one request per batch: keys never compared
     return batch_key(call.request, runtime.info, runtime.endpoint)
 
 

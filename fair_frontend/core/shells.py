@@ -189,10 +189,12 @@ class ShellConnection(Framed):
                     self.calls[record.id] = _CANCELLED
         elif isinstance(record, Produced):
             calls = self.calls
+            reports = []
             for call_id, tokens, first_s, gaps in record.entries:
                 req = calls.get(call_id)
                 if req is not None and req is not _CANCELLED:
-                    self.core.produced(req, tokens, first_s, gaps)
+                    reports.append((req, tokens, first_s, gaps))
+            self.core.produced_all(reports)  # one tick of this shell's streams at once
         elif isinstance(record, Ended):
             # A stream given back (never sent: its Triton was gone) is still this shell's
             # call: granted again or answered (``answer``) here.

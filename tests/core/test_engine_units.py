@@ -9,6 +9,7 @@ which slot is read at every step.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import grpc
@@ -443,3 +444,38 @@ async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone(
     assert answer.fault is not None and "Deadline Exceeded" in answer.fault.message
     assert runtime.backend.available
     await runtime.drain()
+
+
+async def test_each_tenants_slots_are_counted_as_streams_start_and_end_however_they_end() -> None:
+    """``in_engine`` (what the cap per tenant and the throttle read) is kept as streams
+    are granted and end, not scanned: after every step it equals a scan of the slots,
+    whether a stream ended, failed, was cancelled by its shell or its client went away."""
+    rng = random.Random(30)
+    e = Engine(slots=4, reserved=1)
+
+    def scanned(tenant: str) -> int:
+        return sum(1 for batch in e.runtime._tasks.values() for r in batch if r.tenant == tenant)
+
+    for step in range(200):
+        open_streams = [s for s in e.triton.streams if not s.closed]
+        move = rng.random()
+        if move < 0.4 or not open_streams:
+            e.submit(rng.choice("ab"), rng.randint(1, 5))
+        else:
+            stream = rng.choice(open_streams)
+            if move < 0.6:
+                stream.end()
+            elif move < 0.7:
+                stream.fail(UpstreamError("the model's error", grpc.StatusCode.INTERNAL, 500))
+            elif move < 0.8:
+                stream.cancel()
+            elif move < 0.9:
+                stream.token(rng.randint(1, 3))
+            else:
+                stream.closed = True
+                e.runtime.cancel(stream.req)  # its client went away
+        await e.settle()
+        for tenant in "ab":
+            assert e.runtime.in_engine(tenant) == scanned(tenant), step
+    await e.close()
+    assert e.runtime.in_engine("a") == e.runtime.in_engine("b") == 0

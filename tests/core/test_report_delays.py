@@ -6,8 +6,10 @@ token cost) to two or three tenants that stay backlogged. The test plays the eng
 the shells: every granted stream emits one output token per step (the rate ``r``: one
 token a step) until its output is done, and its shell tells the core, as a shell process
 does, in order (one socket per shell: a record never overtakes an earlier one of its
-shell), each record (``Core.produced``, then ``Core.stream_ended`` once) after a delay of
-0 to ``D`` steps drawn by hypothesis; some token reports are lost (never told; the stream
+shell), each record after a delay of 0 to ``D`` steps drawn by hypothesis: the token
+reports a shell's socket brings in one step between two ends as one ``Produced`` record
+of its tick (``Core.produced_all``: charged together, then the slots looked at once),
+and ``Core.stream_ended`` once; some token reports are lost (never told; the stream
 still ends). Service is measured where the engine gives it: a tenant's input tokens when
 its request gets a slot, each output token as it is produced (times the endpoint's
 ``output_token_weight`` ``w``), which is what its counter is charged, sooner or later.
@@ -239,13 +241,20 @@ class Relay:
         q.append((due, stream, tokens))
 
     def deliver(self) -> None:
+        """What each shell's socket brings this step, in its order: the token reports
+        between two ends as one ``Produced`` record (``Core.produced_all``), as a shell
+        gathers its streams' reports of a tick."""
         for q in self.queue:
+            record: list[tuple[CoreRequest, int, float, list[float]]] = []
             while q and q[0][0] <= self.step:
                 _, stream, tokens = q.popleft()
                 if tokens:
-                    self.core.produced(stream.req, tokens)
-                else:
-                    self.core.stream_ended(stream.req, "1", None, False)
+                    record.append((stream.req, tokens, -1.0, []))
+                    continue
+                self.core.produced_all(record)
+                record = []
+                self.core.stream_ended(stream.req, "1", None, False)
+            self.core.produced_all(record)
 
     # ---- the engine's side -------------------------------------------------------------
 

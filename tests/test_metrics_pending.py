@@ -1,0 +1,103 @@
+"""The core's metrics per tick (``fair_frontend.metrics.Pending``): held events reach the
+families in bulk, exactly as one ``inc`` / ``observe`` each would have, and always before
+the registry is read.
+
+Unit tests on the metrics alone (no frontend): what would break is a scrape that misses
+events counted before it, or a bulk observation that bins a value into another bucket
+than ``Histogram.observe`` (a bound itself, below the first, above the last).
+"""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fair_frontend.config import parse_config
+from fair_frontend.metrics import PENDING_VALUES, FrontendMetrics, observe_many
+from fair_frontend.observe import BatchReport
+from fair_frontend.outcomes import Outcome
+
+BUCKETS = (0.001, 0.01, 0.1, 1.0)
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_bulk_observations_bin_as_one_observe_each() -> None:
+    rng = random.Random(30)
+    edges = [0.0, *BUCKETS, 1e-9, 5.0, 1e9]  # on a bound, below the first, above the last
+    for n in (1, 7, 63, 64, 65, 1000):  # one by one (bisect), and at once (numpy)
+        values = [rng.choice(edges) if rng.random() < 0.3 else rng.random() for _ in range(n)]
+        one, bulk = CollectorRegistry(), CollectorRegistry()
+        each = Histogram("h", "h", ["x"], buckets=BUCKETS, registry=one).labels("a")
+        for v in values:
+            each.observe(v)
+        observe_many(Histogram("h", "h", ["x"], buckets=BUCKETS, registry=bulk).labels("a"), values)
+        a, b = samples(one), samples(bulk)
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert abs(value - b[key]) <= 1e-9 * max(1.0, abs(value)), (n, key)
+
+
+def config():  # type: ignore[no-untyped-def]
+    return parse_config(
+        {
+            "tenants": {"acme": {"api_keys": ["k" * 32], "tier": "standard"}},
+            "tiers": ["standard"],
+            "endpoints": {"llm": {"max_inflight": 4, "cost": "tokens"}},
+        },
+        "(test)",
+    )
+
+
+def test_everything_counted_before_a_scrape_is_in_it() -> None:
+    metrics = FrontendMetrics(config())
+    for _ in range(3):
+        metrics.request_finished(
+            tenant="acme", model="llm", outcome=Outcome.DISPATCHED, queued_s=0.002, latency_s=0.5
+        )
+    metrics.tokens_produced(
+        tenant="acme", model="llm", tokens=5, first_token_s=0.2, inter_token_s=[0.02] * 4
+    )
+    metrics.batch_finished(
+        BatchReport("llm", 1, 9, 1, {"acme": 1}, {"acme": 9}, {"acme": 9.0}, 0.0, 0.25, True)
+    )
+    got = samples(metrics.registry)
+    acme = (("endpoint", "llm"), ("tenant", "acme"), ("tier", "standard"))
+    assert got[("fair_requests_total", (acme[0], ("outcome", "dispatched"), *acme[1:]))] == 3
+    assert got[("fair_queue_wait_seconds_count", acme)] == 3
+    assert got[("fair_output_tokens_total", acme)] == 5
+    assert got[("fair_time_to_first_token_seconds_count", acme)] == 1
+    assert got[("fair_inter_token_seconds_count", acme)] == 4
+    model = (("gen_ai_request_model", "llm"),)
+    assert got[("gen_ai_server_time_per_output_token_seconds_count", model)] == 4
+    assert got[("gen_ai_server_time_to_first_token_seconds_count", model)] == 1
+    assert got[("fair_served_tokens_total", (("endpoint", "llm"), ("tenant", "acme")))] == 9
+    assert got[("fair_batches_total", (("endpoint", "llm"), ("result", "ok")))] == 1
+    # A second scrape counts nothing twice; new events add to it.
+    metrics.tokens_produced(tenant="acme", model="llm", tokens=2, first_token_s=None)
+    again = samples(metrics.registry)
+    assert again[("fair_output_tokens_total", acme)] == 7
+    assert again[("fair_inter_token_seconds_count", acme)] == 4
+
+
+def test_observations_held_between_scrapes_stay_bounded() -> None:
+    metrics = FrontendMetrics(config())
+    gaps = [0.01] * 1000
+    for _ in range(3 * PENDING_VALUES // len(gaps)):
+        metrics.tokens_produced(
+            tenant="acme", model="llm", tokens=1001, first_token_s=None, inter_token_s=gaps
+        )
+        assert all(len(v) < PENDING_VALUES for v in metrics.pending.values.values())
+    got = samples(metrics.registry)
+    acme = (("endpoint", "llm"), ("tenant", "acme"), ("tier", "standard"))
+    assert got[("fair_inter_token_seconds_count", acme)] == 3 * PENDING_VALUES // 1000 * 1000
