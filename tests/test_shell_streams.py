@@ -219,7 +219,12 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
 
             killed_at = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
-            await aeventually(lambda: runtime.inflight == 0, SETUP_S, 0.005, what="every slot back")
+            # The core's loop runs in its own thread: the drop is judged once the spy has
+            # read the outcomes two iterations after it (read before, a slot count of 0
+            # could be seen while the drop was still recording them).
+            await aeventually(
+                lambda: recorded and runtime.inflight == 0, SETUP_S, 0.005, what="every slot back"
+            )
             # Every slot back by the socket's end, at once, each stream's outcome once.
             assert all(outcomes.count[i] == 1 for i in ids), outcomes.count
             cut = [i for i in ids if outcomes.outcome[i] is Outcome.CANCELLED]
