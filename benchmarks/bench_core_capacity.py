@@ -119,6 +119,9 @@ ENGINE_SLOTS = 64  # llm's max_inflight in the example config
 # to 56 of the 64 slots (the example's reserved_slots: 8) and still has some waiting.
 WAITING_STREAMS = 96
 CORE_CPU, DRIVER_CPU = 0, 1
+# Whether there are two CPUs to pin to, read before the driver pins itself to one: the
+# processes of a second core (``--unary both``) are started from the pinned driver.
+PINNING = len(os.sched_getaffinity(0)) > 1
 BUSY_SATURATED = 0.95
 KEEPING_UP = 0.90
 DISTURBED_BUSY = 0.5  # a step behind with the core less busy than this is measured again
@@ -1014,7 +1017,7 @@ def config_data(standin: str, unary: str = "one_hop") -> dict[str, Any]:
 @contextlib.contextmanager
 def processes(tmp: Path, unary: str) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
     standin_port, link_port, metrics = free_port(), free_port(), free_port()
-    pin = ["taskset", "-c"] if len(os.sched_getaffinity(0)) > 1 else None
+    pin = ["taskset", "-c"] if PINNING else None
     standin_cmd = [
         sys.executable,
         "-m",
@@ -1173,7 +1176,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def pin_threads(cpu: int) -> None:
     """Every thread of this process onto ``cpu`` (where there are two CPUs to choose)."""
-    if len(os.sched_getaffinity(0)) < 2:
+    if not PINNING:
         return
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):
