@@ -8,14 +8,26 @@ frames them. Beside it on CPU 1, a Triton stand-in (a grpc.aio server with trito
 generated servicer, the real ``embed`` and ``llm`` configs of ``model_repository/``)
 answers every call at once: the core's CPU is then all that limits it.
 
+Unary requests go either way a shell sends them (``--unary``, the endpoint's ``unary``
+in the core's config): ``one_hop`` (the default, as a shell process does): the shell
+sends the call's facts (``Call`` without inputs, outputs or parameters, with the batch key
+``batching.wire_key`` gives), the core forms the batch and grants each shell its rows
+(``Rows``), and the shell, which would send them to Triton itself, reports them served at
+once (``RowsDone``, as the gateway does when Triton answered) and answers its clients: the
+simulated shell skips that Triton call (the stand-in would answer it at once; what the
+core does and carries is the same). ``relay``: the whole call (its tensor) to the core,
+which sends the batch to the stand-in and answers with an ``Answer``. ``both``: the
+relay, then one hop, each with a core of its own, in one run; the streams and tokens
+workloads run once, with one hop.
+
 Three workloads, each ramped in open-loop steps of offered load until the core saturates
 (its CPU at >= 95 % of its one CPU, or its answers falling below 90 % of what was
 offered):
 
-* ``unary``: ``embed`` calls of 128 tokens (tensors in the call, batches to the stand-in's
-  ``ModelInfer``, outputs back in the answer): CPU per request, and the bytes on the
-  core's sockets per request (the kernel's TCP counts, ``ss``, on the link and on the
-  Triton side);
+* ``unary``: ``embed`` calls of 128 tokens (one hop: facts in, grants out; relay: tensors
+  in the call, batches to the stand-in's ``ModelInfer``, outputs back in the answer): CPU
+  per request, and the bytes on the core's sockets per request (the kernel's TCP counts,
+  ``ss``, on the link and on the Triton side);
 * ``streams``: new streams on ``llm`` (decoupled, engine mode, 64 slots): the core grants
   each a slot; the simulated shell reports its one token (``Produced``) and its end
   (``Ended``) at once. CPU per new stream;
@@ -34,15 +46,18 @@ CPU's busy share from ``/proc/stat``, less the core's and the driver's own) goes
 every step.
 
 The driver's shell is one small class (``SimShell``): its unary call is one method
-(``unary``), so a one-hop unary mode (facts to the core, grants back) can replace it.
+(``unary``) and what the core sends back is taken in one (``received``).
 
     .venv/bin/python -m benchmarks.bench_core_capacity [--quick] [--shells 32]
+        [--unary one_hop|relay|both]
 
 ``--quick``: shorter steps and a coarser ramp (under about a minute), written to
 ``core_capacity_quick.json``; the default run takes a few minutes and writes
-``benchmarks/results/core_capacity.json`` and ``core_capacity.png``. With
-``FAIR_BENCH_PROFILE=FILE`` in its environment the core runs under cProfile and writes its
-profile to FILE when it exits (where its CPU goes; that run's figures are not its own).
+``benchmarks/results/core_capacity.json`` and ``core_capacity.png``. The unary results go
+under ``unary`` (one hop where it ran, else the relay) and, with ``both``, the relay's
+under ``unary_relay``. With ``FAIR_BENCH_PROFILE=FILE`` in its environment the core runs
+under cProfile and writes its profile to FILE when it exits (where its CPU goes; that
+run's figures are not its own).
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -73,7 +89,10 @@ from benchmarks.harness import (
     wait_http_ready,
     write_config,
 )
+from fair_frontend.batching import wire_key
+from fair_frontend.config import parse_config
 from fair_frontend.embedded import free_port
+from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
@@ -86,6 +105,8 @@ from fair_frontend.wire.records import (
     Produced,
     QueueView,
     Ready,
+    Rows,
+    RowsDone,
     Settings,
 )
 from fair_frontend.wire.remote import METHOD, SECRET_HEADER, StreamTransport
@@ -100,6 +121,9 @@ ENGINE_SLOTS = 64  # llm's max_inflight in the example config
 # to 56 of the 64 slots (the example's reserved_slots: 8) and still has some waiting.
 WAITING_STREAMS = 96
 CORE_CPU, DRIVER_CPU = 0, 1
+# Whether there are two CPUs to pin to, read before the driver pins itself to one: the
+# processes of a second core (``--unary both``) are started from the pinned driver.
+PINNING = len(os.sched_getaffinity(0)) > 1
 BUSY_SATURATED = 0.95
 KEEPING_UP = 0.90
 DISTURBED_BUSY = 0.5  # a step behind with the core less busy than this is measured again
@@ -112,6 +136,7 @@ H100_8B_TOKENS_PER_S = (5000.0, 5800.0)
 # Issue 30's targets for the core: CPU per unit (µs) and socket bytes per unary request.
 TARGETS = {"unary": 10.0, "streams": 20.0, "tokens": 0.5, "bytes_per_request": 300}
 UNITS = {"unary": "request", "streams": "new stream", "tokens": "token"}
+UNARY_MODES = ("one_hop", "relay")
 
 
 # ---- the Triton stand-in (a process of its own, on the driver's CPU) ------------------------
@@ -294,7 +319,7 @@ class SimShell(Framed):
     done once: the calls are built as a shell builds them after that.
 
     ``unary`` is the one place a unary request is made and ``received`` the one place
-    its answer is taken: a one-hop mode changes those two."""
+    its answer (relay) or its grant (one hop: ``Rows``) is taken."""
 
     decoder = to_shell
 
@@ -339,8 +364,15 @@ class SimShell(Framed):
     # calls
 
     def unary(self, tenant: str) -> None:
-        """An ``embed`` request of 128 tokens, its tensor in the call."""
-        self._call(tenant, self.driver.embed_request, EMBED_TOKENS, [EMBED_TOKENS], False, 0)
+        """An ``embed`` request of 128 tokens: one hop, its facts (the gateway's
+        ``_facts``: the request without inputs, outputs or parameters, and its batch key);
+        relay, its tensor in the call."""
+        driver = self.driver
+        if driver.unary == "one_hop":
+            self._call(tenant, driver.embed_facts, EMBED_TOKENS, [EMBED_TOKENS], False, 0,
+                       nbytes=driver.embed_nbytes, key=driver.embed_key)  # fmt: skip
+        else:
+            self._call(tenant, driver.embed_request, EMBED_TOKENS, [EMBED_TOKENS], False, 0)
 
     def stream(self, tenant: str, max_tokens: int) -> None:
         """An ``llm`` stream asking for ``max_tokens``."""
@@ -355,10 +387,13 @@ class SimShell(Framed):
         lengths: list[int] | None,
         stream: bool,
         max_tokens: int,
+        nbytes: int | None = None,
+        key: bytes = b"",
     ) -> None:
         call_id = next(self._ids)
         now = time.monotonic()
-        nbytes = sum(t.nbytes for t in request.inputs)
+        if nbytes is None:
+            nbytes = sum(t.nbytes for t in request.inputs)
         call = Call(
             call_id,
             tenant,
@@ -372,6 +407,7 @@ class SimShell(Framed):
             request,
             stream,
             max_tokens,
+            key=key,
         )
         self.pending[call_id] = (tenant, now)
         self.driver.books[tenant].sent += 1
@@ -395,7 +431,9 @@ class SimShell(Framed):
     # from the core
 
     def received(self, record: Any) -> None:
-        if isinstance(record, Answer):
+        if isinstance(record, Rows):
+            self.rows(record)
+        elif isinstance(record, Answer):
             sent = self.pending.pop(record.id, None)
             if sent is None:
                 return
@@ -429,11 +467,37 @@ class SimShell(Framed):
         else:  # Draining, Stop, FlushTally...: not expected in a run
             self.faults.append(f"unexpected {type(record).__name__}")
 
+    def rows(self, rows: Rows) -> None:
+        """The core granted these calls rows of a batch. A shell would pack them into one
+        Triton request; this one takes them as served by a Triton that answers at once
+        (no call: the core's work and bytes are the same), reports them in one
+        ``RowsDone`` (``embed`` has no token output: 0 tokens each) before answering its
+        clients, as the gateway's ``_send_rows`` does."""
+        served: list[tuple[int, int]] = []
+        gone: list[int] = []
+        tenants: list[str] = []
+        now = time.monotonic()
+        for call_id in rows.calls:
+            sent = self.pending.pop(call_id, None)
+            if sent is None:
+                gone.append(call_id)
+                continue
+            served.append((call_id, 0))
+            tenants.append(sent[0])
+            books = self.driver.books[sent[0]]
+            books.answered += 1
+            books.served += EMBED_TOKENS
+            books.latencies.append(now - sent[1])
+        self.send(RowsDone(rows.model, rows.batch, served, gone, None, "1", 0.0))
+        for tenant in tenants:
+            self.driver.answered(self, tenant)
+
 
 class Driver:
     """The simulated shells and the load they put on the core."""
 
-    def __init__(self, shells: int) -> None:
+    def __init__(self, shells: int, unary: str = "one_hop") -> None:
+        self.unary = unary
         self.shells = [SimShell(i, self) for i in range(shells)]
         self.books = {t: Books() for t in TENANTS}
         self.priority = 0
@@ -454,6 +518,13 @@ class Driver:
                 Tensor("stream", "BOOL", (1,), np.array([True])),
             ],
         )
+        # One hop: what the core is told of that request (the gateway's ``_facts``); its
+        # key is computed once (``connect``), not per call as a shell does: all are alike.
+        self.embed_nbytes = sum(t.nbytes for t in self.embed_request.inputs)
+        self.embed_facts = dataclasses.replace(
+            self.embed_request, inputs=[], outputs=[], parameters={}
+        )
+        self.embed_key = b""
         self.on_answer: Callable[[SimShell, str], None] = lambda shell, tenant: None
         self.on_grant: Callable[[SimShell, int], None] = lambda shell, call_id: None
 
@@ -462,6 +533,8 @@ class Driver:
         settings = self.shells[0].settings
         assert settings is not None
         self.priority = (int(settings.config["priority_levels"]) + 1) // 2  # the default level
+        endpoint = parse_config(settings.config).endpoint("embed")
+        self.embed_key = wire_key(self.embed_request, embed_info(), endpoint)
 
     async def close(self) -> None:
         await asyncio.gather(*(s.disconnect() for s in self.shells), return_exceptions=True)
@@ -488,6 +561,16 @@ class Driver:
 
     def faults(self) -> list[str]:
         return sorted({f for s in self.shells for f in s.faults})[:5]
+
+
+def embed_info() -> ModelInfo:
+    """``embed``'s model info, from its config in ``model_repository/``, as a shell has
+    it from Triton."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text = (ROOT / "model_repository" / "embed" / "config.pbtxt").read_text()
+    return ModelInfo.from_config(text_format.Parse(text, model_config_pb2.ModelConfig()))
 
 
 # ---- a step of load ---------------------------------------------------------------------------
@@ -918,12 +1001,13 @@ async def ramp(
 # ---- the processes ----------------------------------------------------------------------------
 
 
-def config_data(standin: str) -> dict[str, Any]:
+def config_data(standin: str, unary: str = "one_hop") -> dict[str, Any]:
     data = load_example_config()
     data.pop("tier_limits", None)
     for endpoint in data["endpoints"].values():
         endpoint["throttle"] = False  # the stand-in's batch times would teach it nothing
-    data["default_endpoint"] = {"throttle": False}
+        endpoint["unary"] = unary
+    data["default_endpoint"] = {"throttle": False, "unary": unary}
     for tenant, weight in TENANTS.items():
         data["tenants"][tenant].update(weight=weight, max_queued=1_000_000)
         data["tenants"][tenant].pop("limits", None)
@@ -933,9 +1017,9 @@ def config_data(standin: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def processes(tmp: Path) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
+def processes(tmp: Path, unary: str) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
     standin_port, link_port, metrics = free_port(), free_port(), free_port()
-    pin = ["taskset", "-c"] if len(os.sched_getaffinity(0)) > 1 else None
+    pin = ["taskset", "-c"] if PINNING else None
     standin_cmd = [
         sys.executable,
         "-m",
@@ -954,7 +1038,7 @@ def processes(tmp: Path) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
         if standin.stdout.readline().strip() != b"ready":
             raise RuntimeError("the Triton stand-in did not start")
         (tmp / "secret").write_text(SECRET)
-        config = write_config(config_data(f"127.0.0.1:{standin_port}"), tmp)
+        config = write_config(config_data(f"127.0.0.1:{standin_port}", unary), tmp)
         # FAIR_BENCH_PROFILE=FILE: the core runs under cProfile, its stats written to FILE
         # when it exits (a profile of where its CPU goes; the figures are then not its own).
         profile = os.environ.get("FAIR_BENCH_PROFILE")
@@ -1061,7 +1145,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for ax, workload in zip(axes[0], kinds, strict=True):
         steps = [s for s in results[workload]["steps"] if s["core_cpu_us"]]
         x = [s["offered_per_s"] for s in steps]
-        ax.plot(x, [s["core_cpu_us"] for s in steps], "o-", label="core CPU, open-loop steps")
+        mode = results[workload].get("mode")
+        ax.plot(x, [s["core_cpu_us"] for s in steps], "o-",
+                label="core CPU, open-loop steps" + (f" ({mode})" if mode else ""))  # fmt: skip
+        relay = results.get(f"{workload}_relay")
+        if relay:
+            rs = [s for s in relay["steps"] if s["core_cpu_us"]]
+            ax.plot([s["offered_per_s"] for s in rs], [s["core_cpu_us"] for s in rs], "^--",
+                    color="C3", label="core CPU, open-loop steps (relay)")  # fmt: skip
+            rfed = relay.get("backlogged")
+            if rfed and rfed["core_cpu_us"]:
+                ax.plot([rfed["done_per_s"]], [rfed["core_cpu_us"]], "*", ms=12, color="C3")
         fed = results[workload].get("backlogged")
         if fed and fed["core_cpu_us"]:
             ax.plot([fed["done_per_s"]], [fed["core_cpu_us"]], "*", ms=12, color="C1",
@@ -1088,31 +1182,51 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def pin_threads(cpu: int) -> None:
     """Every thread of this process onto ``cpu`` (where there are two CPUs to choose)."""
-    if len(os.sched_getaffinity(0)) < 2:
+    if not PINNING:
         return
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), {cpu})
 
 
+def phases(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(unary mode, workloads) per core started: with both modes, the relay's core
+    measures unary only, the one-hop core (the default) everything."""
+    workloads = args.workloads.split(",")
+    modes = list(UNARY_MODES[::-1]) if args.unary == "both" else [args.unary]
+    last = modes[-1]
+    return [(m, workloads if m == last else [w for w in workloads if w == "unary"]) for m in modes]
+
+
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    with processes(tmp) as (core, popen):
-        pin_threads(DRIVER_CPU)
-        driver = Driver(args.shells)
-        await driver.connect(f"127.0.0.1:{core.link_port}")
-        pin_threads(DRIVER_CPU)  # gRPC's threads too, started by the connections
-        progress(
-            f"core pid {core.pid} on CPU {CORE_CPU}; {args.shells} shells and the Triton "
-            f"stand-in on CPU {DRIVER_CPU}; load average {Path('/proc/loadavg').read_text()[:15]}"
-        )
-        try:
-            for workload in args.workloads.split(","):
-                results[workload] = await ramp(core, driver, workload, args)
-        finally:
-            await driver.close()
-        if popen.poll() is not None:
-            raise RuntimeError(f"the core exited ({popen.returncode}): {tmp / 'core.log'}")
+    primary = "one_hop" if args.unary in ("one_hop", "both") else "relay"
+    for mode, workloads in phases(args):
+        if not workloads:
+            continue
+        folder = tmp / mode
+        folder.mkdir()
+        with processes(folder, mode) as (core, popen):
+            pin_threads(DRIVER_CPU)
+            driver = Driver(args.shells, mode)
+            await driver.connect(f"127.0.0.1:{core.link_port}")
+            pin_threads(DRIVER_CPU)  # gRPC's threads too, started by the connections
+            progress(
+                f"unary {mode}: core pid {core.pid} on CPU {CORE_CPU}; {args.shells} shells "
+                f"and the Triton stand-in on CPU {DRIVER_CPU}; load average "
+                f"{Path('/proc/loadavg').read_text()[:15]}"
+            )
+            try:
+                for workload in workloads:
+                    out = await ramp(core, driver, workload, args)
+                    if workload == "unary":
+                        out["mode"] = mode
+                        workload = "unary" if mode == primary else f"unary_{mode}"
+                    results[workload] = out
+            finally:
+                await driver.close()
+            if popen.poll() is not None:
+                raise RuntimeError(f"the core exited ({popen.returncode}): {folder / 'core.log'}")
     return results
 
 
@@ -1127,6 +1241,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="unary,streams,tokens")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--json", default=None, help="where the results go")
+    parser.add_argument(
+        "--unary",
+        choices=[*UNARY_MODES, "both"],
+        default="one_hop",
+        help="how the simulated shells send unary requests: their facts (one_hop, a shell "
+        "process's default), whole through the core (relay), or both, one after the other",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.shells = args.shells or (16 if quick else 32)
@@ -1157,7 +1278,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
-        "triton": "stand-in answering at once (gRPC ModelInfer)",
+        "triton": "stand-in answering at once (gRPC ModelInfer); one hop: the shells' "
+        "Triton calls skipped, their rows reported served at once",
+        "unary": args.unary,
         "targets": TARGETS,
     }
     for line in summary(results):
@@ -1172,15 +1295,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(results: dict[str, Any]) -> list[str]:
     lines = []
-    for workload in ("unary", "streams", "tokens"):
+    for workload in ("unary_relay", "unary", "streams", "tokens"):
         r = results.get(workload)
         if not r:
             continue
+        unit = UNITS[workload.split("_")[0]]
+        target = TARGETS[workload.split("_")[0]]
+        label = f"unary ({r['mode']})" if "mode" in r else workload
+        bytes_at = r.get("backlogged", {}).get("socket_bytes_per_request")
         lines.append(
-            f"{workload}: saturates at {r['saturation_per_s']:,.0f} {UNITS[workload]}s/s "
+            f"{label}: saturates at {r['saturation_per_s']:,.0f} {unit}s/s "
             f"(core {r['core_busy_at_saturation']:.0%} busy); core CPU there "
-            f"{r['core_cpu_us_at_saturation'] or 0:,.2f} µs/{UNITS[workload]} (target <= "
-            f"{TARGETS[workload]:g}): one whole CPU {r['one_core_per_s_by_cpu'] or 0:,.0f}/s"
+            f"{r['core_cpu_us_at_saturation'] or 0:,.2f} µs/{unit} (target <= "
+            f"{target:g}): one whole CPU {r['one_core_per_s_by_cpu'] or 0:,.0f}/s"
+            + (f"; {bytes_at:,.0f} socket bytes/request there" if bytes_at else "")
         )
     gpus = results["gpus_served"]
     if "embed_h200" in gpus:
