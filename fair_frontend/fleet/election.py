@@ -145,7 +145,11 @@ class _Lease:
             await asyncio.sleep(interval)
             started = time.monotonic()
             try:
-                held = await asyncio.wait_for(self._try_renew(), interval)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel
+                # that comes as the renewal completes, and a leader cancelled (stopping)
+                # then went on renewing for ever (seen: a standby never took its lease).
+                async with asyncio.timeout(interval):
+                    held = await self._try_renew()
             except (RedisError, OSError, aiohttp.ClientError, TimeoutError) as err:
                 log.warning("cannot renew the lease: %s", err)
                 continue
