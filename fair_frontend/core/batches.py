@@ -31,6 +31,8 @@ Invariants of this mode:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fair_frontend.batching import Packed, pack, unpack
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
@@ -179,9 +181,17 @@ class BatchDispatcher(Dispatcher):
     async def _forward(
         self, packed: Packed, batch: list[CoreRequest], backend: int
     ) -> tuple[str, list[Tensor]]:
+        with self._in_triton(backend):
+            return await super()._forward(packed, batch, backend)
+
+    @contextmanager
+    def _in_triton(self, backend: int) -> Iterator[None]:
+        """A call of this model out to ``backend`` (a batch sent from here, or in
+        granted mode a shell's part): a bisection's half waits until none is
+        (``_alone_in``)."""
         self._calls[backend] += 1
         try:
-            return await super()._forward(packed, batch, backend)
+            yield
         finally:
             self._calls[backend] -= 1
             if not self._calls[backend]:

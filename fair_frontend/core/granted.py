@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fair_frontend.batching import pack, unpack
@@ -281,21 +279,6 @@ class GrantedDispatcher(BatchDispatcher):
     def _fail_all(self, reqs: list[CoreRequest], err: FrontendError) -> None:
         for r in reqs:
             self._fail(r, err)
-
-    @contextmanager
-    def _in_triton(self, backend: int) -> Iterator[None]:
-        """Parts of this model out to ``backend``: a bisection's half waits until none
-        is (``_alone_in``), as for a batch sent from here."""
-        self._calls[backend] += 1
-        try:
-            yield
-        finally:
-            self._calls[backend] -= 1
-            if not self._calls[backend]:
-                for waiting in self._alone[backend]:
-                    if not waiting.done():
-                        waiting.set_result(None)
-                self._alone[backend].clear()
 
 
 def _worst(errors: list[FrontendError]) -> FrontendError:
