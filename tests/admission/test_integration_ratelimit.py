@@ -26,6 +26,7 @@ import tritonclient.http.aio as httpaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.testing import aeventually
 from tests.support import EXAMPLE_CONFIG, KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # production 50 ms), and if one did, fail_closed makes it a visible 503, never an
 # unchecked admission that would inflate a count.
 TIMEOUT_MS = 5000.0
+SETTLE_S = 30.0  # deadline of a count polled on Triton; met far sooner
 PROTOCOLS = ["grpc", "http"]
 
 
@@ -67,6 +69,19 @@ def urls(fe: RunningFrontend) -> tuple[str, str]:
 def triton_rows(kserve: KServe, triton: Any, model: str) -> float:
     """Rows Triton has executed for ``model`` (``nv_inference_count``: batch items)."""
     return kserve.counter(triton.metrics_url, "nv_inference_count", model=model)
+
+
+async def rows_since(kserve: KServe, triton: Any, model: str, before: float, least: int) -> float:
+    """Rows Triton executed of ``model`` since it counted ``before``, once it counts at
+    least ``least`` (a bound: the answer to check is exactly that). Triton counts a
+    request once its ``execute`` has returned, a moment after the client had its answer."""
+    return float(
+        await aeventually(
+            lambda: (n := triton_rows(kserve, triton, model) - before) >= least and n,
+            SETTLE_S,
+            what=f"Triton to count {least} rows of {model}",
+        )
+    )
 
 
 def flush(redis_server: RedisProcess) -> None:
@@ -102,7 +117,7 @@ async def test_over_the_limit_is_refused_with_a_retry_hint_and_costs_nothing(
         assert all(r.ok for r in admitted), admitted
         assert admitted[0].retry_after is None
         # The positive control: admitted rows do reach Triton, and the scheduler.
-        assert triton_rows(kserve, triton, "embed") - before == 3
+        assert await rows_since(kserve, triton, "embed", before, 3) == 3
         served = triton_rows(kserve, triton, "embed")
         counters = await fe.acall(fe.counters("embed"))
         batches = await fe.acall(fe.batch_count("embed"))
@@ -240,7 +255,7 @@ async def test_concurrent_burst_admits_exactly_the_limit(
         [statuses] = await _burst([fe], KEYS["initech"], burst)
         assert statuses.count("OK") == limit, statuses
         assert set(statuses) - {"OK"} <= REFUSED, set(statuses)
-        assert triton_rows(kserve, triton, "embed") - before == limit
+        assert await rows_since(kserve, triton, "embed", before, limit) == limit
         counters = await fe.acall(fe.counters("embed"))
         assert counters.admitted == counters.dispatched == limit
 
@@ -276,6 +291,6 @@ async def test_two_frontends_sharing_redis_never_exceed_the_limit_together(
         assert sum(ok) == admitted, ok
         for statuses in split:
             assert set(statuses) - {"OK"} <= REFUSED, set(statuses)
-        assert triton_rows(kserve, triton, "embed") - before == admitted
+        assert await rows_since(kserve, triton, "embed", before, admitted) == admitted
         counters = [await fe.acall(fe.counters("embed")) for fe in (a, b)]
         assert [c.admitted for c in counters] == ok

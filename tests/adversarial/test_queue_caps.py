@@ -18,6 +18,7 @@ import json
 import struct
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import MSG_QUEUE_FULL
-from fair_frontend.testing import aeventually
+from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, running_frontend
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -40,27 +41,28 @@ GLOBAL_BYTES = 2_000_000
 SHARE = 0.25
 HOG_TOKENS = 20_000  # 80 KB of INT32 ids per request
 HOG_REQUESTS = 25  # 2 MB: the whole global byte cap, were they all admitted
-BLOCKER_TOKENS = 250_000  # 5 s on sleeper (20 us a token): the queue waits behind it
+BLOCKER_TOKENS = 10  # the blocker holds sleeper at a gate: the queue waits behind it
 
 
 def byte_config() -> dict[str, Any]:
     data = config_dict()
     data["queues"] = {"max_queued_bytes": GLOBAL_BYTES, "tenant_bytes_share": SHARE}
-    # The blocker's tenant has a byte cap of its own (its 1 MB request would not fit in
-    # a default share); it replaces the default.
-    data["tenants"]["hooli"]["max_queued_bytes"] = GLOBAL_BYTES
     # No batch sent ahead of the blocker's end: what is queued stays queued behind it.
     data["default_endpoint"]["dispatch_lead_ms"] = 0
     return data
 
 
-async def _sleeper(client: grpcaio.InferenceServerClient, tenant: str, tokens: int) -> Any:
+async def _sleeper(
+    client: grpcaio.InferenceServerClient, tenant: str, tokens: int, gate: Gate | None = None
+) -> Any:
+    """One request to ``sleeper``; ``gate``: held in Triton until the test opens it."""
     ids = np.ones((1, tokens), dtype=np.int32)
     try:
         return await client.infer(
             "sleeper",
             [ids_input(grpcaio, ids)],
             headers={"x-api-key": KEYS[tenant]},
+            parameters={GATE_PARAMETER: gate.parameter} if gate is not None else None,
             client_timeout=SETTLE_S,
         )
     except InferenceServerException as err:
@@ -75,12 +77,12 @@ async def _until(
 
 
 async def test_one_tenant_cannot_fill_the_global_byte_cap(
-    triton: EmbeddedTriton, workers: int
+    triton: EmbeddedTriton, workers: int, tmp_path: Path
 ) -> None:
-    """acme sends 2 MB of requests behind a slow one: the global cap's worth. It gets its
-    share (500 KB, 6 requests) and is refused the rest, naming its default; globex's
-    request is admitted and served. Before: acme's 25 were all admitted (the global cap
-    then full) and globex got 503 'global max_queued_bytes'."""
+    """acme sends 2 MB of requests behind one held in Triton: the global cap's worth. It
+    gets its share (500 KB, 6 requests) and is refused the rest, naming its default;
+    globex's request is admitted and served. Before: acme's 25 were all admitted (the
+    global cap then full) and globex got 503 'global max_queued_bytes'."""
     share = int(GLOBAL_BYTES * SHARE)
     expected = (
         f"{MSG_QUEUE_FULL}: tenant 'acme' max_queued_bytes={share} (its default: "
@@ -88,9 +90,10 @@ async def test_one_tenant_cannot_fill_the_global_byte_cap(
     )
     with running_frontend(parse_config(byte_config()), triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
+        gate = Gate(tmp_path)
         try:
             assert not isinstance(await _sleeper(client, "acme", 10), Exception)  # warm
-            blocker = asyncio.ensure_future(_sleeper(client, "hooli", BLOCKER_TOKENS))
+            blocker = asyncio.ensure_future(_sleeper(client, "hooli", BLOCKER_TOKENS, gate))
 
             async def blocked() -> bool:
                 return bool(fe.frontend.runtimes["sleeper"].inflight >= 1)
@@ -107,12 +110,18 @@ async def test_one_tenant_cannot_fill_the_global_byte_cap(
                 return bool(runtime.scheduler.depth("acme") + refused >= HOG_REQUESTS)
 
             await _until(fe, hog_settled, "acme's requests queued or refused")
-            assert fe.frontend.runtimes["sleeper"].inflight >= 1, "the blocker ended too soon"
-            quiet = await asyncio.wait_for(_sleeper(client, "globex", HOG_TOKENS), SETTLE_S)
-            assert not isinstance(quiet, Exception), quiet
+            quiet = asyncio.ensure_future(_sleeper(client, "globex", HOG_TOKENS))
+
+            async def quiet_queued() -> bool:
+                return bool(fe.frontend.runtimes["sleeper"].scheduler.depth("globex") == 1)
+
+            await _until(fe, quiet_queued, "globex's request queued beside acme's share")
+            gate.open()
+            assert not isinstance(await asyncio.wait_for(quiet, SETTLE_S), Exception), quiet
             results = await asyncio.gather(*hog)
             assert not isinstance(await blocker, Exception)
         finally:
+            gate.open()
             await client.close()
     refused = [r for r in results if isinstance(r, InferenceServerException)]
     served = [r for r in results if not isinstance(r, Exception)]
@@ -123,7 +132,7 @@ async def test_one_tenant_cannot_fill_the_global_byte_cap(
 
 
 async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
-    triton: EmbeddedTriton,
+    triton: EmbeddedTriton, tmp_path: Path
 ) -> None:
     """Two shell processes: once the core has told the shells that acme is at its share,
     acme's next requests are refused by the shell (the same 503), never reaching the
@@ -132,9 +141,10 @@ async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
         assert fe.server.shells is not None
         core_server = fe.server.shells.server
         client = grpcaio.InferenceServerClient(fe.grpc_url)
+        gate = Gate(tmp_path)
         try:
             assert not isinstance(await _sleeper(client, "acme", 10), Exception)  # warm
-            blocker = asyncio.ensure_future(_sleeper(client, "hooli", BLOCKER_TOKENS))
+            blocker = asyncio.ensure_future(_sleeper(client, "hooli", BLOCKER_TOKENS, gate))
 
             async def blocked() -> bool:
                 return bool(fe.frontend.runtimes["sleeper"].inflight >= 1)
@@ -161,12 +171,17 @@ async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
             assert all(isinstance(r, InferenceServerException) for r in shed), shed
             assert all("tenant 'acme' max_queued_bytes=" in r.message() for r in shed)
             assert core_server.intake.admitted == admitted, "the core saw acme's refused calls"
-            quiet = await _sleeper(client, "globex", HOG_TOKENS)
-            assert not isinstance(quiet, Exception), quiet
+            quiet = asyncio.ensure_future(_sleeper(client, "globex", HOG_TOKENS))
+            await aeventually(
+                lambda: core_server.intake.admitted > admitted, SETTLE_S, what="globex admitted"
+            )
+            gate.open()
+            assert not isinstance(await asyncio.wait_for(quiet, SETTLE_S), Exception), quiet
             assert core_server.intake.admitted == admitted + 1
             assert not [r for r in await asyncio.gather(*hog) if isinstance(r, Exception)]
             assert not isinstance(await blocker, Exception)
         finally:
+            gate.open()
             await client.close()
 
 

@@ -6,6 +6,8 @@ machine can each take that time at once (a GPU's time is its own, not the host's
 A row's tokens are its entry in the ``length`` list of the ``fair_rows`` request parameter
 (as the frontend sends it where it pads ragged rows), else the width of INPUT_IDS. OUT is
 each row's token count. The cost parameters come from config.pbtxt (defaults 2 ms, 20 us).
+A request that names a gate (``fair_frontend.testing.Gate``) is held there first, until
+the test opens it: a blocker that holds the model exactly as long as the test needs.
 """
 
 import json
@@ -13,6 +15,8 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from fair_frontend.gates import hold_at_gate
 
 
 class TritonPythonModel:
@@ -29,6 +33,7 @@ class TritonPythonModel:
     def execute(self, requests):
         lengths = []
         for request in requests:
+            hold_at_gate(request.parameters())
             ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
             rows = json.loads(json.loads(request.parameters() or "{}").get("fair_rows", "{}"))
             if "length" in rows:
