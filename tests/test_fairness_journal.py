@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from fair_frontend.core.sequences import OpenSequence
 from fair_frontend.fleet.debt import FairnessJournal
 from fair_frontend.fleet.election import RedisLease
 from fair_frontend.scheduler import SchedulerFairness, TierFairness
@@ -30,18 +31,31 @@ def redis_server() -> Iterator[RedisProcess]:
 
 
 class FakeCore:
-    """What the journal reads and writes of a ``Core``: its fairness state."""
+    """What the journal reads and writes of a ``Core``: its fairness state and its open
+    sequences."""
 
-    def __init__(self, counters: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        counters: dict[str, float] | None = None,
+        sequences: dict[str, list[OpenSequence]] | None = None,
+    ) -> None:
         tier = TierFairness(counters or {}, dict.fromkeys(counters or {}, 1.0), 0.0, [])
         self.state = {"llm": SchedulerFairness({"paid": tier})}
+        self.sequences = sequences or {}
         self.resumed: dict[str, SchedulerFairness] | None = None
+        self.resumed_sequences: dict[str, list[OpenSequence]] | None = None
 
     def export_fairness(self) -> dict[str, SchedulerFairness]:
         return self.state
 
     def resume_fairness(self, saved: dict[str, SchedulerFairness], keep_s: float) -> None:
         self.resumed = saved
+
+    def export_sequences(self) -> dict[str, list[OpenSequence]]:
+        return self.sequences
+
+    def resume_sequences(self, saved: dict[str, list[OpenSequence]]) -> None:
+        self.resumed_sequences = saved
 
 
 async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_cannot_overwrite(
@@ -51,7 +65,10 @@ async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_can
     old, new = (RedisLease(redis_server.url, key, name, LEASE_S) for name in ("old", "new"))
     try:
         assert await old._try_take()
-        leader = FakeCore({"acme": 900.0, "globex": 100.0})
+        open_sequences = {
+            "sequence_sum": [OpenSequence("acme", 7, 7), OpenSequence("globex", 7, 99, 1)]
+        }
+        leader = FakeCore({"acme": 900.0, "globex": 100.0}, open_sequences)
         journal = FairnessJournal(old)
         assert await journal.publish(leader)  # type: ignore[arg-type]
         # The old leader is deposed (its lease gone, another's now) ...
@@ -63,6 +80,7 @@ async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_can
         standby = FakeCore()
         assert await FairnessJournal(new).resume(standby)  # type: ignore[arg-type]
         assert standby.resumed == FakeCore({"acme": 900.0, "globex": 100.0}).state
+        assert standby.resumed_sequences == open_sequences  # ids of both types, and the pin
     finally:
         for lease in (old, new):
             await lease.close()

@@ -56,7 +56,7 @@ import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -582,6 +582,20 @@ class Dispatcher(ABC):
             else:
                 pins[sequence_id] = (backend, now)
                 pins.move_to_end(sequence_id)
+
+    def export_pins(self) -> dict[ParamValue, int]:
+        """Each pinned sequence's backend (Triton's sequence id -> its index in the pool),
+        for a new leader (``fair_frontend.fleet.debt``)."""
+        return {} if self._pins is None else {key: b for key, (b, _) in self._pins.items()}
+
+    def resume_pins(self, pins: Mapping[ParamValue, int], now: float) -> None:
+        """Take over a failed leader's ``export_pins``, each as if used ``now``; a sequence
+        this core pinned meanwhile keeps its own."""
+        if self._pins is None:
+            return
+        for key, backend in pins.items():
+            if key not in self._pins and 0 <= backend < len(self.pool):
+                self._pins[key] = (backend, now)
 
     def _drop_orphans(self, now: float) -> None:
         """Answer UNAVAILABLE the next in line whose sequence's backend is down: its

@@ -29,6 +29,12 @@ The map follows Triton's own life cycle of a sequence:
 Ids 0 and "" (and requests with no ``sequence_id``) are not sequences to Triton, which
 refuses them on a sequence-batched model: they are passed on for Triton's own answer.
 Time is the caller's ``now`` (the core's clock); the class reads no clock.
+
+A failover keeps the map (``export`` / ``resume``, carried by ``fair_frontend.fleet.debt``
+with the fairness state): Triton still holds each open sequence's state under the id this
+map chose, so a new leader that forgot it would refuse every continuation, or send it
+under the client's id, which may be another tenant's. Each carried entry restarts its idle
+time at the resume (the old leader's last use is at most one journal tick older).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from fair_frontend.errors import InvalidArgument, RateLimited
 from fair_frontend.protocol import INT64_MAX, ParamValue
 
@@ -46,6 +54,15 @@ DEFAULT_MAX_SEQUENCES_PER_TENANT = 1024
 IDLE_MARGIN = 2.0
 
 SequenceId = int | str
+
+
+class OpenSequence(msgspec.Struct, array_like=True, frozen=True):
+    """One open sequence as a new leader takes it over (``SequenceIds.export``)."""
+
+    tenant: str
+    client_id: int | str  # the id the tenant sends
+    assigned: int | str  # the id Triton holds its state under
+    backend: int = -1  # the Triton of a pool that holds that state (-1: none pinned yet)
 
 
 @dataclass(slots=True)
@@ -99,6 +116,27 @@ class SequenceIds:
         if seqs is None:
             return 0
         return len(seqs.open) if tenant is None else seqs.per_tenant.get(tenant, 0)
+
+    def export(self) -> dict[str, list[OpenSequence]]:
+        """Every open sequence, per model, least recently used first."""
+        return {
+            model: [OpenSequence(e.tenant, key[1], e.assigned) for key, e in seqs.open.items()]
+            for model, seqs in self._models.items()
+            if seqs.open
+        }
+
+    def resume(self, saved: Mapping[str, list[OpenSequence]], now: float) -> None:
+        """Take over a failed leader's ``export``, each entry as if used ``now``. One this
+        core opened meanwhile (the same tenant's id, or Triton's id taken) stays its own."""
+        for model, entries in saved.items():
+            seqs = self._models.setdefault(model, _ModelSequences())
+            for s in entries:
+                key = (s.tenant, s.client_id)
+                if key in seqs.open or s.assigned in seqs.assigned:
+                    continue
+                seqs.open[key] = _Open(s.tenant, s.assigned, now)
+                seqs.assigned.add(s.assigned)
+                seqs.per_tenant[s.tenant] = seqs.per_tenant.get(s.tenant, 0) + 1
 
     def assign(
         self,

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from fair_frontend.admission import (
     RateLimiter,
     overloaded_error,
@@ -50,7 +52,7 @@ from fair_frontend.core.plan import (
     service_model,
 )
 from fair_frontend.core.pool import BackendPool
-from fair_frontend.core.sequences import SequenceIds
+from fair_frontend.core.sequences import OpenSequence, SequenceIds
 from fair_frontend.errors import (
     SHUTTING_DOWN,
     FrontendError,
@@ -73,6 +75,7 @@ from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
+from fair_frontend.protocol import ParamValue
 from fair_frontend.quota import Quota
 from fair_frontend.scheduler import (
     QueueState,
@@ -242,6 +245,8 @@ class Core:
         # resumed as each is (``resume_fairness``).
         self._resumed: dict[str, SchedulerFairness] = {}
         self._resumed_until = 0.0  # clock.now() past which the rest of it is forgotten
+        # ... and its sequences' backends in a pool (Triton's id -> backend), likewise.
+        self._resumed_pins: dict[str, dict[ParamValue, int]] = {}
 
     @property
     def clock(self) -> Clock:
@@ -826,6 +831,9 @@ class Core:
             now = self.clock.now()
             if saved is not None and now < self._resumed_until:
                 runtime.scheduler.resume_fairness(saved, now, self._resumed_until - now)
+            pins = self._resumed_pins.pop(model, None)
+            if pins:
+                runtime.resume_pins(pins, now)
         return runtime
 
     # ---- failover (``fair_frontend.fleet.debt``) ----------------------------------------
@@ -850,6 +858,34 @@ class Core:
                 self._resumed[model] = state
             else:
                 runtime.scheduler.resume_fairness(state, now, keep_s)
+
+    def export_sequences(self) -> dict[str, list[OpenSequence]]:
+        """Every open sequence of a stateful model, with the backend that holds its state
+        where the model has a pool (``SequenceIds.export``, ``Dispatcher.export_pins``)."""
+        out = self.sequences.export()
+        for model, entries in out.items():
+            runtime = self.runtimes.get(model)
+            pins = runtime.export_pins() if runtime is not None else {}
+            if pins:
+                out[model] = [
+                    msgspec.structs.replace(s, backend=pins.get(s.assigned, -1)) for s in entries
+                ]
+        return out
+
+    def resume_sequences(self, saved: dict[str, list[OpenSequence]]) -> None:
+        """Take over a failed leader's ``export_sequences`` before this core serves: its
+        tenants' sequences go on under the ids Triton holds them by, on the same backends."""
+        now = self.clock.now()
+        self.sequences.resume(saved, now)
+        for model, entries in saved.items():
+            pins: dict[ParamValue, int] = {s.assigned: s.backend for s in entries if s.backend >= 0}
+            runtime = self.runtimes.get(model)
+            if not pins:
+                continue
+            if runtime is None:
+                self._resumed_pins[model] = pins
+            else:
+                runtime.resume_pins(pins, now)
 
     # ---- feedback from Triton's metrics -------------------------------------------------
 

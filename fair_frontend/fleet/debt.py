@@ -24,7 +24,10 @@ Why Redis, and not a follower link to the leader over the core link
 What the new leader resumes is at most one tick (plus Redis's round trip) older than the
 old leader's last decision: the service of that tick is the only debt a kill can lose.
 The key expires ``TTL_S`` after the last write: a fleet that was down for longer starts
-even. Engine slot holders need no carrying (the shells tell the new leader of the streams
+even. The same record carries the open sequences of stateful models (``Core.
+export_sequences``: each tenant's sequence id, the id Triton holds its state under, and in
+a pool the Triton that holds it), so that a sequence goes on across a failover on the same
+state. Engine slot holders need no carrying (the shells tell the new leader of the streams
 they relay, ``Running``); rate limits live in Redis already. With ``--election
 kubernetes`` no state is carried (the new leader starts even, as before).
 """
@@ -39,6 +42,7 @@ import time
 import msgspec
 from redis.exceptions import RedisError
 
+from fair_frontend.core.sequences import OpenSequence
 from fair_frontend.core.service import Core
 from fair_frontend.fleet.election import Election, RedisLease
 from fair_frontend.scheduler import SchedulerFairness
@@ -61,6 +65,7 @@ class FairnessState(msgspec.Struct, array_like=True, frozen=True):
     leader: str
     at: float
     endpoints: dict[str, SchedulerFairness]
+    sequences: dict[str, list[OpenSequence]] = {}  # per model (``Core.export_sequences``)
 
 
 # Set the state only while the lease (KEYS[1]) names this core (ARGV[1]).
@@ -77,7 +82,7 @@ class FairnessJournal:
     def __init__(self, lease: RedisLease) -> None:
         self.lease = lease
         self.key = f"{lease.key}:fairness"
-        self._last = b""  # the endpoints' state as last published
+        self._last = b""  # the endpoints' state and sequences as last published
         self._published_at = 0.0  # time.monotonic() of the last write
         self.published = 0  # writes made (for tests and logs)
 
@@ -103,6 +108,7 @@ class FairnessJournal:
             log.warning("the last leader's fairness state is unreadable (%s): starting even", err)
             return False
         core.resume_fairness(state.endpoints, keep_s)
+        core.resume_sequences(state.sequences)
         log.info(
             "resumed the fairness state of %s, %.2f s old, for %d endpoints",
             state.leader,
@@ -114,12 +120,14 @@ class FairnessJournal:
     async def publish(self, core: Core, *, force: bool = False) -> bool:
         """Publish ``core``'s state now if it changed (or ``force``, or every
         ``REFRESH_S``); False where the lease is not this core's any more."""
-        exported = core.export_fairness()
-        endpoints = _ENCODER.encode(exported)
+        exported, sequences = core.export_fairness(), core.export_sequences()
+        endpoints = _ENCODER.encode((exported, sequences))
         now = time.monotonic()
         if not force and endpoints == self._last and now - self._published_at < REFRESH_S:
             return True
-        state = _ENCODER.encode(FairnessState(self.lease.identity, time.time(), exported))
+        state = _ENCODER.encode(
+            FairnessState(self.lease.identity, time.time(), exported, sequences)
+        )
         done = await self.lease.redis.eval(
             _PUBLISH, 2, self.lease.key, self.key, self.lease.identity, state, int(TTL_S * 1000)
         )

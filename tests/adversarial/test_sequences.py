@@ -16,14 +16,16 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.core.sequences import IDLE_MARGIN, SequenceIds
+from fair_frontend.core.sequences import IDLE_MARGIN, OpenSequence, SequenceIds
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument, RateLimited
+from fair_frontend.fleet.debt import FairnessState
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 MODEL = "sequence_sum"
@@ -92,6 +94,57 @@ def test_a_restart_keeps_the_tenants_own_sequence(fe: RunningFrontend) -> None:
     assert add(fe.grpc_url, 77, 5, A, start=True) == 5
     assert add(fe.grpc_url, 77, 6, A, start=True) == 6
     assert add(fe.grpc_url, 77, 1, A, end=True) == 7
+
+
+async def _export(fe: RunningFrontend) -> dict[str, list[OpenSequence]]:
+    return fe.frontend.export_sequences()
+
+
+async def _resume(fe: RunningFrontend, saved: dict[str, list[OpenSequence]]) -> None:
+    fe.frontend.resume_sequences(saved)
+
+
+def test_a_new_leader_goes_on_with_each_tenants_sequence(triton: EmbeddedTriton) -> None:
+    """A failover (``fair_frontend.fleet.debt``): a second core in front of the same
+    Triton, given the first's open sequences through the journal's own record, goes on
+    with each tenant's sequence on the state Triton holds for it; before it resumed, it
+    refused the continuation as a sequence never started (the control)."""
+    seq = 5150
+    with (
+        running_frontend(make_config(), triton) as old,
+        running_frontend(make_config(), triton) as new,
+    ):
+        assert add(old.grpc_url, seq, 5, A, start=True) == 5
+        assert add(old.grpc_url, seq, 1, B, start=True) == 1  # B's: under an id of its own
+        carried = old.call(_export(old))
+        journal = msgspec.msgpack.encode(FairnessState("old", 0.0, {}, carried))
+        state = msgspec.msgpack.decode(journal, type=FairnessState)
+        refused(new.grpc_url, seq, 1, A)  # the control: a leader that forgot
+        new.call(_resume(new, state.sequences))
+        assert add(new.grpc_url, seq, 2, A) == 7
+        assert add(new.grpc_url, seq, 2, B) == 3
+        assert add(new.grpc_url, seq, 3, A, end=True) == 10
+        assert add(new.grpc_url, seq, 3, B, end=True) == 6
+        assert new.call(_export(new)) == {}
+
+
+def test_resumed_sequences_keep_their_ids_and_idle_from_the_resume() -> None:
+    old = SequenceIds()
+    a = old.assign(MODEL, "a", start(7), idle_s=1.0, now=0.0)["sequence_id"]
+    b = old.assign(MODEL, "b", start(7), idle_s=1.0, now=0.5)["sequence_id"]
+    new = SequenceIds()
+    new.resume(old.export(), now=10.0)  # before the new leader serves
+    assert new.open_sequences(MODEL) == 2
+    assert new.assign(MODEL, "a", {"sequence_id": 7}, idle_s=1.0, now=10.5)["sequence_id"] == a
+    assert new.assign(MODEL, "b", {"sequence_id": 7}, idle_s=1.0, now=10.5)["sequence_id"] == b
+    # Triton's ids stay taken: another tenant's 7 gets one of its own.
+    c = new.assign(MODEL, "c", start(7), idle_s=1.0, now=10.5)["sequence_id"]
+    assert c not in (a, b)
+    # A carried entry idles from the resume, as if used then: kept for the margin, no more.
+    new.resume({MODEL: [OpenSequence("d", 3, 3), OpenSequence("e", 4, 4)]}, now=11.0)
+    new.assign(MODEL, "d", {"sequence_id": 3}, idle_s=1.0, now=11.0 + IDLE_MARGIN)
+    with pytest.raises(InvalidArgument):
+        new.assign(MODEL, "e", {"sequence_id": 4}, idle_s=1.0, now=11.0 + IDLE_MARGIN + 0.1)
 
 
 # ---- the map's bounds, on explicit times ------------------------------------------------

@@ -26,6 +26,7 @@ from fair_frontend.core import Core
 from fair_frontend.core.dispatch import Backend, CoreRequest
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.pool import BackendPool
+from fair_frontend.core.sequences import OpenSequence
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
@@ -429,6 +430,33 @@ async def test_a_sequence_stays_on_the_backend_that_holds_its_state(
     assert len(h.tritons[0].sent) == 2
 
 
+async def test_a_new_leader_sends_each_sequence_to_the_backend_that_holds_its_state(
+    make: Callable[..., Harness],
+) -> None:
+    """The pins a failed leader exported (``Dispatcher.export_pins``, carried by the
+    fairness journal) are the new leader's: sequence 8, whose state is in backend 1, goes
+    there though backend 0 is free and first in the round robin, where a leader without
+    them (the control) sends it."""
+    old = make(endpoint=Endpoint(max_batch_size=1), sequence_batching=True)
+    s7 = in_sequence(old, "a", 7, start=True)
+    s8 = in_sequence(old, "b", 8, start=True)
+    await old.settle()
+    assert sent_to(old) == [[ids(s7)], [ids(s8)]]
+    pins = old.runtime.export_pins()
+    assert pins == {7: 0, 8: 1}
+    for resumed in (True, False):
+        new = make(endpoint=Endpoint(max_batch_size=1), sequence_batching=True)
+        if resumed:
+            new.runtime.resume_pins(pins, new.clock.now())
+        s8b = in_sequence(new, "b", 8)
+        await new.settle()
+        assert sent_to(new) == ([[], [ids(s8b)]] if resumed else [[ids(s8b)], []])
+        s7b = in_sequence(new, "a", 7)
+        await new.settle()
+        if resumed:
+            assert sent_to(new) == [[ids(s7b)], [ids(s8b)]]
+
+
 # ---- the core: one pool for every endpoint --------------------------------------------------
 
 
@@ -504,6 +532,55 @@ async def test_the_core_serves_every_endpoint_from_its_pool_and_says_so_in_its_g
         assert core.pool.backends[0].available
     finally:
         await core.shutdown(grace_s=0.1)
+
+
+async def test_a_cores_open_sequences_carry_their_backends_to_the_next_leader() -> None:
+    """``Core.export_sequences``: each open sequence with the Triton of the pool that holds
+    its state; ``resume_sequences`` on a core that has not set the endpoint up yet: the
+    pins wait for it, and its dispatcher starts with them."""
+    clock = StepClock()
+    config = parse_config(
+        {
+            "tiers": ["paid"],
+            "tier_models": {"paid": ["*"]},
+            "tenants": {"a": {"tier": "paid", "api_keys": ["a-test-key"]}},
+            "default_endpoint": {"throttle": False, "max_batch_size": 1},
+        }
+    )
+    info = embed_info(sequence_batching=True)
+    urls = ("t0:8001", "t1:8001")
+    cores = [
+        Core(
+            config,
+            cast(list[TritonForwarder], [ReadyTriton(clock, url) for url in urls]),
+            clock=clock,
+            wall=lambda: 1.7e9,
+        )
+        for _ in range(2)
+    ]
+    old, new = cores
+    old._runtime(MODEL, info)
+    try:
+        for n in (7, 8):
+            data = np.full((1, 3), n, dtype=np.int32)
+            request = InferRequest(
+                model=MODEL, id=f"r{n}", inputs=[Tensor("INPUT_IDS", "INT32", (1, 3), data)]
+            )
+            request.sequence = {"sequence_id": n, "sequence_start": True}
+            call = Call(n, "a", 1, clock.now(), 1.7e9, 1, 3, request.nbytes, None, request)
+            assert old.submit(call, Shell()) is not None
+            await settle()
+        carried = old.export_sequences()
+        assert carried == {
+            MODEL: [OpenSequence("a", 7, 7, backend=0), OpenSequence("a", 8, 8, backend=1)]
+        }
+        new.resume_sequences(carried)
+        assert new.sequences.open_sequences(MODEL, "a") == 2
+        new._runtime(MODEL, info)
+        assert new.runtimes[MODEL].export_pins() == {7: 0, 8: 1}
+    finally:
+        for core in cores:
+            await core.shutdown(grace_s=0.1)
 
 
 # ---- what crosses to the shells -----------------------------------------------------------
