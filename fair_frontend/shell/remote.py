@@ -11,7 +11,8 @@ What a client sees across a failover:
 * a call whose batch had reached Triton: sent again too (the old core's answer died with
   it), so Triton may run it twice; the client gets one answer. A step of a sequence is
   the exception: its state lives on the Triton the old core chose, so it is answered
-  UNAVAILABLE (retryable) rather than replayed elsewhere;
+  UNAVAILABLE (retryable) rather than replayed (the sequence goes on: a new leader that
+  resumed the old one's state, ``fair_frontend.fleet.debt``, knows it and its Triton);
 * a granted stream: untouched. The shell streams it from Triton itself; its tokens reach
   the client as before. The shell tells the new leader of it (``Running``), which holds
   its slot until it ends: the engine's slots stay exact across the failover. One whose
