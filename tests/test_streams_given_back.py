@@ -30,7 +30,16 @@ from fair_frontend.shell.link import Inbox, gone_before_answered
 from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.triton.forwarder import StreamReply
 from fair_frontend.wire.framing import to_core
-from fair_frontend.wire.records import Answer, Call, Ended, Fault, Grant, Hello, Running
+from fair_frontend.wire.records import (
+    Answer,
+    Call,
+    Ended,
+    Fault,
+    Grant,
+    Hello,
+    Produced,
+    Running,
+)
 from tests.support import KEYS, make_config
 
 
@@ -109,7 +118,8 @@ async def test_a_stream_given_back_waits_for_its_next_grant(link: Recorded) -> N
     call = stream_call(1)
     inbox = link.submit(call)
     await granted(link, call, 1)
-    assert call.id not in link._held and link._streaming[call.id] == (call, 1)
+    relayed = link._streaming[call.id]
+    assert call.id not in link._held and (relayed.call, relayed.backend) == (call, 1)
     inbox.again(gone())
     inbox.end(fault=gone())  # the relay's finally: a no-op once given back
     sent = await link.sent()
@@ -154,6 +164,32 @@ async def test_a_stream_that_failed_for_good_is_never_given_back(link: Recorded)
     assert inbox.done and call.id not in link._inboxes
     link._resend()
     assert not [r for r in await link.sent() if isinstance(r, (Call, Running))]
+
+
+async def test_a_running_stream_tells_the_next_core_its_limits_mark_and_its_tokens(
+    link: Recorded,
+) -> None:
+    """On a failover the shell tells the next core of a stream it relays (``Running``)
+    with what that core needs to correct its tenant's token limits when it ends: when
+    they counted it (its grant's ``limits_at``) and the tokens relayed before, including
+    a tally that went nowhere because the core was gone; the tokens not told yet follow
+    as ``Produced``, not counted twice."""
+    call = stream_call(4)
+    inbox = link.submit(call)
+    link.received(Grant(call.id, backend=1, limits_at=1.7e9))
+    assert isinstance(await inbox.get(), Grant)
+    inbox.produced(5, 0.1, -1.0)
+    link.closed = True  # the core is lost before the tally's tick: it goes nowhere
+    link._send_produced()
+    link.closed = False
+    inbox.produced(2, -1.0, 0.01)  # relayed meanwhile: told by the next tick
+    link._resend()
+    (running,) = [r for r in await link.sent() if isinstance(r, Running)]
+    assert (running.call.id, running.backend, running.limits_at) == (call.id, 1, 1.7e9)
+    assert running.produced == 5
+    link._send_produced()
+    (produced,) = [r for r in await link.sent() if isinstance(r, Produced)]
+    assert [entry[:2] for entry in produced.entries] == [(call.id, 2)]
 
 
 # ---- the relay: what is given back, and how often ------------------------------------------

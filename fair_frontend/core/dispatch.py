@@ -774,6 +774,7 @@ class Dispatcher(ABC):
                     req.queued_s,
                     backend=backend,
                     quota=req.quota,
+                    limits_at=req.limits_at if req.limits_at is not None else -1.0,
                 )
             )
         served = await ended

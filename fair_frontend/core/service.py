@@ -382,14 +382,26 @@ class Core:
                 self.accounting.charge_back_limits(req)
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
 
-    def adopt(self, call: Call, route: Route, backend: int) -> CoreRequest | None:
+    def adopt(
+        self,
+        call: Call,
+        route: Route,
+        backend: int,
+        limits_at: float = -1.0,
+        produced: int = 0,
+    ) -> CoreRequest | None:
         """A stream a lost core granted, still relayed by the shell of ``route`` (a
         failover): its slot on ``backend`` is held here until it ends, so the engine's
         slots stay exact across the failover. No admission: it was admitted before (its
-        limits counted then). None where it cannot be placed (a model this core has not
-        looked up yet is looked up first)."""
+        limits counted then, at wall time ``limits_at``; -1: not counted); when it ends,
+        its token limits are corrected by what it produced (``produced`` so far, and what
+        its shell reports from now on), as the core that admitted it would have. None
+        where it cannot be placed (a model this core has not looked up yet is looked up
+        first)."""
         runtime = self.runtimes.get(call.request.model)
         req = self._new_request(call, route, runtime)
+        req.limits_at = limits_at if limits_at >= 0 else None
+        req.produced = max(0, produced)
         if runtime is not None:
             return req if runtime.adopt(req, backend) else None
         self._spawn(self._adopt_later(req, backend))

@@ -212,7 +212,9 @@ class ShellConnection(Framed):
             for call_id in record.gone:
                 calls.pop(call_id, None)
         elif isinstance(record, Running):
-            req = self.core.adopt(record.call, self, record.backend)
+            req = self.core.adopt(
+                record.call, self, record.backend, record.limits_at, record.produced
+            )
             if req is not None:
                 self.calls[record.call.id] = req
         elif isinstance(record, Tally):

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -93,6 +94,18 @@ CONNECT_OPTIONS = [
 SECRET_REFUSED = 78  # EX_CONFIG: the exit status of a shell whose secret no core takes
 
 
+@dataclass(slots=True)
+class _Relayed:
+    """A granted stream this shell relays: what a next core needs to adopt it
+    (``Running``): the call, its Triton, when its limits counted it, and the tokens
+    relayed so far."""
+
+    call: Call
+    backend: int
+    limits_at: float
+    relayed: int = 0
+
+
 class SecretRefused(RuntimeError):
     """A core refused this shell's secret."""
 
@@ -124,7 +137,7 @@ class RemoteLink(SocketLink):
         # The parts of one call (``Group``), by each part's id: its group's part ids
         # (sent again together, those still held, to the next core).
         self._groups: dict[int, list[int]] = {}
-        self._streaming: dict[int, tuple[Call, int]] = {}  # granted: (call, backend)
+        self._streaming: dict[int, _Relayed] = {}  # the granted streams it relays
         self._stopping = False
         self._draining = False  # the core connected to steps down: hold new calls
         self._channel: grpc.aio.Channel | None = None
@@ -212,7 +225,7 @@ class RemoteLink(SocketLink):
         elif isinstance(record, Grant):
             held = self._held.pop(record.id, None)
             if held is not None:
-                self._streaming[record.id] = (held[0], record.backend)
+                self._streaming[record.id] = _Relayed(held[0], record.backend, record.limits_at)
         elif isinstance(record, Draining):
             # The core steps down: what it holds it answers; new calls wait for the next.
             self._draining = True
@@ -340,19 +353,28 @@ class RemoteLink(SocketLink):
         self._resend()
         self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
 
+    def _tokens(self, call_id: int, tokens: int, first_s: float, gap_s: float) -> None:
+        stream = self._streaming.get(call_id)
+        if stream is not None:
+            stream.relayed += tokens
+        super()._tokens(call_id, tokens, first_s, gap_s)
+
     def _ended(self, call_id: int, version: str, fault: Any, cancelled: bool) -> None:
         streaming = self._streaming.pop(call_id, None)
         if streaming is not None and gone_before_answered(fault):
             # Given back (its Triton was gone): held again until granted or answered, and
             # sent again to the next core if this one is lost meanwhile.
-            self._held[call_id] = (streaming[0], asyncio.get_running_loop().time())
+            self._held[call_id] = (streaming.call, asyncio.get_running_loop().time())
         super()._ended(call_id, version, fault, cancelled)
 
     def _resend(self) -> None:
         """To the core just connected: the streams this shell relays (their slots are
         held there until they end), then every call not yet answered, in arrival order."""
-        for call, backend in self._streaming.values():
-            self.send(Running(call, backend))
+        for call_id, stream in self._streaming.items():
+            # Its tokens not yet told (``_produced``) go as ``Produced`` after this.
+            untold = self._produced.get(call_id, (0,))[0]
+            told = stream.relayed - untold
+            self.send(Running(stream.call, stream.backend, stream.limits_at, told))
         sent: set[int] = set()
         for call_id in sorted(self._held):
             if call_id in sent:

@@ -228,6 +228,9 @@ class Grant(msgspec.Struct, tag=18, array_like=True):
     queued_s: float = -1.0
     backend: int = 0  # the Triton to send it to: an index into ``Settings.triton_urls``
     quota: Quota | None = None  # its tenant's rate-limit state after its admission
+    # The wall time its token limits counted it (-1: they did not): a new leader that
+    # adopts the stream (``Running``) corrects that count when it ends, as this core would.
+    limits_at: float = -1.0
 
 
 class Rows(msgspec.Struct, tag=25, array_like=True):
@@ -422,10 +425,15 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
 
 class Running(msgspec.Struct, tag=21, array_like=True):
     """A stream another core granted, still relayed by this shell (told to the core it
-    connects to next, which holds its slot on Triton ``backend`` until it ends)."""
+    connects to next, which holds its slot on Triton ``backend`` until it ends). With
+    its grant's ``limits_at`` and the tokens it relayed before this record (``produced``;
+    those after come as ``Produced``): the new core corrects its tenant's token limits
+    by what it produced when it ends, as the core that admitted it would have."""
 
     call: Call
     backend: int
+    limits_at: float = -1.0
+    produced: int = 0
 
 
 ToCore = Union[  # noqa: UP007

@@ -167,11 +167,13 @@ class Sent:
 class Rig:
     """A ``Core`` on fake clocks, both models' runtimes ready (no lookup in Triton)."""
 
-    def __init__(self) -> None:
-        self.clock = StepClock()
+    def __init__(self, of: Rig | None = None) -> None:
+        """``of``: another rig whose clock and limits' storage this one shares (a
+        standby of the same fleet, with Redis)."""
+        self.clock = of.clock if of is not None else StepClock()
         self.start = self.clock.now()
         self.triton = Triton(self.clock)
-        self.storage = MemoryStorage()
+        self.storage = of.storage if of is not None else MemoryStorage()
         self.recorder = Recorder(self.clock)
         self.core = Core(
             core_config(),
@@ -512,6 +514,31 @@ async def test_a_stream_is_counted_in_its_limit_as_its_input_and_what_it_produce
     # The first tokens as the shell timed them; the ends on the fake clock, from arrival.
     assert rig.recorder.first_token_s == [2.0, 2.0]
     assert [f.latency_s for f in rig.recorder.finished] == [2.0, 2.0]
+
+
+async def test_a_new_leader_corrects_the_limits_of_a_stream_it_adopted() -> None:
+    """A failover mid-stream: the shell tells the new leader of the stream it relays
+    (``Running``: when its limits counted it, the tokens relayed so far), and when it ends
+    the new leader corrects its tenant's count by what it produced in all, as the old
+    leader would have. Adopted with no mark (the control), the 50 asked for stay counted."""
+    for carried in (True, False):
+        old = Rig()
+        shell = Shell("s")
+        sent = old.submit_llm(shell, "a", prompt=10, max_tokens=50)
+        await old.settle()
+        assert sent.granted and sent.req is not None
+        (grant,) = shell.grants
+        assert grant.limits_at == EPOCH + old.clock.now()  # its admission, on the wall
+        old.core.produced(sent.req, 7, 1.0)  # then the old leader is gone
+        await old.advance(1.0)
+        new = Rig(of=old)  # the standby: the same limits' storage (Redis)
+        running = (grant.limits_at, 7) if carried else (-1.0, 0)
+        req = new.core.adopt(sent.call, shell, 0, *running)
+        assert req is not None
+        await new.settle()
+        new.core.produced(req, 3)
+        new.core.stream_ended(req, "1", None, False)
+        assert new.limit_tokens("a") == (10 + 10 if carried else 10 + 50)
 
 
 async def test_a_limit_refuses_what_asks_for_more_than_is_left_and_counts_nothing() -> None:
