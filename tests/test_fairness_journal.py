@@ -44,6 +44,8 @@ class FakeCore:
         self.sequences = sequences or {}
         self.resumed: dict[str, SchedulerFairness] | None = None
         self.resumed_sequences: dict[str, list[OpenSequence]] | None = None
+        self.down: list[str] = []
+        self.resumed_down: list[str] | None = None
 
     def export_fairness(self) -> dict[str, SchedulerFairness]:
         return self.state
@@ -57,6 +59,12 @@ class FakeCore:
     def resume_sequences(self, saved: dict[str, list[OpenSequence]]) -> None:
         self.resumed_sequences = saved
 
+    def export_down(self) -> list[str]:
+        return self.down
+
+    def resume_down(self, down: list[str]) -> None:
+        self.resumed_down = down
+
 
 async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_cannot_overwrite(
     redis_server: RedisProcess,
@@ -69,6 +77,7 @@ async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_can
             "sequence_sum": [OpenSequence("acme", 7, 7), OpenSequence("globex", 7, 99, 1)]
         }
         leader = FakeCore({"acme": 900.0, "globex": 100.0}, open_sequences)
+        leader.down = ["127.0.0.1:8003"]
         journal = FairnessJournal(old)
         assert await journal.publish(leader)  # type: ignore[arg-type]
         # The old leader is deposed (its lease gone, another's now) ...
@@ -81,6 +90,7 @@ async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_can
         assert await FairnessJournal(new).resume(standby)  # type: ignore[arg-type]
         assert standby.resumed == FakeCore({"acme": 900.0, "globex": 100.0}).state
         assert standby.resumed_sequences == open_sequences  # ids of both types, and the pin
+        assert standby.resumed_down == ["127.0.0.1:8003"]
     finally:
         for lease in (old, new):
             await lease.close()

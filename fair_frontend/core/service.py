@@ -899,6 +899,22 @@ class Core:
             else:
                 runtime.resume_pins(pins, now)
 
+    def export_down(self) -> list[str]:
+        """The Tritons of the pool this core finds unreachable (by address), for a new
+        leader: it must not grant them work before its own probe finds them back."""
+        pool = self._pool
+        if pool is None:
+            return []
+        return [name for name, b in zip(pool.names, pool.backends, strict=True) if not b.available]
+
+    def resume_down(self, down: Sequence[str]) -> None:
+        """Take a failed leader's ``export_down``: those Tritons start down here (probed
+        until they answer), instead of each costing a grant that fails first."""
+        pool = self.pool
+        for name, backend in zip(pool.names, pool.backends, strict=True):
+            if name in down:
+                backend.mark_down()
+
     # ---- feedback from Triton's metrics -------------------------------------------------
 
     async def start(self) -> None:

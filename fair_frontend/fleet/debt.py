@@ -27,9 +27,12 @@ The key expires ``TTL_S`` after the last write: a fleet that was down for longer
 even. The same record carries the open sequences of stateful models (``Core.
 export_sequences``: each tenant's sequence id, the id Triton holds its state under, and in
 a pool the Triton that holds it), so that a sequence goes on across a failover on the same
-state. Engine slot holders need no carrying (the shells tell the new leader of the streams
-they relay, ``Running``); rate limits live in Redis already. With ``--election
-kubernetes`` no state is carried (the new leader starts even, as before).
+state; and the Tritons the leader could not reach (``Core.export_down``): the new leader
+starts them down, probed until they answer, instead of granting each work that fails
+first. Engine slot holders need no carrying (the shells tell the new leader of the
+streams they relay, ``Running``, with what their rate-limit correction needs); rate
+limits live in Redis already. With ``--election kubernetes`` no state is carried (the new
+leader starts even, as before).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class FairnessState(msgspec.Struct, array_like=True, frozen=True):
     at: float
     endpoints: dict[str, SchedulerFairness]
     sequences: dict[str, list[OpenSequence]] = {}  # per model (``Core.export_sequences``)
+    down: list[str] = []  # the Tritons it could not reach (``Core.export_down``)
 
 
 # Set the state only while the lease (KEYS[1]) names this core (ARGV[1]).
@@ -109,6 +113,7 @@ class FairnessJournal:
             return False
         core.resume_fairness(state.endpoints, keep_s)
         core.resume_sequences(state.sequences)
+        core.resume_down(state.down)
         log.info(
             "resumed the fairness state of %s, %.2f s old, for %d endpoints",
             state.leader,
@@ -120,13 +125,17 @@ class FairnessJournal:
     async def publish(self, core: Core, *, force: bool = False) -> bool:
         """Publish ``core``'s state now if it changed (or ``force``, or every
         ``REFRESH_S``); False where the lease is not this core's any more."""
-        exported, sequences = core.export_fairness(), core.export_sequences()
-        endpoints = _ENCODER.encode((exported, sequences))
+        exported, sequences, down = (
+            core.export_fairness(),
+            core.export_sequences(),
+            core.export_down(),
+        )
+        endpoints = _ENCODER.encode((exported, sequences, down))
         now = time.monotonic()
         if not force and endpoints == self._last and now - self._published_at < REFRESH_S:
             return True
         state = _ENCODER.encode(
-            FairnessState(self.lease.identity, time.time(), exported, sequences)
+            FairnessState(self.lease.identity, time.time(), exported, sequences, down)
         )
         done = await self.lease.redis.eval(
             _PUBLISH, 2, self.lease.key, self.key, self.lease.identity, state, int(TTL_S * 1000)

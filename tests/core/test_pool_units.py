@@ -583,6 +583,49 @@ async def test_a_cores_open_sequences_carry_their_backends_to_the_next_leader() 
             await core.shutdown(grace_s=0.1)
 
 
+async def test_a_new_leader_starts_with_the_tritons_the_old_one_found_down() -> None:
+    """``Core.export_down`` / ``resume_down``: a Triton the old leader could not reach
+    starts down at the new one: no batch goes to it (where the round robin would send
+    every other one) until the new leader's own probe finds it back."""
+    clock = StepClock()
+    config = parse_config(
+        {
+            "tiers": ["paid"],
+            "tier_models": {"paid": ["*"]},
+            "tenants": {"a": {"tier": "paid", "api_keys": ["a-test-key"]}},
+            "default_endpoint": {"throttle": False},
+        }
+    )
+    urls = ("t0:8001", "t1:8001")
+    fakes = [[ReadyTriton(clock, url) for url in urls] for _ in range(2)]
+    old, new = (
+        Core(config, cast(list[TritonForwarder], t), clock=clock, wall=lambda: 1.7e9) for t in fakes
+    )
+    try:
+        assert old.export_down() == []
+        old.pool.backends[1].mark_down()
+        assert old.export_down() == ["t1:8001"]
+        new.resume_down(old.export_down())
+        new._runtime(MODEL, embed_info())
+        shell = Shell()
+        for n in (1, 2):
+            data = np.full((1, 3), n, dtype=np.int32)
+            request = InferRequest(
+                model=MODEL, id=f"r{n}", inputs=[Tensor("INPUT_IDS", "INT32", (1, 3), data)]
+            )
+            call = Call(n, "a", 1, clock.now(), 1.7e9, 1, 3, request.nbytes, None, request)
+            assert new.submit(call, shell) is not None
+            await settle()
+        assert [t.batches() for t in fakes[1]] == [[["r1"]], []]  # r2 waits for t0
+        assert not new.pool.backends[1].available
+        clock.advance(1.0)  # the new leader's probe: t1 answers
+        await settle()
+        assert new.pool.backends[1].available
+    finally:
+        for core in (old, new):
+            await core.shutdown(grace_s=0.1)
+
+
 # ---- what crosses to the shells -----------------------------------------------------------
 
 
