@@ -166,7 +166,7 @@ class FrontendServer:
     ) -> None:
         """A core for shells elsewhere (``workers=0``), started warm: from now on it
         accepts them at ``address`` (HOST:PORT), each carrying ``secret`` (over ``tls``
-        where given)."""
+        where given), on ``link``: gRPC streams or raw TCP (``fair_frontend.wire.tcp``)."""
         assert isinstance(self.shells, RemoteShells)
         self.core_port = await self.shells.server.listen(address, secret, tls, link)
         self.leading = True

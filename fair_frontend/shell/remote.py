@@ -1,7 +1,9 @@
 """A shell's link to cores on other hosts (``fair-frontend shell --core HOST:PORT``).
 
 The records are ``SocketLink``'s; they ride a gRPC stream (``fair_frontend.wire.remote``)
-to whichever of the given cores leads. The link outlives a connection: when the core it
+or, with ``--link tcp``, a TCP connection of their own (``fair_frontend.wire.tcp``: the
+secret in its preamble, heartbeats for liveness) to whichever of the given cores leads;
+all that follows holds for either. The link outlives a connection: when the core it
 was connected to goes away (killed, its host gone, or stepping down), the shell keeps
 every call not yet answered, finds the next leader (trying each core in turn, backing off
 to once a second) and sends those calls to it again, in the order they came.
@@ -29,8 +31,9 @@ What a client sees across a failover:
 Meanwhile the shell stays ready (for ``hold_s`` at most): a failover takes seconds, less
 than a load balancer takes to act on readiness, and what arrives is held and sent on like
 the rest; turning every shell unready at once would leave tenants no address at all. A
-core that refuses the secret (UNAUTHENTICATED) before this shell ever connected is a
-configuration error: the shell exits (``SECRET_REFUSED``) rather than retry forever.
+core that refuses the secret (UNAUTHENTICATED, or the TCP link's REFUSED) before this
+shell ever connected is a configuration error: the shell exits (``SECRET_REFUSED``) rather
+than retry forever.
 """
 
 from __future__ import annotations
