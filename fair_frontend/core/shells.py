@@ -377,6 +377,7 @@ class TcpShellConnection(ShellConnection):
         if server.tcp_open > self.core.config.core_link.max_connections:
             self._raw.abort()  # over the cap: closed at once, unread
             return
+        server.tcp_unsettled.add(self)
         tune(transport)
         peer = transport.get_extra_info("peername")
         self.host = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -410,10 +411,7 @@ class TcpShellConnection(ShellConnection):
             bytes(pre[PREAMBLE_HEAD : PREAMBLE_HEAD + size]),
             bytes(pre[PREAMBLE_HEAD + size :]),
         )
-        self._preamble = None
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._settled()
         server = self.server
         if not secret_matches(given, server._secret):
             server.refused += 1
@@ -429,17 +427,23 @@ class TcpShellConnection(ShellConnection):
         if rest:
             super().data_received(rest)
 
-    def _refuse(self, verdict: bytes) -> None:
+    def _settled(self) -> None:
+        """The preamble is judged: no deadline, and the core's close need not cut it."""
         self._preamble = None
+        self.server.tcp_unsettled.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _refuse(self, verdict: bytes) -> None:
+        self._settled()
         if verdict:
             self._raw.write(verdict)
         self._raw.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.tcp_open -= 1
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._settled()
         if self.transport is not None:  # taken as a shell
             super().connection_lost(exc)
 
@@ -507,6 +511,7 @@ class CoreServer:
         self._secret = b""
         self.refused = 0  # streams (or TCP connections) refused for a wrong secret
         self.tcp_open = 0  # connections open on the TCP link, shells or not yet
+        self.tcp_unsettled: set[TcpShellConnection] = set()  # their preamble not judged yet
         self.stopping = False
         self._view: View = _NO_VIEW
         self._viewer: asyncio.Task[None] | None = None
@@ -628,6 +633,8 @@ class CoreServer:
             await self._server.wait_closed()
         if self._tcp is not None:
             self._tcp.close()
+            for pending in list(self.tcp_unsettled):
+                pending._refuse(STOPPING)
         for conn in list(self.connections):
             conn.close()
         if self._tcp is not None:

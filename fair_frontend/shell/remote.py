@@ -554,10 +554,14 @@ class _TcpConnection(asyncio.Protocol):
             pending = self._pending
             if pending[:1] and pending[:1] != ACCEPTED:
                 return bytes(pending[:1])
-            if len(pending) >= 5:
-                size = int.from_bytes(pending[1:5], "big")
-                if len(pending) >= 5 + size:
+            start = 1
+            while len(pending) >= start + 4:  # heartbeats (empty frames) before it: skipped
+                size = int.from_bytes(pending[start : start + 4], "big")
+                if size and len(pending) >= start + 4 + size:
                     return bytes(pending)
+                if size:
+                    break
+                start += 4
             if self._gone:
                 return None
             self._changed.clear()
