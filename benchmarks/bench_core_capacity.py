@@ -2,8 +2,10 @@
 
 One real core process (``fair-frontend core --election none``) is pinned to CPU 0. On CPU 1
 one driver process plays 16-64 shells: each its own gRPC connection to the core's link,
-the shared secret in its metadata, speaking the public records (``Hello``, ``Ready``,
-``Call``, ``Produced``, ``Ended``; ``fair_frontend.wire``) exactly as a shell process
+the shared secret in its metadata (``--link tcp``: the raw TCP link of
+``fair_frontend.wire.tcp``, the secret in each connection's preamble), speaking the public
+records (``Hello``, ``Ready``, ``Call``, ``Produced``, ``Ended``; ``fair_frontend.wire``)
+exactly as a shell process
 frames them. Beside it on CPU 1, a Triton stand-in (a grpc.aio server with tritonclient's
 generated servicer, the real ``embed`` and ``llm`` configs of ``model_repository/``)
 answers every call at once: the core's CPU is then all that limits it.
@@ -49,7 +51,12 @@ The driver's shell is one small class (``SimShell``): its unary call is one meth
 (``unary``) and what the core sends back is taken in one (``received``).
 
     .venv/bin/python -m benchmarks.bench_core_capacity [--quick] [--shells 32]
-        [--unary one_hop|relay|both]
+        [--unary one_hop|relay|both] [--link grpc|tcp|both]
+
+``--link both``: everything measured over gRPC, then again over TCP (a core of its own
+each, one after the other in the same run); TCP's results go under ``<workload>_tcp``, and
+``tcp_vs_grpc`` holds the ratio of the core's CPU per unit, TCP's over gRPC's, per
+workload: at saturation, and over the steps both ran at the same offered rate.
 
 ``--quick``: shorter steps and a coarser ramp (under about a minute), written to
 ``core_capacity_quick.json``; the default run takes a few minutes and writes
@@ -110,6 +117,7 @@ from fair_frontend.wire.records import (
     Settings,
 )
 from fair_frontend.wire.remote import METHOD, SECRET_HEADER, StreamTransport
+from fair_frontend.wire.tcp import ACCEPTED, HEARTBEAT_S, LINKS, SILENT_S, preamble, tune
 
 SECRET = "bench-core-capacity-secret-0123456789"
 TENANTS = {"acme": 2.0, "globex": 1.0}  # weights
@@ -313,9 +321,10 @@ class Stream:
 
 
 class SimShell(Framed):
-    """One shell process, as the core sees it: one gRPC stream with the secret, ``Hello``
-    first, ``Ready`` after the ``Settings``; then calls, and for each granted stream its
-    tokens and its end. What a shell does for its clients (decode, identify, validate) is
+    """One shell process, as the core sees it: one gRPC stream with the secret (or, with
+    ``--link tcp``, one TCP connection, the secret in its preamble), ``Hello`` first,
+    ``Ready`` after the ``Settings``; then calls, and for each granted stream its tokens
+    and its end. What a shell does for its clients (decode, identify, validate) is
     done once: the calls are built as a shell builds them after that.
 
     ``unary`` is the one place a unary request is made and ``received`` the one place
@@ -334,8 +343,14 @@ class SimShell(Framed):
         self.streams_asked: dict[int, Call] = {}  # stream calls not yet granted
         self._ids = iter(range(1, 1 << 62))
         self.faults: list[str] = []
+        self.channel: grpc.aio.Channel | None = None  # gRPC's
+        self.reader: asyncio.Task[None] | None = None
+        self.verdict: bytes | None = None  # TCP's: the core's answer to the preamble
 
     async def connect(self, address: str) -> None:
+        if self.driver.link == "tcp":
+            await self._connect_tcp(address)
+            return
         channel = grpc.aio.insecure_channel(
             address,
             options=[("grpc.use_local_subchannel_pool", 1)],  # a connection of its own
@@ -348,6 +363,30 @@ class SimShell(Framed):
         await asyncio.wait_for(self.got_settings.wait(), 30)
         self.send(Ready(0, 0))
 
+    async def _connect_tcp(self, address: str) -> None:
+        """Over the raw TCP link (``fair_frontend.wire.tcp``), as a shell's ``RemoteLink``
+        connects: the preamble, ``Hello``; the core's verdict, its ``Settings``; ``Ready``.
+        Heartbeats both ways, as a shell's."""
+        host, port = address.rsplit(":", 1)
+        transport, _ = await asyncio.get_running_loop().create_connection(
+            lambda: self, host, int(port)
+        )
+        tune(transport)
+        transport.write(preamble(SECRET.encode()))
+        self.send(Hello(self.index, os.getpid()))
+        await asyncio.wait_for(self.got_settings.wait(), 30)
+        self.start_heartbeat(HEARTBEAT_S, SILENT_S)
+        self.send(Ready(0, 0))
+
+    def data_received(self, data: bytes) -> None:
+        if self.driver.link == "tcp" and self.verdict is None:
+            self.verdict, data = data[:1], data[1:]
+            if self.verdict != ACCEPTED:
+                self.faults.append(f"the core refused the connection ({self.verdict!r})")
+                return
+        if data:
+            super().data_received(data)
+
     async def _read(self, call: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
             while True:
@@ -358,8 +397,10 @@ class SimShell(Framed):
 
     async def disconnect(self) -> None:
         self.close()
-        self.reader.cancel()
-        await self.channel.close()
+        if self.reader is not None:
+            self.reader.cancel()
+        if self.channel is not None:
+            await self.channel.close()
 
     # calls
 
@@ -496,8 +537,9 @@ class SimShell(Framed):
 class Driver:
     """The simulated shells and the load they put on the core."""
 
-    def __init__(self, shells: int, unary: str = "one_hop") -> None:
+    def __init__(self, shells: int, unary: str = "one_hop", link: str = "grpc") -> None:
         self.unary = unary
+        self.link = link
         self.shells = [SimShell(i, self) for i in range(shells)]
         self.books = {t: Books() for t in TENANTS}
         self.priority = 0
@@ -1017,7 +1059,9 @@ def config_data(standin: str, unary: str = "one_hop") -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def processes(tmp: Path, unary: str) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
+def processes(
+    tmp: Path, unary: str, link: str = "grpc"
+) -> Iterator[tuple[Core, subprocess.Popen[bytes]]]:
     standin_port, link_port, metrics = free_port(), free_port(), free_port()
     pin = ["taskset", "-c"] if PINNING else None
     standin_cmd = [
@@ -1052,6 +1096,8 @@ def processes(tmp: Path, unary: str) -> Iterator[tuple[Core, subprocess.Popen[by
             str(config),
             "--listen",
             f"127.0.0.1:{link_port}",
+            "--link",
+            link,
             "--secret-file",
             str(tmp / "secret"),
             "--election",
@@ -1189,40 +1235,51 @@ def pin_threads(cpu: int) -> None:
             os.sched_setaffinity(int(tid), {cpu})
 
 
-def phases(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(unary mode, workloads) per core started: with both modes, the relay's core
-    measures unary only, the one-hop core (the default) everything."""
+def phases(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(link, unary mode, workloads) per core started: with both modes, the relay's core
+    measures unary only, the one-hop core (the default) everything; with both links, all
+    of that over gRPC, then all of it again over TCP."""
     workloads = args.workloads.split(",")
     modes = list(UNARY_MODES[::-1]) if args.unary == "both" else [args.unary]
     last = modes[-1]
-    return [(m, workloads if m == last else [w for w in workloads if w == "unary"]) for m in modes]
+    links = list(LINKS) if args.link == "both" else [args.link]
+    return [
+        (link, m, workloads if m == last else [w for w in workloads if w == "unary"])
+        for link in links
+        for m in modes
+    ]
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     primary = "one_hop" if args.unary in ("one_hop", "both") else "relay"
-    for mode, workloads in phases(args):
+    # With both links, gRPC's results go under the workloads' names and TCP's under the
+    # same with "_tcp" (each link alone: its results under the plain names).
+    primary_link = "grpc" if args.link == "both" else args.link
+    for link, mode, workloads in phases(args):
         if not workloads:
             continue
-        folder = tmp / mode
+        folder = tmp / f"{link}_{mode}"
         folder.mkdir()
-        with processes(folder, mode) as (core, popen):
+        with processes(folder, mode, link) as (core, popen):
             pin_threads(DRIVER_CPU)
-            driver = Driver(args.shells, mode)
+            driver = Driver(args.shells, mode, link)
             await driver.connect(f"127.0.0.1:{core.link_port}")
             pin_threads(DRIVER_CPU)  # gRPC's threads too, started by the connections
             progress(
-                f"unary {mode}: core pid {core.pid} on CPU {CORE_CPU}; {args.shells} shells "
+                f"link {link}, unary {mode}: core pid {core.pid} on CPU {CORE_CPU}; "
+                f"{args.shells} shells "
                 f"and the Triton stand-in on CPU {DRIVER_CPU}; load average "
                 f"{Path('/proc/loadavg').read_text()[:15]}"
             )
             try:
                 for workload in workloads:
                     out = await ramp(core, driver, workload, args)
+                    out["link"] = link
                     if workload == "unary":
                         out["mode"] = mode
                         workload = "unary" if mode == primary else f"unary_{mode}"
-                    results[workload] = out
+                    results[workload if link == primary_link else f"{workload}_tcp"] = out
             finally:
                 await driver.close()
             if popen.poll() is not None:
@@ -1247,6 +1304,14 @@ def main(argv: list[str] | None = None) -> int:
         default="one_hop",
         help="how the simulated shells send unary requests: their facts (one_hop, a shell "
         "process's default), whole through the core (relay), or both, one after the other",
+    )
+    parser.add_argument(
+        "--link",
+        choices=[*LINKS, "both"],
+        default="grpc",
+        help="the simulated shells' link to the core: gRPC streams (the default), raw TCP "
+        "(fair_frontend.wire.tcp), or both, one after the other (each with a core of its "
+        "own; TCP's results under '<workload>_tcp', and their ratio to gRPC's)",
     )
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1281,8 +1346,11 @@ def main(argv: list[str] | None = None) -> int:
         "triton": "stand-in answering at once (gRPC ModelInfer); one hop: the shells' "
         "Triton calls skipped, their rows reported served at once",
         "unary": args.unary,
+        "link": args.link,
         "targets": TARGETS,
     }
+    if args.link == "both":
+        results["tcp_vs_grpc"] = link_ratios(results)
     for line in summary(results):
         progress(line)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1293,15 +1361,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def link_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """The core's CPU per unit over TCP / over gRPC, per workload measured both ways: at
+    saturation (both tenants backlogged; tokens: the last step), and over the open-loop
+    steps both links ran at the same offered rate and kept up with (the mean of the
+    per-step ratios: the same load, neither core saturated)."""
+    out: dict[str, Any] = {}
+    for workload in ("unary_relay", "unary", "streams", "tokens"):
+        grpc_r, tcp_r = results.get(workload), results.get(f"{workload}_tcp")
+        if not grpc_r or not tcp_r:
+            continue
+        g, t = grpc_r["core_cpu_us_at_saturation"], tcp_r["core_cpu_us_at_saturation"]
+        kept = {
+            s["offered_per_s"]: s["core_cpu_us"]
+            for s in grpc_r["steps"]
+            if s["core_cpu_us"] and not saturated(s)
+        }
+        same = [
+            (kept[s["offered_per_s"]], s["core_cpu_us"])
+            for s in tcp_r["steps"]
+            if s["core_cpu_us"] and not saturated(s) and s["offered_per_s"] in kept
+        ]
+        out[workload] = {
+            "grpc_cpu_us_at_saturation": g,
+            "tcp_cpu_us_at_saturation": t,
+            "ratio_at_saturation": t / g if g and t else None,
+            "grpc_saturation_per_s": grpc_r["saturation_per_s"],
+            "tcp_saturation_per_s": tcp_r["saturation_per_s"],
+            "same_offered_steps": len(same),
+            "ratio_same_offered": sum(b / a for a, b in same) / len(same) if same else None,
+        }
+    return out
+
+
 def summary(results: dict[str, Any]) -> list[str]:
     lines = []
-    for workload in ("unary_relay", "unary", "streams", "tokens"):
+    names = ("unary_relay", "unary", "streams", "tokens")
+    for workload in [*names, *(f"{n}_tcp" for n in names)]:
         r = results.get(workload)
         if not r:
             continue
         unit = UNITS[workload.split("_")[0]]
         target = TARGETS[workload.split("_")[0]]
-        label = f"unary ({r['mode']})" if "mode" in r else workload
+        label = f"unary ({r['mode']})" if "mode" in r else workload.removesuffix("_tcp")
+        if "link" in r:
+            label += f" over {r['link']}"
         bytes_at = r.get("backlogged", {}).get("socket_bytes_per_request")
         lines.append(
             f"{label}: saturates at {r['saturation_per_s']:,.0f} {unit}s/s "
@@ -1309,6 +1413,20 @@ def summary(results: dict[str, Any]) -> list[str]:
             f"{r['core_cpu_us_at_saturation'] or 0:,.2f} µs/{unit} (target <= "
             f"{target:g}): one whole CPU {r['one_core_per_s_by_cpu'] or 0:,.0f}/s"
             + (f"; {bytes_at:,.0f} socket bytes/request there" if bytes_at else "")
+        )
+    for workload, r in results.get("tcp_vs_grpc", {}).items():
+        unit = UNITS[workload.split("_")[0]]
+        same = r["ratio_same_offered"]
+        lines.append(
+            f"{workload}: core CPU per {unit} tcp/grpc {r['ratio_at_saturation'] or 0:.2f} at "
+            f"saturation ({r['tcp_cpu_us_at_saturation'] or 0:,.2f} vs "
+            f"{r['grpc_cpu_us_at_saturation'] or 0:,.2f} µs; saturates at "
+            f"{r['tcp_saturation_per_s']:,.0f} vs {r['grpc_saturation_per_s']:,.0f}/s)"
+            + (
+                f", {same:.2f} at the same offered rate ({r['same_offered_steps']} steps)"
+                if same
+                else ""
+            )
         )
     gpus = results["gpus_served"]
     if "embed_h200" in gpus:

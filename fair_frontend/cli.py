@@ -3,7 +3,9 @@
 fair-frontend up    [--config F | --demo] [--http-port N] [--grpc-port N] [--metrics-port N]
 fair-frontend serve --config F [--triton-url HOST:PORT ...] [ports as above]
 fair-frontend core  --config F --triton-url HOST:PORT ... --secret-file S [--election redis]
+                    [--link grpc|tcp]
 fair-frontend shell --core HOST:PORT ... --secret-file S [--http-port N] [--grpc-port N]
+                    [--link grpc|tcp]
 fair-frontend check-config F      (0: OK, 1: starts with warnings, 2: refused)
 fair-frontend hash-key KEY
 
@@ -53,6 +55,7 @@ from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
 from fair_frontend.shell.router import parse_core_sets
 from fair_frontend.wire.remote import SecretError, load_secret
+from fair_frontend.wire.tcp import LINKS
 
 log = logging.getLogger("fair_frontend")
 
@@ -155,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=f"0.0.0.0:{DEFAULT_CORE_PORT}",
         help=f"HOST:PORT the shells connect to (default 0.0.0.0:{DEFAULT_CORE_PORT})",
     )
+    core.add_argument(
+        "--link",
+        choices=LINKS,
+        default="grpc",
+        help="how the shells connect: grpc (default: one gRPC stream per shell) or tcp (the "
+        "frames on a plain TCP connection: less of the core's CPU per request); the shells "
+        "need the same --link",
+    )
     _add_secret_flags(core)
     core.add_argument(
         "--election",
@@ -212,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the cores given without models)",
     )
     _add_secret_flags(shell)
+    shell.add_argument(
+        "--link",
+        choices=LINKS,
+        default="grpc",
+        help="how to connect to the cores: grpc (default) or tcp; as the cores' --link",
+    )
     shell.add_argument(
         "--tls-ca", default=None, help="PEM CA the cores' certificates are checked by (TLS)"
     )

@@ -161,12 +161,14 @@ class FrontendServer:
             await self.shells.start()
             self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
 
-    async def lead(self, address: str, secret: bytes, tls: Tls | None = None) -> None:
+    async def lead(
+        self, address: str, secret: bytes, tls: Tls | None = None, link: str = "grpc"
+    ) -> None:
         """A core for shells elsewhere (``workers=0``), started warm: from now on it
         accepts them at ``address`` (HOST:PORT), each carrying ``secret`` (over ``tls``
-        where given)."""
+        where given), on ``link``: gRPC streams or raw TCP (``fair_frontend.wire.tcp``)."""
         assert isinstance(self.shells, RemoteShells)
-        self.core_port = await self.shells.server.listen(address, secret, tls)
+        self.core_port = await self.shells.server.listen(address, secret, tls, link)
         self.leading = True
 
     @property

@@ -24,11 +24,12 @@ import pytest
 from fair_frontend.config import Config, parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.shell.remote import RemoteLink
+from fair_frontend.shell.remote import RemoteLink, SecretRefused
 from fair_frontend.testing import aeventually, free_port
 from fair_frontend.wire.framing import encode, to_shell
 from fair_frontend.wire.records import Hello, Settings
 from fair_frontend.wire.remote import MESSAGE_BYTES, METHOD, SECRET_HEADER, StreamTransport
+from fair_frontend.wire.tcp import REFUSED, preamble
 from tests.support import config_dict
 
 SECRET = b"link-test-secret-0123456789abcdef"
@@ -135,18 +136,8 @@ async def channels(core: Core) -> AsyncIterator[list[grpc.aio.Channel]]:
 def first_bytes(port: int, *, preface: bytes = b"") -> tuple[int, bool]:
     """Connect, send ``preface``, read until the core closes the connection: how many
     bytes it sent, and whether it closed within WAIT_S."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        sock.sendall(preface)
-        received = 0
-        try:
-            while chunk := sock.recv(4096):
-                received += len(chunk)
-                assert received < 1 << 16, "the core sends more than its preface and GOAWAY"
-        except ConnectionResetError:
-            pass
-        except TimeoutError:
-            return received, False
-        return received, True
+    received, closed = first_bytes_of(port, preface)
+    return len(received), closed
 
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # + SETTINGS
@@ -253,3 +244,66 @@ async def test_a_shell_cuts_what_it_writes_into_messages_the_core_takes() -> Non
     assert max(len(m) for m in sent) <= MESSAGE_BYTES, [len(m) for m in sent]
     assert b"".join(sent) == b"small" + burst + b"after"
     assert transport.get_write_buffer_size() == 0
+
+
+# ---- the raw TCP link (``fair_frontend.wire.tcp``, ``--link tcp``) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tcp_core(triton: EmbeddedTriton) -> Iterator[Core]:
+    server = FrontendServer(link_config(triton), [], Listen(), workers=0)
+    address = f"127.0.0.1:{free_port()}"
+    background = BackgroundServer(server)
+    with background:
+        background.call(server.lead(address, SECRET, link="tcp"))
+        yield Core(server, background, address)
+
+
+def tcp_link(address: str, secret: bytes = SECRET) -> RemoteLink:
+    return RemoteLink([address], secret, Hello(9, 0), lambda s: None, lambda: None,
+                      lambda: None, link="tcp")  # fmt: skip
+
+
+async def test_the_tcp_link_refuses_a_wrong_secret_before_reading_a_record(tcp_core: Core) -> None:
+    """A wrong secret is answered REFUSED and the connection closed: the ``Hello`` sent
+    behind it is never read (no Settings come back), nothing is admitted, and a shell's
+    link raises ``SecretRefused`` (its process exits rather than retry). The right one
+    connects: the core's verdict, then its Settings. A peer that sends nothing, or no
+    preamble, is closed (within core_link.handshake_timeout_s), unanswered."""
+    server = tcp_core.server.shells.server  # type: ignore[union-attr]
+    refused, admitted = server.refused, server.intake.admitted
+    wrong = b"not-the-link-secret-0123456789abc"
+    sent = preamble(wrong) + encode(Hello(1, 0))
+    received, closed = await asyncio.to_thread(first_bytes_of, tcp_core.port, sent)
+    assert closed and received == REFUSED, received
+    with pytest.raises(SecretRefused):
+        await tcp_link(tcp_core.address, wrong)._open(tcp_core.address)
+    assert server.refused == refused + 2 and server.intake.admitted == admitted
+    assert tcp_core.connections() == 0
+    for sent in (b"", b"GET / HTTP/1.1\r\n\r\n"):
+        received, closed = await asyncio.to_thread(first_bytes_of, tcp_core.port, sent)
+        assert closed and received == b"", (sent, received)
+    link = tcp_link(tcp_core.address)
+    await link._open(tcp_core.address)  # the core's Settings came: connected
+    try:
+        assert link.core == tcp_core.address and tcp_core.connections() == 1
+    finally:
+        await link.aclose()
+    await aeventually(lambda: tcp_core.connections() == 0, WAIT_S, what="the shell gone")
+
+
+def first_bytes_of(port: int, sent: bytes) -> tuple[bytes, bool]:
+    """Connect, send ``sent``, read until the core closes the connection: what it sent,
+    and whether it closed within WAIT_S."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(sent)
+        received = b""
+        try:
+            while chunk := sock.recv(4096):
+                received += chunk
+                assert len(received) < 1 << 16, "the core sends more than its preface and GOAWAY"
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            return received, False
+        return received, True

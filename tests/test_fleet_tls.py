@@ -15,7 +15,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.testing import free_port
+from fair_frontend.testing import aeventually, free_port
 from fair_frontend.wire.records import Hello
 from fair_frontend.wire.remote import SecretError, Tls
 from tests.support import config_dict, required_tool
@@ -44,40 +44,51 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-async def connect(address: str, tls: Tls | None) -> RemoteLink:
-    link = RemoteLink([address], SECRET, Hello(0, 0), lambda s: None, lambda: None, lambda: None,
-                      tls=tls)  # fmt: skip
-    await link._open(address)
-    return link
+async def connect(address: str, tls: Tls | None, link: str = "grpc") -> RemoteLink:
+    remote = RemoteLink([address], SECRET, Hello(0, 0), lambda s: None, lambda: None,
+                        lambda: None, tls=tls, link=link)  # fmt: skip
+    await remote._open(address)
+    return remote
 
 
+@pytest.mark.parametrize("link", ["grpc", "tcp"])
 async def test_mutual_tls_admits_only_a_shell_with_a_certificate_of_the_ca(
-    triton: EmbeddedTriton, pki: Path
+    triton: EmbeddedTriton, pki: Path, link: str
 ) -> None:
+    """On either link (gRPC, raw TCP): gRPC names a failed connection UNAVAILABLE, the
+    TCP link's is an OSError (the TLS handshake's, or the connection closed)."""
     data = config_dict()
     data["triton"] = {"backends": [{"grpc_url": triton.grpc_url}]}
     server = FrontendServer(parse_config(data), [], Listen(), workers=0)
     port = free_port()
     address = f"127.0.0.1:{port}"
     core_tls = Tls(str(pki / "core.pem"), str(pki / "core.key"), str(pki / "ca.pem"))
+    failed = grpc.aio.AioRpcError if link == "grpc" else OSError
     background = BackgroundServer(server)
     with background:
-        background.call(server.lead(address, SECRET, core_tls))
+        background.call(server.lead(address, SECRET, core_tls, link))
         shell = Tls(str(pki / "shell.pem"), str(pki / "shell.key"), str(pki / "ca.pem"))
-        link = await connect(address, shell)  # the core's first record came: connected
-        assert link.core == address and link.accepting
-        await link.aclose()
+        remote = await connect(address, shell, link)  # the core's first record came
+        assert remote.core == address and remote.accepting
+        await remote.aclose()
         # No certificate of its own: the handshake fails, before any secret is read.
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await connect(address, Tls(ca=str(pki / "ca.pem")))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(failed) as refused:
+            await connect(address, Tls(ca=str(pki / "ca.pem")), link)
+        if link == "grpc":
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         # Plain text to a TLS core: no connection either.
-        with pytest.raises(grpc.aio.AioRpcError):
-            await connect(address, None)
+        with pytest.raises(failed):
+            await connect(address, None, link)
         # A core it cannot verify (another CA): refused by the shell.
-        with pytest.raises(grpc.aio.AioRpcError):
-            await connect(address, Tls(str(pki / "shell.pem"), str(pki / "shell.key")))
-        assert server.shells is not None and len(server.shells.server.connections) == 0
+        with pytest.raises(failed):
+            await connect(address, Tls(str(pki / "shell.pem"), str(pki / "shell.key")), link)
+        assert server.shells is not None
+        assert server.shells.server.refused == 0  # no secret was ever read from them
+        await aeventually(
+            lambda: len(server.shells.server.connections) == 0,  # type: ignore[union-attr]
+            10,
+            what="the shells gone",
+        )
 
 
 def test_incomplete_tls_files_are_a_clear_error(pki: Path) -> None:

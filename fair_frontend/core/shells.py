@@ -59,6 +59,19 @@ from fair_frontend.wire.remote import (
     Tls,
     secret_matches,
 )
+from fair_frontend.wire.tcp import (
+    ACCEPTED,
+    HEARTBEAT_S,
+    MAGIC,
+    MAX_SECRET_BYTES,
+    PREAMBLE_HEAD,
+    REFUSED,
+    SILENT_S,
+    STOPPING,
+    server_context,
+    split_address,
+    tune,
+)
 
 if TYPE_CHECKING:
     from fair_frontend.config import Config
@@ -349,6 +362,94 @@ class ShellConnection(Framed):
         self.server.shell_gone(self)
 
 
+class TcpShellConnection(ShellConnection):
+    """A shell's connection over the raw TCP link (``fair_frontend.wire.tcp``): its
+    preamble first, the secret checked before a record is read; a shell from then on."""
+
+    def __init__(self, server: CoreServer) -> None:
+        super().__init__(server)
+        self._preamble: bytearray | None = bytearray()  # None once the secret was taken
+        self._raw: Any = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._raw = transport
+        server = self.server  # (a transport: uvloop's is no asyncio.Transport subclass)
+        server.tcp_open += 1
+        if server.tcp_open > self.core.config.core_link.max_connections:
+            self._raw.abort()  # over the cap: closed at once, unread
+            return
+        server.tcp_unsettled.add(self)
+        tune(transport)
+        peer = transport.get_extra_info("peername")
+        self.host = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        loop = asyncio.get_running_loop()
+        bound = self.core.config.core_link.handshake_timeout_s
+        self._deadline = loop.call_later(bound, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self._preamble is not None:
+            log.warning("a connection from %s sent no preamble in time: closed", self.host)
+            self._raw.abort()
+
+    def data_received(self, data: bytes) -> None:
+        pre = self._preamble
+        if pre is None:
+            if self.transport is not None:  # a shell (refused: nothing more is read)
+                super().data_received(data)
+            return
+        pre += data
+        if len(pre) < PREAMBLE_HEAD:
+            return
+        size = int.from_bytes(pre[len(MAGIC) : PREAMBLE_HEAD], "big")
+        if pre[: len(MAGIC)] != MAGIC or size > MAX_SECRET_BYTES:
+            log.warning("a connection from %s sent no link preamble: closed", self.host)
+            self._refuse(b"")
+            return
+        if len(pre) < PREAMBLE_HEAD + size:
+            return
+        given, rest = (
+            bytes(pre[PREAMBLE_HEAD : PREAMBLE_HEAD + size]),
+            bytes(pre[PREAMBLE_HEAD + size :]),
+        )
+        self._settled()
+        server = self.server
+        if not secret_matches(given, server._secret):
+            server.refused += 1
+            log.warning("a shell at %s offered a wrong core secret: refused", self.host)
+            self._refuse(REFUSED)
+            return
+        if server.stopping:
+            self._refuse(STOPPING)
+            return
+        self._raw.write(ACCEPTED)
+        super().connection_made(self._raw)
+        self.start_heartbeat(HEARTBEAT_S, SILENT_S)
+        if rest:
+            super().data_received(rest)
+
+    def _settled(self) -> None:
+        """The preamble is judged: no deadline, and the core's close need not cut it."""
+        self._preamble = None
+        self.server.tcp_unsettled.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _refuse(self, verdict: bytes) -> None:
+        self._settled()
+        if verdict:
+            self._raw.write(verdict)
+        self._raw.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.tcp_open -= 1
+        self._settled()
+        if self.transport is not None:  # taken as a shell
+            super().connection_lost(exc)
+
+
 def shell_config(config: Config) -> dict[str, Any]:
     """What a shell is told of the config (``Settings.config``): all of it but what a
     shell never uses and must not hold. The tenants' keys (inline, and where their files
@@ -395,7 +496,8 @@ _NO_VIEW: View = ([], [], [])
 class CoreServer:
     """The core's listening socket: shells connect, get their settings, send calls. On
     the Unix socket ``path`` (the shell processes of this host) and, once ``listen`` has
-    been called, over gRPC for shells anywhere (``fair_frontend.wire.remote``)."""
+    been called, over gRPC (``fair_frontend.wire.remote``) or raw TCP
+    (``fair_frontend.wire.tcp``) for shells anywhere."""
 
     def __init__(self, core: Core, settings: Callable[[], Settings], path: str | None) -> None:
         self.core = core
@@ -407,8 +509,11 @@ class CoreServer:
         self.on_gone: Callable[[ShellConnection], None] = lambda conn: None
         self._server: asyncio.AbstractServer | None = None
         self._remote: grpc.aio.Server | None = None
+        self._tcp: asyncio.AbstractServer | None = None
         self._secret = b""
-        self.refused = 0  # streams refused for a wrong secret
+        self.refused = 0  # streams (or TCP connections) refused for a wrong secret
+        self.tcp_open = 0  # connections open on the TCP link, shells or not yet
+        self.tcp_unsettled: set[TcpShellConnection] = set()  # their preamble not judged yet
         self.stopping = False
         self._view: View = _NO_VIEW
         self._viewer: asyncio.Task[None] | None = None
@@ -426,10 +531,15 @@ class CoreServer:
             os.chmod(self.path, 0o600)  # only this user's processes may act as shells
         self._viewer = loop.create_task(self._publish_queue_view())
 
-    async def listen(self, address: str, secret: bytes, tls: Tls | None = None) -> int:
+    async def listen(
+        self, address: str, secret: bytes, tls: Tls | None = None, link: str = "grpc"
+    ) -> int:
         """Accept shells from other hosts at ``address`` (HOST:PORT), each stream carrying
-        ``secret`` (over TLS where ``tls`` is given); returns the port bound."""
+        ``secret`` (over TLS where ``tls`` is given); returns the port bound. ``link``:
+        gRPC streams (``fair_frontend.wire.remote``) or raw TCP (``fair_frontend.wire.tcp``)."""
         self._secret = secret
+        if link == "tcp":
+            return await self._listen_tcp(address, tls)
         server = grpc.aio.server(options=link_server_options(self.core.config))
         handler = grpc.stream_stream_rpc_method_handler(self._link)  # bytes in, bytes out
         service, method = METHOD.rsplit("/", 1)
@@ -445,6 +555,21 @@ class CoreServer:
         await server.start()
         self._remote = server
         return port
+
+    async def _listen_tcp(self, address: str, tls: Tls | None) -> int:
+        host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+        self._tcp = await loop.create_server(
+            lambda: TcpShellConnection(self),
+            host or None,
+            port,
+            ssl=server_context(tls) if tls is not None else None,
+            ssl_handshake_timeout=(
+                self.core.config.core_link.handshake_timeout_s if tls is not None else None
+            ),
+            reuse_address=True,
+        )
+        return int(self._tcp.sockets[0].getsockname()[1])
 
     async def _link(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         """One remote shell's stream, from the secret's check to its end."""
@@ -508,8 +633,14 @@ class CoreServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self._tcp is not None:
+            self._tcp.close()
+            for pending in list(self.tcp_unsettled):
+                pending._refuse(STOPPING)
         for conn in list(self.connections):
             conn.close()
+        if self._tcp is not None:
+            await self._tcp.wait_closed()
         if self._remote is not None:
             await self._remote.stop(1.0)
         if self.path is not None:

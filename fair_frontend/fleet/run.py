@@ -40,6 +40,7 @@ from fair_frontend.server import FrontendServer, Listen, ShellPool
 from fair_frontend.shell.remote import SECRET_REFUSED
 from fair_frontend.shell.router import encode_core_sets, parse_core_sets
 from fair_frontend.wire.remote import Tls
+from fair_frontend.wire.tcp import server_context
 
 log = logging.getLogger("fair_frontend.fleet")
 
@@ -109,7 +110,8 @@ async def run_core(
     tls = None
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         tls = Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-        tls.server_credentials()  # unreadable or incomplete: said now, not once leading
+        # Unreadable or incomplete: said now, not once leading.
+        server_context(tls) if args.link == "tcp" else tls.server_credentials()
     identity = lease_identity(args)
     election = make_election(args, config, identity)
     server = FrontendServer(config, list(triton_urls), listen, workers=0)
@@ -156,7 +158,7 @@ async def run_core(
         if journal is not None and server.core is not None:
             await journal.resume(server.core)  # the debt the last leader left
             follow = asyncio.ensure_future(journal.follow(server.core))
-        await server.lead(args.listen, secret, tls)
+        await server.lead(args.listen, secret, tls, args.link)
         print(
             f"fair_frontend core {identity} leads: shells connect to port {server.core_port}",
             flush=True,
@@ -196,8 +198,10 @@ class ShellSupervisor(ShellPool):
         workers: int,
         log_format: str = "json",
         tls: Tls | None = None,
+        link: str = "grpc",
     ) -> None:
         self.cores = list(cores)
+        self.link = link
         self.tls = tls or Tls()
         self.secret = secret
         self._format = log_format
@@ -218,7 +222,8 @@ class ShellSupervisor(ShellPool):
             if path is not None
             for arg in (flag, path)
         ]  # fmt: skip
-        return ["--cores", encode_core_sets(parse_core_sets(self.cores)), *tls]
+        where = ["--cores", encode_core_sets(parse_core_sets(self.cores)), *tls]
+        return where + (["--link", self.link] if self.link != "grpc" else [])
 
     def _log_format(self) -> str:
         return self._format
@@ -246,7 +251,13 @@ async def run_shells(args: argparse.Namespace, secret: bytes, stop: asyncio.Even
     listen = Listen(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
     tls = Tls(args.tls_cert, args.tls_key, args.tls_ca)
     supervisor = ShellSupervisor(
-        args.core, secret, listen, args.workers, args.log_format, tls if tls != Tls() else None
+        args.core,
+        secret,
+        listen,
+        args.workers,
+        args.log_format,
+        tls if tls != Tls() else None,
+        args.link,
     )
     await supervisor.start()
     print(

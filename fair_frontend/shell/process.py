@@ -39,6 +39,7 @@ from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
 from fair_frontend.wire.remote import SecretError, Tls, load_secret
+from fair_frontend.wire.tcp import LINKS
 
 log = logging.getLogger("fair_frontend.shell")
 
@@ -101,11 +102,25 @@ class ShellProcess:
             try:
                 if len(sets) == 1:
                     remote = RemoteLink(
-                        sets[0][1], secret, hello, self.on_settings, self.on_end, _nothing, tls=tls
+                        sets[0][1],
+                        secret,
+                        hello,
+                        self.on_settings,
+                        self.on_end,
+                        _nothing,
+                        tls=tls,
+                        link=self.args.link,
                     )
                 else:  # cores that own disjoint sets of endpoints
                     remote = RouterLink(
-                        sets, secret, hello, self.on_settings, self.on_end, _nothing, tls=tls
+                        sets,
+                        secret,
+                        hello,
+                        self.on_settings,
+                        self.on_end,
+                        _nothing,
+                        tls=tls,
+                        link=self.args.link,
                     )
             except SecretError as err:
                 log.error("shell %d: %s", self.args.index, err)
@@ -200,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         help="HOST:PORT,... of cores elsewhere (fair-frontend shell); sets of cores that own "
         "endpoints: MODEL,...=HOST:PORT,...;... (shell.router); the secret comes in "
         f"${SECRET_ENV}",
+    )
+    parser.add_argument(
+        "--link", choices=LINKS, default="grpc", help="--cores: the link's transport (gRPC, TCP)"
     )
     parser.add_argument("--tls-ca", help="--cores: the CA the core's certificate is checked by")
     parser.add_argument("--tls-cert", help="--cores: this shell's certificate (mutual TLS)")

@@ -1,7 +1,9 @@
 """A shell's link to cores on other hosts (``fair-frontend shell --core HOST:PORT``).
 
 The records are ``SocketLink``'s; they ride a gRPC stream (``fair_frontend.wire.remote``)
-to whichever of the given cores leads. The link outlives a connection: when the core it
+or, with ``--link tcp``, a TCP connection of their own (``fair_frontend.wire.tcp``: the
+secret in its preamble, heartbeats for liveness) to whichever of the given cores leads;
+all that follows holds for either. The link outlives a connection: when the core it
 was connected to goes away (killed, its host gone, or stepping down), the shell keeps
 every call not yet answered, finds the next leader (trying each core in turn, backing off
 to once a second) and sends those calls to it again, in the order they came.
@@ -30,8 +32,9 @@ What a client sees across a failover:
 Meanwhile the shell stays ready (for ``hold_s`` at most): a failover takes seconds, less
 than a load balancer takes to act on readiness, and what arrives is held and sent on like
 the rest; turning every shell unready at once would leave tenants no address at all. A
-core that refuses the secret (UNAUTHENTICATED) before this shell ever connected is a
-configuration error: the shell exits (``SECRET_REFUSED``) rather than retry forever.
+core that refuses the secret (UNAUTHENTICATED, or the TCP link's REFUSED) before this
+shell ever connected is a configuration error: the shell exits (``SECRET_REFUSED``) rather
+than retry forever.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +75,16 @@ from fair_frontend.wire.remote import (
     StreamTransport,
     Tls,
     rpc_error_text,
+)
+from fair_frontend.wire.tcp import (
+    ACCEPTED,
+    HEARTBEAT_S,
+    REFUSED,
+    SILENT_S,
+    client_context,
+    preamble,
+    split_address,
+    tune,
 )
 
 log = logging.getLogger(__name__)
@@ -123,9 +137,18 @@ class RemoteLink(SocketLink):
         on_lost: Callable[[], None],
         hold_s: float = 60.0,
         tls: Tls | None = None,
+        link: str = "grpc",
     ) -> None:
         super().__init__(on_settings, on_stop, on_lost)
-        self._credentials = tls.channel_credentials() if tls is not None else None
+        self.link = link
+        self._credentials = None
+        self._ssl: ssl.SSLContext | None = None
+        if link == "tcp":
+            self._ssl = client_context(tls) if tls is not None else None
+            self._preamble = preamble(secret)
+        elif tls is not None:
+            self._credentials = tls.channel_credentials()
+        self._tcp: _TcpConnection | None = None  # the TCP link's connection to the core
         self.cores = cores
         self._metadata = ((SECRET_HEADER, secret.decode("latin-1")),)
         self.hello = hello
@@ -312,6 +335,9 @@ class RemoteLink(SocketLink):
             delay = min(delay * 2, RETRY_S[1])
 
     async def _open(self, address: str) -> None:
+        if self.link == "tcp":
+            await self._open_tcp(address)
+            return
         if self._credentials is not None:
             channel = grpc.aio.secure_channel(address, self._credentials, CONNECT_OPTIONS)
         else:
@@ -334,7 +360,56 @@ class RemoteLink(SocketLink):
             ):
                 raise SecretRefused(err.details()) from err
             raise
-        self._channel, self._transport, self.core = channel, transport, address
+        self._channel, self._transport = channel, transport
+        self._connected_to(address)
+        self.data_received(first)  # its Settings
+        self._resume()
+        self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
+
+    async def _open_tcp(self, address: str) -> None:
+        """Connect over the raw TCP link (``fair_frontend.wire.tcp``): the preamble and
+        ``Hello`` at once, then the core's verdict and its first record (``Settings``)."""
+        host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+        transport, conn = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: _TcpConnection(self),
+                host,
+                port,
+                ssl=self._ssl,
+                server_hostname=host if self._ssl is not None else None,
+            ),
+            CONNECT_TIMEOUT_S,
+        )
+        transport.write(self._preamble)
+        self.reattach(transport)
+        self.send(self.hello)
+        try:
+            first = await asyncio.wait_for(conn.first_record(), CONNECT_TIMEOUT_S)
+            if first is None:
+                raise OSError(f"the core at {address} closed the connection at once")
+            if first[:1] == REFUSED:
+                raise SecretRefused("wrong core secret")
+            if first[:1] != ACCEPTED:
+                raise OSError(f"the core at {address} is stopping")
+        except BaseException:
+            self.closed = True
+            transport.abort()
+            raise
+        self._tcp = conn
+        conn.current = True
+        self._connected_to(address)
+        self.data_received(first[1:])  # its Settings (and whatever came with them)
+        self.start_heartbeat(HEARTBEAT_S, SILENT_S)
+        self._resume()
+
+    def connection_lost_tcp(self, conn: _TcpConnection, exc: Exception | None) -> None:
+        if self._tcp is conn:
+            self._tcp = None
+            self._lost(exc)
+
+    def _connected_to(self, address: str) -> None:
+        self.core = address
         self._connected.set()
         self.connects += 1
         self._draining = False
@@ -346,12 +421,13 @@ class RemoteLink(SocketLink):
             if self.connects > 1
             else "",
         )
-        self.data_received(first)  # its Settings
+
+    def _resume(self) -> None:
+        """Connected, the core's Settings taken: this shell's state, again."""
         if self.ready is not None:
             self.send(self.ready)
         self._lost_at = None
         self._resend()
-        self._reader = asyncio.get_running_loop().create_task(self._read(call, transport))
 
     def _tokens(self, call_id: int, tokens: int, first_s: float, gap_s: float) -> None:
         stream = self._streaming.get(call_id)
@@ -422,7 +498,9 @@ class RemoteLink(SocketLink):
             "shell %d: lost the core at %s (%s): holding %d calls for the next",
             self.hello.index,
             was,
-            rpc_error_text(error) if error is not None else "stream ended",
+            rpc_error_text(error)
+            if error is not None
+            else ("stream ended" if self.link == "grpc" else "connection closed"),
             len(self._held),
         )
         now = asyncio.get_running_loop().time()
@@ -461,5 +539,65 @@ class RemoteLink(SocketLink):
                     inbox.answer(Answer(call_id, fault=fault))
         self._watch_hold()
 
+    @property
+    def peer(self) -> str:
+        return f"the core at {self.core or '(none)'}"
+
     def connection_lost(self, exc: Exception | None) -> None:  # a socket's; never here
         self._lost(exc)
+
+
+class _TcpConnection(asyncio.Protocol):
+    """One TCP connection of a ``RemoteLink`` to a core: until the link takes it (the
+    core's verdict and first record came), what arrives is kept here; from then on it
+    goes to the link, and its end is the link's loss of that core. A connection the link
+    gave up on (a failed try) tells the link nothing."""
+
+    def __init__(self, link: RemoteLink) -> None:
+        self.link = link
+        self.current = False
+        self._pending = bytearray()
+        self._changed = asyncio.Event()
+        self._gone = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tune(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.current:
+            self.link.data_received(data)
+            return
+        self._pending += data
+        self._changed.set()
+
+    async def first_record(self) -> bytes | None:
+        """The verdict byte and, where accepted, the first whole frame after it (and all
+        that came with it); None if the core closed the connection first."""
+        while True:
+            pending = self._pending
+            if pending[:1] and pending[:1] != ACCEPTED:
+                return bytes(pending[:1])
+            start = 1
+            while len(pending) >= start + 4:  # heartbeats (empty frames) before it: skipped
+                size = int.from_bytes(pending[start : start + 4], "big")
+                if size and len(pending) >= start + 4 + size:
+                    return bytes(pending)
+                if size:
+                    break
+                start += 4
+            if self._gone:
+                return None
+            self._changed.clear()
+            await self._changed.wait()
+
+    def pause_writing(self) -> None:
+        self.link.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.link.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gone = True
+        self._changed.set()
+        if self.current:
+            self.link.connection_lost_tcp(self, exc)

@@ -93,13 +93,16 @@ class RouterLink:
         on_stop: Callable[[], None],
         on_lost: Callable[[], None],
         tls: Tls | None = None,
+        link: str = "grpc",
     ) -> None:
         primary = next((i for i, (models, _) in enumerate(sets) if models is None), 0)
         self.links: list[tuple[frozenset[str] | None, RemoteLink]] = []
         for i, (models, addresses) in enumerate(sets):
             settings = on_settings if i == primary else _ignore
-            link = RemoteLink(addresses, secret, hello, settings, on_stop, on_lost, tls=tls)
-            self.links.append((models, link))
+            remote = RemoteLink(
+                addresses, secret, hello, settings, on_stop, on_lost, tls=tls, link=link
+            )
+            self.links.append((models, remote))
         self._by_model: dict[str, RemoteLink] = {
             model: link for models, link in self.links if models for model in models
         }

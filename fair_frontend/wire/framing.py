@@ -1,12 +1,14 @@
 """Frames between the core and its shell processes: the records of
-``fair_frontend.wire.records`` over a Unix socket.
+``fair_frontend.wire.records`` over a Unix socket (and, for shells on other hosts, a gRPC
+stream or a TCP connection: ``fair_frontend.wire.remote``, ``fair_frontend.wire.tcp``).
 
 A frame is a 4-byte big-endian length and a msgpack document (``msgspec``: a tagged
 record; numpy arrays inside as ``(dtype, shape, raw bytes)``, decoded as views of the
 frame), at most ``MAX_FRAME`` bytes: a longer one is refused by the writer
-(``FrameTooLarge``) and, from a peer, closes the connection. Both ends run on the event
-loop's own transports (uvloop), coalesce what they write in one loop iteration into one
-``write``, and parse whatever arrived in one ``data_received``.
+(``FrameTooLarge``) and, from a peer, closes the connection. An empty frame (length 0)
+carries no record: a heartbeat (``start_heartbeat``), which the reader skips. Both ends
+run on the event loop's own transports (uvloop), coalesce what they write in one loop
+iteration into one ``write``, and parse whatever arrived in one ``data_received``.
 
 Flow: a peer that reads slowly is waited for, one that stopped reading is cut off. What
 one end writes and the other has not taken yet waits in the writer's transport; past its
@@ -44,6 +46,7 @@ from fair_frontend.wire.records import ToCore, ToShell
 log = logging.getLogger(__name__)
 
 _HEADER = 4
+HEARTBEAT = bytes(_HEADER)  # an empty frame: no record, a sign of life
 MAX_FRAME = (1 << 31) - 1  # the most one frame carries (a record's msgpack)
 # Unsent bytes past which a transport pauses its writer (and the stall watch starts), and
 # below which it resumes it.
@@ -107,6 +110,8 @@ class Framed(asyncio.Protocol):
         self._sent_seen = 0  # bytes sent at the last progress seen
         self._progress_at = 0.0  # the loop's time of that progress
         self.cut_off = False  # closed for not reading
+        self._beat: asyncio.TimerHandle | None = None  # set while heartbeats run
+        self._beat_seen = (0, 0, 0.0)  # (bytes written, bytes received, when received last)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -117,6 +122,7 @@ class Framed(asyncio.Protocol):
     def reattach(self, transport: Any) -> None:
         """Start over on a new connection (a remote shell's, to the next core): what the
         old one had half read or not yet written is gone with it."""
+        self.stop_heartbeat()
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
@@ -140,6 +146,9 @@ class Framed(asyncio.Protocol):
         try:
             while end - start >= _HEADER:
                 size = int.from_bytes(buf[start : start + _HEADER], "big")
+                if not size:  # an empty frame: a heartbeat (the TCP link's), no record
+                    start += _HEADER
+                    continue
                 if size > self.max_frame:
                     log.error("%s sent a %d-byte frame: closing the connection", self.peer, size)
                     view.release()
@@ -229,7 +238,45 @@ class Framed(asyncio.Protocol):
             return
         self._watch = loop.call_later(self.stall_s / STALL_CHECKS, self._check_progress)
 
+    # Heartbeats (the raw TCP link, ``fair_frontend.wire.tcp``): an empty frame every
+    # ``interval_s`` in which nothing else was written, and a peer from which nothing at
+    # all arrived for ``silent_s`` is cut off, as if it had died. What gRPC's keepalive
+    # pings do for its link; unlike TCP's own keepalive, it also notices a peer whose
+    # kernel still answers but whose process stopped (SIGSTOP, a hung loop).
+
+    def start_heartbeat(self, interval_s: float, silent_s: float) -> None:
+        self.stop_heartbeat()
+        loop = asyncio.get_running_loop()
+        self._beat_seen = (self._written, self.received_bytes, loop.time())
+        self._beat = loop.call_later(interval_s, self._heartbeat, interval_s, silent_s)
+
+    def stop_heartbeat(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+
+    def _heartbeat(self, interval_s: float, silent_s: float) -> None:
+        self._beat = None
+        if self.closed or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        written, received, heard = self._beat_seen
+        if self.received_bytes != received:
+            heard = now
+        elif now - heard >= silent_s:
+            log.error("%s sent nothing for %.1f s: cutting it off", self.peer, now - heard)
+            self.cut_off = True
+            Framed.close(self)  # the connection, not what a subclass's close ends besides
+            return
+        if self._written == written and not self._out:
+            self._written += _HEADER
+            self.transport.write(HEARTBEAT)
+        self._beat_seen = (self._written, self.received_bytes, heard)
+        self._beat = loop.call_later(interval_s, self._heartbeat, interval_s, silent_s)
+
     def close(self) -> None:
+        self.stop_heartbeat()
         if self.transport is not None and not self.closed:
             self.closed = True
             self.resume_writing()
@@ -240,4 +287,5 @@ class Framed(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.stop_heartbeat()
         self.resume_writing()

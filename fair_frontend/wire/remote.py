@@ -1,5 +1,8 @@
 """The core's link to shells on other hosts: the frames of ``fair_frontend.wire.framing``
-carried by one gRPC bidirectional stream per shell, authenticated by a shared secret.
+carried by one gRPC bidirectional stream per shell, authenticated by a shared secret. This
+is the default (``--link grpc``); ``--link tcp`` carries the same frames on a plain TCP
+connection instead, for less of the core's CPU per message (``fair_frontend.wire.tcp``,
+which shares this module's secret and ``Tls`` settings).
 
 Why gRPC: it is the transport the frontend already speaks (HTTP/2 flow control, keepalive
 pings that notice a host gone silent, TLS where the network needs it), so nothing about
