@@ -43,6 +43,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 SHARED_TRITON = pytest.StashKey[EmbeddedTriton]()
 # The pids of the session's Tritons whose death a test's report has already shown.
 DEATHS_SHOWN = pytest.StashKey[set[int]]()
+# A test before which the session's Triton was started again: (the dead pid, its log's
+# tail where not shown yet, whether it is to be shown).
+RESTARTED = pytest.StashKey[tuple[int | None, str, bool]]()
 CRASH_LOG_LINES = 60
 # A frontend in front of a restarted Triton: ready once its probe has seen Triton back.
 FRONTEND_BACK_S = 60.0
@@ -86,21 +89,34 @@ def _ready(url: str) -> bool:
         return False
 
 
-@pytest.fixture(autouse=True)
-def _shared_triton_alive(request: pytest.FixtureRequest) -> None:
-    """Before a test that uses the session's Triton: if it died (in an earlier test, whose
-    report says so), start it again on its ports, and wait for the session's frontend, if
-    the test uses it, to see it back. Without this one crash failed every later test."""
-    if "triton" not in request.fixturenames:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a test that uses the session's Triton, and before any of its fixtures (a
+    module's fixture that starts a frontend in front of it among them): if it died (in an
+    earlier test, whose report says so), start it again on its ports. Without this one
+    crash failed every later test; done in ``_shared_triton_alive`` alone, it came after
+    the module's fixtures, which failed against the dead one (a fresh clone: 3 errors)."""
+    server = item.session.stash.get(SHARED_TRITON, None)
+    if server is None or "triton" not in getattr(item, "fixturenames", ()):
         return
-    server: EmbeddedTriton = request.getfixturevalue("triton")
     if server.is_running():
         return
     dead = server.pid
-    unseen = dead not in request.session.stash.setdefault(DEATHS_SHOWN, set())
-    tail = _log_tail(server) if unseen else ""
+    unseen = dead not in item.session.stash.setdefault(DEATHS_SHOWN, set())
+    item.stash[RESTARTED] = (dead, _log_tail(server) if unseen else "", unseen)
     server.stop()  # reaps it and whatever of its group is left
     server.start()
+
+
+@pytest.fixture(autouse=True)
+def _shared_triton_alive(request: pytest.FixtureRequest) -> None:
+    """After ``pytest_runtest_setup`` started the session's Triton again for this test:
+    wait for the session's frontend, if the test uses it, to see it back, and fail this
+    test, once per crash not reported yet."""
+    restarted = request.node.stash.get(RESTARTED, None)
+    if restarted is None:
+        return
+    dead, tail, unseen = restarted
     if "frontend" in request.fixturenames:
         running: RunningFrontend = request.getfixturevalue("frontend")
         eventually(

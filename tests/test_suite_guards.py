@@ -1,7 +1,8 @@
 """The suite's own guards, run on suites of their own (``pytester``, in a subprocess).
 
 One crash is one failure: the session's Triton killed during a test fails that test
-(its report carries the end of Triton's log), and the next test finds it started again;
+(its report carries the end of Triton's log), and the next test finds it started again
+(before its module's fixtures too);
 killed after a test's report (in a teardown), it fails the next test's set-up, once,
 and the one after runs as usual. Before, every later test failed after its own timeout.
 """
@@ -48,8 +49,16 @@ def test_1_kills_it_and_passes_anyway(triton):
     kill(triton)
 
 
-def test_2_finds_it_back(triton):
-    assert triton.is_running()
+@pytest.fixture(scope="module")
+def module_frontend(triton):
+    # A module's fixture (one that starts a frontend, say) is set up before a test's own
+    # fixtures: it too must find the session's Triton started again.
+    assert triton.is_running(), "a module's fixture was set up against the dead Triton"
+    return triton.pid
+
+
+def test_2_finds_it_back(module_frontend, triton):
+    assert triton.is_running() and module_frontend == triton.pid
     print("second pid", triton.pid)
 
 
