@@ -27,11 +27,13 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
+from fair_frontend.testing import eventually
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, config_dict, ids_input, running_frontend
 
 MAX_ROWS = 32
 MAX_BYTES = 1 << 20  # the endpoint's max_request_bytes: 256K INT32 tokens
+SETTLE_S = 30.0  # deadline of a count polled on the core; met far sooner
 TENANTS = {name: TenantSpec("paid") for name in ("liar", "n1", "n2", "n3")}
 INFO = ModelInfo(
     name="embed",
@@ -145,5 +147,17 @@ def test_a_wide_row_is_charged_the_width_it_sent(triton: EmbeddedTriton) -> None
         assert out.as_numpy("OUT").tolist() == [[width]]  # the model was told the real width
         registry = fe.frontend.registry
         labels = {"tenant": "hooli", "endpoint": "sleeper"}
-        assert registry.get_sample_value("fair_served_tokens_total", labels) == width
-        assert registry.get_sample_value("fair_served_cost_total", labels) == width
+
+        # Counted as the batch's end is recorded, on the core's loop, which may be after
+        # the client has its answer.
+        def counted() -> tuple[float | None, float | None] | None:
+            got = tuple(
+                registry.get_sample_value(f"fair_served_{what}_total", labels)
+                for what in ("tokens", "cost")
+            )
+            return got if None not in got else None
+
+        assert eventually(counted, SETTLE_S, what="the batch's tokens and cost counted") == (
+            width,
+            width,
+        )
