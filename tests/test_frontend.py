@@ -71,8 +71,9 @@ async def test_concurrent_requests_are_batched_and_answered_right(triton, fronte
     Whether requests sent at once wait together depends on how fast Triton serves the
     first ones: on a loaded machine the client may send each after the last was served,
     and every batch holds one (seen on a fresh clone). So Triton is stopped (SIGSTOP)
-    until the core holds all 24, queued behind the batches it could send: then they must
-    share batches, whatever the machine's speed."""
+    until the core holds all 24: in the batches it could send before Triton answers (as
+    few as one, where all 24 came in one read: seen on a fresh clone beside another), or
+    queued behind them. Either way they share batches, whatever the machine's speed."""
     lengths = [int(n) for n in RNG.integers(1, 96, size=24)]
     batches = [RNG.integers(0, 4000, size=(1, n), dtype=np.int32) for n in lengths]
     direct = grpcaio.InferenceServerClient(triton.grpc_url)
@@ -99,10 +100,9 @@ async def test_concurrent_requests_are_batched_and_answered_right(triton, fronte
 
             async def held() -> bool:
                 now = await frontend.acall(frontend.counters("embed"))
-                queued = (now.admitted - now.dispatched) - (before.admitted - before.dispatched)
-                return now.admitted - before.admitted == len(batches) and queued >= 2
+                return bool(now.admitted - before.admitted == len(batches))
 
-            await aeventually(held, 60, what="all 24 in the core, several queued")
+            await aeventually(held, 60, what="all 24 in the core")
         finally:
             os.kill(triton.pid, signal.SIGCONT)
         got = await sends
