@@ -75,14 +75,19 @@ class Core:
         return len(self.server.shells.server.connections)
 
 
-@pytest.fixture(scope="module")
-def core(triton: EmbeddedTriton) -> Iterator[Core]:
+def leading(triton: EmbeddedTriton, link: str) -> Iterator[Core]:
+    """A core leading on a free port of its own, its shells' link ``link``."""
     server = FrontendServer(link_config(triton), [], Listen(), workers=0)
     address = f"127.0.0.1:{free_port()}"
     background = BackgroundServer(server)
     with background:
-        background.call(server.lead(address, SECRET))
+        background.call(server.lead(address, SECRET, link=link))
         yield Core(server, background, address)
+
+
+@pytest.fixture(scope="module")
+def core(triton: EmbeddedTriton) -> Iterator[Core]:
+    yield from leading(triton, "grpc")
 
 
 class LinkStream:
@@ -251,12 +256,7 @@ async def test_a_shell_cuts_what_it_writes_into_messages_the_core_takes() -> Non
 
 @pytest.fixture(scope="module")
 def tcp_core(triton: EmbeddedTriton) -> Iterator[Core]:
-    server = FrontendServer(link_config(triton), [], Listen(), workers=0)
-    address = f"127.0.0.1:{free_port()}"
-    background = BackgroundServer(server)
-    with background:
-        background.call(server.lead(address, SECRET, link="tcp"))
-        yield Core(server, background, address)
+    yield from leading(triton, "tcp")
 
 
 def tcp_link(address: str, secret: bytes = SECRET) -> RemoteLink:

@@ -99,29 +99,12 @@ class ShellProcess:
                 tls = Tls(self.args.tls_cert, self.args.tls_key, self.args.tls_ca)
             sets = decode_core_sets(self.args.cores)
             remote: RemoteLink | RouterLink
+            common = (secret, hello, self.on_settings, self.on_end, _nothing)
             try:
                 if len(sets) == 1:
-                    remote = RemoteLink(
-                        sets[0][1],
-                        secret,
-                        hello,
-                        self.on_settings,
-                        self.on_end,
-                        _nothing,
-                        tls=tls,
-                        link=self.args.link,
-                    )
+                    remote = RemoteLink(sets[0][1], *common, tls=tls, link=self.args.link)
                 else:  # cores that own disjoint sets of endpoints
-                    remote = RouterLink(
-                        sets,
-                        secret,
-                        hello,
-                        self.on_settings,
-                        self.on_end,
-                        _nothing,
-                        tls=tls,
-                        link=self.args.link,
-                    )
+                    remote = RouterLink(sets, *common, tls=tls, link=self.args.link)
             except SecretError as err:
                 log.error("shell %d: %s", self.args.index, err)
                 return SECRET_REFUSED
