@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_WORKERS = 8
 SHELL_START_TIMEOUT_S = 60.0
 RESTART_BACKOFF_S = (0.1, 5.0)  # first delay before restarting a dead shell, and the cap
+# A shell killed by a signal before it was ready is started again this many times
+# before start() fails: one crash while a busy machine spawns it is not a broken build.
+START_RETRIES = 1
 
 
 def default_workers() -> int:
@@ -432,6 +435,7 @@ class ShellPool:
         self._dir = tempfile.mkdtemp(prefix="fair-frontend-")
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = 0
+        self.start_retries: dict[int, int] = {}
         self._ready: dict[int, asyncio.Future[None]] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -485,10 +489,14 @@ class ShellPool:
 
     async def _spawn(self, index: int) -> None:
         assert self._http_sock is not None
-        self._ready[index] = asyncio.get_running_loop().create_future()
+        ready = self._ready.get(index)
+        if ready is None or ready.done():  # a start retry keeps the future start() awaits
+            self._ready[index] = asyncio.get_running_loop().create_future()
         root = logging.getLogger()
         cmd = [
             sys.executable,
+            "-X",
+            "faulthandler",  # a crash leaves its Python stack on stderr
             "-m",
             "fair_frontend.shell",
             *self._where(),
@@ -521,6 +529,9 @@ class ShellPool:
         while True:
             code = await proc.wait()
             fut = self._ready.get(index)
+            if fut is not None and not fut.done() and self._retry_start(index, proc, code):
+                await self._spawn(index)
+                return  # the new process has a watcher of its own
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(f"shell {index} exited with {code} at start"))
                 fut.exception()  # start() reads it; a restart's readiness nobody awaits
@@ -536,6 +547,21 @@ class ShellPool:
             self.restarts += 1
             await self._spawn(index)
             return  # the new process has a watcher of its own
+
+    def _retry_start(self, index: int, proc: asyncio.subprocess.Process, code: int) -> bool:
+        """Whether a shell that died before it was ready is started again: killed by a
+        signal (a crash, not a refusal such as a bad argument), within START_RETRIES."""
+        tried = self.start_retries.get(index, 0)
+        if self._stopping or code >= 0 or tried >= START_RETRIES:
+            return False
+        self.start_retries[index] = tried + 1
+        log.warning(
+            "shell %d (pid %d) died of signal %d before it was ready; starting it again",
+            index,
+            proc.pid,
+            -code,
+        )
+        return True
 
     async def _reap(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the shells told to stop, then kill the rest."""

@@ -39,7 +39,7 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
-from fair_frontend.server import BackgroundServer, FrontendServer, Listen
+from fair_frontend.server import BackgroundServer, FrontendServer, Listen, ShellPool
 from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, RunningFrontend, ids_input, make_config
@@ -143,6 +143,49 @@ async def test_a_shell_killed_mid_load_loses_nothing_else(
         finally:
             await client.close()
         assert not [r for r in again if isinstance(r, Exception)]
+
+
+@pytest.mark.parametrize("crashes", [1, 2])
+async def test_a_shell_killed_by_a_signal_before_it_is_ready_is_started_once_more(
+    triton: EmbeddedTriton, monkeypatch: pytest.MonkeyPatch, crashes: int
+) -> None:
+    """A shell that dies of a signal while it starts (a fresh clone on a loaded machine saw
+    one die of SIGSEGV at spawn, and the frontend's start failed) is started again, once:
+    the frontend starts and serves, and the retry is not counted as a restart. A shell that
+    dies again fails the start, naming the shell and the signal. The signal is sent the
+    moment the process exists, before this loop could have read its handshake."""
+    spawn = ShellPool._spawn
+    killed: list[int] = []
+
+    async def crashing(self: ShellPool, index: int) -> None:
+        await spawn(self, index)
+        if index == 0 and len(killed) < crashes:
+            proc = self.processes[index]
+            proc.send_signal(signal.SIGSEGV)
+            killed.append(proc.pid)
+
+    monkeypatch.setattr(ShellPool, "_spawn", crashing)
+    server = FrontendServer(make_config(), triton.grpc_url, Listen(), workers=2)
+    if crashes > 1:
+        with (
+            pytest.raises(RuntimeError, match="shell 0 exited with -11 at start"),
+            BackgroundServer(server),
+        ):
+            pass
+        assert len(killed) == 2
+        return
+    with BackgroundServer(server):
+        shells = server.shells
+        assert isinstance(shells, ShellPool)
+        assert shells.start_retries == {0: 1} and shells.restarts == 0
+        assert len(killed) == 1 and shells.processes[0].pid != killed[0]
+        assert len(shells.server.connections) == 2
+        client = grpcaio.InferenceServerClient(RunningFrontend(server, None).grpc_url)  # type: ignore[arg-type]
+        try:
+            answers = await asyncio.gather(*(_send(client, f"s{i}") for i in range(8)))
+        finally:
+            await client.close()
+        assert not [a for a in answers if isinstance(a, Exception)]
 
 
 # ---- the intake ---------------------------------------------------------------------------
