@@ -29,7 +29,14 @@ from fair_frontend.config import DEFAULT_METRICS_HOST
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import Listen
 from fair_frontend.testing import perf_analyzer, scrape
-from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
+from tests.support import (
+    KEYS,
+    PERF_ANALYZER_SHORT_RUN,
+    RunningFrontend,
+    ids_input,
+    make_config,
+    running_frontend,
+)
 
 OPERATOR = "127.0.0.2"
 TENANT = "acme"
@@ -151,7 +158,7 @@ def test_perf_analyzer_does_not_ask_for_statistics_the_tenant_port_does_not_list
         concurrency=2,
         shapes=["INPUT_IDS:16"],
         headers=[f"authorization: Bearer {KEYS[TENANT]}"],
-        extra=["--measurement-mode", "count_windows", "--measurement-request-count", "20"],
+        extra=PERF_ANALYZER_SHORT_RUN,
         timeout_s=120,
     )
     assert result["throughput"] > 0

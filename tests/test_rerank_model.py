@@ -31,7 +31,7 @@ from fair_frontend.tokens import load_tokenizer
 from python_backend import nets
 from python_backend.rerank import SCORE, RerankModel, RerankOptions
 from python_backend.rows import RequestData
-from tests.support import KEYS, RunningFrontend, metric_sum
+from tests.support import KEYS, PERF_ANALYZER_SHORT_RUN, RunningFrontend, metric_sum
 
 REPO = default_model_repository()
 TOKENIZER = str(REPO / "rerank" / "tokenizer.json")
@@ -194,7 +194,7 @@ def test_perf_analyzers_random_rows_are_valid(triton: EmbeddedTriton) -> None:
         triton.grpc_url,
         concurrency=2,
         shapes=["INPUT_IDS:128"],
-        extra=["--measurement-mode", "count_windows", "--measurement-request-count", "20"],
+        extra=PERF_ANALYZER_SHORT_RUN,
         timeout_s=120,
     )  # raises with perf_analyzer's output on any error
     assert result["throughput"] > 0

@@ -79,7 +79,7 @@ def test_perf_analyzer_reads_the_frontends_statistics(triton, workers: int) -> N
                 "--measurement-request-count",
                 "50",
                 "--stability-percentage",
-                "100",
+                "1000",  # any spread: a loaded machine's windows differ
             ],
             capture_output=True,
             text=True,

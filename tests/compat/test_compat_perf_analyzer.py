@@ -24,22 +24,16 @@ from compat_support import TENANT
 
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.testing import perf_analyzer, perf_analyzer_binary
-from tests.support import KEYS, RunningFrontend, make_config, running_frontend
+from tests.support import (
+    KEYS,
+    PERF_ANALYZER_SHORT_RUN,
+    RunningFrontend,
+    make_config,
+    running_frontend,
+)
 
 COUNTED = ("server_metadata", "model_metadata", "model_config", "statistics")
-# Short windows; any spread between them is accepted (the last --stability-percentage
-# given wins): what is asserted is that the plain command runs and measures through the
-# frontend, not that this shared machine's speed holds still (under two CPU hogs windows
-# of 20 requests differed by more than 30 % twenty times in a row: "Failed to obtain
-# stable measurement", on a fresh clone).
-SHORT_RUN = [
-    "--measurement-mode",
-    "count_windows",
-    "--measurement-request-count",
-    "20",
-    "--stability-percentage",
-    "1000",
-]
+SHORT_RUN = PERF_ANALYZER_SHORT_RUN
 # The widths users start with (README): a 128-token embedding, a 32-token prompt.
 SHAPES = {"embed": "INPUT_IDS:128", "generate": "INPUT_IDS:32"}
 

@@ -210,7 +210,12 @@ def test_learns_the_sleepers_cost_from_tritons_metrics(learned: Learned) -> None
         f"\nlargest overhead over the batch shapes: {overhead * 1e3:.2f} ms"
     )
     assert bt.per_token_s == pytest.approx(SLEEPER_PER_TOKEN_S, rel=0.25)
-    assert 0.75 * SLEEPER_FIXED_S <= bt.fixed_s <= 1.25 * (SLEEPER_FIXED_S + overhead)
+    assert bt.fixed_s <= 1.25 * (SLEEPER_FIXED_S + overhead)
+    if overhead < SLEEPER_FIXED_S / 2:
+        # Found where Triton's timing error is well below it. (A fresh clone beside two
+        # CPU hogs: milliseconds of error, and the fit, rightly, kept no fixed term: a
+        # 2 ms cost under a larger error is not one it can tell from noise.)
+        assert bt.fixed_s >= 0.75 * SLEEPER_FIXED_S, (bt, overhead)
     # The fit reproduces what Triton measured, shape by shape, within the timing error
     # Triton's own measurements showed (on a loaded machine, milliseconds of it, unevenly
     # across the shapes: more than a linear fit can follow).
