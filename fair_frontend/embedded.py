@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -47,12 +48,15 @@ from pathlib import Path
 from types import TracebackType
 
 LOOPBACK = "127.0.0.1"
+log = logging.getLogger(__name__)
+
 TRITON_BINARY = "tritonserver"
 STUB_NAME = "triton_python_backend_stub"
 LOG_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.05
 _HEALTH_TIMEOUT_S = 1.0
 _PORT_RETRIES = 3  # a freshly picked port can be taken before Triton binds it
+_CRASH_RETRIES = 1  # a Triton killed by a signal while it starts is started again once
 # Triton's own shutdown bound (its default is 30 s). On SIGTERM it waits for in-flight
 # requests but also for every open HTTP keep-alive connection, which clients hold for as
 # long as they live: without a bound, stop() would sit out its whole grace period whenever
@@ -72,7 +76,7 @@ class TritonStartError(RuntimeError):
 
     ``failed_models`` maps each model that failed to load to Triton's reason; the message
     names them and ends with the last lines of Triton's log. ``address_in_use``: Triton
-    found one of its ports taken.
+    found one of its ports taken. ``crashed``: a signal ended it (an abort, a segfault).
     """
 
     def __init__(
@@ -82,11 +86,13 @@ class TritonStartError(RuntimeError):
         failed_models: dict[str, str],
         log_tail: str,
         address_in_use: bool = False,
+        crashed: bool = False,
     ) -> None:
         super().__init__(message)
         self.failed_models = failed_models
         self.log_tail = log_tail
         self.address_in_use = address_in_use
+        self.crashed = crashed
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
@@ -316,7 +322,8 @@ class EmbeddedTriton:
         """Launch Triton and return once it is ready; ``TritonStartError`` otherwise."""
         if self.is_running():
             raise RuntimeError(f"Triton is already running (pid {self.pid})")
-        for attempt in range(_PORT_RETRIES):
+        crashes = 0
+        for attempt in range(_PORT_RETRIES + _CRASH_RETRIES):
             pick = [n for n in self._auto_ports if attempt > 0 or self._ports[n] is None]
             for name, port in zip(pick, free_ports(len(pick)), strict=True):
                 self._ports[name] = port
@@ -329,8 +336,15 @@ class EmbeddedTriton:
                     self._auto_ports
                     and err.address_in_use
                     and not err.failed_models
-                    and attempt + 1 < _PORT_RETRIES
+                    and attempt - crashes + 1 < _PORT_RETRIES
                 )
+                # A crash while it starts (its Python backend aborts under CPU starvation:
+                # triton-inference-server/server#8882) is tried again, once; a model that
+                # failed to load is not a crash to retry.
+                if err.crashed and not err.failed_models and crashes < _CRASH_RETRIES:
+                    crashes += 1
+                    log.warning("tritonserver crashed while starting; starting it again")
+                    continue
                 if not retry:
                     raise
         raise AssertionError("unreachable")
@@ -403,7 +417,8 @@ class EmbeddedTriton:
         while True:
             code = self._proc.poll()
             if code is not None:
-                self._fail(f"tritonserver exited with status {code} during start-up", log_start)
+                what = f"tritonserver exited with status {code} during start-up"
+                self._fail(what, log_start, crashed=code < 0)
             if self._answers(ready_url):
                 service = _SERVICE_FAILED_RE.search(self._log_since(log_start))
                 if service:
@@ -436,7 +451,7 @@ class EmbeddedTriton:
         except OSError:
             return ""
 
-    def _fail(self, what: str, log_start: int) -> None:
+    def _fail(self, what: str, log_start: int, *, crashed: bool = False) -> None:
         self.stop(grace_s=2.0)
         full = self._log_since(log_start)
         tail = "\n".join(full.splitlines()[-LOG_TAIL_LINES:])
@@ -456,6 +471,7 @@ class EmbeddedTriton:
             failed_models=failed,
             log_tail=tail,
             address_in_use=_IN_USE in full,
+            crashed=crashed,
         )
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -138,6 +138,41 @@ def test_a_model_failing_to_load_is_named_with_the_log_tail(tmp_path: Path) -> N
     assert not server.is_running()
 
 
+@pytest.mark.parametrize("crashes", [1, 2])
+def test_a_triton_that_crashes_while_starting_is_started_again_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crashes: int
+) -> None:
+    """Triton's Python backend can abort while Triton starts on a starved machine
+    (``boost::interprocess::lock_exception``, triton-inference-server/server#8882; a fresh
+    clone's suite saw it). A start-up ended by a signal is tried again, once; a second
+    crash is the start's error, said as such. Here a wrapper aborts (SIGABRT) its first
+    ``crashes`` launches, then runs Triton's own command."""
+    add_model(tmp_path / "repo", "fine")
+    count = tmp_path / "launches"
+    command = EmbeddedTriton._command
+    script = (
+        'n=$(($(cat "$0" 2>/dev/null || echo 0) + 1)); echo $n > "$0"; '
+        f'if [ $n -le {crashes} ]; then kill -ABRT $$; fi; exec "$@"'
+    )
+
+    def wrapped(self: EmbeddedTriton, binary: Path, backend_dir: Path | None) -> list[str]:
+        return ["sh", "-c", script, str(count), *command(self, binary, backend_dir)]
+
+    monkeypatch.setattr(EmbeddedTriton, "_command", wrapped)
+    server = EmbeddedTriton(tmp_path / "repo")
+    if crashes > 1:
+        with pytest.raises(TritonStartError, match="exited with status -6") as info:
+            server.start()
+        assert info.value.crashed and not server.is_running()
+        assert count.read_text().strip() == "2"
+        return
+    try:
+        server.start()
+        assert server.is_running() and count.read_text().strip() == "2"
+    finally:
+        server.stop()
+
+
 def test_gpu_configs_are_selected_by_model_config_name() -> None:
     # No GPU here: Triton rejects every KIND_GPU config, which shows it read configs/gpu.pbtxt.
     server = EmbeddedTriton(default_model_repository(), model_config_name="gpu")
