@@ -11,9 +11,12 @@ gives the classic one-line format for humans at a terminal.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-from typing import Any
+import sys
+from typing import IO, Any
+
+import msgspec
 
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
@@ -25,6 +28,9 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 # An error message in a request's log line is cut beyond this (messages that quote a
 # client's input are bounded where they are made; this bounds the line whatever comes).
 MAX_LOGGED_ERROR_CHARS = 8192
+# A turn's lines go out together; this many go out at once whatever the turn.
+FLUSH_LINES = 1024
+_ENCODER = msgspec.json.Encoder(enc_hook=str)  # what JSON cannot hold, as its str()
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,11 +48,63 @@ class JsonFormatter(logging.Formatter):
                 doc[key] = value
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str, separators=(",", ":"))
+        return _ENCODER.encode(doc).decode()
+
+
+class TurnStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler that writes the lines of one event-loop turn together.
+
+    Each record is formatted at once and held; at the end of the loop turn it came in
+    (``call_soon``) the turn's lines go to the stream in one write. A record from a
+    thread without a running loop, the ``FLUSH_LINES``-th held, ``flush()`` and
+    ``logging.shutdown()`` at exit write at once. A core logs a line per finished request
+    (``RequestLog``): one write per turn, not one per request. What a process killed
+    mid-turn had not written yet is lost (one turn's lines at most)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__(stream)
+        self._held: list[str] = []
+        self._due = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self._held.append(line)  # ``handle`` holds the lock
+        if len(self._held) >= FLUSH_LINES:
+            self._write()
+            return
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write()  # no loop runs here: nothing would end the turn
+            return
+        self._due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._due = False
+            self._write()
+
+    def _write(self) -> None:
+        if not self._held:
+            return
+        text = "\n".join(self._held) + "\n"
+        self._held = []
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except Exception:  # a closed or broken stream: as ``StreamHandler`` does
+            self.handleError(logging.makeLogRecord({"msg": text[:200]}))
 
 
 def configure_logging(fmt: str = "json", level: str | int = "INFO") -> None:
-    handler = logging.StreamHandler()
+    handler = TurnStreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -94,4 +152,11 @@ class RequestLog(Observer):
             fields["tokens_out"] = usage.completion_tokens
         if error is not None:
             fields["error"] = clipped(error, MAX_LOGGED_ERROR_CHARS)
-        self.log.info("request %s", outcome.value, extra=fields)
+        # ``Logger.info`` less its search of the stack for the caller (always this line):
+        # one per finished request, on the core's hot path.
+        log = self.log
+        record = log.makeRecord(
+            log.name, logging.INFO, __file__, sys._getframe().f_lineno, "request %s",
+            (outcome.value,), None, "request_finished", fields,
+        )  # fmt: skip
+        log.handle(record)
