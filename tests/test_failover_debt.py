@@ -3,7 +3,8 @@
 
 * A shell that has never served a model holds its first call to it through a failover
   (the lookup waits for the next leader), and the new leader serves it. Before, the
-  lookup failed at once: 503 "the frontend's core process is gone".
+  lookup failed at once: 503 "the frontend's core process is gone". The call took one
+  hop: its shell logs it, once; the new leader counts it and logs nothing of it.
 * The debt survives a SIGKILL: acme holds every engine slot of ``llm`` with long
   generations while globex waits (acme's counter runs far ahead); the leader is killed;
   the new leader gives globex the slots until even. Judged from the new leader's own
@@ -137,14 +138,23 @@ async def _held_through(shell: Any, standby: Core) -> None:
     assert result.as_numpy("EMBEDDING") is not None
     assert standby.ready
 
-    # The new leader logs the call when its shell reports the batch served (one hop),
-    # which may come after the client has its answer: its line is waited for, then it
-    # must be the only one, dispatched.
-    def served() -> list[dict[str, Any]]:
-        return [line for line in request_log(standby, "embed") if line["tenant"] == "initech"]
+    # The call took one hop: its shell answered it and logged it, once, dispatched, with
+    # the new leader's queue time and its own time in Triton. The new leader counted it
+    # (its metrics, once its shell's report came: polled) and logged nothing of it.
+    def logged() -> list[dict[str, Any]]:  # written as it answers: polled, then exact
+        return [line for line in request_log(shell, "embed") if line["tenant"] == "initech"]
 
-    await aeventually(served, 30, 0.01, what="the new leader's log line of the call")
-    assert [line["outcome"] for line in served()] == ["dispatched"]
+    await aeventually(logged, 30, 0.01, what="the shell's log line of the call")
+    lines = logged()
+    assert [line["outcome"] for line in lines] == ["dispatched"], lines
+    assert lines[0]["queued_ms"] >= 0 and lines[0]["service_ms"] > 0, lines
+
+    async def counted() -> float:
+        page = await ascrape(f"http://127.0.0.1:{standby.metrics}/metrics")
+        return page.sum("fair_requests_total", tenant="initech", outcome="dispatched")
+
+    await aeventually(counted, 30, 0.01, what="the new leader to count the call")
+    assert not [line for line in request_log(standby, "embed") if line["tenant"] == "initech"]
 
 
 def sampling(max_tokens: int) -> dict[str, Any]:

@@ -106,7 +106,7 @@ class Fleet:
     def shell(self, index: int, secret: Path | None = None) -> Shell:
         http, grpc = free_port(), free_port()
         args = ["shell", "--secret-file", str(secret or self.secret), "--host", "127.0.0.1"]
-        args += ["--http-port", str(http), "--grpc-port", str(grpc), "--log-format", "text"]
+        args += ["--http-port", str(http), "--grpc-port", str(grpc), "--log-format", "json"]
         for core in self.cores:
             args += ["--core", f"127.0.0.1:{core.port}"]
         return Shell(start(args, self.tmp / f"shell{index}.log"), http, grpc)
@@ -315,11 +315,11 @@ class Logged:
         return cls(line["tenant"], queued, dispatched, ended, line["tokens_in"], line["tokens_out"])
 
 
-def request_log(core: Core, endpoint: str, offset: int = 0) -> list[dict[str, Any]]:
-    """The request lines of ``endpoint`` that ``core`` logged after byte ``offset`` of its
-    log (a line still being written is left for the next read)."""
+def request_log(process: Core | Shell, endpoint: str, offset: int = 0) -> list[dict[str, Any]]:
+    """The request lines of ``endpoint`` that a core or a shell logged after byte
+    ``offset`` of its log (a line still being written is left for the next read)."""
     out = []
-    for line in core.proc.log.read_bytes()[offset:].decode(errors="replace").splitlines():
+    for line in process.proc.log.read_bytes()[offset:].decode(errors="replace").splitlines():
         try:
             doc = json.loads(line)
         except ValueError:

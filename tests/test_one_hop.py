@@ -6,13 +6,17 @@ rows, and the shell sends them to Triton itself (``core.granted``). Proved here 
 stack: a 1 MiB tensor's bytes never reach the core (counted on the core's end of the
 shells' links, both ways; a relayed one of the same size crosses it twice), and it is
 answered right; a failing row among many concurrent ones is found by bisection and only
-its request fails. The shell killed mid-load, with rows of its own in batches beside the
-other shell's, is ``tests/test_shells.py``'s first test, run in both modes.
+its request fails; a one-hop call's shell logs it, not the core. The shell killed
+mid-load, with rows of its own in batches beside the other shell's, is
+``tests/test_shells.py``'s first test, run in both modes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +28,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.logs import REQUEST_LOGGER
 from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
@@ -33,13 +38,20 @@ MIB = 1 << 20
 RECORDS_BOUND = 64 << 10
 
 
-@pytest.fixture(scope="module")
-def two_shells(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+@contextlib.contextmanager
+def _two_shells(triton: EmbeddedTriton, request_log: str = "shell") -> Iterator[RunningFrontend]:
     """Two shell processes; ``raiser`` in granted mode, ``simple_identity`` relayed."""
     data = config_dict()
+    data["observability"] = {"request_log": request_log}
     data["endpoints"]["raiser"] = {"throttle": False, "unary": "one_hop"}
     data["endpoints"]["simple_identity"] = {"throttle": False, "unary": "relay"}
     with running_frontend(parse_config(data), triton, workers=2) as fe:
+        yield fe
+
+
+@pytest.fixture(scope="module")
+def two_shells(triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+    with _two_shells(triton) as fe:
         yield fe
 
 
@@ -129,3 +141,89 @@ async def test_a_failing_row_fails_only_its_request(two_shells: RunningFrontend)
     await aeventually(lambda: runtime.idle, 30.0, 0.05, what="the core idle")
     c = runtime.scheduler.counters
     assert c.admitted == c.dispatched + c.expired + c.cancelled
+
+
+@pytest.mark.parametrize("request_log", ["shell", "core"])
+async def test_a_one_hop_call_is_logged_by_its_shell_a_relayed_one_by_the_core(
+    triton: EmbeddedTriton,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+    request_log: str,
+) -> None:
+    """The request log off the core (issue 30, item 2): a call that takes one hop is
+    answered by its shell, which writes its line (``Call.logged``): served, with the core's
+    queue time, its own time in Triton and its tokens; failed, with the error the client
+    got. The core counts both and writes no line of them. A relayed call the core
+    answers, and logs, as before. With ``observability.request_log: core`` the core writes
+    every line and the shells none. (Shells started here write to this test's stderr:
+    ``capfd``; at this process's log level, INFO here.)"""
+    caplog.set_level(logging.INFO)
+    with _two_shells(triton, request_log) as fe:
+        await _logged_where_answered(fe, caplog, capfd, by_shell=request_log == "shell")
+
+
+async def _logged_where_answered(
+    fe: RunningFrontend,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+    *,
+    by_shell: bool,
+) -> None:
+    core = fe.frontend
+    shells_wrote: list[str] = []
+
+    def counted(model: str) -> int:  # the core's record of the model's requests, both ways
+        stats = [s for (m, _), s in list(core.stats._models.items()) if m == model]
+        return sum(s.success.count + s.fail.count for s in stats)
+
+    def core_logged(request_id: str) -> int:
+        lines = [r for r in caplog.records if r.name == REQUEST_LOGGER]
+        return sum(getattr(r, "request_id", None) == request_id for r in lines)
+
+    def shell_logged(request_id: str) -> list[dict[str, Any]]:
+        shells_wrote.extend(capfd.readouterr().err.splitlines())
+        docs = []
+        for line in shells_wrote:
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if isinstance(doc, dict) and doc.get("logger") == REQUEST_LOGGER:
+                    docs.append(doc)
+        return [d for d in docs if d.get("request_id") == request_id]
+
+    headers = {"x-api-key": KEYS["initech"]}
+    client = grpcaio.InferenceServerClient(fe.grpc_url)
+    try:
+        with caplog.at_level(logging.INFO, logger=REQUEST_LOGGER):
+            hops = counted("raiser")
+            await client.infer("raiser", [_x([[1, 2]])], headers=headers, request_id="hop")
+            with pytest.raises(InferenceServerException, match="refusing the value 13"):
+                await client.infer("raiser", [_x([[13, 2]])], headers=headers, request_id="bad")
+            text = np.array([[b"relayed"]], dtype=object)
+            await client.infer(
+                "simple_identity", [_x(text, "BYTES")], headers=headers, request_id="relayed"
+            )
+            # The core records a one-hop call when its shell's report comes (polled); its
+            # line, were it written, would be written in the same step.
+            await aeventually(lambda: counted("raiser") >= hops + 2, 30, 0.01, what="counted")
+            await aeventually(lambda: core_logged("relayed"), 30, 0.01, what="the relayed line")
+            assert core_logged("relayed") == 1
+            if not by_shell:
+                assert core_logged("hop") == core_logged("bad") == 1
+                # The shells answered those before the relayed call was sent: their lines
+                # would be out by now.
+                assert not [shell_logged(i) for i in ("hop", "bad", "relayed") if shell_logged(i)]
+                return
+            assert core_logged("hop") == core_logged("bad") == 0
+            for request_id in ("hop", "bad"):
+                await aeventually(lambda: shell_logged(request_id), 30, 0.01, what=request_id)  # noqa: B023
+            [hop] = shell_logged("hop")
+            assert (hop["tenant"], hop["endpoint"], hop["outcome"]) == (
+                "initech", "raiser", "dispatched"
+            ), hop  # fmt: skip
+            assert hop["queued_ms"] >= 0 and hop["service_ms"] > 0 and hop["latency_ms"] > 0, hop
+            assert hop["latency_ms"] >= hop["service_ms"], hop
+            [bad] = shell_logged("bad")
+            assert bad["outcome"] != "dispatched" and "refusing the value 13" in bad["error"], bad
+            assert not shell_logged("relayed")
+    finally:
+        await client.close()

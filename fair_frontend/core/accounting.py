@@ -72,6 +72,7 @@ class Accounting:
         *,
         limiter: RateLimiter,
         observer: Observer,
+        request_log: Observer,
         stats: Statistics,
         runtimes: Mapping[str, Dispatcher],
         known_model: Callable[[str], ModelInfo | None],
@@ -83,6 +84,7 @@ class Accounting:
         self.config = config
         self.limiter = limiter
         self.observer = observer
+        self.request_log = request_log  # a line per request no shell logs (``Call.logged``)
         self.stats = stats
         self.runtimes = runtimes  # the core's, read as they are added
         self.known_model = known_model  # the model's config if it was looked up
@@ -352,17 +354,20 @@ class Accounting:
         elif err is not None and not isinstance(err, UnknownModel):
             failed = ModelInfo.version_for(request.version, self.known_model(request.model))
             self.stats.failure(request.model, failed, total_s)
-        self.observer.request_finished(
-            tenant=call.tenant,
-            model=request.model,
-            outcome=outcome,
-            queued_s=queued_s if queued_s >= 0 else None,
-            request_id=request.id,
-            latency_s=total_s,
-            error=err.message if err is not None else None,
-            usage=Usage(call.tokens - call.max_tokens, produced),
-            service_s=infer_s,
-        )
+        finished: dict[str, Any] = {
+            "tenant": call.tenant,
+            "model": request.model,
+            "outcome": outcome,
+            "queued_s": queued_s if queued_s >= 0 else None,
+            "request_id": request.id,
+            "latency_s": total_s,
+            "error": err.message if err is not None else None,
+            "usage": Usage(call.tokens - call.max_tokens, produced),
+            "service_s": infer_s,
+        }
+        self.observer.request_finished(**finished)
+        if not call.logged:  # else its shell logs it (it answered it)
+            self.request_log.request_finished(**finished)
         if call.traceparent and self.traces is not None:
             self.traces.finished(call, outcome, err, queued_s, infer_s, now, batch)
 

@@ -211,7 +211,8 @@ class Core:
         self.metrics = FrontendMetrics(config)
         self.metrics.registry.register(StateCollector(self.state_samples))
         self.registry = self.metrics.registry
-        self.observer = Observers([self.metrics, RequestLog(), *(observers or ())])
+        self.observer = Observers([self.metrics, *(observers or ())])
+        self.request_log = RequestLog()  # what no shell logs itself (``Call.logged``)
         self.traces = Traces.of(config)  # ``tracing.*`` takes a restart: the first config's
         self._clock = clock
         self._pool: BackendPool | None = None
@@ -223,6 +224,7 @@ class Core:
             config,
             limiter=self.limiter,
             observer=self.observer,
+            request_log=self.request_log,
             stats=self.stats,
             runtimes=self.runtimes,
             known_model=self.models.cached,

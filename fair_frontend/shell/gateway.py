@@ -478,14 +478,25 @@ class Gateway:
             call.traceparent, call.tracestate = carried(span)
         if usage is not None:
             usage.prompt_tokens = checked.tokens - checked.max_tokens
-        # From here on the core counts and logs the request, whatever its outcome.
+        # From here on the core counts the request, whatever its outcome, and logs it
+        # unless it takes one hop: then this shell answers it, and logs it (``_logged``)
+        # where the config says the shells do (``observability.request_log``).
+        logged = False
         if self._keeps_rows(info, endpoint):
-            inbox = self.link.submit(_facts(call, info, endpoint))
+            logged = self.config.observability.request_log == "shell"
+            inbox = self.link.submit(_facts(call, info, endpoint, logged=logged))
             inbox.held = (call, info, endpoint)
         else:
             inbox = self.link.submit(call)
         try:
-            answer = await inbox.get()
+            try:
+                answer = await inbox.get()
+            except asyncio.CancelledError:
+                if logged:  # its client went away before its answer
+                    self._logged(call, None, inbox)
+                raise
+            if logged:
+                self._logged(call, answer, inbox)
             grants = 0
             while isinstance(answer, Grant):
                 grants += 1
@@ -602,7 +613,10 @@ class Gateway:
         link.rows_done(
             RowsDone(rows.model, rows.batch, served, gone, None, version, exec_s, traceparent)
         )
-        for (inbox, call, queued_s, quota), out in zip(live, outs, strict=True):
+        for (inbox, call, queued_s, quota), out, (_, tokens) in zip(
+            live, outs, served, strict=True
+        ):
+            inbox.served = (exec_s, tokens)
             inbox.answer(Answer(call.id, version, out, queued_s=queued_s, quota=quota))
 
     async def _infer_rows(
@@ -828,6 +842,34 @@ class Gateway:
                 latency_s if failed else 0.0,
             )
         )
+
+    def _logged(self, call: Call, answer: Answer | Grant | None, inbox: Inbox) -> None:
+        """The request-log line of a call this shell answers itself (one hop), as the core
+        would write it: ``answer`` the core's word (its rows served here: ``Inbox.served``;
+        or its refusal or failure), None where its client went away first."""
+        req = call.request
+        usage = Usage(call.tokens - call.max_tokens, 0)
+        queued_s: float | None = None
+        service_s: float | None = None
+        error: str | None = None
+        if answer is None:
+            outcome = Outcome.CANCELLED
+        elif isinstance(answer, Grant):  # not for a unary call: the core's doing
+            return
+        else:
+            queued_s = answer.queued_s if answer.queued_s >= 0 else None
+            if answer.fault is None:
+                outcome = Outcome.DISPATCHED
+                if inbox.served is not None:
+                    service_s, usage.completion_tokens = inbox.served
+            else:
+                outcome = Outcome(answer.fault.outcome)
+                error = answer.fault.message
+        self.log.request_finished(
+            tenant=call.tenant, model=req.model, outcome=outcome, queued_s=queued_s,
+            request_id=req.id, latency_s=time.monotonic() - call.arrived, error=error,
+            usage=usage, service_s=service_s,
+        )  # fmt: skip
 
     def _refused(
         self,
@@ -1105,12 +1147,14 @@ class Gateway:
         return self._cache
 
 
-def _facts(call: Call, info: ModelInfo, endpoint: Endpoint) -> Call:
+def _facts(call: Call, info: ModelInfo, endpoint: Endpoint, *, logged: bool = False) -> Call:
     """What the core is told of a call whose tensors stay here: all but its request's
-    inputs, outputs and parameters, and the batch key they make (``Call.key``)."""
+    inputs, outputs and parameters, and the batch key they make (``Call.key``);
+    ``logged``: this shell writes its request-log line (``Call.logged``)."""
     req = call.request
     bare = dataclasses.replace(req, inputs=[], outputs=[], parameters={})
-    return msgspec.structs.replace(call, request=bare, key=wire_key(req, info, endpoint))
+    key = wire_key(req, info, endpoint)
+    return msgspec.structs.replace(call, request=bare, key=key, logged=logged)
 
 
 def _wants_usage(req: InferRequest) -> bool:

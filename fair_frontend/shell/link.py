@@ -37,7 +37,7 @@ class Inbox:
 
     __slots__ = (
         "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "held",
-        "on_answer", "on_revoke",
+        "on_answer", "on_revoke", "served",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -54,6 +54,9 @@ class Inbox:
         # A call whose tensors its shell kept (granted mode): what it needs to send the
         # rows the core grants (set by the gateway; ``Gateway.send_rows``).
         self.held: Any = None
+        # Where its shell sent it to Triton itself (granted mode): the part's seconds in
+        # Triton and the call's output tokens, for its request-log line.
+        self.served: tuple[float, int] | None = None
 
     def answer(self, answer: Answer | Grant) -> None:
         if self.granted:  # the core takes the slot back

@@ -100,6 +100,10 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # (``batching.wire_key``), where the shell keeps the tensors and ``request`` carries
     # none; b"": the request whole, relayed by the core.
     key: bytes = b""
+    # Its shell writes its request-log line (it answers the call itself: a unary call
+    # that takes one hop), so the core does not: a line per request off the core's hot
+    # path, written where the request's bytes are. False: the core writes it.
+    logged: bool = False
 
     @property
     def deadline(self) -> float | None:
