@@ -14,6 +14,14 @@ tokens per day, set far above what the run sends: every request is admitted), so
 request takes the limiter's hot path (``check_now``, ``memory://``) and its answer carries
 a quota (results: ``core_limits.json``).
 
+With ``--one-hop`` it measures a unary request as a shell process sends it (issue 30):
+its facts (``Call`` without the tensor, with the batch key ``batching.wire_key`` gives),
+the core's batch granted to its shell (``Rows``), and the shell's report of it served
+(``RowsDone``), each as the link delivers it (decoded from its frame): the core's own
+Python work per request without the link that ``bench_core_capacity`` adds; three
+ways in one run: the request log off, on with its lines written by the shells (the
+default), on with the core writing them (results: ``core_one_hop.json``).
+
 With ``--streams`` it measures a new stream instead (issue 30): the example config's
 ``llm`` (decoupled, engine mode, 64 slots, two tenants of weights 2:1 kept backlogged),
 each ``Call`` decoded from its frame as the link delivers it, granted, then one
@@ -22,6 +30,7 @@ own Python work per stream, without the link that ``bench_core_capacity`` adds (
 ``core_streams.json``).
 
     .venv/bin/python -m benchmarks.bench_core [--requests 20000] [--limits] [--streams]
+        [--one-hop]
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.wire.framing import encode, to_core, to_shell
-from fair_frontend.wire.records import Answer, Call, Grant
+from fair_frontend.wire.records import Answer, Call, Grant, Rows, RowsDone
 
 TOKENS = 128
 TENANTS = 8
@@ -245,6 +254,98 @@ async def core_per_stream(n: int) -> dict[str, float]:
     return {"us_per_stream": cpu / done * 1e6, "streams_per_s": done / wall}
 
 
+class RowsShell:
+    """A route that takes grants of rows (``Rows``) and keeps them to report."""
+
+    def __init__(self) -> None:
+        self.rows: list[Rows] = []
+
+    def answer(self, answer: Answer) -> None:
+        raise AssertionError(f"an answer where rows were expected: {answer}")
+
+    def grant_rows(self, rows: Rows) -> None:
+        self.rows.append(to_shell.decode(encode(rows)[4:]))  # as the link delivers it
+
+
+async def core_per_request_one_hop(n: int, *, logged: bool = True) -> dict[str, float]:
+    """``n`` unary requests as facts, 256 waiting at any time: each wave's grants are
+    reported served at once (one ``RowsDone`` per ``Rows``), as a shell does when Triton
+    answered its part. ``logged``: the calls say their shell writes their request-log
+    line (``Call.logged``: the default, ``observability.request_log: shell``), else the
+    core writes it (``request_log: core``)."""
+    from fair_frontend.batching import wire_key
+
+    # The throttle decides every request as deployed, against a target no wave of this
+    # run can miss however slow the machine: a refusal would end the run, not measure it.
+    data = config().model_dump(mode="json")
+    data["endpoints"]["embed"]["latency_target_ms"] = 3_600_000
+    cfg = parse_config(data)
+    core = Core(cfg, InstantTriton())  # type: ignore[arg-type]
+    core._runtime("embed", embed_info())
+    core.models._infos["embed"] = _done(embed_info())
+    key = wire_key(request(0), embed_info(), cfg.endpoint("embed"))
+    facts = InferRequest("embed")
+    shell = RowsShell()
+    frames = [
+        encode(
+            Call(i, f"t{i % TENANTS}", 5, 0.0, 0.0, 1, TOKENS, 4 * TOKENS, [TOKENS], facts,
+                 key=key, logged=logged)
+        )[4:]
+        for i in range(n)
+    ]  # fmt: skip
+    served = 0
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    for start in range(0, n, 256):
+        for frame in frames[start : start + 256]:
+            call = to_core.decode(frame)
+            call.arrived, call.arrived_wall = time.monotonic(), time.time()
+            core.submit(call, shell)
+        while served < min(n, start + 256):
+            granted, shell.rows = shell.rows, []
+            for rows in granted:
+                done = RowsDone(rows.model, rows.batch, [(c, 0) for c in rows.calls], [], None,
+                                "1", 0.0)  # fmt: skip
+                core.rows_done(to_core.decode(encode(done)[4:]), shell)
+                served += len(rows.calls)
+            await asyncio.sleep(0)
+    cpu = time.process_time() - cpu0
+    wall = time.perf_counter() - wall0
+    assert served == n
+    return {"us_per_request": cpu / n * 1e6, "requests_per_s": n / wall}
+
+
+async def one_hop_async(n: int) -> dict[str, Any]:
+    """One hop three ways, in one run: the request log off (the core logs warnings only);
+    on, as deployed (INFO, JSON lines to a file: ``/dev/null``), each line written by the
+    shell that answered the call (the default), or by the core (``request_log: core``)."""
+    import logging
+    import os
+
+    from fair_frontend.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    logging.getLogger().handlers[0].stream = open(os.devnull, "w")  # noqa: SIM115
+    requests = logging.getLogger("fair_frontend.requests")
+    out: dict[str, Any] = {"requests": n, "tokens": TOKENS, "tenants": TENANTS}
+    for name, level, logged in (
+        ("log_off", logging.WARNING, True),
+        ("log_by_shells", logging.INFO, True),
+        ("log_by_core", logging.INFO, False),
+    ):
+        requests.setLevel(level)
+        progress(f"core: {n} unary requests, one hop ({name}): Call (facts) .. Rows .. RowsDone")
+        await core_per_request_one_hop(n // 4, logged=logged)  # warm-up
+        out[name] = await core_per_request_one_hop(n, logged=logged)
+        progress(f"  {out[name]['us_per_request']:.1f} us of CPU per request")
+    out["log_by_core_vs_shells"] = (
+        out["log_by_core"]["us_per_request"] / out["log_by_shells"]["us_per_request"]
+    )
+    progress(f"the core's CPU per request, its request log by the core / by the shells: "
+             f"{out['log_by_core_vs_shells']:.2f}x")  # fmt: skip
+    return out
+
+
 def _done(value: Any) -> asyncio.Future[Any]:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(value)
@@ -284,7 +385,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--limits", action="store_true", help="every tenant rate-limited")
     parser.add_argument("--streams", action="store_true", help="new streams of llm instead")
+    parser.add_argument("--one-hop", action="store_true", help="unary requests as facts")
     args = parser.parse_args()
+    if args.one_hop:
+        write_result("core_one_hop", uvloop.run(one_hop_async(args.requests)))
+        return
     if args.streams:
         write_result("core_streams", uvloop.run(streams_async(args.requests)))
         return

@@ -51,7 +51,7 @@ The driver's shell is one small class (``SimShell``): its unary call is one meth
 (``unary``) and what the core sends back is taken in one (``received``).
 
     .venv/bin/python -m benchmarks.bench_core_capacity [--quick] [--shells 32]
-        [--unary one_hop|relay|both] [--link grpc|tcp|both]
+        [--unary one_hop|relay|both] [--link grpc|tcp|both] [--request-log]
 
 ``--link both``: everything measured over gRPC, then again over TCP (a core of its own
 each, one after the other in the same run); TCP's results go under ``<workload>_tcp``, and
@@ -1058,6 +1058,11 @@ def config_data(standin: str, unary: str = "one_hop") -> dict[str, Any]:
     return data
 
 
+# The core's log level: WARNING leaves its request log out (a line per finished request,
+# at INFO: the deployed default, ``--request-log``), as the figures before it did.
+CORE_LOG_LEVEL = "WARNING"
+
+
 @contextlib.contextmanager
 def processes(
     tmp: Path, unary: str, link: str = "grpc"
@@ -1107,7 +1112,7 @@ def processes(
             "--metrics-host",
             "127.0.0.1",
             "--log-level",
-            "WARNING",
+            CORE_LOG_LEVEL,
         ]
         log = (tmp / "core.log").open("wb")
         core = subprocess.Popen(
@@ -1313,7 +1318,15 @@ def main(argv: list[str] | None = None) -> int:
         "(fair_frontend.wire.tcp), or both, one after the other (each with a core of its "
         "own; TCP's results under '<workload>_tcp', and their ratio to gRPC's)",
     )
+    parser.add_argument(
+        "--request-log",
+        action="store_true",
+        help="the core writes its request log (a line per finished request, to a file), as "
+        "deployed (the default log level, INFO); without it the core logs warnings only",
+    )
     args = parser.parse_args(argv)
+    global CORE_LOG_LEVEL
+    CORE_LOG_LEVEL = "INFO" if args.request_log else "WARNING"
     quick = args.quick
     args.shells = args.shells or (16 if quick else 32)
     args.max_steps = args.max_steps or (4 if quick else 12)
@@ -1347,6 +1360,7 @@ def main(argv: list[str] | None = None) -> int:
         "Triton calls skipped, their rows reported served at once",
         "unary": args.unary,
         "link": args.link,
+        "request_log": args.request_log,
         "targets": TARGETS,
     }
     if args.link == "both":
