@@ -51,7 +51,8 @@ The driver's shell is one small class (``SimShell``): its unary call is one meth
 (``unary``) and what the core sends back is taken in one (``received``).
 
     .venv/bin/python -m benchmarks.bench_core_capacity [--quick] [--shells 32]
-        [--unary one_hop|relay|both] [--link grpc|tcp|both] [--request-log]
+        [--unary one_hop|relay|both] [--link grpc|tcp|both]
+        [--request-log off|shells|core]
 
 ``--link both``: everything measured over gRPC, then again over TCP (a core of its own
 each, one after the other in the same run); TCP's results go under ``<workload>_tcp``, and
@@ -449,6 +450,7 @@ class SimShell(Framed):
             stream,
             max_tokens,
             key=key,
+            logged=bool(key) and LOGGED_BY_SHELLS,  # one hop: as a shell's config says
         )
         self.pending[call_id] = (tenant, now)
         self.driver.books[tenant].sent += 1
@@ -1061,6 +1063,9 @@ def config_data(standin: str, unary: str = "one_hop") -> dict[str, Any]:
 # The core's log level: WARNING leaves its request log out (a line per finished request,
 # at INFO: the deployed default, ``--request-log``), as the figures before it did.
 CORE_LOG_LEVEL = "WARNING"
+# Whether a one-hop call's line is its shell's (``Call.logged``: the default config,
+# ``observability.request_log: shell``), or the core's (``--request-log core``).
+LOGGED_BY_SHELLS = True
 
 
 @contextlib.contextmanager
@@ -1320,13 +1325,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--request-log",
-        action="store_true",
-        help="the core writes its request log (a line per finished request, to a file), as "
-        "deployed (the default log level, INFO); without it the core logs warnings only",
+        choices=("off", "shells", "core"),
+        default="off",
+        help="the request log (a line per finished request): off (the core logs warnings "
+        "only, as the figures before it), shells (as deployed: INFO, each one-hop call's "
+        "line written by the shell that answered it, the rest by the core, to a file), or "
+        "core (INFO, every line by the core: observability.request_log: core)",
     )
     args = parser.parse_args(argv)
-    global CORE_LOG_LEVEL
-    CORE_LOG_LEVEL = "INFO" if args.request_log else "WARNING"
+    global CORE_LOG_LEVEL, LOGGED_BY_SHELLS
+    CORE_LOG_LEVEL = "WARNING" if args.request_log == "off" else "INFO"
+    LOGGED_BY_SHELLS = args.request_log != "core"
     quick = args.quick
     args.shells = args.shells or (16 if quick else 32)
     args.max_steps = args.max_steps or (4 if quick else 12)
