@@ -34,8 +34,11 @@ pytest_plugins = ["pytester"]  # tests/test_suite_guards.py runs suites of its o
 # Property tests: the same examples on every run of `make test` ("suite"), so that CI
 # passes or fails on the code, not on the draw; HYPOTHESIS_PROFILE=explore draws new ones
 # (run it when changing a decoder or the scheduler; keep what it finds as an @example).
-settings.register_profile("suite", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+# No deadline on an example's wall time in either: a deadline is a sub-second ceiling
+# on this shared machine's speed (a fresh clone beside CPU hogs: a 94 ms example took
+# 309 ms once, and Hypothesis failed it as flaky); a property is judged on its values.
+settings.register_profile("suite", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 

@@ -92,3 +92,14 @@ def test_a_crash_of_the_shared_triton_is_one_failure(
     assert "PASSED test_inner.py::test_5_runs_as_usual" in out
     # The log's tail is in the report: Triton's own lines, from this run.
     assert "Started GRPCInferenceService" in out
+
+
+def test_property_examples_have_no_wall_clock_deadline() -> None:
+    """Hypothesis's deadline (200 ms an example by default) is a sub-second ceiling on the
+    machine's speed: a fresh clone beside CPU hogs failed a codec property whose example
+    took 309 ms once and 94 ms on its replay. The suite's profiles set none."""
+    from hypothesis import settings
+
+    assert settings.default.deadline is None
+    for name in ("suite", "explore"):
+        assert settings.get_profile(name).deadline is None
