@@ -304,9 +304,10 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
     target."""
     fe = throttled_1s
     caplog.set_level(logging.INFO, logger=REQUEST_LOGGER)
-    # The flood is sized by the capacity measured just before it. Where the machine's
-    # speed changed between the two (a fresh clone beside CPU hogs: 237 of 381 admitted,
-    # the flood was not one), the scenario is measured again, up to three times.
+    # The flood and the higher tier's half are sized by the capacity measured just before
+    # them. Where the machine's speed changed between the two (fresh clones beside CPU
+    # hogs: 237 of 381 admitted, the flood was not one; or a higher-tier request refused,
+    # its half was more than half), the scenario is measured again, up to three times.
     for _ in range(3):
         service_s = await trickle(kserve, fe)
         capacity = 1 / service_s
@@ -318,12 +319,16 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
             3 * FLOOD_S,
             even=frozenset({HIGHER}),
         )
-        assert all(r.ok for r in replies[HIGHER]), [r for r in replies[HIGHER] if not r.ok][:2]
+        refused = [r for r in replies[HIGHER] if not r.ok]
         lower = [r for r in replies[FLOODER] if r.ok]
-        if len(lower) < 0.5 * len(replies[FLOODER]):  # the flood was really throttled
+        # The higher tier's half all admitted, the flood really throttled.
+        if not refused and len(lower) < 0.5 * len(replies[FLOODER]):
             break
     else:
-        pytest.fail(f"no flood throttled in 3 tries: {len(lower)} of {len(replies[FLOODER])}")
+        pytest.fail(
+            f"no try held its calibration: the higher tier refused {refused[:2]}, the flood "
+            f"admitted {len(lower)} of {len(replies[FLOODER])}"
+        )
     # The tail is looser than in one tier: the lower tier gets what the higher one leaves,
     # a few dozen admissions here, and one burst of the higher tier's Poisson arrivals
     # just after a decision delays the three or four the throttle admitted then (seen in
