@@ -460,10 +460,13 @@ def read_answer(sock: socket.socket) -> Answer:
 
 
 def request(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
-    """A whole request on a connection of its own."""
+    """A whole request on a connection of its own. A server that refuses it from its first
+    bytes may answer and close before the rest is sent (the send then meets a closed
+    socket): the answer came first and is read all the same, as HTTP clients do."""
     with connect(url) as sock:
-        send_head(sock, path, {**headers, "Content-Length": str(len(body))})
-        sock.sendall(body)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            send_head(sock, path, {**headers, "Content-Length": str(len(body))})
+            sock.sendall(body)
         return read_answer(sock)
 
 

@@ -32,6 +32,7 @@ sends these).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import select
@@ -397,9 +398,15 @@ def test_a_long_model_name_in_the_path_is_refused_unechoed(
     """KServe's routes name the model in the path: over 1 KiB, 400 (over aiohttp's 8 KiB
     request line, aiohttp's own 400): the name is not echoed either way."""
     with connect(fe.http_url) as sock:
-        send_head(
-            sock, f"/v2/models/{'n' * size}/{door}", {**key("umbrella"), "Content-Length": "0"}
-        )
+        # Refused at 8 KiB and the connection closed: the rest of a 1 MiB head may meet a
+        # closed socket (a loaded machine's server answers before the client has sent it
+        # all). The answer came before the close and is read all the same.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            send_head(
+                sock,
+                f"/v2/models/{'n' * size}/{door}",
+                {**key("umbrella"), "Content-Length": "0"},
+            )
         answer = read_answer(sock)
     assert answer.status == 400, answer.status
     assert b"nnnnnnnnnnnnnnnn" not in answer.body and len(answer.body) < 2048, answer.body[:300]
