@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from tests.support import KServe, Reply
 
 TARGET_S = 0.3
+SERVICE_DATA_S = 30.0  # a served batch's report reaches the core (a loaded machine's)
 ROWS, TOKENS = 32, 128  # one request = one full embed batch (32 rows, 4096 tokens)
 FLOOD_S = 3.0
 OVERLOAD = 3.0  # offered load / measured capacity
@@ -85,12 +86,28 @@ def decisions(kserve: KServe, fe: RunningFrontend, decision: str) -> float:
 
 async def trickle(kserve: KServe, fe: RunningFrontend, count: int = 12) -> float:
     """One request at a time, nothing rejected; returns the median time of one (a full
-    batch served alone: the capacity is about one request per that time)."""
+    batch served alone: the capacity is about one request per that time).
+
+    After the first, the core has learned from its batch before the next is sent: a
+    one-hop shell answers its client, then reports the rows served, so the next request,
+    through the other shell, may reach the core before that report does."""
     urls = (fe.grpc_url, fe.http_url)
-    replies = [
-        await kserve.infer(("grpc", "http")[i % 2], urls, KEYS[FLOODER], "embed", ROWS, TOKENS)
-        for i in range(count)
-    ]
+    replies = []
+    for i in range(count):
+        protocol = ("grpc", "http")[i % 2]
+        replies.append(await kserve.infer(protocol, urls, KEYS[FLOODER], "embed", ROWS, TOKENS))
+        if i == 0:
+            await aeventually(
+                lambda: (
+                    kserve.counter(
+                        fe.metrics_url, "fair_service_source", endpoint="embed", source="default"
+                    )
+                    == 0
+                ),
+                SERVICE_DATA_S,
+                0.02,
+                what="the core's service estimates from the first batch",
+            )
     assert all(r.ok for r in replies), [r for r in replies if not r.ok][:2]
     return statistics.median(r.seconds for r in replies[2:])
 
