@@ -17,10 +17,13 @@ a quota (results: ``core_limits.json``).
 With ``--one-hop`` it measures a unary request as a shell process sends it (issue 30):
 its facts (``Call`` without the tensor, with the batch key ``batching.wire_key`` gives),
 the core's batch granted to its shell (``Rows``), and the shell's report of it served
-(``RowsDone``), each as the link delivers it (decoded from its frame): the core's own
-Python work per request without the link that ``bench_core_capacity`` adds; three
-ways in one run: the request log off, on with its lines written by the shells (the
-default), on with the core writing them (results: ``core_one_hop.json``).
+(``RowsDone``), each as the link delivers it (decoded from its frame) and read into the
+core's intake (``shells.Intake``) as the link reads it: the core's own Python work per
+request without the link that ``bench_core_capacity`` adds; four ways in one run, each
+twice, alternated: the request log off, on with its lines written by the shells (the
+default), on with the core writing them, and the default with the throttle judging each
+call alone instead of each tenant's calls of an intake slice together (before
+``Core.judge_together``) (results: ``core_one_hop.json``).
 
 With ``--streams`` it measures a new stream instead (issue 30): the example config's
 ``llm`` (decoupled, engine mode, 64 slots, two tenants of weights 2:1 kept backlogged),
@@ -267,12 +270,31 @@ class RowsShell:
         self.rows.append(to_shell.decode(encode(rows)[4:]))  # as the link delivers it
 
 
-async def core_per_request_one_hop(n: int, *, logged: bool = True) -> dict[str, float]:
-    """``n`` unary requests as facts, 256 waiting at any time: each wave's grants are
-    reported served at once (one ``RowsDone`` per ``Rows``), as a shell does when Triton
-    answered its part. ``logged``: the calls say their shell writes their request-log
-    line (``Call.logged``: the default, ``observability.request_log: shell``), else the
-    core writes it (``request_log: core``)."""
+class IntakeConn:
+    """Stands in for a shell's connection to the intake (``ShellConnection.admit``): its
+    calls into the core, their grants to ``route``."""
+
+    closed = False
+
+    def __init__(self, core: Core, route: RowsShell) -> None:
+        self.core = core
+        self.route = route
+
+    def admit(self, call: Call, *, judged: bool = False) -> None:
+        self.core.submit(call, self.route, judged=judged)  # type: ignore[arg-type]
+
+
+async def core_per_request_one_hop(
+    n: int, *, logged: bool = True, per_tick: bool = True
+) -> dict[str, float]:
+    """``n`` unary requests as facts, 256 waiting at any time, each wave read into the
+    core's intake (``shells.Intake``) as the link does: admitted per tenant in turn, a
+    slice at a time, the throttle judging each tenant's calls of a slice together
+    (``Core.judge_together``; ``per_tick=False``: each call alone, as before). Each
+    wave's grants are reported served at once (one ``RowsDone`` per ``Rows``), as a shell
+    does when Triton answered its part. ``logged``: the calls say their shell writes their
+    request-log line (``Call.logged``: the default, ``observability.request_log: shell``),
+    else the core writes it (``request_log: core``)."""
     from fair_frontend.batching import wire_key
 
     # The throttle decides every request as deployed, against a target no wave of this
@@ -281,11 +303,15 @@ async def core_per_request_one_hop(n: int, *, logged: bool = True) -> dict[str, 
     data["endpoints"]["embed"]["latency_target_ms"] = 3_600_000
     cfg = parse_config(data)
     core = Core(cfg, InstantTriton())  # type: ignore[arg-type]
+    if not per_tick:
+        core.judge_together = lambda calls: [False] * len(calls)  # type: ignore[method-assign]
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
     key = wire_key(request(0), embed_info(), cfg.endpoint("embed"))
     facts = InferRequest("embed")
     shell = RowsShell()
+    intake = Intake(core)
+    conn = IntakeConn(core, shell)
     frames = [
         encode(
             Call(i, f"t{i % TENANTS}", 5, 0.0, 0.0, 1, TOKENS, 4 * TOKENS, [TOKENS], facts,
@@ -300,7 +326,7 @@ async def core_per_request_one_hop(n: int, *, logged: bool = True) -> dict[str, 
         for frame in frames[start : start + 256]:
             call = to_core.decode(frame)
             call.arrived, call.arrived_wall = time.monotonic(), time.time()
-            core.submit(call, shell)
+            intake.push(call, conn)  # type: ignore[arg-type]
         while served < min(n, start + 256):
             granted, shell.rows = shell.rows, []
             for rows in granted:
@@ -316,9 +342,11 @@ async def core_per_request_one_hop(n: int, *, logged: bool = True) -> dict[str, 
 
 
 async def one_hop_async(n: int) -> dict[str, Any]:
-    """One hop three ways, in one run: the request log off (the core logs warnings only);
+    """One hop four ways, in one run: the request log off (the core logs warnings only);
     on, as deployed (INFO, JSON lines to a file: ``/dev/null``), each line written by the
-    shell that answered the call (the default), or by the core (``request_log: core``)."""
+    shell that answered the call (the default), or by the core (``request_log: core``);
+    and the default again with the throttle judging each call alone (before the throttle
+    per tick). Each way twice, alternated, the machine's drift shared alike."""
     import logging
     import os
 
@@ -328,21 +356,36 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     logging.getLogger().handlers[0].stream = open(os.devnull, "w")  # noqa: SIM115
     requests = logging.getLogger("fair_frontend.requests")
     out: dict[str, Any] = {"requests": n, "tokens": TOKENS, "tenants": TENANTS}
-    for name, level, logged in (
-        ("log_off", logging.WARNING, True),
-        ("log_by_shells", logging.INFO, True),
-        ("log_by_core", logging.INFO, False),
-    ):
-        requests.setLevel(level)
-        progress(f"core: {n} unary requests, one hop ({name}): Call (facts) .. Rows .. RowsDone")
-        await core_per_request_one_hop(n // 4, logged=logged)  # warm-up
-        out[name] = await core_per_request_one_hop(n, logged=logged)
-        progress(f"  {out[name]['us_per_request']:.1f} us of CPU per request")
-    out["log_by_core_vs_shells"] = (
-        out["log_by_core"]["us_per_request"] / out["log_by_shells"]["us_per_request"]
+    ways = (
+        ("log_off", logging.WARNING, True, True),
+        ("log_by_shells", logging.INFO, True, True),
+        ("log_by_core", logging.INFO, False, True),
+        ("throttle_per_call", logging.INFO, True, False),
     )
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in ways}
+    for round_ in (1, 2):
+        for name, level, logged, per_tick in ways:
+            requests.setLevel(level)
+            progress(f"core, round {round_}: {n} unary requests, one hop ({name}): "
+                     f"Call (facts) .. Rows .. RowsDone")  # fmt: skip
+            await core_per_request_one_hop(n // 4, logged=logged, per_tick=per_tick)  # warm-up
+            runs[name].append(await core_per_request_one_hop(n, logged=logged, per_tick=per_tick))
+            progress(f"  {runs[name][-1]['us_per_request']:.1f} us of CPU per request")
+    for name, got in runs.items():
+        out[name] = {
+            "us_per_request": min(r["us_per_request"] for r in got),
+            "requests_per_s": max(r["requests_per_s"] for r in got),
+            "rounds_us_per_request": [r["us_per_request"] for r in got],
+        }
+
+    def ratio(a: str, b: str) -> float:
+        return float(out[a]["us_per_request"] / out[b]["us_per_request"])
+
+    out["log_by_core_vs_shells"] = ratio("log_by_core", "log_by_shells")
+    out["per_call_vs_per_tick"] = ratio("throttle_per_call", "log_by_shells")
     progress(f"the core's CPU per request, its request log by the core / by the shells: "
-             f"{out['log_by_core_vs_shells']:.2f}x")  # fmt: skip
+             f"{out['log_by_core_vs_shells']:.2f}x; the throttle per call / per tick: "
+             f"{out['per_call_vs_per_tick']:.2f}x")  # fmt: skip
     return out
 
 

@@ -155,7 +155,7 @@ class Recorder:
     def _task(self) -> int:
         return id(asyncio.current_task())
 
-    def throttle_decision(self, *, model: str, decision: Any) -> None:
+    def throttle_decision(self, *, model: str, decision: Any, count: int = 1) -> None:
         if model != self.model:
             return
         if decision.reason == "no service data":

@@ -515,10 +515,15 @@ class FrontendMetrics(Observer):
         self._token_sinks = {}
         self._request_sinks = {}
 
-    def throttle_decision(self, *, model: str, decision: Any) -> None:
+    def throttle_decision(self, *, model: str, decision: Any, count: int = 1) -> None:
         self.endpoint_label.confirm(model)
-        self.pending.inc(self._child(self.throttle, model, decision.reason.replace(" ", "_")))
-        self.pending.observe(self._series(self.predicted_wait, model), decision.predicted_wait_s)
+        reason = decision.reason.replace(" ", "_")
+        self.pending.inc(self._child(self.throttle, model, reason), count)
+        series = self._series(self.predicted_wait, model)
+        if count == 1:
+            self.pending.observe(series, decision.predicted_wait_s)
+        else:  # each request's decision, the group's wait (its last request's)
+            self.pending.observe_all(series, [decision.predicted_wait_s] * count)
 
 
 # The gauges ``StateCollector`` exports: name -> help. Every one is exported, without

@@ -72,8 +72,9 @@ class Observer:
         ``mode`` decided it (``on_storage_error``); ``reason``: timeout, error or
         circuit_open (``StorageErrorReason``)."""
 
-    def throttle_decision(self, *, model: str, decision: ThrottleDecision) -> None:
-        """The throttle admitted or rejected a request."""
+    def throttle_decision(self, *, model: str, decision: ThrottleDecision, count: int = 1) -> None:
+        """The throttle admitted or rejected a request (``count`` requests: a tenant's calls
+        of one intake slice judged together, ``Core.judge_together``)."""
 
     def tokens_produced(
         self,

@@ -200,6 +200,9 @@ class AdmitsInOrder:
     def submit(self, call: Call, route: Any) -> None:
         self.order.append(call.tenant)
 
+    def judge_together(self, calls: list[Call]) -> list[bool]:
+        return [False] * len(calls)
+
 
 class Conn:
     """Stands in for a shell connection: hands calls to the stand-in core."""
@@ -209,7 +212,7 @@ class Conn:
     def __init__(self, core: AdmitsInOrder) -> None:
         self.core = core
 
-    def admit(self, call: Call) -> None:
+    def admit(self, call: Call, *, judged: bool = False) -> None:
         self.core.submit(call, self)
 
 
@@ -234,6 +237,23 @@ async def test_the_intake_admits_another_tenant_after_at_most_one_call_per_tenan
     assert core.order.index("quiet") <= 2
     assert core.order.index("other") <= 2
     assert core.order.count("noisy") == burst
+
+
+async def test_a_slice_the_throttle_cannot_judge_together_is_still_admitted() -> None:
+    """``Core.judge_together`` failing (a bug) costs the slice its shared decision, not
+    its calls: each is submitted, to be judged alone."""
+
+    class Failing(AdmitsInOrder):
+        def judge_together(self, calls: list[Call]) -> list[bool]:
+            raise RuntimeError("a bug")
+
+    core = Failing()
+    intake = Intake(core)  # type: ignore[arg-type]
+    conn = Conn(core)
+    for i in range(10):
+        intake.push(_call(i, f"t{i % 2}"), conn)  # type: ignore[arg-type]
+    await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
+    assert len(core.order) == 10
 
 
 async def test_the_intake_lets_the_loop_run_between_slices() -> None:

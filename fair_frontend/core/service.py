@@ -285,10 +285,11 @@ class Core:
 
     # ---- calls from the shells ----------------------------------------------------------
 
-    def submit(self, call: Call, route: Route) -> CoreRequest | None:
+    def submit(self, call: Call, route: Route, *, judged: bool = False) -> CoreRequest | None:
         """Take a call through admission into its model's queue; its answers go to
         ``route``. Returns the queued request (to ``cancel`` it), or None when the call
-        was answered at once (refused)."""
+        was answered at once (refused). ``judged``: the throttle admitted it already, with
+        its tenant's other calls of the same intake slice (``judge_together``)."""
         model = call.request.model
         runtime = self.runtimes.get(model)
         self.last_call_at = self.clock.now()
@@ -310,7 +311,8 @@ class Core:
                     return req
                 runtime = self._runtime(model, info)
             req = self._new_request(call, route, runtime)
-            self._throttle(runtime, req)
+            if not judged:
+                self._throttle(runtime, req)
             decision = self.accounting.check_now(req)
             if decision is None:  # the storage must be waited for
                 self._spawn(self._admit_later(req, route, lookup=False))
@@ -325,6 +327,79 @@ class Core:
                 self.accounting.charge_back_limits(req)  # refused after its limits counted it
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
             return None
+
+    def judge_together(self, calls: Sequence[Call]) -> list[bool]:
+        """The throttle per tick: the calls of one intake slice (``shells.Intake``), in
+        the order they will be submitted; for each, whether the throttle admitted it
+        already, together with its tenant's other calls of the slice for the same model
+        (then ``submit(..., judged=True)`` skips the throttle).
+
+        A tenant's calls of one slice for one model (two or more, of one priority) are
+        judged as one request: their rows and tokens together, behind the queues as they
+        stand before the slice, against the tightest of their deadlines. The throttle's
+        decision is monotone in each of those (``EndpointAdmission.verdict``), and each
+        call's own backlog, judged one by one, is its tenant's calls of the slice up to
+        itself (a batch or a slot granted meanwhile moves work from the queue to Triton,
+        which the wait counts alike): so where the whole is admitted, each call alone
+        would have been, and the calls go in as they would have, at one decision's cost.
+        Where the whole is refused, or the calls are of several priorities, each call is
+        judged alone in ``submit``, as before (those that fit still go in). What the
+        slice's other tenants' calls add is not counted: a slice holds at most
+        ``shells.INTAKE_SLICE`` calls, all of one tick, and DRR does not order a tick's
+        arrivals by arrival. The decision is recorded once for each call."""
+        passed = [False] * len(calls)
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, call in enumerate(calls):
+            key = (call.tenant, call.request.model)
+            members = groups.get(key)
+            if members is None:
+                groups[key] = [i]
+            else:
+                members.append(i)
+        if len(groups) == len(calls):
+            return passed  # one call each: judged one by one
+        now = self.clock.now()
+        for (tenant, model), members in groups.items():
+            if len(members) < 2 or tenant not in self.tenants:
+                continue
+            runtime = self.runtimes.get(model)
+            if runtime is None:
+                continue  # looked up first (``_admit_later``), then judged alone
+            admission = runtime.admission
+            if admission is None or not admission.throttles:
+                continue
+            priority = calls[members[0]].priority
+            rows = tokens = 0
+            remaining_s: float | None = None
+            for i in members:
+                call = calls[i]
+                if call.priority != priority:
+                    break
+                rows += call.rows
+                tokens += _scheduled_tokens(call, runtime)
+                if call.deadline is not None:
+                    left = call.deadline - now
+                    remaining_s = left if remaining_s is None else min(remaining_s, left)
+            else:
+                own = runtime.in_engine(tenant) if isinstance(runtime, EngineDispatcher) else 0
+                decision = admission.admit(
+                    runtime.scheduler,
+                    runtime.inflight,
+                    tenant=tenant,
+                    tier=self._tier(tenant),
+                    priority=priority,
+                    rows=rows,
+                    tokens=tokens,
+                    remaining_s=remaining_s,
+                    own_inflight=own,
+                )
+                if decision is not None and decision.admitted:
+                    self.observer.throttle_decision(
+                        model=model, decision=decision, count=len(members)
+                    )
+                    for i in members:
+                        passed[i] = True
+        return passed
 
     def submit_group(self, group: Group, route: Route) -> list[CoreRequest] | None:
         """Take the parts of one API call (``records.Group``) through admission together,

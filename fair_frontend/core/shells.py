@@ -89,7 +89,9 @@ class Intake:
 
     ``push`` is all ``data_received`` does per call; ``_admit`` runs soon after, admits
     one call per tenant in turn, ``INTAKE_SLICE`` at a time, and lets the loop run
-    between slices (answers go out, batches come back, more is read).
+    between slices (answers go out, batches come back, more is read). The throttle
+    judges each tenant's calls of a slice together (``Core.judge_together``): one
+    decision per tenant and model per slice, not one per call.
     """
 
     def __init__(self, core: Core) -> None:
@@ -114,20 +116,37 @@ class Intake:
         self._scheduled = False
         budget = INTAKE_SLICE
         waiting = self._waiting
+        taken: list[tuple[Call | Group, ShellConnection]] = []
         while waiting and budget > 0:
             for tenant in list(waiting):
                 queue = waiting[tenant]
-                call, conn = queue.popleft()
+                taken.append(queue.popleft())
                 if not queue:
                     del waiting[tenant]
-                self.admitted += 1
                 budget -= 1
-                conn.admit(call)
                 if budget <= 0:
                     break
+        judged = iter(self._judge([call for call, _ in taken if not isinstance(call, Group)]))
+        for call, conn in taken:
+            self.admitted += 1
+            if isinstance(call, Group):
+                conn.admit(call)
+            else:
+                conn.admit(call, judged=next(judged, False))
         if waiting and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._admit)
+
+    def _judge(self, calls: list[Call]) -> list[bool]:
+        """``Core.judge_together`` for a slice's calls; where it fails, each call is
+        judged alone in ``submit`` (none is lost to it)."""
+        if len(calls) < 2:
+            return []
+        try:
+            return self.core.judge_together(calls)
+        except Exception:
+            log.exception("the throttle could not judge a slice's calls together")
+            return []
 
     def drop(self, conn: ShellConnection) -> int:
         """Forget the calls of a shell that went away; returns how many."""
@@ -251,8 +270,9 @@ class ShellConnection(Framed):
         else:
             log.error("%s sent an unexpected %s", self.peer, type(record).__name__)
 
-    def admit(self, call: Call | Group) -> None:
-        """The intake's turn for this call (or group of calls): into the core."""
+    def admit(self, call: Call | Group, *, judged: bool = False) -> None:
+        """The intake's turn for this call (or group of calls): into the core.
+        ``judged``: the throttle admitted it already (``Core.judge_together``)."""
         if self.closed:
             return
         if isinstance(call, Group):
@@ -261,7 +281,7 @@ class ShellConnection(Framed):
         if self.calls.get(call.id, None) is _CANCELLED:
             del self.calls[call.id]
             return
-        req = self.core.submit(call, self)
+        req = self.core.submit(call, self, judged=judged)
         if call.id in self.calls:  # not answered at once
             if req is None:
                 self.calls.pop(call.id, None)

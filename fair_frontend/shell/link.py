@@ -214,7 +214,7 @@ class InProcessCore(Protocol):
 
     accepting: bool
 
-    def submit(self, call: Call, route: Inbox) -> Any: ...
+    def submit(self, call: Call, route: Inbox, *, judged: bool = False) -> Any: ...
 
     def submit_group(self, group: Group, route: Any) -> list[Any] | None: ...
 
@@ -297,9 +297,10 @@ class LocalLink:
         self.intake.push(Group(calls), self)
         return inboxes
 
-    def admit(self, call: Call | Group) -> None:
+    def admit(self, call: Call | Group, *, judged: bool = False) -> None:
         """The intake's turn for this call (or the parts of one): into the core (those
-        whose client has not gone)."""
+        whose client has not gone). ``judged``: the throttle admitted it already
+        (``Core.judge_together``)."""
         if isinstance(call, Group):
             self._admit_group(call)
             return
@@ -307,7 +308,7 @@ class LocalLink:
         if inbox is None:
             return
         inbox._cancel = None
-        req = self.core.submit(call, inbox)
+        req = self.core.submit(call, inbox, judged=judged)
         if req is not None:
             self._wire(inbox, req)
 
