@@ -21,9 +21,10 @@ the core's batch granted to its shell (``Rows``), and the shell's report of it s
 core's intake (``shells.Intake``) as the link reads it: the core's own Python work per
 request without the link that ``bench_core_capacity`` adds; four ways in one run, each
 twice, alternated: the request log off, on with its lines written by the shells (the
-default), on with the core writing them, and the default with the throttle judging each
-call alone instead of each tenant's calls of an intake slice together (before
-``Core.judge_together``) (results: ``core_one_hop.json``).
+default), on with the core writing them, and the default with the core deciding per call
+instead of per tick (each call judged by the throttle, and whether a batch goes decided, at
+each call: before ``Core.judge_together`` and ``Core.tick``) (results:
+``core_one_hop.json``).
 
 With ``--streams`` it measures a new stream instead (issue 30): the example config's
 ``llm`` (decoupled, engine mode, 64 slots, two tenants of weights 2:1 kept backlogged),
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -289,8 +291,10 @@ async def core_per_request_one_hop(
 ) -> dict[str, float]:
     """``n`` unary requests as facts, 256 waiting at any time, each wave read into the
     core's intake (``shells.Intake``) as the link does: admitted per tenant in turn, a
-    slice at a time, the throttle judging each tenant's calls of a slice together
-    (``Core.judge_together``; ``per_tick=False``: each call alone, as before). Each
+    slice at a time, each slice one tick of the core's: the throttle judging each tenant's
+    calls of it together (``Core.judge_together``), the batches decided at its end
+    (``Core.tick``); ``per_tick=False``: each call judged and each batch decided at each
+    call, as before. Each
     wave's grants are reported served at once (one ``RowsDone`` per ``Rows``), as a shell
     does when Triton answered its part. ``logged``: the calls say their shell writes their
     request-log line (``Call.logged``: the default, ``observability.request_log: shell``),
@@ -303,8 +307,9 @@ async def core_per_request_one_hop(
     data["endpoints"]["embed"]["latency_target_ms"] = 3_600_000
     cfg = parse_config(data)
     core = Core(cfg, InstantTriton())  # type: ignore[arg-type]
-    if not per_tick:
+    if not per_tick:  # the core before the tick: each call judged, each batch decided, alone
         core.judge_together = lambda calls: [False] * len(calls)  # type: ignore[method-assign]
+        core.tick = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
     key = wire_key(request(0), embed_info(), cfg.endpoint("embed"))
@@ -345,8 +350,9 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     """One hop four ways, in one run: the request log off (the core logs warnings only);
     on, as deployed (INFO, JSON lines to a file: ``/dev/null``), each line written by the
     shell that answered the call (the default), or by the core (``request_log: core``);
-    and the default again with the throttle judging each call alone (before the throttle
-    per tick). Each way twice, alternated, the machine's drift shared alike."""
+    and the default again with the core deciding per call, not per tick (the throttle's
+    decision and whether a batch goes, at each call: before ``Core.tick``). Each way twice,
+    alternated, the machine's drift shared alike."""
     import logging
     import os
 
@@ -360,7 +366,7 @@ async def one_hop_async(n: int) -> dict[str, Any]:
         ("log_off", logging.WARNING, True, True),
         ("log_by_shells", logging.INFO, True, True),
         ("log_by_core", logging.INFO, False, True),
-        ("throttle_per_call", logging.INFO, True, False),
+        ("per_call", logging.INFO, True, False),
     )
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in ways}
     for round_ in (1, 2):
@@ -382,9 +388,9 @@ async def one_hop_async(n: int) -> dict[str, Any]:
         return float(out[a]["us_per_request"] / out[b]["us_per_request"])
 
     out["log_by_core_vs_shells"] = ratio("log_by_core", "log_by_shells")
-    out["per_call_vs_per_tick"] = ratio("throttle_per_call", "log_by_shells")
+    out["per_call_vs_per_tick"] = ratio("per_call", "log_by_shells")
     progress(f"the core's CPU per request, its request log by the core / by the shells: "
-             f"{out['log_by_core_vs_shells']:.2f}x; the throttle per call / per tick: "
+             f"{out['log_by_core_vs_shells']:.2f}x; per call / per tick: "
              f"{out['per_call_vs_per_tick']:.2f}x")  # fmt: skip
     return out
 

@@ -18,6 +18,7 @@ is dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -202,6 +203,9 @@ class AdmitsInOrder:
 
     def judge_together(self, calls: list[Call]) -> list[bool]:
         return [False] * len(calls)
+
+    def tick(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class Conn:

@@ -339,6 +339,10 @@ class Dispatcher(ABC):
         # Parts of admitted calls, their room held, waiting for their slice (``submit_all``).
         self._incoming: deque[CoreRequest] = deque()
         self._slicing = False
+        # Queued within a tick (``submit(later=True)``), decided at its end (``settle``):
+        # whether anything was, and the earliest deadline of it.
+        self._unsettled = False
+        self._unsettled_deadline: float | None = None
         self._tasks: dict[asyncio.Task[None], list[CoreRequest]] = {}
         # Each tenant's requests in the batches of ``_tasks`` (kept by ``_launch`` and
         # ``_forget``, the only two that change ``_tasks``): an engine's cap per tenant
@@ -408,12 +412,32 @@ class Dispatcher(ABC):
 
     # ---- the request side ---------------------------------------------------------------
 
-    def submit(self, req: CoreRequest) -> None:
+    def submit(self, req: CoreRequest, *, later: bool = False) -> None:
         """Queue a request (raises ``QueueFull`` before anything is queued); its answers go
-        to ``req.route``."""
+        to ``req.route``. ``later``: one of a tick's (``Core.tick``): whether a batch goes
+        (or a slot is granted), and the timers, are decided once at the tick's end
+        (``settle``), from everything it queued, not at each request."""
         now = self.clock.now()
         self.scheduler.enqueue(req, now)
-        self._queued(now, req.deadline)
+        if not later:
+            self._queued(now, req.deadline)
+            return
+        deadline = req.deadline
+        if not self._unsettled:
+            self._unsettled = True
+            self._unsettled_deadline = deadline
+        elif deadline is not None and (
+            self._unsettled_deadline is None or deadline < self._unsettled_deadline
+        ):
+            self._unsettled_deadline = deadline
+
+    def settle(self) -> None:
+        """The end of a tick: what its requests queued goes (``_queued``) as one."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        deadline, self._unsettled_deadline = self._unsettled_deadline, None
+        self._queued(self.clock.now(), deadline)
 
     def submit_all(self, reqs: Sequence[CoreRequest]) -> None:
         """Queue the parts of one call, all or none: their room in the queue caps is held

@@ -20,9 +20,10 @@ rate-limit check that must wait for its storage (Redis) continues asynchronously
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -239,6 +240,7 @@ class Core:
         self.accepting = True
         self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
+        self._ticking: set[Dispatcher] | None = None  # in a tick: the runtimes to settle
         # (model, tier) -> (message, retry-after) of the tiers the throttle closed at the
         # last ``refresh_overload``; the tiers' largest weights (reset by a reload).
         self._closed: dict[tuple[str, str], tuple[str, float]] = {}
@@ -319,7 +321,10 @@ class Core:
                 return req
             self.accounting.apply(req, decision)
             self._own_sequence(runtime, req)
-            runtime.submit(req)
+            ticking = self._ticking
+            runtime.submit(req, later=ticking is not None)
+            if ticking is not None:
+                ticking.add(runtime)
             return req
         except FrontendError as err:
             route.answer(Answer(call.id, fault=Fault.of(err, req.quota if req else None)))
@@ -327,6 +332,29 @@ class Core:
                 self.accounting.charge_back_limits(req)  # refused after its limits counted it
             self.accounting.record(call, err.outcome, err, "", -1.0, None)
             return None
+
+    @contextlib.contextmanager
+    def tick(self) -> Iterator[None]:
+        """The calls submitted within are one tick's (``shells.Intake``: one slice): each
+        model's batches (or slots) are decided once, at its end, from all that the tick
+        queued (``Dispatcher.settle``), not at each call. So the tick's first batch is
+        assembled in fair order from every tenant's calls of the tick, not sent with
+        whichever call came first while the rest were still to be read, and the decision
+        costs one look per tick. Nothing waits for it: the tick is one run of the loop."""
+        if self._ticking is not None:  # within one already: it settles at that one's end
+            yield
+            return
+        ticking: set[Dispatcher] = set()
+        self._ticking = ticking
+        try:
+            yield
+        finally:
+            self._ticking = None
+            for runtime in ticking:
+                try:
+                    runtime.settle()
+                except Exception:
+                    log.exception("settling the tick of %s failed", runtime.model)
 
     def judge_together(self, calls: Sequence[Call]) -> list[bool]:
         """The throttle per tick: the calls of one intake slice (``shells.Intake``), in

@@ -89,9 +89,10 @@ class Intake:
 
     ``push`` is all ``data_received`` does per call; ``_admit`` runs soon after, admits
     one call per tenant in turn, ``INTAKE_SLICE`` at a time, and lets the loop run
-    between slices (answers go out, batches come back, more is read). The throttle
-    judges each tenant's calls of a slice together (``Core.judge_together``): one
-    decision per tenant and model per slice, not one per call.
+    between slices (answers go out, batches come back, more is read). A slice is one
+    tick of the core's: the throttle judges each tenant's calls of it together
+    (``Core.judge_together``: one decision per tenant and model, not one per call), and
+    each model's batches are decided once, at its end (``Core.tick``).
     """
 
     def __init__(self, core: Core) -> None:
@@ -127,12 +128,13 @@ class Intake:
                 if budget <= 0:
                     break
         judged = iter(self._judge([call for call, _ in taken if not isinstance(call, Group)]))
-        for call, conn in taken:
-            self.admitted += 1
-            if isinstance(call, Group):
-                conn.admit(call)
-            else:
-                conn.admit(call, judged=next(judged, False))
+        with self.core.tick():
+            for call, conn in taken:
+                self.admitted += 1
+                if isinstance(call, Group):
+                    conn.admit(call)
+                else:
+                    conn.admit(call, judged=next(judged, False))
         if waiting and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._admit)

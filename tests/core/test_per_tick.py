@@ -1,5 +1,6 @@
-"""The throttle per tick (issue 30, item 2): a tenant's calls of one intake slice judged as
-one request (``Core.judge_together``), not one decision per call.
+"""The core per tick (issue 30, item 2): a tenant's calls of one intake slice judged by the
+throttle as one request (``Core.judge_together``), not one decision per call; and each
+model's batches decided once at the slice's end (``Core.tick``), not at each call.
 
 A real ``Core`` on fake clocks, ``embed`` throttled against a target, its service model
 trained on batches of a known cost, and a ``FakeTriton`` that never answers (the queue
@@ -138,6 +139,19 @@ class Rig:
         ]
 
 
+class Conn:
+    """Stands in for a shell's connection to the intake: its calls into ``rig``'s core,
+    each one queued."""
+
+    closed = False
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+
+    def admit(self, call: Call, *, judged: bool = False) -> None:
+        assert self.rig.core.submit(call, self.rig.shell, judged=judged) is not None
+
+
 def twins(target_ms: float, queued: dict[str, int]) -> list[Rig]:
     """Two identical cores, each with ``queued`` calls per tenant submitted first."""
     rigs = [Rig(target_ms), Rig(target_ms)]
@@ -188,14 +202,7 @@ async def test_the_intake_judges_each_tenants_calls_of_a_slice_together() -> Non
     """Through the real intake: two tenants' calls pushed interleaved, one decision per
     tenant for the slice, every call queued."""
     rig = Rig(1000)
-
-    class Conn:
-        closed = False
-
-        def admit(self, call: Call, *, judged: bool = False) -> None:
-            assert rig.core.submit(call, rig.shell, judged=judged) is not None
-
-    intake, conn = Intake(rig.core), Conn()
+    intake, conn = Intake(rig.core), Conn(rig)
     for i in range(30):
         intake.push(rig.call("ab"[i % 2]), conn)  # type: ignore[arg-type]
     for _ in range(5):
@@ -242,3 +249,30 @@ def test_calls_judged_together_are_admitted_as_each_alone_would_be(
             await rig.close()
 
     asyncio.run(run())
+
+
+async def test_a_ticks_first_batch_is_full_and_fair_not_its_first_call_alone() -> None:
+    """Triton idle, two tenants' calls read in one slice (a call of each in turn). At each
+    call (the control: submitted outside a tick), the first call found the instance free
+    and went alone, a batch of one row, while the others queued behind it. At the tick's
+    end, the first batch is as full as the model takes, in fair order: both tenants."""
+    sizes = []
+    for in_tick in (False, True):
+        rig = Rig(1000)
+        calls = [rig.call("ab"[i % 2]) for i in range(40)]
+        conn = Conn(rig)
+        if in_tick:
+            intake = Intake(rig.core)
+            for call in calls:
+                intake.push(call, conn)  # type: ignore[arg-type]
+        else:
+            for call in calls:
+                conn.admit(call)
+        for _ in range(SETTLE_ROUNDS):
+            await asyncio.sleep(0)
+        first = rig.triton.batches()[0]
+        sizes.append(len(first))
+        if in_tick:
+            assert {request_id.split(":")[0] for request_id in first} == {"a", "b"}, first
+        await rig.close()
+    assert sizes == [1, embed_info().max_batch_size], sizes
