@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import importlib.util
 import logging
 import os
@@ -439,8 +440,11 @@ class EmbeddedTriton:
         try:
             with _HTTP.open(url, timeout=_HEALTH_TIMEOUT_S) as response:
                 return bool(response.status == 200) and marker in response.read()
-        except (urllib.error.URLError, OSError):
-            # Not listening yet (refused), or 400 (HTTPError) until every model is loaded.
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            # Not listening yet (refused), or 400 (HTTPError) until every model is loaded;
+            # or not HTTP/1 at all: another server on the port Triton was to take (a gRPC
+            # server joins a port through SO_REUSEPORT), whose HTTP/2 preface is no status
+            # line. Triton then exits for the taken port, which the next look sees.
             return False
 
     def _log_since(self, offset: int) -> str:

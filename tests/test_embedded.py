@@ -17,8 +17,10 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -231,6 +233,25 @@ def test_a_taken_port_is_a_start_error_even_for_metrics(tmp_path: Path) -> None:
             server.start()
     assert info.value.address_in_use
     assert not server.is_running()
+
+
+def test_a_grpc_server_on_the_http_port_is_a_taken_port_not_a_parse_error(tmp_path: Path) -> None:
+    """A gRPC server holds the port Triton's HTTP is to take (a fresh clone beside another
+    saw one join a just-picked port): the health probe meets its HTTP/2 preface, which is no
+    HTTP/1 status line. Before, that probe's ``BadStatusLine`` ended the start as an error of
+    its own; now the start sees Triton exit for the taken port, as for any taken port."""
+    add_model(tmp_path, "echo")
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        server = EmbeddedTriton(tmp_path, http_port=port)
+        with pytest.raises(TritonStartError) as info:
+            server.start()
+        assert info.value.address_in_use, info.value
+        assert not server.is_running()
+    finally:
+        grpc_server.stop(None)
 
 
 # ---- `fair-frontend up`: demo mode, said loudly, and only there ----------------------------
