@@ -260,6 +260,25 @@ async def test_a_slice_the_throttle_cannot_judge_together_is_still_admitted() ->
     assert len(core.order) == 10
 
 
+async def test_a_call_whose_admission_fails_costs_its_slice_nothing_else() -> None:
+    """One call's admission raising (a bug) is logged; the slice's other calls, taken from
+    the waiting line with it, are admitted all the same."""
+
+    class Raising(Conn):
+        def admit(self, call: Call, *, judged: bool = False) -> None:
+            if call.id == 3:
+                raise RuntimeError("a bug")
+            super().admit(call, judged=judged)
+
+    core = AdmitsInOrder()
+    intake = Intake(core)  # type: ignore[arg-type]
+    conn = Raising(core)
+    for i in range(10):
+        intake.push(_call(i, f"t{i % 2}"), conn)  # type: ignore[arg-type]
+    await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
+    assert len(core.order) == 9
+
+
 async def test_the_intake_lets_the_loop_run_between_slices() -> None:
     core = AdmitsInOrder()
     intake = Intake(core)  # type: ignore[arg-type]

@@ -131,10 +131,14 @@ class Intake:
         with self.core.tick():
             for call, conn in taken:
                 self.admitted += 1
-                if isinstance(call, Group):
-                    conn.admit(call)
-                else:
-                    conn.admit(call, judged=next(judged, False))
+                passed = False if isinstance(call, Group) else next(judged, False)
+                try:  # a bug in one call's admission costs the slice's others nothing
+                    if isinstance(call, Group):
+                        conn.admit(call)
+                    else:
+                        conn.admit(call, judged=passed)
+                except Exception:
+                    log.exception("admitting a call of tenant %r failed", call.tenant)
         if waiting and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._admit)
