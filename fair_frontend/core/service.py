@@ -30,6 +30,7 @@ import msgspec
 
 from fair_frontend.admission import (
     RateLimiter,
+    ThrottleDecision,
     overloaded_error,
 )
 from fair_frontend.auth import KeyRing
@@ -409,19 +410,10 @@ class Core:
                     left = call.deadline - now
                     remaining_s = left if remaining_s is None else min(remaining_s, left)
             else:
-                own = runtime.in_engine(tenant) if isinstance(runtime, EngineDispatcher) else 0
-                decision = admission.admit(
-                    runtime.scheduler,
-                    runtime.inflight,
-                    tenant=tenant,
-                    tier=self._tier(tenant),
-                    priority=priority,
-                    rows=rows,
-                    tokens=tokens,
-                    remaining_s=remaining_s,
-                    own_inflight=own,
+                decision = self._decide(
+                    runtime, admission, tenant, priority, rows, tokens, remaining_s
                 )
-                if decision is not None and decision.admitted:
+                if decision.admitted:
                     self.observer.throttle_decision(
                         model=model, decision=decision, count=len(members)
                     )
@@ -758,23 +750,40 @@ class Core:
         # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
         deadline = req.call.deadline
         remaining_s = None if deadline is None else deadline - self.clock.now()
-        # An engine's throttle also weighs the slots the tenant holds already.
-        own = runtime.in_engine(req.tenant) if isinstance(runtime, EngineDispatcher) else 0
-        decision = admission.admit(
-            runtime.scheduler,
-            runtime.inflight,
-            tenant=req.tenant,
-            tier=self._tier(req.tenant),
-            priority=req.priority,
-            rows=req.rows,
-            tokens=req.tokens,
-            remaining_s=remaining_s,
-            own_inflight=own,
+        decision = self._decide(
+            runtime, admission, req.tenant, req.priority, req.rows, req.tokens, remaining_s
         )
-        assert decision is not None
         self.observer.throttle_decision(model=runtime.model, decision=decision)
         if not decision.admitted:
             raise overloaded_error(decision, runtime.model)
+
+    def _decide(
+        self,
+        runtime: Dispatcher,
+        admission: EndpointAdmission,
+        tenant: str,
+        priority: int,
+        rows: int,
+        tokens: int,
+        remaining_s: float | None,
+    ) -> ThrottleDecision:
+        """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
+        ``priority`` (a call, or a tenant's calls of one tick), unrecorded."""
+        # An engine's throttle also weighs the slots the tenant holds already.
+        own = runtime.in_engine(tenant) if isinstance(runtime, EngineDispatcher) else 0
+        decision = admission.admit(
+            runtime.scheduler,
+            runtime.inflight,
+            tenant=tenant,
+            tier=self._tier(tenant),
+            priority=priority,
+            rows=rows,
+            tokens=tokens,
+            remaining_s=remaining_s,
+            own_inflight=own,
+        )
+        assert decision is not None  # the caller checked that the endpoint throttles
+        return decision
 
     def _known(self, tenant: str) -> None:
         """Refuse a tenant a reload removed (its identity was checked before the reload: a

@@ -131,12 +131,11 @@ class Intake:
         with self.core.tick():
             for call, conn in taken:
                 self.admitted += 1
-                passed = False if isinstance(call, Group) else next(judged, False)
                 try:  # a bug in one call's admission costs the slice's others nothing
                     if isinstance(call, Group):
                         conn.admit(call)
                     else:
-                        conn.admit(call, judged=passed)
+                        conn.admit(call, judged=next(judged, False))
                 except Exception:
                     log.exception("admitting a call of tenant %r failed", call.tenant)
         if waiting and not self._scheduled:
