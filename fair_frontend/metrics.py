@@ -42,7 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
-from fair_frontend.observe import BatchReport, Observer
+from fair_frontend.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP
@@ -391,6 +391,24 @@ class FrontendMetrics(Observer):
             pending.observe(sink[1], queued_s)
         if latency_s is not None and sink[2] is not None:
             pending.observe(sink[2], latency_s)
+
+    def requests_finished(self, finished: Sequence[Finished]) -> None:
+        """``request_finished`` for each, with each (tenant, model, outcome)'s series
+        looked up once per run of them (a batch part's rows: mostly one tenant's)."""
+        pending = self.pending
+        sinks = self._request_sinks
+        key: tuple[str | None, str, Outcome] | None = None
+        sink: tuple[Any, ...] = ()
+        for end in finished:
+            if key is None or key != (end.tenant, end.model, end.outcome):
+                key = (end.tenant, end.model, end.outcome)
+                got = sinks.get(key)
+                sink = got if got is not None else self._request_sink(*key)
+            pending.inc(sink[0])
+            if end.queued_s is not None:
+                pending.observe(sink[1], end.queued_s)
+            if end.latency_s is not None and sink[2] is not None:
+                pending.observe(sink[2], end.latency_s)
 
     def _request_sink(self, tenant: str | None, model: str, outcome: Outcome) -> tuple[Any, ...]:
         """A finished request's counter, queue-wait series and GenAI duration series (None

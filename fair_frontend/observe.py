@@ -41,6 +41,36 @@ class BatchReport:
         return self.finished - self.started
 
 
+@dataclass(slots=True)
+class Finished:
+    """One request's end, as ``Observer.request_finished`` takes it: an item of
+    ``Observer.requests_finished`` (the rows of one batch part, recorded together)."""
+
+    tenant: str | None
+    model: str
+    outcome: Outcome
+    queued_s: float | None
+    request_id: str = ""
+    latency_s: float | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    service_s: float | None = None
+
+    def told(self, observer: Observer) -> None:
+        """``observer.request_finished`` of this end."""
+        observer.request_finished(
+            tenant=self.tenant,
+            model=self.model,
+            outcome=self.outcome,
+            queued_s=self.queued_s,
+            request_id=self.request_id,
+            latency_s=self.latency_s,
+            error=self.error,
+            usage=self.usage,
+            service_s=self.service_s,
+        )
+
+
 class Observer:
     """What happened? (every event a no-op; subclasses override what they listen to)."""
 
@@ -60,6 +90,13 @@ class Observer:
         """A request ended (exactly once per request), with its one outcome; ``usage``:
         what it used, where the core counted it (its billing record); ``service_s``: from
         its dispatch to Triton to its end, where it was dispatched."""
+
+    def requests_finished(self, finished: Sequence[Finished]) -> None:
+        """Several requests ended at once (the rows of one batch part its shell answered,
+        ``Accounting.on_served``): each exactly as ``request_finished`` would be told, in
+        order. Here, that: an observer that counts many at a time overrides this too."""
+        for end in finished:
+            end.told(self)
 
     def batch_finished(self, report: BatchReport) -> None:
         """A batch came back from Triton (or failed)."""
@@ -123,6 +160,26 @@ class Observers(Observer):
 
     def request_finished(self, **kwargs: Any) -> None:  # type: ignore[override]
         self._each("request_finished", **kwargs)
+
+    def requests_finished(self, finished: Sequence[Finished]) -> None:
+        """To every observer that hears of ends: its own ``requests_finished`` where it
+        overrides it, else its ``request_finished`` for each (``Observer``'s default)."""
+        listeners = self._listeners.get("requests_finished")
+        if listeners is None:
+            base = Observer.request_finished
+            listeners = self._listeners["requests_finished"] = [
+                o.requests_finished
+                for o in self.observers
+                if getattr(type(o), "request_finished", base) is not base
+                or getattr(type(o), "requests_finished", None) is not Observer.requests_finished
+            ]
+        for listener in listeners:
+            try:
+                listener(finished)
+            except Exception:
+                log.exception(
+                    "observer %s failed in requests_finished", type(listener.__self__).__name__
+                )
 
     def batch_finished(self, report: BatchReport) -> None:
         self._each("batch_finished", report=report)

@@ -72,6 +72,25 @@ class Statistics:
         s.queue.add(queue_s)
         s.compute_infer.add(infer_s)
 
+    def successes(
+        self,
+        model: str,
+        version: str,
+        rows: int,
+        count: int,
+        total_s: float,
+        queue_s: float,
+        infer_s: float,
+    ) -> None:
+        """``count`` requests of ``rows`` rows in all answered at once (a batch part), the
+        times their sums: as ``success`` for each."""
+        s = self._get(model, version)
+        s.last_inference_ms = int(time.time() * 1000)
+        s.inference_count += rows
+        s.success.add(total_s, count)
+        s.queue.add(queue_s, count)
+        s.compute_infer.add(infer_s, count)
+
     def failure(self, model: str, version: str | None, total_s: float) -> None:
         """A failed request; ``version`` None: not counted (``ModelInfo.version_for``)."""
         self.failures(model, version, total_s, 1)

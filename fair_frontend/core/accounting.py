@@ -5,8 +5,9 @@ admission against the tokens it asked for, ``check_now`` / ``check`` / ``apply``
 corrected by what it produced once it ends, ``charge_back_limits``); its tenant's fair
 share in its model's scheduler (charged back as its output tokens are counted,
 ``on_tokens``); and its outcome (``record``: the statistics and the observers, once per
-request, whatever path it took). ``Core`` holds one ``Accounting``, calls it from
-admission and hands its ``on_done``, ``on_tokens`` and ``on_batch`` to every dispatcher.
+request, whatever path it took; the served rows of one batch part together, each counted
+as alone, ``on_served``). ``Core`` holds one ``Accounting``, calls it from admission and
+hands its ``on_done``, ``on_served``, ``on_tokens`` and ``on_batch`` to every dispatcher.
 
 The parts of one API call (``records.Group``) are checked together, once: the call's
 request and every part's tokens (``check_group_now``). A request whose text its shell
@@ -36,7 +37,7 @@ from fair_frontend.core.dispatch import CoreRequest, Dispatcher
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
-from fair_frontend.observe import BatchReport, Observer
+from fair_frontend.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.quota import Quota
 from fair_frontend.stats import Statistics
@@ -276,6 +277,58 @@ class Accounting:
             req.batch_trace,
             now=now,
         )
+
+    def on_served(self, reqs: Sequence[CoreRequest], version: str) -> None:
+        """``on_done`` of each of ``reqs``, served (``Outcome.DISPATCHED``) at one moment
+        of one model (the rows of a batch part its shell answered): counted as each would
+        be, the statistics once for them all and the observers told together
+        (``Observer.requests_finished``). The outcome's books per batch, not per request."""
+        if not reqs:
+            return
+        now = self.now()
+        model = reqs[0].call.request.model
+        rows = 0
+        total_s = queue_s = infer_s = 0.0
+        finished: list[Finished] = []
+        logged: list[Finished] = []
+        traced: list[tuple[CoreRequest, float | None]] = []
+        for req in reqs:
+            if req.limits_at is not None:
+                self.charge_back_limits(req)
+            call = req.call
+            queued_s = req.queued_s
+            dispatched = req.dispatched_at
+            served_s = None if dispatched is None else now - dispatched
+            latency_s = now - call.arrived
+            rows += call.rows
+            total_s += latency_s
+            queue_s += max(queued_s, 0.0)
+            infer_s += served_s or 0.0
+            end = Finished(
+                call.tenant,
+                model,
+                Outcome.DISPATCHED,
+                queued_s if queued_s >= 0 else None,
+                call.request.id,
+                latency_s,
+                None,
+                Usage(call.tokens - call.max_tokens, req.produced),
+                served_s,
+            )
+            finished.append(end)
+            if not call.logged:  # else its shell logs it (it answered it)
+                logged.append(end)
+            if call.traceparent:
+                traced.append((req, served_s))
+        self.stats.successes(model, version, rows, len(reqs), total_s, queue_s, infer_s)
+        self.observer.requests_finished(finished)
+        if logged:
+            self.request_log.requests_finished(logged)
+        if traced and self.traces is not None:
+            for req, served_s in traced:
+                self.traces.finished(
+                    req.call, Outcome.DISPATCHED, None, req.queued_s, served_s, now, req.batch_trace
+                )
 
     def on_tokens(self, req: CoreRequest, tokens: int) -> None:
         """Output tokens of a dispatched request, as they come: its tenant's fair share is

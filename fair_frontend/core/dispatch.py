@@ -275,6 +275,8 @@ Done = Callable[[CoreRequest, Outcome, "FrontendError | None", str], None]
 """(request, outcome, the error it was answered with, model version): once per request."""
 Tokens = Callable[[CoreRequest, int], None]
 """(request, output tokens it just produced): as a stream's responses arrive, or once."""
+Served = Callable[[Sequence[CoreRequest], str], None]
+"""(requests, model version): ``Done`` of each, served, at one moment (a batch part)."""
 
 
 class Dispatcher(ABC):
@@ -305,6 +307,7 @@ class Dispatcher(ABC):
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         on_done: Done = lambda req, outcome, err, version: None,
         on_tokens: Tokens = lambda req, n: None,
+        on_served: Served | None = None,
     ) -> None:
         self.model = model
         self.info = info
@@ -322,6 +325,7 @@ class Dispatcher(ABC):
         self.on_batch = on_batch
         self.on_done = on_done
         self.on_tokens = on_tokens
+        self.on_served = on_served or self._each_done
         self._max_inflight = self._slots()
         self._token_output = endpoint.token_output
         self.inflight = 0  # batches in Triton (or held for it)
@@ -906,6 +910,18 @@ class Dispatcher(ABC):
     def _done(self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, v: str) -> None:
         req.answered = True
         self.on_done(req, outcome, err, v)
+
+    def _done_served(self, reqs: Sequence[CoreRequest], version: str) -> None:
+        """``_done`` of each, served, counted together (``on_served``): each must be
+        unanswered and not cancelled."""
+        for req in reqs:
+            req.answered = True
+        self.on_served(reqs, version)
+
+    def _each_done(self, reqs: Sequence[CoreRequest], version: str) -> None:
+        """``on_served`` where none was given: ``on_done`` of each."""
+        for req in reqs:
+            self.on_done(req, Outcome.DISPATCHED, None, version)
 
     # ---- outages and shutdown -----------------------------------------------------------
 

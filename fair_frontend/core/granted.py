@@ -193,6 +193,7 @@ class GrantedDispatcher(BatchDispatcher):
             return
         by_id = {r.call.id: r for r in reqs}
         sent = []
+        served = []
         call_span = span_context(done.traceparent) if done.traceparent else None
         for call_id, tokens in done.served:
             r = by_id.pop(call_id, None)
@@ -200,9 +201,12 @@ class GrantedDispatcher(BatchDispatcher):
                 continue
             r.batch_trace = call_span
             if done.fault is None:
-                self._served(r, done.version, tokens)
+                if self._served(r, done.version, tokens):
+                    served.append(r)
             else:
                 sent.append(r)
+        if served:
+            self._done_served(served, done.version)
         for r in by_id.values():  # gone (or not known to its shell): no answer to give
             if not r.answered:
                 self._done(r, Outcome.CANCELLED, None, "")
@@ -211,17 +215,19 @@ class GrantedDispatcher(BatchDispatcher):
         if not granted.parts and not granted.done.done():
             granted.done.set_result(None)
 
-    def _served(self, req: CoreRequest, version: str, tokens: int) -> None:
-        """Its shell answered it: its outcome, and its output tokens charged."""
+    def _served(self, req: CoreRequest, version: str, tokens: int) -> bool:
+        """Its shell answered it: its output tokens charged; whether it was served (its
+        outcome is then counted with the part's others, ``_done_served``), else its
+        outcome here (its client went away) or before (answered already)."""
         if req.answered:
-            return
+            return False
         if tokens > 0 and self._token_output is not None:
             req.produced += tokens
             self.on_tokens(req, tokens)
         if req.cancelled:
             self._done(req, Outcome.CANCELLED, None, version)
-        else:
-            self._done(req, Outcome.DISPATCHED, None, version)
+            return False
+        return True
 
     def drop(self, route: Route) -> int:
         """A shell went away: its queued calls leave (batch mode), and its parts of the

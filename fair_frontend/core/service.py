@@ -950,6 +950,7 @@ class Core:
                 on_batch=self.accounting.on_batch,
                 on_done=self.accounting.on_done,
                 on_tokens=self.accounting.on_tokens,
+                on_served=self.accounting.on_served,
             )
             runtime.traces = self.traces
             self.runtimes[model] = runtime
