@@ -475,6 +475,45 @@ class FrontendMetrics(Observer):
             pending.inc(self._child(self.served_tokens, label, model), report.tenant_tokens[tenant])
             pending.inc(self._child(self.served_cost, label, model), report.tenant_cost[tenant])
 
+    def batches_finished(self, reports: Sequence[BatchReport]) -> None:
+        """``batch_finished`` of each (one loop turn's batches, or granted streams), with
+        each series looked up once and each counter increased once by the turn's sum."""
+        counts: dict[tuple[str, str], int] = {}
+        times: dict[str, tuple[list[float], list[float]]] = {}
+        served: dict[tuple[str, str], list[float]] = {}  # (tenant, model): rows, tokens, cost
+        for report in reports:
+            model = report.model
+            series = times.get(model)
+            if series is None:
+                self.endpoint_label.confirm(model)
+                series = times[model] = ([], [])
+            series[0].append(report.seconds)
+            series[1].append(float(report.rows))
+            key = (model, "ok" if report.ok else "error")
+            counts[key] = counts.get(key, 0) + 1
+            if not report.ok:
+                continue
+            tokens, cost = report.tenant_tokens, report.tenant_cost
+            for tenant, rows in report.tenants.items():
+                sums = served.get((tenant, model))
+                if sums is None:
+                    served[(tenant, model)] = [float(rows), float(tokens[tenant]), cost[tenant]]
+                else:
+                    sums[0] += rows
+                    sums[1] += tokens[tenant]
+                    sums[2] += cost[tenant]
+        pending = self.pending
+        for (model, ok), n in counts.items():
+            pending.inc(self._child(self.batches, model, ok), n)
+        for model, (seconds, sizes) in times.items():
+            pending.observe_all(self._series(self.batch_seconds, model), seconds)
+            pending.observe_all(self._series(self.batch_rows, model), sizes)
+        for (tenant, model), sums in served.items():
+            label = self.tenant_label(tenant)
+            pending.inc(self._child(self.served_rows, label, model), sums[0])
+            pending.inc(self._child(self.served_tokens, label, model), sums[1])
+            pending.inc(self._child(self.served_cost, label, model), sums[2])
+
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
         self.endpoint_label.confirm(model)
         self._child(self.rate_limit_hits, self.tenant_label(tenant), model, limit).inc()

@@ -101,6 +101,12 @@ class Observer:
     def batch_finished(self, report: BatchReport) -> None:
         """A batch came back from Triton (or failed)."""
 
+    def batches_finished(self, reports: Sequence[BatchReport]) -> None:
+        """Batches that came back in one loop turn (``Dispatcher``: their reports go out
+        once per turn): each as ``batch_finished`` would be told, in order. Here, that."""
+        for report in reports:
+            self.batch_finished(report)
+
     def rate_limit_hit(self, *, tenant: str, model: str, limit: str) -> None:
         """A rate limit refused a request."""
 
@@ -164,22 +170,29 @@ class Observers(Observer):
     def requests_finished(self, finished: Sequence[Finished]) -> None:
         """To every observer that hears of ends: its own ``requests_finished`` where it
         overrides it, else its ``request_finished`` for each (``Observer``'s default)."""
-        listeners = self._listeners.get("requests_finished")
+        self._many("requests_finished", "request_finished", finished)
+
+    def batches_finished(self, reports: Sequence[BatchReport]) -> None:
+        """As ``requests_finished``, of ``batches_finished`` and ``batch_finished``."""
+        self._many("batches_finished", "batch_finished", reports)
+
+    def _many(self, method: str, each: str, items: Sequence[Any]) -> None:
+        """Several events at once (``method``) to the observers that override it or the
+        event of one (``each``; ``Observer``'s ``method`` then tells them one by one)."""
+        listeners = self._listeners.get(method)
         if listeners is None:
-            base = Observer.request_finished
-            listeners = self._listeners["requests_finished"] = [
-                o.requests_finished
+            base_each, base_many = getattr(Observer, each), getattr(Observer, method)
+            listeners = self._listeners[method] = [
+                getattr(o, method)
                 for o in self.observers
-                if getattr(type(o), "request_finished", base) is not base
-                or getattr(type(o), "requests_finished", None) is not Observer.requests_finished
+                if getattr(type(o), each, base_each) is not base_each
+                or getattr(type(o), method, base_many) is not base_many
             ]
         for listener in listeners:
             try:
-                listener(finished)
+                listener(items)
             except Exception:
-                log.exception(
-                    "observer %s failed in requests_finished", type(listener.__self__).__name__
-                )
+                log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
 
     def batch_finished(self, report: BatchReport) -> None:
         self._each("batch_finished", report=report)

@@ -10,13 +10,16 @@ than ``Histogram.observe`` (a bound itself, below the first, above the last).
 from __future__ import annotations
 
 import random
+from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.config import parse_config
 from fair_frontend.metrics import PENDING_VALUES, FrontendMetrics, observe_many
-from fair_frontend.observe import BatchReport
+from fair_frontend.observe import BatchReport, Finished
 from fair_frontend.outcomes import Outcome
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
@@ -101,3 +104,69 @@ def test_observations_held_between_scrapes_stay_bounded() -> None:
     got = samples(metrics.registry)
     acme = (("endpoint", "llm"), ("tenant", "acme"), ("tier", "standard"))
     assert got[("fair_inter_token_seconds_count", acme)] == 3 * PENDING_VALUES // 1000 * 1000
+
+
+def many_config():  # type: ignore[no-untyped-def]
+    return parse_config(
+        {
+            "tenants": {
+                name: {"api_keys": [name[0] * 32], "tier": "standard"}
+                for name in ("acme", "globex", "initech")
+            },
+            "tiers": ["standard"],
+            "endpoints": {"llm": {"max_inflight": 4, "cost": "tokens"}},
+        },
+        "(test)",
+    )
+
+
+TENANT = st.sampled_from(["acme", "globex", "initech", "gone"])  # gone: not configured
+MODEL = st.sampled_from(["llm", "embed"])
+SECONDS = st.floats(0.0, 10.0, allow_nan=False)
+
+
+@st.composite
+def batch_reports(draw: st.DrawFn) -> BatchReport:
+    rows = draw(st.dictionaries(TENANT, st.integers(1, 64), min_size=1, max_size=3))
+    tokens = {t: n * draw(st.integers(1, 512)) for t, n in rows.items()}
+    cost = {t: draw(st.floats(0.0, 1e4, allow_nan=False)) for t in rows}
+    started = draw(SECONDS)
+    return BatchReport(
+        draw(MODEL), sum(rows.values()), sum(tokens.values()), len(rows), rows, tokens, cost,
+        started, started + draw(SECONDS), draw(st.booleans()),
+    )  # fmt: skip
+
+
+@st.composite
+def ends(draw: st.DrawFn) -> Finished:
+    return Finished(
+        draw(TENANT | st.none()),
+        draw(MODEL),
+        draw(st.sampled_from(list(Outcome))),
+        draw(SECONDS | st.none()),
+        latency_s=draw(SECONDS | st.none()),
+    )
+
+
+def close(a: dict[Any, float], b: dict[Any, float]) -> bool:
+    return a.keys() == b.keys() and all(
+        abs(v - b[k]) <= 1e-9 * max(1.0, abs(v)) for k, v in a.items()
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(batch_reports(), max_size=20), st.lists(ends(), max_size=40))
+def test_a_turns_events_counted_together_read_as_each_counted_alone(
+    reports: list[BatchReport], finished: list[Finished]
+) -> None:
+    """``batches_finished`` (a loop turn's batch reports, per turn: ``Dispatcher``) and
+    ``requests_finished`` (a batch part's served rows: ``Accounting.on_served``) leave the
+    metrics as ``batch_finished`` and ``request_finished`` of each would."""
+    alone, together = FrontendMetrics(many_config()), FrontendMetrics(many_config())
+    for report in reports:
+        alone.batch_finished(report)
+    for end in finished:
+        end.told(alone)
+    together.batches_finished(reports)
+    together.requests_finished(finished)
+    assert close(samples(together.registry), samples(alone.registry))

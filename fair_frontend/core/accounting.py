@@ -7,7 +7,7 @@ share in its model's scheduler (charged back as its output tokens are counted,
 ``on_tokens``); and its outcome (``record``: the statistics and the observers, once per
 request, whatever path it took; the served rows of one batch part together, each counted
 as alone, ``on_served``). ``Core`` holds one ``Accounting``, calls it from admission and
-hands its ``on_done``, ``on_served``, ``on_tokens`` and ``on_batch`` to every dispatcher.
+hands its ``on_done``, ``on_served``, ``on_tokens`` and ``on_batches`` to every dispatcher.
 
 The parts of one API call (``records.Group``) are checked together, once: the call's
 request and every part's tokens (``check_group_now``). A request whose text its shell
@@ -424,23 +424,26 @@ class Accounting:
         if call.traceparent and self.traces is not None:
             self.traces.finished(call, outcome, err, queued_s, infer_s, now, batch)
 
-    def on_batch(self, report: BatchReport) -> None:
-        """A batch came back: observed, in the statistics and in the throttle's estimates."""
-        self.observer.batch_finished(report)
-        runtime = self.runtimes.get(report.model)
-        if runtime is None:
-            return
-        if report.ok:
-            self.stats.execution(
-                report.model, runtime.info.latest_version, report.rows, report.seconds
-            )
-        if runtime.admission is not None:
-            runtime.admission.observe_batch(
-                rows=report.tenants,
-                tokens=report.tenant_tokens,
-                tier_of=self.tier_of,
-                ok=report.ok,
-                started=report.started,
-                finished=report.finished,
-                now=self.now(),
-            )
+    def on_batches(self, reports: Sequence[BatchReport]) -> None:
+        """Batches came back (those of one loop turn): observed together, each in the
+        statistics and in the throttle's estimates, in order."""
+        self.observer.batches_finished(reports)
+        now = self.now()
+        for report in reports:
+            runtime = self.runtimes.get(report.model)
+            if runtime is None:
+                continue
+            if report.ok:
+                self.stats.execution(
+                    report.model, runtime.info.latest_version, report.rows, report.seconds
+                )
+            if runtime.admission is not None:
+                runtime.admission.observe_batch(
+                    rows=report.tenants,
+                    tokens=report.tenant_tokens,
+                    tier_of=self.tier_of,
+                    ok=report.ok,
+                    started=report.started,
+                    finished=report.finished,
+                    now=now,
+                )

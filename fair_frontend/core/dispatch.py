@@ -304,7 +304,7 @@ class Dispatcher(ABC):
         pool: BackendPool | None = None,
         clock: Clock,
         admission: EndpointAdmission | None = None,
-        on_batch: Callable[[BatchReport], None] = lambda report: None,
+        on_batches: Callable[[list[BatchReport]], None] = lambda reports: None,
         on_done: Done = lambda req, outcome, err, version: None,
         on_tokens: Tokens = lambda req, n: None,
         on_served: Served | None = None,
@@ -322,7 +322,8 @@ class Dispatcher(ABC):
         self.backend = pool.backends[0]
         self.clock = clock
         self.admission = admission
-        self.on_batch = on_batch
+        self.on_batches = on_batches
+        self._reports: list[BatchReport] = []  # batches ended this loop turn, not told yet
         self.on_done = on_done
         self.on_tokens = on_tokens
         self.on_served = on_served or self._each_done
@@ -708,10 +709,18 @@ class Dispatcher(ABC):
                 self.inflight -= 1
                 # Its accounting (metrics, the feedback loop's batch times) runs once the
                 # answers are on their way: they are written (or their handlers woken) in
-                # the loop's next callbacks, which this one would otherwise hold back.
-                report = _report(self.model, batch, started, self.clock.now(), ok)
-                asyncio.get_running_loop().call_soon(self.on_batch, report)
+                # the loop's next callbacks, which this one would otherwise hold back;
+                # with the other batches (or granted streams) that end in this loop turn.
+                reports = self._reports
+                if not reports:
+                    asyncio.get_running_loop().call_soon(self._report_turn)
+                reports.append(_report(self.model, batch, started, self.clock.now(), ok))
             self.kick()
+
+    def _report_turn(self) -> None:
+        """The reports of the batches that ended in a loop turn, together (``on_batches``)."""
+        reports, self._reports = self._reports, []
+        self.on_batches(reports)
 
     async def _send(self, batch: list[CoreRequest], backend: int) -> tuple[bool, bool]:
         """(the batch succeeded, it was held for Triton's return)."""

@@ -947,7 +947,7 @@ class Core:
                 pool=self.pool,
                 clock=self.clock,
                 admission=admission,
-                on_batch=self.accounting.on_batch,
+                on_batches=self.accounting.on_batches,
                 on_done=self.accounting.on_done,
                 on_tokens=self.accounting.on_tokens,
                 on_served=self.accounting.on_served,

@@ -381,7 +381,7 @@ class Harness:
             pool=self.pool,
             clock=self.clock,
             admission=admission,
-            on_batch=self.reports.append,
+            on_batches=self.reports.extend,
             on_done=lambda req, outcome, err, v: self.finished.append(
                 Finished(req, outcome, err, v)
             ),
