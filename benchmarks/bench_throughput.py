@@ -13,9 +13,10 @@ random ids, no data file), as users run it, at concurrency 16 and 128, against:
 - the frontend with ``--workers 1`` (one process) and with shell processes (``--shells``,
   2 by default: the cores of these machines).
 
-For each: throughput (ratio to direct), p50 latency, and the CPU the frontend's processes
+For each: throughput (ratio to direct), p50 latency, the CPU the frontend's processes
 (core and shells) spent per request, from /proc over the run, per request counted by the
-frontend's own metrics. Then work conservation: two tenants, each driven by its own
+frontend's own metrics, and the rows per Triton execution over the run (Triton's own
+statistics: how full the batches it ran were). Then work conservation: two tenants, each driven by its own
 perf_analyzer (concurrency 8 each) at once, through the frontend in ``fair`` and in
 ``fifo`` mode, alternating which goes first: total throughput fair / fifo (target >= 0.97).
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +98,17 @@ def warm_up(url: str, key: str | None) -> None:
         run_pa(url, 16, key, WARMUP_MS)
     except RuntimeError as err:
         progress(f"  warm-up did not settle ({str(err).strip().splitlines()[-1]}); going on")
+
+
+def triton_counts(tri: Any) -> tuple[int, int]:
+    """Triton's own count of ``MODEL``'s rows (inferences) and executions, every version
+    (its statistics extension): over a run, its rows per execution."""
+    with urllib.request.urlopen(f"{tri.http_url}/v2/models/{MODEL}/stats", timeout=10) as r:
+        stats = json.load(r)["model_stats"]
+    return (
+        sum(int(s["inference_count"]) for s in stats),
+        sum(int(s["execution_count"]) for s in stats),
+    )
 
 
 def requests_total(metrics_url: str) -> float:
@@ -215,7 +229,12 @@ def main() -> None:
                 out["runs"][name] = {}
                 for c in CONCURRENCY:
                     progress(f"{name}: perf_analyzer, concurrency {c}")
+                    rows0, runs0 = triton_counts(tri)
                     r = measure(lambda: run_pa(url, c, key, iv), fe)  # noqa: B023
+                    rows1, runs1 = triton_counts(tri)
+                    # What Triton executed over the run (its answers to the last calls
+                    # may be counted a moment late: a ratio over the whole run).
+                    r["rows_per_execution"] = (rows1 - rows0) / max(1, runs1 - runs0)
                     out["runs"][name][str(c)] = r
                     cpu = f", {r['cpu_us_per_request']:.0f} us CPU/request" if fe else ""
                     progress(f"  {r['throughput']:.1f} infer/s, p50 {r['p50_ms']:.1f} ms{cpu}")
@@ -245,13 +264,16 @@ def main() -> None:
             r["ratio_to_direct"] = r["throughput"] / direct[c]["throughput"]
     print()
     print(f"embed, gRPC, perf_analyzer --shape INPUT_IDS:{TOKENS}, windows of {iv} ms")
-    print(f"{'target':<12} {'c':>4} {'infer/s':>9} {'/ direct':>9} {'p50':>8} {'CPU/request':>12}")
+    print(
+        f"{'target':<12} {'c':>4} {'infer/s':>9} {'/ direct':>9} {'p50':>8} {'CPU/request':>12}"
+        f" {'rows/exec':>10}"
+    )
     for name, runs in out["runs"].items():
         for c, r in runs.items():
             cpu = f"{r['cpu_us_per_request']:>10.0f}us" if "cpu_us_per_request" in r else ""
             print(
                 f"{name:<12} {c:>4} {r['throughput']:>9.1f} {r['ratio_to_direct']:>9.3f} "
-                f"{r['p50_ms']:>6.1f}ms {cpu:>12}"
+                f"{r['p50_ms']:>6.1f}ms {cpu:>12} {r['rows_per_execution']:>10.1f}"
             )
     if "before" in out["runs"]:
         for c in map(str, CONCURRENCY):
