@@ -90,8 +90,9 @@ class Step:
 class DispatchRecord:
     """The core's record of one model's requests, in the order its loop handled them: a
     spy on the model's scheduler (``enqueue``, ``next_batch``) and the runtime's
-    ``on_done``, put in and taken out on the core's own loop (the core runs in this
-    process, whatever the number of shells)."""
+    ``on_done`` and ``on_served`` (a one-hop part's served rows, counted together), put
+    in and taken out on the core's own loop (the core runs in this process, whatever the
+    number of shells)."""
 
     def __init__(self, fe: RunningFrontend, model: str) -> None:
         self.fe = fe
@@ -104,6 +105,7 @@ class DispatchRecord:
         runtime = self.fe.frontend.runtimes[self.model]
         scheduler = runtime.scheduler
         enqueue, next_batch, on_done = scheduler.enqueue, scheduler.next_batch, runtime.on_done
+        on_served = runtime.on_served
         batches = iter(range(1 << 62))
 
         def spied_enqueue(req: Any, now: float) -> None:
@@ -120,15 +122,20 @@ class DispatchRecord:
             on_done(req, outcome, err, version)
             self.steps.append(Step("ended", req, outcome=outcome.value))
 
-        scheduler.enqueue, scheduler.next_batch, runtime.on_done = (
+        def spied_on_served(reqs: Any, version: str) -> None:  # a part's served rows
+            on_served(reqs, version)
+            self.steps += [Step("ended", req, outcome="dispatched") for req in reqs]
+
+        scheduler.enqueue, scheduler.next_batch, runtime.on_done, runtime.on_served = (
             spied_enqueue,
             spied_next_batch,
             spied_on_done,
+            spied_on_served,
         )
 
         def restore() -> None:
             del scheduler.enqueue, scheduler.next_batch
-            runtime.on_done = on_done
+            runtime.on_done, runtime.on_served = on_done, on_served
 
         self._restore = restore
 
@@ -289,13 +296,13 @@ async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, work
     with running_frontend(make_config(), triton, workers=workers) as fe:
         seen: list[dict[str, int]] = []
         observer = fe.frontend.observer
-        original = observer.batch_finished
+        original = observer.batches_finished
 
-        def record(report: Any) -> None:
-            seen.append(dict(report.tenants))
-            original(report)
+        def record(reports: Any) -> None:  # a loop turn's batches, reported together
+            seen.extend(dict(report.tenants) for report in reports)
+            original(reports)
 
-        observer.batch_finished = record
+        observer.batches_finished = record
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         tenants = ["acme", "globex", "initech", "hooli"]
         try:

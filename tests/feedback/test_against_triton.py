@@ -44,7 +44,7 @@ from fair_frontend.feedback import (
     TritonMetrics,
 )
 from fair_frontend.scheduler.cost import CostUnit
-from fair_frontend.testing import aeventually
+from fair_frontend.testing import aeventually, eventually
 from tests.support import TEST_MODEL_REPOSITORY
 
 SLEEPER_FIXED_S = 0.002  # tests/model_repository/sleeper/config.pbtxt
@@ -292,12 +292,19 @@ def test_a_restarted_triton_is_a_counter_reset() -> None:
             loop.run_until_complete(metrics.stop())  # no connection held across the restart
             triton.restart()
             loop.run_until_complete(send(3))
-            loop.run_until_complete(scrape(metrics))
+
+            def counted() -> bool:
+                # Triton counts an execution once its execute() returned, a moment after
+                # the client had its answer: scraped again until all three are counted.
+                loop.run_until_complete(scrape(metrics))
+                return sum(d.exec_count for d in deltas) >= 3
+
+            eventually(counted, 60.0, what="Triton's count of the three calls after its restart")
         finally:
             loop.run_until_complete(metrics.stop())
             loop.close()
     finally:
         triton.stop()
-    (d,) = deltas
-    assert d.reset
-    assert (d.exec_count, d.inference_count, d.request_success) == (3, 6, 3)
+    assert deltas[0].reset and not any(d.reset for d in deltas[1:])
+    counts = [(d.exec_count, d.inference_count, d.request_success) for d in deltas]
+    assert tuple(map(sum, zip(*counts, strict=True))) == (3, 6, 3), counts
