@@ -16,9 +16,10 @@ random ids, no data file), as users run it, at concurrency 16 and 128, against:
 For each: throughput (ratio to direct), p50 latency, the CPU the frontend's processes
 (core and shells) spent per request, from /proc over the run, per request counted by the
 frontend's own metrics, and the rows per Triton execution over the run (Triton's own
-statistics: how full the batches it ran were). Then work conservation: two tenants, each driven by its own
-perf_analyzer (concurrency 8 each) at once, through the frontend in ``fair`` and in
-``fifo`` mode, alternating which goes first: total throughput fair / fifo (target >= 0.97).
+statistics: how full the batches it ran were). Then work conservation: two tenants,
+each driven by its own perf_analyzer (concurrency 8 each) at once, through the frontend
+in ``fair`` and in ``fifo`` mode, alternating which goes first: total throughput fair /
+fifo (target >= 0.97).
 
     .venv/bin/python -m benchmarks.bench_throughput [--interval-ms 5000] [--shells 2]
         [--baseline-ref REF | --no-baseline] [--model-config-name gpu]
