@@ -64,6 +64,29 @@ def _cost(reqs: Sequence[CoreRequest]) -> tuple[int, int]:
     return requests, max(0, tokens - precharged)
 
 
+def _end(
+    call: Call,
+    outcome: Outcome,
+    err: FrontendError | None,
+    queued_s: float,
+    latency_s: float,
+    service_s: float | None,
+    produced: int,
+) -> Finished:
+    """A request's end as the observers hear it (``queued_s`` < 0: never queued)."""
+    return Finished(
+        call.tenant,
+        call.request.model,
+        outcome,
+        queued_s if queued_s >= 0 else None,
+        call.request.id,
+        latency_s,
+        err.message if err is not None else None,
+        Usage(call.tokens - call.max_tokens, produced),
+        service_s,
+    )
+
+
 class Accounting:
     """A request's rate limits, its fair-share charge-back and the record of its outcome."""
 
@@ -304,17 +327,7 @@ class Accounting:
             total_s += latency_s
             queue_s += max(queued_s, 0.0)
             infer_s += served_s or 0.0
-            end = Finished(
-                call.tenant,
-                model,
-                Outcome.DISPATCHED,
-                queued_s if queued_s >= 0 else None,
-                call.request.id,
-                latency_s,
-                None,
-                Usage(call.tokens - call.max_tokens, req.produced),
-                served_s,
-            )
+            end = _end(call, Outcome.DISPATCHED, None, queued_s, latency_s, served_s, req.produced)
             finished.append(end)
             if not call.logged:  # else its shell logs it (it answered it)
                 logged.append(end)
@@ -407,20 +420,10 @@ class Accounting:
         elif err is not None and not isinstance(err, UnknownModel):
             failed = ModelInfo.version_for(request.version, self.known_model(request.model))
             self.stats.failure(request.model, failed, total_s)
-        finished: dict[str, Any] = {
-            "tenant": call.tenant,
-            "model": request.model,
-            "outcome": outcome,
-            "queued_s": queued_s if queued_s >= 0 else None,
-            "request_id": request.id,
-            "latency_s": total_s,
-            "error": err.message if err is not None else None,
-            "usage": Usage(call.tokens - call.max_tokens, produced),
-            "service_s": infer_s,
-        }
-        self.observer.request_finished(**finished)
+        end = _end(call, outcome, err, queued_s, total_s, infer_s, produced)
+        end.told(self.observer)
         if not call.logged:  # else its shell logs it (it answered it)
-            self.request_log.request_finished(**finished)
+            end.told(self.request_log)
         if call.traceparent and self.traces is not None:
             self.traces.finished(call, outcome, err, queued_s, infer_s, now, batch)
 
