@@ -359,8 +359,10 @@ class Endpoint(_Strict):
         ge=0,
         description="Send the next batch this long before the batches in flight are "
         "predicted to finish (from the learned batch times), so Triton never idles between "
-        "batches; the batch is still assembled at that last moment. 0: only when a slot "
-        "is free (one round trip of idle GPU per batch).",
+        "batches; the batch is still assembled at that last moment. In one hop "
+        "(`one_hop`), earlier by the shells' hops as measured (their parts then wait in "
+        "Triton's queue, where its batcher merges them). 0: only when a slot is free (one "
+        "round trip of idle GPU per batch).",
     )
     default_priority: int | None = Field(
         default=None, ge=1, description="Level for priority 0; unset: the middle level."

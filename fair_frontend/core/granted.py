@@ -20,6 +20,14 @@ Invariants, beyond batch mode's:
   (``drop``: its calls end CANCELLED, the other shells' rows are answered as they come);
   its time for the feedback loop is the core's, grant to last report: the time the slot
   was held, which is what the throttle and the early send predict;
+* the early send counts the shells' hops: a part reaches Triton a hop after its grant,
+  and the core hears a batch is done a hop after Triton finished it, so the next batch
+  goes ``dispatch_lead_ms`` plus the hops before the one in flight is predicted to end
+  (``_lead``), and its parts wait in Triton's queue, where its batcher merges them into
+  one execution, instead of reaching an idle instance one by one and running apart. The
+  hops are what the core timed (grant to report) less what the shell timed (its call to
+  Triton, ``RowsDone.exec_s``), the slowest part's per batch; they follow a rise at
+  once and a fall slowly (a part late costs a whole execution, one early costs nothing);
 * every call is answered once. A part Triton answered is answered by its shell (the
   core records the outcome, and charges its output tokens); a part that failed is not:
   its shell keeps the tensors and waits for the core's word, which is either a new grant
@@ -57,6 +65,7 @@ from fair_frontend.tracing import span_context
 from fair_frontend.wire.records import Rows, RowsDone
 
 REPORT_MARGIN_S = 10.0  # beyond triton.request_timeout_s, before a part is given up on
+HOPS_FALL = 0.02  # how fast the early send's hops follow a smaller sample (per batch)
 
 
 @dataclass(eq=False)
@@ -65,7 +74,9 @@ class _Batch:
 
     parts: dict[Route, list[CoreRequest]]  # not reported yet, by shell
     done: asyncio.Future[None]
+    granted_at: float
     failed: list[tuple[list[CoreRequest], FrontendError]] = field(default_factory=list)
+    hops: float | None = None  # the slowest part's hops (``GrantedDispatcher._lead``)
 
 
 Failures = list[tuple[list[CoreRequest], FrontendError]]
@@ -78,6 +89,22 @@ class GrantedDispatcher(BatchDispatcher):
         super()._start()
         self._ids = itertools.count(1)
         self._granted: dict[int, _Batch] = {}
+        self._hops = 0.0  # seconds: grant to Triton plus Triton to report (``_lead``)
+
+    def _lead(self) -> float:
+        """Batch mode's early send, ahead by the shells' hops too (the module's doc)."""
+        lead = super()._lead()
+        return lead + self._hops if lead > 0 else lead
+
+    def _timed(self, granted: _Batch) -> None:
+        """A batch whose parts are all reported: its hops into the early send's."""
+        hops = granted.hops
+        if hops is None:
+            return
+        if hops >= self._hops:
+            self._hops = hops
+        else:
+            self._hops += HOPS_FALL * (hops - self._hops)
 
     # ---- a batch out, and its reports back ----------------------------------------------
 
@@ -120,7 +147,7 @@ class GrantedDispatcher(BatchDispatcher):
         self, parts: dict[Route, list[CoreRequest]], backend: int, failures: Failures
     ) -> None:
         batch_id = next(self._ids)
-        granted = _Batch(dict(parts), asyncio.get_running_loop().create_future())
+        granted = _Batch(dict(parts), asyncio.get_running_loop().create_future(), self.clock.now())
         self._granted[batch_id] = granted
         # A shell's call to Triton is bounded by the same timeout as the core's own; a
         # report later than that and a margin is not waited for (its calls fail).
@@ -212,8 +239,13 @@ class GrantedDispatcher(BatchDispatcher):
                 self._done(r, Outcome.CANCELLED, None, "")
         if sent and done.fault is not None:
             granted.failed.append((sent, done.fault.error()))
-        if not granted.parts and not granted.done.done():
-            granted.done.set_result(None)
+        elif done.exec_s > 0:  # a part its shell timed: grant to report, less its call
+            hops = max(0.0, self.clock.now() - granted.granted_at - done.exec_s)
+            granted.hops = hops if granted.hops is None else max(granted.hops, hops)
+        if not granted.parts:
+            self._timed(granted)
+            if not granted.done.done():
+                granted.done.set_result(None)
 
     def _served(self, req: CoreRequest, version: str, tokens: int) -> bool:
         """Its shell answered it: its output tokens charged; whether it was served (its

@@ -23,7 +23,15 @@ from typing import Any
 import grpc
 import msgspec
 import pytest
-from dispatch_support import MODEL, FakeClock, FakeTriton, Harness, MergingTriton, Sent
+from dispatch_support import (
+    MODEL,
+    FakeClock,
+    FakeTriton,
+    FixedService,
+    Harness,
+    MergingTriton,
+    Sent,
+)
 
 from fair_frontend.batching import pack, unpack, wire_key
 from fair_frontend.core.batches import BatchDispatcher
@@ -53,6 +61,7 @@ class FakeShell:
     served: dict[int, list[list[Tensor]]] = field(default_factory=dict)  # answered here
     alive: bool = True
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    exec_s: float = 0.0  # the time in Triton it reports for a part (0: not timed)
 
     @property
     def core(self) -> GrantedDispatcher:
@@ -117,7 +126,8 @@ class FakeShell:
             self.served.setdefault(c.id, []).append(out)
             del self.held[c.id]
         served = [(c.id, 0) for c in calls]
-        self.core.rows_done(self, RowsDone(MODEL, rows.batch, served, gone, None, version))
+        done = RowsDone(MODEL, rows.batch, served, gone, None, version, self.exec_s)
+        self.core.rows_done(self, done)
 
 
 @pytest.fixture
@@ -185,6 +195,43 @@ async def test_batches_are_formed_in_batch_modes_fair_order_across_two_shells(
     # Each batch of both shells' rows reached Triton as one request per shell.
     assert len(h.triton.sent) == sum(len(s.grants) for s in (one, two))
     assert h.runtime.idle
+
+
+async def test_the_early_send_counts_the_shells_hops(make: Callable[..., Harness]) -> None:
+    """Batch mode's early send goes ``dispatch_lead_ms`` (3 ms) before the batch in
+    Triton is predicted to end (every batch 10 ms here); in one hop it goes earlier by
+    the hops the core measured (grant to report, less the shell's own time in Triton), so
+    that the next batch's parts wait in Triton's queue, where its batcher merges them,
+    and do not reach an idle instance one by one. The hops follow a rise at once and a
+    fall slowly."""
+    h = make(dispatcher=GrantedDispatcher, service=FixedService(0.010))
+    one = FakeShell(h, "one", exec_s=0.006)
+    t0 = h.clock.now()
+    r1 = one.submit("a")
+    await h.advance_to(t0 + 0.010)
+    h.triton.pending[0].ok()  # 10 ms grant to report, 6 ms of it in Triton: 4 ms of hops
+    await h.settle()
+    assert one.served.keys() == {r1.call.id}
+
+    t1 = h.clock.now()
+    r2 = one.submit("a")  # a free slot: at once
+    await h.settle()
+    r3 = one.submit("b")
+    await h.advance_to(t1 + 0.010 - 0.003 - 0.004 - 1e-6)
+    assert batches_of([one]) == [[f"r{r1.call.id}"], [f"r{r2.call.id}"]]
+    await h.advance_to(t1 + 0.003)  # 10 ms - 3 ms - 4 ms of hops
+    assert batches_of([one])[-1] == [f"r{r3.call.id}"]
+
+    # Smaller hops lower the lead slowly; a part not timed (no exec_s) leaves it.
+    runtime = one.core
+    one.exec_s = 0.0
+    await answer_all(h)
+    assert runtime._lead() == pytest.approx(0.007)
+    one.exec_s = 0.010
+    one.submit("c")
+    await h.advance(0.010)
+    await answer_all(h)
+    assert 0.003 < runtime._lead() < 0.007
 
 
 def merging(instances: int = 1) -> Callable[[FakeClock], MergingTriton]:
