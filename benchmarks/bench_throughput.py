@@ -16,7 +16,9 @@ random ids, no data file), as users run it, at concurrency 16 and 128, against:
 For each: throughput (ratio to direct), p50 latency, the CPU the frontend's processes
 (core and shells) spent per request, from /proc over the run, per request counted by the
 frontend's own metrics, and the rows per Triton execution over the run (Triton's own
-statistics: how full the batches it ran were). Then work conservation: two tenants,
+statistics: how full the batches it ran were), beside the rows per batch the core formed
+and Triton's executions per such batch (above 1: the parts of a one-hop batch ran
+apart). Then work conservation: two tenants,
 each driven by its own perf_analyzer (concurrency 8 each) at once, through the frontend
 in ``fair`` and in ``fifo`` mode, alternating which goes first: total throughput fair /
 fifo (target >= 0.97).
@@ -133,18 +135,15 @@ def measure(
         result["cores"] = spent / (t1 - t0)
         return result
     metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
-    cpu0, n0, t0 = (
-        process_tree_cpu_s(pid),
-        testing.scrape(metrics).sum("fair_requests_total"),
-        time.time(),
-    )
+    cpu0, m0, t0 = process_tree_cpu_s(pid), testing.scrape(metrics), time.time()
     result = run()
-    cpu1, n1, t1 = (
-        process_tree_cpu_s(pid),
-        testing.scrape(metrics).sum("fair_requests_total"),
-        time.time(),
-    )
-    requests = max(1.0, n1 - n0)
+    cpu1, m1, t1 = process_tree_cpu_s(pid), testing.scrape(metrics), time.time()
+    requests = max(1.0, m1.sum("fair_requests_total") - m0.sum("fair_requests_total"))
+    # The batches the core formed (rows per batch), to set beside Triton's executions.
+    batches = m1.sum("fair_batch_rows_count") - m0.sum("fair_batch_rows_count")
+    rows = m1.sum("fair_batch_rows_sum") - m0.sum("fair_batch_rows_sum")
+    result["core_batches"] = batches
+    result["core_rows_per_batch"] = rows / max(1.0, batches)
     for part in ("core", "shells"):
         result[f"{part}_cpu_us_per_request"] = (cpu1[part] - cpu0[part]) / requests * 1e6
     spent = sum(cpu1.values()) - sum(cpu0.values())
@@ -236,6 +235,8 @@ def main() -> None:
                     # What Triton executed over the run (its answers to the last calls
                     # may be counted a moment late: a ratio over the whole run).
                     r["rows_per_execution"] = (rows1 - rows0) / max(1, runs1 - runs0)
+                    if r.get("core_batches"):  # Triton's executions per batch formed
+                        r["executions_per_batch"] = (runs1 - runs0) / r["core_batches"]
                     out["runs"][name][str(c)] = r
                     cpu = f", {r['cpu_us_per_request']:.0f} us CPU/request" if fe else ""
                     progress(f"  {r['throughput']:.1f} infer/s, p50 {r['p50_ms']:.1f} ms{cpu}")
@@ -267,14 +268,19 @@ def main() -> None:
     print(f"embed, gRPC, perf_analyzer --shape INPUT_IDS:{TOKENS}, windows of {iv} ms")
     print(
         f"{'target':<12} {'c':>4} {'infer/s':>9} {'/ direct':>9} {'p50':>8} {'CPU/request':>12}"
-        f" {'rows/exec':>10}"
+        f" {'rows/exec':>10} {'rows/batch':>10} {'exec/batch':>10}"
     )
     for name, runs in out["runs"].items():
         for c, r in runs.items():
             cpu = f"{r['cpu_us_per_request']:>10.0f}us" if "cpu_us_per_request" in r else ""
+            formed = (
+                f" {r['core_rows_per_batch']:>10.1f} {r['executions_per_batch']:>10.2f}"
+                if "executions_per_batch" in r
+                else ""
+            )
             print(
                 f"{name:<12} {c:>4} {r['throughput']:>9.1f} {r['ratio_to_direct']:>9.3f} "
-                f"{r['p50_ms']:>6.1f}ms {cpu:>12} {r['rows_per_execution']:>10.1f}"
+                f"{r['p50_ms']:>6.1f}ms {cpu:>12} {r['rows_per_execution']:>10.1f}{formed}"
             )
     if "before" in out["runs"]:
         for c in map(str, CONCURRENCY):
