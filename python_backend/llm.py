@@ -11,7 +11,10 @@ only the model repository and an endpoint config:
   [1], each only when asked for;
 - decoupled: streaming sends one response per generated token carrying that token's text,
   the last one flagged final (vLLM flags the response that carries the last token; no empty
-  response follows); non-streaming sends one final response with the whole text, the prompt
+  response follows); with the config parameter ``stream_interval`` N (vLLM's
+  ``--stream-interval``), a response carries up to N tokens: the first token goes at once,
+  then every N tokens, and the last with whatever is left (``num_output_tokens``: the
+  tokens of that response); non-streaming sends one final response with the whole text, the prompt
   first unless ``exclude_input_in_output`` (vLLM's default per mode: prompt included when
   not streaming, excluded when streaming, and ``exclude_input_in_output=false`` with
   ``stream=true`` is an error).
@@ -117,6 +120,7 @@ DEFAULT_MAX_MODEL_LEN = 512
 # prompts is admitted over several iterations, so running sequences keep getting tokens.
 # One request is always admitted, whatever its length, when nothing else is.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_STREAM_INTERVAL = 1  # tokens per streamed response (vLLM's stream_interval)
 TOKENIZER_FILE = tokenizers_.TOKENIZER_FILE
 
 
@@ -535,6 +539,7 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
     seed: int = nets.GENERATE_SEED  # the network's weights
     torch_threads: int = 1
     device: str = "cpu"
@@ -551,7 +556,7 @@ class EngineConfig:
         shared = ModelSettings.from_model_config(model_config)
         values: dict[str, int] = {}
         problems = []
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "stream_interval"):
             if name not in raw:
                 continue
             try:
@@ -572,6 +577,7 @@ class EngineConfig:
             max_num_batched_tokens=values.get(
                 "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS
             ),
+            stream_interval=values.get("stream_interval", DEFAULT_STREAM_INTERVAL),
             seed=nets.GENERATE_SEED if shared.seed is None else shared.seed,
             torch_threads=shared.torch_threads,
             device=device,
@@ -591,7 +597,7 @@ class _Sequence:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     generated: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)  # non-streaming: deltas collected
+    text: list[str] = field(default_factory=list)  # deltas not yet sent (all, non-streaming)
     answered: bool = False  # its final answer went out: nothing more is ever sent
     failed: bool = False  # failed in this iteration: it leaves the batch
 
@@ -898,12 +904,15 @@ class Engine:
                 log.error("llm engine: detokenising failed for one request", exc_info=err)
                 self._fail(seq, answers, f"cannot detokenise this request's text ({_kind(err)})")
                 continue
+            seq.text.append(delta)
             if seq.request.stream:
-                answers.append((seq, self._delta(seq, delta)))
-            else:
-                seq.text.append(delta)
-                if seq.done:
-                    answers.append((seq, self._whole(seq)))
+                # The first token at once, then every stream_interval tokens, and the last.
+                held = len(seq.text)
+                if held >= self.config.stream_interval or seq.done or len(seq.generated) == 1:
+                    answers.append((seq, self._delta(seq, "".join(seq.text), held)))
+                    seq.text.clear()
+            elif seq.done:
+                answers.append((seq, self._whole(seq)))
 
     def _fail(self, seq: _Sequence, answers: list[tuple[_Sequence, Answer]], what: str) -> None:
         """``seq`` failed in this iteration: answered with a short error (last, with the
@@ -911,13 +920,13 @@ class Engine:
         seq.failed = True
         answers.append((seq, _failure(what)))
 
-    def _delta(self, seq: _Sequence, delta: str) -> Answer:
+    def _delta(self, seq: _Sequence, delta: str, tokens: int) -> Answer:
         r = seq.request
         return Answer(
             text=delta,
             final=seq.done,
             num_input_tokens=len(r.prompt_ids) if r.return_num_input_tokens else None,
-            num_output_tokens=1 if r.return_num_output_tokens else None,
+            num_output_tokens=tokens if r.return_num_output_tokens else None,
         )
 
     def _whole(self, seq: _Sequence) -> Answer:

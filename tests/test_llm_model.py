@@ -13,6 +13,7 @@ a response's place on its stream (not the client's clock) says which iteration m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -330,6 +331,26 @@ def test_engine_streams_one_answer_per_token_final_on_the_last(
     assert sink.steps == [1, 2, 3, 4, 5]  # one token per iteration
     assert [a.final for _, a in sink.answers] == [False] * 4 + [True]
     assert engine.steps == 5
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_n_tokens(
+    tokenizer: Any, net: nets.CausalDecoder
+) -> None:
+    """vLLM's stream interval: the first token in the iteration that made it, then one
+    response per N tokens, the last with what is left; each response's
+    ``num_output_tokens`` is its own tokens, and the text is the one-token stream's."""
+    req = dataclasses.replace(
+        request(tokenizer, "Tenants 🙂 share", max_tokens=10), return_num_output_tokens=True
+    )
+    single = submit(one := make_engine(tokenizer, net), req)
+    drain(one)
+    engine = make_engine(tokenizer, net, stream_interval=4)
+    sink = submit(engine, req)
+    drain(engine)
+    assert sink.steps == [1, 5, 9, 10]
+    assert [a.num_output_tokens for _, a in sink.answers] == [1, 4, 4, 1]
+    assert [a.final for _, a in sink.answers] == [False, False, False, True]
+    assert sink.text == single.text and len(single.answers) == 10
 
 
 def test_a_request_joins_the_running_batch_and_leaves_it(
@@ -690,11 +711,12 @@ def test_config_parameters_are_checked_together() -> None:
             "max_num_seqs": {"string_value": "0"},
             "max_model_len": {"string_value": "9999"},
             "max_num_batched_tokens": {"string_value": "x"},
+            "stream_interval": {"string_value": "-1"},
         }
     }
     with pytest.raises(ValueError) as info:
         EngineConfig.from_model_config(config)
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "stream_interval"):
         assert name in str(info.value)
     assert EngineConfig.from_model_config({}).max_num_seqs == 64
 
