@@ -296,10 +296,24 @@ class Endpoint(_Strict):
     token_output: str | None = Field(
         default=None,
         description="Output holding the generated tokens, for charge-back: each streamed "
-        "response that carries it counts one token (engines stream one per decode step); a "
+        "response that carries it counts one token (engines stream one per decode step), "
+        "or the tokens token_count_output gives; a "
         "response in one piece counts its elements (numeric ids) or its text's tokens "
         "(BYTES, with the tokenizer; a prompt echoed at its start is not counted). Unset: "
         "no output is counted, and what admission charged stands.",
+    )
+    token_count_output: str | None = Field(
+        default=None,
+        description="Output giving the tokens of each response (Triton's vLLM backend: "
+        "`num_output_tokens`, in a stream the tokens that response carries), asked of the "
+        "model through token_count_input: a streamed response counts what it says, in "
+        "tokens whatever a response carries (vLLM's stream interval), where without it "
+        "each streamed response counts one. It reaches a client only where it asked.",
+    )
+    token_count_input: str | None = Field(
+        default=None,
+        description="BOOL input that asks the model for token_count_output (Triton's vLLM "
+        "backend: `return_num_output_tokens`), set on every stream sent to it.",
     )
     sampling_parameters_input: str | None = Field(
         default=None,

@@ -24,18 +24,23 @@ CPUs), so a prompt is never tokenised before it is bounded, nor on an event loop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from fair_frontend.protocol import InferRequest, Tensor
+from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
+
+if TYPE_CHECKING:
+    from fair_frontend.config import Endpoint
+    from fair_frontend.models import ModelInfo
 
 T = TypeVar("T")
 
@@ -176,6 +181,41 @@ def output_tokens(
                 texts[i] = text[len(prompt) :]
                 break
     return sum(count_text_tokens(tokenizer, texts))
+
+
+def ask_token_counts(
+    request: InferRequest, info: ModelInfo, endpoint: Endpoint
+) -> tuple[InferRequest, str | None, bool]:
+    """``request`` as it goes to the model where the endpoint counts streamed tokens from
+    an output (``token_count_output``, asked for with ``token_count_input``): with that
+    input true and, where the client names the outputs it wants, that output among them;
+    the output to count from (None: this model gives none); and whether the client did
+    not ask for it itself (then it is taken out of the replies, ``without_output``)."""
+    name, flag = endpoint.token_count_output, endpoint.token_count_input
+    if name is None or flag is None or flag not in info.inputs:
+        return request, None, False
+    given = request.input(flag)
+    asked = given is not None and given.data.size > 0 and bool(given.data.flat[0])
+    named = not request.outputs or any(o.name == name for o in request.outputs)
+    if asked and named:
+        return request, name, False
+    data = np.array([[True]] if info.max_batch_size > 0 else [True])
+    inputs = [t for t in request.inputs if t.name != flag]
+    inputs.append(Tensor(flag, "BOOL", data.shape, data))
+    outputs = request.outputs if named else [*request.outputs, RequestedOutput(name)]
+    return dataclasses.replace(request, inputs=inputs, outputs=outputs), name, True
+
+
+def counted_tokens(outputs: Sequence[Tensor], name: str) -> int | None:
+    """The tokens a response says it carries (``token_count_output``), None without it."""
+    out = next((t for t in outputs if t.name == name), None)
+    if out is None or not out.data.size:
+        return None
+    return max(0, int(out.data.sum()))
+
+
+def without_output(outputs: list[Tensor], name: str) -> list[Tensor]:
+    return [t for t in outputs if t.name != name]
 
 
 class TokenCounter:

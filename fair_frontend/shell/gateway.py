@@ -63,7 +63,15 @@ from fair_frontend.protocol import (
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns
-from fair_frontend.tokens import TokenCounter, at_least_tokens, output_tokens, utf8_size
+from fair_frontend.tokens import (
+    TokenCounter,
+    ask_token_counts,
+    at_least_tokens,
+    counted_tokens,
+    output_tokens,
+    utf8_size,
+    without_output,
+)
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import INCLUDE_USAGE, Usage
@@ -679,6 +687,11 @@ class Gateway:
         ``STREAM_GRANTS``). ``span``: the request's, where it is traced:
         the call to Triton gets its own under it, whose context Triton gets."""
         req = call.request
+        # Its tokens counted from what each response says it carries, where the model
+        # says (``token_count_output``); the client sees that output only if it asked.
+        sent, count, hide = ask_token_counts(req, info, endpoint)
+        if sent is not req:
+            call = msgspec.structs.replace(call, request=sent)
         packed = pack([call], info, endpoint)
         traced = None
         if span is not None and call.traceparent:
@@ -721,7 +734,10 @@ class Gateway:
                     # An engine streams one response per decode step; a whole answer in
                     # one response (its final and first: not streamed) counts in tokens.
                     n = 1
-                    if reply.final and not produced:
+                    said = counted_tokens(reply.outputs, count) if count is not None else None
+                    if said is not None:
+                        n = said
+                    elif reply.final and not produced:
                         n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
                     now = time.monotonic()  # the clock of call.arrived (one per host)
                     if produced:
@@ -736,6 +752,9 @@ class Gateway:
                         usage.completion_tokens = produced
                 if reply.final:
                     inbox.end(version)  # the core hears of it before the client does
+                if hide:
+                    assert count is not None
+                    reply.outputs = without_output(reply.outputs, count)
                 if not reply.outputs and not (reply.final and want_final):
                     continue  # Triton's empty final: only for clients that asked
                 params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}

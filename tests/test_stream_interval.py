@@ -1,0 +1,142 @@
+"""Streamed tokens are counted in tokens, whatever a response carries.
+
+``llm`` here runs with vLLM's stream interval at 4 (a Triton of this module's own, the
+shipped model with that one parameter changed): a generation of 10 tokens comes as 4
+responses (1, 4, 4 and 1 tokens: the first at once). The frontend asks the model what
+each response carries (``token_count_output``, through ``token_count_input``) and counts
+that; a frontend that counted responses would charge 4. The client's view stays the
+model's: the count output reaches only a client that asked for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+
+from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.testing import aeventually, ascrape
+from tests.support import KEYS, RunningFrontend, llm_inputs, make_config, running_frontend
+
+INTERVAL = 4
+MAX_TOKENS = 10
+PER_RESPONSE = [1, 4, 4, 1]  # the first token at once, then every 4, the rest last
+PROMPT = "Tenants share the engine"
+SETTLE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def interval_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(default_model_repository() / "llm", repo / "llm")
+    config = repo / "llm" / "config.pbtxt"
+    text, n = re.subn(
+        r'(key: "stream_interval", value: \{ string_value: )"1"',
+        rf'\1"{INTERVAL}"',
+        config.read_text(),
+    )
+    assert n == 1, "the shipped llm config names its stream_interval"
+    config.write_text(text)
+    with EmbeddedTriton(repo) as triton:
+        yield triton
+
+
+@pytest.fixture(scope="module")
+def frontend(interval_triton: EmbeddedTriton) -> Iterator[RunningFrontend]:
+    with running_frontend(make_config(), interval_triton, workers=2) as running:
+        yield running
+
+
+def count_flag(value: bool) -> Any:
+    flag = grpcaio.InferInput("return_num_output_tokens", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([value]))
+    return flag
+
+
+async def stream(url: str, tenant: str | None, *, ask: bool = False) -> list[Any]:
+    """One generation's responses as its client sees them (tritonclient's results)."""
+    client = grpcaio.InferenceServerClient(url)
+    headers = {"x-api-key": KEYS[tenant]} if tenant is not None else None
+    inputs = llm_inputs(PROMPT, MAX_TOKENS) + ([count_flag(True)] if ask else [])
+
+    async def one() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": "llm", "inputs": inputs}
+
+    results = []
+    try:
+        async for result, error in client.stream_infer(one(), headers=headers):
+            assert error is None, error
+            results.append(result)
+    finally:
+        await client.close()
+    return results
+
+
+def texts(results: list[Any]) -> list[str]:
+    return [b"".join(r.as_numpy("text_output").reshape(-1)).decode() for r in results]
+
+
+async def output_tokens(fe: RunningFrontend, tenant: str) -> float:
+    return (await ascrape(fe.metrics_url)).sum("fair_output_tokens_total", tenant=tenant)
+
+
+async def charged(fe: RunningFrontend, tenant: str, before: float, expected: float) -> float:
+    """The tenant's output tokens once the stream's shell has reported them (it may be
+    just after the client had its last response)."""
+
+    async def counted() -> float | None:
+        now = await output_tokens(fe, tenant) - before
+        return now if now >= expected else None
+
+    return await aeventually(counted, SETTLE_S, what=f"{tenant}'s tokens in the metrics")
+
+
+async def test_a_stream_of_multi_token_responses_is_charged_its_tokens(
+    interval_triton: EmbeddedTriton, frontend: RunningFrontend
+) -> None:
+    direct = await stream(interval_triton.grpc_url, None)
+    assert len(direct) == len(PER_RESPONSE) and "".join(texts(direct))
+
+    before = await output_tokens(frontend, "acme")
+    got = await stream(frontend.grpc_url, "acme")
+    assert texts(got) == texts(direct)  # the same responses, the same text
+    # The count the frontend asked for is not the client's: it did not ask.
+    assert all(r.as_numpy("num_output_tokens") is None for r in got)
+    # 10 tokens charged, not 4 responses (and not more: read once it reached 10).
+    assert await charged(frontend, "acme", before, MAX_TOKENS) == MAX_TOKENS
+
+
+async def test_a_client_that_asks_for_the_count_gets_the_models(
+    frontend: RunningFrontend,
+) -> None:
+    before = await output_tokens(frontend, "globex")
+    got = await stream(frontend.grpc_url, "globex", ask=True)
+    assert [int(r.as_numpy("num_output_tokens").sum()) for r in got] == PER_RESPONSE
+    assert await charged(frontend, "globex", before, MAX_TOKENS) == MAX_TOKENS
+
+
+def test_openai_usage_counts_tokens_not_responses(frontend: RunningFrontend) -> None:
+    body = {"model": "llm", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{frontend.http_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEYS['acme']}"},
+    )
+    with urllib.request.urlopen(request, timeout=SETTLE_S) as r:
+        answer = json.load(r)
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_shipped_llm_streams_one_token_per_response() -> None:
+    """The shipped default stays vLLM's (1): the other tests' token-by-token streams."""
+    config = Path(default_model_repository()) / "llm" / "config.pbtxt"
+    assert 'key: "stream_interval", value: { string_value: "1" }' in config.read_text()
