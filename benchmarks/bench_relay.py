@@ -22,8 +22,14 @@ Reported: frontend CPU per token / the relay's (targets: 1.3x over HTTP, 1.2x ov
 frontend tokens/s / direct's, and the core's CPU per token with separate shells (target:
 at most 5 µs). Results in ``benchmarks/results/relay.json``, a plot in ``relay.png``.
 
+``--stream-interval N``: ``llm`` sends up to N tokens per response (a copy of the model
+with its ``stream_interval`` set, vLLM's); the clients ask each response for its token
+count (``return_num_output_tokens``) and count tokens, not events; results in
+``relay_intervalN.json``.
+
     .venv/bin/python -m benchmarks.bench_relay [--protocols grpc http] [--streams 64]
         [--tokens 256] [--workers 1 2] [--ref REF] [--warmup-s 10] [--window-s 30] [--quick]
+        [--stream-interval N]
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +52,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
 
 from benchmarks.bench_engine import KEYS, bench_config, llm_inputs
 from benchmarks.harness import (
@@ -54,7 +66,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import free_port
+from fair_frontend.embedded import default_model_repository, free_port
 
 MODEL = "llm"
 PROMPT = "a tenant asks the engine for a story about"
@@ -79,10 +91,24 @@ def sampling(tokens: int) -> str:
     return json.dumps({"max_tokens": tokens, "temperature": 0, "ignore_eos": True})
 
 
-async def grpc_stream(client: Any, headers: Any, tokens: int, count: Count) -> None:
-    """One ModelStreamInfer stream: a request, its ``tokens`` responses, the next."""
+def count_flag() -> Any:
+    """``return_num_output_tokens``: each response says how many tokens it carries."""
+    flag = grpcaio.InferInput("return_num_output_tokens", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([True]))
+    return flag
+
+
+COUNT_IN_EVENT = re.compile(rb'"num_output_tokens":\[?(\d+)')
+
+
+async def grpc_stream(
+    client: Any, headers: Any, tokens: int, count: Count, interval: int = 1
+) -> None:
+    """One ModelStreamInfer stream: a request, its ``tokens`` tokens, the next. With a
+    stream interval above 1 each response says how many tokens it carries."""
     outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-    request = {"model_name": MODEL, "inputs": llm_inputs(PROMPT, tokens)}
+    inputs = llm_inputs(PROMPT, tokens) + ([count_flag()] if interval > 1 else [])
+    request = {"model_name": MODEL, "inputs": inputs}
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         while (item := await outbox.get()) is not None:
@@ -91,13 +117,14 @@ async def grpc_stream(client: Any, headers: Any, tokens: int, count: Count) -> N
     outbox.put_nowait(request)
     got = 0
     try:
-        async for _result, error in client.stream_infer(requests(), headers=headers):
+        async for result, error in client.stream_infer(requests(), headers=headers):
             if error is not None:
                 count.errors += 1
                 raise RuntimeError(f"stream error: {error}")
-            count.tokens += 1
-            got += 1
-            if got == tokens:  # the model sends exactly max_tokens responses
+            n = 1 if interval == 1 else int(result.as_numpy("num_output_tokens").sum())
+            count.tokens += n
+            got += n
+            if got == tokens:  # the model sends exactly max_tokens tokens
                 count.requests += 1
                 got = 0
                 outbox.put_nowait(request)
@@ -105,11 +132,19 @@ async def grpc_stream(client: Any, headers: Any, tokens: int, count: Count) -> N
         outbox.put_nowait(None)
 
 
-async def http_stream(session: Any, url: str, headers: Any, tokens: int, count: Count) -> None:
-    """Requests to /generate_stream one after another; one token per ``data:`` event."""
-    body = json.dumps(
-        {"text_input": PROMPT, "stream": True, "sampling_parameters": sampling(tokens)}
-    )
+async def http_stream(
+    session: Any, url: str, headers: Any, tokens: int, count: Count, interval: int = 1
+) -> None:
+    """Requests to /generate_stream one after another; one token per ``data:`` event (with
+    a stream interval above 1, the tokens each event says it carries)."""
+    fields: dict[str, Any] = {
+        "text_input": PROMPT,
+        "stream": True,
+        "sampling_parameters": sampling(tokens),
+    }
+    if interval > 1:
+        fields["return_num_output_tokens"] = True
+    body = json.dumps(fields)
     while True:
         async with session.post(url, data=body, headers=headers) as resp:
             if resp.status != 200:
@@ -120,7 +155,8 @@ async def http_stream(session: Any, url: str, headers: Any, tokens: int, count: 
                     if b'"error"' in line:
                         count.errors += 1
                         raise RuntimeError(f"stream error: {line[:200]!r}")
-                    count.tokens += 1
+                    said = COUNT_IN_EVENT.search(line) if interval > 1 else None
+                    count.tokens += int(said.group(1)) if said is not None else 1
         count.requests += 1
 
 
@@ -129,14 +165,12 @@ async def client_main(protocol: str, url: str, key: str | None, load: dict[str, 
     and the window's counts when it closes (the parent samples CPU at both lines)."""
     count = Count()
     headers = {"x-api-key": key} if key else None
-    streams, tokens = load["streams"], load["tokens"]
+    streams, tokens, every = load["streams"], load["tokens"], load.get("interval", 1)
     async with contextlib.AsyncExitStack() as stack:
         if protocol == "grpc":
-            import tritonclient.grpc.aio as grpcaio
-
             client = grpcaio.InferenceServerClient(url)
             stack.push_async_callback(client.close)
-            work = [grpc_stream(client, headers, tokens, count) for _ in range(streams)]
+            work = [grpc_stream(client, headers, tokens, count, every) for _ in range(streams)]
         else:
             import aiohttp
 
@@ -146,7 +180,9 @@ async def client_main(protocol: str, url: str, key: str | None, load: dict[str, 
             )
             stack.push_async_callback(session.close)
             target = f"{url}/v2/models/{MODEL}/generate_stream"
-            work = [http_stream(session, target, headers, tokens, count) for _ in range(streams)]
+            work = [
+                http_stream(session, target, headers, tokens, count, every) for _ in range(streams)
+            ]
         tasks = [asyncio.ensure_future(w) for w in work]
 
         async def wait(seconds: float) -> None:
@@ -386,6 +422,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
     progress(f"plot written to {path.relative_to(RESULTS.parent.parent)}")
 
 
+@contextlib.contextmanager
+def interval_repository(interval: int) -> Iterator[Path | None]:
+    """The shipped model repository (None) or, for a stream interval above 1, a copy of
+    its ``llm`` with that ``stream_interval``."""
+    if interval <= 1:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="fair-relay-") as tmp:
+        repo = Path(tmp)
+        shutil.copytree(default_model_repository() / MODEL, repo / MODEL)
+        config = repo / MODEL / "config.pbtxt"
+        text, n = re.subn(
+            r'(key: "stream_interval", value: \{ string_value: )"1"',
+            rf'\1"{interval}"',
+            config.read_text(),
+        )
+        if n != 1:
+            raise RuntimeError(f"{config}: no stream_interval parameter to set")
+        config.write_text(text)
+        yield repo
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
@@ -396,6 +454,12 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=10.0)
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per response of llm (its stream_interval; a copy of the model so set)",
+    )
     parser.add_argument("--client", choices=PROTOCOLS, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
@@ -411,11 +475,15 @@ def main() -> None:
         "tokens": args.tokens,
         "warmup_s": args.warmup_s,
         "window_s": args.window_s,
+        "interval": args.stream_interval,
     }
-    with triton() as server, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        repo = stack.enter_context(interval_repository(args.stream_interval))
+        server = stack.enter_context(triton(repo))
         baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
         results: dict[str, Any] = measure_all(server, args.protocols, load, args.workers, baseline)
-    earlier = RESULTS / "relay.json"
+    name = "relay" if args.stream_interval <= 1 else f"relay_interval{args.stream_interval}"
+    earlier = RESULTS / f"{name}.json"
     if set(args.protocols) != set(PROTOCOLS) and earlier.exists():
         # A run of one protocol replaces its results and keeps the other's (each
         # protocol's ratios come from one run).
@@ -438,7 +506,7 @@ def main() -> None:
                     f"{p} {name}: CPU {f['cpu_vs_relay']:.2f}x the relay's (target "
                     f"{TARGETS[p]}x), {f['tokens_per_s_vs_direct']:.2f}x direct's tokens/s{core}"
                 )
-    path = write_result("relay", results)
+    path = write_result(name, results)
     plot(results, path.with_suffix(".png"))
 
 
