@@ -482,8 +482,8 @@ def main() -> None:
         server = stack.enter_context(triton(repo))
         baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
         results: dict[str, Any] = measure_all(server, args.protocols, load, args.workers, baseline)
-    name = "relay" if args.stream_interval <= 1 else f"relay_interval{args.stream_interval}"
-    earlier = RESULTS / f"{name}.json"
+    stem = "relay" if args.stream_interval <= 1 else f"relay_interval{args.stream_interval}"
+    earlier = RESULTS / f"{stem}.json"
     if set(args.protocols) != set(PROTOCOLS) and earlier.exists():
         # A run of one protocol replaces its results and keeps the other's (each
         # protocol's ratios come from one run).
@@ -506,7 +506,7 @@ def main() -> None:
                     f"{p} {name}: CPU {f['cpu_vs_relay']:.2f}x the relay's (target "
                     f"{TARGETS[p]}x), {f['tokens_per_s_vs_direct']:.2f}x direct's tokens/s{core}"
                 )
-    path = write_result(name, results)
+    path = write_result(stem, results)
     plot(results, path.with_suffix(".png"))
 
 
