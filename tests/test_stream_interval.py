@@ -84,19 +84,30 @@ def texts(results: list[Any]) -> list[str]:
     return [b"".join(r.as_numpy("text_output").reshape(-1)).decode() for r in results]
 
 
-async def output_tokens(fe: RunningFrontend, tenant: str) -> float:
-    return (await ascrape(fe.metrics_url)).sum("fair_output_tokens_total", tenant=tenant)
+# Per tenant: output tokens, first tokens timed, inter-token times (one per token after
+# the first: a response of 4 tokens is 4 tokens, its gap shared, not one slow token).
+COUNTS = (
+    "fair_output_tokens_total",
+    "fair_time_to_first_token_seconds_count",
+    "fair_inter_token_seconds_count",
+)
+ONE_STREAM = [MAX_TOKENS, 1, MAX_TOKENS - 1]
 
 
-async def charged(fe: RunningFrontend, tenant: str, before: float, expected: float) -> float:
-    """The tenant's output tokens once the stream's shell has reported them (it may be
-    just after the client had its last response)."""
+async def counts(fe: RunningFrontend, tenant: str) -> list[float]:
+    page = await ascrape(fe.metrics_url)
+    return [page.sum(name, tenant=tenant) for name in COUNTS]
 
-    async def counted() -> float | None:
-        now = await output_tokens(fe, tenant) - before
-        return now if now >= expected else None
 
-    return await aeventually(counted, SETTLE_S, what=f"{tenant}'s tokens in the metrics")
+async def charged(fe: RunningFrontend, tenant: str, before: list[float]) -> list[float]:
+    """The tenant's counts since ``before`` once the stream's shell has reported them (it
+    may be just after the client had its last response)."""
+
+    async def counted() -> list[float] | None:
+        now = [n - b for n, b in zip(await counts(fe, tenant), before, strict=True)]
+        return now if all(n >= e for n, e in zip(now, ONE_STREAM, strict=True)) else None
+
+    return await aeventually(counted, SETTLE_S, what=f"{tenant}'s stream in the metrics")
 
 
 async def test_a_stream_of_multi_token_responses_is_charged_its_tokens(
@@ -105,22 +116,23 @@ async def test_a_stream_of_multi_token_responses_is_charged_its_tokens(
     direct = await stream(interval_triton.grpc_url, None)
     assert len(direct) == len(PER_RESPONSE) and "".join(texts(direct))
 
-    before = await output_tokens(frontend, "acme")
+    before = await counts(frontend, "acme")
     got = await stream(frontend.grpc_url, "acme")
     assert texts(got) == texts(direct)  # the same responses, the same text
     # The count the frontend asked for is not the client's: it did not ask.
     assert all(r.as_numpy("num_output_tokens") is None for r in got)
-    # 10 tokens charged, not 4 responses (and not more: read once it reached 10).
-    assert await charged(frontend, "acme", before, MAX_TOKENS) == MAX_TOKENS
+    # 10 tokens charged, not 4 responses; one first token, 9 inter-token times (and not
+    # more: read once they were all there).
+    assert await charged(frontend, "acme", before) == ONE_STREAM
 
 
 async def test_a_client_that_asks_for_the_count_gets_the_models(
     frontend: RunningFrontend,
 ) -> None:
-    before = await output_tokens(frontend, "globex")
+    before = await counts(frontend, "globex")
     got = await stream(frontend.grpc_url, "globex", ask=True)
     assert [int(r.as_numpy("num_output_tokens").sum()) for r in got] == PER_RESPONSE
-    assert await charged(frontend, "globex", before, MAX_TOKENS) == MAX_TOKENS
+    assert await charged(frontend, "globex", before) == ONE_STREAM
 
 
 def test_openai_usage_counts_tokens_not_responses(frontend: RunningFrontend) -> None:

@@ -90,9 +90,9 @@ class Inbox:
         return answer
 
     def produced(self, tokens: int, first_token_s: float, gap_s: float) -> None:
-        """The granted stream relayed ``tokens`` output tokens, its first ``first_token_s``
-        after the call arrived (-1: not its first), ``gap_s`` after the one before (-1:
-        none before)."""
+        """The granted stream relayed ``tokens`` output tokens in one response, its first
+        ``first_token_s`` after the call arrived (-1: not its first), ``gap_s`` after the
+        response before (-1: none before), which its tokens share: ``per_token``."""
         self._produced(tokens, first_token_s, gap_s)
 
     def end(
@@ -144,6 +144,15 @@ Produce = Callable[[int, float, float], None]
 
 def _nothing(value: Any) -> None:
     pass
+
+
+def per_token(tokens: int, gap_s: float) -> tuple[float, ...]:
+    """The inter-token times of ``tokens`` tokens that came together ``gap_s`` after the
+    response before (-1: none before): the gap shared evenly, one time per token (a stream
+    interval of N is N tokens per response, not one token N times slower)."""
+    if gap_s < 0 or tokens <= 0:
+        return ()
+    return (gap_s,) if tokens == 1 else (gap_s / tokens,) * tokens
 
 
 def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
@@ -333,7 +342,7 @@ class LocalLink:
         core = self.core
         inbox._cancel = lambda: core.cancel(req)
         inbox._produced = lambda tokens, first, gap: core.produced(
-            req, tokens, first, (gap,) if gap >= 0 else ()
+            req, tokens, first, per_token(tokens, gap)
         )
         inbox._end = lambda version, fault, cancelled: core.stream_ended(
             req, version, fault, cancelled

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.shell.link import Inbox, gone_before_answered
+from fair_frontend.shell.link import Inbox, gone_before_answered, per_token
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
     PRODUCED_TICK_S,
@@ -155,7 +155,7 @@ class SocketLink(Framed):
             entry = produced[call_id] = (0, -1.0, [])
         gaps = entry[2]
         if gap_s >= 0:
-            gaps.append(gap_s)
+            gaps.extend(per_token(tokens, gap_s))
         produced[call_id] = (entry[0] + tokens, first_s if first_s >= 0 else entry[1], gaps)
 
     def _send_produced(self) -> None:
