@@ -374,7 +374,7 @@ class Endpoint(_Strict):
         description="Send the next batch this long before the batches in flight are "
         "predicted to finish (from the learned batch times), so Triton never idles between "
         "batches; the batch is still assembled at that last moment. In one hop "
-        "(`one_hop`), earlier by the shells' hops as measured (their parts then wait in "
+        "(`unary: one_hop`), earlier by the shells' hops as measured (their parts then wait in "
         "Triton's queue, where its batcher merges them). 0: only when a slot is free (one "
         "round trip of idle GPU per batch).",
     )
