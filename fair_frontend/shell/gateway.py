@@ -739,16 +739,14 @@ class Gateway:
                         n = said
                     elif reply.final and not produced:
                         n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
-                    now = time.monotonic()  # the clock of call.arrived (one per host)
-                    if n <= 0:  # a response that says it carries no token
-                        pass
-                    elif produced:
-                        inbox.produced(n, -1.0, now - last)  # its n tokens share the gap
-                    else:
-                        inbox.produced(n, now - call.arrived, -1.0)
-                        if traced is not None:
-                            traced.add_event("first_token", timestamp=wall_ns(now))
-                    if n > 0:
+                    if n > 0:  # (a response may say it carries no token)
+                        now = time.monotonic()  # the clock of call.arrived (one per host)
+                        if produced:
+                            inbox.produced(n, -1.0, now - last)  # its n tokens share the gap
+                        else:
+                            inbox.produced(n, now - call.arrived, -1.0)
+                            if traced is not None:
+                                traced.add_event("first_token", timestamp=wall_ns(now))
                         produced += n
                         last = now
                         if usage is not None:

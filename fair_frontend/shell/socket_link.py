@@ -154,8 +154,7 @@ class SocketLink(Framed):
         if entry is None:
             entry = produced[call_id] = (0, -1.0, [])
         gaps = entry[2]
-        if gap_s >= 0:
-            gaps.extend(per_token(tokens, gap_s))
+        gaps.extend(per_token(tokens, gap_s))
         produced[call_id] = (entry[0] + tokens, first_s if first_s >= 0 else entry[1], gaps)
 
     def _send_produced(self) -> None:
