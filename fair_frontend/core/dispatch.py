@@ -28,7 +28,7 @@ Each mode's own invariants are in its module. Those of both:
   nothing else: only a failure to reach Triton at all (no connection, a connection
   lost; in batch mode, a batch not answered in time) marks the backend down. A
   request's own length never does: a stream's limit is time without progress
-  (``forwarder.NoProgress``, this request's failure alone);
+  (``watchdog.NoProgress``, this request's failure alone);
 * while Triton is unreachable nothing is sent: a batch that never reached it is held
   (with its slot) and goes first when it is back; deadlines still expire, on time, and
   after ``max_outage_s`` everything waiting is answered UNAVAILABLE; so is everything
@@ -866,7 +866,7 @@ class Dispatcher(ABC):
         """A granted request's stream ended (its shell says so, once): its slot is free.
         Only a failure to reach Triton marks it down: the model's error for this request,
         Triton's answer about the model, a stream without progress for
-        ``request_timeout_s`` (``forwarder.NoProgress``) are this request's alone. One
+        ``request_timeout_s`` (``watchdog.NoProgress``) are this request's alone. One
         that never reached its client (``never_sent``) is not over: its shell waits for
         another grant (held, as a batch that never reached Triton is) or, where the pool
         has given up, for the answer."""

@@ -24,9 +24,7 @@ from tritonclient.grpc import aio as grpcclient
 from fair_frontend import grpc_codec
 from fair_frontend.errors import (
     FrontendError,
-    StalledStream,
     Unavailable,
-    UpstreamError,
 )
 from fair_frontend.protocol import (
     EMPTY_FINAL_RESPONSE,
@@ -37,6 +35,7 @@ from fair_frontend.protocol import (
 )
 from fair_frontend.triton.http import TritonHttp, carries
 from fair_frontend.triton.upstream import upstream_error, upstream_message_error
+from fair_frontend.triton.watchdog import Watchdog
 
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
@@ -52,91 +51,12 @@ class StreamReply:
     error: FrontendError | None = None
 
 
-class NoProgress(UpstreamError):
-    """A stream that got no response from Triton for ``request_timeout_s``: cancelled,
-    and answered UNAVAILABLE. It says nothing about Triton as a whole (a model can be
-    stuck while Triton serves the others; a Triton that stops answering altogether is a
-    transport failure, which gRPC's keepalive reports as one), so it marks nothing down."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(
-            f"no response from Triton for {timeout_s:g} s (triton.request_timeout_s): "
-            "the request was cancelled",
-            grpc.StatusCode.UNAVAILABLE,
-            503,
-        )
-
-
 def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
     """tritonclient's form of a failed call (as its own clients raise it)."""
     return InferenceServerException(err.details(), str(err.code()))
 
 
 REOPEN_WAIT_S = 2.0  # a stream that never reached Triton: how long its second try waits
-STALL_CHECKS = 4  # looks per stalled_s for a consumer that started holding a response
-
-
-class _Watchdog:
-    """Stops a call that makes no progress for ``timeout_s``, or whose consumer holds a
-    response for ``stalled_s``: one timer per call, re-armed from the time of the latest
-    response when it fires (``progress`` and ``hold`` only note the time: nothing per
-    response but a clock read, and a timer that fires a few times per ``stalled_s``).
-
-    Only the wait for Triton counts as Triton's lack of progress. While the consumer holds
-    a response (``hold``, until its next ``progress``) the call is not read, by choice: a
-    client that does not read holds its stream back (gRPC's flow control then holds
-    Triton's sender), up to ``stalled_s`` (``queues.stalled_stream_s``), after which the
-    request is cancelled in Triton and its slot freed (``StalledStream``)."""
-
-    def __init__(
-        self, stop: Callable[[FrontendError], None], timeout_s: float, stalled_s: float | None
-    ) -> None:
-        self._stop = stop
-        self._timeout_s = timeout_s
-        self._stalled_s = stalled_s
-        # A hold may start at any response: while none is held the timer also looks in
-        # every quarter of stalled_s, so a stall is found within 1.25 stalled_s.
-        self._period = stalled_s / STALL_CHECKS if stalled_s is not None else timeout_s
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self._held = False
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + min(timeout_s, self._period), self._check
-        )
-
-    def progress(self) -> None:
-        """A response came, or the consumer asks for the next one: the wait starts now."""
-        self._last = self._loop.time()
-        self._held = False
-
-    def hold(self) -> None:
-        """The consumer has a response and has not asked for the next: Triton's clock
-        stops, the consumer's starts."""
-        self._last = self._loop.time()
-        self._held = True
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if self._held:
-            limit = self._stalled_s
-            if limit is not None and now - self._last >= limit:
-                self._timer = None
-                self._stop(StalledStream(limit))
-                return
-            due = self._last + limit if limit is not None else now + self._timeout_s
-        else:
-            due = self._last + self._timeout_s
-            if now >= due:
-                self._timer = None
-                self._stop(NoProgress(self._timeout_s))
-                return
-            due = min(due, now + self._period)
-        self._timer = self._loop.call_at(due, self._check)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 class TritonStream:
@@ -145,7 +65,7 @@ class TritonStream:
 
     Always asks Triton for the empty final response, so the end of a request is known
     even when its last real response does not say so. No deadline on the call: a
-    generation streams for as long as it produces; ``_Watchdog`` bounds the time without
+    generation streams for as long as it produces; ``Watchdog`` bounds the time without
     progress (``NoProgress``) and the time its consumer holds a response
     (``StalledStream``). ``stop(err)`` cancels it in Triton from outside (the core took its
     slot back): the consumer's next reply is ``err``. ``on_stop`` hears of every stop made
@@ -163,7 +83,7 @@ class TritonStream:
         # A call that never reached Triton (its channel was still reconnecting: a Triton
         # the core saw come back a moment ago) is made once more, once the channel is up.
         self._reopen = reopen
-        self._watch = _Watchdog(self.stop, timeout_s, stalled_s)
+        self._watch = Watchdog(self.stop, timeout_s, stalled_s)
         self.stopped: FrontendError | None = None
         self.on_stop: Callable[[FrontendError], None] = lambda err: None
         self._replies = self._read()

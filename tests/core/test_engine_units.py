@@ -30,8 +30,8 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
-from fair_frontend.triton.forwarder import NoProgress
 from fair_frontend.triton.upstream import upstream_message_error
+from fair_frontend.triton.watchdog import NoProgress
 from fair_frontend.wire.records import Answer, Call, Grant
 
 LLM = ModelInfo(
