@@ -22,7 +22,10 @@ Where the frontend differs on purpose: request parameters keep the meaning they 
 ``/infer`` (``priority`` and ``timeout`` steer scheduling, ``tenant`` names the tenant,
 names starting ``triton_`` or ``fair_`` are refused). Triton's own generate passes them
 to the model untouched, but the frontend forwards over Triton's infer protocol, where
-those names are not plain parameters either.
+those names are not plain parameters either. A stream whose events the shell passes on
+from Triton's own ``generate_stream`` (``triton.sse``) is sent there as the decoded
+request, encoded again (``encode_generate_request``): the same inputs and parameters as
+over gRPC, those names taken out the same way.
 """
 
 from __future__ import annotations
@@ -335,6 +338,34 @@ def _check_inputs(req: InferRequest, info: ModelInfo) -> None:
         f"'{info.name}'. Got input(s) {quoted}, but missing required input(s) "
         f"[{','.join(repr(n) for n in missing)}]. Please provide all required input(s)."
     )
+
+
+def encode_generate_request(
+    inputs: list[Tensor], parameters: dict[str, ParamValue], request_id: str
+) -> bytes | None:
+    """A request as generate's JSON object, as the shell sends it on to Triton's own
+    ``generate_stream``: ``id``, each input by name (one element as a scalar, more as a
+    flat list: Triton fills the model's shape from them, as it did the client's), each
+    parameter by name. None where JSON cannot carry it exactly (text that is not UTF-8, a
+    number that is not finite, a NUL that Triton's reader stops at): the caller goes over
+    gRPC then."""
+    doc: dict[str, Any] = {"id": request_id} if request_id else {}
+    for name, value in parameters.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        doc[name] = value
+    for t in inputs:
+        values = t.data.reshape(-1).tolist()
+        if t.datatype == "BYTES":
+            try:
+                values = [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+            except UnicodeDecodeError:
+                return None
+        elif t.datatype.startswith("FP") and not all(math.isfinite(v) for v in values):
+            return None
+        doc[t.name] = values[0] if len(values) == 1 else values
+    text = json.dumps(doc, separators=(",", ":"))
+    return None if "\\u0000" in text else text.encode()
 
 
 # ---- responses ----------------------------------------------------------------------------

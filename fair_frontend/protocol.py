@@ -175,6 +175,9 @@ class InferResponse:
     # The tenant's rate-limit state after this request's check (the answer's headers,
     # ``quota.quota_headers``); None: no limits. A stream's responses all carry its grant's.
     quota: Quota | None = None
+    # Triton's own server-sent events (generate_stream's, ``triton.sse``), whole, one or
+    # more: written to the client as they are (``outputs`` and ``parameters`` empty then).
+    events: bytes = b""
 
 
 # ---- Triton's own error texts (clients and Triton's QA tests match on them) --------------

@@ -114,6 +114,7 @@ class FrontendServer:
         urls = [triton_url] if isinstance(triton_url, str) else list(triton_url)
         self.backends = config.triton.pool(urls)
         self.triton_urls = [b.grpc_url for b in self.backends]
+        self.http_urls = [b.http_url or "" for b in self.backends]
         self.triton_url = self.triton_urls[0]
         self.listen = listen
         self.workers = workers
@@ -155,12 +156,14 @@ class FrontendServer:
         # it reports on must be up by then.
         await self._start_metrics()
         if self.workers == 0:
-            self.shells = RemoteShells(self.core, self.triton_urls)
+            self.shells = RemoteShells(self.core, self.triton_urls, self.http_urls)
             await self.shells.start()
         elif self.workers == 1:
             await self._start_local_shell(forwarders)
         else:
-            self.shells = ShellPool(self.core, self.triton_urls, self.listen, self.workers)
+            self.shells = ShellPool(
+                self.core, self.triton_urls, self.listen, self.workers, self.http_urls
+            )
             await self.shells.start()
             self.http_port, self.grpc_port = self.shells.http_port, self.shells.grpc_port
 
@@ -381,15 +384,18 @@ class RemoteShells:
     """The shells of a core that runs none itself (``fair-frontend core``): the ones that
     connect over the network (``CoreServer.listen``), on other hosts or this one."""
 
-    def __init__(self, core: Core, triton_urls: Sequence[str]) -> None:
+    def __init__(
+        self, core: Core, triton_urls: Sequence[str], http_urls: Sequence[str] = ()
+    ) -> None:
         self.core = core
         self.triton_urls = list(triton_urls)
+        self.http_urls = list(http_urls)
         self.server = CoreServer(core, self.settings, None)
         self.http_port = 0
         self.grpc_port = 0
 
     def settings(self) -> Settings:
-        return _settings(self.core, self.triton_urls)
+        return _settings(self.core, self.triton_urls, self.http_urls)
 
     async def start(self) -> None:
         await self.server.start()
@@ -402,10 +408,12 @@ class RemoteShells:
         await self.server.close()
 
 
-def _settings(core: Core, triton_urls: Sequence[str]) -> Settings:
+def _settings(core: Core, triton_urls: Sequence[str], http_urls: Sequence[str]) -> Settings:
     """What a shell is told of the config: sent when it connects and on every reload."""
     keys = {d.hex(): tenant for d, tenant in core.keyring.digests().items()}
-    return Settings(shell_config(core.config), keys, triton_urls[0], list(triton_urls))
+    return Settings(
+        shell_config(core.config), keys, triton_urls[0], list(triton_urls), list(http_urls)
+    )
 
 
 class ShellPool:
@@ -420,10 +428,16 @@ class ShellPool:
     """
 
     def __init__(
-        self, core: Core, triton_urls: str | Sequence[str], listen: Listen, workers: int
+        self,
+        core: Core,
+        triton_urls: str | Sequence[str],
+        listen: Listen,
+        workers: int,
+        http_urls: Sequence[str] = (),
     ) -> None:
         self.core = core
         self.triton_urls = [triton_urls] if isinstance(triton_urls, str) else list(triton_urls)
+        self.http_urls = list(http_urls)  # each Triton's HTTP address, "" where none
         self._supervise(listen, workers)
         self.server = CoreServer(core, self.settings, os.path.join(self._dir, "core.sock"))
         self.server.on_ready = self._on_ready
@@ -445,7 +459,7 @@ class ShellPool:
         self.grpc_port = 0
 
     def settings(self) -> Settings:
-        return _settings(self.core, self.triton_urls)
+        return _settings(self.core, self.triton_urls, self.http_urls)
 
     async def start(self) -> None:
         await self.server.start()

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.support import KEYS, llm_served
+from fair_frontend.testing import scrape
+from tests.support import KEYS, llm_served, make_config, metric_sum, running_frontend
 
 KEY = {"x-api-key": KEYS["hooli"]}
 SSE = "text/event-stream; charset=utf-8"
@@ -209,3 +210,66 @@ def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:  # typ
     direct, through = both(triton, frontend, "/v2/models/llm/generate_stream", body)
     assert direct[:2] == (200, SSE), direct
     assert through == direct
+
+
+LLM_STREAM = {
+    "text_input": "Tenants share the engine",
+    "parameters": {"stream": True, "max_tokens": 6, "temperature": 0},
+}
+
+
+def test_llm_streams_are_tritons_own_events_on_kept_alive_connections(triton) -> None:  # type: ignore[no-untyped-def]
+    """A generate_stream client of ``llm`` (an endpoint that counts tokens from the model's
+    own count) reads Triton's events as Triton wrote them, read from Triton's
+    generate_stream: one connection serves stream after stream, and its events, counts
+    taken out, are the client's, the same bytes as Triton's own answer."""
+    llm_served(triton)
+    path = "/v2/models/llm/generate_stream"
+    with running_frontend(make_config(), triton, workers=1) as fe:
+        events = fe.gateway.tritons[0].events
+        assert events is not None
+        before = metric_sum(fe, "fair_output_tokens_total", tenant="hooli")
+        for _ in range(3):
+            direct, through = both(triton, fe, path, LLM_STREAM)
+            assert direct[:2] == (200, SSE), direct
+            assert through == direct
+            assert direct[2].count(b"data: ") == 6 and b"num_output_tokens" not in direct[2]
+        assert events.connections == 1
+        # Every token counted from the count the shell asked the model for (and took out).
+        deadline = time.monotonic() + 30
+        while metric_sum(fe, "fair_output_tokens_total", tenant="hooli") < before + 18:
+            assert time.monotonic() < deadline, "the streams' tokens never reached the core"
+            time.sleep(0.02)
+        assert metric_sum(fe, "fair_output_tokens_total", tenant="hooli") == before + 18
+
+
+def test_an_llm_client_that_asks_for_the_count_gets_it(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    body = {**LLM_STREAM, "return_num_output_tokens": True}
+    direct, through = both(triton, frontend, "/v2/models/llm/generate_stream", body)
+    assert through == direct
+    assert direct[2].count(b'"num_output_tokens":1,') == 6
+
+
+def test_an_llm_client_that_leaves_mid_stream_cancels_it_in_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+    llm_served(triton)
+    triton_cancelled = scrape(triton.metrics_url).sum("fair_llm_cancelled_total")
+    before = _cancelled(frontend, "hooli")
+    conn = http.client.HTTPConnection(_hostport(frontend.http_url), timeout=60)
+    body = {**LLM_STREAM, "parameters": {"stream": True, "max_tokens": 480}}
+    conn.request("POST", "/v2/models/llm/generate_stream", body=json.dumps(body), headers=KEY)
+    resp = conn.getresponse()
+    assert (resp.status, resp.getheader("Content-Type")) == (200, SSE)
+    assert resp.readline().startswith(b'data: {"model_name":"llm"')
+    conn.sock.close()  # leave with thousands of tokens still to come
+    conn.close()
+    deadline = time.monotonic() + 30
+    while (
+        _cancelled(frontend, "hooli") < before + 1
+        or scrape(triton.metrics_url).sum("fair_llm_cancelled_total") < triton_cancelled + 1
+    ):
+        assert time.monotonic() < deadline, "the stream was not cancelled in Triton"
+        time.sleep(0.02)
+    assert _cancelled(frontend, "hooli") == before + 1
+    # ... and the next one is served.
+    status, ctype, out = post(frontend.http_url, "/v2/models/llm/generate_stream", LLM_STREAM, KEY)
+    assert (status, ctype) == (200, SSE) and out.count(b"data: ") == 6

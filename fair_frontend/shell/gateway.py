@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, aclosing, nullcontext
@@ -40,6 +43,7 @@ from fair_frontend.errors import (
     UnknownModel,
     Unsupported,
 )
+from fair_frontend.generate_codec import encode_generate_request
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
     Checked,
@@ -74,6 +78,8 @@ from fair_frontend.tokens import (
 )
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
 from fair_frontend.triton.forwarder import TritonForwarder
+from fair_frontend.triton.sse import SseStream
+from fair_frontend.triton.upstream import upstream_message_error
 from fair_frontend.usage import INCLUDE_USAGE, Usage
 from fair_frontend.wire.records import (
     SIDE_DOOR_LOOKUP,
@@ -346,12 +352,17 @@ class Gateway:
         *,
         usage: Usage | None = None,
         operation: str = "stream_infer",
+        events: bool = False,
     ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer, generate): its responses; several
         for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``,
         ``usage`` and ``operation``: as for ``infer`` (a stream's, found once for all its
-        messages)."""
-        return self._replies(req, headers, known, True, usage=usage, operation=operation)
+        messages). ``events``: the client reads generate_stream's events, so a granted
+        stream may come as Triton's own, passed on as they are (``InferResponse.events``:
+        ``_relay_events``)."""
+        return self._replies(
+            req, headers, known, True, usage=usage, operation=operation, events=events
+        )
 
     def operation(
         self, name: str, model: str, headers: Mapping[str, str], started: float
@@ -373,12 +384,14 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int = 1,
+        events: bool = False,
     ) -> AsyncGenerator[InferResponse, None]:
         if self.traces is None:  # tracing off: the request's own generator, nothing more
             return self._handle(
-                req, headers, known, streaming=streaming, usage=usage, requests=requests
-            )
-        return self._traced(req, headers, known, streaming, usage, operation, requests)
+                req, headers, known, streaming=streaming, usage=usage, requests=requests,
+                events=events,
+            )  # fmt: skip
+        return self._traced(req, headers, known, streaming, usage, operation, requests, events)
 
     async def _traced(
         self,
@@ -389,6 +402,7 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int,
+        events: bool,
     ) -> AsyncGenerator[InferResponse, None]:
         """``_handle`` inside the request's span (``Traces.request``): its tenant,
         priority and usage on it, and how it ended."""
@@ -404,8 +418,9 @@ class Gateway:
             {"gen_ai.operation.name": operation, "gen_ai.request.model": model},
         )
         replies = self._handle(
-            req, headers, known, streaming=streaming, usage=usage, requests=requests, span=span
-        )
+            req, headers, known, streaming=streaming, usage=usage, requests=requests, span=span,
+            events=events,
+        )  # fmt: skip
         try:
             async with aclosing(replies):
                 async for resp in replies:
@@ -428,6 +443,7 @@ class Gateway:
         usage: Usage | None = None,
         requests: int = 1,
         span: Span | None = None,
+        events: bool = False,
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
@@ -510,7 +526,7 @@ class Gateway:
                 grants += 1
                 replies = self._relay(
                     call, info, endpoint, answer, inbox, streaming, usage, report_usage, span,
-                    give_back=grants < STREAM_GRANTS,
+                    give_back=grants < STREAM_GRANTS, events=events,
                 )  # fmt: skip
                 async with aclosing(replies):
                     async for resp in replies:
@@ -674,6 +690,7 @@ class Gateway:
         span: Span | None = None,
         *,
         give_back: bool = True,
+        events: bool = False,
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
@@ -685,7 +702,9 @@ class Gateway:
         instead (``Inbox.again``: it ends with nothing yielded and the inbox not done),
         to be granted to another Triton, unless ``give_back`` is false (its last grant:
         ``STREAM_GRANTS``). ``span``: the request's, where it is traced:
-        the call to Triton gets its own under it, whose context Triton gets."""
+        the call to Triton gets its own under it, whose context Triton gets. ``events``:
+        the client reads generate_stream's events: where Triton's own can serve it, they
+        are read and passed on (``_relay_events``)."""
         req = call.request
         # Its tokens counted from what each response says it carries, where the model
         # says (``token_count_output``); the client sees that output only if it asked.
@@ -693,12 +712,36 @@ class Gateway:
         if sent is not req:
             call = msgspec.structs.replace(call, request=sent)
         packed = pack([call], info, endpoint)
+        want_final = streaming and req.empty_final_response
+        triton = self.tritons[grant.backend]
+        body = None
+        # Triton's own events serve the client where the shell has nothing to add to them
+        # (usage, an empty final) and counts their tokens from an output of the model.
+        readable = events and triton.events is not None and count is not None
+        if readable and not (report_usage or want_final or grant.sequence or packed.outputs):
+            body = encode_generate_request(packed.inputs, packed.parameters, req.id)
         traced = None
         if span is not None and call.traceparent:
             assert self.traces is not None
             traced = self.traces.stream(span, req.model, time.monotonic())
-            traced.set_attribute("server.address", self.tritons[grant.backend].url)
-        stream = self.tritons[grant.backend].stream(
+            traced.set_attribute("server.address", triton.url)
+        traceparent = carried(traced)[0] if traced is not None else ""
+        stalled_s = self.config.queues.stalled_stream_s
+        version = req.version or info.latest_version
+        tally = _Tally(inbox, call.arrived, traced, usage)
+        if body is not None:
+            assert triton.events is not None and count is not None
+            upstream = triton.events.stream(
+                req.model, req.version, body, stalled_s=stalled_s, traceparent=traceparent
+            )
+            replies = self._relay_events(
+                call, grant, inbox, upstream, count, hide, version, tally, give_back
+            )
+            async with aclosing(replies):
+                async for resp in replies:
+                    yield resp
+            return
+        stream = triton.stream(
             req.model,
             req.version,
             packed.inputs,
@@ -706,29 +749,19 @@ class Gateway:
             packed.parameters,
             request_id=req.id,
             sequence=grant.sequence,
-            stalled_s=self.config.queues.stalled_stream_s,
-            traceparent=carried(traced)[0] if traced is not None else "",
+            stalled_s=stalled_s,
+            traceparent=traceparent,
         )
         stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
         inbox.on_revoke = stream.stop
-        version = req.version or info.latest_version
         name = endpoint.token_output
-        want_final = streaming and req.empty_final_response
-        produced = 0
-        last = 0.0  # time.monotonic() of its latest token
         answered = False  # anything yielded to the client: the stream cannot be replayed
         try:
             async for reply in stream:
                 if reply.error is not None:
-                    if give_back and not answered and _triton_gone(reply.error, stream.stopped):
-                        inbox.again(reply.error)
-                        if traced is not None:
-                            failed(traced, reply.error)
-                        return
-                    inbox.end(version, reply.error)
-                    if reply.error.quota is None:  # this stream's own error: its grant's
-                        reply.error.quota = grant.quota
-                    raise reply.error
+                    _stream_failed(reply.error, stream.stopped, tally, grant, version,
+                                   give_back=give_back and not answered)  # fmt: skip
+                    return  # given back
                 version = reply.version or version
                 if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
                     # An engine streams one response per decode step; a whole answer in
@@ -737,20 +770,10 @@ class Gateway:
                     said = counted_tokens(reply.outputs, count) if count is not None else None
                     if said is not None:
                         n = said
-                    elif reply.final and not produced:
+                    elif reply.final and not tally.produced:
                         n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
                     if n > 0:  # (a response may say it carries no token)
-                        now = time.monotonic()  # the clock of call.arrived (one per host)
-                        if produced:
-                            inbox.produced(n, -1.0, now - last)  # its n tokens share the gap
-                        else:
-                            inbox.produced(n, now - call.arrived, -1.0)
-                            if traced is not None:
-                                traced.add_event("first_token", timestamp=wall_ns(now))
-                        produced += n
-                        last = now
-                        if usage is not None:
-                            usage.completion_tokens = produced
+                        tally.add(n)
                 if reply.final:
                     inbox.end(version)  # the core hears of it before the client does
                 if hide:
@@ -772,9 +795,65 @@ class Gateway:
         finally:
             inbox.end(cancelled=True)  # no-op once ended
             await stream.aclose()
-            if traced is not None:
-                traced.set_attribute("gen_ai.usage.output_tokens", produced)
-                traced.end()
+            tally.close()
+
+    async def _relay_events(
+        self,
+        call: Call,
+        grant: Grant,
+        inbox: Inbox,
+        stream: SseStream,
+        count: str,
+        hide: bool,
+        version: str,
+        tally: _Tally,
+        give_back: bool,
+    ) -> AsyncGenerator[InferResponse, None]:
+        """``_relay`` for a client of generate_stream: Triton's own events, passed on as
+        they came (several in one write when they came together). The shell reads only
+        what it counts: each event's tokens (the ``count`` output, taken out where the
+        client did not ask for it; an event without it: one token), an error event
+        (Triton's last), the model version once, the end of the body (the final
+        response: generate_stream ends with it)."""
+        req = call.request
+        counts, strip = _count_patterns(count)
+        stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
+        inbox.on_revoke = stream.stop
+        answered = False
+        try:
+            async for got in stream:
+                if got.error is not None:
+                    _stream_failed(got.error, stream.stopped, tally, grant, version,
+                                   give_back=give_back and not answered)  # fmt: skip
+                    return  # given back
+                data = got.data
+                error = None
+                cut = data.find(_ERROR_EVENT)
+                if cut >= 0:  # the model's error: Triton's last event
+                    error = upstream_message_error(_event_error(data[cut:]))
+                    data = data[:cut]
+                if data:
+                    if not answered and (found := _VERSION.search(data)) is not None:
+                        version = found[1].decode()
+                    said = counts.findall(data)
+                    n = sum(max(0, int(x)) for x in said) + data.count(b"\n\n") - len(said)
+                    if n > 0:
+                        tally.add(n)
+                    if hide:
+                        data = strip.sub(b"", data)
+                    answered = True
+                    yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
+                if error is not None:
+                    _stream_failed(error, None, tally, grant, version, give_back=False)
+            inbox.end(version)
+        except FrontendError as err:
+            if tally.traced is not None:
+                failed(tally.traced, err)
+            raise
+        finally:
+            inbox.end(cancelled=True)  # no-op once ended
+            await stream.aclose()
+            tally.close()
 
     def admit_early(self, model: str, headers: Mapping[str, str]) -> Identity | None:
         """Refuse what the headers (and the model's name) alone decide, before a body is
@@ -1206,6 +1285,91 @@ class Precharge:
         call.requests = 0
         call.precharged = self.tokens
         call.precharged_at = self.at
+
+
+class _Tally:
+    """A granted stream's tokens as they come: each response's told to the core
+    (``Inbox.produced``: the first one's time to first token, a later one's tokens share
+    the gap since the one before), the first one's span event, the client's usage."""
+
+    __slots__ = ("arrived", "inbox", "last", "produced", "traced", "usage")
+
+    def __init__(
+        self, inbox: Inbox, arrived: float, traced: Span | None, usage: Usage | None
+    ) -> None:
+        self.inbox = inbox
+        self.arrived = arrived  # time.monotonic() of the call's arrival (one clock per host)
+        self.traced = traced  # the call to Triton's span, where traced
+        self.usage = usage
+        self.produced = 0
+        self.last = 0.0  # time.monotonic() of its latest token
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        if self.produced:
+            self.inbox.produced(n, -1.0, now - self.last)  # its n tokens share the gap
+        else:
+            self.inbox.produced(n, now - self.arrived, -1.0)
+            if self.traced is not None:
+                self.traced.add_event("first_token", timestamp=wall_ns(now))
+        self.produced += n
+        self.last = now
+        if self.usage is not None:
+            self.usage.completion_tokens = self.produced
+
+    def close(self) -> None:
+        if self.traced is not None:
+            self.traced.set_attribute("gen_ai.usage.output_tokens", self.produced)
+            self.traced.end()
+
+
+def _stream_failed(
+    err: FrontendError,
+    stopped: FrontendError | None,
+    tally: _Tally,
+    grant: Grant,
+    version: str,
+    *,
+    give_back: bool,
+) -> None:
+    """A granted stream's error: the call given back to the core where its Triton is gone
+    and ``give_back`` (its client has had nothing, and it has grants left): returns; else
+    the call ends with it, raised (with its grant's quota unless the error has its own)."""
+    if give_back and _triton_gone(err, stopped):
+        tally.inbox.again(err)
+        if tally.traced is not None:
+            failed(tally.traced, err)
+        return
+    tally.inbox.end(version, err)
+    if err.quota is None:  # this stream's own error: its grant's
+        err.quota = grant.quota
+    raise err
+
+
+# What the shell reads of Triton's events (``Gateway._relay_events``). Keys are not
+# found inside a string: a quote there is escaped.
+_ERROR_EVENT = b'data: {"error":'
+_VERSION = re.compile(rb'"model_version":"([^"\\]*)"')
+
+
+@functools.cache
+def _count_patterns(name: str) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
+    """The ``name`` output's count in an event (one element: Triton writes it bare, or as
+    a one-element list), and the whole key to take out of an event (with its comma)."""
+    key = re.escape(json.dumps(name).encode()) + rb":"
+    value = rb"(?:\[[^\]]*\]|-?\d+)"
+    return re.compile(key + rb"\[?(-?\d+)"), re.compile(
+        rb"," + key + value + rb"|" + key + value + rb",?"
+    )
+
+
+def _event_error(data: bytes) -> str:
+    """The message of Triton's error event (``data: {"error": ...}``)."""
+    payload = data[len(b"data: ") :].split(b"\n\n", 1)[0]
+    try:
+        return str(json.loads(payload)["error"])
+    except (ValueError, KeyError, TypeError):
+        return payload.decode("utf-8", "replace")
 
 
 def _triton_gone(err: FrontendError, stopped: FrontendError | None) -> bool:

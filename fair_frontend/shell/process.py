@@ -132,11 +132,7 @@ class ShellProcess:
         config = parse_config(settings.config)
         if self.remote is not None:
             self.remote.hold_s = config.triton.max_outage_s
-        # One forwarder per Triton of the pool: a grant names the one to stream from.
-        tritons = [
-            TritonForwarder(url, request_timeout_s=config.triton.request_timeout_s)
-            for url in settings.triton_urls or [settings.triton_url]
-        ]
+        tritons = forwarders(settings, config.triton.request_timeout_s)
         self.gateway = Gateway(config, keyring_of(settings), link, tritons)
 
         shell = HttpShell(self.gateway, max_body_bytes=config.max_wire_bytes())
@@ -187,6 +183,21 @@ class ShellProcess:
 
 def _nothing() -> None:
     pass
+
+
+def forwarders(settings: Settings, request_timeout_s: float) -> list[TritonForwarder]:
+    """One forwarder per Triton of the pool, in the settings' order (a grant names the one
+    to stream from), each with its HTTP address where the core has one for it."""
+    urls = settings.triton_urls or [settings.triton_url]
+    http = settings.triton_http_urls
+    return [
+        TritonForwarder(
+            url,
+            request_timeout_s=request_timeout_s,
+            http_url=(http[i] if i < len(http) else "") or None,
+        )
+        for i, url in enumerate(urls)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

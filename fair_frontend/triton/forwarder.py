@@ -34,6 +34,7 @@ from fair_frontend.protocol import (
     Tensor,
 )
 from fair_frontend.triton.http import TritonHttp, carries
+from fair_frontend.triton.sse import TritonEvents
 from fair_frontend.triton.upstream import upstream_error, upstream_message_error
 from fair_frontend.triton.watchdog import Watchdog
 
@@ -174,6 +175,10 @@ class TritonForwarder:
         # Batches go over Triton's HTTP endpoint where it is given (cheaper per call in
         # this process: fair_frontend.triton.http); everything else stays on gRPC.
         self.http = TritonHttp(http_url, request_timeout_s=request_timeout_s) if http_url else None
+        # Streams whose client reads Triton's own events (generate_stream) read them there.
+        self.events = (
+            TritonEvents(http_url, request_timeout_s=request_timeout_s) if http_url else None
+        )
         self._client = grpcclient.InferenceServerClient(
             url,
             channel_args=[
@@ -190,6 +195,8 @@ class TritonForwarder:
     async def close(self) -> None:
         if self.http is not None:
             await self.http.close()
+        if self.events is not None:
+            await self.events.close()
         await self._client.close()
 
     async def infer(

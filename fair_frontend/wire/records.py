@@ -375,6 +375,9 @@ class Settings(msgspec.Struct, tag=10, array_like=True):
     # Every Triton of the pool, in order (a ``Grant`` names one by its index); empty:
     # ``triton_url`` alone.
     triton_urls: list[str] = []
+    # Each one's HTTP address, in the same order ("" where it has none): generate_stream's
+    # clients read Triton's own events there (``triton.sse``).
+    triton_http_urls: list[str] = []
 
 
 class Ready(msgspec.Struct, tag=11, array_like=True):
