@@ -451,6 +451,31 @@ def encode_request(
     return msg
 
 
+def output_tokens_said(msg: service_pb2.ModelInferResponse, name: str) -> int | None:
+    """The sum of output ``name`` of a response left serialized until now (a count the
+    model gives, ``token_count_output``), decoding that output alone; None without it."""
+    for i, spec in enumerate(msg.outputs):
+        if spec.name == name:
+            raw = msg.raw_output_contents
+            shape = tuple(spec.shape)
+            if i < len(raw):
+                t = tensor_from_raw(name, spec.datatype, shape, raw[i])
+            else:
+                t = _from_contents(name, spec.datatype, shape, spec.contents)
+            return max(0, int(t.data.sum())) if t.data.size else None
+    return None
+
+
+def drop_output(msg: service_pb2.ModelInferResponse, name: str) -> None:
+    """Output ``name`` taken out of a response, with its raw contents."""
+    for i, spec in enumerate(msg.outputs):
+        if spec.name == name:
+            if i < len(msg.raw_output_contents):
+                del msg.raw_output_contents[i]
+            del msg.outputs[i]
+            return
+
+
 def decode_outputs(msg: service_pb2.ModelInferResponse) -> list[Tensor]:
     """A response's outputs (raw contents, as Triton sends them)."""
     raw = msg.raw_output_contents

@@ -175,9 +175,11 @@ class InferResponse:
     # The tenant's rate-limit state after this request's check (the answer's headers,
     # ``quota.quota_headers``); None: no limits. A stream's responses all carry its grant's.
     quota: Quota | None = None
-    # Triton's own server-sent events (generate_stream's, ``triton.sse``), whole, one or
-    # more: written to the client as they are (``outputs`` and ``parameters`` empty then).
-    events: bytes = b""
+    # The response as its client's protocol carries it, Triton's own bytes passed on:
+    # generate_stream's events (``triton.sse``: whole, one or more) or a serialized
+    # ``ModelStreamInferResponse``. Written as they are (``outputs`` and ``parameters``
+    # are empty then).
+    wire: bytes = b""
 
 
 # ---- Triton's own error texts (clients and Triton's QA tests match on them) --------------

@@ -135,6 +135,19 @@ async def test_a_client_that_asks_for_the_count_gets_the_models(
     assert await charged(frontend, "globex", before) == ONE_STREAM
 
 
+@pytest.mark.parametrize("ask", [False, True], ids=["count-not-asked", "count-asked"])
+async def test_a_grpc_client_gets_tritons_own_messages(
+    interval_triton: EmbeddedTriton, frontend: RunningFrontend, ask: bool
+) -> None:
+    """The shell passes Triton's messages on as Triton serialized them (its parameters,
+    ``triton_final_response`` included, as a client of Triton gets them), taking out only
+    the count the client did not ask for."""
+    direct = await stream(interval_triton.grpc_url, None, ask=ask)
+    got = await stream(frontend.grpc_url, "initech", ask=ask)
+    assert [r.get_response() for r in got] == [r.get_response() for r in direct]
+    assert all("triton_final_response" in r.get_response().parameters for r in got)
+
+
 def test_openai_usage_counts_tokens_not_responses(frontend: RunningFrontend) -> None:
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     request = urllib.request.Request(

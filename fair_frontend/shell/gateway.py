@@ -44,6 +44,7 @@ from fair_frontend.errors import (
     Unsupported,
 )
 from fair_frontend.generate_codec import encode_generate_request
+from fair_frontend.grpc_codec import drop_output, output_tokens_said
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
     Checked,
@@ -352,17 +353,15 @@ class Gateway:
         *,
         usage: Usage | None = None,
         operation: str = "stream_infer",
-        events: bool = False,
+        wire: str = "",
     ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer, generate): its responses; several
         for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``,
         ``usage`` and ``operation``: as for ``infer`` (a stream's, found once for all its
-        messages). ``events``: the client reads generate_stream's events, so a granted
-        stream may come as Triton's own, passed on as they are (``InferResponse.events``:
-        ``_relay_events``)."""
-        return self._replies(
-            req, headers, known, True, usage=usage, operation=operation, events=events
-        )
+        messages). ``wire``: how the client reads it, where a granted stream may come as
+        Triton's own bytes, passed on (``InferResponse.wire``): ``sse``, generate_stream's
+        events (``_relay_events``); ``grpc``, ModelStreamInfer's messages (``_relay``)."""
+        return self._replies(req, headers, known, True, usage=usage, operation=operation, wire=wire)
 
     def operation(
         self, name: str, model: str, headers: Mapping[str, str], started: float
@@ -384,14 +383,14 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int = 1,
-        events: bool = False,
+        wire: str = "",
     ) -> AsyncGenerator[InferResponse, None]:
         if self.traces is None:  # tracing off: the request's own generator, nothing more
             return self._handle(
                 req, headers, known, streaming=streaming, usage=usage, requests=requests,
-                events=events,
+                wire=wire,
             )  # fmt: skip
-        return self._traced(req, headers, known, streaming, usage, operation, requests, events)
+        return self._traced(req, headers, known, streaming, usage, operation, requests, wire)
 
     async def _traced(
         self,
@@ -402,7 +401,7 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int,
-        events: bool,
+        wire: str,
     ) -> AsyncGenerator[InferResponse, None]:
         """``_handle`` inside the request's span (``Traces.request``): its tenant,
         priority and usage on it, and how it ended."""
@@ -419,7 +418,7 @@ class Gateway:
         )
         replies = self._handle(
             req, headers, known, streaming=streaming, usage=usage, requests=requests, span=span,
-            events=events,
+            wire=wire,
         )  # fmt: skip
         try:
             async with aclosing(replies):
@@ -443,7 +442,7 @@ class Gateway:
         usage: Usage | None = None,
         requests: int = 1,
         span: Span | None = None,
-        events: bool = False,
+        wire: str = "",
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
@@ -526,7 +525,7 @@ class Gateway:
                 grants += 1
                 replies = self._relay(
                     call, info, endpoint, answer, inbox, streaming, usage, report_usage, span,
-                    give_back=grants < STREAM_GRANTS, events=events,
+                    give_back=grants < STREAM_GRANTS, wire=wire,
                 )  # fmt: skip
                 async with aclosing(replies):
                     async for resp in replies:
@@ -690,7 +689,7 @@ class Gateway:
         span: Span | None = None,
         *,
         give_back: bool = True,
-        events: bool = False,
+        wire: str = "",
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module
@@ -702,9 +701,10 @@ class Gateway:
         instead (``Inbox.again``: it ends with nothing yielded and the inbox not done),
         to be granted to another Triton, unless ``give_back`` is false (its last grant:
         ``STREAM_GRANTS``). ``span``: the request's, where it is traced:
-        the call to Triton gets its own under it, whose context Triton gets. ``events``:
-        the client reads generate_stream's events: where Triton's own can serve it, they
-        are read and passed on (``_relay_events``)."""
+        the call to Triton gets its own under it, whose context Triton gets. ``wire``:
+        the client's protocol (``stream_infer``): where Triton's own bytes serve it, they
+        are read and passed on, generate_stream's events (``_relay_events``) or
+        ModelStreamInfer's messages, parsed but not decoded (``raw``)."""
         req = call.request
         # Its tokens counted from what each response says it carries, where the model
         # says (``token_count_output``); the client sees that output only if it asked.
@@ -717,7 +717,7 @@ class Gateway:
         body = None
         # Triton's own events serve the client where the shell has nothing to add to them
         # (usage, an empty final) and counts their tokens from an output of the model.
-        readable = events and triton.events is not None and count is not None
+        readable = wire == "sse" and triton.events is not None and count is not None
         if readable and not (report_usage or want_final or grant.sequence or packed.outputs):
             body = encode_generate_request(packed.inputs, packed.parameters, req.id)
         traced = None
@@ -741,6 +741,9 @@ class Gateway:
                 async for resp in replies:
                     yield resp
             return
+        # Triton's messages pass on to a gRPC client as they came, but for the count the
+        # client did not ask for; the shell parses them, and decodes only that count.
+        raw = wire == "grpc" and count is not None and not report_usage
         stream = triton.stream(
             req.model,
             req.version,
@@ -751,6 +754,7 @@ class Gateway:
             sequence=grant.sequence,
             stalled_s=stalled_s,
             traceparent=traceparent,
+            raw=raw,
         )
         stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
         inbox.on_revoke = stream.stop
@@ -763,6 +767,24 @@ class Gateway:
                                    give_back=give_back and not answered)  # fmt: skip
                     return  # given back
                 version = reply.version or version
+                if raw:
+                    assert count is not None
+                    msg = reply.message.infer_response
+                    said = output_tokens_said(msg, count)
+                    n = int(any(o.name == name for o in msg.outputs)) if said is None else said
+                    if n > 0:
+                        tally.add(n)
+                    if reply.final:
+                        inbox.end(version)
+                    data = reply.raw
+                    if hide:
+                        drop_output(msg, count)
+                        data = reply.message.SerializeToString()
+                    if not msg.outputs and not (reply.final and want_final):
+                        continue  # Triton's empty final: only for clients that asked
+                    answered = True
+                    yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
+                    continue
                 if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
                     # An engine streams one response per decode step; a whole answer in
                     # one response (its final and first: not streamed) counts in tokens.

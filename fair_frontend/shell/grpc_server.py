@@ -137,7 +137,10 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _door(self, name: str, generated: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if generated.request_streaming:  # ModelStreamInfer: already reads when it chooses
-            return generated._replace(request_deserializer=None)
+            serialize = generated.response_serializer
+            return generated._replace(
+                request_deserializer=None, response_serializer=partial(_passed_on, serialize)
+            )
         behaviour: Callable[[Any, Any], Awaitable[Any]]
         if name == "ModelInfer":
             behaviour = self._infer_door
@@ -355,9 +358,13 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             # Closed when this generator is (its stream ends): the request is cancelled
             # in the core at once, not when the generator is collected.
-            async with aclosing(self.gateway.stream_infer(req, headers, known)) as answers:
+            answers = self.gateway.stream_infer(req, headers, known, wire="grpc")
+            async with aclosing(answers):
                 async for resp in answers:
                     latest.saw(resp.quota)
+                    if resp.wire:  # Triton's own message, passed on (``_passed_on``)
+                        yield resp.wire
+                        continue
                     reply = service_pb2.ModelStreamInferResponse()
                     reply.infer_response.CopyFrom(grpc_codec.encode_infer(resp))
                     yield reply
@@ -395,6 +402,12 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
                 f"request too large: the message is {size} bytes, model '{model}' accepts "
                 f"at most {bound} (what its inputs can hold on the wire, and the framing)"
             )
+
+
+def _passed_on(serialize: Callable[[Any], bytes], reply: Any) -> bytes:
+    """A stream's reply on the wire: Triton's own message as it came (bytes: the shell
+    read it but changed nothing, ``Gateway._relay``), else the message made here."""
+    return reply if isinstance(reply, bytes) else serialize(reply)
 
 
 def max_message_bytes(config: Config) -> int:

@@ -395,13 +395,13 @@ class HttpShell:
         return with_quota(_generate_json(generate_error(MSG_NOT_ONE_RESPONSE)), quota)
 
     async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
-        replies = await self._generate_request(request, events=True)
+        replies = await self._generate_request(request, wire="sse")
         out = web.StreamResponse()
         try:
             try:
                 resp = await anext(replies)
                 with_quota(out, resp.quota)
-                first: bytes | None = resp.events or sse_event(encode_generate(resp))
+                first: bytes | None = resp.wire or sse_event(encode_generate(resp))
             except StopAsyncIteration:
                 first = None
             except FrontendError as err:
@@ -418,7 +418,7 @@ class HttpShell:
                 await out.write(first)
             try:
                 async for resp in replies:
-                    await out.write(resp.events or sse_event(encode_generate(resp)))
+                    await out.write(resp.wire or sse_event(encode_generate(resp)))
             except FrontendError as err:
                 await out.write(sse_event(generate_error(err.message)))
             await out.write_eof()
@@ -430,7 +430,7 @@ class HttpShell:
             await replies.aclose()
 
     async def _generate_request(
-        self, request: web.Request, *, events: bool = False
+        self, request: web.Request, *, wire: str = ""
     ) -> AsyncGenerator[InferResponse, None]:
         model, version = _model_version(request)
         gateway = self.gateway
@@ -446,7 +446,7 @@ class HttpShell:
         async with self.door.path(request, model, ahead) as p:
             info = await gateway.model_info(model)
             req = await p.decode(_decode_generate, model, version, info)
-        return gateway.stream_infer(req, p.headers, p.known, events=events)
+        return gateway.stream_infer(req, p.headers, p.known, wire=wire)
 
 
 def _decode_generate(body: bytes, model: str, version: str, info: ModelInfo) -> InferRequest:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import (
     InferenceServerException,
+    service_pb2,
 )
 from tritonclient.grpc import aio as grpcclient
 
@@ -38,6 +39,7 @@ from fair_frontend.triton.sse import TritonEvents
 from fair_frontend.triton.upstream import upstream_error, upstream_message_error
 from fair_frontend.triton.watchdog import Watchdog
 
+_STREAM_RESPONSE = service_pb2.ModelStreamInferResponse.FromString
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
 
@@ -50,6 +52,11 @@ class StreamReply:
     outputs: list[Tensor] = field(default_factory=list)
     final: bool = False
     error: FrontendError | None = None
+    # A stream read raw (``TritonForwarder.stream(raw=True)``): Triton's serialized
+    # ``ModelStreamInferResponse``, and that message parsed (``outputs`` stays empty:
+    # nothing is decoded into tensors).
+    raw: bytes = b""
+    message: Any = None
 
 
 def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
@@ -79,8 +86,11 @@ class TritonStream:
         timeout_s: float,
         stalled_s: float | None,
         reopen: Callable[[], Awaitable[Any]] | None = None,
+        *,
+        raw: bool = False,
     ) -> None:
         self._call = call
+        self._raw = raw
         # A call that never reached Triton (its channel was still reconnecting: a Triton
         # the core saw come back a moment ago) is made once more, once the channel is up.
         self._reopen = reopen
@@ -112,8 +122,9 @@ class TritonStream:
                 if first is None:
                     return
                 self._call = first
-            async for reply in self._call:
+            async for got in self._call:
                 watch.progress()
+                reply = _STREAM_RESPONSE(got) if self._raw else got
                 if reply.error_message:
                     yield StreamReply(error=upstream_message_error(reply.error_message))
                     return
@@ -124,11 +135,10 @@ class TritonStream:
                     else False
                 )
                 watch.hold()
-                yield StreamReply(
-                    version=r.model_version,
-                    outputs=grpc_codec.decode_outputs(r),
-                    final=final,
-                )
+                if self._raw:
+                    yield StreamReply(r.model_version, [], final, None, got, reply)
+                else:
+                    yield StreamReply(r.model_version, grpc_codec.decode_outputs(r), final)
                 if final:
                     return
                 watch.progress()  # asked for the next response: the wait for Triton
@@ -179,6 +189,7 @@ class TritonForwarder:
         self.events = (
             TritonEvents(http_url, request_timeout_s=request_timeout_s) if http_url else None
         )
+        self._raw_method: Any = None  # ``_raw_stream``, made on first use
         self._client = grpcclient.InferenceServerClient(
             url,
             channel_args=[
@@ -247,22 +258,25 @@ class TritonForwarder:
         *,
         stalled_s: float | None = None,
         traceparent: str = "",
+        raw: bool = False,
     ) -> TritonStream:
         """One request to a decoupled model: its responses (``TritonStream``); a consumer
         that holds one for ``stalled_s`` has the request cancelled. tritonclient's aio
         client refuses ``triton_`` parameters, so this one call uses the generated stub.
-        ``traceparent``: as for ``infer``."""
+        ``traceparent``: as for ``infer``. ``raw``: each response as Triton serialized it
+        (``StreamReply.raw``), parsed but not decoded, for a caller that passes it on."""
         msg = grpc_codec.encode_request(
             model, version, request_id, inputs, outputs, parameters, sequence
         )
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
         metadata = (("traceparent", traceparent),) if traceparent else None
-        call = self.stub.ModelStreamInfer(iter([msg]), metadata=metadata)
+        method = self._raw_stream() if raw else self.stub.ModelStreamInfer
+        call = method(iter([msg]), metadata=metadata)
 
         async def reopen() -> Any:
             # The channel is reconnecting (a backoff of at most 1 s): this call waits for
             # it, up to REOPEN_WAIT_S, rather than failing fast as the first did.
-            again = self.stub.ModelStreamInfer(iter([msg]), metadata=metadata, wait_for_ready=True)
+            again = method(iter([msg]), metadata=metadata, wait_for_ready=True)
             try:
                 await asyncio.wait_for(again.wait_for_connection(), REOPEN_WAIT_S)
             except TimeoutError:
@@ -273,7 +287,17 @@ class TritonForwarder:
                 ) from None
             return again
 
-        return TritonStream(call, self.request_timeout_s, stalled_s, reopen)
+        return TritonStream(call, self.request_timeout_s, stalled_s, reopen, raw=raw)
+
+    def _raw_stream(self) -> Any:
+        """``ModelStreamInfer`` on the client's channel, its responses left serialized."""
+        if self._raw_method is None:
+            self._raw_method = self._client._channel.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=None,
+            )
+        return self._raw_method
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """A non-infer call of tritonclient's aio client, errors mapped."""
