@@ -27,9 +27,13 @@ with its ``stream_interval`` set, vLLM's); the clients ask each response for its
 count (``return_num_output_tokens``) and count tokens, not events; results in
 ``relay_intervalN.json``.
 
+``--first-tokens N``: also each target's time to first token at c=1 (N requests of 4
+tokens one after another, from a client process of its own, after 5 to warm up): p50 and
+p90, and the frontends' p50 over direct's (issue 31's target: at most +1 ms).
+
     .venv/bin/python -m benchmarks.bench_relay [--protocols grpc http] [--streams 64]
         [--tokens 256] [--workers 1 2] [--ref REF] [--warmup-s 10] [--window-s 30] [--quick]
-        [--stream-interval N]
+        [--stream-interval N] [--first-tokens N]
 """
 
 from __future__ import annotations
@@ -160,11 +164,54 @@ async def http_stream(
         count.requests += 1
 
 
+async def first_tokens(protocol: str, url: str, headers: Any, n: int) -> list[float]:
+    """``n`` requests one after another (4 tokens each), each one's time from its send to
+    its first token at this client, in seconds: time to first token at c=1."""
+    times: list[float] = []
+    if protocol == "grpc":
+        client = grpcaio.InferenceServerClient(url)
+        try:
+            for _ in range(n):
+
+                async def one() -> AsyncIterator[dict[str, Any]]:
+                    yield {"model_name": MODEL, "inputs": llm_inputs(PROMPT, 4)}
+
+                sent, first = time.monotonic(), None
+                async for _result, error in client.stream_infer(one(), headers=headers):
+                    if error is not None:
+                        raise RuntimeError(f"stream error: {error}")
+                    first = first or time.monotonic()
+                assert first is not None
+                times.append(first - sent)
+        finally:
+            await client.close()
+        return times
+    import aiohttp
+
+    body = json.dumps({"text_input": PROMPT, "stream": True, "sampling_parameters": sampling(4)})
+    async with aiohttp.ClientSession() as session:
+        for _ in range(n):
+            sent, first = time.monotonic(), None
+            target = f"{url}/v2/models/{MODEL}/generate_stream"
+            async with session.post(target, data=body, headers=headers) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        first = first or time.monotonic()
+            assert first is not None, resp.status
+            times.append(first - sent)
+    return times
+
+
 async def client_main(protocol: str, url: str, key: str | None, load: dict[str, Any]) -> None:
     """Keep ``streams`` streams busy; print ``{"event": "start"}`` when the window opens
     and the window's counts when it closes (the parent samples CPU at both lines)."""
     count = Count()
     headers = {"x-api-key": key} if key else None
+    if load.get("ttft"):
+        await first_tokens(protocol, url, headers, 5)  # warm: connections, the model
+        times = await first_tokens(protocol, url, headers, load["ttft"])
+        print(json.dumps({"event": "ttft", "ttft_s": times}), flush=True)
+        return
     streams, tokens, every = load["streams"], load["tokens"], load.get("interval", 1)
     async with contextlib.AsyncExitStack() as stack:
         if protocol == "grpc":
@@ -255,6 +302,18 @@ def run_window(
     return answer
 
 
+def run_ttft(protocol: str, url: str, key: str | None, n: int) -> dict[str, float]:
+    """Time to first token at c=1 at a client process of its own: p50 and p90, ms."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_relay", "--client", protocol, "--url", url]
+    cmd += ["--load", json.dumps({"ttft": n})] + (["--key", key] if key else [])
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=60 + n, check=True)
+    times = sorted(json.loads(out.stdout.strip().splitlines()[-1])["ttft_s"])
+    return {
+        "ttft_p50_ms": 1e3 * times[len(times) // 2],
+        "ttft_p90_ms": 1e3 * times[int(len(times) * 0.9)],
+    }
+
+
 # ---- the targets -----------------------------------------------------------------------------
 
 
@@ -297,6 +356,10 @@ def report(name: str, protocol: str, r: dict[str, Any]) -> None:
             )
     if "cpu_vs_relay" in r:
         line += f", {r['cpu_vs_relay']:.2f}x the relay's"
+    if "ttft_p50_ms" in r:
+        line += f"; TTFT at c=1 p50 {r['ttft_p50_ms']:.2f} ms"
+        if "ttft_p50_over_direct_ms" in r:
+            line += f" ({r['ttft_p50_over_direct_ms']:+.2f} over direct)"
     progress(line)
 
 
@@ -309,6 +372,8 @@ def compare(runs: dict[str, dict[str, Any]], name: str) -> None:
     r["tokens_per_s_vs_direct"] = r["tokens_per_s"] / runs["direct"]["tokens_per_s"]
     if name != "relay":
         r["cpu_vs_relay"] = r["cpu_us_per_token"] / runs["relay"]["cpu_us_per_token"]
+    if "ttft_p50_ms" in r:
+        r["ttft_p50_over_direct_ms"] = r["ttft_p50_ms"] - runs["direct"]["ttft_p50_ms"]
 
 
 def measure_all(
@@ -324,6 +389,8 @@ def measure_all(
     for p in protocols:
         progress(f"{p}: Triton direct, {what}")
         out[p]["direct"] = run_window(p, direct_url[p], None, load, None)
+        if load.get("first_tokens"):
+            out[p]["direct"] |= run_ttft(p, direct_url[p], None, load["first_tokens"])
         compare(out[p], "direct")
         report("direct", p, out[p]["direct"])
     for p in protocols:
@@ -345,6 +412,8 @@ def measure_all(
                     progress(f"{p}: {name}, --workers {w}, {what}")
                     try:
                         out[p][key] = run_window(p, urls[p], KEY, load, fe.process.pid)
+                        if load.get("first_tokens"):
+                            out[p][key] |= run_ttft(p, urls[p], KEY, load["first_tokens"])
                     except (RuntimeError, TimeoutError) as err:  # an earlier ref may lack it
                         out[p][key] = {"error": str(err)}
                     out[p][key]["workers"] = w
@@ -460,6 +529,12 @@ def main() -> None:
         default=1,
         help="tokens per response of llm (its stream_interval; a copy of the model so set)",
     )
+    parser.add_argument(
+        "--first-tokens",
+        type=int,
+        default=0,
+        help="also time to first token at c=1 over this many requests, per target",
+    )
     parser.add_argument("--client", choices=PROTOCOLS, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
@@ -476,6 +551,7 @@ def main() -> None:
         "warmup_s": args.warmup_s,
         "window_s": args.window_s,
         "interval": args.stream_interval,
+        "first_tokens": args.first_tokens,
     }
     with contextlib.ExitStack() as stack:
         repo = stack.enter_context(interval_repository(args.stream_interval))

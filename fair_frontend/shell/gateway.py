@@ -78,7 +78,7 @@ from fair_frontend.tokens import (
     without_output,
 )
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
-from fair_frontend.triton.forwarder import TritonForwarder
+from fair_frontend.triton.forwarder import TritonForwarder, TritonStream
 from fair_frontend.triton.sse import SseStream
 from fair_frontend.triton.upstream import upstream_message_error
 from fair_frontend.usage import INCLUDE_USAGE, Usage
@@ -756,8 +756,7 @@ class Gateway:
             traceparent=traceparent,
             raw=raw,
         )
-        stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
-        inbox.on_revoke = stream.stop
+        _watched(stream, inbox)
         name = endpoint.token_output
         answered = False  # anything yielded to the client: the stream cannot be replayed
         try:
@@ -839,8 +838,7 @@ class Gateway:
         response: generate_stream ends with it)."""
         req = call.request
         counts, strip = _count_patterns(count)
-        stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
-        inbox.on_revoke = stream.stop
+        _watched(stream, inbox)
         answered = False
         try:
             async for got in stream:
@@ -1343,6 +1341,13 @@ class _Tally:
         if self.traced is not None:
             self.traced.set_attribute("gen_ai.usage.output_tokens", self.produced)
             self.traced.end()
+
+
+def _watched(stream: TritonStream | SseStream, inbox: Inbox) -> None:
+    """A granted stream and its slot, tied: a stop from either side ends both at once
+    (the watchdog's or the core's revoke)."""
+    stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once
+    inbox.on_revoke = stream.stop
 
 
 def _stream_failed(

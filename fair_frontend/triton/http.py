@@ -32,8 +32,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import grpc
@@ -51,6 +51,7 @@ from fair_frontend.protocol import (
 from fair_frontend.triton.upstream import upstream_error
 
 log = logging.getLogger(__name__)
+P = TypeVar("P", bound=asyncio.Protocol)
 
 HEADER_LENGTH = "inference-header-content-length"
 MAX_IDLE_CONNECTIONS = 16
@@ -134,15 +135,32 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def address(url: str) -> tuple[str, int]:
+    """(host, port) of Triton's HTTP endpoint, given as ``host:port`` or ``http://host:port``."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"Triton's HTTP address must be host:port, got {url!r}")
+    return parts.hostname, parts.port
+
+
+async def dial(factory: Callable[[], P], host: str, port: int) -> P:
+    """A new connection's protocol; ``Unavailable(never_sent=True)`` where none was made."""
+    loop = asyncio.get_running_loop()
+    try:
+        _, conn = await loop.create_connection(factory, host, port)
+    except OSError as err:
+        raise Unavailable(
+            f"Triton is unavailable: failed to connect to {host}:{port}: {err.strerror or err}",
+            never_sent=True,
+        ) from None
+    return conn
+
+
 class TritonHttp:
     """``infer`` over Triton's HTTP endpoint (``http://host:port``)."""
 
     def __init__(self, url: str, *, request_timeout_s: float = 60.0) -> None:
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.hostname is None or parts.port is None:
-            raise ValueError(f"Triton's HTTP address must be host:port, got {url!r}")
-        self.host = parts.hostname
-        self.port = parts.port
+        self.host, self.port = address(url)
         self.request_timeout_s = request_timeout_s
         self._idle: list[_Connection] = []
 
@@ -152,16 +170,7 @@ class TritonHttp:
         self._idle.clear()
 
     async def _connect(self) -> _Connection:
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await loop.create_connection(_Connection, self.host, self.port)
-        except OSError as err:
-            raise Unavailable(
-                f"Triton is unavailable: failed to connect to {self.host}:{self.port}: "
-                f"{err.strerror or err}",
-                never_sent=True,
-            ) from None
-        return conn
+        return await dial(_Connection, self.host, self.port)
 
     async def infer(
         self,

@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from fair_frontend.errors import FrontendError, Unavailable
-from fair_frontend.triton.http import error_of
+from fair_frontend.triton.http import address, dial, error_of
 from fair_frontend.triton.watchdog import Watchdog
 
 MAX_IDLE = 64  # kept-alive connections per Triton, for the streams to come
@@ -223,11 +223,7 @@ class TritonEvents:
     """Streams to one Triton's generate extension (``http://host:port``)."""
 
     def __init__(self, url: str, *, request_timeout_s: float = 60.0) -> None:
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.hostname is None or parts.port is None:
-            raise ValueError(f"Triton's HTTP address must be host:port, got {url!r}")
-        self.host = parts.hostname
-        self.port = parts.port
+        self.host, self.port = address(url)
         self.request_timeout_s = request_timeout_s
         self._idle: list[_EventConnection] = []
         self.connections = 0  # made (tests and benchmarks read it: kept-alive ones reused)
@@ -265,15 +261,7 @@ class TritonEvents:
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 conn.send(request)
                 return conn, True
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await loop.create_connection(_EventConnection, self.host, self.port)
-        except OSError as err:
-            raise Unavailable(
-                f"Triton is unavailable: failed to connect to {self.host}:{self.port}: "
-                f"{err.strerror or err}",
-                never_sent=True,
-            ) from None
+        conn = await dial(_EventConnection, self.host, self.port)
         self.connections += 1
         conn.send(request)
         return conn, False
