@@ -451,6 +451,9 @@ def encode_request(
     return msg
 
 
+_ONE_INT = {"INT32": 4, "INT64": 8, "UINT32": 4, "UINT64": 8}  # bytes of one element
+
+
 def output_tokens_said(msg: service_pb2.ModelInferResponse, name: str) -> int | None:
     """The sum of output ``name`` of a response left serialized until now (a count the
     model gives, ``token_count_output``), decoding that output alone; None without it."""
@@ -458,6 +461,13 @@ def output_tokens_said(msg: service_pb2.ModelInferResponse, name: str) -> int | 
         if spec.name == name:
             raw = msg.raw_output_contents
             shape = tuple(spec.shape)
+            if (
+                i < len(raw)
+                and spec.datatype in _ONE_INT
+                and len(raw[i]) == _ONE_INT[spec.datatype]
+            ):
+                # One integer, the usual count: read as it is, no array for it.
+                return max(0, int.from_bytes(raw[i], "little", signed=spec.datatype[0] == "I"))
             if i < len(raw):
                 t = tensor_from_raw(name, spec.datatype, shape, raw[i])
             else:

@@ -303,3 +303,34 @@ def test_a_request_json_cannot_carry_goes_over_grpc(bad: float) -> None:
     assert encode_generate_request([raw], {}, "") is None
     nul = Tensor("text_input", "BYTES", (1,), np.array([b"a\x00"], dtype=object))
     assert encode_generate_request([nul], {}, "") is None
+
+
+def test_a_grpc_response_left_serialized_gives_its_count_and_drops_it() -> None:
+    """What the shell reads of Triton's ModelStreamInfer messages it passes on: the count
+    output alone (one integer read as it is, a longer one summed, a negative one as 0),
+    and that output taken out with its raw contents, nothing else."""
+    import struct
+
+    from tritonclient.grpc import service_pb2
+
+    from fair_frontend.grpc_codec import drop_output, output_tokens_said
+
+    msg = service_pb2.ModelInferResponse(model_name="llm")
+    msg.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+    msg.raw_output_contents.append(b"\x01\x00\x00\x00a")
+    count = msg.outputs.add(name="num_output_tokens", datatype="INT32", shape=[1])
+    msg.raw_output_contents.append(struct.pack("<i", 4))
+    assert output_tokens_said(msg, "num_output_tokens") == 4
+    msg.raw_output_contents[1] = struct.pack("<i", -3)
+    assert output_tokens_said(msg, "num_output_tokens") == 0
+    count.datatype = "UINT64"
+    msg.raw_output_contents[1] = struct.pack("<Q", 2**40)
+    assert output_tokens_said(msg, "num_output_tokens") == 2**40
+    count.datatype, count.shape[:] = "INT32", [2]
+    msg.raw_output_contents[1] = struct.pack("<ii", 2, 3)
+    assert output_tokens_said(msg, "num_output_tokens") == 5
+    assert output_tokens_said(msg, "text_output_length") is None
+    drop_output(msg, "num_output_tokens")
+    assert [o.name for o in msg.outputs] == ["text_output"]
+    assert list(msg.raw_output_contents) == [b"\x01\x00\x00\x00a"]
+    assert output_tokens_said(msg, "num_output_tokens") is None
