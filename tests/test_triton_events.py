@@ -23,6 +23,7 @@ from fair_frontend.errors import FrontendError, StalledStream, Unavailable
 from fair_frontend.shell.gateway import _count_patterns, _event_error
 from fair_frontend.shell.process import forwarders
 from fair_frontend.triton.sse import Events, TritonEvents, _EventConnection
+from fair_frontend.triton.watchdog import NoProgress
 from fair_frontend.wire.records import Settings
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
@@ -334,3 +335,41 @@ def test_a_grpc_response_left_serialized_gives_its_count_and_drops_it() -> None:
     assert [o.name for o in msg.outputs] == ["text_output"]
     assert list(msg.raw_output_contents) == [b"\x01\x00\x00\x00a"]
     assert output_tokens_said(msg, "num_output_tokens") is None
+
+
+async def test_a_consumer_that_holds_an_event_past_stalled_s_has_the_stream_stopped() -> None:
+    """Its client stopped reading: after ``stalled_s`` the request is cancelled in Triton
+    (the connection closed) and the slot's owner hears of it at once, not at the next read."""
+    closed = asyncio.Event()
+
+    async def answer(n: int, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        w.write(CHUNKED)
+        for _ in range(50):
+            w.write(b"%x\r\n%s\r\n" % (len(event("a")), event("a")))
+        await w.drain()
+        await r.read()
+        closed.set()
+        return False
+
+    async with stand_in(answer) as url:
+        stream = TritonEvents(url).stream("llm", "", b"{}", stalled_s=0.3)
+        heard: list[FrontendError] = []
+        stream.on_stop = heard.append
+        items = aiter(stream)
+        assert (await anext(items)).data.startswith(event("a"))
+        await asyncio.wait_for(closed.wait(), 10)  # held, not read: stopped in ~0.3-0.4 s
+        assert len(heard) == 1 and isinstance(heard[0], StalledStream)
+        assert (await anext(items)).error is heard[0]
+        await stream.aclose()
+
+
+async def test_a_triton_silent_for_request_timeout_s_ends_the_stream() -> None:
+    async def answer(n: int, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        w.write(CHUNKED)  # the head, then nothing
+        await w.drain()
+        await r.read()
+        return False
+
+    async with stand_in(answer) as url:
+        got = await collect(TritonEvents(url, request_timeout_s=0.3))
+    assert len(got) == 1 and isinstance(got[0].error, NoProgress)

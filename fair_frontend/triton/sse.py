@@ -341,9 +341,15 @@ class SseStream:
                 yield Events(error=error_of(conn.status, body))
                 return
             while (data := await conn.take()) is not None:
+                if self.stopped is not None:  # what came before the stop is not passed on
+                    yield Events(error=self.stopped)
+                    return
                 watch.hold()
                 yield Events(data)
                 watch.progress()  # asked for more: the wait for Triton
+            if self.stopped is not None:
+                yield Events(error=self.stopped)
+                return
             self._client._release(conn)
             conn = None
         except _Dropped:
