@@ -44,7 +44,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +69,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import default_model_repository, free_port
+from fair_frontend.embedded import free_port, llm_with_stream_interval
 
 MODEL = "llm"
 PROMPT = "a tenant asks the engine for a story about"
@@ -499,18 +498,7 @@ def interval_repository(interval: int) -> Iterator[Path | None]:
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="fair-relay-") as tmp:
-        repo = Path(tmp)
-        shutil.copytree(default_model_repository() / MODEL, repo / MODEL)
-        config = repo / MODEL / "config.pbtxt"
-        text, n = re.subn(
-            r'(key: "stream_interval", value: \{ string_value: )"1"',
-            rf'\1"{interval}"',
-            config.read_text(),
-        )
-        if n != 1:
-            raise RuntimeError(f"{config}: no stream_interval parameter to set")
-        config.write_text(text)
-        yield repo
+        yield llm_with_stream_interval(Path(tmp), interval)
 
 
 def main() -> None:

@@ -191,6 +191,22 @@ def default_model_repository() -> Path:
     return repo
 
 
+def llm_with_stream_interval(dest: Path, interval: int) -> Path:
+    """A model repository in ``dest`` holding a copy of the shipped ``llm`` that sends up to
+    ``interval`` tokens per streamed response (its ``stream_interval``, vLLM's); ``dest``."""
+    shutil.copytree(default_model_repository() / "llm", dest / "llm")
+    config = dest / "llm" / "config.pbtxt"
+    text, n = re.subn(
+        r'(key: "stream_interval", value: \{ string_value: )"1"',
+        rf'\1"{interval}"',
+        config.read_text(),
+    )
+    if n != 1:
+        raise RuntimeError(f"{config}: no stream_interval parameter to set")
+    config.write_text(text)
+    return dest
+
+
 def process_group_members(pgid: int) -> list[int]:
     """Live (non-zombie) pids whose process group is ``pgid``, from ``/proc``."""
     members = []

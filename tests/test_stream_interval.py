@@ -11,8 +11,6 @@ model's: the count output reaches only a client that asked for it.
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +20,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.embedded import (
+    EmbeddedTriton,
+    default_model_repository,
+    llm_with_stream_interval,
+)
 from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, llm_inputs, make_config, running_frontend
 
@@ -35,16 +37,7 @@ SETTLE_S = 60.0
 
 @pytest.fixture(scope="module")
 def interval_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(default_model_repository() / "llm", repo / "llm")
-    config = repo / "llm" / "config.pbtxt"
-    text, n = re.subn(
-        r'(key: "stream_interval", value: \{ string_value: )"1"',
-        rf'\1"{INTERVAL}"',
-        config.read_text(),
-    )
-    assert n == 1, "the shipped llm config names its stream_interval"
-    config.write_text(text)
+    repo = llm_with_stream_interval(tmp_path_factory.mktemp("repo"), INTERVAL)
     with EmbeddedTriton(repo) as triton:
         yield triton
 
