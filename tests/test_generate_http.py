@@ -234,13 +234,31 @@ def test_llm_streams_are_tritons_own_events_on_kept_alive_connections(triton) ->
             assert direct[:2] == (200, SSE), direct
             assert through == direct
             assert direct[2].count(b"data: ") == 6 and b"num_output_tokens" not in direct[2]
-        assert events.connections == 1
-        # Every token counted from the count the shell asked the model for (and took out).
+        assert (events.streams, events.connections) == (3, 1)
+        # An OpenAI chat stream reads the same events (its text taken from each).
+        status, ctype, chat = post(
+            fe.http_url,
+            "/v1/chat/completions",
+            {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+             "max_tokens": 6, "temperature": 0},
+            KEY,
+        )  # fmt: skip
+        assert (status, ctype.split(";")[0]) == (200, "text/event-stream"), chat
+        assert chat.endswith(b"data: [DONE]\n\n"), chat
+        assert (events.streams, events.connections) == (4, 1)
+        texts = [
+            json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+            for line in chat.split(b"\n\n")
+            if line.startswith(b"data: {")
+        ]
+        assert "".join(texts)
+        # Every token counted from the count the shell asked the model for (and took out
+        # where the client did not ask for it): 3 streams and the chat, 6 tokens each.
         deadline = time.monotonic() + 30
-        while metric_sum(fe, "fair_output_tokens_total", tenant="hooli") < before + 18:
+        while metric_sum(fe, "fair_output_tokens_total", tenant="hooli") < before + 24:
             assert time.monotonic() < deadline, "the streams' tokens never reached the core"
             time.sleep(0.02)
-        assert metric_sum(fe, "fair_output_tokens_total", tenant="hooli") == before + 18
+        assert metric_sum(fe, "fair_output_tokens_total", tenant="hooli") == before + 24
 
 
 def test_an_llm_client_that_asks_for_the_count_gets_it(triton, frontend) -> None:  # type: ignore[no-untyped-def]

@@ -94,7 +94,9 @@ class ApiRoutes:
         usage = Usage()
         output = endpoint.token_output
         assert output is not None  # engine_request checked it
-        replies = gateway.stream_infer(req, p.headers, p.known, usage=usage, operation=operation)
+        replies = gateway.stream_infer(
+            req, p.headers, p.known, usage=usage, operation=operation, wire="events"
+        )
         try:
             if gen.stream:
                 return await self._stream(request, gen, replies, usage, output)
@@ -409,10 +411,22 @@ def _headers(request: web.Request) -> dict[str, str]:
 
 
 def _text(resp: InferResponse, output: str) -> str:
+    """The text a response carries in ``output``: one or more of Triton's generate events
+    (``InferResponse.wire``: the texts of those that came together, as one), else its
+    tensors."""
+    if resp.wire:
+        return "".join(_event_text(e, output) for e in resp.wire.split(b"\n\n") if e)
     for t in resp.outputs:
         if t.name == output:
             return "".join(text_of(e) for e in t.data.flat)
     return ""
+
+
+def _event_text(event: bytes, output: str) -> str:
+    """``output`` of one of Triton's generate events (``data: {...}``): a string, or the
+    strings of a list, joined (text that is not UTF-8 replaced, as ``text_of`` does)."""
+    value = json.loads(event[len(b"data: ") :].decode("utf-8", errors="replace")).get(output, "")
+    return "".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 async def _token_ids(

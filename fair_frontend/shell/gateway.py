@@ -360,7 +360,9 @@ class Gateway:
         ``usage`` and ``operation``: as for ``infer`` (a stream's, found once for all its
         messages). ``wire``: how the client reads it, where a granted stream may come as
         Triton's own bytes, passed on (``InferResponse.wire``): ``sse``, generate_stream's
-        events (``_relay_events``); ``grpc``, ModelStreamInfer's messages (``_relay``)."""
+        events (``_relay_events``); ``grpc``, ModelStreamInfer's messages (``_relay``);
+        ``events``, the same events for a caller that reads them itself (the OpenAI routes,
+        which take the text of each and ignore the rest)."""
         return self._replies(req, headers, known, True, usage=usage, operation=operation, wire=wire)
 
     def operation(
@@ -716,9 +718,11 @@ class Gateway:
         triton = self.tritons[grant.backend]
         body = None
         # Triton's own events serve the client where the shell has nothing to add to them
-        # (usage, an empty final) and counts their tokens from an output of the model.
-        readable = wire == "sse" and triton.events is not None and count is not None
-        if readable and not (report_usage or want_final or grant.sequence or packed.outputs):
+        # (usage, an empty final) and counts their tokens from an output of the model; a
+        # reader of its own (``events``) picks the outputs it reads from them.
+        readable = wire in ("sse", "events") and triton.events is not None and count is not None
+        named = wire == "sse" and bool(packed.outputs)  # generate cannot name outputs
+        if readable and not (report_usage or want_final or grant.sequence or named):
             body = encode_generate_request(packed.inputs, packed.parameters, req.id)
         traced = None
         if span is not None and call.traceparent:
@@ -734,6 +738,7 @@ class Gateway:
             upstream = triton.events.stream(
                 req.model, req.version, body, stalled_s=stalled_s, traceparent=traceparent
             )
+            hide = hide and wire == "sse"  # (the other reader never looks at the count)
             replies = self._relay_events(
                 call, grant, inbox, upstream, count, hide, version, tally, give_back
             )

@@ -226,7 +226,9 @@ class TritonEvents:
         self.host, self.port = address(url)
         self.request_timeout_s = request_timeout_s
         self._idle: list[_EventConnection] = []
-        self.connections = 0  # made (tests and benchmarks read it: kept-alive ones reused)
+        # Streams sent, and connections made for them (tests and benchmarks read them).
+        self.streams = 0
+        self.connections = 0
 
     async def close(self) -> None:
         for conn in self._idle:
@@ -252,6 +254,7 @@ class TritonEvents:
             f"POST {path}/generate_stream HTTP/1.1\r\nHost: triton\r\n"
             f"Content-Type: application/json\r\n{trace_head}Content-Length: {len(body)}\r\n\r\n"
         ).encode()
+        self.streams += 1
         return SseStream(self, head + body, self.request_timeout_s, stalled_s)
 
     async def _open(self, request: bytes, fresh: bool) -> tuple[_EventConnection, bool]:
