@@ -88,9 +88,12 @@ async def stream_once(url: str, tenant: str, sampling: dict[str, Any]) -> tuple[
         async for result, error in client.stream_infer(one(), headers={"x-api-key": KEYS[tenant]}):
             if error is not None:
                 return tokens, error
-            if result.get_response().parameters["triton_final_response"].bool_param:
+            response = result.get_response()
+            tokens += bool(response.outputs)  # a token (an empty final response has none)
+            # Triton marks the last response final (the llm's last token, as Triton sends
+            # it); a stream of replies built by the frontend may not mark it, and ends.
+            if response.parameters["triton_final_response"].bool_param:
                 break
-            tokens += 1
     finally:
         await client.close()
     return tokens, None

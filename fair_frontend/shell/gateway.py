@@ -835,12 +835,13 @@ class Gateway:
         tally: _Tally,
         give_back: bool,
     ) -> AsyncGenerator[InferResponse, None]:
-        """``_relay`` for a client of generate_stream: Triton's own events, passed on as
-        they came (several in one write when they came together). The shell reads only
-        what it counts: each event's tokens (the ``count`` output, taken out where the
-        client did not ask for it; an event without it: one token), an error event
-        (Triton's last), the model version once, the end of the body (the final
-        response: generate_stream ends with it)."""
+        """``_relay`` for a client of generate_stream (or a reader in this shell that takes
+        the text of each event: the OpenAI routes, ``wire="events"``): Triton's own
+        events, passed on as they came (several at once when they came together). The
+        shell reads only what it counts: each event's tokens (the ``count`` output, taken
+        out where the client did not ask for it; an event without it: one token), an
+        error event (Triton's last), the model version once, the end of the body (the
+        final response: generate_stream ends with it)."""
         req = call.request
         counts, strip = _count_patterns(count)
         _watched(stream, inbox)
