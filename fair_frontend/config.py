@@ -718,12 +718,13 @@ class TritonBackend(_Strict):
 
     grpc_url: str = Field(
         description="This Triton's gRPC address, HOST:PORT (metadata, decoupled streams, and "
-        "batches where http_url is unset)."
+        "batches and generate streams where http_url is unset)."
     )
     http_url: str | None = Field(
         default=None,
         description="This Triton's HTTP address, e.g. http://host:8000: where set, its batches "
-        "go there (as triton.http_url does for a single Triton).",
+        "go there, and the streams whose clients read Triton's generate events (as "
+        "triton.http_url does for a single Triton).",
     )
     metrics_url: str | None = Field(
         default=None,
@@ -748,8 +749,11 @@ class Triton(_Strict):
     http_url: str | None = Field(
         default=None,
         description="Triton's HTTP address, e.g. http://localhost:8000: where set, batches go "
-        "there (an HTTP request costs the core a third of the CPU of a gRPC call); metadata "
-        "and decoupled streams stay on gRPC. up mode sets it to its own Triton.",
+        "there (an HTTP request costs the core a third of the CPU of a gRPC call), and so do "
+        "the streams of generate_stream and OpenAI clients of an endpoint that counts tokens "
+        "from the model (token_count_output): the shell reads Triton's own generate_stream "
+        "events and passes them on. Metadata and the other decoupled streams stay on gRPC. "
+        "up mode sets it to its own Triton.",
     )
     metrics_url: str | None = Field(
         default=None, description="Triton's Prometheus endpoint, e.g. http://localhost:8002/metrics"
