@@ -11,6 +11,7 @@ event). The real Triton's events, byte for byte, are ``tests/test_generate_http.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.embedded import free_port
 from fair_frontend.errors import FrontendError, StalledStream, Unavailable
-from fair_frontend.shell.gateway import _count_patterns, _event_error
+from fair_frontend.shell.gateway import _event_error, _EventCounts
 from fair_frontend.shell.process import forwarders
 from fair_frontend.triton.sse import Events, TritonEvents, _EventConnection
 from fair_frontend.triton.watchdog import NoProgress
@@ -256,20 +257,58 @@ async def test_a_stopped_stream_ends_with_its_reason_and_closes_the_connection()
 
 
 def test_the_count_is_read_and_taken_out_wherever_the_key_stands() -> None:
-    counts, strip = _count_patterns("num_output_tokens")
+    read = _EventCounts("num_output_tokens")
     events = (
         event("a", 4)
         + b'data: {"num_output_tokens":[3],"text_output":"b"}\n\n'
         # the key's text inside a string is not the key (its quotes are escaped there)
         + b'data: {"model_name":"llm","num_output_tokens":1,'
         b'"text_output":"\\"num_output_tokens\\":9"}\n\n'
+        + b'data: {"text_output":"no count: one token"}\n\n'
     )
-    assert [int(x) for x in counts.findall(events)] == [4, 3, 1]
-    assert strip.sub(b"", events) == (
+    assert read(events, hide=False) == (4 + 3 + 1 + 1, events)
+    assert read(events, hide=True) == (
+        9,
         b'data: {"model_name":"llm","model_version":"1","text_output":"a"}\n\n'
         b'data: {"text_output":"b"}\n\n'
         b'data: {"model_name":"llm","text_output":"\\"num_output_tokens\\":9"}\n\n'
+        b'data: {"text_output":"no count: one token"}\n\n',
     )
+
+
+# An event as Triton writes it: its outputs in order, the count among them (bare or a
+# one-element list, any value, first, between or last), texts that may spell the key.
+_texts = st.sampled_from(["a", " b", '\\"num_output_tokens\\":1,', "1,", "", "\\n"])
+_counts = st.one_of(
+    st.none(),
+    st.integers(-2, 40).map(str),
+    st.integers(0, 9).map(lambda n: f"[{n}]"),
+    st.just("1"),
+)
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> bytes:
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        fields = ['"model_name":"llm"', f'"text_output":"{draw(_texts)}"']
+        count = draw(_counts)
+        if count is not None:
+            fields.insert(draw(st.integers(0, 2)), f'"num_output_tokens":{count}')
+        out.append(("data: {" + ",".join(fields) + "}\n\n").encode())
+    return b"".join(out)
+
+
+@settings(max_examples=300)
+@given(_events(), st.booleans())
+def test_a_token_per_event_is_read_as_the_patterns_read_it(events: bytes, hide: bool) -> None:
+    """The one-per-event path (two scans) reads and strips exactly as the patterns do,
+    whatever the events: it is taken only where it can be."""
+    read = _EventCounts("num_output_tokens")
+    assert read(events, hide) == read.general(events, hide)
+    n, _ = read(events, hide)
+    each = [json.loads(e[len(b"data: ") :]) for e in events.split(b"\n\n") if e]
+    assert n == sum(max(0, int(str(e.get("num_output_tokens", 1)).strip("[]"))) for e in each)
 
 
 def test_an_error_event_gives_its_message() -> None:

@@ -843,7 +843,7 @@ class Gateway:
         error event (Triton's last), the model version once, the end of the body (the
         final response: generate_stream ends with it)."""
         req = call.request
-        counts, strip = _count_patterns(count)
+        tokens_in = _EventCounts.of(count)
         _watched(stream, inbox)
         answered = False
         try:
@@ -861,12 +861,9 @@ class Gateway:
                 if data:
                     if not answered and (found := _VERSION.search(data)) is not None:
                         version = found[1].decode()
-                    said = counts.findall(data)
-                    n = sum(max(0, int(x)) for x in said) + data.count(b"\n\n") - len(said)
+                    n, data = tokens_in(data, hide)
                     if n > 0:
                         tally.add(n)
-                    if hide:
-                        data = strip.sub(b"", data)
                     answered = True
                     yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
                 if error is not None:
@@ -1385,15 +1382,44 @@ _ERROR_EVENT = b'data: {"error":'
 _VERSION = re.compile(rb'"model_version":"([^"\\]*)"')
 
 
-@functools.cache
-def _count_patterns(name: str) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
-    """The ``name`` output's count in an event (one element: Triton writes it bare, or as
-    a one-element list), and the whole key to take out of an event (with its comma)."""
-    key = re.escape(json.dumps(name).encode()) + rb":"
-    value = rb"(?:\[[^\]]*\]|-?\d+)"
-    return re.compile(key + rb"\[?(-?\d+)"), re.compile(
-        rb"," + key + value + rb"|" + key + value + rb",?"
-    )
+class _EventCounts:
+    """The tokens of whole events (``data: {...}\\n\\n``, one or more) by the ``name``
+    output's count in each (an event without it: one token), and the events with that
+    output taken out where the client did not ask for it. An engine that streams a token
+    per response writes a count of 1 before its text in every event: that case is read
+    in two scans of the bytes (``bytes.count``) and taken out in one (``bytes.replace``),
+    the rest goes through the patterns (``general``)."""
+
+    __slots__ = ("counts", "ones", "strip")
+
+    def __init__(self, name: str) -> None:
+        key = json.dumps(name).encode() + b":"
+        value = rb"(?:\[[^\]]*\]|-?\d+)"
+        # The count (one element: Triton writes it bare, or as a one-element list).
+        self.counts = re.compile(re.escape(key) + rb"\[?(-?\d+)")
+        # The whole key to take out (with its comma).
+        self.strip = re.compile(
+            rb"," + re.escape(key) + value + rb"|" + re.escape(key) + value + rb",?"
+        )
+        self.ones = key + b"1,"  # a count of one, a key after it
+
+    @staticmethod
+    @functools.cache
+    def of(name: str) -> _EventCounts:
+        return _EventCounts(name)
+
+    def __call__(self, data: bytes, hide: bool) -> tuple[int, bytes]:
+        events = data.count(b"\n\n")
+        # An event holds the key once at most (an object's keys are unique; inside a
+        # string its quotes are escaped): as many counts of one as events, one each.
+        if data.count(self.ones) == events:
+            return events, data.replace(self.ones, b"") if hide else data
+        return self.general(data, hide)
+
+    def general(self, data: bytes, hide: bool) -> tuple[int, bytes]:
+        said = self.counts.findall(data)
+        n = sum(max(0, int(x)) for x in said) + data.count(b"\n\n") - len(said)
+        return n, self.strip.sub(b"", data) if hide else data
 
 
 def _event_error(data: bytes) -> str:
