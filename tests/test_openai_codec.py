@@ -138,3 +138,49 @@ def test_a_tiers_top_priority_clamps_and_the_echo_says_so() -> None:
         make_config(tier_top_priority={"gold": 1})
     with pytest.raises(ValueError, match=r"tier_top_priority\.trial"):
         make_config(tier_top_priority={"trial": 99})
+
+
+_TEXT_KEY = "text_output"
+
+
+@st.composite
+def _generate_events(draw: st.DrawFn) -> tuple[bytes, list[str], bool]:
+    """Triton's generate events as its HTTP server writes them (UTF-8 as is, the text
+    among other outputs), the texts they carry, and whether each is an ASCII string."""
+    events, texts, plain = [], [], True
+    for _ in range(draw(st.integers(1, 5))):
+        text = draw(st.text(max_size=12) | st.sampled_from(['"text_output":"x"', "a\\", "\n"]))
+        as_list = draw(st.booleans()) and draw(st.booleans())
+        value: object = [text] if as_list else text
+        fields = {"model_name": "llm", "num_output_tokens": 1, _TEXT_KEY: value}
+        if draw(st.booleans()):
+            fields = dict(reversed(list(fields.items())))
+        written = json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+        events.append(b"data: " + written.encode() + b"\n\n")
+        texts.append(text)
+        plain = plain and not as_list and text.isascii()
+    return b"".join(events), texts, plain
+
+
+@given(_generate_events())
+def test_a_chunk_carries_tritons_own_json_of_the_text(found: tuple[bytes, list[str], bool]) -> None:
+    """The chat stream's chunk of events that came together carries their texts as
+    Triton's JSON wrote them (no decoding and encoding again): the same text as decoding
+    them gives, and it is taken only where each event's text is a string of ASCII."""
+    from fair_frontend.protocol import InferResponse
+    from fair_frontend.shell.api_http import _quoted, _text
+
+    events, texts, plain = found
+    quoted = _quoted(events, _TEXT_KEY)
+    assert (quoted is not None) == plain
+    if quoted is not None:
+        resp = InferResponse("llm", "1", "", [], {}, None, events)
+        assert json.loads(b'"' + quoted + b'"') == "".join(texts) == _text(resp, _TEXT_KEY)
+        gen = openai.chat_request(
+            {"model": "llm", "messages": [{"role": "user", "content": "x"}], "stream": True},
+            {},
+            make_config(),
+        )
+        head, tail = openai.token_events(gen)
+        chunk = json.loads((head + b'"' + quoted + b'"' + tail)[len(b"data: ") :])
+        assert chunk == openai.chunk(gen, "".join(texts))

@@ -16,8 +16,10 @@ the event loop when large. Nothing is parsed for a model the tenant may not call
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
+import re
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -155,6 +157,11 @@ class ApiRoutes:
                 resp = pending.pop() if pending else await anext(replies, None)
                 if resp is None:
                     break
+                quoted = _quoted(resp.wire, output) if resp.wire and not scanner.stops else None
+                if quoted is not None:  # Triton's own JSON of the text, as it came
+                    if quoted:
+                        await out.write(b'%s"%s"%s' % (around[0], quoted, around[1]))
+                    continue
                 text = scanner.feed(_text(resp, output))
                 if text:
                     await out.write(openai.token_event(around, text))
@@ -420,6 +427,26 @@ def _text(resp: InferResponse, output: str) -> str:
         if t.name == output:
             return "".join(text_of(e) for e in t.data.flat)
     return ""
+
+
+def _quoted(events: bytes, output: str) -> bytes | None:
+    """``output``'s text in Triton's generate events (``InferResponse.wire``) as JSON
+    writes it inside a string, those of all the events joined (a chunk's text, quotes
+    added), where each event carries it as a string of ASCII: no decoding and encoding
+    again per token. Else None: ``_text`` decodes them (a list, text that is not UTF-8,
+    whose replacement characters JSON then writes as Python does)."""
+    found = _string_pattern(output).findall(events)
+    if len(found) != events.count(b"\n\n"):
+        return None
+    joined = b"".join(found)
+    return joined if joined.isascii() else None
+
+
+@functools.cache
+def _string_pattern(output: str) -> re.Pattern[bytes]:
+    """``"output":"..."``: the string's bytes, escapes and all (in a string, a quote is
+    escaped: the key's text there is not the key)."""
+    return re.compile(re.escape(json.dumps(output).encode()) + rb':"((?:[^"\\]|\\.)*)"')
 
 
 def _event_text(event: bytes, output: str) -> str:
