@@ -31,9 +31,14 @@ count (``return_num_output_tokens``) and count tokens, not events; results in
 tokens one after another, from a client process of its own, after 5 to warm up): p50 and
 p90, and the frontends' p50 over direct's (issue 31's target: at most +1 ms).
 
+``--pin``: the relay and the frontend (its shells too) run on a CPU of their own, Triton,
+the client and this process on the others: does a frontend with a CPU to itself keep up
+with Triton (issue 31's target: tokens/s at least 0.98x direct)? Results in
+``relay_pinned.json`` (``relay_interval{N}_pinned.json``).
+
     .venv/bin/python -m benchmarks.bench_relay [--protocols grpc http] [--streams 64]
         [--tokens 256] [--workers 1 2] [--ref REF] [--warmup-s 10] [--window-s 30] [--quick]
-        [--stream-interval N] [--first-tokens N]
+        [--stream-interval N] [--first-tokens N] [--pin]
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from benchmarks.harness import (
     RESULTS,
     baseline_checkout,
     frontend,
+    pinned,
     process_tree_cpu_s,
     progress,
     triton,
@@ -317,12 +323,14 @@ def run_ttft(protocol: str, url: str, key: str | None, n: int) -> dict[str, floa
 
 
 @contextlib.contextmanager
-def bare_relay(protocol: str, server: Any) -> Iterator[tuple[str, int]]:
-    """``relay_floor`` as its own process: (its URL for the client, its pid)."""
+def bare_relay(
+    protocol: str, server: Any, cpus: set[int] | None = None
+) -> Iterator[tuple[str, int]]:
+    """``relay_floor`` as its own process (on ``cpus``): (its URL for the client, its pid)."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.relay_floor", protocol, "--port", str(port)]
     cmd += ["--triton-grpc", server.grpc_url, "--triton-http", server.http_url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=pinned(cpus))
     try:
         with ThreadPoolExecutor(1) as pool:
             line = read_line(proc, pool, 30)
@@ -381,7 +389,9 @@ def measure_all(
     load: dict[str, Any],
     workers: list[int],
     baseline: Path | None,
+    cpus: set[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
+    """Every target over ``load``; the relay and the frontends on ``cpus`` (``--pin``)."""
     out: dict[str, dict[str, Any]] = {p: {} for p in protocols}
     what = f"{load['streams']} streams x {load['tokens']} tokens"
     direct_url = {"grpc": server.grpc_url, "http": server.http_url}
@@ -394,7 +404,7 @@ def measure_all(
         report("direct", p, out[p]["direct"])
     for p in protocols:
         progress(f"{p}: bare relay, {what}")
-        with bare_relay(p, server) as (url, pid):
+        with bare_relay(p, server, cpus) as (url, pid):
             out[p]["relay"] = run_window(p, url, None, load, pid)
         compare(out[p], "relay")
         report("relay", p, out[p]["relay"])
@@ -404,7 +414,12 @@ def measure_all(
             key = f"{name}_w{w}"
             config = bench_config("fair", source=source)
             with frontend(
-                config, server.grpc_url, http_url=server.http_url, workers=w, source=source
+                config,
+                server.grpc_url,
+                http_url=server.http_url,
+                workers=w,
+                source=source,
+                cpus=cpus,
             ) as fe:
                 urls = {"grpc": fe.grpc_url, "http": f"http://{fe.http_url}"}
                 for p in protocols:
@@ -523,6 +538,11 @@ def main() -> None:
         default=0,
         help="also time to first token at c=1 over this many requests, per target",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the relay and the frontend on a CPU of their own; Triton and the client not",
+    )
     parser.add_argument("--client", choices=PROTOCOLS, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
@@ -541,12 +561,23 @@ def main() -> None:
         "interval": args.stream_interval,
         "first_tokens": args.first_tokens,
     }
+    cpus = None
+    if args.pin:  # the last CPU for the relay and the frontend; the rest for all else
+        mine = sorted(os.sched_getaffinity(0))
+        if len(mine) < 2:
+            parser.error("--pin needs two CPUs at least")
+        cpus = {mine[-1]}
+        os.sched_setaffinity(0, set(mine[:-1]))  # Triton and the clients start from here
+        progress(f"pinned: the relay and the frontend on CPU {mine[-1]}, the rest on {mine[:-1]}")
     with contextlib.ExitStack() as stack:
         repo = stack.enter_context(interval_repository(args.stream_interval))
         server = stack.enter_context(triton(repo))
         baseline = stack.enter_context(baseline_checkout(args.ref)) if args.ref else None
-        results: dict[str, Any] = measure_all(server, args.protocols, load, args.workers, baseline)
+        results: dict[str, Any] = measure_all(
+            server, args.protocols, load, args.workers, baseline, cpus
+        )
     stem = "relay" if args.stream_interval <= 1 else f"relay_interval{args.stream_interval}"
+    stem += "_pinned" if args.pin else ""
     earlier = RESULTS / f"{stem}.json"
     if set(args.protocols) != set(PROTOCOLS) and earlier.exists():
         # A run of one protocol replaces its results and keeps the other's (each
@@ -557,7 +588,7 @@ def main() -> None:
     results["args"] = {
         k: v for k, v in vars(args).items() if k not in ("client", "url", "key", "load")
     }
-    results["cpus"] = len(os.sched_getaffinity(0))
+    results["cpus"] = len(os.sched_getaffinity(0)) + (1 if args.pin else 0)
     for p, s in results["summary"].items():
         for name, f in s.items():
             if isinstance(f, dict):

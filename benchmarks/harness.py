@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +120,13 @@ def frontend(
     workers: int | None = 1,
     source: Path | None = None,
     http_url: str | None = None,
+    cpus: set[int] | None = None,
 ) -> Iterator[FrontendProcess]:
     """``fair-frontend serve`` as its own process, as a user runs it (``workers`` shell
     processes; None: its default, and no ``--workers`` flag). ``source``: run the package
     of another checkout (``baseline_checkout``) instead of this one. ``http_url``: Triton's
-    HTTP address, where batches then go (``triton.http_url``, as ``up`` mode sets it)."""
+    HTTP address, where batches then go (``triton.http_url``, as ``up`` mode sets it).
+    ``cpus``: the CPUs it runs on, its shells too (``pinned``)."""
     if http_url is not None and not isinstance(config, Path):
         config = {**config, "triton": {**config.get("triton", {}), "http_url": http_url}}
     tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
@@ -158,7 +160,12 @@ def frontend(
         env = {**os.environ, "PYTHONPATH": str(source)}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=source or None, env=env
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=source or None,
+            env=env,
+            preexec_fn=pinned(cpus),
         )
     try:
         wait_http_ready(f"http://127.0.0.1:{ports[0]}/v2/health/ready", proc)
@@ -171,6 +178,13 @@ def frontend(
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A child's ``preexec_fn`` that runs it (and what it starts) on ``cpus`` only."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 @contextlib.contextmanager
