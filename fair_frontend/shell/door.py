@@ -531,14 +531,17 @@ class _Body:
 
     async def chunk(self, limit: int, too_much: Callable[[], FrontendError]) -> bytes:
         """The next bytes (b"" at the end), refused once more than ``limit`` came."""
-        try:
-            async with asyncio.timeout_at(self.deadline):
-                data = await self.request.content.readany()
-        except TimeoutError:
-            raise BodyTimeout(
-                f"the request body did not arrive within {self.timeout_s:g} s "
-                "(server.http_body_timeout_s)"
-            ) from None
+        content = self.request.content
+        data = content.read_nowait()  # what has come (a small body: all of it), no timer
+        if not data and not content.at_eof():
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    data = await content.readany()
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"the request body did not arrive within {self.timeout_s:g} s "
+                    "(server.http_body_timeout_s)"
+                ) from None
         if not data:
             self.whole = True
             return data
