@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 import urllib.request
 from typing import Any
@@ -291,3 +292,34 @@ def test_an_llm_client_that_leaves_mid_stream_cancels_it_in_triton(triton, front
     # ... and the next one is served.
     status, ctype, out = post(frontend.http_url, "/v2/models/llm/generate_stream", LLM_STREAM, KEY)
     assert (status, ctype) == (200, SSE) and out.count(b"data: ") == 6
+
+
+def test_an_llm_client_that_reads_slowly_gets_every_token_once_and_in_order(
+    triton, frontend
+) -> None:  # type: ignore[no-untyped-def]
+    """A client with a small receive window that reads a little at a time: Triton's events
+    wait in the shell (the relay writes only as the client's socket takes them) and
+    reach it whole, each once and in order: the bytes Triton itself answers."""
+    llm_served(triton)
+    body = {**LLM_STREAM, "parameters": {"stream": True, "max_tokens": 480, "temperature": 0}}
+    path = "/v2/models/llm/generate_stream"
+    direct = post(triton.http_url, path, body)
+    assert direct[:2] == (200, SSE) and direct[2].count(b"data: ") == 480
+    host, port = _hostport(frontend.http_url).rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: the window
+    sock.settimeout(60)
+    sock.connect((host, int(port)))
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.sock = sock
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers=KEY)
+        resp = conn.getresponse()
+        assert (resp.status, resp.getheader("Content-Type")) == (200, SSE)
+        got = []
+        while piece := resp.read(256):
+            got.append(piece)
+            time.sleep(0.002)  # the client's pace (not a wait for the server)
+    finally:
+        conn.close()
+    assert b"".join(got) == direct[2]
