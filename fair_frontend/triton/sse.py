@@ -65,7 +65,7 @@ class _EventConnection(asyncio.Protocol):
         self.status = 0
         self.keep_alive = True
         self.heard = False  # any byte of the answer
-        self._raw = bytearray()  # received, not yet parsed
+        self._raw = b""  # received, not yet parsed
         self._body = bytearray()  # the answer's body, not yet taken
         self._state = _HEAD
         self._left = 0  # bytes left of the chunk (_CHUNK) or the body (_BODY; -1: to close)
@@ -77,11 +77,13 @@ class _EventConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.heard = True
-        self._raw += data
-        self._parse()
-        if b"\n\n" in self._body or self._state == _DONE or self.status not in (0, 200):
+        if self._raw:  # the rest of a part that came before
+            data = self._raw + data
+        self._raw = self._parse(data)
+        body = self._body
+        if self._state == _DONE or self.status not in (0, 200) or b"\n\n" in body:
             self._wake()
-        if len(self._body) > HIGH_WATER and not self._paused and self.transport is not None:
+        if len(body) > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
 
@@ -94,16 +96,43 @@ class _EventConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _parse(self) -> None:
-        raw = self._raw
-        while raw:
+    def _parse(self, raw: bytes) -> bytes:
+        """What of ``raw`` is not parsed yet (a part of a line or of a chunk's end)."""
+        pos, n = 0, len(raw)
+        body = self._body
+        while pos < n:
             state = self._state
-            if state == _HEAD:
-                end = raw.find(b"\r\n\r\n")
+            if state == _SIZE:
+                end = raw.find(b"\r\n", pos)
                 if end < 0:
-                    return
-                lines = bytes(raw[:end]).decode("latin-1").split("\r\n")
-                del raw[: end + 4]
+                    break
+                size = int(raw[pos:end].split(b";", 1)[0], 16)
+                start = end + 2
+                if size and start + size + 2 <= n:  # a whole chunk (Triton's: an event)
+                    body += raw[start : start + size]
+                    pos = start + size + 2
+                    continue
+                pos = start
+                self._left = size
+                self._state = _CHUNK if size else _TRAILER
+            elif state == _CHUNK:
+                take = min(self._left, n - pos)
+                body += raw[pos : pos + take]
+                pos += take
+                self._left -= take
+                if not self._left:
+                    self._state = _CHUNK_END
+            elif state == _CHUNK_END:
+                if n - pos < 2:
+                    break
+                pos += 2
+                self._state = _SIZE
+            elif state == _HEAD:
+                end = raw.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    break
+                lines = raw[pos:end].decode("latin-1").split("\r\n")
+                pos = end + 4
                 self.status = int(lines[0].split(" ", 2)[1])
                 headers = {}
                 for line in lines[1:]:
@@ -119,44 +148,25 @@ class _EventConnection(asyncio.Protocol):
                     self._left = -1  # to the connection's end
                     self.keep_alive = False
                     self._state = _BODY
-            elif state == _SIZE:
-                end = raw.find(b"\r\n")
-                if end < 0:
-                    return
-                size = int(bytes(raw[:end]).split(b";", 1)[0], 16)
-                del raw[: end + 2]
-                self._left = size
-                self._state = _CHUNK if size else _TRAILER
-            elif state == _CHUNK:
-                n = min(self._left, len(raw))
-                self._body += raw[:n]
-                del raw[:n]
-                self._left -= n
-                if not self._left:
-                    self._state = _CHUNK_END
-            elif state == _CHUNK_END:
-                if len(raw) < 2:
-                    return
-                del raw[:2]
-                self._state = _SIZE
             elif state == _TRAILER:  # trailers (Triton sends none), then an empty line
-                end = raw.find(b"\r\n")
+                end = raw.find(b"\r\n", pos)
                 if end < 0:
-                    return
-                del raw[: end + 2]
-                if end == 0:
+                    break
+                if end == pos:
                     self._state = _DONE
+                pos = end + 2
             elif state == _BODY:
-                n = len(raw) if self._left < 0 else min(self._left, len(raw))
-                self._body += raw[:n]
-                del raw[:n]
+                take = n - pos if self._left < 0 else min(self._left, n - pos)
+                body += raw[pos : pos + take]
+                pos += take
                 if self._left >= 0:
-                    self._left -= n
+                    self._left -= take
                     if not self._left:
                         self._state = _DONE
             else:  # _DONE: bytes past the answer (none expected): not kept alive
                 self.keep_alive = False
-                raw.clear()
+                return b""
+        return raw[pos:] if pos < n else b""
 
     def send(self, request: bytes) -> None:
         """A request, its answer read from here on (the connection's last one was whole)."""
@@ -164,7 +174,7 @@ class _EventConnection(asyncio.Protocol):
         self.status = 0
         self.heard = False
         self._state = _HEAD
-        self._raw.clear()
+        self._raw = b""
         self._body.clear()
         self.transport.write(request)
 
