@@ -144,7 +144,7 @@ class ApiRoutes:
             first: InferResponse | None = await anext(replies)
         except StopAsyncIteration:
             first = None
-        out = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+        out = EventStream(headers={"Cache-Control": "no-cache"})
         _with_quota(out, first.quota if first is not None else None)
         out.content_type = "text/event-stream"
         await out.prepare(request)
@@ -401,6 +401,14 @@ def cohere_error(err: FrontendError) -> web.Response:
         content_type="application/json",
         headers=error_headers(err),
     )
+
+
+class EventStream(web.StreamResponse):
+    """A stream of server-sent events whose head goes out with its first event, in one
+    write (aiohttp's ``web.Response`` holds its head so; a ``StreamResponse`` writes it at
+    ``prepare``): a stream is prepared once its first event is there."""
+
+    _send_headers_immediately = False
 
 
 def _with_quota(response: _R, quota: Quota | None) -> _R:

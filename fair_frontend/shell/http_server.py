@@ -72,7 +72,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
 from fair_frontend.quota import Quota, quota_headers
-from fair_frontend.shell.api_http import ApiRoutes
+from fair_frontend.shell.api_http import ApiRoutes, EventStream
 from fair_frontend.shell.door import (
     Door,
     close_abandoned,
@@ -396,7 +396,7 @@ class HttpShell:
 
     async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
         replies = await self._generate_request(request, wire="sse")
-        out = web.StreamResponse()
+        out = EventStream()
         try:
             try:
                 resp = await anext(replies)
