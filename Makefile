@@ -15,6 +15,9 @@ AIPERF_VERSION := 0.13.0
 PA_VERSION := 2.46.0
 CONFIG ?= examples/config.yaml
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), each with its own session Triton, each file run whole by
+# one of them (its module fixtures started once); 0: one process, no workers.
+TEST_WORKERS ?= 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps run test lint bench clean
@@ -69,7 +72,7 @@ run: setup
 	$(BIN)/fair-frontend up --config $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check fair_frontend python_backend tests benchmarks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -371,7 +372,16 @@ def test_serve_needs_a_triton_url_or_backends(
 
     path = tmp_path / "c.yaml"
     path.write_text("tiers: [t]\ntenants: {a: {tier: t, api_keys: [some-key]}}\n")
-    assert main(["serve", "--config", str(path)]) == 2
+    # ``main`` sets the process's logging up as a command does: the root logger's handler
+    # writes to this test's captured stderr, which is closed after it (later tests' lines,
+    # a thread's among them, would go to a closed file): the suite's logging restored.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert main(["serve", "--config", str(path)]) == 2
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     assert "--triton-url HOST:PORT (repeat it for a pool)" in capsys.readouterr().err
 
 
