@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, aclosing, nullcontext
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 from tritonclient.grpc import service_pb2
@@ -131,6 +131,12 @@ UNLABELLED_MODEL = ""
 # given back to the core for another (``Gateway._relay``), but not for ever (a Triton
 # that fails every stream at once while its probe says ready would take it back each time).
 STREAM_GRANTS = 3
+
+
+Wire = Literal["", "sse", "grpc", "events"]
+"""How a stream's client reads it, where Triton's own bytes may serve it (``stream_infer``):
+"" decoded responses; "sse" generate_stream's events; "grpc" ModelStreamInfer's messages;
+"events" the same events, for a reader in this shell (the OpenAI routes)."""
 
 
 class Gateway:
@@ -353,7 +359,7 @@ class Gateway:
         *,
         usage: Usage | None = None,
         operation: str = "stream_infer",
-        wire: str = "",
+        wire: Wire = "",
     ) -> AsyncGenerator[InferResponse, None]:
         """One request on a stream (ModelStreamInfer, generate): its responses; several
         for a decoupled model, exactly one otherwise. ``aclose()`` cancels it. ``known``,
@@ -385,7 +391,7 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int = 1,
-        wire: str = "",
+        wire: Wire = "",
     ) -> AsyncGenerator[InferResponse, None]:
         if self.traces is None:  # tracing off: the request's own generator, nothing more
             return self._handle(
@@ -403,7 +409,7 @@ class Gateway:
         usage: Usage | None,
         operation: str,
         requests: int,
-        wire: str,
+        wire: Wire,
     ) -> AsyncGenerator[InferResponse, None]:
         """``_handle`` inside the request's span (``Traces.request``): its tenant,
         priority and usage on it, and how it ended."""
@@ -444,7 +450,7 @@ class Gateway:
         usage: Usage | None = None,
         requests: int = 1,
         span: Span | None = None,
-        wire: str = "",
+        wire: Wire = "",
     ) -> AsyncGenerator[InferResponse, None]:
         arrived = time.monotonic()
         arrived_wall = time.time()
@@ -691,7 +697,7 @@ class Gateway:
         span: Span | None = None,
         *,
         give_back: bool = True,
-        wire: str = "",
+        wire: Wire = "",
     ) -> AsyncGenerator[InferResponse, None]:
         """A granted call: its shell (this one) sends it to Triton and relays the
         responses to the client as they come, one hop (``records``, the module

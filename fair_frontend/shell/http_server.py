@@ -79,7 +79,7 @@ from fair_frontend.shell.door import (
     expect_after_checks,
     too_large,
 )
-from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
+from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway, Wire
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
 log = logging.getLogger(__name__)
@@ -430,7 +430,7 @@ class HttpShell:
             await replies.aclose()
 
     async def _generate_request(
-        self, request: web.Request, *, wire: str = ""
+        self, request: web.Request, *, wire: Wire = ""
     ) -> AsyncGenerator[InferResponse, None]:
         model, version = _model_version(request)
         gateway = self.gateway
