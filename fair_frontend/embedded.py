@@ -34,6 +34,7 @@ import http.client
 import importlib.util
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -96,16 +97,48 @@ class TritonStartError(RuntimeError):
         self.crashed = crashed
 
 
+_DRAW = random.SystemRandom()  # its own source: a test's seeded ``random`` draws alike
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct TCP ports free on ``host`` now (the OS picks them; any may be taken
-    by someone else before they are used, which ``EmbeddedTriton.start`` retries)."""
+    """``count`` distinct TCP ports free on ``host`` now, drawn from outside the kernel's
+    ephemeral range (``listen_range``): a port the OS hands out for ``bind(0)`` is one it
+    may give the next outgoing connection as its own before the server listens on it
+    (seen: a shell's "Address already in use" with many processes connecting). Any may
+    still be taken by another listener before it is used, which ``EmbeddedTriton.start``
+    retries."""
+    low, high = listen_range()
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):  # all bound at once, so the OS cannot hand out one twice
+        ports: list[int] = []
+        for _ in range(count * 64):  # all bound at once: none drawn twice
+            if len(ports) == count or high <= low:
+                break
+            port = _DRAW.randrange(low, high)
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < count:  # no room outside the ephemeral range: the OS picks
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
         return ports
+
+
+def listen_range() -> tuple[int, int]:
+    """Ports to draw listening ports from: below the kernel's ephemeral range (Linux's
+    ``ip_local_port_range``, 32768-60999 by default) from 10000, else above it; (0, 0)
+    where neither leaves 2,000 ports."""
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    if low - 10000 >= 2000:
+        return 10000, low
+    if 65535 - high >= 2000:
+        return high + 1, 65536
+    return 0, 0
 
 
 def free_port(host: str = LOOPBACK) -> int:

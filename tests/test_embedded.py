@@ -34,6 +34,7 @@ from fair_frontend.embedded import (
     TritonStartError,
     default_model_repository,
     find_tritonserver,
+    free_ports,
     is_wheel_tritonserver,
     process_group_members,
 )
@@ -361,3 +362,16 @@ def test_up_with_an_operators_config_is_not_demo_mode(tmp_path: Path) -> None:
 def test_the_demo_banner_says_when_the_ports_face_the_network() -> None:
     assert "beyond this machine" in demo_banner("0.0.0.0")
     assert "beyond this machine" not in demo_banner("127.0.0.1")
+
+
+def test_listening_ports_are_drawn_where_no_outgoing_connection_takes_one() -> None:
+    """Ports handed to servers come from outside the kernel's ephemeral range, so the
+    connections a test's processes open cannot take one between the draw and the listen
+    (a shell's "Address already in use" on a fresh clone); distinct, and free."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    assert not any(low <= p <= high for p in ports), (low, high, ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
