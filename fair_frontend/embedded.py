@@ -108,17 +108,19 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     still be taken by another listener before it is used, which ``EmbeddedTriton.start``
     retries."""
     low, high = listen_range()
+    draws = count * 64 if high > low else 0
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
-        for _ in range(count * 64):  # all bound at once: none drawn twice
-            if len(ports) == count or high <= low:
-                break
+        while len(ports) < count and draws:  # all held bound at once: none drawn twice
+            draws -= 1
             port = _DRAW.randrange(low, high)
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind((host, port))
             except OSError:
+                s.close()
                 continue
+            stack.enter_context(s)
             ports.append(port)
         while len(ports) < count:  # no room outside the ephemeral range: the OS picks
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
