@@ -157,6 +157,14 @@ async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
 
             await _until(fe, told, "the shells told that acme is near its share")
 
+            async def hogs_queued() -> bool:
+                # "Near" is less room than the largest request: the view can say so with
+                # some of the six still on their way, and a probe then fits in their room
+                # and waits behind the gate (a fresh clone under load): all six first.
+                return bool(fe.frontend.runtimes["sleeper"].scheduler.depth("acme") == len(hog))
+
+            await _until(fe, hogs_queued, "acme's six requests queued in the core")
+
             async def shell_sheds() -> bool:
                 # The view is on its way to the shell process: read once it refuses alone.
                 before = core_server.intake.admitted
