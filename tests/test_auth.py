@@ -144,7 +144,7 @@ def test_key_sources_report_problems_without_secrets(tmp_path: object) -> None:
     assert "same" not in text.replace("the same", "")
 
 
-def test_keys_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_keys_file(tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# rotated 2026-11\nfile-key-1\n" + hash_key("file-key-2") + "\n\n")
     config = parse_config(

@@ -102,7 +102,7 @@ def quota(served: RunningFrontend, tenant: str, model: str) -> Quota:
         assert decision is not None and decision.quota is not None
         return decision.quota
 
-    return served.call(probe())  # type: ignore[no-any-return]
+    return served.call(probe())
 
 
 def left(served: RunningFrontend, tenant: str, model: str) -> tuple[int | None, int]:

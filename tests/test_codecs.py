@@ -253,7 +253,7 @@ P = service_pb2.InferParameter
         ),
     ],
 )
-def test_grpc_bad_requests(mutate, message) -> None:  # type: ignore[no-untyped-def]
+def test_grpc_bad_requests(mutate, message) -> None:
     msg = service_pb2.ModelInferRequest(model_name="m")
     msg.inputs.add(name="X", datatype="INT32", shape=[1])
     msg.raw_input_contents.append(b"\x01\x00\x00\x00")

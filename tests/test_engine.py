@@ -193,7 +193,7 @@ async def until_idle(spy: CoreSpy) -> None:
 # ---- the tests ----------------------------------------------------------------------------
 
 
-async def test_grpc_stream_gives_the_same_tokens_as_triton_direct(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_grpc_stream_gives_the_same_tokens_as_triton_direct(triton, frontend) -> None:
     direct = await generate(triton.grpc_url, None, PROMPT, 12)
     through = await generate(frontend.grpc_url, "acme", PROMPT, 12)
     assert direct.error is None and through.error is None
@@ -204,7 +204,7 @@ async def test_grpc_stream_gives_the_same_tokens_as_triton_direct(triton, fronte
 SHORT = 40  # globex's stream in the interleaving test
 
 
-async def test_streams_interleave_tenants_token_by_token(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_streams_interleave_tenants_token_by_token(frontend) -> None:
     """One decode step serves both tenants' streams, token by token, not stream after
     stream: globex's stream, sent while acme's is generating, goes into the engine beside
     it (every one of its tokens is produced while acme's stream is in the engine), and
@@ -236,7 +236,7 @@ async def test_streams_interleave_tenants_token_by_token(frontend) -> None:  # t
 @pytest.mark.parametrize("scheduling", ["fair", "fifo"])
 async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
     triton, scheduling: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """acme queues 12 long generations on 4 slots; globex's one short request gets the
     next slot that frees (the documented bound): no request of acme's queued ahead of it
     is dispatched between its arrival and its own dispatch. fifo, the negative control,
@@ -274,7 +274,7 @@ async def test_long_streams_cannot_hold_every_slot_against_a_newcomer(
         assert len(ahead) == waiting, f"fifo: {len(ahead)} of {waiting} went first"
 
 
-async def test_reserved_slots_serve_a_newcomer_without_waiting_for_a_turnover(triton) -> None:  # type: ignore[no-untyped-def]
+async def test_reserved_slots_serve_a_newcomer_without_waiting_for_a_turnover(triton) -> None:
     """4 slots, 2 reserved: acme's 12 long generations never hold more than 2; globex's
     two requests take the other two as they arrive: none of acme's generations ends
     between a request of globex's being queued and its dispatch (without the reservation
@@ -309,7 +309,7 @@ async def test_reserved_slots_serve_a_newcomer_without_waiting_for_a_turnover(tr
         assert ends == [], "a newcomer waited for one of acme's generations to end"
 
 
-async def test_a_cancelled_stream_frees_its_slot(triton) -> None:  # type: ignore[no-untyped-def]
+async def test_a_cancelled_stream_frees_its_slot(triton) -> None:
     """A long stream cancelled by its client gives its slot back at once, not when its
     generation would have ended. Two slots: initech's long stream holds one and is the
     clock (its tokens count the engine's steps), acme's long stream the other; globex's
@@ -394,13 +394,13 @@ async def backlogged_shares(
     return served
 
 
-async def test_charge_back_gives_equal_tokens_to_outputs_1_to_8(triton) -> None:  # type: ignore[no-untyped-def]
+async def test_charge_back_gives_equal_tokens_to_outputs_1_to_8(triton) -> None:
     served = await backlogged_shares(triton, CostUnit.TOKENS, (1.0, 1.0))
     share = served["acme"] / sum(served.values())
     assert abs(share - 0.5) < 0.1, served
 
 
-async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(triton) -> None:  # type: ignore[no-untyped-def]
+async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(triton) -> None:
     served = await backlogged_shares(triton, CostUnit.REQUESTS, (1.0, 1.0))
     # Equal requests, 8x the output each: several times the tokens (the prompts, equal
     # for both, dilute the 8). Token cost holds the two within 0.4-0.6 of the total (1.5x
@@ -408,7 +408,7 @@ async def test_negative_control_request_cost_gives_the_long_outputs_most_tokens(
     assert served["globex"] > 2 * served["acme"], served
 
 
-async def test_tokens_and_latency_per_tenant_are_in_the_metrics(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_tokens_and_latency_per_tenant_are_in_the_metrics(frontend) -> None:
     """A stream's tokens, its time to first token and its 8 inter-token times, per tenant.
     The core records them as the stream's shell reports them, which may be just after the
     client has its last token (two shells): read until they are there."""

@@ -236,7 +236,7 @@ async def _flood_once(
         await probe_client.close()
 
 
-async def test_a_burst_does_not_delay_another_tenant_beyond_one_batch(mode_frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_a_burst_does_not_delay_another_tenant_beyond_one_batch(mode_frontend) -> None:
     """Same tier: the quiet tenant's request goes in the next batch, whatever is queued:
     the core dispatches no more of the burst after it arrives than the rest of the noisy
     tenant's turn in progress (deficit round robin: one quantum, a full batch).
@@ -254,7 +254,7 @@ async def test_a_burst_does_not_delay_another_tenant_beyond_one_batch(mode_front
         assert got.ahead == got.queued, f"fifo should serve the burst first ({got})"
 
 
-async def test_higher_tier_goes_first(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_higher_tier_goes_first(frontend) -> None:
     # umbrella is trial, acme enterprise: the enterprise request overtakes trial's backlog
     # (strict tiers: it is the next request dispatched).
     got = await _flood_then_probe(frontend, "umbrella", "acme", flood=240)
@@ -263,14 +263,14 @@ async def test_higher_tier_goes_first(frontend) -> None:  # type: ignore[no-unty
     assert got.ahead == 0, f"{got.ahead} trial requests went first ({got})"
 
 
-async def test_priority_overtakes_within_a_tenant(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_priority_overtakes_within_a_tenant(frontend) -> None:
     got = await _flood_then_probe(frontend, "globex", "globex", flood=240, priority=1)
     assert not isinstance(got.result, Exception), got.result
     assert got.queued >= 4 * ROWS_PER_BATCH, f"the flood drained before the probe ({got})"
     assert got.ahead == 0, f"{got.ahead} of its own lower-priority requests went first ({got})"
 
 
-async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:
     got = await _flood_then_probe(
         frontend,
         "initech",
@@ -292,7 +292,7 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:  # ty
     assert got.ahead < got.queued / 2, got
 
 
-async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, workers: int) -> None:
     with running_frontend(make_config(), triton, workers=workers) as fe:
         seen: list[dict[str, int]] = []
         observer = fe.frontend.observer
@@ -332,7 +332,7 @@ async def test_batches_carry_several_tenants_and_accounting_adds_up(triton, work
         assert counters.expired == counters.cancelled == 0
 
 
-async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, workers: int) -> None:
     with running_frontend(make_config(), triton, workers=workers) as fe:
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         victim_client = grpcaio.InferenceServerClient(fe.grpc_url)
@@ -380,7 +380,7 @@ async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, wo
         assert counters.admitted == 321
 
 
-async def test_queue_caps_reject_with_the_cap_named(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+async def test_queue_caps_reject_with_the_cap_named(triton, workers: int) -> None:
     config = make_config()
     data = config.model_dump(mode="json")
     data["tenants"]["hooli"]["max_queued"] = 5

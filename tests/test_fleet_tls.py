@@ -75,7 +75,7 @@ async def test_mutual_tls_admits_only_a_shell_with_a_certificate_of_the_ca(
         with pytest.raises(failed) as refused:
             await connect(address, Tls(ca=str(pki / "ca.pem")), link)
         if link == "grpc":
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # Plain text to a TLS core: no connection either.
         with pytest.raises(failed):
             await connect(address, None, link)

@@ -24,13 +24,13 @@ from tests.support import KEYS, RunningFrontend, ids_input
 RNG = np.random.default_rng(7)
 
 
-def _direct(triton, protocol: str):  # type: ignore[no-untyped-def]
+def _direct(triton, protocol: str):
     if protocol == "grpc":
         return grpcclient.InferenceServerClient(triton.grpc_url)
     return httpclient.InferenceServerClient(triton.http_url.removeprefix("http://"))
 
 
-def _front(frontend: RunningFrontend, protocol: str):  # type: ignore[no-untyped-def]
+def _front(frontend: RunningFrontend, protocol: str):
     if protocol == "grpc":
         return grpcclient.InferenceServerClient(frontend.grpc_url)
     return httpclient.InferenceServerClient(frontend.http_url)
@@ -45,7 +45,7 @@ CASES = [
 
 @pytest.mark.parametrize(("protocol", "binary"), CASES)
 @pytest.mark.parametrize(("model", "output"), [("embed", "EMBEDDING"), ("generate", "OUTPUT_IDS")])
-def test_same_answer_as_triton(triton, frontend, protocol, binary, model, output) -> None:  # type: ignore[no-untyped-def]
+def test_same_answer_as_triton(triton, frontend, protocol, binary, model, output) -> None:
     mod = grpcclient if protocol == "grpc" else httpclient
     for length in (1, 7, 64):
         ids = RNG.integers(0, 4000, size=(1, length), dtype=np.int32)
@@ -65,7 +65,7 @@ def test_same_answer_as_triton(triton, frontend, protocol, binary, model, output
             assert names == [o.name for o in direct.get_response().outputs]
 
 
-async def test_concurrent_requests_are_batched_and_answered_right(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_concurrent_requests_are_batched_and_answered_right(triton, frontend) -> None:
     """Ragged requests of two tenants share padded batches; each gets its own answer.
 
     Whether requests sent at once wait together depends on how fast Triton serves the
@@ -117,7 +117,7 @@ async def test_concurrent_requests_are_batched_and_answered_right(triton, fronte
     assert batches_sent < len(batches), "concurrent requests should have shared batches"
 
 
-async def test_rows_asking_different_max_tokens_share_batches(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_rows_asking_different_max_tokens_share_batches(triton, frontend) -> None:
     """generate, ragged prompts, every request its own ``max_tokens`` (a request parameter),
     all at once: they share batches (the count travels per row in ``fair_rows``, not in
     the batch key), and each gets Triton's answer for it alone: its own count of tokens."""
@@ -157,7 +157,7 @@ async def test_rows_asking_different_max_tokens_share_batches(triton, frontend) 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("bad", [0, 257, "lots"])
-def test_bad_max_tokens_is_refused_as_triton_refuses_it(triton, frontend, protocol, bad) -> None:  # type: ignore[no-untyped-def]
+def test_bad_max_tokens_is_refused_as_triton_refuses_it(triton, frontend, protocol, bad) -> None:
     """400 / INVALID_ARGUMENT with the model's own wording, before it is queued."""
     mod = grpcclient if protocol == "grpc" else httpclient
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
@@ -183,7 +183,7 @@ def test_bad_max_tokens_is_refused_as_triton_refuses_it(triton, frontend, protoc
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}])
-def test_missing_or_unknown_key(frontend, protocol, headers) -> None:  # type: ignore[no-untyped-def]
+def test_missing_or_unknown_key(frontend, protocol, headers) -> None:
     mod = grpcclient if protocol == "grpc" else httpclient
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
     with pytest.raises(InferenceServerException) as info:
@@ -194,7 +194,7 @@ def test_missing_or_unknown_key(frontend, protocol, headers) -> None:  # type: i
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_unknown_model(frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_model(frontend, protocol) -> None:
     mod = grpcclient if protocol == "grpc" else httpclient
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
     with pytest.raises(InferenceServerException) as info:
@@ -206,7 +206,7 @@ def test_unknown_model(frontend, protocol) -> None:  # type: ignore[no-untyped-d
     assert info.value.message() == "Request for unknown model: 'no_such_model' is not found"
 
 
-def _x(mod, values: list[int]):  # type: ignore[no-untyped-def]
+def _x(mod, values: list[int]):
     arr = np.array([values], dtype=np.int32)
     inp = mod.InferInput("X", list(arr.shape), "INT32")
     inp.set_data_from_numpy(arr)
@@ -214,7 +214,7 @@ def _x(mod, values: list[int]):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_model_error_reaches_client_and_frontend_keeps_serving(triton, frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+def test_model_error_reaches_client_and_frontend_keeps_serving(triton, frontend, protocol) -> None:
     mod = grpcclient if protocol == "grpc" else httpclient
     headers = {"x-api-key": KEYS["acme"]}
     with pytest.raises(InferenceServerException) as direct:
@@ -227,7 +227,7 @@ def test_model_error_reaches_client_and_frontend_keeps_serving(triton, frontend,
     assert ok.as_numpy("Y").tolist() == [[1, 2]]
 
 
-async def test_a_failing_row_does_not_fail_its_batch_neighbours(frontend) -> None:  # type: ignore[no-untyped-def]
+async def test_a_failing_row_does_not_fail_its_batch_neighbours(frontend) -> None:
     client = grpcaio.InferenceServerClient(frontend.grpc_url)
     values = [[i, i + 1] for i in range(20)]
     values[5] = [13, 13]
@@ -250,7 +250,7 @@ async def test_a_failing_row_does_not_fail_its_batch_neighbours(frontend) -> Non
             assert r.as_numpy("Y").tolist() == [v]
 
 
-def test_tenant_priority_and_deadline_reach_the_model(frontend) -> None:  # type: ignore[no-untyped-def]
+def test_tenant_priority_and_deadline_reach_the_model(frontend) -> None:
     ids = np.arange(5, dtype=np.int32).reshape(1, 5)
     client = grpcclient.InferenceServerClient(frontend.grpc_url)
     result = client.infer(
@@ -270,7 +270,7 @@ def test_tenant_priority_and_deadline_reach_the_model(frontend) -> None:  # type
     assert [o.name for o in result.get_response().outputs] == ["ROW_META"]
 
 
-def test_health_and_metadata(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_metadata(triton, frontend) -> None:
     key = {"x-api-key": KEYS["acme"]}  # model doors are keyed; health and server metadata open
     for client in (_front(frontend, "grpc"), _front(frontend, "http")):
         assert client.is_server_live()
@@ -291,7 +291,7 @@ def test_health_and_metadata(triton, frontend) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:  # type: ignore[no-untyped-def]
+def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:
     mod = grpcclient if protocol == "grpc" else httpclient
     ids = np.arange(4, dtype=np.int32).reshape(1, 4)
     client = _front(frontend, protocol)
@@ -317,7 +317,7 @@ def test_a_key_cannot_pose_as_another_tenant(frontend, protocol) -> None:  # typ
     assert info.value.status() == ("StatusCode.UNAUTHENTICATED" if protocol == "grpc" else "401")
 
 
-def test_trusted_gateway_names_the_tenant(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+def test_trusted_gateway_names_the_tenant(triton, workers: int) -> None:
     from tests.support import make_config, running_frontend
 
     config = make_config(auth={"trusted_gateway": True, "trusted_gateway_peers": ["127.0.0.1"]})

@@ -62,7 +62,7 @@ ANSWERS = [
 
 
 @pytest.mark.parametrize(("model", "body"), ANSWERS)
-def test_generate_answers_as_triton_does(triton, frontend, model: str, body: Any) -> None:  # type: ignore[no-untyped-def]
+def test_generate_answers_as_triton_does(triton, frontend, model: str, body: Any) -> None:
     direct, through = both(triton, frontend, f"/v2/models/{model}/generate", body)
     assert direct[0] == 200, direct
     assert through == direct
@@ -72,7 +72,7 @@ def test_generate_answers_as_triton_does(triton, frontend, model: str, body: Any
 
 
 @pytest.mark.parametrize(("model", "body"), ANSWERS)
-def test_generate_stream_sends_the_same_events(triton, frontend, model: str, body: Any) -> None:  # type: ignore[no-untyped-def]
+def test_generate_stream_sends_the_same_events(triton, frontend, model: str, body: Any) -> None:
     path = f"/v2/models/{model}/versions/1/generate_stream"
     direct, through = both(triton, frontend, path, body)
     assert direct[:2] == (200, SSE), direct
@@ -80,7 +80,7 @@ def test_generate_stream_sends_the_same_events(triton, frontend, model: str, bod
     assert through[2].startswith(b"data: {") and through[2].endswith(b"}\n\n")
 
 
-def test_a_decoupled_model_streams_one_event_per_response(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_a_decoupled_model_streams_one_event_per_response(triton, frontend) -> None:
     path = "/v2/models/repeat_decoupled/generate_stream"
     direct, through = both(triton, frontend, path, {"IN": [1, 2, 3]})
     assert through == direct
@@ -92,7 +92,7 @@ def test_a_decoupled_model_streams_one_event_per_response(triton, frontend) -> N
 
 
 @pytest.mark.parametrize("values", [[1, 2, 3], []])
-def test_generate_refuses_other_than_one_response_like_triton(triton, frontend, values) -> None:  # type: ignore[no-untyped-def]
+def test_generate_refuses_other_than_one_response_like_triton(triton, frontend, values) -> None:
     direct, through = both(triton, frontend, "/v2/models/repeat_decoupled/generate", {"IN": values})
     # Triton's quirk: the status went out with the first response, the error at the end.
     assert direct == (200, "application/json", b'{"error":"' + ONE_RESPONSE.encode() + b'"}')
@@ -127,13 +127,13 @@ ERRORS = [
 
 @pytest.mark.parametrize(("model", "body"), ERRORS)
 @pytest.mark.parametrize("route", ["generate", "generate_stream"])
-def test_errors_have_tritons_status_and_message(triton, frontend, model, body, route) -> None:  # type: ignore[no-untyped-def]
+def test_errors_have_tritons_status_and_message(triton, frontend, model, body, route) -> None:
     direct, through = both(triton, frontend, f"/v2/models/{model}/{route}", body)
     assert direct[0] >= 400, direct
     assert through == direct
 
 
-def test_a_body_that_is_not_json_is_refused_as_triton_does(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_a_body_that_is_not_json_is_refused_as_triton_does(triton, frontend) -> None:
     direct, through = both(triton, frontend, "/v2/models/simple/generate", b"not json")
     assert through[:2] == direct[:2] == (500, "application/json")
     prefix = "failed to parse the request JSON buffer: "
@@ -141,7 +141,7 @@ def test_a_body_that_is_not_json_is_refused_as_triton_does(triton, frontend) -> 
     assert json.loads(through[2])["error"].startswith(prefix)
 
 
-def test_a_model_error_starts_the_stream_as_an_event(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_error_starts_the_stream_as_an_event(triton, frontend) -> None:
     direct, through = both(triton, frontend, "/v2/models/raiser/generate_stream", {"X": [13]})
     assert direct[:2] == (400, SSE)
     # The same event, with the model's message. The status is the one the core's
@@ -152,7 +152,7 @@ def test_a_model_error_starts_the_stream_as_an_event(triton, frontend) -> None: 
 
 
 @pytest.mark.parametrize("route", ["generate", "generate_stream"])
-def test_no_api_key_is_refused_before_the_body(frontend, route: str) -> None:  # type: ignore[no-untyped-def]
+def test_no_api_key_is_refused_before_the_body(frontend, route: str) -> None:
     status, ctype, body = post(
         frontend.http_url, f"/v2/models/repeat_decoupled/{route}", b"not even json"
     )
@@ -176,7 +176,7 @@ def _cancelled(frontend: Any, tenant: str) -> float:
     return total
 
 
-def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None:
     before = _cancelled(frontend, "hooli")
     conn = http.client.HTTPConnection(_hostport(frontend.http_url), timeout=60)
     body = json.dumps({"IN": list(range(200_000))}).encode()
@@ -202,7 +202,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(frontend) -> None: 
     assert out.count(b"data: ") == 2
 
 
-def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_llm_streams_the_same_events_as_triton(triton, frontend) -> None:
     llm_served(triton)
     body = {
         "text_input": "The quick brown fox",
@@ -219,7 +219,7 @@ LLM_STREAM = {
 }
 
 
-def test_llm_streams_are_tritons_own_events_on_kept_alive_connections(triton) -> None:  # type: ignore[no-untyped-def]
+def test_llm_streams_are_tritons_own_events_on_kept_alive_connections(triton) -> None:
     """A generate_stream client of ``llm`` (an endpoint that counts tokens from the model's
     own count) reads Triton's events as Triton wrote them, read from Triton's
     generate_stream: one connection serves stream after stream, and its events, counts
@@ -262,14 +262,14 @@ def test_llm_streams_are_tritons_own_events_on_kept_alive_connections(triton) ->
         assert metric_sum(fe, "fair_output_tokens_total", tenant="hooli") == before + 24
 
 
-def test_an_llm_client_that_asks_for_the_count_gets_it(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_an_llm_client_that_asks_for_the_count_gets_it(triton, frontend) -> None:
     body = {**LLM_STREAM, "return_num_output_tokens": True}
     direct, through = both(triton, frontend, "/v2/models/llm/generate_stream", body)
     assert through == direct
     assert direct[2].count(b'"num_output_tokens":1,') == 6
 
 
-def test_an_llm_client_that_leaves_mid_stream_cancels_it_in_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_an_llm_client_that_leaves_mid_stream_cancels_it_in_triton(triton, frontend) -> None:
     llm_served(triton)
     triton_cancelled = scrape(triton.metrics_url).sum("fair_llm_cancelled_total")
     before = _cancelled(frontend, "hooli")
@@ -296,7 +296,7 @@ def test_an_llm_client_that_leaves_mid_stream_cancels_it_in_triton(triton, front
 
 def test_an_llm_client_that_reads_slowly_gets_every_token_once_and_in_order(
     triton, frontend
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """A client with a small receive window that reads a little at a time: Triton's events
     wait in the shell (the relay writes only as the client's socket takes them) and
     reach it whole, each once and in order: the bytes Triton itself answers."""

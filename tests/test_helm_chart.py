@@ -156,7 +156,7 @@ class Release:
 
     def container(self, kind: str, name: str) -> dict[str, Any]:
         (container,) = self.pod(kind, name)["containers"]
-        return container  # type: ignore[no-any-return]
+        return container
 
     def option(self, path: str) -> Any:
         """A value as the release has it: the chart's default unless overridden."""

@@ -51,7 +51,7 @@ def test_bulk_observations_bin_as_one_observe_each() -> None:
             assert abs(value - b[key]) <= 1e-9 * max(1.0, abs(value)), (n, key)
 
 
-def config():  # type: ignore[no-untyped-def]
+def config():
     return parse_config(
         {
             "tenants": {"acme": {"api_keys": ["k" * 32], "tier": "standard"}},
@@ -106,7 +106,7 @@ def test_observations_held_between_scrapes_stay_bounded() -> None:
     assert got[("fair_inter_token_seconds_count", acme)] == 3 * PENDING_VALUES // 1000 * 1000
 
 
-def many_config():  # type: ignore[no-untyped-def]
+def many_config():
     return parse_config(
         {
             "tenants": {

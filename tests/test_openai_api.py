@@ -96,7 +96,7 @@ def test_chat_answers_as_the_model_does_with_usage_as_counted(api: RunningFronte
         model="llm",
         messages=MESSAGES,
         max_tokens=MAX_TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     prompt = chat_prompt(MESSAGES)
     assert reply.object == "chat.completion"
@@ -113,7 +113,7 @@ def test_chat_answers_as_the_model_does_with_usage_as_counted(api: RunningFronte
 def test_chat_stream_with_usage_chunk_and_done(api: RunningFrontend) -> None:
     stream = client(api).chat.completions.create(
         model="llm",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_completion_tokens=MAX_TOKENS,
         temperature=0,
         stream=True,
@@ -138,7 +138,7 @@ def test_stop_string_cuts_the_text_and_the_generation(api: RunningFrontend) -> N
     for stream in (False, True):
         made = client(api).chat.completions.create(
             model="llm",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=long,
             temperature=0,
             stop=[stop],
@@ -146,14 +146,14 @@ def test_stop_string_cuts_the_text_and_the_generation(api: RunningFrontend) -> N
             **({"stream_options": {"include_usage": True}} if stream else {}),
         )
         if stream:
-            chunks = list(made)  # type: ignore[arg-type]
+            chunks = list(made)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
             usage = chunks[-1].usage
         else:
-            text = made.choices[0].message.content  # type: ignore[union-attr]
-            reason = made.choices[0].finish_reason  # type: ignore[union-attr]
-            usage = made.usage  # type: ignore[union-attr]
+            text = made.choices[0].message.content
+            reason = made.choices[0].finish_reason
+            usage = made.usage
         assert text == whole[: whole.find(stop)]
         assert reason == "stop"
         # The generation was cancelled there: fewer tokens than asked for were relayed.
@@ -250,7 +250,7 @@ def test_429_rate_limit_exceeded_is_retryable(api: RunningFrontend) -> None:
     first = initech.chat.completions.with_raw_response.create(
         model="llm",
         messages=MESSAGES,
-        max_tokens=1,  # type: ignore[arg-type]
+        max_tokens=1,
     )
     assert first.headers["x-ratelimit-limit-requests"] == "1"
     assert first.headers["x-ratelimit-remaining-requests"] == "0"
@@ -280,14 +280,14 @@ def test_service_tier_and_priority(api: RunningFrontend) -> None:
         model="llm",
         messages=MESSAGES,
         max_tokens=1,
-        service_tier="priority",  # type: ignore[arg-type]
+        service_tier="priority",
     )
     assert fast.service_tier == "priority"
     flex = acme.chat.completions.create(
         model="llm",
         messages=MESSAGES,
         max_tokens=1,
-        service_tier="flex",  # type: ignore[arg-type]
+        service_tier="flex",
     )
     assert flex.service_tier == "flex"
     # A level beyond the configured ones is clamped, not refused.
@@ -295,7 +295,7 @@ def test_service_tier_and_priority(api: RunningFrontend) -> None:
         model="llm",
         messages=MESSAGES,
         max_tokens=1,
-        extra_body={"priority": 10**9},  # type: ignore[arg-type]
+        extra_body={"priority": 10**9},
     )
     assert huge.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError):
@@ -303,7 +303,7 @@ def test_service_tier_and_priority(api: RunningFrontend) -> None:
             model="llm",
             messages=MESSAGES,
             max_tokens=1,
-            service_tier="gold",  # type: ignore[arg-type]
+            service_tier="gold",
         )
 
 
@@ -330,7 +330,7 @@ def test_request_log_carries_usage_for_billing(
         reply = client(api, "globex").chat.completions.create(
             model="llm",
             messages=MESSAGES,
-            max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
         )
         ours = _records(caplog, reply.id)
     assert len(ours) == 1, "one record per request, written by the core"
@@ -456,7 +456,7 @@ async def test_a_flood_of_chats_does_not_hold_up_another_tenants_first_token(
                 model="llm",
                 messages=MESSAGES,
                 max_tokens=n,
-                stream=True,  # type: ignore[arg-type]
+                stream=True,
             )
             text = []
             async for c in stream:

@@ -76,7 +76,7 @@ U = {"model": "llm", "messages": [{"role": "user"}]}
         ({**U, "priority": "high"}, "priority"),
     ],
 )  # fmt: skip
-def test_bad_chat_fields_are_refused_naming_the_field(body: dict | bytes, param: str) -> None:  # type: ignore[type-arg]
+def test_bad_chat_fields_are_refused_naming_the_field(body: dict | bytes, param: str) -> None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(openai.ParamError) as refused:
         openai.decode_chat(raw, {}, make_config())

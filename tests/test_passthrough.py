@@ -62,7 +62,7 @@ def _repeat(values: list[int], rid: str) -> dict[str, Any]:
     return {"model_name": "repeat_decoupled", "inputs": [inp], "request_id": rid}
 
 
-def test_decoupled_model_streams_the_same_responses(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_decoupled_model_streams_the_same_responses(triton, frontend) -> None:
     requests = [_repeat([1, 2, 3], "a"), _repeat([], "b"), _repeat([7, 8], "c")]
     direct = _stream(triton.grpc_url, requests)
     through = _stream(frontend.grpc_url, requests, headers=HEADERS)
@@ -71,7 +71,7 @@ def test_decoupled_model_streams_the_same_responses(triton, frontend) -> None:  
     assert [v for r, v in through if r == "a"] == [[1], [2], [3]]
 
 
-def test_decoupled_model_refuses_model_infer_like_triton(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_decoupled_model_refuses_model_infer_like_triton(triton, frontend) -> None:
     req = _repeat([1], "x")
     with pytest.raises(InferenceServerException) as direct:
         grpcclient.InferenceServerClient(triton.grpc_url).infer(req["model_name"], req["inputs"])
@@ -83,7 +83,7 @@ def test_decoupled_model_refuses_model_infer_like_triton(triton, frontend) -> No
     assert through.value.status() == direct.value.status()
 
 
-def test_streaming_a_batching_model_is_scheduled_and_answered(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_streaming_a_batching_model_is_scheduled_and_answered(triton, frontend) -> None:
     ids = np.arange(12, dtype=np.int32).reshape(1, 12)
     requests = [
         {"model_name": "embed", "inputs": [ids_input(grpcclient, ids)], "request_id": str(i)}
@@ -96,7 +96,7 @@ def test_streaming_a_batching_model_is_scheduled_and_answered(triton, frontend) 
         np.testing.assert_allclose(value, direct[rid], rtol=1e-5, atol=1e-6)
 
 
-def test_stream_errors_answer_in_stream_and_need_a_key(frontend) -> None:  # type: ignore[no-untyped-def]
+def test_stream_errors_answer_in_stream_and_need_a_key(frontend) -> None:
     no_key = _stream(frontend.grpc_url, [_repeat([1], "k")])
     assert no_key and no_key[0][0] == "error" and "API key" in no_key[0][1]
     bad = _stream(
@@ -122,7 +122,7 @@ def _seq_call(url: str, sequence_id: int, value: int, start: bool, end: bool, he
     return int(result.as_numpy("OUTPUT")[0])
 
 
-def test_sequence_model_keeps_its_state_through_the_frontend(triton, frontend) -> None:  # type: ignore[no-untyped-def]
+def test_sequence_model_keeps_its_state_through_the_frontend(triton, frontend) -> None:
     values = [5, 7, -2, 10]
 
     def run(url: str, seq: int, headers: Any) -> list[int]:

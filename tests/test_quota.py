@@ -271,7 +271,7 @@ def test_records_stay_readable_across_the_quota_field() -> None:
     quota = Quota(QuotaWindow(5, 4, 1020, "second"), None)
     fault = Fault.of(QuotaExhausted("m", retry_after=2.0), quota)
     old_shell: msgspec.msgpack.Decoder[OldAnswer | OldGrant] = msgspec.msgpack.Decoder(
-        OldAnswer | OldGrant  # type: ignore[arg-type]
+        OldAnswer | OldGrant
     )
     old_read = old_shell.decode(encode(Answer(5, fault=fault, quota=quota))[4:])
     assert isinstance(old_read, OldAnswer) and old_read.fault is not None

@@ -204,7 +204,7 @@ async def test_a_shell_killed_with_50_streams_gives_their_slots_back_at_once(
             )
             assert all(holder(server, i) is victim for i in ids), "one connection, one shell"
             await aeventually(
-                lambda: all(doomed.tokens[i] for i in ids),  # type: ignore[union-attr]
+                lambda: all(doomed.tokens[i] for i in ids),
                 SETUP_S,
                 what="50 streams relaying",
             )

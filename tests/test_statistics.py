@@ -14,7 +14,7 @@ from fair_frontend.testing import perf_analyzer_binary
 from tests.support import KEYS, ids_input, make_config, running_frontend
 
 
-def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> None:
     with running_frontend(make_config(), triton, workers=workers) as fe:
         grpc = grpcclient.InferenceServerClient(fe.grpc_url)
         meta = grpc.get_server_metadata()
@@ -58,7 +58,7 @@ def test_statistics_count_what_the_frontend_answered(triton, workers: int) -> No
         assert "unknown model" in info.value.message()
 
 
-def test_perf_analyzer_reads_the_frontends_statistics(triton, workers: int) -> None:  # type: ignore[no-untyped-def]
+def test_perf_analyzer_reads_the_frontends_statistics(triton, workers: int) -> None:
     """perf_analyzer asks for statistics when the server lists the extension."""
     with running_frontend(make_config(), triton, workers=workers) as fe:
         proc = subprocess.run(

@@ -206,7 +206,7 @@ def _grpc(fe: RunningFrontend, method: str, request: Any, metadata: Any = ()) ->
         try:
             getattr(stub, method)(request, metadata=metadata, timeout=30)
         except grpc.RpcError as err:
-            return err.code()  # type: ignore[no-any-return]
+            return err.code()
     return grpc.StatusCode.OK
 
 

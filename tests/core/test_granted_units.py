@@ -367,7 +367,7 @@ async def test_a_part_never_reported_is_given_up_on_after_the_timeout(
     triton.request_timeout_s and the margin its calls are answered UNAVAILABLE by the
     core and the batch's slot is free again."""
     h = make(dispatcher=GrantedDispatcher)
-    h.triton.request_timeout_s = 2.0  # type: ignore[attr-defined]
+    h.triton.request_timeout_s = 2.0
     shell = FakeShell(h, "one")
     req = shell.submit("a")
     await h.settle()

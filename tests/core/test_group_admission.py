@@ -134,7 +134,7 @@ class Rig:
             core_config(),
             cast(TritonForwarder, self.triton),
             observers=[recorder],
-            limiter=RateLimiter(storage),  # type: ignore[arg-type]
+            limiter=RateLimiter(storage),
             clock=self.clock,
             wall=lambda: EPOCH + self.clock.now(),
         )

@@ -246,7 +246,7 @@ async def test_the_endpoint_gives_up_only_when_every_backend_has(
     await h.advance(6.0)  # the pool 11 s: given up
     assert h.pool.gave_up
     assert unavailable(h, a)
-    assert "unavailable for 1" in (h.answers(a)[0].fault.message or "")  # type: ignore[union-attr]
+    assert "unavailable for 1" in (h.answers(a)[0].fault.message or "")
 
 
 def unavailable_yet(h: Harness, req: CoreRequest) -> bool:
@@ -285,7 +285,7 @@ class NoTriton:
 
 def engine(slots: int) -> tuple[EngineDispatcher, Shell, BackendPool, list[Any]]:
     clock = StepClock()
-    pool = BackendPool([Backend(clock), Backend(clock)], [NoTriton(), NoTriton()])  # type: ignore[list-item]
+    pool = BackendPool([Backend(clock), Backend(clock)], [NoTriton(), NoTriton()])
     done: list[Any] = []
     runtime = EngineDispatcher(
         model="llm",
@@ -420,7 +420,7 @@ async def test_a_sequence_stays_on_the_backend_that_holds_its_state(
     h.tritons[0].sent[1].fail(lost())  # backend 0 goes away with sequence 7's state
     await h.settle()
     assert unavailable(h, s7b) and unavailable(h, s7c)
-    assert "holds this request's sequence" in (h.answers(s7c)[0].fault.message or "")  # type: ignore[union-attr]
+    assert "holds this request's sequence" in (h.answers(s7c)[0].fault.message or "")
     h.tritons[1].sent[1].ok()
     await h.settle()
     assert sent_to(h)[1][-1] == ids(s8c)  # sequence 8 goes on where it was
