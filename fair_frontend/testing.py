@@ -162,7 +162,11 @@ def _describe(condition: Callable[..., Any], what: str | None) -> str:
 
 
 def eventually(
-    condition: Callable[[], T], timeout: float, interval: float = 0.05, *, what: str | None = None
+    condition: Callable[[], T | None],
+    timeout: float,
+    interval: float = 0.05,
+    *,
+    what: str | None = None,
 ) -> T:
     """Call ``condition()`` every ``interval`` s until it returns something truthy, and return
     that. After ``timeout`` s without, raise ``AssertionError`` naming ``what`` (default:
@@ -182,7 +186,7 @@ def eventually(
 
 @overload
 async def aeventually(  # type: ignore[overload-overlap]
-    condition: Callable[[], Awaitable[T]],
+    condition: Callable[[], Awaitable[T | None]],
     timeout: float,
     interval: float = ...,
     *,
@@ -192,7 +196,11 @@ async def aeventually(  # type: ignore[overload-overlap]
 
 @overload
 async def aeventually(
-    condition: Callable[[], T], timeout: float, interval: float = ..., *, what: str | None = ...
+    condition: Callable[[], T | None],
+    timeout: float,
+    interval: float = ...,
+    *,
+    what: str | None = ...,
 ) -> T: ...
 
 
