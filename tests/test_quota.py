@@ -20,7 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fair_frontend.admission import RateLimitItem
-from fair_frontend.admission.limits import WINDOWS_S
+from fair_frontend.admission.limits import WINDOWS_S, Unit
 from fair_frontend.admission.ratelimit import Decision, binding_quota, rate_limited_error
 from fair_frontend.errors import QuotaExhausted, RateLimited, error_class
 from fair_frontend.outcomes import Outcome
@@ -116,8 +116,8 @@ def test_headers_name_each_unit_that_has_a_window(
 # ---- which window binds -------------------------------------------------------------------
 
 
-def item(unit: str, window: str, amount: int) -> RateLimitItem:
-    return RateLimitItem(unit, window, amount, WINDOWS_S[window])  # type: ignore[arg-type]
+def item(unit: Unit, window: str, amount: int) -> RateLimitItem:
+    return RateLimitItem(unit, window, amount, WINDOWS_S[window])
 
 
 def test_the_binding_window_is_the_least_remaining_per_unit() -> None:
@@ -156,7 +156,7 @@ def test_a_reset_is_rounded_up_to_the_millisecond() -> None:
         max_size=10,
     )
 )
-def test_the_binding_window_against_a_sort(rows: list[tuple[str, str, int, int]]) -> None:
+def test_the_binding_window_against_a_sort(rows: list[tuple[Unit, str, int, int]]) -> None:
     items = [item(unit, window, 60) for unit, window, _, _ in rows]
     states = [(left, reset) for _, _, left, reset in rows]
     quota = binding_quota(items, states)

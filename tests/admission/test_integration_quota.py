@@ -373,7 +373,8 @@ async def test_a_day_used_up_is_quota_exhausted_across_the_shell_socket(
             assert err.quota.requests.remaining == 0 and err.retry_after is not None
             assert err.retry_after > 86_000  # the day's oldest admission frees it
         finally:
-            link.transport.close()  # type: ignore[union-attr]
+            assert link.transport is not None
+            link.transport.close()
             await gateway.triton.close()
         # What a client of the shell processes reads: the same 429, with the headers.
         for protocol in PROTOCOLS:

@@ -31,7 +31,7 @@ import random
 import re
 import statistics
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 from hypothesis import given
@@ -166,11 +166,12 @@ async def recorded(caplog: pytest.LogCaptureFixture, tenant: str | None, count: 
     no more: a record is written where the outcome is known, which in one-hop mode is the
     core, when the shell's report of the batch arrives, and that can be after the shell
     answered its client."""
-    found = await aeventually(
+    found: list[Any] | Literal[False] = await aeventually(
         lambda: len(log := request_log(caplog, tenant, "dispatched")) >= count and log,
         20.0,
         what=f"{count} dispatched records of {tenant or 'every tenant'}",
     )
+    assert found  # aeventually returns only a truthy value: the list
     assert len(found) == count, (len(found), count)
     return found
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.admission import MemoryStorage, RateLimitItem, RedisStorage, Storage
-from fair_frontend.admission.limits import WINDOWS_S
+from fair_frontend.admission.limits import WINDOWS_S, Unit
 from fair_frontend.admission.ratelimit import RateLimiter
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, WindowState
 from tests.admission.conftest import StorageFactory
@@ -37,8 +37,8 @@ TIMEOUT_S = 5.0
 _keys = itertools.count()
 
 
-def item(unit: str, window: str, amount: int) -> RateLimitItem:
-    return RateLimitItem(unit, window, amount, WINDOWS_S[window])  # type: ignore[arg-type]
+def item(unit: Unit, window: str, amount: int) -> RateLimitItem:
+    return RateLimitItem(unit, window, amount, WINDOWS_S[window])
 
 
 def width(it: RateLimitItem) -> int:
@@ -143,9 +143,10 @@ class Step:
 @st.composite
 def histories(draw: st.DrawFn) -> tuple[list[RateLimitItem], list[Step]]:
     windows = list(WINDOWS_S)
+    units: list[Unit] = ["requests", "tokens"]
     pairs = draw(
         st.lists(
-            st.tuples(st.sampled_from(["requests", "tokens"]), st.sampled_from(windows)),
+            st.tuples(st.sampled_from(units), st.sampled_from(windows)),
             min_size=1,
             max_size=3,
             unique=True,

@@ -18,7 +18,7 @@ from fair_frontend.admission import (
     rate_limited_error,
     storage_from_uri,
 )
-from fair_frontend.admission.limits import WINDOWS_S
+from fair_frontend.admission.limits import WINDOWS_S, Unit
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, Checked, StorageError
 from fair_frontend.config import Limits, RateLimiting, parse_config
 from fair_frontend.core.plan import rate_limiter
@@ -30,8 +30,8 @@ T0 = 1_700_000_123.456789
 US = 1e-6
 
 
-def item(unit: str, window: str, amount: int) -> RateLimitItem:
-    return RateLimitItem(unit, window, amount, WINDOWS_S[window])  # type: ignore[arg-type]
+def item(unit: Unit, window: str, amount: int) -> RateLimitItem:
+    return RateLimitItem(unit, window, amount, WINDOWS_S[window])
 
 
 def limiter(storage: Storage) -> RateLimiter:
@@ -48,7 +48,7 @@ def release_time(admitted_at: float, seconds: float) -> float:
 @pytest.mark.parametrize("window", list(WINDOWS_S))
 @pytest.mark.parametrize("unit", ["requests", "tokens"])
 async def test_nth_passes_next_fails_and_capacity_returns_on_time(
-    storage: Storage, unit: str, window: str
+    storage: Storage, unit: Unit, window: str
 ) -> None:
     seconds = WINDOWS_S[window]
     rl = limiter(storage)
@@ -113,7 +113,7 @@ async def test_binding_limit_is_the_longest_wait(storage: Storage) -> None:
 
 
 @pytest.mark.parametrize("unit", ["requests", "tokens"])
-async def test_concurrent_burst_admits_exactly_n(storage: Storage, unit: str) -> None:
+async def test_concurrent_burst_admits_exactly_n(storage: Storage, unit: Unit) -> None:
     rl = limiter(storage)
     n, m = 37, 200
     items = [item(unit, "minute", n * 10 if unit == "tokens" else n)]

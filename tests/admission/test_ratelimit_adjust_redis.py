@@ -19,7 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
-from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
+from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S, StorageErrorMode
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
 from tests.admission.conftest import Timed, beside_a_wait, typical
 
@@ -127,12 +127,12 @@ def trips(rl: RateLimiter) -> int:
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_redis_killed_adjust_never_raises_and_counts_towards_the_circuit(
-    redis_process: RedisServer, mode: str
+    redis_process: RedisServer, mode: StorageErrorMode
 ) -> None:
     server = redis_process
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
-        on_storage_error=mode,  # type: ignore[arg-type]
+        on_storage_error=mode,
     )
     try:
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed
@@ -167,14 +167,14 @@ async def test_redis_killed_adjust_never_raises_and_counts_towards_the_circuit(
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_hung_redis_adjust_returns_within_the_timeout(
-    redis_process: RedisServer, mode: str
+    redis_process: RedisServer, mode: StorageErrorMode
 ) -> None:
     server = redis_process
     assert server.proc is not None
     pid = server.proc.pid
     rl = RateLimiter(
         RedisStorage(server.url, timeout_s=TIMEOUT_S),
-        on_storage_error=mode,  # type: ignore[arg-type]
+        on_storage_error=mode,
     )
     try:
         assert (await rl.check("acme:gen", [TPM], requests=1, tokens=1000, now=T0)).allowed

@@ -23,10 +23,11 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from fair_frontend.admission import RateLimiter, RateLimitItem, RedisStorage
-from fair_frontend.admission.limits import WINDOWS_S
+from fair_frontend.admission.limits import WINDOWS_S, Unit
 from fair_frontend.admission.ratelimit import (
     DEFAULT_OPEN_AFTER_S,
     DEFAULT_PROBE_S,
+    StorageErrorMode,
     StorageUnavailable,
 )
 from fair_frontend.admission.storage import DEFAULT_BUCKETS, DEFAULT_TIMEOUT_S
@@ -51,8 +52,8 @@ class RedisServer(Protocol):
     def wait_ready(self) -> None: ...
 
 
-def item(unit: str, window: str, amount: int) -> RateLimitItem:
-    return RateLimitItem(unit, window, amount, WINDOWS_S[window])  # type: ignore[arg-type]
+def item(unit: Unit, window: str, amount: int) -> RateLimitItem:
+    return RateLimitItem(unit, window, amount, WINDOWS_S[window])
 
 
 async def check(rl: RateLimiter, now: float) -> object:
@@ -159,7 +160,9 @@ async def test_running_sum_survives_far_jumps(redis_url: str, redis_client: Redi
         for _ in range(3):
             assert (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
         assert not (await rl.check("jump:e", [rpm], requests=1, tokens=0, now=T0 + 86400)).allowed
-        assert int(await redis_client.hget(name, "t")) == 3
+        t = await redis_client.hget(name, "t")
+        assert t is not None
+        assert int(t) == 3
     finally:
         await rl.close()
 
@@ -175,10 +178,12 @@ def reason_of(d: object) -> str | None:
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
-async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str) -> None:
+async def test_redis_killed_then_restarted(
+    redis_process: RedisServer, mode: StorageErrorMode
+) -> None:
     server = redis_process
     storage = RedisStorage(server.url, timeout_s=TIMEOUT_S)
-    rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
+    rl = RateLimiter(storage, on_storage_error=mode)
     try:
         d = await check(rl, T0)
         assert getattr(d, "allowed", False) and not getattr(d, "degraded", True)
@@ -232,13 +237,15 @@ async def test_redis_killed_then_restarted(redis_process: RedisServer, mode: str
 
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
-async def test_hung_redis_times_out_then_recovers(redis_process: RedisServer, mode: str) -> None:
+async def test_hung_redis_times_out_then_recovers(
+    redis_process: RedisServer, mode: StorageErrorMode
+) -> None:
     """A Redis that stops answering (SIGSTOP): each check still returns within the bound."""
     server = redis_process
     assert server.proc is not None
     pid = server.proc.pid
     storage = RedisStorage(server.url, timeout_s=TIMEOUT_S)
-    rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
+    rl = RateLimiter(storage, on_storage_error=mode)
     try:
         assert (await rl.check("acme:embed", [RPM], requests=1, tokens=0, now=T0)).allowed
         os.kill(pid, signal.SIGSTOP)
@@ -302,14 +309,14 @@ async def black_hole() -> AsyncIterator[BlackHole]:
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_silent_server_fails_each_round_trip_then_one_probe_at_a_time(
-    black_hole: BlackHole, mode: str
+    black_hole: BlackHole, mode: StorageErrorMode
 ) -> None:
     """A server that never answers: concurrent checks share one round trip (one connection:
     the timeout drops it), each takes the mode after that one timeout; once it has answered
     nothing for open_after_s the circuit opens and one check per probe_s asks."""
     async with black_hole as url:
         storage = RedisStorage(url, timeout_s=TIMEOUT_S)
-        rl = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
+        rl = RateLimiter(storage, on_storage_error=mode)
 
         waits: list[Timed[Any]] = []
 

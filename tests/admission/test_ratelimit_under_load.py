@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from fair_frontend.admission import MemoryStorage, RateLimiter, RateLimitItem, RedisStorage
-from fair_frontend.admission.ratelimit import Decision
+from fair_frontend.admission.ratelimit import Decision, StorageErrorMode
 from fair_frontend.errors import Unavailable
 from tests.admission.conftest import Timed, beside_a_wait, typical
 
@@ -98,17 +98,17 @@ class LoopStalls:
 @pytest.fixture(params=["memory", "redis"])
 async def limiter_factory(
     request: pytest.FixtureRequest,
-) -> AsyncIterator[Callable[[str], RateLimiter]]:
+) -> AsyncIterator[Callable[[StorageErrorMode], RateLimiter]]:
     """Limiters over this test's storage kind; Redis with the module's timeout."""
     made: list[RateLimiter] = []
 
-    def make(mode: str) -> RateLimiter:
+    def make(mode: StorageErrorMode) -> RateLimiter:
         if request.param == "memory":
             storage: MemoryStorage | RedisStorage = MemoryStorage()
         else:
             server: RedisProcess = request.getfixturevalue("redis_process")
             storage = RedisStorage(server.url, timeout_s=TIMEOUT_S)
-        made.append(RateLimiter(storage, on_storage_error=mode))  # type: ignore[arg-type]
+        made.append(RateLimiter(storage, on_storage_error=mode))
         return made[-1]
 
     yield make
@@ -152,7 +152,7 @@ def degraded(results: list[Decision | Unavailable]) -> int:
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_a_busy_event_loop_never_fails_a_check_open(
-    limiter_factory: Callable[[str], RateLimiter], mode: str
+    limiter_factory: Callable[[StorageErrorMode], RateLimiter], mode: StorageErrorMode
 ) -> None:
     limiter = limiter_factory(mode)
     pending = Pending()
@@ -201,10 +201,10 @@ async def stopped(redis_process: RedisProcess) -> AsyncIterator[None]:
 
 @pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
 async def test_one_slow_reply_fails_only_the_checks_it_delayed(
-    redis_process: RedisProcess, mode: str
+    redis_process: RedisProcess, mode: StorageErrorMode
 ) -> None:
     storage = RedisStorage(redis_process.url, timeout_s=TIMEOUT_S)
-    limiter = RateLimiter(storage, on_storage_error=mode)  # type: ignore[arg-type]
+    limiter = RateLimiter(storage, on_storage_error=mode)
     try:
         assert (await burst(limiter, "warm:embed", 1, 1))[0]  # connected, scripts loaded
         # Tenant A's checks meet a Redis that answers only after they have all given up:
