@@ -289,7 +289,8 @@ class RecordingRoute:
     name: str = "route"
     answers: list[Answer] = field(default_factory=list)
 
-    def answer(self, answer: Answer) -> None:
+    def answer(self, answer: Answer | Grant) -> None:
+        assert not isinstance(answer, Grant), "a grant: these models are not decoupled"
         self.answers.append(answer)
 
 

@@ -170,10 +170,10 @@ class Rig:
     def __init__(self, of: Rig | None = None) -> None:
         """``of``: another rig whose clock and limits' storage this one shares (a
         standby of the same fleet, with Redis)."""
-        self.clock = of.clock if of is not None else StepClock()
+        self.clock: StepClock = of.clock if of is not None else StepClock()
         self.start = self.clock.now()
         self.triton = Triton(self.clock)
-        self.storage = of.storage if of is not None else MemoryStorage()
+        self.storage: MemoryStorage = of.storage if of is not None else MemoryStorage()
         self.recorder = Recorder(self.clock)
         self.core = Core(
             core_config(),
@@ -190,7 +190,7 @@ class Rig:
 
     # ---- calls --------------------------------------------------------------------------
 
-    def _call(self, model: str, tenant: str, request: InferRequest, **kw: int | bool) -> Call:
+    def _call(self, model: str, tenant: str, request: InferRequest, **kw: Any) -> Call:
         return Call(
             id=int(request.id.rpartition(":")[2]),
             tenant=tenant,
@@ -199,7 +199,7 @@ class Rig:
             arrived_wall=EPOCH + self.clock.now(),
             lengths=None,
             request=request,
-            **kw,  # type: ignore[arg-type]
+            **kw,
         )
 
     def submit_embed(
@@ -469,7 +469,7 @@ def test_every_call_ends_once_and_token_limits_count_what_was_produced(
         shells = [Shell("s0"), Shell("s1")]
         await play(rig, ops, shells)
         if shutdown:
-            rig.storage.close = _kept  # type: ignore[method-assign]  # read after
+            rig.storage.close = _kept  # type: ignore[method-assign]  # a patch: read after
             await rig.core.shutdown(grace_s=0.0)
             await rig.settle()
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import cast
 
 import grpc
 import numpy as np
@@ -440,7 +441,7 @@ async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone(
     for _ in range(SETTLE_ROUNDS):
         await asyncio.sleep(0)
     assert triton.calls == 1 and req.answered
-    (answer,) = req.route.answers  # type: ignore[attr-defined]
+    (answer,) = cast(RecordingRoute, req.route).answers
     assert answer.fault is not None and "Deadline Exceeded" in answer.fault.message
     assert runtime.backend.available
     await runtime.drain()

@@ -40,7 +40,7 @@ from fair_frontend.core.granted import REPORT_MARGIN_S, GrantedDispatcher
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import Tensor
-from fair_frontend.wire.records import Answer, Call, Fault, Rows, RowsDone
+from fair_frontend.wire.records import Answer, Call, Fault, Grant, Rows, RowsDone
 
 CULPRIT = "raiser: refusing the value 13"
 
@@ -91,7 +91,8 @@ class FakeShell:
         self.h.runtime.submit(req)
         return req
 
-    def answer(self, answer: Answer) -> None:
+    def answer(self, answer: Answer | Grant) -> None:
+        assert not isinstance(answer, Grant), "a grant: granted mode sends rows (grant_rows)"
         if self.alive:
             self.answers.append(answer)
             self.held.pop(answer.id, None)

@@ -349,7 +349,7 @@ async def test_a_precharge_counts_before_and_the_call_counts_only_the_rest() -> 
     parts (15 tokens) then counts no request and 6 tokens: 15 in all, one request."""
     rig = Rig()
     at, quota = await rig.core.precharge("a", EMBED, requests=1, tokens=9)
-    assert at == EPOCH + rig.clock.now()
+    assert at is not None and at == EPOCH + rig.clock.now()
     assert quota is not None and quota.tokens is not None
     assert quota.tokens.remaining == TOKENS_PER_MINUTE - 9
     assert (rig.counted("a", "requests"), rig.counted("a", "tokens")) == (1, 9)

@@ -26,6 +26,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.service import Core
+from fair_frontend.logs import RequestLog
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -85,7 +86,10 @@ class Rig:
             clock=self.clock,
             wall=lambda: EPOCH + self.clock.now(),
         )
-        self.core.request_log = self.core.accounting.request_log = self.logged  # type: ignore[assignment]
+        # Ends, an Observer, where the core's request log was (the core calls only what
+        # an Observer has)
+        self.core.request_log = cast(RequestLog, self.logged)
+        self.core.accounting.request_log = self.logged
         runtime = self.core._runtime(EMBED, embed_info())
         assert isinstance(runtime, GrantedDispatcher)
         self.runtime = runtime

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.service import Core
-from fair_frontend.core.shells import Intake
+from fair_frontend.core.shells import Intake, ShellConnection
 from fair_frontend.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.triton.forwarder import TritonForwarder
@@ -204,7 +204,7 @@ async def test_the_intake_judges_each_tenants_calls_of_a_slice_together() -> Non
     rig = Rig(1000)
     intake, conn = Intake(rig.core), Conn(rig)
     for i in range(30):
-        intake.push(rig.call("ab"[i % 2]), conn)  # type: ignore[arg-type]
+        intake.push(rig.call("ab"[i % 2]), cast(ShellConnection, conn))
     for _ in range(5):
         await asyncio.sleep(0)
     assert not len(intake)
@@ -264,7 +264,7 @@ async def test_a_ticks_first_batch_is_full_and_fair_not_its_first_call_alone() -
         if in_tick:
             intake = Intake(rig.core)
             for call in calls:
-                intake.push(call, conn)  # type: ignore[arg-type]
+                intake.push(call, cast(ShellConnection, conn))
         else:
             for call in calls:
                 conn.admit(call)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.config import Endpoint, parse_config
 from fair_frontend.core import Core
-from fair_frontend.core.dispatch import Backend, CoreRequest
+from fair_frontend.core.dispatch import Backend, CoreRequest, Forwarder
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import OpenSequence
@@ -94,7 +94,9 @@ def unavailable(h: Harness, req: CoreRequest) -> bool:
 def test_choose_takes_the_least_loaded_reachable_backend_ties_round_robin() -> None:
     clock = StepClock()
     backends = [Backend(clock) for _ in range(3)]
-    pool = BackendPool(backends, [object(), object(), object()])  # type: ignore[list-item]
+    pool = BackendPool(
+        backends, cast(list[Forwarder], [object(), object(), object()])
+    )  # never called
     assert pool.choose([0, 0, 0], 2) == 0
     pool.took(0)
     assert pool.choose([1, 0, 0], 2) == 1  # the fewest running
@@ -640,8 +642,10 @@ def test_a_grant_names_its_backend_and_the_shells_learn_the_pool_over_the_socket
     assert isinstance(grant, Grant) and grant.backend == 1 and grant.sequence == {"sequence_id": 3}
     settings = to_shell.decode(encode(Settings({}, {}, "a:8001", ["a:8001", "b:8001"]))[4:])
     assert isinstance(settings, Settings) and settings.triton_urls == ["a:8001", "b:8001"]
-    assert to_shell.decode(encode(Grant(6))[4:]).backend == 0  # type: ignore[union-attr]
-    assert to_shell.decode(encode(Settings({}, {}, "a:8001"))[4:]).triton_urls == []  # type: ignore[union-attr]
+    grant = to_shell.decode(encode(Grant(6))[4:])
+    assert isinstance(grant, Grant) and grant.backend == 0
+    settings = to_shell.decode(encode(Settings({}, {}, "a:8001"))[4:])
+    assert isinstance(settings, Settings) and settings.triton_urls == []
 
 
 # ---- every request answered exactly once, whatever the backends do -----------------------

@@ -189,7 +189,7 @@ class Relay:
         self.reqs: dict[int, CoreRequest] = {}
         self.sent = dict.fromkeys(work.names, 0)  # requests submitted per tenant
         self.streams: list[Stream] = []  # producing
-        self.queue: list[deque[tuple[int, Stream, int]]] = [deque() for _ in range(SHELLS)]
+        self.queue: list[deque[tuple[float, Stream, int]]] = [deque() for _ in range(SHELLS)]
         self.served = dict.fromkeys(work.names, 0.0)  # weighted tokens
         self.lost = dict.fromkeys(work.names, 0.0)  # weighted tokens never told
         self.start: dict[str, float] = {}  # the counters when the measure starts
@@ -197,7 +197,7 @@ class Relay:
         # served_f - served_g at its least so far, per (f, g): the start of the interval
         # over which f got furthest ahead of g.
         self.least_ahead = dict.fromkeys(itertools.permutations(work.names, 2), 0.0)
-        self.step = 0
+        self.step: float = 0  # math.inf once every stream is told
         self._ids = itertools.count(1)
         self._reports = itertools.count()
         self._delays = itertools.cycle(work.delays)
@@ -357,7 +357,7 @@ class Relay:
         for stream in self.streams:
             self.tell(stream, 0)
         self.streams = []
-        self.step = math.inf  # type: ignore[assignment]
+        self.step = math.inf
         self.deliver()
         await self.settle()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from fair_frontend.feedback import ServiceModel, TritonDelta
 from fair_frontend.scheduler.cost import CostUnit
@@ -89,9 +90,9 @@ def feed(model: ServiceModel, served: Iterable[Served]) -> list[Served]:
     return out
 
 
-def token_model(**kwargs: object) -> ServiceModel:
+def token_model(**kwargs: Any) -> ServiceModel:
     """A token-cost endpoint's model, max batch 32, default alpha and interval."""
-    return ServiceModel("embed", cost_unit=CostUnit.TOKENS, max_batch_size=32, **kwargs)  # type: ignore[arg-type]
+    return ServiceModel("embed", cost_unit=CostUnit.TOKENS, max_batch_size=32, **kwargs)
 
 
 def trained(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -141,7 +142,7 @@ def test_endpoint_admission_feeds_the_slot_times_and_asks_the_engine_throttle() 
     assert admission.slot_times.has_data and admission.slot_times.mean_hold_s == 4.0
     for _ in range(3):
         scheduler.enqueue(QueuedRequest("a", 1, 8, 0, 1, None), 0.0)
-    args = {"tenant": "a", "tier": "paid", "priority": 1, "rows": 1, "tokens": 8}
+    args: dict[str, Any] = {"tenant": "a", "tier": "paid", "priority": 1, "rows": 1, "tokens": 8}
     d = admission.admit(scheduler, 2, own_inflight=2, remaining_s=None, **args)
     # 3 queued ahead of it and itself; 2 slots busy: 4 must leave, 2 per 4 s.
     assert d is not None and not d.admitted and d.predicted_wait_s == pytest.approx(8.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from feedback_support import Truth, trained
@@ -40,8 +41,8 @@ def embed_model() -> ServiceModel:
     return trained(TRUTH, batches=200)
 
 
-def throttle(target_s: float = 1.0, **kwargs: object) -> Throttle:
-    return Throttle(max_batch_size=32, latency_target_s=target_s, **kwargs)  # type: ignore[arg-type]
+def throttle(target_s: float = 1.0, **kwargs: Any) -> Throttle:
+    return Throttle(max_batch_size=32, latency_target_s=target_s, **kwargs)
 
 
 def full_batch_seconds(model: ServiceModel) -> float:

@@ -8,6 +8,8 @@ verdict says closed, ``admit`` refuses every request of that tier.
 
 from __future__ import annotations
 
+from typing import Any
+
 from feedback_support import Truth, trained
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from fair_frontend.feedback import SlotTimes
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
+    Mode,
     QueuedRequest,
     Scheduler,
     TenantSpec,
@@ -37,12 +40,12 @@ def directory(weights: dict[str, float] | None = None) -> dict[str, TenantSpec]:
 
 
 def endpoint(
-    tenants: dict[str, TenantSpec], *, mode: str = "fair", target_s: float = 0.1
+    tenants: dict[str, TenantSpec], *, mode: Mode = "fair", target_s: float = 0.1
 ) -> tuple[Scheduler, EndpointAdmission]:
     policy = EndpointPolicy(
         cost=CostUnit.TOKENS, max_batch_size=32, max_batch_tokens=None, quantum=4096.0, tiers=TIERS
     )
-    scheduler = Scheduler(policy, tenants, GlobalCaps(10**7), mode=mode)  # type: ignore[arg-type]
+    scheduler = Scheduler(policy, tenants, GlobalCaps(10**7), mode=mode)
     admission = EndpointAdmission(
         service=trained(TRUTH, batches=200),
         throttle=Throttle(max_batch_size=32, latency_target_s=target_s),
@@ -86,10 +89,10 @@ def test_a_tier_is_open_while_one_of_its_tenants_could_still_get_in() -> None:
     scheduler, admission = endpoint(tenants)
     for _ in range(400):
         scheduler.enqueue(QueuedRequest("f1", 1, 100, 0, 2, None), 0.0)
-    args = {"tier": "free", "rows": 1, "tokens": 0, "remaining_s": None}
-    f1 = admission.admit(scheduler, 2, tenant="f1", priority=1, **args)  # type: ignore[arg-type]
-    f1_low = admission.admit(scheduler, 2, tenant="f1", priority=2, **args)  # type: ignore[arg-type]
-    f2 = admission.admit(scheduler, 2, tenant="f2", priority=3, **args)  # type: ignore[arg-type]
+    args: dict[str, Any] = {"tier": "free", "rows": 1, "tokens": 0, "remaining_s": None}
+    f1 = admission.admit(scheduler, 2, tenant="f1", priority=1, **args)
+    f1_low = admission.admit(scheduler, 2, tenant="f1", priority=2, **args)
+    f2 = admission.admit(scheduler, 2, tenant="f2", priority=3, **args)
     assert f1 is not None and f1.admitted
     assert f1_low is not None and not f1_low.admitted
     assert f2 is not None and f2.admitted
@@ -98,7 +101,7 @@ def test_a_tier_is_open_while_one_of_its_tenants_could_still_get_in() -> None:
     scheduler.cancel_all(0.0)
     for _ in range(400):
         scheduler.enqueue(QueuedRequest("f1", 1, 100, 0, 1, None), 0.0)
-    f1 = admission.admit(scheduler, 2, tenant="f1", priority=1, **args)  # type: ignore[arg-type]
+    f1 = admission.admit(scheduler, 2, tenant="f1", priority=1, **args)
     assert f1 is not None and not f1.admitted
     assert admission.verdict(scheduler, 2, "free", 1.0, 2) is None
     # Both free tenants backlogged at level 1: neither gets in, closed.
@@ -159,7 +162,7 @@ def test_a_closed_tier_refuses_every_request_of_it(
     inflight: int,
     target_s: float,
     paid_share: float,
-    mode: str,
+    mode: Mode,
     dispatched: int,
     requests: list[tuple[str, int, int, int, float | None]],
 ) -> None:
@@ -218,12 +221,12 @@ def test_a_closed_tier_refuses_every_request_of_it_on_an_engine(
     hold_s: float,
     target_s: float,
     paid_share: float,
-    mode: str,
+    mode: Mode,
     requests: list[tuple[str, int, int, int, int]],
 ) -> None:
     tenants = directory(weights)
     policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, TIERS, slots=slots)
-    scheduler = Scheduler(policy, tenants, GlobalCaps(10**7), mode=mode)  # type: ignore[arg-type]
+    scheduler = Scheduler(policy, tenants, GlobalCaps(10**7), mode=mode)
     times = SlotTimes.for_slots(slots)
     for _ in range(4 * slots):
         times.observe(hold_s)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 from sched_support import make_request
 
-from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
+from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Mode, Scheduler, TenantSpec
 from fair_frontend.scheduler.cost import CostUnit
 
 TOLERANCE = 0.02  # of the capacity per step
@@ -70,7 +70,7 @@ def fair_allocation(
 
 
 def simulate(
-    mode: str, unit: CostUnit, tiers: Sequence[str], loads: Sequence[Offered], capacity: int
+    mode: Mode, unit: CostUnit, tiers: Sequence[str], loads: Sequence[Offered], capacity: int
 ) -> dict[str, float]:
     """Served units per step for each tenant, over the measured part of the run."""
     tokens = unit is CostUnit.TOKENS
@@ -82,7 +82,7 @@ def simulate(
         tiers=tuple(tiers),
     )
     directory = {o.tenant: TenantSpec(o.tier, o.weight, max_queued=10**6) for o in loads}
-    s = Scheduler(policy, directory, GlobalCaps(10**7, 1 << 40), mode=mode)  # type: ignore[arg-type]
+    s = Scheduler(policy, directory, GlobalCaps(10**7, 1 << 40), mode=mode)
     credit = dict.fromkeys(directory, 0.0)
     served = dict.fromkeys(directory, 0.0)
     for step in range(STEPS):

@@ -32,6 +32,7 @@ from fair_frontend.scheduler import (
     Backlog,
     EndpointPolicy,
     GlobalCaps,
+    Mode,
     QueuedRequest,
     Scheduler,
     TenantSpec,
@@ -58,7 +59,7 @@ def order_key(r: QueuedRequest) -> tuple[int, float, int]:
 
 @dataclass
 class Scenario:
-    mode: str
+    mode: Mode
     tiers: tuple[str, ...]
     tenants: dict[str, TenantSpec]
     cost: CostUnit
@@ -175,6 +176,7 @@ class Model:
 def expected_refusal(sc: Scenario, m: Model, caps: GlobalCaps, tenant: str, nbytes: int) -> str:
     spec = sc.tenants[tenant]
     mine = [r for r in m.queued.values() if r.tenant == tenant]
+    assert spec.max_queued is not None  # every scenario's tenant has a cap of its own
     if len(mine) >= spec.max_queued:
         return f"tenant {tenant!r} max_queued={spec.max_queued}"
     if spec.max_queued_bytes is not None and sum(r.nbytes for r in mine) + nbytes > (
@@ -224,7 +226,9 @@ def check_views(s: Scheduler, m: Model, caps: GlobalCaps) -> None:
         assert all(d >= -EPS for d in s.deficits().values())
     deadlines = [r.deadline for r in queued if r.deadline is not None]
     if m.pending_expired:
-        assert s.next_deadline() == min(r.deadline for r in m.pending_expired)  # type: ignore[type-var]
+        expired = [r.deadline for r in m.pending_expired if r.deadline is not None]
+        assert len(expired) == len(m.pending_expired)  # each expired: each had a deadline
+        assert s.next_deadline() == min(expired)
     else:
         assert s.next_deadline() == (min(deadlines) if deadlines else None)
     assert s.oldest_arrival() == (min(r.arrival for r in queued) if queued else None)
@@ -369,7 +373,7 @@ def test_random_interleavings_keep_every_guarantee(sc: Scenario) -> None:
         sc.min_share,
         share_window_rows=20,
     )
-    s = Scheduler(policy, sc.tenants, caps, mode=sc.mode)  # type: ignore[arg-type]
+    s = Scheduler(policy, sc.tenants, caps, mode=sc.mode)
     m = Model(sc)
     last_batch: list[QueuedRequest] | None = None  # the previous op's batch, if it was one
     for op in sc.ops:
