@@ -196,7 +196,8 @@ def test_a_text_longer_than_the_context_is_refused_untokenised_and_unpaid(
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model="embed", input=["a short one", text])
     least = -(-len(text) // (widest or 1))
-    message = refused.value.body["message"]  # type: ignore[index]
+    assert isinstance(refused.value.body, dict)
+    message = refused.value.body["message"]
     assert f"input[1] is at least {least} tokens" in message, message
     assert f"takes at most {CONTEXT}" in message, message
     assert left(served, "long", "embed") == before  # refused before it paid anything
@@ -240,7 +241,8 @@ def test_a_text_over_the_context_by_its_tokens_is_refused_after_paying_for_them(
     assert requests is not None
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model="embed", input=["short", text])
-    message = refused.value.body["message"]  # type: ignore[index]
+    assert isinstance(refused.value.body, dict)
+    message = refused.value.body["message"]
     count = len(load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
     assert count > CONTEXT
     assert f"input[1] is {count} tokens; model 'embed' takes at most {CONTEXT}" in message

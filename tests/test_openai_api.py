@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.http as httpclient
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
 from fair_frontend.api.openai import CHAT_ANSWER, CHAT_TEMPLATE
@@ -61,10 +62,11 @@ def client(running: RunningFrontend, tenant: str = "acme", **kw: Any) -> openai.
 
 def tokenizer(running: RunningFrontend) -> Tokenizer:
     path = running.server.config.endpoints["llm"].tokenizer
+    assert path is not None
     return Tokenizer.from_file(path)
 
 
-def chat_prompt(messages: list[dict[str, str]]) -> str:
+def chat_prompt(messages: list[ChatCompletionMessageParam]) -> str:
     return "".join(CHAT_TEMPLATE.format(**m) for m in messages) + CHAT_ANSWER
 
 
@@ -85,7 +87,7 @@ def kserve_text(running: RunningFrontend, prompt: str, max_tokens: int) -> str:
         return str(json.loads(resp.read())["text_output"])
 
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three rivers of Europe."},
 ]
@@ -136,6 +138,7 @@ def test_stop_string_cuts_the_text_and_the_generation(api: RunningFrontend) -> N
     whole = kserve_text(api, chat_prompt(MESSAGES), long)
     stop = whole[len(whole) // 3 : len(whole) // 3 + 3]
     for stream in (False, True):
+        asked: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
         made = client(api).chat.completions.create(
             model="llm",
             messages=MESSAGES,
@@ -143,14 +146,17 @@ def test_stop_string_cuts_the_text_and_the_generation(api: RunningFrontend) -> N
             temperature=0,
             stop=[stop],
             stream=stream,
-            **({"stream_options": {"include_usage": True}} if stream else {}),
+            **asked,
         )
+        text: str | None  # a whole reply's content may be None
         if stream:
+            assert isinstance(made, openai.Stream)
             chunks = list(made)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
             usage = chunks[-1].usage
         else:
+            assert isinstance(made, ChatCompletion)
             text = made.choices[0].message.content
             reason = made.choices[0].finish_reason
             usage = made.usage
@@ -224,23 +230,24 @@ def _code(err: openai.APIStatusError) -> Any:
 def test_errors_in_openais_envelope_and_statuses(api: RunningFrontend) -> None:
     bad = openai.OpenAI(base_url=f"http://{api.http_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as auth:
-        bad.chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+        bad.chat.completions.create(model="llm", messages=MESSAGES)
     assert _code(auth.value) == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as missing:
-        client(api).chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+        client(api).chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert _code(missing.value) == "model_not_found"
     with pytest.raises(openai.NotFoundError) as closed:  # as OpenAI: exists or not, alike
-        client(api, "umbrella").chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+        client(api, "umbrella").chat.completions.create(model="llm", messages=MESSAGES)
     assert _code(closed.value) == "model_not_found"
     other = client(api, default_headers={"x-tenant-id": "globex"})  # acme's key
     with pytest.raises(openai.PermissionDeniedError):
-        other.chat.completions.create(model="llm", messages=MESSAGES)  # type: ignore[arg-type]
+        other.chat.completions.create(model="llm", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as two:
-        client(api).chat.completions.create(model="llm", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        client(api).chat.completions.create(model="llm", messages=MESSAGES, n=2)
     assert isinstance(two.value.body, dict) and two.value.body["param"] == "n"
+    bad_value: dict[str, Any]  # each a value of the right type the frontend refuses
     for bad_value in ({"temperature": 9}, {"max_tokens": -1}, {"stop": ["x"] * 5}):
         with pytest.raises(openai.BadRequestError):
-            client(api).chat.completions.create(model="llm", messages=MESSAGES, **bad_value)  # type: ignore[arg-type]
+            client(api).chat.completions.create(model="llm", messages=MESSAGES, **bad_value)
     with pytest.raises(openai.BadRequestError):  # embeddings of a model that makes none
         client(api).embeddings.create(model="llm", input="x")
 
@@ -256,7 +263,7 @@ def test_429_rate_limit_exceeded_is_retryable(api: RunningFrontend) -> None:
     assert first.headers["x-ratelimit-remaining-requests"] == "0"
     assert first.headers["x-ratelimit-reset-requests"].endswith("s")
     with pytest.raises(openai.RateLimitError) as limited:
-        initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+        initech.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)
     assert _code(limited.value) == "rate_limit_exceeded"
     headers = limited.value.response.headers
     assert int(headers["retry-after"]) >= 1
@@ -266,9 +273,9 @@ def test_429_rate_limit_exceeded_is_retryable(api: RunningFrontend) -> None:
 
 def test_429_insufficient_quota_when_a_day_allowance_is_used(api: RunningFrontend) -> None:
     hooli = client(api, "hooli")
-    hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)
     with pytest.raises(openai.RateLimitError) as used_up:
-        hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+        hooli.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1)
     assert _code(used_up.value) == "insufficient_quota"
     # OpenAI's SDKs retry every 429 unless told not to.
     assert used_up.value.response.headers["x-should-retry"] == "false"
@@ -303,7 +310,7 @@ def test_service_tier_and_priority(api: RunningFrontend) -> None:
             model="llm",
             messages=MESSAGES,
             max_tokens=1,
-            service_tier="gold",
+            service_tier="gold",  # type: ignore[call-overload]  # a tier the SDK knows none of: refused
         )
 
 
@@ -334,11 +341,12 @@ def test_request_log_carries_usage_for_billing(
         )
         ours = _records(caplog, reply.id)
     assert len(ours) == 1, "one record per request, written by the core"
-    record = ours[0]
-    assert record.tenant == "globex"  # type: ignore[attr-defined]
-    assert record.tokens_out == MAX_TOKENS  # type: ignore[attr-defined]
-    assert record.tokens_in == reply.usage.prompt_tokens  # type: ignore[attr-defined, union-attr]
-    assert record.service_ms > 0  # type: ignore[attr-defined]
+    record = vars(ours[0])  # the record's fields, its ``extra`` among them
+    assert reply.usage is not None
+    assert record["tenant"] == "globex"
+    assert record["tokens_out"] == MAX_TOKENS
+    assert record["tokens_in"] == reply.usage.prompt_tokens
+    assert record["service_ms"] > 0
 
 
 def _records(caplog: pytest.LogCaptureFixture, request_id: str) -> list[logging.LogRecord]:

@@ -87,6 +87,7 @@ def test_bad_chat_fields_are_refused_naming_the_field(body: dict | bytes, param:
 
 
 def test_huge_and_out_of_range_embeddings_inputs_are_refused() -> None:
+    value: object
     for value in ("", [], [""], [-1], [2**31], [[]], [[1], "x"], {"a": 1}, 3.5):
         with pytest.raises(openai.ParamError):
             openai.embeddings_request({"model": "embed", "input": value})

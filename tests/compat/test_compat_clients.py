@@ -430,19 +430,18 @@ def test_model_metadata_and_config_are_tritons(
 ) -> None:
     """Also the ``/v2/models/{m}/versions/{v}`` forms (HTTP) and version fields (gRPC)."""
     for model in MODELS:
-        direct, through = side_by_side(
-            sides,
-            lambda s, m=model: s.client(protocol).get_model_metadata(
+
+        def metadata(s: Side, m: str = model) -> Any:
+            return s.client(protocol).get_model_metadata(
                 m, model_version=version, headers=s.headers
-            ),
-        )
+            )
+
+        def config(s: Side, m: str = model) -> Any:
+            return s.client(protocol).get_model_config(m, model_version=version, headers=s.headers)
+
+        direct, through = side_by_side(sides, metadata)
         assert through == direct
-        direct, through = side_by_side(
-            sides,
-            lambda s, m=model: s.client(protocol).get_model_config(
-                m, model_version=version, headers=s.headers
-            ),
-        )
+        direct, through = side_by_side(sides, config)
         assert through == direct
     if protocol == "grpc":
         direct, through = side_by_side(
@@ -479,13 +478,19 @@ def test_health_and_readiness_are_tritons(sides: tuple[Side, Side], protocol: st
         lambda c, h: c.is_model_ready("no_such_model", headers=h),
     ]
     for probe in probes:
-        direct, through = side_by_side(sides, lambda s, p=probe: p(s.client(protocol), s.headers))
+
+        def probed(s: Side, p: Callable[[Any, dict[str, str]], Any] = probe) -> Any:
+            return p(s.client(protocol), s.headers)
+
+        direct, through = side_by_side(sides, probed)
         assert through == direct
     assert through is False  # the last probe: an unknown model is not ready
     for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/simple/versions/1/ready"):
-        direct, through = side_by_side(
-            sides, lambda s, p=path: http_request(s.http_url, "GET", p, headers=s.headers)
-        )
+
+        def got(s: Side, p: str = path) -> Any:
+            return http_request(s.http_url, "GET", p, headers=s.headers)
+
+        direct, through = side_by_side(sides, got)
         assert through.status == direct.status == 200
 
 

@@ -82,7 +82,7 @@ EDGE_INTS = st.sampled_from(
     [0, 1, -1, 11, 2**31 - 1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64 - 1, 2**64]
 )
 SAFE_TEXT = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8
+    alphabet=st.characters(blacklist_categories=["Cs"]), max_size=8
 )  # protobuf strings must be valid UTF-8
 
 JSON_VALUES = st.recursive(

@@ -11,7 +11,7 @@ through the frontend with the tenant's key, nothing else changed; the answers mu
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -24,7 +24,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from fair_frontend import __version__
 from fair_frontend.batching import OUTPUTS_PARAMETER, ROWS_PARAMETER, batch_key, pack
 from fair_frontend.config import Endpoint, PaddedInput, Padding
-from fair_frontend.core.dispatch import CoreRequest
+from fair_frontend.core.dispatch import CoreRequest, Route
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
@@ -135,7 +135,10 @@ def _queued(width: int, n: int, **parameters: Any) -> CoreRequest:
         outputs=[RequestedOutput("OUT")],
     )
     call = Call(n, "acme", 1, 0.0, 0.0, 1, width, request.nbytes, [width], request)
-    return CoreRequest("acme", 1, width, request.nbytes, 1, None, None, call=call, route=None)
+    # No route: only packed into a batch here, never answered.
+    return CoreRequest(
+        "acme", 1, width, request.nbytes, 1, None, None, call=call, route=cast(Route, None)
+    )
 
 
 @pytest.mark.parametrize("takes_rows", [True, False])
