@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from fair_frontend.auth import (
@@ -75,7 +77,7 @@ class CountingKeys(dict[str, str]):
 
     reads = 0
 
-    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         self.reads += 1
         return super().get(key, default)
 

@@ -30,7 +30,7 @@ from fair_frontend.protocol import (
     tensor_from_list,
 )
 
-ARRAYS = {
+ARRAYS: dict[str, np.ndarray] = {
     "I32": np.arange(12, dtype=np.int32).reshape(3, 4),
     "F32": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),
     "F16": np.array([[1.5, -2.25]], dtype=np.float16),

@@ -285,7 +285,8 @@ async def test_the_tcp_link_refuses_a_wrong_secret_before_reading_a_record(tcp_c
     link raises ``SecretRefused`` (its process exits rather than retry). The right one
     connects: the core's verdict, then its Settings. A peer that sends nothing, or no
     preamble, is closed (within core_link.handshake_timeout_s), unanswered."""
-    server = tcp_core.server.shells.server  # type: ignore[union-attr]
+    assert tcp_core.server.shells is not None
+    server = tcp_core.server.shells.server
     refused, admitted = server.refused, server.intake.admitted
     wrong = b"not-the-link-secret-0123456789abc"
     sent = preamble(wrong) + encode(Hello(1, 0))

@@ -57,6 +57,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.admission import RedisStorage
 from fair_frontend.auth import KeyRing, hash_key
 from fair_frontend.cli import DEMO_KEYS as CLI_DEMO_KEYS
 from fair_frontend.cli import _listen, build_parser, is_example_config
@@ -551,8 +552,10 @@ def test_the_cli_knows_the_example_configs_demo_keys() -> None:
 def _dockerfile_command(path: Path) -> list[str]:
     """ENTRYPOINT + CMD of a Dockerfile (exec form), without the program name."""
     text = path.read_text()
-    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))  # type: ignore[union-attr]
-    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))  # type: ignore[union-attr]
+    entry_line = re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M)
+    cmd_line = re.search(r"^CMD (\[.*\])$", text, re.M)
+    assert entry_line is not None and cmd_line is not None
+    entry, cmd = json.loads(entry_line.group(1)), json.loads(cmd_line.group(1))
     assert entry == ["fair-frontend"], path
     return list(cmd)
 
@@ -1659,7 +1662,8 @@ async def test_the_shipped_redis_requires_the_secrets_password_and_the_frontend_
         )
         limiter = rate_limiter(limiting)
         try:
-            await limiter.storage.ping()  # type: ignore[attr-defined]
+            assert isinstance(limiter.storage, RedisStorage)
+            await limiter.storage.ping()
         finally:
             await limiter.close()
     finally:

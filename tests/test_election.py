@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp import web
@@ -331,7 +331,8 @@ async def api() -> AsyncIterator[tuple[str, FakeLeases]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = cast(asyncio.Server, site._server)  # loop.create_server's, for a TCPSite
+    port = server.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", fake
     finally:

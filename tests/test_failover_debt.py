@@ -32,7 +32,7 @@ from fair_frontend.fleet import DEFAULT_LEASE_S
 from fair_frontend.fleet.election import POLLS, STEP_DOWN
 from fair_frontend.testing import aeventually, ascrape, eventually
 from tests.support import KEYS, RedisProcess, config_dict, llm_served
-from tests.test_fleet import SECRET, Core, Fleet, Logged, request_log
+from tests.test_fleet import SECRET, Core, Fleet, Logged, Shell, request_log
 
 SLOTS = 8  # llm's engine slots on the one Triton
 LONG = 256  # output tokens of each of acme's first generations: they hold every slot
@@ -70,7 +70,11 @@ def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> I
         fleet.cores.append(fleet.core(1))
         fleet.shells.extend(fleet.shell(i) for i in range(3))
         for shell in fleet.shells:
-            eventually(lambda s=shell: s.ready, 60, what="the shells to be ready")
+
+            def ready(s: Shell = shell) -> bool:
+                return s.ready
+
+            eventually(ready, 60, what="the shells to be ready")
         standing_by(fleet.cores[1])
         yield fleet
     finally:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
 from fair_frontend.core.sequences import OpenSequence
+from fair_frontend.core.service import Core
 from fair_frontend.fleet.debt import FairnessJournal
 from fair_frontend.fleet.election import RedisLease
 from fair_frontend.scheduler import SchedulerFairness, TierFairness
@@ -79,15 +81,15 @@ async def test_a_standby_resumes_what_the_leader_published_and_a_deposed_one_can
         leader = FakeCore({"acme": 900.0, "globex": 100.0}, open_sequences)
         leader.down = ["127.0.0.1:8003"]
         journal = FairnessJournal(old)
-        assert await journal.publish(leader)  # type: ignore[arg-type]
+        assert await journal.publish(cast(Core, leader))
         # The old leader is deposed (its lease gone, another's now) ...
         await old.redis.delete(key)
         assert await new._try_take()
         # ... and whatever it still tries to publish is refused: the state stays its last.
         leader.state = FakeCore({"acme": 0.0, "globex": 0.0}).state
-        assert not await journal.publish(leader, force=True)  # type: ignore[arg-type]
+        assert not await journal.publish(cast(Core, leader), force=True)
         standby = FakeCore()
-        assert await FairnessJournal(new).resume(standby)  # type: ignore[arg-type]
+        assert await FairnessJournal(new).resume(cast(Core, standby))
         assert standby.resumed == FakeCore({"acme": 900.0, "globex": 100.0}).state
         assert standby.resumed_sequences == open_sequences  # ids of both types, and the pin
         assert standby.resumed_down == ["127.0.0.1:8003"]
@@ -100,7 +102,7 @@ async def test_nothing_published_starts_even(redis_server: RedisProcess) -> None
     lease = RedisLease(redis_server.url, f"journal-{next(_names)}", "core", LEASE_S)
     try:
         core = FakeCore()
-        assert not await FairnessJournal(lease).resume(core)  # type: ignore[arg-type]
+        assert not await FairnessJournal(lease).resume(cast(Core, core))
         assert core.resumed is None
     finally:
         await lease.close()

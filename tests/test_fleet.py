@@ -157,7 +157,11 @@ def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> I
         fleet.cores.append(fleet.core(1))
         fleet.shells.extend(fleet.shell(i) for i in range(3))
         for shell in fleet.shells:
-            eventually(lambda s=shell: s.ready, 60, what="the shells to be ready")
+
+            def ready(s: Shell = shell) -> bool:
+                return s.ready
+
+            eventually(ready, 60, what="the shells to be ready")
         eventually(
             lambda: "waiting for the lease" in fleet.cores[1].proc.output(),
             60,

@@ -44,7 +44,11 @@ async def test_a_shell_over_tcp_serves_and_follows_a_stopped_or_killed_core(
                     "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"]  # fmt: skip
             cores.append(Core(start(args, tmp_path / f"core{i}.log"), port, metrics))
         for core in cores:
-            eventually(lambda c=core: c.ready, 60, what="the cores to lead")
+
+            def leads(c: Core = core) -> bool:
+                return c.ready
+
+            eventually(leads, 60, what="the cores to lead")
         http, grpc = free_port(), free_port()
         args = ["shell", "--link", "tcp", "--secret-file", str(secret), "--host",
                 "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),

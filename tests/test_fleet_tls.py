@@ -84,11 +84,12 @@ async def test_mutual_tls_admits_only_a_shell_with_a_certificate_of_the_ca(
             await connect(address, Tls(str(pki / "shell.pem"), str(pki / "shell.key")), link)
         assert server.shells is not None
         assert server.shells.server.refused == 0  # no secret was ever read from them
-        await aeventually(
-            lambda: len(server.shells.server.connections) == 0,  # type: ignore[union-attr]
-            10,
-            what="the shells gone",
-        )
+
+        def gone() -> bool:
+            assert server.shells is not None
+            return len(server.shells.server.connections) == 0
+
+        await aeventually(gone, 10, what="the shells gone")
 
 
 def test_incomplete_tls_files_are_a_clear_error(pki: Path) -> None:

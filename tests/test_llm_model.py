@@ -292,7 +292,7 @@ class FakeSink:
 
 
 def make_engine(tokenizer: Any, net: nets.CausalDecoder, **config: int) -> Engine:
-    settings = {"max_num_seqs": 4, "max_model_len": 128, **config}
+    settings: dict[str, Any] = {"max_num_seqs": 4, "max_model_len": 128, **config}
     return Engine(EngineConfig(**settings), tokenizer.decode, tokenizer.get_vocab_size(), net=net)
 
 
@@ -1030,12 +1030,13 @@ def test_a_bad_request_fails_alone(triton: EmbeddedTriton, stream: Stream) -> No
     assert not stream.results["good"].done  # answered while "good" still runs
     stream.until_done("good")
     assert len(stream.results["good"].texts) == 20 and stream.results["good"].error is None
-    for body, names in [
+    refused: list[tuple[dict[str, Any], str]] = [
         ({"text_input": "Hi", "parameters": {"max_tokens": "many"}}, "max_tokens"),
         ({"text_input": "word " * 600}, "text_input"),
         ({"text_input": "Hi", "sampling_parameters": "{oops"}, "sampling_parameters"),
         ({"text_input": "Hi", "sampling_parameters": '{"n": 2}'}, "'n'"),
-    ]:
+    ]
+    for body, names in refused:
         status, answer = generate(triton, body)
         assert status == 400 and names in answer["error"], answer
 

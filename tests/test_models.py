@@ -496,12 +496,15 @@ def fake_pb_utils(sink: dict[tuple[str, ...], float]) -> types.ModuleType:
         def Metric(self, labels: dict[str, str]) -> _Metric:  # Triton's name
             return _Metric(labels, sink, self.name)
 
-    pb.TritonError = TritonError  # type: ignore[attr-defined]
-    pb.InferenceResponse = InferenceResponse  # type: ignore[attr-defined]
-    pb.MetricFamily = MetricFamily  # type: ignore[attr-defined]
-    pb.Tensor = _Tensor  # type: ignore[attr-defined]
-    pb.get_input_tensor_by_name = lambda request, name: (  # type: ignore[attr-defined]
-        _Tensor(name, request.inputs[name]) if name in request.inputs else None
+    # The module's names (a ModuleType has none that mypy knows of to assign).
+    vars(pb).update(
+        TritonError=TritonError,
+        InferenceResponse=InferenceResponse,
+        MetricFamily=MetricFamily,
+        Tensor=_Tensor,
+        get_input_tensor_by_name=lambda request, name: (
+            _Tensor(name, request.inputs[name]) if name in request.inputs else None
+        ),
     )
     return pb
 

@@ -301,5 +301,5 @@ def _after_drop(core: Core, shell: ShellConnection, recorded: Callable[[], int])
             loop.call_soon(loop.call_soon, lambda: seen.append(recorded()))
         return dropped
 
-    core.drop_route = spied  # type: ignore[method-assign]
+    core.drop_route = spied  # type: ignore[method-assign]  # a spy on the instance
     return seen

@@ -24,7 +24,7 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -92,8 +92,8 @@ async def test_a_shell_killed_mid_load_loses_nothing_else(
         core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
     )
     with BackgroundServer(server):
-        fe = RunningFrontend(server, None)  # type: ignore[arg-type]
-        assert server.shells is not None
+        fe = RunningFrontend(server, None)  # type: ignore[arg-type]  # no BackgroundServer: its URLs
+        assert isinstance(server.shells, ShellPool)
         victim = server.shells.processes[0]
         # Many connections: the kernel spreads them over both shells (SO_REUSEPORT). gRPC
         # shares one connection between identical channels unless told not to.
@@ -121,7 +121,8 @@ async def test_a_shell_killed_mid_load_loses_nothing_else(
         assert {f.status() for f in failed} <= {"StatusCode.UNAVAILABLE"}, failed[:3]
         # The core idle: with one hop a shell answers its clients once it has reported
         # their part, and the core records them when the report arrives (a moment later).
-        runtime = server.core.runtimes["embed"]  # type: ignore[union-attr]
+        assert server.core is not None
+        runtime = server.core.runtimes["embed"]
         assert (type(runtime).__name__ == "GrantedDispatcher") == (unary == "one_hop")
         deadline = time.monotonic() + 30
         while not runtime.idle:
@@ -181,7 +182,7 @@ async def test_a_shell_killed_by_a_signal_before_it_is_ready_is_started_once_mor
         assert shells.start_retries == {0: 1} and shells.restarts == 0
         assert len(killed) == 1 and shells.processes[0].pid != killed[0]
         assert len(shells.server.connections) == 2
-        client = grpcaio.InferenceServerClient(RunningFrontend(server, None).grpc_url)  # type: ignore[arg-type]
+        client = grpcaio.InferenceServerClient(RunningFrontend(server, None).grpc_url)  # type: ignore[arg-type]  # URL only
         try:
             answers = await asyncio.gather(*(_send(client, f"s{i}") for i in range(8)))
         finally:
@@ -230,12 +231,12 @@ async def test_the_intake_admits_another_tenant_after_at_most_one_call_per_tenan
     burst: int,
 ) -> None:
     core = AdmitsInOrder()
-    intake = Intake(core)  # type: ignore[arg-type]
-    conn = Conn(core)
+    intake = Intake(cast(Core, core))  # stand-ins: what the intake calls of a core
+    conn = cast(ShellConnection, Conn(core))
     for i in range(burst):
-        intake.push(_call(i, "noisy"), conn)  # type: ignore[arg-type]
-    intake.push(_call(burst, "quiet"), conn)  # type: ignore[arg-type]
-    intake.push(_call(burst + 1, "other"), conn)  # type: ignore[arg-type]
+        intake.push(_call(i, "noisy"), conn)
+    intake.push(_call(burst, "quiet"), conn)
+    intake.push(_call(burst + 1, "other"), conn)
     await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
     # Read after the whole burst, admitted after at most one call of each other tenant.
     assert core.order.index("quiet") <= 2
@@ -252,10 +253,10 @@ async def test_a_slice_the_throttle_cannot_judge_together_is_still_admitted() ->
             raise RuntimeError("a bug")
 
     core = Failing()
-    intake = Intake(core)  # type: ignore[arg-type]
-    conn = Conn(core)
+    intake = Intake(cast(Core, core))  # stand-ins: what the intake calls of a core
+    conn = cast(ShellConnection, Conn(core))
     for i in range(10):
-        intake.push(_call(i, f"t{i % 2}"), conn)  # type: ignore[arg-type]
+        intake.push(_call(i, f"t{i % 2}"), conn)
     await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
     assert len(core.order) == 10
 
@@ -271,20 +272,20 @@ async def test_a_call_whose_admission_fails_costs_its_slice_nothing_else() -> No
             super().admit(call, judged=judged)
 
     core = AdmitsInOrder()
-    intake = Intake(core)  # type: ignore[arg-type]
-    conn = Raising(core)
+    intake = Intake(cast(Core, core))  # stand-ins: what the intake calls of a core
+    conn = cast(ShellConnection, Raising(core))
     for i in range(10):
-        intake.push(_call(i, f"t{i % 2}"), conn)  # type: ignore[arg-type]
+        intake.push(_call(i, f"t{i % 2}"), conn)
     await aeventually(lambda: not len(intake), INTAKE_DRAINED_S, 0, what="the intake drained")
     assert len(core.order) == 9
 
 
 async def test_the_intake_lets_the_loop_run_between_slices() -> None:
     core = AdmitsInOrder()
-    intake = Intake(core)  # type: ignore[arg-type]
-    conn = Conn(core)
+    intake = Intake(cast(Core, core))  # stand-ins: what the intake calls of a core
+    conn = cast(ShellConnection, Conn(core))
     for i in range(10 * INTAKE_SLICE):
-        intake.push(_call(i, f"t{i % 3}"), conn)  # type: ignore[arg-type]
+        intake.push(_call(i, f"t{i % 3}"), conn)
     await asyncio.sleep(0)
     # One slice per loop iteration: answers and batches interleave with a large intake.
     assert len(core.order) == INTAKE_SLICE
@@ -327,7 +328,7 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
     with BackgroundServer(
         FrontendServer(parse_config(data), triton.grpc_url, Listen(), workers=workers)
     ) as server:
-        fe = RunningFrontend(server, None)  # type: ignore[arg-type]
+        fe = RunningFrontend(server, None)  # type: ignore[arg-type]  # no BackgroundServer: its URLs
         port = server.http_port
         # A key nobody has: 401 at once, the 50 MB body never read.
         refused = await _raw_http(port, _head("sleeper", "no-such-key"), 5.0)
@@ -441,7 +442,7 @@ async def test_a_burst_larger_than_the_old_bound_reaches_a_shell_that_paused(
     )
     gate = Gate(tmp_path)
     with BackgroundServer(server):
-        assert server.shells is not None
+        assert isinstance(server.shells, ShellPool)
         shells = server.shells
         links = set(shells.server.connections)
         pids = [p.pid for p in shells.processes.values()]
@@ -508,7 +509,7 @@ async def test_a_stopped_shell_is_cut_off_after_the_bound_and_its_work_dropped(
         core_factory=lambda c, f: Core(c, f, observers=[outcomes]),
     )
     with BackgroundServer(server):
-        assert server.shells is not None and server.core is not None
+        assert isinstance(server.shells, ShellPool) and server.core is not None
         shells, core = server.shells, server.core
         metadata = (("x-api-key", KEYS["initech"]),)
         async with grpc.aio.insecure_channel(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -26,9 +26,9 @@ from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import STREAM_GRANTS, Gateway
-from fair_frontend.shell.link import Inbox, gone_before_answered
+from fair_frontend.shell.link import CoreLink, Inbox, gone_before_answered
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.triton.forwarder import StreamReply
+from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from fair_frontend.wire.framing import to_core
 from fair_frontend.wire.records import (
     Answer,
@@ -294,7 +294,8 @@ async def relayed(tritons: list[FakeTriton]) -> tuple[GrantingCore, list[int], A
     got, the error that ended it or None)."""
     config = make_config()
     core = GrantingCore(len(tritons))
-    gateway = Gateway(config, KeyRing.from_config(config), core, tritons)  # type: ignore[arg-type]
+    link, forwarders = cast(CoreLink, core), cast(list[TritonForwarder], tritons)  # stand-ins
+    gateway = Gateway(config, KeyRing.from_config(config), link, forwarders)
     values = Tensor("IN", "INT32", (2,), np.array([1, 2], dtype=np.int32))
     request = InferRequest("rep", id="s1", inputs=[values])
     got: list[int] = []
@@ -316,7 +317,7 @@ async def test_a_stream_lost_before_its_first_response_is_relayed_from_the_next_
     assert err is None and got == [1, 2]
     assert core.grants == [0, 1] and lost.streams == there.streams == 1
     faults = [fault for _, fault, _ in core.ends]
-    assert faults[0] is not None and faults[0].never_sent and faults[1:] == [None]
+    assert isinstance(faults[0], Unavailable) and faults[0].never_sent and faults[1:] == [None]
 
 
 async def test_a_stream_that_answered_anything_fails_with_its_triton() -> None:

@@ -100,6 +100,9 @@ def test_property_examples_have_no_wall_clock_deadline() -> None:
     took 309 ms once and 94 ms on its replay. The suite's profiles set none."""
     from hypothesis import settings
 
+    assert settings.default is not None
     assert settings.default.deadline is None
     for name in ("suite", "explore"):
-        assert settings.get_profile(name).deadline is None
+        profile = settings.get_profile(name)
+        assert profile is not None
+        assert profile.deadline is None

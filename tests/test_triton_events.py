@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -120,7 +121,7 @@ def test_a_reader_that_falls_behind_pauses_the_connection_until_it_catches_up() 
 
 @asynccontextmanager
 async def stand_in(
-    answer: Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], object],
+    answer: Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | None]],
 ) -> AsyncIterator[str]:
     """An HTTP server on a free loopback port; ``answer(n, reader, writer)`` serves the
     n-th request (0-based) after its head and body were read."""
@@ -139,7 +140,7 @@ async def stand_in(
                 await reader.readexactly(length)
                 n = count
                 count += 1
-                if await answer(n, reader, writer) is False:  # type: ignore[misc]
+                if await answer(n, reader, writer) is False:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -154,8 +155,8 @@ async def stand_in(
         server.close()
 
 
-async def collect(client: TritonEvents, **kw: object) -> list[Events]:
-    stream = client.stream("llm", "", b'{"text_input":"hi"}', **kw)  # type: ignore[arg-type]
+async def collect(client: TritonEvents, **kw: Any) -> list[Events]:
+    stream = client.stream("llm", "", b'{"text_input":"hi"}', **kw)
     try:
         return [e async for e in stream]
     finally:

@@ -36,6 +36,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.server import ShellPool
 from tests.support import (
     ANSWER_TIMEOUT_S,
     KEYS,
@@ -90,6 +91,7 @@ def open_llm(triton: EmbeddedTriton, workers: int) -> Iterator[RunningFrontend]:
 def frontend_pids(fe: RunningFrontend) -> list[int]:
     """The core's process (this one) and the shell processes, if any."""
     shells = fe.server.shells
+    assert shells is None or isinstance(shells, ShellPool)  # none, or this process's
     pids = [] if shells is None else [p.pid for p in shells.processes.values()]
     return [os.getpid(), *pids]
 

@@ -48,6 +48,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import DTYPES
+from fair_frontend.server import ShellPool
 from fair_frontend.testing import perf_analyzer
 from tests.support import (
     KEYS,
@@ -186,6 +187,7 @@ def frontend_pids(running: RunningFrontend) -> list[int]:
     """The frontend's processes: this one (the core, and the shell with one process) and
     its shell processes."""
     shells = running.server.shells
+    assert shells is None or isinstance(shells, ShellPool)  # none, or this process's
     return [os.getpid(), *(p.pid for p in (shells.processes.values() if shells else ()))]
 
 

@@ -128,6 +128,7 @@ async def test_shutdown_answers_requests_stuck_in_a_hung_triton(
             results = await asyncio.wait_for(asyncio.gather(*waiting), DEADLINE_S)
         finally:
             await client.close()
+            assert own_triton.pid is not None
             os.killpg(own_triton.pid, signal.SIGCONT)
     for r in results:
         assert isinstance(r, InferenceServerException), r
@@ -193,10 +194,12 @@ async def test_an_abandoned_stream_stops_running_in_triton(triton: Any, workers:
                 what="the sequence to leave the engine",
             )
             # Counted cancelled, or metered as served to its end (then try again).
+
+            def counted(b: float = before, r: float = rows_before) -> bool:
+                return metric("fair_llm_cancelled_total") > b or served() > r
+
             await aeventually(
-                lambda b=before, r=rows_before: (
-                    metric("fair_llm_cancelled_total") > b or served() > r
-                ),
+                counted,
                 DEADLINE_S,
                 0.02,
                 what="the model to count the cancellation (or the sequence as served)",

@@ -56,7 +56,7 @@ TIER_MODELS = {
     "standard": ["embed", "simple"],
     "trial": ["embed"],
 }
-TENANTS = {
+TENANTS: dict[str, dict[str, Any]] = {
     "acme": {"tier": "enterprise"},
     "umbrella": {"tier": "trial"},
     "initech": {"tier": "standard", "denied_models": ["simple"]},  # narrows its tier's list

@@ -19,7 +19,7 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -29,6 +29,7 @@ from fair_frontend.core.service import ModelRegistry
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import UnknownModel, UpstreamError
 from fair_frontend.models import ModelInfo
+from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import KEYS, make_config, running_frontend
 
 MODEL = "m"
@@ -73,7 +74,7 @@ async def _waiting(*tasks: asyncio.Task[Any]) -> None:
 
 async def test_a_cancelled_first_caller_does_not_fail_the_others() -> None:
     forwarder = GatedForwarder()
-    registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
+    registry = ModelRegistry(cast(TritonForwarder, forwarder))
     first = asyncio.create_task(registry.get(MODEL))
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     second = asyncio.create_task(registry.get(MODEL))
@@ -93,7 +94,7 @@ async def test_a_cancelled_first_caller_does_not_fail_the_others() -> None:
 
 async def test_a_lookup_whose_callers_all_left_still_completes_and_is_kept() -> None:
     forwarder = GatedForwarder()
-    registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
+    registry = ModelRegistry(cast(TritonForwarder, forwarder))
     only = asyncio.create_task(registry.get(MODEL))
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     only.cancel()
@@ -110,7 +111,7 @@ async def test_a_real_lookup_error_reaches_every_caller_and_is_not_kept() -> Non
         f"Request for unknown model: '{MODEL}' is not found", grpc.StatusCode.NOT_FOUND, 404
     )
     forwarder = GatedForwarder(error=unknown)
-    registry = ModelRegistry(forwarder)  # type: ignore[arg-type]
+    registry = ModelRegistry(cast(TritonForwarder, forwarder))
     callers = [asyncio.create_task(registry.get(MODEL)) for _ in range(3)]
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     await _waiting(*callers)

@@ -85,7 +85,7 @@ async def test_a_tenant_removed_during_its_rate_limit_check_is_unauthenticated(
         update={"triton": config.triton.model_copy(update={"http_url": triton.http_url})}
     )
 
-    def core(c: Config, f: TritonForwarder) -> Core:
+    def core(c: Config, f: list[TritonForwarder]) -> Core:
         return Core(c, f, limiter=RateLimiter(storage))
 
     server = FrontendServer(config, triton.grpc_url, Listen(), core_factory=core)

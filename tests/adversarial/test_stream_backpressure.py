@@ -45,6 +45,7 @@ from tritonclient.grpc import service_pb2
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.scheduler import Counters
+from fair_frontend.server import ShellPool
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
 from fair_frontend.testing import aeventually
 from tests.support import (
@@ -126,6 +127,7 @@ def _rss(pid: int) -> int:
 
 def _shell_pids(fe: RunningFrontend) -> list[int]:
     shells = fe.server.shells
+    assert shells is None or isinstance(shells, ShellPool)  # none, or this process's
     return [os.getpid()] if shells is None else [p.pid for p in shells.processes.values()]
 
 

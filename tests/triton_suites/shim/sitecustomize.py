@@ -61,6 +61,7 @@ def _patch_requests() -> None:
             kwargs["headers"] = {**(kwargs.get("headers") or {}), "authorization": f"Bearer {_KEY}"}
         return original(self, method, url, *args, **kwargs)
 
+    # The shim's one patch of requests: a method replaced on its class (its signature kept).
     requests.Session.request = request  # type: ignore[method-assign,assignment]
 
 
