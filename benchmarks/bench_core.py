@@ -43,7 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import uvloop
@@ -52,12 +52,13 @@ from tritonclient.grpc import model_config_pb2
 from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
-from fair_frontend.core.shells import Intake
+from fair_frontend.core.shells import Intake, ShellConnection
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
+from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.framing import encode, to_core, to_shell
 from fair_frontend.wire.records import Answer, Call, Grant, Rows, RowsDone
 
@@ -98,7 +99,7 @@ class Sink:
     def __init__(self) -> None:
         self.answers = 0
 
-    def answer(self, answer: Answer) -> None:
+    def answer(self, answer: Answer | Grant) -> None:
         self.answers += 1
 
 
@@ -135,7 +136,7 @@ def make_call(i: int) -> Call:
 async def core_per_request(n: int) -> dict[str, float]:
     """Submit n calls in waves of 256 (a burst at a time, answered as Triton frees)."""
     triton = InstantTriton()
-    core = Core(config(), triton)  # type: ignore[arg-type]
+    core = Core(config(), cast(TritonForwarder, triton))
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
     sink = Sink()
@@ -157,10 +158,12 @@ async def gateway_per_request(n: int) -> dict[str, float]:
     """The shell's side: identify, validate, build the Call, read the answer."""
     triton = InstantTriton()
     cfg = config()
-    core = Core(cfg, triton)  # type: ignore[arg-type]
+    core = Core(cfg, cast(TritonForwarder, triton))
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
-    gateway = Gateway(cfg, core.keyring, LocalLink(core, Intake(core)), triton)  # type: ignore[arg-type]
+    gateway = Gateway(
+        cfg, core.keyring, LocalLink(core, Intake(core)), cast(TritonForwarder, triton)
+    )
     headers = [{"authorization": f"Bearer key-{i}"} for i in range(TENANTS)]
     cpu0 = time.process_time()
     for start in range(0, n, 256):
@@ -216,7 +219,7 @@ async def core_per_stream(n: int) -> dict[str, float]:
     for tenant, weight in (("acme", 2.0), ("globex", 1.0)):
         data["tenants"][tenant].update(weight=weight, max_queued=1_000_000)
         data["tenants"][tenant].pop("limits", None)
-    core = Core(parse_config(data), InstantTriton())  # type: ignore[arg-type]
+    core = Core(parse_config(data), cast(TritonForwarder, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
     text = np.array([b"a tenant asks the shared model a question"], dtype=object)
@@ -233,7 +236,7 @@ async def core_per_stream(n: int) -> dict[str, float]:
     def submit(tenant: str) -> None:
         i = next(ids)
         call = Call(i, tenant, 2, time.monotonic(), time.time(), 1, 17, 64, None, request, True, 1)
-        reqs[i] = core.submit(to_core.decode(encode(call)[4:]), shell)  # as it arrives
+        reqs[i] = core.submit(cast(Call, to_core.decode(encode(call)[4:])), shell)  # as it arrives
 
     for k in range(256):
         submit(("acme", "globex")[k % 2])
@@ -265,11 +268,11 @@ class RowsShell:
     def __init__(self) -> None:
         self.rows: list[Rows] = []
 
-    def answer(self, answer: Answer) -> None:
+    def answer(self, answer: Answer | Grant) -> None:
         raise AssertionError(f"an answer where rows were expected: {answer}")
 
     def grant_rows(self, rows: Rows) -> None:
-        self.rows.append(to_shell.decode(encode(rows)[4:]))  # as the link delivers it
+        self.rows.append(cast(Rows, to_shell.decode(encode(rows)[4:])))  # as the link delivers it
 
 
 class IntakeConn:
@@ -283,7 +286,7 @@ class IntakeConn:
         self.route = route
 
     def admit(self, call: Call, *, judged: bool = False) -> None:
-        self.core.submit(call, self.route, judged=judged)  # type: ignore[arg-type]
+        self.core.submit(call, self.route, judged=judged)
 
 
 async def core_per_request_one_hop(
@@ -306,8 +309,9 @@ async def core_per_request_one_hop(
     data = config().model_dump(mode="json")
     data["endpoints"]["embed"]["latency_target_ms"] = 3_600_000
     cfg = parse_config(data)
-    core = Core(cfg, InstantTriton())  # type: ignore[arg-type]
+    core = Core(cfg, cast(TritonForwarder, InstantTriton()))
     if not per_tick:  # the core before the tick: each call judged, each batch decided, alone
+        # (patched on the instance)
         core.judge_together = lambda calls: [False] * len(calls)  # type: ignore[method-assign]
         core.tick = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     core._runtime("embed", embed_info())
@@ -316,7 +320,7 @@ async def core_per_request_one_hop(
     facts = InferRequest("embed")
     shell = RowsShell()
     intake = Intake(core)
-    conn = IntakeConn(core, shell)
+    conn = cast(ShellConnection, IntakeConn(core, shell))
     frames = [
         encode(
             Call(i, f"t{i % TENANTS}", 5, 0.0, 0.0, 1, TOKENS, 4 * TOKENS, [TOKENS], facts,
@@ -329,15 +333,15 @@ async def core_per_request_one_hop(
     wall0 = time.perf_counter()
     for start in range(0, n, 256):
         for frame in frames[start : start + 256]:
-            call = to_core.decode(frame)
+            call = cast(Call, to_core.decode(frame))
             call.arrived, call.arrived_wall = time.monotonic(), time.time()
-            intake.push(call, conn)  # type: ignore[arg-type]
+            intake.push(call, conn)
         while served < min(n, start + 256):
             granted, shell.rows = shell.rows, []
             for rows in granted:
                 done = RowsDone(rows.model, rows.batch, [(c, 0) for c in rows.calls], [], None,
                                 "1", 0.0)  # fmt: skip
-                core.rows_done(to_core.decode(encode(done)[4:]), shell)
+                core.rows_done(cast(RowsDone, to_core.decode(encode(done)[4:])), shell)
                 served += len(rows.calls)
             await asyncio.sleep(0)
     cpu = time.process_time() - cpu0
@@ -359,7 +363,8 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     from fair_frontend.logs import configure_logging
 
     configure_logging("json", "INFO")
-    logging.getLogger().handlers[0].stream = open(os.devnull, "w")  # noqa: SIM115
+    handler = cast("logging.StreamHandler[Any]", logging.getLogger().handlers[0])
+    handler.stream = open(os.devnull, "w")  # noqa: SIM115
     requests = logging.getLogger("fair_frontend.requests")
     out: dict[str, Any] = {"requests": n, "tokens": TOKENS, "tenants": TENANTS}
     ways = (
@@ -395,10 +400,12 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     return out
 
 
-def _done(value: Any) -> asyncio.Future[Any]:
-    fut = asyncio.get_running_loop().create_future()
+def _done(value: ModelInfo) -> asyncio.Task[ModelInfo]:
+    """A finished lookup, as the registry keeps one (a Future where it keeps a Task: what
+    it reads of one, a Future has)."""
+    fut: asyncio.Future[ModelInfo] = asyncio.get_running_loop().create_future()
     fut.set_result(value)
-    return fut
+    return cast("asyncio.Task[ModelInfo]", fut)
 
 
 async def streams_async(n: int) -> dict[str, Any]:

@@ -400,7 +400,7 @@ async def scenario_throughput(
     baseline: Path | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    pair = {
+    pair: dict[str, Any] = {
         "concurrency": concurrency,
         "tokens": tokens,
         "warmup_s": warmup_s,

@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from benchmarks.harness import RESULTS, ROOT, load_example_config, progress, wri
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 
@@ -214,7 +215,7 @@ def run_scenario(
         config,
         triton.grpc_url,
         Listen(),
-        core_factory=lambda c, f: Core(c, f, observers=[recorder]),
+        core_factory=lambda c, f: Core(c, f, observers=[cast(Observer, recorder)]),  # duck-typed
     )
     background = BackgroundServer(server)
     samples: list[dict[str, Any]] = []

@@ -243,7 +243,7 @@ async def main_async(
     burst: int, shells: int, model_config_name: str | None, baseline: Path | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"burst": burst, "tokens": TOKENS, "shells": shells, "targets": {}}
-    kwargs = {"model_config_name": model_config_name} if model_config_name else {}
+    kwargs: dict[str, Any] = {"model_config_name": model_config_name} if model_config_name else {}
     with triton(**kwargs) as tri:
         setups: list[tuple[str, str, int, Path | None]] = [
             ("frontend fifo", "fifo", 1, None),

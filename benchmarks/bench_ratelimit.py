@@ -453,7 +453,8 @@ async def run_quota(quick: bool, ref: str) -> dict[str, Any]:
     for _ in range(QUOTA_REPS):
         times["ref"].append(check_now_ns(old, n_memory))
         times["tree"].append(check_now_ns(new, n_memory))
-    assert new.check_now(KEYS[0], ITEMS, requests=1, tokens=64, now=time.time()).quota
+    checked = new.check_now(KEYS[0], ITEMS, requests=1, tokens=64, now=time.time())
+    assert checked is not None and checked.quota
     results["check_now_ns"] = {k: sorted(round(v) for v in vs) for k, vs in times.items()}
     results["check_now_ratio_tree_to_ref"] = round(
         statistics.median(times["tree"]) / statistics.median(times["ref"]), 3

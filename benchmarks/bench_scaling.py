@@ -62,7 +62,7 @@ def main() -> None:
         "runs": {},
     }
     repos: list[Path] = [default_model_repository(), TEST_REPOSITORY]
-    with triton(repos) as tri:  # type: ignore[arg-type]
+    with triton(repos) as tri:
         progress("Triton directly")
         perf_analyzer(MODEL, tri.grpc_url, concurrency=c, interval_ms=1500)
         out["direct"] = perf_analyzer(MODEL, tri.grpc_url, concurrency=c, interval_ms=iv)

@@ -40,6 +40,7 @@ from typing import Any
 from fair_frontend.scheduler import (
     EndpointPolicy,
     GlobalCaps,
+    Mode,
     QueuedRequest,
     Scheduler,
     TenantSpec,
@@ -59,11 +60,11 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def build(tenants: int, mode: str) -> tuple[Scheduler, list[str]]:
+def build(tenants: int, mode: Mode) -> tuple[Scheduler, list[str]]:
     policy = EndpointPolicy(CostUnit.REQUESTS, BATCH, None, 1.0, ("paid", "trial"))
     names = [f"tenant{i:05d}" for i in range(tenants)]
     directory = {name: TenantSpec("paid", max_queued=10**6) for name in names}
-    s = Scheduler(policy, directory, GlobalCaps(10**9, 1 << 50), mode=mode)  # type: ignore[arg-type]
+    s = Scheduler(policy, directory, GlobalCaps(10**9, 1 << 50), mode=mode)
     return s, names
 
 
@@ -71,7 +72,7 @@ def request(tenant: str, deadline: float | None) -> QueuedRequest:
     return QueuedRequest(tenant, 1, 16, 256, 1, deadline)
 
 
-def decision_cost(tenants: int, mode: str, deadlines: bool, steps: int) -> tuple[float, float]:
+def decision_cost(tenants: int, mode: Mode, deadlines: bool, steps: int) -> tuple[float, float]:
     """Seconds per request (enqueue + dispatch) over ``steps`` steps of one batch each:
     wall-clock (``perf_counter``) and this thread's CPU time (``thread_time``)."""
     s, names = build(tenants, mode)
@@ -154,7 +155,7 @@ def main() -> None:
     steps = 300  # about 10,000 requests per run: short runs find the machine's quiet moments
     repeats = args.repeats or (5 if args.quick else 25)
 
-    variants = [("fair", False), ("fair", True), ("fifo", False)]
+    variants: list[tuple[Mode, bool]] = [("fair", False), ("fair", True), ("fifo", False)]
     rows: list[dict[str, Any]] = []
     for mode, deadlines in variants:
         label = f"{mode}{' +deadlines' if deadlines else ''}"

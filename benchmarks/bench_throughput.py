@@ -283,11 +283,11 @@ def main() -> None:
                 f"{r['p50_ms']:>6.1f}ms {cpu:>12} {r['rows_per_execution']:>10.1f}{formed}"
             )
     if "before" in out["runs"]:
-        for c in map(str, CONCURRENCY):
-            before = out["runs"]["before"][c]["cpu_us_per_request"]
+        for cs in map(str, CONCURRENCY):
+            before = out["runs"]["before"][cs]["cpu_us_per_request"]
             for name in names[3:]:
-                now = out["runs"][name][c]["cpu_us_per_request"]
-                print(f"CPU per request, before / {name}, c={c}: {before / now:.2f}x")
+                now = out["runs"][name][cs]["cpu_us_per_request"]
+                print(f"CPU per request, before / {name}, c={cs}: {before / now:.2f}x")
     print(f"work conservation (two tenants, 8+8): fair/fifo {out['fair_over_fifo']:.3f}")
     write_result("throughput", out)
 

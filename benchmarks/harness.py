@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
 
 
 @contextlib.contextmanager
-def triton(repo: Path | None = None, **kwargs: Any) -> Iterator[EmbeddedTriton]:
+def triton(repo: Path | Sequence[Path] | None = None, **kwargs: Any) -> Iterator[EmbeddedTriton]:
     server = EmbeddedTriton(repo or default_model_repository(), **kwargs)
     progress(f"starting Triton on {server.model_repository}")
     server.start()
