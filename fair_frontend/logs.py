@@ -51,7 +51,7 @@ class JsonFormatter(logging.Formatter):
         return _ENCODER.encode(doc).decode()
 
 
-class TurnStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class TurnStreamHandler(logging.StreamHandler):
     """A stream handler that writes the lines of one event-loop turn together.
 
     Each record is formatted at once and held; at the end of the loop turn it came in

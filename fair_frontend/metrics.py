@@ -360,7 +360,7 @@ class FrontendMetrics(Observer):
         series = self._children.get(key)
         if series is None:
             series = self._children[key] = (self._child(metric, *labels),)
-        return series  # type: ignore[no-any-return]
+        return series
 
     def tier_of(self, tenant: str | None) -> str:
         if tenant is None or tenant not in self.config.tenants:

@@ -164,7 +164,7 @@ class Observers(Observer):
             except Exception:
                 log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
 
-    def request_finished(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def request_finished(self, **kwargs: Any) -> None:
         self._each("request_finished", **kwargs)
 
     def requests_finished(self, finished: Sequence[Finished]) -> None:
@@ -197,14 +197,14 @@ class Observers(Observer):
     def batch_finished(self, report: BatchReport) -> None:
         self._each("batch_finished", report=report)
 
-    def rate_limit_hit(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def rate_limit_hit(self, **kwargs: Any) -> None:
         self._each("rate_limit_hit", **kwargs)
 
-    def rate_limit_degraded(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def rate_limit_degraded(self, **kwargs: Any) -> None:
         self._each("rate_limit_degraded", **kwargs)
 
-    def throttle_decision(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def throttle_decision(self, **kwargs: Any) -> None:
         self._each("throttle_decision", **kwargs)
 
-    def tokens_produced(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def tokens_produced(self, **kwargs: Any) -> None:
         self._each("tokens_produced", **kwargs)

@@ -185,7 +185,7 @@ def eventually(
 
 
 @overload
-async def aeventually(  # type: ignore[overload-overlap]
+async def aeventually(
     condition: Callable[[], Awaitable[T | None]],
     timeout: float,
     interval: float = ...,

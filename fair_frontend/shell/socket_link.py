@@ -161,7 +161,7 @@ class SocketLink(Framed):
         produced, self._produced = self._produced, {}
         if produced and not self.closed:
             entries = [(call_id, *entry) for call_id, entry in produced.items()]
-            super().send(Produced(entries))  # type: ignore[arg-type]
+            super().send(Produced(entries))
 
     def _ended(
         self,

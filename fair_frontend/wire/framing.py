@@ -78,8 +78,8 @@ def _dec_hook(kind: type, obj: Any) -> Any:
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-to_core = msgspec.msgpack.Decoder(ToCore, dec_hook=_dec_hook)  # type: ignore[arg-type]
-to_shell = msgspec.msgpack.Decoder(ToShell, dec_hook=_dec_hook)  # type: ignore[arg-type]
+to_core = msgspec.msgpack.Decoder(ToCore, dec_hook=_dec_hook)
+to_shell = msgspec.msgpack.Decoder(ToShell, dec_hook=_dec_hook)
 
 
 def encode(record: Any) -> bytes:
