@@ -367,7 +367,8 @@ DECODE_BYTES = 16 * MIB
 # about DECODE_BYTES per case, decodes it under tracemalloc, prints the peak per body byte.
 DECODE_SCRIPT = """
 import json, struct, sys, time, tracemalloc
-from fair_frontend import grpc_codec, http_codec
+from fair_frontend import grpc_codec
+from fair_frontend.shell import http_codec
 from tritonclient.grpc import service_pb2
 size = int(sys.argv[1])
 

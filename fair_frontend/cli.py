@@ -48,13 +48,12 @@ from fair_frontend.fleet import (
     DEFAULT_CORE_PORT,
     DEFAULT_KUBERNETES_LEASE_S,
     DEFAULT_LEASE_S,
-    SECRET_ENV,
 )
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
 from fair_frontend.shell.router import parse_core_sets
-from fair_frontend.wire.remote import SecretError, load_secret
+from fair_frontend.wire.remote import SECRET_ENV, SecretError, load_secret
 from fair_frontend.wire.tcp import LINKS
 
 log = logging.getLogger("fair_frontend")

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 from fair_frontend.api import openai, rerank
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.json_tensor import WINDOW
 from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.shell.json_tensor import WINDOW
 from fair_frontend.testing import eventually
 from tests import api_oracle as oracle
 from tests.support import KEYS, RunningFrontend, make_config, metric_sum

@@ -17,9 +17,8 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import np_to_triton_dtype
 
-from fair_frontend import grpc_codec, http_codec
+from fair_frontend import grpc_codec
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.generate_codec import decode_generate
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import (
     Declared,
@@ -29,6 +28,8 @@ from fair_frontend.protocol import (
     leaves,
     tensor_from_list,
 )
+from fair_frontend.shell import http_codec
+from fair_frontend.shell.generate_codec import decode_generate
 
 ARRAYS: dict[str, np.ndarray] = {
     "I32": np.arange(12, dtype=np.int32).reshape(3, 4),
@@ -270,7 +271,7 @@ def test_gzip_is_the_servers_business() -> None:
         http_codec.decode_infer("m", "", gzip.compress(body), None)
 
 
-# ---- JSON tensor data without a Python object per element (fair_frontend.json_tensor) -----
+# ---- JSON tensor data without a Python object per element (fair_frontend.shell.json_tensor) -----
 
 JSON_DATATYPES = ["BOOL", "INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FP32", "FP64"]
 JSON_DATATYPES += ["BYTES", "FP16"]

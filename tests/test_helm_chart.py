@@ -54,8 +54,8 @@ from fair_frontend.config import (
     parse_config,
     resolve_relative_paths,
 )
+from fair_frontend.core.metrics import STATE_GAUGES, FrontendMetrics
 from fair_frontend.fleet import DEFAULT_CORE_PORT
-from fair_frontend.metrics import STATE_GAUGES, FrontendMetrics
 from tests.deploy_support import (
     DEMO_KEYS,
     Endpoint,

@@ -1,4 +1,4 @@
-"""The core's metrics per tick (``fair_frontend.metrics.Pending``): held events reach the
+"""The core's metrics per tick (``fair_frontend.core.metrics.Pending``): held events reach the
 families in bulk, exactly as one ``inc`` / ``observe`` each would have, and always before
 the registry is read.
 
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.config import parse_config
-from fair_frontend.metrics import PENDING_VALUES, FrontendMetrics, observe_many
+from fair_frontend.core.metrics import PENDING_VALUES, FrontendMetrics, observe_many
 from fair_frontend.observe import BatchReport, Finished
 from fair_frontend.outcomes import Outcome
 

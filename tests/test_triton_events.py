@@ -334,8 +334,8 @@ async def test_a_shell_process_streams_from_each_tritons_http_address() -> None:
 def test_a_request_json_cannot_carry_goes_over_grpc(bad: float) -> None:
     import numpy as np
 
-    from fair_frontend.generate_codec import encode_generate_request
     from fair_frontend.protocol import Tensor
+    from fair_frontend.shell.generate_codec import encode_generate_request
 
     text = Tensor("text_input", "BYTES", (1,), np.array([b"hi"], dtype=object))
     assert encode_generate_request([text], {"a": 1}, "r") == b'{"id":"r","a":1,"text_input":"hi"}'

@@ -43,7 +43,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import numpy as np
 
-from fair_frontend.json_tensor import WINDOW, count_byte, count_members, first_byte
+from fair_frontend.shell.json_tensor import WINDOW, count_byte, count_members, first_byte
 
 ABSENT = msgspec.Raw(b"")  # a member the body does not carry
 TOKEN_ID_MAX = 2**31 - 1  # INT32 token ids

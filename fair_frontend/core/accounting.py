@@ -35,12 +35,12 @@ from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.config import Config, CostUnit
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
 from fair_frontend.core.engine import EngineDispatcher
+from fair_frontend.core.stats import Statistics
 from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.quota import Quota
-from fair_frontend.stats import Statistics
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call
 

@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.batching import Packed, batch_key, pack, unpack
-from fair_frontend.clock import Clock, Timer
 from fair_frontend.config import Endpoint
+from fair_frontend.core.clock import Clock, Timer
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import IDLE_MARGIN
 from fair_frontend.errors import (

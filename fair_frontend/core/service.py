@@ -35,14 +35,15 @@ from fair_frontend.admission import (
 )
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
-from fair_frontend.clock import Clock, LoopClock
 from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.clock import Clock, LoopClock
 from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.granted import GrantedDispatcher
+from fair_frontend.core.metrics import FrontendMetrics, StateCollector
 from fair_frontend.core.plan import (
     batch_throttle,
     dispatch_mode,
@@ -55,6 +56,7 @@ from fair_frontend.core.plan import (
 )
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import OpenSequence, SequenceIds
+from fair_frontend.core.stats import Statistics
 from fair_frontend.errors import (
     SHUTTING_DOWN,
     FrontendError,
@@ -73,7 +75,6 @@ from fair_frontend.feedback import (
     TritonMetrics,
 )
 from fair_frontend.logs import RequestLog
-from fair_frontend.metrics import FrontendMetrics, StateCollector
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
@@ -86,7 +87,6 @@ from fair_frontend.scheduler import (
     VirtualTokenCounter,
     cost_model_for,
 )
-from fair_frontend.stats import Statistics
 from fair_frontend.tracing import Traces
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import (

@@ -11,4 +11,3 @@ DEFAULT_CORE_PORT = 8010  # where a core accepts its shells
 # through the API server, whose writes take longer: 2 s there.
 DEFAULT_LEASE_S = 0.8
 DEFAULT_KUBERNETES_LEASE_S = 2.0
-SECRET_ENV = "FAIR_FRONTEND_CORE_SECRET"  # the shared secret, where no --secret-file is given

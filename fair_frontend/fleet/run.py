@@ -33,13 +33,13 @@ import socket
 from collections.abc import Callable, Sequence
 
 from fair_frontend.config import Config
-from fair_frontend.fleet import DEFAULT_KUBERNETES_LEASE_S, DEFAULT_LEASE_S, SECRET_ENV
+from fair_frontend.fleet import DEFAULT_KUBERNETES_LEASE_S, DEFAULT_LEASE_S
 from fair_frontend.fleet.debt import FairnessJournal
 from fair_frontend.fleet.election import Election, KubernetesLease, NoElection, RedisLease
 from fair_frontend.server import FrontendServer, Listen, ShellPool
 from fair_frontend.shell.remote import SECRET_REFUSED
 from fair_frontend.shell.router import encode_core_sets, parse_core_sets
-from fair_frontend.wire.remote import Tls
+from fair_frontend.wire.remote import SECRET_ENV, Tls
 from fair_frontend.wire.tcp import server_context
 
 log = logging.getLogger("fair_frontend.fleet")

@@ -43,7 +43,6 @@ from fair_frontend.errors import (
     UnknownModel,
     Unsupported,
 )
-from fair_frontend.generate_codec import encode_generate_request
 from fair_frontend.grpc_codec import drop_output, output_tokens_said
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
@@ -65,6 +64,7 @@ from fair_frontend.protocol import (
     check_name,
     clipped,
 )
+from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import CoreLink, Inbox
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.shell.turns import Turns

@@ -48,26 +48,6 @@ from fair_frontend.errors import (
     UnknownModel,
     Unsupported,
 )
-from fair_frontend.generate_codec import (
-    MSG_NOT_ONE_RESPONSE,
-    SSE_CONTENT_TYPE,
-    ModelNotFound,
-    check_encoding,
-    check_model,
-    decode_generate,
-    encode_generate,
-    sse_event,
-)
-from fair_frontend.generate_codec import encode_error as generate_error
-from fair_frontend.http_codec import (
-    HEADER_CONTENT_LENGTH,
-    decode_infer,
-    decode_raw_infer,
-    encode_error,
-    encode_infer,
-    is_raw_binary,
-    parse_header_length,
-)
 from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, InferResponse, Precheck
@@ -80,6 +60,26 @@ from fair_frontend.shell.door import (
     too_large,
 )
 from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway, Wire
+from fair_frontend.shell.generate_codec import (
+    MSG_NOT_ONE_RESPONSE,
+    SSE_CONTENT_TYPE,
+    ModelNotFound,
+    check_encoding,
+    check_model,
+    decode_generate,
+    encode_generate,
+    sse_event,
+)
+from fair_frontend.shell.generate_codec import encode_error as generate_error
+from fair_frontend.shell.http_codec import (
+    HEADER_CONTENT_LENGTH,
+    decode_infer,
+    decode_raw_infer,
+    encode_error,
+    encode_infer,
+    is_raw_binary,
+    parse_header_length,
+)
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class HttpShell:
             return body
         return decode_infer(model, version, body, header_length, precheck=precheck)
 
-    # ---- Triton's generate extension (fair_frontend.generate_codec) ----------------------
+    # ---- Triton's generate extension (fair_frontend.shell.generate_codec) ----------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """One JSON object; a model that answers other than once gets Triton's error."""

@@ -28,7 +28,6 @@ from aiohttp import web
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import parse_config
-from fair_frontend.fleet import SECRET_ENV
 from fair_frontend.logs import configure_logging
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
@@ -38,7 +37,7 @@ from fair_frontend.shell.router import RouterLink, decode_core_sets
 from fair_frontend.shell.socket_link import SocketLink
 from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
-from fair_frontend.wire.remote import SecretError, Tls, load_secret
+from fair_frontend.wire.remote import SECRET_ENV, SecretError, Tls, load_secret
 from fair_frontend.wire.tcp import LINKS
 
 log = logging.getLogger("fair_frontend.shell")

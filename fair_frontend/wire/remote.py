@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 METHOD = "/fair_frontend.Core/Link"
 SECRET_HEADER = "x-fair-core-secret"
+# Where a core and its shells find the secret when no --secret-file is given.
+SECRET_ENV = "FAIR_FRONTEND_CORE_SECRET"
 MIN_SECRET_BYTES = 16
 MESSAGE_BYTES = 4 << 20  # the most one message carries: frames joined, or a write's part
 # Both ends: no size limit of gRPC's own (a frame is bounded by MAX_FRAME), and pings

@@ -51,8 +51,8 @@ import pytest
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.http_codec import decode_infer
 from fair_frontend.shell import http_server
+from fair_frontend.shell.http_codec import decode_infer
 from tests.support import (
     ANSWER_TIMEOUT_S,
     KEYS,

@@ -37,8 +37,8 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.http_codec import decode_raw_infer, json_string_bytes
 from fair_frontend.models import ModelInfo, TensorSpec
+from fair_frontend.shell.http_codec import decode_raw_infer, json_string_bytes
 from tests.support import RunningFrontend
 
 RAW = {HEADER_LENGTH: "0"}

@@ -23,10 +23,10 @@ from typing import Any, cast
 import numpy as np
 
 from fair_frontend.batching import ROWS_PARAMETER, batch_key
-from fair_frontend.clock import FakeClock, Timer
 from fair_frontend.config import Endpoint
 from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.batches import BatchDispatcher
+from fair_frontend.core.clock import FakeClock, Timer
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.errors import FrontendError

@@ -28,18 +28,6 @@ import msgspec
 import numpy as np
 
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.json_tensor import (
-    Leaves,
-    check_kinds,
-    convert,
-    count_byte,
-    count_members,
-    first_byte,
-    has_nonfinite,
-    is_container,
-    scan_leaves,
-    without_nonfinite,
-)
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
     DTYPES,
@@ -65,6 +53,18 @@ from fair_frontend.protocol import (
     tensor_from_raw,
     tensor_to_list,
     tensor_to_raw,
+)
+from fair_frontend.shell.json_tensor import (
+    Leaves,
+    check_kinds,
+    convert,
+    count_byte,
+    count_members,
+    first_byte,
+    has_nonfinite,
+    is_container,
+    scan_leaves,
+    without_nonfinite,
 )
 
 HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
