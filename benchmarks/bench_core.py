@@ -55,7 +55,7 @@ from fair_frontend.core import Core
 from fair_frontend.core.shells import Intake, ShellConnection
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.protocol import InferRequest, Tensor
+from fair_frontend.protocol import Batch, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.triton.forwarder import TritonForwarder
@@ -80,9 +80,9 @@ class InstantTriton:
     def __init__(self) -> None:
         self.batches = 0
 
-    async def infer(self, model: str, version: str, inputs: Any, *args: Any, **kw: Any) -> Any:
+    async def infer(self, batch: Batch) -> Any:
         self.batches += 1
-        rows = inputs[0].shape[0]
+        rows = batch.inputs[0].shape[0]
         data = np.zeros((rows, 128), dtype=np.float32)
         return "1", [Tensor("EMBEDDING", "FP32", (rows, 128), data)]
 

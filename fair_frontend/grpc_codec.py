@@ -13,7 +13,6 @@ elements would cost seconds of the event loop and tens of megabytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import (
     DTYPES,
     MAX_ID_BYTES,
+    Batch,
     Declared,
     InferRequest,
     InferResponse,
@@ -428,25 +428,19 @@ def encode_infer(resp: InferResponse) -> service_pb2.ModelInferResponse:
     return msg
 
 
-def encode_request(
-    model: str,
-    version: str,
-    request_id: str,
-    inputs: Sequence[Tensor],
-    outputs: Sequence[RequestedOutput] | None,
-    parameters: Mapping[str, ParamValue],
-    sequence: Mapping[str, ParamValue] | None = None,
-) -> service_pb2.ModelInferRequest:
+def encode_request(batch: Batch) -> service_pb2.ModelInferRequest:
     """A ``ModelInferRequest`` with raw contents, for calls made on the generated stub."""
-    msg = service_pb2.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    for t in inputs:
+    msg = service_pb2.ModelInferRequest(
+        model_name=batch.model, model_version=batch.version, id=batch.request_id
+    )
+    for t in batch.inputs:
         msg.inputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
         msg.raw_input_contents.append(tensor_to_raw(t))
-    for o in outputs or ():
+    for o in batch.outputs or ():
         out = msg.outputs.add(name=o.name)
         if o.classification:
             out.parameters["classification"].int64_param = o.classification
-    for k, v in {**parameters, **(sequence or {})}.items():
+    for k, v in batch.all_parameters().items():
         set_param(msg.parameters[k], v)
     return msg
 

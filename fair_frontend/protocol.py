@@ -14,7 +14,7 @@ converted to JSON).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,26 @@ class InferRequest:
             if t.name == name:
                 return t
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One request to a backend, whole: a batch's rows packed into its tensors, or a
+    stream's one request. What a dispatcher (the core's batches) or a shell (its granted
+    rows and streams) hands the backend's forwarder, in place of loose arguments."""
+
+    model: str
+    version: str
+    inputs: Sequence[Tensor]
+    outputs: Sequence[RequestedOutput] | None = None  # None: all of the model's outputs
+    parameters: Mapping[str, ParamValue] = field(default_factory=dict)
+    request_id: str = ""  # the one request's id, where the batch is one request
+    sequence: Mapping[str, ParamValue] | None = None  # sequence_id/_start/_end, passed on
+    traceparent: str = ""  # the W3C trace context the backend's spans join
+
+    def all_parameters(self) -> dict[str, ParamValue]:
+        """The request's parameters with its sequence's, as the backend takes them."""
+        return {**self.parameters, **(self.sequence or {})}
 
 
 @dataclass(slots=True)

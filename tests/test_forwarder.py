@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.errors import FrontendError, Unavailable
-from fair_frontend.protocol import RequestedOutput, Tensor
+from fair_frontend.protocol import Batch, RequestedOutput, Tensor
 from fair_frontend.triton.forwarder import TritonForwarder
 
 
@@ -42,7 +42,8 @@ def _rows(rows: int) -> str:
 
 
 async def _both_ways(fwds: tuple[TritonForwarder, TritonForwarder], *args: Any, **kw: Any) -> Any:
-    return await asyncio.gather(*(f.infer(*args, **kw) for f in fwds), return_exceptions=True)
+    batch = Batch(*args, **kw)
+    return await asyncio.gather(*(f.infer(batch) for f in fwds), return_exceptions=True)
 
 
 def _same_outputs(a: Any, b: Any) -> None:
@@ -134,7 +135,7 @@ async def test_an_unreachable_triton_is_unavailable_and_never_sent() -> None:
     try:
         x = np.ones((1, 4), dtype=np.int32)
         with pytest.raises(Unavailable) as info:
-            await fwd.infer("embed", "", [Tensor("INPUT_IDS", "INT32", x.shape, x)], None, {})
+            await fwd.infer(Batch("embed", "", [Tensor("INPUT_IDS", "INT32", x.shape, x)]))
         assert info.value.never_sent  # held for Triton's return, not failed
     finally:
         await fwd.close()
@@ -155,7 +156,7 @@ async def test_a_connection_lost_mid_call_is_unavailable_and_not_sent_again() ->
     try:
         x = np.ones((1, 4), dtype=np.int32)
         with pytest.raises(Unavailable) as info:
-            await fwd.infer("embed", "", [Tensor("INPUT_IDS", "INT32", x.shape, x)], None, {})
+            await fwd.infer(Batch("embed", "", [Tensor("INPUT_IDS", "INT32", x.shape, x)]))
         assert not info.value.never_sent
         assert len(received) == 1 and received[0].startswith(b"POST /v2/models/embed/infer")
     finally:
@@ -191,7 +192,7 @@ async def test_a_stream_that_never_reached_triton_is_made_again_once_it_is_up() 
     fwd = TritonForwarder(f"127.0.0.1:{port}")
     server = grpc.aio.server()
     try:
-        stream = fwd.stream("repeat", "", [], None, {})
+        stream = fwd.stream(Batch("repeat", "", []))
         with pytest.raises(grpc.aio.AioRpcError):  # the first try: nothing listens yet
             await stream._call.wait_for_connection()
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_OneReply(), server)
@@ -207,7 +208,7 @@ async def test_a_stream_that_never_reached_triton_is_made_again_once_it_is_up() 
 async def test_a_stream_whose_triton_stays_down_fails_unavailable_never_sent() -> None:
     fwd = TritonForwarder(f"127.0.0.1:{free_port()}")
     try:
-        replies = await asyncio.wait_for(_replies(fwd.stream("repeat", "", [], None, {})), 10)
+        replies = await asyncio.wait_for(_replies(fwd.stream(Batch("repeat", "", []))), 10)
         (reply,) = replies
         assert isinstance(reply.error, Unavailable) and reply.error.never_sent
     finally:

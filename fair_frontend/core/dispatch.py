@@ -78,9 +78,9 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
+    Batch,
     InferRequest,
     ParamValue,
-    RequestedOutput,
     Tensor,
 )
 from fair_frontend.quota import Quota
@@ -158,16 +158,9 @@ class CoreRequest(QueuedRequest):
 class Forwarder(Protocol):
     """What the dispatch loop needs of Triton (``TritonForwarder`` in production)."""
 
-    async def infer(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-    ) -> tuple[str, list[Tensor]]: ...
+    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
+        """One request (``batch``); returns (the model version that ran, its outputs)."""
+        ...
 
 
 class Backend:
@@ -770,14 +763,16 @@ class Dispatcher(ABC):
             url = str(getattr(forwarder, "url", backend))
             span = self.traces.batch(self.model, [r.call for r in batch], url, self.clock.now())
         sent = forwarder.infer(
-            self.model,
-            first.version,
-            packed.inputs,
-            packed.outputs,
-            packed.parameters,
-            request_id=first.id if len(batch) == 1 else "",
-            sequence=packed.sequence,
-            **({"traceparent": carried(span)[0]} if span is not None else {}),
+            Batch(
+                self.model,
+                first.version,
+                packed.inputs,
+                packed.outputs,
+                packed.parameters,
+                request_id=first.id if len(batch) == 1 else "",
+                sequence=packed.sequence,
+                traceparent=carried(span)[0] if span is not None else "",
+            )
         )
         if span is None:
             return await sent

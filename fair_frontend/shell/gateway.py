@@ -57,6 +57,7 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     FINAL_RESPONSE,
     MAX_NAME_BYTES,
+    Batch,
     InferRequest,
     InferResponse,
     ParamValue,
@@ -666,14 +667,16 @@ class Gateway:
                 traceparent = carried(span)[0]
         try:
             version, outputs = await forwarder.infer(
-                rows.model,
-                first.version,
-                packed.inputs,
-                packed.outputs,
-                packed.parameters,
-                request_id=first.id if len(calls) == 1 else "",
-                sequence=packed.sequence,
-                **({"traceparent": traceparent} if traceparent else {}),
+                Batch(
+                    rows.model,
+                    first.version,
+                    packed.inputs,
+                    packed.outputs,
+                    packed.parameters,
+                    request_id=first.id if len(calls) == 1 else "",
+                    sequence=packed.sequence,
+                    traceparent=traceparent,
+                )
             )
         except FrontendError as err:
             if span is not None:
@@ -756,15 +759,17 @@ class Gateway:
         # client did not ask for; the shell parses them, and decodes only that count.
         raw = wire == "grpc" and count is not None and not report_usage
         stream = triton.stream(
-            req.model,
-            req.version,
-            packed.inputs,
-            packed.outputs,
-            packed.parameters,
-            request_id=req.id,
-            sequence=grant.sequence,
+            Batch(
+                req.model,
+                req.version,
+                packed.inputs,
+                packed.outputs,
+                packed.parameters,
+                request_id=req.id,
+                sequence=grant.sequence,
+                traceparent=traceparent,
+            ),
             stalled_s=stalled_s,
-            traceparent=traceparent,
             raw=raw,
         )
         _watched(stream, inbox)

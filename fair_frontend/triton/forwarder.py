@@ -11,7 +11,7 @@ requests that asked for it and nothing else.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,7 @@ from fair_frontend.errors import (
 from fair_frontend.protocol import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
-    ParamValue,
-    RequestedOutput,
+    Batch,
     Tensor,
 )
 from fair_frontend.triton.http import TritonHttp, carries
@@ -210,17 +209,7 @@ class TritonForwarder:
             await self.events.close()
         await self._client.close()
 
-    async def infer(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-        traceparent: str = "",
-    ) -> tuple[str, list[Tensor]]:
+    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
         """One inference request; returns (the model version that ran, its outputs).
 
         ``sequence``: the client's ``sequence_id`` / ``sequence_start`` / ``sequence_end``,
@@ -229,47 +218,30 @@ class TritonForwarder:
         costs one protobuf message and one call, nothing per element. ``traceparent``:
         the W3C trace context Triton's own spans join (``fair_frontend.tracing``).
         """
-        if self.http is not None and carries({**parameters, **(sequence or {})}, request_id):
-            return await self.http.infer(
-                model, version, inputs, outputs, parameters, request_id, sequence, traceparent
-            )
-        msg = grpc_codec.encode_request(
-            model, version, request_id, inputs, outputs, parameters, sequence
-        )
+        if self.http is not None and carries(batch.all_parameters(), batch.request_id):
+            return await self.http.infer(batch)
+        msg = grpc_codec.encode_request(batch)
         try:
             response = await self.stub.ModelInfer(
                 msg,
                 timeout=self.request_timeout_s,
-                metadata=(("traceparent", traceparent),) if traceparent else None,
+                metadata=(("traceparent", batch.traceparent),) if batch.traceparent else None,
             )
         except grpc.aio.AioRpcError as err:
             raise upstream_error(_rpc_exception(err)) from None
         return response.model_version, grpc_codec.decode_outputs(response)
 
     def stream(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-        *,
-        stalled_s: float | None = None,
-        traceparent: str = "",
-        raw: bool = False,
+        self, batch: Batch, *, stalled_s: float | None = None, raw: bool = False
     ) -> TritonStream:
         """One request to a decoupled model: its responses (``TritonStream``); a consumer
         that holds one for ``stalled_s`` has the request cancelled. tritonclient's aio
         client refuses ``triton_`` parameters, so this one call uses the generated stub.
         ``traceparent``: as for ``infer``. ``raw``: each response as Triton serialized it
         (``StreamReply.raw``), parsed but not decoded, for a caller that passes it on."""
-        msg = grpc_codec.encode_request(
-            model, version, request_id, inputs, outputs, parameters, sequence
-        )
+        msg = grpc_codec.encode_request(batch)
         msg.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
-        metadata = (("traceparent", traceparent),) if traceparent else None
+        metadata = (("traceparent", batch.traceparent),) if batch.traceparent else None
         method = self._raw_stream() if raw else self.stub.ModelStreamInfer
         call = method(iter([msg]), metadata=metadata)
 

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
@@ -41,8 +41,8 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable
 from fair_frontend.protocol import (
+    Batch,
     ParamValue,
-    RequestedOutput,
     Tensor,
     tensor_from_list,
     tensor_from_raw,
@@ -172,22 +172,10 @@ class TritonHttp:
     async def _connect(self) -> _Connection:
         return await dial(_Connection, self.host, self.port)
 
-    async def infer(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: Mapping[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-        traceparent: str = "",
-    ) -> tuple[str, list[Tensor]]:
+    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
         """One inference request; returns (the model version that ran, its outputs);
-        ``traceparent``: the W3C trace context Triton's spans join."""
-        data = encode_request(
-            model, version, inputs, outputs, parameters, request_id, sequence, traceparent
-        )
+        ``batch.traceparent``: the W3C trace context Triton's spans join."""
+        data = encode_request(batch)
         try:
             # asyncio.timeout, not wait_for: no task of its own per call (wait_for's costs
             # a task and a loop iteration at each end, on every batch's path).
@@ -232,17 +220,10 @@ def carries(parameters: Mapping[str, ParamValue], request_id: str) -> bool:
     )
 
 
-def encode_request(
-    model: str,
-    version: str,
-    inputs: Sequence[Tensor],
-    outputs: Sequence[RequestedOutput] | None,
-    parameters: Mapping[str, ParamValue],
-    request_id: str = "",
-    sequence: Mapping[str, ParamValue] | None = None,
-    traceparent: str = "",
-) -> bytes:
+def encode_request(batch: Batch) -> bytes:
     """The HTTP request: head, JSON header, raw input tensors."""
+    inputs, outputs, model, version = batch.inputs, batch.outputs, batch.model, batch.version
+    request_id, traceparent = batch.request_id, batch.traceparent
     raws = [tensor_to_raw(t) for t in inputs]
     doc: dict[str, Any] = {
         "inputs": [
@@ -257,7 +238,7 @@ def encode_request(
     }
     if request_id:
         doc["id"] = request_id
-    params: dict[str, Any] = {**parameters, **(sequence or {})}
+    params: dict[str, Any] = batch.all_parameters()
     if outputs:
         doc["outputs"] = [
             {

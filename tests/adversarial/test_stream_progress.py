@@ -31,7 +31,7 @@ import tritonclient.grpc.aio as grpcaio
 
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.protocol import Tensor
+from fair_frontend.protocol import Batch, Tensor
 from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from tests.support import (
@@ -216,7 +216,7 @@ async def test_time_the_consumer_holds_a_response_is_not_triton_without_progress
     try:
 
         async def consume() -> None:
-            async for reply in fwd.stream("repeat_int32", "", inputs, None, {}):
+            async for reply in fwd.stream(Batch("repeat_int32", "", inputs)):
                 got.append(reply)
                 if len(got) == 1:
                     await asyncio.sleep(2.0)  # the client not reading, as the core sees it

@@ -33,7 +33,7 @@ from fair_frontend.errors import FrontendError
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import InferRequest, ParamValue, RequestedOutput, Tensor
+from fair_frontend.protocol import Batch, InferRequest, ParamValue, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
 from fair_frontend.wire.records import Answer, Call, Grant
 
@@ -156,17 +156,10 @@ class FakeTriton:
         """Every batch sent so far, as request ids."""
         return [s.ids for s in self.sent]
 
-    async def infer(
-        self,
-        model: str,
-        version: str,
-        inputs: Sequence[Tensor],
-        outputs: Sequence[RequestedOutput] | None,
-        parameters: dict[str, ParamValue],
-        request_id: str = "",
-        sequence: Mapping[str, ParamValue] | None = None,
-    ) -> tuple[str, list[Tensor]]:
-        return await self.record(model, inputs, parameters, request_id).reply
+    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
+        return await self.record(
+            batch.model, batch.inputs, dict(batch.parameters), batch.request_id
+        ).reply
 
     def record(
         self,

@@ -39,7 +39,7 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.granted import REPORT_MARGIN_S, GrantedDispatcher
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import Tensor
+from fair_frontend.protocol import Batch, Tensor
 from fair_frontend.wire.records import Answer, Call, Fault, Grant, Rows, RowsDone
 
 CULPRIT = "raiser: refusing the value 13"
@@ -113,7 +113,7 @@ class FakeShell:
         triton = h.tritons[rows.backend]
         try:
             version, outputs = await triton.infer(
-                MODEL, "", packed.inputs, packed.outputs, packed.parameters
+                Batch(MODEL, "", packed.inputs, packed.outputs, packed.parameters)
             )
         except FrontendError as err:
             if self.alive:
