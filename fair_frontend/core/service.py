@@ -36,7 +36,7 @@ from fair_frontend.admission import (
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
 from fair_frontend.clock import Clock, LoopClock
-from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
+from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.batches import BatchDispatcher
@@ -83,7 +83,6 @@ from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
     SchedulerFairness,
-    VirtualTokenCounter,
     cost_model_for,
 )
 from fair_frontend.stats import Statistics
@@ -911,9 +910,6 @@ class Core:
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
             engine = policy.slots is not None  # engine mode: the model batches inside
-            fairness = None
-            if engine and endpoint.cost is CostUnit.TOKENS:
-                fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
             # The batch throttle predicts waits from batch times, one batch after another;
             # an engine serves max_inflight requests at once: its throttle predicts the
             # wait for a slot from how long requests hold theirs.
@@ -942,7 +938,6 @@ class Core:
                     self.caps,
                     mode=self.config.scheduling,
                     cost_model=cost_model,
-                    fairness=fairness,
                 ),
                 pool=self.pool,
                 clock=self.clock,
@@ -1085,13 +1080,10 @@ class Core:
                 )
             for tier, depth in sched.tier_depths().items():
                 out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
-            gauge = (
-                "fair_vtc_counter"
-                if isinstance(sched.fairness, VirtualTokenCounter)
-                else ("fair_drr_deficit")
-            )
-            for tenant, deficit in sched.deficits().items():
-                out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
+            gauge = sched.fairness.gauge
+            if gauge is not None:
+                for tenant, deficit in sched.deficits().items():
+                    out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
             if rt.admission is not None:
                 out.extend(rt.admission.service.status().samples())
         return out
