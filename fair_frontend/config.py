@@ -285,8 +285,10 @@ class Endpoint(_Strict):
         "drr: deficit round robin, each tenant's share of the cost units in proportion to "
         "its weight. vtc: virtual token counters, the least weighted tokens served goes "
         "next (input tokens when a request is sent, output tokens as they are counted). "
-        "Unset: vtc for an engine endpoint (max_inflight) with `cost: tokens`, drr "
-        "otherwise.",
+        "fifo: first come first served across the tier's tenants, weights ignored (the "
+        "baseline the others are compared against; tiers still go in their order, unlike "
+        "scheduling: fifo). Unset: vtc for an engine endpoint (max_inflight) with "
+        "`cost: tokens`, drr otherwise.",
     )
     reserved_slots: int = Field(
         default=0,

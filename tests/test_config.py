@@ -405,6 +405,7 @@ def test_an_endpoint_names_its_fairness_policy_and_an_unknown_name_lists_the_kno
         {
             "tiers": ["t"],
             "endpoints": {
+                "baseline": {"fairness": "fifo"},
                 "llm": {"max_inflight": 8, "cost": "tokens"},
                 "llm_drr": {"max_inflight": 8, "cost": "tokens", "fairness": "drr"},
                 "engine": {"max_inflight": 8},
@@ -415,6 +416,7 @@ def test_an_endpoint_names_its_fairness_policy_and_an_unknown_name_lists_the_kno
     policies = {name: ep.fairness_policy() for name, ep in config.endpoints.items()}
     # Unset: what it meant before the field existed (vtc for an engine in token cost).
     assert policies == {
+        "baseline": "fifo",
         "llm": "vtc",
         "llm_drr": "drr",
         "engine": "drr",
@@ -423,6 +425,6 @@ def test_an_endpoint_names_its_fairness_policy_and_an_unknown_name_lists_the_kno
     assert config.default_endpoint.fairness_policy() == "drr"
     with pytest.raises(ConfigError) as info:
         parse_config({"tiers": ["t"], "endpoints": {"e": {"fairness": "wfq"}}})
-    assert "endpoints.e.fairness: unknown fairness policy 'wfq' (known: drr, vtc)" in str(
+    assert "endpoints.e.fairness: unknown fairness policy 'wfq' (known: drr, fifo, vtc)" in str(
         info.value
     )

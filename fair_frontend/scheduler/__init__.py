@@ -14,7 +14,8 @@ each answering one question (``TierSelector``, ``FairnessPolicy``, ``OrderingPol
    trial), optionally guarded (below).
 2. *Tenant*: which tenant of that tier? Deficit round robin (DRR) with weights, by
    default; the endpoint's config names its policy (``EndpointPolicy.fairness``, one of
-   ``FAIRNESS_POLICIES``: ``drr``, ``vtc``: ``vtc.VirtualTokenCounter``).
+   ``FAIRNESS_POLICIES``: ``drr``, ``vtc``: ``vtc.VirtualTokenCounter``, ``fifo``:
+   ``fifo.FirstComeFirstServed``, the baseline).
 3. *Request*: which of that tenant's requests? (priority, deadline, arrival).
 
 until the batch is full (``BatchAssembler``). ``CostModel`` says what each request costs
@@ -182,6 +183,7 @@ from fair_frontend.scheduler.fairness import (
     FairnessFactory,
     FairnessPolicy,
 )
+from fair_frontend.scheduler.fifo import FifoState, FirstComeFirstServed
 from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import SchedulerFairness, TierFairness
@@ -218,6 +220,8 @@ __all__ = [
     "EndpointPolicy",
     "FairnessFactory",
     "FairnessPolicy",
+    "FifoState",
+    "FirstComeFirstServed",
     "GlobalCaps",
     "GuardedTierOrder",
     "Mode",
