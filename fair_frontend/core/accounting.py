@@ -34,7 +34,6 @@ from fair_frontend.admission import (
 from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.config import Config, CostUnit
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
-from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport, Finished, Observer
@@ -350,15 +349,8 @@ class Accounting:
         runtime = self.runtimes.get(req.request.model)
         if runtime is None:
             return
-        endpoint = runtime.endpoint
-        if endpoint.cost is CostUnit.TOKENS:
-            if isinstance(runtime, EngineDispatcher):
-                cost = tokens * endpoint.output_token_weight
-            elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
-                cost = float(tokens - req.call.max_tokens)
-            else:
-                cost = float(tokens)
-            runtime.scheduler.charge_back(req.tenant, cost)
+        if runtime.endpoint.cost is CostUnit.TOKENS:
+            runtime.scheduler.charge_back(req.tenant, runtime.output_cost(req, tokens))
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.now()

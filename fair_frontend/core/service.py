@@ -39,10 +39,7 @@ from fair_frontend.clock import Clock, LoopClock
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.batches import BatchDispatcher
-from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
-from fair_frontend.core.engine import EngineDispatcher
-from fair_frontend.core.granted import GrantedDispatcher
+from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.plan import (
     batch_throttle,
     dispatch_mode,
@@ -101,13 +98,6 @@ from fair_frontend.wire.records import (
 log = logging.getLogger(__name__)
 
 REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
-
-# The dispatch modes, by the name the plan gives (``plan.dispatch_mode``).
-DISPATCH_MODES: dict[str, type[Dispatcher]] = {
-    "batches": BatchDispatcher,
-    "engine": EngineDispatcher,
-    "granted": GrantedDispatcher,
-}
 
 
 class ModelRegistry:
@@ -604,9 +594,8 @@ class Core:
     def rows_done(self, done: RowsDone, route: Route) -> None:
         """A shell's report on its part of a granted batch (``core.granted``)."""
         runtime = self.runtimes.get(done.model)
-        report = getattr(runtime, "rows_done", None)
-        if report is not None:
-            report(route, done)
+        if runtime is not None:
+            runtime.rows_done(route, done)
 
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
@@ -724,7 +713,7 @@ class Core:
         the runtime is there), else left None for whoever queues it. A model whose
         requests go one per batch (engine mode, decoupled, not batching: the plan's
         ``max_batch_size`` 0) never compares keys: none is taken."""
-        if call.key and runtime is not None and not hasattr(runtime, "rows_done"):
+        if call.key and runtime is not None and not runtime.takes_facts:
             # Its shell kept the tensors for an endpoint this core relays: the shell and
             # the core read different configs (the plan is the same function of it).
             raise Internal(f"model '{runtime.model}' takes whole calls here, not their facts")
@@ -769,7 +758,7 @@ class Core:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
         ``priority`` (a call, or a tenant's calls of one tick), unrecorded."""
         # An engine's throttle also weighs the slots the tenant holds already.
-        own = runtime.in_engine(tenant) if isinstance(runtime, EngineDispatcher) else 0
+        own = runtime.in_engine(tenant)
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -1233,8 +1222,6 @@ def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:
-    """The tokens the scheduler charges at dispatch: in engine mode the input only (output
-    tokens are charged as they stream), elsewhere input plus the output asked for."""
-    if isinstance(runtime, EngineDispatcher):
-        return call.tokens - call.max_tokens
-    return call.tokens
+    """The tokens the scheduler charges at dispatch (``Dispatcher.scheduled_tokens``; no
+    runtime yet: the input and the output asked for)."""
+    return call.tokens if runtime is None else runtime.scheduled_tokens(call)
