@@ -346,7 +346,7 @@ class Accounting:
         """Output tokens of a dispatched request, as they come: its tenant's fair share is
         charged for them (engine mode: as they stream; a batch endpoint in token cost: the
         difference to what was charged at enqueue), and its latency is observed."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is None:
             return
         if runtime.endpoint.cost is CostUnit.TOKENS:
@@ -369,7 +369,7 @@ class Accounting:
         when the request ends, whether it ran or not (one cancelled, expired or refused
         after the check, before it was sent, produced nothing). Once: the mark goes."""
         admitted_at, req.limits_at = req.limits_at, None
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
             return  # nothing was counted, or output is not counted here
         delta = req.produced - req.call.max_tokens

@@ -137,6 +137,10 @@ class CoreRequest(QueuedRequest):
     adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
     quota: Quota | None = None  # its tenant's rate-limit state after its check: answered
     batch_trace: SpanContext | None = None  # its batch's span, where traced (``tracing``)
+    # Its model's dispatcher, from the moment the core has one for it (at admission, or
+    # once a model looked up later is set up): what it is told of goes there, not to a
+    # dispatcher looked up again by the model's name.
+    runtime: Dispatcher | None = None
 
     @property
     def request(self) -> InferRequest:

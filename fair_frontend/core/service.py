@@ -505,6 +505,7 @@ class Core:
             return
         if not req.answered and not req.cancelled:
             req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
+            req.runtime = runtime
             runtime.adopt(req, backend)
 
     async def precharge(
@@ -522,7 +523,7 @@ class Core:
 
     def cancel(self, req: CoreRequest) -> None:
         """The client of ``req`` went away (it is answered no more)."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if req.state is QueueState.NEW:  # admission still running: it stops there
             req.cancelled = True
         elif runtime is not None:
@@ -539,7 +540,7 @@ class Core:
         so, with their times at the client: ``first_token_s`` since arrival if the first
         is among them, else -1, and the gaps between them): charged to its tenant, and
         observed."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is None or req.answered or tokens <= 0:
             return
         runtime.produced(req, tokens)
@@ -559,11 +560,10 @@ class Core:
         slot waits on the charges (``Dispatcher.charged``). The charges and observations
         are those of one ``produced`` each, at the same moment of the core's clock: the
         fairness bounds (``tests/core/test_report_delays.py``) are the same."""
-        runtimes = self.runtimes
         observe = self.observer.tokens_produced
         charged: list[Dispatcher] = []
         for req, tokens, first_token_s, gaps_s in reports:
-            runtime = runtimes.get(req.call.request.model)
+            runtime = req.runtime
             if runtime is None or req.answered or tokens <= 0:
                 continue
             if runtime.count_produced(req, tokens) and runtime not in charged:
@@ -587,7 +587,7 @@ class Core:
     ) -> None:
         """The stream of granted ``req`` ended (its shell, once, after reporting all its
         tokens): served, the error its client was answered with, or ``cancelled``."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is not None:
             runtime.ended(req, version, err, cancelled)
 
@@ -727,6 +727,7 @@ class Core:
             _shape_key(call, runtime) if keyed or call.key else None,
             call=call,
             route=route,
+            runtime=runtime,
         )
 
     def _throttle(self, runtime: Dispatcher, req: CoreRequest) -> None:
@@ -784,12 +785,15 @@ class Core:
         call = req.call
         try:
             model = call.request.model
-            runtime = self.runtimes.get(model)
-            if runtime is None:
-                runtime = self._runtime(model, await self.models.get(model))
-                req.shape_key = _shape_key(call, runtime)
-                req.tokens = _scheduled_tokens(call, runtime)
-                self._known(req.tenant)  # a reload may have removed it meanwhile
+            runtime = req.runtime
+            if runtime is None:  # its model was not set up when it came: looked up
+                runtime = self.runtimes.get(model)
+                if runtime is None:
+                    runtime = self._runtime(model, await self.models.get(model))
+                    req.shape_key = _shape_key(call, runtime)
+                    req.tokens = _scheduled_tokens(call, runtime)
+                    self._known(req.tenant)  # a reload may have removed it meanwhile
+                req.runtime = runtime
             if lookup:
                 self._throttle(runtime, req)
             decision = self.accounting.check_now(req)
@@ -826,12 +830,16 @@ class Core:
         calls = [r.call for r in reqs]
         try:
             model = head.request.model
-            runtime = self.runtimes.get(model)
-            if runtime is None:
-                runtime = self._runtime(model, await self.models.get(model))
-                for req in reqs:  # (the batch keys: as they are queued)
-                    req.tokens = _scheduled_tokens(req.call, runtime)
-                self._known(head.tenant)  # a reload may have removed it meanwhile
+            runtime = head.runtime
+            if runtime is None:  # its model was not set up when it came: looked up
+                runtime = self.runtimes.get(model)
+                if runtime is None:
+                    runtime = self._runtime(model, await self.models.get(model))
+                    for req in reqs:  # (the batch keys: as they are queued)
+                        req.tokens = _scheduled_tokens(req.call, runtime)
+                    self._known(head.tenant)  # a reload may have removed it meanwhile
+                for req in reqs:
+                    req.runtime = runtime
             if lookup:
                 self._throttle(runtime, head)
             decision = self.accounting.check_group_now(reqs)
