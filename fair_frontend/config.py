@@ -33,7 +33,7 @@ from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fair_frontend.admission.storage import (
     DEFAULT_RATELIMIT_STORAGE,
@@ -57,6 +57,7 @@ from fair_frontend.scheduler.caps import (
     DEFAULT_TENANT_MAX_QUEUED,
 )
 from fair_frontend.scheduler.cost import CostUnit
+from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES
 from fair_frontend.triton.metrics import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S, MAX_FRAME
 from fair_frontend.wire.remote import MESSAGE_BYTES
@@ -273,9 +274,21 @@ class Endpoint(_Strict):
         "batching: Triton's vLLM and TensorRT-LLM backends, the shipped `llm`): each request "
         "goes to Triton alone, and at most this many are in the engine at once (its slots, "
         "e.g. 64-256). Who gets a free slot is decided here: tier, then fair share, then "
-        "priority; with `cost: tokens` the fair share is over tokens served (virtual token "
-        "counters: input tokens when a request gets its slot, output tokens as they "
-        "stream). Unset: batches are built here (max_inflight_batches).",
+        "priority; with `cost: tokens` the fair share is, unless fairness says otherwise, "
+        "over tokens served (virtual token counters: input tokens when a request gets its "
+        "slot, output tokens as they stream). Unset: batches are built here "
+        "(max_inflight_batches).",
+    )
+    fairness: str | None = Field(
+        default=None,
+        description="How the tenants of one tier share the endpoint (selector 2, by name). "
+        "drr: deficit round robin, each tenant's share of the cost units in proportion to "
+        "its weight. vtc: virtual token counters, the least weighted tokens served goes "
+        "next (input tokens when a request is sent, output tokens as they are counted). "
+        "fifo: first come first served across the tier's tenants, weights ignored (the "
+        "baseline the others are compared against; tiers still go in their order, unlike "
+        "scheduling: fifo). Unset: vtc for an engine endpoint (max_inflight) with "
+        "`cost: tokens`, drr otherwise.",
     )
     reserved_slots: int = Field(
         default=0,
@@ -446,6 +459,20 @@ class Endpoint(_Strict):
         "token covers at most the tokenizer's longest token). Unset: the model config's "
         "max_model_len parameter, if it has one.",
     )
+
+    @field_validator("fairness")
+    @classmethod
+    def _known_fairness(cls, name: str | None) -> str | None:
+        if name is not None and name not in FAIRNESS_POLICIES:
+            raise ValueError(FAIRNESS_POLICIES.unknown(name))
+        return name
+
+    def fairness_policy(self) -> str:
+        """The fairness policy's name: ``fairness``, else what it defaults to (engine
+        endpoints in token cost: ``vtc``, fair shares of tokens as they are served)."""
+        if self.fairness is not None:
+            return self.fairness
+        return "vtc" if self.max_inflight is not None and self.cost is CostUnit.TOKENS else "drr"
 
     @property
     def max_wire_bytes(self) -> int:

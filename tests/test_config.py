@@ -398,3 +398,33 @@ def test_a_repeated_triton_url_is_the_pool_the_server_serves_from() -> None:
     assert server.triton_urls == ["a:8001", "b:8001"] and server.triton_url == "a:8001"
     assert [b.http_url for b in server.backends] == ["http://a:8000", None]
     assert FrontendServer(config, "a:8001", Listen()).triton_urls == ["a:8001"]  # as before
+
+
+def test_an_endpoint_names_its_fairness_policy_and_an_unknown_name_lists_the_known() -> None:
+    config = parse_config(
+        {
+            "tiers": ["t"],
+            "endpoints": {
+                "baseline": {"fairness": "fifo"},
+                "llm": {"max_inflight": 8, "cost": "tokens"},
+                "llm_drr": {"max_inflight": 8, "cost": "tokens", "fairness": "drr"},
+                "engine": {"max_inflight": 8},
+                "emb": {"cost": "tokens"},
+            },
+        }
+    )
+    policies = {name: ep.fairness_policy() for name, ep in config.endpoints.items()}
+    # Unset: what it meant before the field existed (vtc for an engine in token cost).
+    assert policies == {
+        "baseline": "fifo",
+        "llm": "vtc",
+        "llm_drr": "drr",
+        "engine": "drr",
+        "emb": "drr",
+    }
+    assert config.default_endpoint.fairness_policy() == "drr"
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": ["t"], "endpoints": {"e": {"fairness": "wfq"}}})
+    assert "endpoints.e.fairness: unknown fairness policy 'wfq' (known: drr, fifo, vtc)" in str(
+        info.value
+    )

@@ -34,7 +34,6 @@ from fair_frontend.admission import (
 from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
 from fair_frontend.config import Config, CostUnit
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
-from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.stats import Statistics
 from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
@@ -347,18 +346,11 @@ class Accounting:
         """Output tokens of a dispatched request, as they come: its tenant's fair share is
         charged for them (engine mode: as they stream; a batch endpoint in token cost: the
         difference to what was charged at enqueue), and its latency is observed."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is None:
             return
-        endpoint = runtime.endpoint
-        if endpoint.cost is CostUnit.TOKENS:
-            if isinstance(runtime, EngineDispatcher):
-                cost = tokens * endpoint.output_token_weight
-            elif req.produced == tokens:  # enqueue charged input + max_tokens: correct it
-                cost = float(tokens - req.call.max_tokens)
-            else:
-                cost = float(tokens)
-            runtime.scheduler.charge_back(req.tenant, cost)
+        if runtime.endpoint.cost is CostUnit.TOKENS:
+            runtime.scheduler.charge_back(req.tenant, runtime.output_cost(req, tokens))
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.now()
@@ -377,7 +369,7 @@ class Accounting:
         when the request ends, whether it ran or not (one cancelled, expired or refused
         after the check, before it was sent, produced nothing). Once: the mark goes."""
         admitted_at, req.limits_at = req.limits_at, None
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
             return  # nothing was counted, or output is not counted here
         delta = req.produced - req.call.max_tokens

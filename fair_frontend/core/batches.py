@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fair_frontend.batching import Packed, pack, unpack
-from fair_frontend.core.dispatch import CoreRequest, Dispatcher
+from fair_frontend.core.dispatch import DISPATCH_MODES, CoreRequest, Dispatcher
 from fair_frontend.errors import FrontendError, ModelUnavailable, Unavailable
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import Tensor
@@ -303,3 +303,6 @@ def _halves(batch: list[CoreRequest]) -> list[list[CoreRequest]]:
     """The two halves of a batch, in order (the first one the larger)."""
     middle = (len(batch) + 1) // 2
     return [batch[:middle], batch[middle:]]
+
+
+DISPATCH_MODES.add("batches", BatchDispatcher)

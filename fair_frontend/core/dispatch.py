@@ -77,6 +77,7 @@ from fair_frontend.errors import (
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport
 from fair_frontend.outcomes import Outcome
+from fair_frontend.parts import Registry
 from fair_frontend.protocol import (
     Batch,
     InferRequest,
@@ -87,7 +88,7 @@ from fair_frontend.quota import Quota
 from fair_frontend.scheduler import QueuedRequest, QueueState, Scheduler
 from fair_frontend.tokens import output_tokens
 from fair_frontend.tracing import carried, failed, wall_ns
-from fair_frontend.wire.records import Answer, Call, Fault, Grant
+from fair_frontend.wire.records import Answer, Call, Fault, Grant, RowsDone
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -136,6 +137,10 @@ class CoreRequest(QueuedRequest):
     adopted: bool = False  # a stream another core granted (``Dispatcher.adopt``)
     quota: Quota | None = None  # its tenant's rate-limit state after its check: answered
     batch_trace: SpanContext | None = None  # its batch's span, where traced (``tracing``)
+    # Its model's dispatcher, from the moment the core has one for it (at admission, or
+    # once a model looked up later is set up): what it is told of goes there, not to a
+    # dispatcher looked up again by the model's name.
+    runtime: Dispatcher | None = None
 
     @property
     def request(self) -> InferRequest:
@@ -284,6 +289,9 @@ class Dispatcher(ABC):
     """
 
     traces: Traces | None = None  # request traces, where configured (set by the core)
+    # Whether its shells send it a unary call's facts and keep the tensors (one hop:
+    # ``granted``), where the others take whole calls.
+    takes_facts: bool = False
 
     def __init__(
         self,
@@ -407,6 +415,32 @@ class Dispatcher(ABC):
     @abstractmethod
     def _tokens_charged(self) -> None:
         """A stream's tokens were just charged to its tenant: does a slot wait on that?"""
+
+    # ---- what the core asks of any mode -------------------------------------------------
+
+    def in_engine(self, tenant: str) -> int:
+        """``tenant``'s requests holding one of an engine's slots (its throttle weighs
+        them); 0 where a model's slots hold batches, not a tenant's requests."""
+        return 0
+
+    def scheduled_tokens(self, call: Call) -> int:
+        """The tokens the scheduler charges ``call`` at dispatch: its input and the output
+        it asks for (a token-cost endpoint corrects the output as it comes:
+        ``output_cost``)."""
+        return call.tokens
+
+    def output_cost(self, req: CoreRequest, tokens: int) -> float:
+        """What ``tokens`` output tokens of ``req``, as they come, add to its tenant's
+        fair share (token cost): at its first count, the difference to the output it
+        asked for (charged at dispatch: ``scheduled_tokens``); after it, all of them."""
+        if req.produced == tokens:
+            return float(tokens - req.call.max_tokens)
+        return float(tokens)
+
+    def rows_done(self, route: Route, done: RowsDone) -> None:
+        """A shell's report on rows of a batch granted to it (``granted``); a mode that
+        grants no rows has none to hear of."""
+        return
 
     # ---- the request side ---------------------------------------------------------------
 
@@ -1035,3 +1069,8 @@ def _sequence_id(req: CoreRequest) -> ParamValue | None:
     """The id Triton knows ``req``'s sequence by (the core's, ``core.sequences``), if any."""
     sequence = req.request.sequence
     return sequence.get("sequence_id") if sequence else None
+
+
+# The dispatch modes, by the name the plan gives (``plan.dispatch_mode``), each added by
+# the module that defines it (the package imports them all).
+DISPATCH_MODES: Registry[type[Dispatcher]] = Registry("dispatch mode")

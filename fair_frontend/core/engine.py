@@ -18,7 +18,8 @@ Invariants of this mode:
 
 from __future__ import annotations
 
-from fair_frontend.core.dispatch import Dispatcher
+from fair_frontend.core.dispatch import DISPATCH_MODES, CoreRequest, Dispatcher
+from fair_frontend.wire.records import Call
 
 
 class EngineDispatcher(Dispatcher):
@@ -69,8 +70,20 @@ class EngineDispatcher(Dispatcher):
         """A call is one request, as long as its generation: its length says nothing of
         Triton, and only that request fails."""
 
+    def scheduled_tokens(self, call: Call) -> int:
+        """Its input only: the output is charged as it streams (``output_cost``)."""
+        return call.tokens - call.max_tokens
+
+    def output_cost(self, req: CoreRequest, tokens: int) -> float:
+        """Each output token as it streams, weighed against an input token (none was
+        charged at dispatch)."""
+        return tokens * self.endpoint.output_token_weight
+
     def in_engine(self, tenant: str) -> int:
         """``tenant``'s requests in Triton (counted as they go and end) or held for it (a
         scan of the held, which are few: batches that never reached a Triton)."""
         held = sum(1 for b in self._held for r in b if r.tenant == tenant) if self._held else 0
         return self._in_tasks.get(tenant, 0) + held
+
+
+DISPATCH_MODES.add("engine", EngineDispatcher)

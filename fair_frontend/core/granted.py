@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from fair_frontend.batching import pack, unpack
 from fair_frontend.core.batches import BatchDispatcher
-from fair_frontend.core.dispatch import CoreRequest, Route
+from fair_frontend.core.dispatch import DISPATCH_MODES, CoreRequest, Route
 from fair_frontend.errors import (
     DeadlineExceeded,
     FrontendError,
@@ -84,6 +84,8 @@ Failures = list[tuple[list[CoreRequest], FrontendError]]
 
 class GrantedDispatcher(BatchDispatcher):
     """Batch mode whose batches the shells send (the module's doc)."""
+
+    takes_facts = True
 
     def _start(self) -> None:
         super()._start()
@@ -328,3 +330,6 @@ def _worst(errors: list[FrontendError]) -> FrontendError:
         # One that may have run first: its half is failed, never sent twice.
         return next((err for err in unreachable if not err.never_sent), unreachable[0])
     return next((err for err in errors if isinstance(err, ModelUnavailable)), errors[0])
+
+
+DISPATCH_MODES.add("granted", GrantedDispatcher)

@@ -37,6 +37,7 @@ def endpoint_policy(config: Config, endpoint: Endpoint, info: ModelInfo) -> Endp
         tiers=tuple(config.tiers),
         tier_min_share=dict(config.tier_guard.min_share),
         slots=endpoint.max_inflight,
+        fairness=endpoint.fairness_policy(),
     )
 
 

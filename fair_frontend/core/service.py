@@ -35,14 +35,11 @@ from fair_frontend.admission import (
 )
 from fair_frontend.auth import KeyRing
 from fair_frontend.batching import batch_key
-from fair_frontend.config import Config, ConfigError, CostUnit, Tenant, parse_config
+from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
-from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.clock import Clock, LoopClock
-from fair_frontend.core.dispatch import Backend, CoreRequest, Dispatcher, Route
-from fair_frontend.core.engine import EngineDispatcher
-from fair_frontend.core.granted import GrantedDispatcher
+from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.metrics import FrontendMetrics, StateCollector
 from fair_frontend.core.plan import (
     batch_throttle,
@@ -84,7 +81,6 @@ from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
     SchedulerFairness,
-    VirtualTokenCounter,
     cost_model_for,
 )
 from fair_frontend.tracing import Traces
@@ -102,13 +98,6 @@ from fair_frontend.wire.records import (
 log = logging.getLogger(__name__)
 
 REMOVED_TENANT = "unknown tenant: it was removed by a configuration reload"
-
-# The dispatch modes, by the name the plan gives (``plan.dispatch_mode``).
-DISPATCH_MODES: dict[str, type[Dispatcher]] = {
-    "batches": BatchDispatcher,
-    "engine": EngineDispatcher,
-    "granted": GrantedDispatcher,
-}
 
 
 class ModelRegistry:
@@ -516,6 +505,7 @@ class Core:
             return
         if not req.answered and not req.cancelled:
             req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
+            req.runtime = runtime
             runtime.adopt(req, backend)
 
     async def precharge(
@@ -533,7 +523,7 @@ class Core:
 
     def cancel(self, req: CoreRequest) -> None:
         """The client of ``req`` went away (it is answered no more)."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if req.state is QueueState.NEW:  # admission still running: it stops there
             req.cancelled = True
         elif runtime is not None:
@@ -550,7 +540,7 @@ class Core:
         so, with their times at the client: ``first_token_s`` since arrival if the first
         is among them, else -1, and the gaps between them): charged to its tenant, and
         observed."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is None or req.answered or tokens <= 0:
             return
         runtime.produced(req, tokens)
@@ -570,11 +560,10 @@ class Core:
         slot waits on the charges (``Dispatcher.charged``). The charges and observations
         are those of one ``produced`` each, at the same moment of the core's clock: the
         fairness bounds (``tests/core/test_report_delays.py``) are the same."""
-        runtimes = self.runtimes
         observe = self.observer.tokens_produced
         charged: list[Dispatcher] = []
         for req, tokens, first_token_s, gaps_s in reports:
-            runtime = runtimes.get(req.call.request.model)
+            runtime = req.runtime
             if runtime is None or req.answered or tokens <= 0:
                 continue
             if runtime.count_produced(req, tokens) and runtime not in charged:
@@ -598,16 +587,15 @@ class Core:
     ) -> None:
         """The stream of granted ``req`` ended (its shell, once, after reporting all its
         tokens): served, the error its client was answered with, or ``cancelled``."""
-        runtime = self.runtimes.get(req.request.model)
+        runtime = req.runtime
         if runtime is not None:
             runtime.ended(req, version, err, cancelled)
 
     def rows_done(self, done: RowsDone, route: Route) -> None:
         """A shell's report on its part of a granted batch (``core.granted``)."""
         runtime = self.runtimes.get(done.model)
-        report = getattr(runtime, "rows_done", None)
-        if report is not None:
-            report(route, done)
+        if runtime is not None:
+            runtime.rows_done(route, done)
 
     def drop_route(self, route: Route) -> int:
         """A shell went away: drop every request whose answer would go to it."""
@@ -725,7 +713,7 @@ class Core:
         the runtime is there), else left None for whoever queues it. A model whose
         requests go one per batch (engine mode, decoupled, not batching: the plan's
         ``max_batch_size`` 0) never compares keys: none is taken."""
-        if call.key and runtime is not None and not hasattr(runtime, "rows_done"):
+        if call.key and runtime is not None and not runtime.takes_facts:
             # Its shell kept the tensors for an endpoint this core relays: the shell and
             # the core read different configs (the plan is the same function of it).
             raise Internal(f"model '{runtime.model}' takes whole calls here, not their facts")
@@ -739,6 +727,7 @@ class Core:
             _shape_key(call, runtime) if keyed or call.key else None,
             call=call,
             route=route,
+            runtime=runtime,
         )
 
     def _throttle(self, runtime: Dispatcher, req: CoreRequest) -> None:
@@ -770,7 +759,7 @@ class Core:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
         ``priority`` (a call, or a tenant's calls of one tick), unrecorded."""
         # An engine's throttle also weighs the slots the tenant holds already.
-        own = runtime.in_engine(tenant) if isinstance(runtime, EngineDispatcher) else 0
+        own = runtime.in_engine(tenant)
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -796,12 +785,15 @@ class Core:
         call = req.call
         try:
             model = call.request.model
-            runtime = self.runtimes.get(model)
-            if runtime is None:
-                runtime = self._runtime(model, await self.models.get(model))
-                req.shape_key = _shape_key(call, runtime)
-                req.tokens = _scheduled_tokens(call, runtime)
-                self._known(req.tenant)  # a reload may have removed it meanwhile
+            runtime = req.runtime
+            if runtime is None:  # its model was not set up when it came: looked up
+                runtime = self.runtimes.get(model)
+                if runtime is None:
+                    runtime = self._runtime(model, await self.models.get(model))
+                    req.shape_key = _shape_key(call, runtime)
+                    req.tokens = _scheduled_tokens(call, runtime)
+                    self._known(req.tenant)  # a reload may have removed it meanwhile
+                req.runtime = runtime
             if lookup:
                 self._throttle(runtime, req)
             decision = self.accounting.check_now(req)
@@ -838,12 +830,16 @@ class Core:
         calls = [r.call for r in reqs]
         try:
             model = head.request.model
-            runtime = self.runtimes.get(model)
-            if runtime is None:
-                runtime = self._runtime(model, await self.models.get(model))
-                for req in reqs:  # (the batch keys: as they are queued)
-                    req.tokens = _scheduled_tokens(req.call, runtime)
-                self._known(head.tenant)  # a reload may have removed it meanwhile
+            runtime = head.runtime
+            if runtime is None:  # its model was not set up when it came: looked up
+                runtime = self.runtimes.get(model)
+                if runtime is None:
+                    runtime = self._runtime(model, await self.models.get(model))
+                    for req in reqs:  # (the batch keys: as they are queued)
+                        req.tokens = _scheduled_tokens(req.call, runtime)
+                    self._known(head.tenant)  # a reload may have removed it meanwhile
+                for req in reqs:
+                    req.runtime = runtime
             if lookup:
                 self._throttle(runtime, head)
             decision = self.accounting.check_group_now(reqs)
@@ -911,9 +907,6 @@ class Core:
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
             engine = policy.slots is not None  # engine mode: the model batches inside
-            fairness = None
-            if engine and endpoint.cost is CostUnit.TOKENS:
-                fairness = VirtualTokenCounter()  # fair shares of tokens as they are served
             # The batch throttle predicts waits from batch times, one batch after another;
             # an engine serves max_inflight requests at once: its throttle predicts the
             # wait for a slot from how long requests hold theirs.
@@ -942,7 +935,6 @@ class Core:
                     self.caps,
                     mode=self.config.scheduling,
                     cost_model=cost_model,
-                    fairness=fairness,
                 ),
                 pool=self.pool,
                 clock=self.clock,
@@ -1085,13 +1077,10 @@ class Core:
                 )
             for tier, depth in sched.tier_depths().items():
                 out.append(("fair_queue_depth", {"endpoint": model, "tier": tier}, float(depth)))
-            gauge = (
-                "fair_vtc_counter"
-                if isinstance(sched.fairness, VirtualTokenCounter)
-                else ("fair_drr_deficit")
-            )
-            for tenant, deficit in sched.deficits().items():
-                out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
+            gauge = sched.fairness.gauge
+            if gauge is not None:
+                for tenant, deficit in sched.deficits().items():
+                    out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
             if rt.admission is not None:
                 out.extend(rt.admission.service.status().samples())
         return out
@@ -1241,8 +1230,6 @@ def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:
-    """The tokens the scheduler charges at dispatch: in engine mode the input only (output
-    tokens are charged as they stream), elsewhere input plus the output asked for."""
-    if isinstance(runtime, EngineDispatcher):
-        return call.tokens - call.max_tokens
-    return call.tokens
+    """The tokens the scheduler charges at dispatch (``Dispatcher.scheduled_tokens``; no
+    runtime yet: the input and the output asked for)."""
+    return call.tokens if runtime is None else runtime.scheduled_tokens(call)

@@ -93,7 +93,8 @@ class FairnessJournal:
     @classmethod
     def of(cls, election: Election) -> FairnessJournal | None:
         """The journal of ``election``'s Redis; None where the lease is not in Redis."""
-        return cls(election) if isinstance(election, RedisLease) else None
+        lease = election.in_redis()
+        return cls(lease) if lease is not None else None
 
     async def resume(self, core: Core, keep_s: float = KEEP_S) -> bool:
         """On taking the lease, before any shell connects: resume the last leader's

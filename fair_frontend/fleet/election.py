@@ -56,6 +56,10 @@ class Election(Protocol):
     async def release(self) -> None:
         """Stop leading (a clean stop): the lease is freed for a standby at once."""
 
+    def in_redis(self) -> RedisLease | None:
+        """The lease, where it is kept in Redis (the fairness journal is kept beside it:
+        ``fleet.debt``); None where it is not."""
+
 
 class NoElection:
     def __init__(self, identity: str) -> None:
@@ -70,6 +74,9 @@ class NoElection:
 
     async def release(self) -> None:
         return
+
+    def in_redis(self) -> RedisLease | None:
+        return None
 
 
 class _Lease:
@@ -96,6 +103,9 @@ class _Lease:
 
     async def leader(self) -> str | None:
         raise NotImplementedError
+
+    def in_redis(self) -> RedisLease | None:
+        return None
 
     async def acquire(self) -> None:
         poll = self.lease_s / POLLS
@@ -189,6 +199,9 @@ class RedisLease(_Lease):
     def redis(self) -> aioredis.Redis:
         """The lease's Redis client (the fairness journal writes beside the lease)."""
         return self._redis
+
+    def in_redis(self) -> RedisLease:
+        return self
 
     async def _try_take(self) -> bool:
         return bool(await self._redis.set(self.key, self.identity, nx=True, px=self._ms))

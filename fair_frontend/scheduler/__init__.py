@@ -12,7 +12,10 @@ each answering one question (``TierSelector``, ``FairnessPolicy``, ``OrderingPol
 
 1. *Tier*: which tier goes next? Strictly the highest tier with queued work (paid before
    trial), optionally guarded (below).
-2. *Tenant*: which tenant of that tier? Deficit round robin (DRR) with weights.
+2. *Tenant*: which tenant of that tier? Deficit round robin (DRR) with weights, by
+   default; the endpoint's config names its policy (``EndpointPolicy.fairness``, one of
+   ``FAIRNESS_POLICIES``: ``drr``, ``vtc``: ``vtc.VirtualTokenCounter``, ``fifo``:
+   ``fifo.FirstComeFirstServed``, the baseline).
 3. *Request*: which of that tenant's requests? (priority, deadline, arrival).
 
 until the batch is full (``BatchAssembler``). ``CostModel`` says what each request costs
@@ -173,7 +176,14 @@ from fair_frontend.scheduler.cost import (
     TokenCost,
     cost_model_for,
 )
-from fair_frontend.scheduler.fairness import DeficitRoundRobin, DrrState, FairnessPolicy
+from fair_frontend.scheduler.fairness import (
+    FAIRNESS_POLICIES,
+    DeficitRoundRobin,
+    DrrState,
+    FairnessFactory,
+    FairnessPolicy,
+)
+from fair_frontend.scheduler.fifo import FifoState, FirstComeFirstServed
 from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import SchedulerFairness, TierFairness
@@ -199,6 +209,7 @@ from fair_frontend.scheduler.vtc import VirtualTokenCounter, VtcState
 
 __all__ = [
     "DEFAULT_TIER_SHARE_WINDOW_ROWS",
+    "FAIRNESS_POLICIES",
     "Backlog",
     "BatchAssembler",
     "CostModel",
@@ -207,7 +218,10 @@ __all__ = [
     "DeficitRoundRobin",
     "DrrState",
     "EndpointPolicy",
+    "FairnessFactory",
     "FairnessPolicy",
+    "FifoState",
+    "FirstComeFirstServed",
     "GlobalCaps",
     "GuardedTierOrder",
     "Mode",

@@ -15,7 +15,7 @@ from fair_frontend.errors import Internal, QueueFull
 from fair_frontend.scheduler.assembly import BatchAssembler, Peek, Take
 from fair_frontend.scheduler.caps import GlobalCaps
 from fair_frontend.scheduler.cost import CostModel, cost_model_for
-from fair_frontend.scheduler.fairness import DeficitRoundRobin, FairnessPolicy
+from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES, FairnessPolicy
 from fair_frontend.scheduler.ordering import OrderingPolicy, PriorityDeadlineArrival
 from fair_frontend.scheduler.queues import ArrivalQueue, DeadlineQueue, TenantQueue
 from fair_frontend.scheduler.snapshot import SchedulerFairness, TierFairness
@@ -87,7 +87,9 @@ class Scheduler:
         self._batch_rows = max(1, policy.max_batch_size)
         self._mean_row_cost = 0.0
         self._seen_rows = 0
-        self._fairness: FairnessPolicy[Any] = fairness or DeficitRoundRobin(policy.quantum or 1.0)
+        if fairness is None:
+            fairness = FAIRNESS_POLICIES[policy.fairness](policy)
+        self._fairness: FairnessPolicy[Any] = fairness
         self._ordering: OrderingPolicy = ordering or PriorityDeadlineArrival()
         self._tiers = [
             Tier(name, i, self._fairness.new_state()) for i, name in enumerate(policy.tiers)
@@ -302,8 +304,10 @@ class Scheduler:
 
     @property
     def quantum(self) -> float:
-        """The DRR quantum now (configured, or the full batch learned so far)."""
-        return float(getattr(self._fairness, "quantum", self.policy.quantum or 1.0))
+        """The DRR quantum now (configured, or the full batch learned so far); a policy
+        that grants none: the configured one, or one cost unit."""
+        quantum = self._fairness.quantum
+        return float(quantum if quantum is not None else self.policy.quantum or 1.0)
 
     def _learn(self, cost: float, rows: int) -> None:
         """A full batch in the cost unit: mean cost per row (a moving mean over about the
@@ -311,8 +315,8 @@ class Scheduler:
         self._seen_rows += rows
         alpha = max(rows / self._seen_rows, min(1.0, rows / 1000))
         self._mean_row_cost += (cost / rows - self._mean_row_cost) * alpha
-        if isinstance(self._fairness, DeficitRoundRobin) and self._mean_row_cost > 0:
-            self._fairness.quantum = self._batch_rows * self._mean_row_cost
+        if self._mean_row_cost > 0:
+            self._fairness.learn_quantum(self._batch_rows * self._mean_row_cost)
 
     def charge_back(self, tenant: str, cost: float) -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
@@ -355,8 +359,8 @@ class Scheduler:
                 self._fairness.resume(tier.fair_state, state)
         if self._learn_quantum and saved.seen_rows:
             self._mean_row_cost, self._seen_rows = saved.mean_row_cost, saved.seen_rows
-            if isinstance(self._fairness, DeficitRoundRobin) and saved.quantum > 0:
-                self._fairness.quantum = saved.quantum
+            if saved.quantum > 0:
+                self._fairness.learn_quantum(saved.quantum)
         self._resumed_until = now + keep_s
 
     def _forget_resumed(self) -> None:
@@ -368,7 +372,7 @@ class Scheduler:
 
     @property
     def fairness(self) -> FairnessPolicy[Any]:
-        """Selector 2 (deficit round robin, or virtual token counters in engine mode)."""
+        """Selector 2: the endpoint's fairness policy (``EndpointPolicy.fairness``)."""
         return self._fairness
 
     def full(self, tenant: str, nbytes: int = 0) -> str | None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
 
+from fair_frontend.parts import Registry
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import TierFairness
+from fair_frontend.scheduler.types import EndpointPolicy
 
 S = TypeVar("S")
 
@@ -29,7 +32,30 @@ class FairnessPolicy(Protocol[S]):
     pick is charged: the scheduler may pick, look at the request, and leave it for the
     next batch (a batch boundary), and the next pick must return the same tenant.
     ``join``/``leave`` tell the policy that a tenant's queue became non-empty/empty.
+
+    A policy is one module that subclasses this and adds itself to ``FAIRNESS_POLICIES``
+    (below) by name, which an endpoint's config names (``Endpoint.fairness``). What the
+    scheduler and the core need to know of a policy beyond the questions above, it
+    answers here, for itself (``quantum``, ``learn_quantum``, ``gauge``): nothing asks
+    which class it is.
     """
+
+    __slots__ = ()
+
+    # The metric its ``deficits`` are exported as (``metrics.STATE_GAUGES``); None: it
+    # keeps no per-tenant number worth one.
+    gauge: ClassVar[str | None] = None
+
+    @property
+    def quantum(self) -> float | None:
+        """Its budget per turn before weight, where it grants one (None: it grants none)."""
+        return None
+
+    def learn_quantum(self, quantum: float) -> None:
+        """A full batch in cost units, learned from the requests (an endpoint with no
+        quantum configured: ``Scheduler``), or carried over from a failed leader: a policy
+        that grants a quantum takes it as its own. Others ignore it."""
+        return
 
     def new_state(self) -> S: ...
 
@@ -101,7 +127,7 @@ class DrrState:
         self.resumed: dict[str, float] = {}
 
 
-class DeficitRoundRobin:
+class DeficitRoundRobin(FairnessPolicy[DrrState]):
     """Deficit round robin with weights: each turn adds ``quantum * weight`` to a budget.
 
     ``quantum`` may be changed between picks (a learned full batch, ``Scheduler``): each
@@ -109,12 +135,26 @@ class DeficitRoundRobin:
     the largest quantum granted over the interval.
     """
 
-    __slots__ = ("quantum",)
+    __slots__ = ("_quantum",)
+
+    gauge = "fair_drr_deficit"
 
     def __init__(self, quantum: float) -> None:
         if not (quantum > 0 and math.isfinite(quantum)):
             raise ValueError(f"quantum must be a positive number, not {quantum}")
-        self.quantum = quantum
+        self._quantum = quantum
+
+    @classmethod
+    def of(cls, policy: EndpointPolicy) -> DeficitRoundRobin:
+        """For an endpoint: its quantum (one cost unit until one is learned, if unset)."""
+        return cls(policy.quantum or 1.0)
+
+    @property
+    def quantum(self) -> float:
+        return self._quantum
+
+    def learn_quantum(self, quantum: float) -> None:
+        self._quantum = quantum
 
     def new_state(self) -> DrrState:
         return DrrState()
@@ -125,7 +165,7 @@ class DeficitRoundRobin:
             turn = state.turns[queue.tenant] = _Turn(queue)
         turn.queue = queue
         turn.weight = queue.weight
-        turn.grant = self.quantum * queue.weight
+        turn.grant = self._quantum * queue.weight
         turn.deficit = state.resumed.get(queue.tenant, 0.0) if state.resumed else 0.0
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
         turn.listed = True
@@ -165,7 +205,7 @@ class DeficitRoundRobin:
                     continue
                 # A new turn: one quantum, plus any skipped rounds it has not seen (at
                 # the quantum of now, which a learned quantum may have moved).
-                turn.grant = self.quantum * turn.weight
+                turn.grant = self._quantum * turn.weight
                 turn.deficit += (state.jumps - turn.seen_jumps + 1) * turn.grant
                 turn.seen_jumps = state.jumps
                 state.current = turn
@@ -218,3 +258,12 @@ class DeficitRoundRobin:
 
     def resume(self, state: DrrState, saved: TierFairness) -> None:
         state.resumed = {t: saved.counters[t] for t in saved.active if t in saved.counters}
+
+
+FairnessFactory = Callable[[EndpointPolicy], FairnessPolicy[Any]]
+"""Builds an endpoint's policy from its ``EndpointPolicy`` (one per scheduler)."""
+
+# The fairness policies by the name an endpoint's config gives (``Endpoint.fairness``),
+# each added by the module that defines it (the package imports them all).
+FAIRNESS_POLICIES: Registry[FairnessFactory] = Registry("fairness policy")
+FAIRNESS_POLICIES.add("drr", DeficitRoundRobin.of)

@@ -153,6 +153,9 @@ class EndpointPolicy:
     # Engine mode: the engine's slots (max_inflight), which size a tenant's default queue
     # cap (GlobalCaps.default_max_queued); None: a batching endpoint.
     slots: int | None = None
+    # Selector 2, by its name in ``fairness.FAIRNESS_POLICIES``: how the tenants of one tier
+    # share the endpoint.
+    fairness: str = "drr"
 
     def __post_init__(self) -> None:
         problems = []

@@ -48,6 +48,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
+from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES, FairnessPolicy
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import TierFairness
 
@@ -79,10 +80,12 @@ class VtcState:
         self.resumed: set[str] = set()
 
 
-class VirtualTokenCounter:
+class VirtualTokenCounter(FairnessPolicy[VtcState]):
     """Least served first, in weighted tokens (the module docstring)."""
 
     __slots__ = ()
+
+    gauge = "fair_vtc_counter"
 
     def new_state(self) -> VtcState:
         return VtcState()
@@ -171,3 +174,6 @@ class VirtualTokenCounter:
         if len(state.heap) > 4 * len(state.active) + 64:
             state.heap = [e for e in state.heap if state.live.get(e[3]) == e[2]]
             heapq.heapify(state.heap)
+
+
+FAIRNESS_POLICIES.add("vtc", lambda policy: VirtualTokenCounter())

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import grpc
 import numpy as np
+import pytest
 from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock, embed_info
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -167,9 +168,10 @@ class Sent:
 class Rig:
     """A ``Core`` on fake clocks, both models' runtimes ready (no lookup in Triton)."""
 
-    def __init__(self, of: Rig | None = None) -> None:
+    def __init__(self, of: Rig | None = None, ready: Sequence[str] = (EMBED, LLM)) -> None:
         """``of``: another rig whose clock and limits' storage this one shares (a
-        standby of the same fleet, with Redis)."""
+        standby of the same fleet, with Redis); ``ready``: the models whose runtimes are
+        made at once (another is looked up as a call for it comes)."""
         self.clock: StepClock = of.clock if of is not None else StepClock()
         self.start = self.clock.now()
         self.triton = Triton(self.clock)
@@ -183,8 +185,9 @@ class Rig:
             clock=self.clock,
             wall=lambda: EPOCH + self.clock.now(),
         )
-        self.core._runtime(EMBED, embed_info())
-        self.core._runtime(LLM, LLM_INFO)
+        infos = {EMBED: embed_info(), LLM: LLM_INFO}
+        for model in ready:
+            self.core._runtime(model, infos[model])
         self.sent: list[Sent] = []
         self._ids = itertools.count(1)
 
@@ -579,6 +582,34 @@ async def test_the_fair_share_is_charged_the_tokens_reported_as_they_come() -> N
     await rig.settle()
     rig.core.produced(b.req, 6)
     assert rig.vtc("b") == 20.0 and rig.outcomes(b) == [Outcome.CANCELLED]
+
+
+async def test_a_request_admitted_once_its_model_is_looked_up_holds_its_dispatcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call for a model not set up yet waits for the lookup (``Core._admit_later``);
+    then its request holds the dispatcher made for it, as one admitted at once does: the
+    engine charges its input alone at its grant, the tokens its shell reports are charged
+    to its tenant, and its cancellation reaches its slot (none looks its model up again)."""
+    rig = Rig(ready=(EMBED,))
+    looked_up: list[str] = []
+
+    async def lookup(model: str) -> ModelInfo:
+        looked_up.append(model)
+        return LLM_INFO
+
+    monkeypatch.setattr(rig.core.models, "_lookup", lookup)
+    shell = Shell("s")
+    a = rig.submit_llm(shell, "a", prompt=10, max_tokens=50)
+    await rig.settle()
+    assert looked_up == [LLM] and a.req is not None and a.granted
+    assert a.req.runtime is rig.core.runtimes[LLM]
+    assert rig.vtc("a") == 10.0  # the input only: its output is charged as it streams
+    rig.core.produced(a.req, 5)
+    assert rig.vtc("a") == 15.0
+    rig.core.cancel(a.req)
+    await rig.settle()
+    assert rig.outcomes(a) == [Outcome.CANCELLED]
 
 
 async def test_a_request_that_never_ran_is_counted_in_its_limit_as_its_input_alone() -> None:

@@ -40,6 +40,7 @@ def make_policy(
     tiers: tuple[str, ...] = TIERS,
     min_share: Mapping[str, float] | None = None,
     window: int = 100,
+    fairness: str = "drr",
 ) -> EndpointPolicy:
     return EndpointPolicy(
         cost=cost,
@@ -49,6 +50,7 @@ def make_policy(
         tiers=tiers,
         tier_min_share=dict(min_share or {}),
         share_window_rows=window,
+        fairness=fairness,
     )
 
 
