@@ -787,12 +787,14 @@ class Core:
             model = call.request.model
             runtime = req.runtime
             if runtime is None:  # its model was not set up when it came: looked up
-                runtime = self.runtimes.get(model)
+                runtime = self.runtimes.get(model)  # (or set up by another's lookup since)
                 if runtime is None:
                     runtime = self._runtime(model, await self.models.get(model))
-                    req.shape_key = _shape_key(call, runtime)
-                    req.tokens = _scheduled_tokens(call, runtime)
                     self._known(req.tenant)  # a reload may have removed it meanwhile
+                # Its batch key and the tokens the scheduler charges were taken without
+                # the dispatcher (the input and the output asked for): taken again now.
+                req.shape_key = _shape_key(call, runtime)
+                req.tokens = _scheduled_tokens(call, runtime)
                 req.runtime = runtime
             if lookup:
                 self._throttle(runtime, req)
@@ -832,13 +834,12 @@ class Core:
             model = head.request.model
             runtime = head.runtime
             if runtime is None:  # its model was not set up when it came: looked up
-                runtime = self.runtimes.get(model)
+                runtime = self.runtimes.get(model)  # (or set up by another's lookup since)
                 if runtime is None:
                     runtime = self._runtime(model, await self.models.get(model))
-                    for req in reqs:  # (the batch keys: as they are queued)
-                        req.tokens = _scheduled_tokens(req.call, runtime)
                     self._known(head.tenant)  # a reload may have removed it meanwhile
-                for req in reqs:
+                for req in reqs:  # (the batch keys: as they are queued)
+                    req.tokens = _scheduled_tokens(req.call, runtime)
                     req.runtime = runtime
             if lookup:
                 self._throttle(runtime, head)

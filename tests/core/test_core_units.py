@@ -612,6 +612,31 @@ async def test_a_request_admitted_once_its_model_is_looked_up_holds_its_dispatch
     assert rig.outcomes(a) == [Outcome.CANCELLED]
 
 
+async def test_a_request_whose_model_another_lookup_set_up_is_charged_as_one_admitted_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call that came before its model was set up, whose dispatcher another call's
+    lookup made before this one's admission went on (``Core._admit_later`` finds it
+    there): its scheduled tokens and batch key are taken again with the dispatcher, as
+    for one admitted at once. Taken without it, they were its input and its output asked
+    for, and the engine charged that output at the grant as well as when it streamed."""
+    rig = Rig(ready=(EMBED,))
+
+    async def lookup(model: str) -> ModelInfo:
+        await asyncio.Event().wait()  # never answers: the dispatcher comes from elsewhere
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(rig.core.models, "_lookup", lookup)
+    shell = Shell("s")
+    b = rig.submit_llm(shell, "b", prompt=20, max_tokens=50)
+    assert b.req is not None and b.req.runtime is None  # waits for its model's lookup
+    rig.core._runtime(LLM, LLM_INFO)  # another call's lookup ended first, and set it up
+    await rig.settle()
+    assert b.granted and b.req.runtime is rig.core.runtimes[LLM]
+    assert b.req.tokens == 20  # the input only, as the engine charges it at the grant
+    assert rig.vtc("b") == 20.0
+
+
 async def test_a_request_that_never_ran_is_counted_in_its_limit_as_its_input_alone() -> None:
     """Cancelled while queued, past its deadline in the queue, answered by a shutdown
     before its turn: it produced nothing, and the max_tokens admission counted for it is
