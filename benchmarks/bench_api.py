@@ -167,7 +167,7 @@ async def _rerank_calls(
     documents = _documents(docs)
     rows: list[list[int]] = []
     if direct:
-        from fair_frontend.api.rerank import pair_rows
+        from fair_frontend.shell.api.rerank import pair_rows
 
         data = load_example_config()
         tokenizer = data["endpoints"]["rerank"]["tokenizer"]

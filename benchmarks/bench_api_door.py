@@ -125,7 +125,7 @@ SMALL_BODY = 64 << 10  # a body smaller: more reps for its CPU, no growth per by
 READ_CAP = 256 * MIB  # of an answer (the largest embeddings answers are a few MiB)
 ECHO_PROBE = 1024  # bytes of a long name that, found in the answer, count as its echo
 
-# Caps of the routes (fair_frontend.api: OpenAI's and Cohere's own limits).
+# Caps of the routes (fair_frontend.shell.api: OpenAI's and Cohere's own limits).
 MAX_MESSAGES = 4096
 MAX_EMBEDDING_INPUTS = 2048
 MAX_DOCUMENTS = 10_000

@@ -3,7 +3,7 @@
 
 Input ``INPUT_IDS`` INT32 ``[B, W]``: each row is one pair, already joined by the tokenizer
 as ``[CLS] query [SEP] document [SEP]`` (``model_repository/rerank/tokenizer.json``;
-``fair_frontend.api.rerank.pair_rows``), each row's real length in the ``fair_rows``
+``fair_frontend.shell.api.rerank.pair_rows``), each row's real length in the ``fair_rows``
 parameter's ``length`` list where the frontend padded (else the full width). Output
 ``SCORE`` FP32 ``[B, 1]``, the logit (a rerank API maps it to ``[0, 1]`` with a sigmoid),
 and ``ROW_META`` on explicit request (``rows.wants_row_meta``). Accounting: one row and

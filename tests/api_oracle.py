@@ -1,4 +1,4 @@
-"""The API bodies' checks as they were before ``fair_frontend.api.body``: ``json.loads``,
+"""The API bodies' checks as they were before ``fair_frontend.shell.api.body``: ``json.loads``,
 then checks walking the dicts and lists (OpenAI's routes), or pydantic over the decoded
 object (rerank's, as the routes called it). Kept verbatim as the oracle that
 ``tests/test_api_body.py`` holds the new decoders to: on any body, the same request or
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from fair_frontend.api.openai import (
+from fair_frontend.shell.api.openai import (
     CHAT_ANSWER,
     CHAT_TEMPLATE,
     MAX_EMBEDDING_INPUTS,
@@ -32,7 +32,7 @@ from fair_frontend.api.openai import (
     Generation,
     ParamError,
 )
-from fair_frontend.api.rerank import MAX_DOCUMENTS, MAX_PROBLEMS, RerankCall
+from fair_frontend.shell.api.rerank import MAX_DOCUMENTS, MAX_PROBLEMS, RerankCall
 from fair_frontend.config import Config
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.protocol import INT64_MAX

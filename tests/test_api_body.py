@@ -1,4 +1,4 @@
-"""The API routes' bodies read from their bytes (``fair_frontend.api.body`` behind
+"""The API routes' bodies read from their bytes (``fair_frontend.shell.api.body`` behind
 ``decode_chat``, ``decode_completion``, ``decode_embeddings``, ``decode_cohere`` and
 ``decode_jina``): the same requests and refusals as ``json.loads`` and the checks over its
 dicts (``tests.api_oracle``, the code as it was) on any body; arrays refused over their
@@ -30,9 +30,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.api import openai, rerank
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.shell.api import openai, rerank
 from fair_frontend.shell.json_tensor import WINDOW
 from fair_frontend.testing import eventually
 from tests import api_oracle as oracle
@@ -616,7 +616,7 @@ def test_lone_surrogates_are_found_as_python_decodes_the_json(
     """Wherever they fall (across the scan's windows too), escaped or beside escaped
     backslashes: refused exactly where the text ``json.loads`` makes of the body is not
     valid Unicode; otherwise the same text."""
-    from fair_frontend.api import body
+    from fair_frontend.shell.api import body
 
     raw = with_text({"model": "embed", "input": "@"}, "a" + "".join(pieces), upper)
     text = json.loads(raw)["input"]
@@ -651,7 +651,7 @@ def test_token_ids_read_as_json_loads_reads_them(
 ) -> None:
     """The numpy reading (a window at a time, small windows here so that numbers fall
     across them) gives the ids ``json.loads`` gives, or refuses what it refuses."""
-    from fair_frontend.api import body
+    from fair_frontend.shell.api import body
 
     items = [str(v) for v in values]
     if nested and items:

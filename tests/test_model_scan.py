@@ -25,9 +25,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.api.openai import ParamError
 from fair_frontend.protocol import MAX_NAME_BYTES
 from fair_frontend.shell import door
+from fair_frontend.shell.api.openai import ParamError
 from fair_frontend.shell.door import SCAN_BYTES, ModelScan, Named, model_of
 
 MISSING = object()  # a document without a top-level "model"

@@ -1,4 +1,4 @@
-"""The OpenAI translation's pure parts (``fair_frontend.api.openai``): stop strings found
+"""The OpenAI translation's pure parts (``fair_frontend.shell.api.openai``): stop strings found
 across pieces, the pre-built token events, request checks and the error envelope."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fair_frontend import errors
-from fair_frontend.api import openai
+from fair_frontend.shell.api import openai
 from tests.support import make_config
 
 

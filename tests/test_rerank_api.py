@@ -1,4 +1,4 @@
-"""The rerank APIs' translation (``fair_frontend.api.rerank``): parsing Cohere's and
+"""The rerank APIs' translation (``fair_frontend.shell.api.rerank``): parsing Cohere's and
 Jina's/vLLM's bodies, joining query and documents into token rows with the shipped
 ``rerank`` tokenizer, the KServe request per row, and the responses, which Cohere's own SDK
 types must accept. Pure functions: no server here (``test_rerank_model`` runs the model)."""
@@ -18,7 +18,9 @@ from cohere.v2.types import V2RerankResponse
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fair_frontend.api.rerank import (
+from fair_frontend.errors import Internal, InvalidArgument
+from fair_frontend.protocol import InferResponse, Tensor
+from fair_frontend.shell.api.rerank import (
     MAX_PROBLEMS,
     RerankCall,
     cohere_response,
@@ -31,8 +33,6 @@ from fair_frontend.api.rerank import (
     row_logit,
     row_request,
 )
-from fair_frontend.errors import Internal, InvalidArgument
-from fair_frontend.protocol import InferResponse, Tensor
 from fair_frontend.tokens import load_tokenizer, max_token_bytes
 from python_backend import tokenizer as tokenizer_module
 

@@ -24,8 +24,8 @@ from torch import nn
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.api.rerank import pair_rows, row_request
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.shell.api.rerank import pair_rows, row_request
 from fair_frontend.testing import eventually, perf_analyzer
 from fair_frontend.tokens import load_tokenizer
 from python_backend import nets

@@ -1,6 +1,6 @@
 """The OpenAI routes of the HTTP shell: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/models``. Each reads and checks its body, translates it
-(``fair_frontend.api.openai``) and calls the same ``Gateway`` as the KServe routes: the
+(``fair_frontend.shell.api.openai``) and calls the same ``Gateway`` as the KServe routes: the
 same identity, model access, validation, fair scheduling and limits, and one counted,
 logged outcome per request (``Gateway.rejected`` for what is refused before the gateway).
 
@@ -26,11 +26,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from fair_frontend.api import openai, rerank
 from fair_frontend.auth import Identity
 from fair_frontend.errors import FrontendError, InvalidArgument, QuotaExhausted
 from fair_frontend.protocol import InferRequest, InferResponse
 from fair_frontend.quota import Quota, quota_headers
+from fair_frontend.shell.api import openai, rerank
 from fair_frontend.shell.door import Door
 from fair_frontend.shell.gateway import Gateway, Precharge
 from fair_frontend.tokens import (

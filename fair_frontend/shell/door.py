@@ -48,10 +48,10 @@ import msgspec
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from fair_frontend.api.openai import ModelNotFound, ParamError
 from fair_frontend.auth import Identity, identity_headers
 from fair_frontend.errors import FrontendError, InvalidArgument, QueueFull, Unsupported
 from fair_frontend.protocol import MAX_NAME_BYTES, check_name
+from fair_frontend.shell.api.openai import ModelNotFound, ParamError
 from fair_frontend.shell.gateway import Gateway
 
 # A body is scanned for its model in its first SCAN_BYTES (a member named later is found

@@ -44,12 +44,12 @@ from typing import Any
 
 import pytest
 
-from fair_frontend.api import openai as openai_api
-from fair_frontend.api import rerank as rerank_api
 from fair_frontend.config import Config, parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.shell import door as shell_door
+from fair_frontend.shell.api import openai as openai_api
+from fair_frontend.shell.api import rerank as rerank_api
 from fair_frontend.shell.door import SCAN_BYTES
 from fair_frontend.testing import eventually
 from tests.support import (

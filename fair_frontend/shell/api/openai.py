@@ -40,7 +40,11 @@ import msgspec
 import numpy as np
 
 from fair_frontend import errors
-from fair_frontend.api.body import (
+from fair_frontend.config import Config, Endpoint
+from fair_frontend.errors import FrontendError, InvalidArgument
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
+from fair_frontend.shell.api.body import (
     ABSENT,
     TOKEN_ID_MAX,
     Body,
@@ -57,10 +61,6 @@ from fair_frontend.api.body import (
     token_ids,
     type_name,
 )
-from fair_frontend.config import Config, Endpoint
-from fair_frontend.errors import FrontendError, InvalidArgument
-from fair_frontend.models import ModelInfo
-from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
 from fair_frontend.usage import Usage
 
 # The built-in chat template (ChatML, as Qwen and many others write it): each message as

@@ -48,7 +48,15 @@ import msgspec
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from fair_frontend.api.body import (
+from fair_frontend.errors import Internal, InvalidArgument
+from fair_frontend.protocol import (
+    INT64_MAX,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    Tensor,
+)
+from fair_frontend.shell.api.body import (
     ABSENT,
     Body,
     InvalidText,
@@ -57,14 +65,6 @@ from fair_frontend.api.body import (
     count,
     elements,
     kind,
-)
-from fair_frontend.errors import Internal, InvalidArgument
-from fair_frontend.protocol import (
-    INT64_MAX,
-    InferRequest,
-    InferResponse,
-    RequestedOutput,
-    Tensor,
 )
 from fair_frontend.tokens import load_tokenizer, max_token_bytes
 
