@@ -1,7 +1,10 @@
-"""The README's configuration reference is the one the code declares."""
+"""The README's configuration reference is the one the code declares, and its minimal
+config is one ``fair-frontend check-config`` says OK to as it stands."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from fair_frontend.auth import KeyRing
@@ -22,3 +25,30 @@ def test_readme_demo_keys_open_the_example_config() -> None:
     for tenant in ("acme", "globex", "initech", "umbrella"):
         assert ring.tenant_for(f"{tenant}-demo-key") == tenant
         assert f"`{tenant}-demo-key`" in (ROOT / "README.md").read_text()
+
+
+MINIMAL = "<!-- minimal-config -->"
+
+
+def readme_block(marker: str) -> str:
+    """The fenced block right after ``marker`` in README.md, without its fences."""
+    after = (ROOT / "README.md").read_text().split(marker, 1)[1].lstrip("\n")
+    assert after.startswith("```"), f"no fenced block right after {marker}"
+    return after.split("\n", 1)[1].split("\n```", 1)[0] + "\n"
+
+
+def test_readme_minimal_config_passes_check_config_as_pasted(tmp_path: Path) -> None:
+    """Pasted into a file, the README's minimal config is OK: the CLI's check-config runs
+    every check serve runs before it starts (exit 0 only when serve has nothing to say).
+    It said: 'sha256:' must be followed by 64 lowercase hex digits, and the same key is
+    given to tenant 'acme' (its placeholders)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(readme_block(MINIMAL))
+    out = subprocess.run(
+        [sys.executable, "-m", "fair_frontend.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out.returncode, out.stderr) == (0, ""), out
+    assert out.stdout == f"{path}: OK (2 tenants, 2 endpoints)\n"
