@@ -1,5 +1,5 @@
-"""The README's configuration reference is the one the code declares, and its minimal
-config is one ``fair-frontend check-config`` says OK to as it stands."""
+"""The README's configuration and metrics references are the ones the code declares, and
+its minimal config is one ``fair-frontend check-config`` says OK to as it stands."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import load_config, reference
+from fair_frontend.metrics import STATE_GAUGE_LABELS, STATE_GAUGES
+from fair_frontend.metrics import reference as metrics_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -18,6 +20,17 @@ def test_readme_config_reference_is_current() -> None:
     text = (ROOT / "README.md").read_text()
     embedded = text.split(START, 1)[1].split(END, 1)[0].strip()
     assert embedded == reference().strip(), "run: fair-frontend config-reference"
+
+
+def test_readme_metrics_reference_is_current() -> None:
+    """Every family /metrics exports, with its type, labels and help (the frontend's
+    registry and the scheduler-state gauges): fair_vtc_counter was documented nowhere."""
+    text = (ROOT / "README.md").read_text()
+    start, end = "<!-- metrics-reference:start -->", "<!-- metrics-reference:end -->"
+    embedded = text.split(start, 1)[1].split(end, 1)[0].strip()
+    assert embedded == metrics_reference().strip(), "run: fair-frontend metrics-reference"
+    assert "| `fair_vtc_counter` | gauge | `endpoint`, `tenant` |" in embedded
+    assert set(STATE_GAUGE_LABELS) == set(STATE_GAUGES)
 
 
 def test_readme_demo_keys_open_the_example_config() -> None:
