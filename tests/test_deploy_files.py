@@ -906,6 +906,7 @@ def test_every_metric_and_label_in_promql_exists(
             "fair_requests_total",
             "fair_queue_depth",
             "fair_drr_deficit",
+            "fair_vtc_counter",
             "fair_predicted_wait_seconds_bucket",
             "fair_throttle_decisions_total",
             "fair_batch_rows_bucket",
