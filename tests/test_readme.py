@@ -3,6 +3,7 @@ its minimal config is one ``fair-frontend check-config`` says OK to as it stands
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,28 @@ def test_readme_minimal_config_passes_check_config_as_pasted(tmp_path: Path) -> 
     )
     assert (out.returncode, out.stderr) == (0, ""), out
     assert out.stdout == f"{path}: OK (2 tenants, 2 endpoints)\n"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped,
+    spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_table_of_contents_reaches_every_section() -> None:
+    """Each link of the contents at the top goes to a heading or a file there is, and
+    every section (##) is listed."""
+    text = (ROOT / "README.md").read_text()
+    toc = text.split("<!-- toc:start -->", 1)[1].split("<!-- toc:end -->", 1)[0]
+    assert text.index("<!-- toc:start -->") < text.index("\n## ")
+    headings = re.findall(r"^#{2,4} (.+)$", text, re.MULTILINE)
+    anchors = {github_anchor(h) for h in headings}
+    links = re.findall(r"\]\(([^)]+)\)", toc)
+    for link in links:
+        if link.startswith("#"):
+            assert link[1:] in anchors, link
+        else:
+            assert (ROOT / link).is_file(), link
+    listed = {link[1:] for link in links if link.startswith("#")}
+    sections = {github_anchor(h) for h in re.findall(r"^## (.+)$", text, re.MULTILINE)}
+    assert sections <= listed, sorted(sections - listed)
