@@ -8,6 +8,7 @@ fair-frontend shell --core HOST:PORT ... --secret-file S [--http-port N] [--grpc
                     [--link grpc|tcp]
 fair-frontend check-config F      (0: OK, 1: starts with warnings, 2: refused)
 fair-frontend hash-key KEY
+fair-frontend config-reference | metrics-reference     (Markdown, as the README has them)
 
 Keys. ``serve``, and ``up`` with an operator's config, refuse to start when no request
 could ever be admitted: no tenant has a key (inline, file, variable) and no trusted gateway
@@ -51,6 +52,7 @@ from fair_frontend.fleet import (
 )
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
+from fair_frontend.metrics import reference as metrics_reference
 from fair_frontend.server import FrontendServer, Listen, default_workers
 from fair_frontend.shell.router import parse_core_sets
 from fair_frontend.wire.remote import SECRET_ENV, SecretError, load_secret
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     hk.add_argument("key")
 
     sub.add_parser("config-reference", help="print every config field, as Markdown")
+    sub.add_parser("metrics-reference", help="print every metric /metrics exports, as Markdown")
     return parser
 
 
@@ -261,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config-reference":
         print(reference())
+        return 0
+    if args.command == "metrics-reference":
+        print(metrics_reference(), end="")
         return 0
     if args.command == "hash-key":
         print(hash_key(args.key))

@@ -4,7 +4,9 @@ Where Triton comes from (``find_tritonserver``):
 - a ``tritonserver`` on ``PATH`` (the NGC image ``nvcr.io/nvidia/tritonserver:<yy.mm>-py3``):
   used as is, with its own backend directory and GPU backends;
 - else the server inside the ``nvidia-pytriton`` wheel (Triton 2.51 + Python backend). That
-  one needs three things the wheel does not arrange (see ``shared/STACK.md``): a backend
+  one needs three things the wheel does not arrange (``prepare_backend_directory`` and
+  ``EmbeddedTriton._environment`` arrange them; every test that starts a Triton from
+  the wheel, ``tests/test_embedded.py`` first, runs this set-up): a backend
   directory ``B/python/`` holding the wheel's ``backends/python/`` files plus the
   ``triton_python_backend_stub`` built for the running Python; the wheel's bundled
   libraries (``nvidia_pytriton.libs``, with ``libcudart``) on ``LD_LIBRARY_PATH``; and this
@@ -184,7 +186,7 @@ def prepare_backend_directory(dest: Path) -> Path:
     """Fill ``dest/python/`` with the wheel's Python backend plus this Python's stub.
 
     The stub must sit next to ``libtriton_python.so``: the backend looks for it there.
-    Copied (about 3 MB), the set-up verified in ``shared/STACK.md``.
+    Copied (about 3 MB): the module's docstring says what else the wheel's Triton needs.
     """
     wheel = _wheel_tritonserver_dir()
     if wheel is None:

@@ -72,6 +72,7 @@ from fair_frontend.config import (
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.fleet import DEFAULT_CORE_PORT
+from fair_frontend.metrics import exported_families
 from fair_frontend.testing import fetch
 from tests.deploy_support import (
     DEMO_KEYS,
@@ -851,6 +852,28 @@ def test_live_pages_export_what_the_dashboard_is_built_on(
     assert {"model", "tenant"} <= live_metrics["fair_model_tokens_total"]
 
 
+def test_the_metrics_reference_is_what_a_live_page_exports(
+    live_metrics: dict[str, set[str]], triton: EmbeddedTriton
+) -> None:
+    """The README's metrics reference (``metrics.exported_families``) against the live
+    pages: each family in it is on the frontend's page, with the labels its samples
+    carry where it has any; and each family of the frontend's page (not Triton's) is in
+    it."""
+    tritons = _names_and_labels(fetch(triton.metrics_url))
+    documented = set()
+    for name, kind, labels, _ in exported_families():
+        series = name + "_bucket" if kind == "histogram" else name
+        assert series in live_metrics, name
+        seen = live_metrics[series] - ({"le"} if kind == "histogram" else set())
+        assert not seen or seen == set(labels), (name, seen, labels)
+        documented.add(name.removesuffix("_total"))
+    suffixes = ("_total", "_created", "_bucket", "_sum", "_count")
+    frontends = {n for n in live_metrics if n not in tritons and n.startswith(("fair_", "gen_ai_"))}
+    for name in frontends:
+        base = next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
+        assert base in documented or name in documented, name
+
+
 @pytest.mark.parametrize("source", ["dashboard", "rules"])
 def test_every_metric_and_label_in_promql_exists(
     source: str, live_metrics: dict[str, set[str]]
@@ -886,6 +909,7 @@ def test_every_metric_and_label_in_promql_exists(
             "fair_requests_total",
             "fair_queue_depth",
             "fair_drr_deficit",
+            "fair_vtc_counter",
             "fair_predicted_wait_seconds_bucket",
             "fair_throttle_decisions_total",
             "fair_batch_rows_bucket",

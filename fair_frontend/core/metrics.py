@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
@@ -588,7 +589,8 @@ class FrontendMetrics(Observer):
 # so a scrape always shows which families exist.
 STATE_GAUGES: dict[str, str] = {
     "fair_queue_depth": "Requests queued, by endpoint and tier.",
-    "fair_drr_deficit": "DRR deficit of tenants with queued work, in cost units.",
+    "fair_drr_deficit": "DRR deficit of tenants with queued work, in cost units (every "
+    "endpoint but an engine endpoint in token cost, which has fair_vtc_counter instead).",
     "fair_vtc_counter": "Virtual token counter of tenants with queued work (engine "
     "endpoints in token cost): weighted tokens served, lifted on return from idle.",
     "fair_inflight_batches": "Batches in Triton now, by endpoint.",
@@ -604,6 +606,55 @@ STATE_GAUGES: dict[str, str] = {
     "fair_service_unit_seconds": "Seconds of service per cost unit (EMA).",
     "fair_batch_time_seconds": "Batch-time model: fixed, per_row and per_token seconds.",
 }
+
+
+# The labels of each of ``STATE_GAUGES``' samples, as ``Core.state_samples`` and
+# ``ServiceStatus.samples`` give them (the collector takes a family's labels from its
+# samples; these are for the reference and its test).
+STATE_GAUGE_LABELS: dict[str, tuple[str, ...]] = {
+    "fair_queue_depth": ("endpoint", "tier"),
+    "fair_drr_deficit": ("endpoint", "tenant"),
+    "fair_vtc_counter": ("endpoint", "tenant"),
+    "fair_inflight_batches": ("endpoint",),
+    "fair_backend_available": (),
+    "fair_triton_backend_available": ("backend",),
+    "fair_triton_backend_inflight": ("endpoint", "backend"),
+    "fair_service_source": ("endpoint", "source"),
+    "fair_triton_metrics_stale": ("endpoint",),
+    "fair_service_rate": ("endpoint", "unit"),
+    "fair_service_unit_seconds": ("endpoint",),
+    "fair_batch_time_seconds": ("endpoint", "term"),
+}
+
+
+def exported_families() -> list[tuple[str, str, tuple[str, ...], str]]:
+    """``(name, type, labels, help)`` of every family the frontend's ``/metrics`` exports,
+    from the declarations: ``FrontendMetrics``' families, then ``STATE_GAUGES``. The name
+    is the one a scrape shows: a counter's ``..._total``; a histogram's, with its
+    ``_bucket``, ``_sum`` and ``_count`` series under it."""
+    rows = []
+    families = FrontendMetrics(Config(tiers=["any"]))
+    for metric in vars(families).values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        (described,) = metric.describe()
+        name = described.name + ("_total" if described.type == "counter" else "")
+        labels = tuple(metric._labelnames)  # prometheus_client keeps them here only
+        rows.append((name, described.type, labels, described.documentation))
+    for name, doc in STATE_GAUGES.items():
+        rows.append((name, "gauge", STATE_GAUGE_LABELS[name], doc))
+    return rows
+
+
+def reference() -> str:
+    """``exported_families`` as a Markdown table (``fair-frontend metrics-reference``; the
+    README embeds it and a test keeps it current)."""
+    out = ["| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    for name, kind, labels, doc in exported_families():
+        shown = ", ".join(f"`{label}`" for label in labels) or "none"
+        doc = doc.replace("|", "\\|")
+        out.append(f"| `{name}` | {kind} | {shown} | {doc} |")
+    return "\n".join(out) + "\n"
 
 
 class StateCollector(Collector):
