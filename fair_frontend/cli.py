@@ -44,6 +44,7 @@ from fair_frontend.config import (
     model_name_warnings,
     reference,
 )
+from fair_frontend.core.metrics import reference as metrics_reference
 from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
 from fair_frontend.fleet import (
     DEFAULT_CORE_PORT,
@@ -52,7 +53,6 @@ from fair_frontend.fleet import (
 )
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
-from fair_frontend.metrics import reference as metrics_reference
 from fair_frontend.server import FrontendServer, Listen, default_workers
 from fair_frontend.shell.router import parse_core_sets
 from fair_frontend.wire.remote import SECRET_ENV, SecretError, load_secret

@@ -69,10 +69,10 @@ from fair_frontend.config import (
     parse_config,
     resolve_relative_paths,
 )
+from fair_frontend.core.metrics import exported_families
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.fleet import DEFAULT_CORE_PORT
-from fair_frontend.metrics import exported_families
 from fair_frontend.testing import fetch
 from tests.deploy_support import (
     DEMO_KEYS,

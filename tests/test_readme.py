@@ -10,8 +10,8 @@ from pathlib import Path
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import load_config, reference
-from fair_frontend.metrics import STATE_GAUGE_LABELS, STATE_GAUGES
-from fair_frontend.metrics import reference as metrics_reference
+from fair_frontend.core.metrics import STATE_GAUGE_LABELS, STATE_GAUGES
+from fair_frontend.core.metrics import reference as metrics_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
