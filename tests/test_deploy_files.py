@@ -1576,7 +1576,8 @@ def test_network_policies_let_only_the_fleet_reach_its_parts(rendered: Rendered)
     allowed = {
         *((t.name, "fair-frontend-shell", port) for t in tenants for port in (8000, 8001)),
         ("fair-frontend-shell", "fair-frontend-core", DEFAULT_CORE_PORT),
-        ("fair-frontend-shell", "triton", 8001),  # granted streams
+        # what the core grants a shell: rows over HTTP or gRPC, streams over either
+        *(("fair-frontend-shell", "triton", port) for port in (8000, 8001)),
         *(("fair-frontend-core", "triton", port) for port in (8000, 8001, 8002)),
         ("fair-frontend-core", "redis", 6379),
         ("prometheus", "fair-frontend-core", DEFAULT_METRICS_PORT),

@@ -957,7 +957,7 @@ def test_network_policies_allow_exactly_the_fleets_paths(release: Release) -> No
     allowed = {
         *((g, shell, port) for g in gateways for port in (DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT)),
         (shell, core, DEFAULT_CORE_PORT),
-        (shell, triton, 8001),
+        *((shell, triton, port) for port in (8000, 8001)),  # the rows and streams granted
         *((core, triton, port) for port in (8000, 8001, 8002)),
         ("prometheus", core, DEFAULT_METRICS_PORT),
         ("prometheus", triton, 8002),
