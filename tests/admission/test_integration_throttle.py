@@ -325,7 +325,11 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
     # The flood and the higher tier's half are sized by the capacity measured just before
     # them. Where the machine's speed changed between the two (fresh clones beside CPU
     # hogs: 237 of 381 admitted, the flood was not one; or a higher-tier request refused,
-    # its half was more than half), the scenario is measured again, up to three times.
+    # its half was more than half), or the admitted missed their target by a hair (a
+    # fresh clone beside three other test runs: 0.74 within 2x, the tail asks 0.75), the
+    # scenario is measured again, up to three times. A throttle that does not stretch the
+    # lower tier's wait admits it for about twice its target every time.
+    missed: AssertionError | None = None
     for _ in range(3):
         service_s = await trickle(kserve, fe)
         capacity = 1 / service_s
@@ -340,20 +344,27 @@ async def test_a_lower_tier_is_admitted_near_its_target_while_a_higher_tier_is_b
         refused = [r for r in replies[HIGHER] if not r.ok]
         lower = [r for r in replies[FLOODER] if r.ok]
         # The higher tier's half all admitted, the flood really throttled.
-        if not refused and len(lower) < 0.5 * len(replies[FLOODER]):
-            break
-    else:
-        pytest.fail(
-            f"no try held its calibration: the higher tier refused {refused[:2]}, the flood "
-            f"admitted {len(lower)} of {len(replies[FLOODER])}"
-        )
-    # The tail is looser than in one tier: the lower tier gets what the higher one leaves,
-    # a few dozen admissions here, and one burst of the higher tier's Poisson arrivals
-    # just after a decision delays the three or four the throttle admitted then (seen in
-    # a full-suite run: 0.8 within 2x, all four late ones at 2.3-2.5 s, 0.65 within 1x).
-    served = await recorded(caplog, FLOODER, len(lower))
-    dispatched = await recorded(caplog, None, len(lower) + len(replies[HIGHER]))
-    assert_near_target(served, dispatched, service_s, LOWER_TIER_TARGET_S, tail=0.75)
+        if refused or len(lower) >= 0.5 * len(replies[FLOODER]):
+            continue
+        # The tail is looser than in one tier: the lower tier gets what the higher one
+        # leaves, a few dozen admissions here, and one burst of the higher tier's Poisson
+        # arrivals just after a decision delays the three or four the throttle admitted
+        # then (seen in a full-suite run: 0.8 within 2x, all four late ones at 2.3-2.5 s,
+        # 0.65 within 1x).
+        served = await recorded(caplog, FLOODER, len(lower))
+        dispatched = await recorded(caplog, None, len(lower) + len(replies[HIGHER]))
+        try:
+            assert_near_target(served, dispatched, service_s, LOWER_TIER_TARGET_S, tail=0.75)
+        except AssertionError as err:
+            missed = err
+            continue
+        return
+    if missed is not None:
+        raise missed
+    pytest.fail(
+        f"no try held its calibration: the higher tier refused {refused[:2]}, the flood "
+        f"admitted {len(lower)} of {len(replies[FLOODER])}"
+    )
 
 
 @given(
