@@ -1,0 +1,100 @@
+"""What an endpoint is: the config and the model's description, resolved once.
+
+``plan(config, model, info)`` is the one place that combines a ``Config`` with a
+``ModelInfo``: how many rows a batch takes, whether the model batches inside itself
+(engine mode) and with how many slots, whether a unary request takes one hop, the
+scheduler's parameters, what one request may carry. The core builds each model's
+dispatcher from its plan (``Core._runtime``). Nothing else derives these facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fair_frontend.batching import one_hop
+from fair_frontend.config import Config, Endpoint
+from fair_frontend.models import ModelInfo, RequestBounds
+from fair_frontend.scheduler import EndpointPolicy
+from fair_frontend.scheduler.cost import CostUnit
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EndpointPlan:
+    """One model's endpoint under one config (``plan``)."""
+
+    model: str
+    endpoint: Endpoint  # its config section (``Config.endpoint``)
+    info: ModelInfo  # the backend's description of the model
+    # The dispatch mode, by its name in ``core.dispatch.DISPATCH_MODES``: ``engine`` (the
+    # model batches inside: ``max_inflight``), ``granted`` (one hop), ``batches``.
+    mode: str
+    engine: bool  # the model batches inside itself (``max_inflight`` set)
+    # Batches (engine: requests) in one backend at once: ``max_inflight`` in engine mode,
+    # else ``max_inflight_batches``, else the model's instances.
+    slots: int
+    one_hop: bool  # unary requests' tensors go from their shell (``batching.one_hop``)
+    # Rows per batch as the scheduler takes them; 0: one request per batch (the model does
+    # not batch, keeps Triton's own semantics, or is an engine).
+    max_batch_size: int
+    quantum: float | None  # the DRR quantum (``Endpoint.effective_quantum``)
+    cost: CostUnit
+    fairness: str  # the fairness policy's name (``Endpoint.fairness_policy``)
+    policy: EndpointPolicy  # the scheduler's parameters, of the facts above
+    bounds: RequestBounds  # what one request may carry (``ModelInfo.bounds``)
+    token_input: str
+    token_output: str | None
+    tokenizer: str | None
+
+
+def plan(config: Config, model: str, info: ModelInfo) -> EndpointPlan:
+    """``model``'s endpoint under ``config``, described by ``info``."""
+    endpoint = config.endpoint(model)
+    engine = endpoint.max_inflight is not None
+    hop = one_hop(info, endpoint)
+    rows = _rows(endpoint, info, engine)
+    fairness = endpoint.fairness_policy()
+    quantum = endpoint.effective_quantum(rows)
+    policy = EndpointPolicy(
+        cost=endpoint.cost,
+        max_batch_size=rows,
+        max_batch_tokens=endpoint.max_batch_tokens,
+        quantum=quantum,
+        tiers=tuple(config.tiers),
+        tier_min_share=dict(config.tier_guard.min_share),
+        slots=endpoint.max_inflight,
+        fairness=fairness,
+    )
+    if endpoint.max_inflight is not None:
+        slots = endpoint.max_inflight
+    elif endpoint.max_inflight_batches is not None:
+        slots = endpoint.max_inflight_batches
+    else:
+        slots = info.instances
+    return EndpointPlan(
+        model=model,
+        endpoint=endpoint,
+        info=info,
+        mode="engine" if engine else "granted" if hop else "batches",
+        engine=engine,
+        slots=slots,
+        one_hop=hop,
+        max_batch_size=rows,
+        quantum=quantum,
+        cost=endpoint.cost,
+        fairness=fairness,
+        policy=policy,
+        bounds=info.bounds(endpoint),
+        token_input=endpoint.token_input,
+        token_output=endpoint.token_output,
+        tokenizer=endpoint.tokenizer,
+    )
+
+
+def _rows(endpoint: Endpoint, info: ModelInfo, engine: bool) -> int:
+    """The rows of a batch: the config's, bounded by what the model accepts. Models that
+    do not batch, those whose requests must keep Triton's own semantics (sequence
+    batching, decoupled) and engines (one request at a time) take one per batch: 0."""
+    configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
+    if not info.batching or info.passthrough or configured == 0 or engine:
+        return 0
+    return min(configured, info.max_batch_size)
