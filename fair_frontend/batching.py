@@ -97,16 +97,6 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
     return (req.version, inputs, outputs, params)
 
 
-def one_hop(info: ModelInfo, endpoint: Endpoint) -> bool:
-    """Whether a unary request to this endpoint takes one hop where its shell is a process
-    of its own (``Endpoint.unary``): its shell keeps its tensors and sends its rows to
-    Triton when the core grants them (``fair_frontend.core.granted``). Not for the
-    requests that keep Triton's own semantics one at a time (decoupled: streamed, one hop
-    already; sequence batching: the core maps their ids), nor for engine endpoints
-    (``max_inflight``). The core's plan and every shell read the same config."""
-    return endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None
-
-
 def wire_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> bytes:
     """``batch_key`` as it crosses to the core (``Call.key``): a digest of it, equal for
     requests that may share a batch. A request that goes alone (no inputs) gets a key of

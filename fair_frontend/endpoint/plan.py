@@ -4,14 +4,15 @@
 ``ModelInfo``: how many rows a batch takes, whether the model batches inside itself
 (engine mode) and with how many slots, whether a unary request takes one hop, the
 scheduler's parameters, what one request may carry. The core builds each model's
-dispatcher from its plan (``Core._runtime``). Nothing else derives these facts.
+dispatcher from its plan (``Core._runtime``); a shell keeps one per model for its
+requests (``Gateway.plan``), made again when its config or the model's description
+changes. Nothing else derives these facts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fair_frontend.batching import one_hop
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.models import ModelInfo, RequestBounds
 from fair_frontend.scheduler import EndpointPolicy
@@ -32,7 +33,7 @@ class EndpointPlan:
     # Batches (engine: requests) in one backend at once: ``max_inflight`` in engine mode,
     # else ``max_inflight_batches``, else the model's instances.
     slots: int
-    one_hop: bool  # unary requests' tensors go from their shell (``batching.one_hop``)
+    one_hop: bool  # unary requests' tensors go from their shell (``_one_hop``)
     # Rows per batch as the scheduler takes them; 0: one request per batch (the model does
     # not batch, keeps Triton's own semantics, or is an engine).
     max_batch_size: int
@@ -50,7 +51,7 @@ def plan(config: Config, model: str, info: ModelInfo) -> EndpointPlan:
     """``model``'s endpoint under ``config``, described by ``info``."""
     endpoint = config.endpoint(model)
     engine = endpoint.max_inflight is not None
-    hop = one_hop(info, endpoint)
+    hop = _one_hop(info, endpoint)
     rows = _rows(endpoint, info, engine)
     fairness = endpoint.fairness_policy()
     quantum = endpoint.effective_quantum(rows)
@@ -98,3 +99,13 @@ def _rows(endpoint: Endpoint, info: ModelInfo, engine: bool) -> int:
     if not info.batching or info.passthrough or configured == 0 or engine:
         return 0
     return min(configured, info.max_batch_size)
+
+
+def _one_hop(info: ModelInfo, endpoint: Endpoint) -> bool:
+    """Whether a unary request to this endpoint takes one hop where its shell is a process
+    of its own (``Endpoint.unary``): its shell keeps its tensors and sends its rows to
+    Triton when the core grants them (``fair_frontend.core.granted``). Not for the
+    requests that keep Triton's own semantics one at a time (decoupled: streamed, one hop
+    already; sequence batching: the core maps their ids), nor for engine endpoints
+    (``max_inflight``). The core and every shell read it from their plans."""
+    return endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None

@@ -5,17 +5,21 @@ derivations gave."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from dispatch_support import embed_info, plan_of
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from fair_frontend.auth import KeyRing
 from fair_frontend.config import Config, CostUnit, Endpoint, parse_config
 from fair_frontend.core.dispatch import DISPATCH_MODES
 from fair_frontend.endpoint import EndpointPlan, plan
 from fair_frontend.models import ModelInfo
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.link import CoreLink
+from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import config_dict
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -149,3 +153,48 @@ def test_a_reload_with_a_changed_endpoint_gives_a_new_plan(example: Config) -> N
     assert facts(after) == derived(after.endpoint, info)
     # The same config and description plan the same facts again (a plan holds no state).
     assert facts(plan(example, "embed", info)) == facts(before)
+
+
+class Lookups:
+    """A shell's link as far as ``Gateway.plan`` reads it: the model's description, one
+    lookup counted each."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.asked = 0
+
+    async def model_info(self, model: str) -> ModelInfo:
+        self.asked += 1
+        return self.info
+
+
+async def test_a_shell_keeps_one_plan_per_model_until_its_config_or_the_description_changes() -> (
+    None
+):
+    config = parse_config(config_dict())
+    info = shipped_info("embed")
+    link = Lookups(info)
+    gateway = Gateway(
+        config, KeyRing.from_config(config), cast(CoreLink, link), cast(TritonForwarder, None)
+    )
+    assert gateway.kept_wire_bound("embed") == config.endpoint("embed").max_wire_bytes
+    assert gateway.precheck("embed") is None  # no description yet
+    first = await gateway.plan("embed")
+    assert link.asked == 1 and first.info is info and first.endpoint is config.endpoint("embed")
+    assert facts(first) == derived(first.endpoint, info)
+    assert await gateway.plan("embed") is first and link.asked == 1  # kept
+    assert gateway.kept_wire_bound("embed") == first.bounds.wire_bytes
+    assert await gateway.wire_bound("embed") == info.bounds(first.endpoint).wire_bytes
+    # A reload: the plan is made again from the new config (the description is kept).
+    data = config_dict()
+    data["endpoints"]["embed"]["unary"] = "relay"
+    reloaded = parse_config(data)
+    gateway.configure(reloaded, KeyRing.from_config(reloaded))
+    second = await gateway.plan("embed")
+    assert second is not first and second.endpoint is reloaded.endpoint("embed")
+    assert (first.one_hop, second.one_hop, link.asked) == (True, False, 1)
+    assert await gateway.plan("embed") is second
+    # Another description of the model: planned again from it.
+    gateway._infos["embed"] = changed = shipped_info("embed", instances=2)
+    third = await gateway.plan("embed")
+    assert third.info is changed and third.slots == 2 and second.slots == 1
