@@ -492,7 +492,7 @@ class Dispatcher(ABC):
                 self._done(req, Outcome.CANCELLED, None, "")
                 continue
             if req.shape_key is None:
-                req.shape_key = batch_key(req.request, self.info, self.endpoint)
+                req.shape_key = batch_key(req.request, self.plan)
             self.scheduler.enqueue_reserved((req,), now)
             queued = True
             if req.deadline is not None and (deadline is None or req.deadline < deadline):

@@ -503,7 +503,7 @@ class Core:
             log.warning("a running stream of %s cannot be held here: %s", model, err)
             return
         if not req.answered and not req.cancelled:
-            req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
+            req.shape_key = batch_key(req.request, runtime.plan)
             req.runtime = runtime
             runtime.adopt(req, backend)
 
@@ -1223,7 +1223,7 @@ def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
         return call.key
     if runtime is None or not runtime.plan.max_batch_size:
         return None  # no runtime yet, or one request per batch: keys never compared
-    return batch_key(call.request, runtime.info, runtime.endpoint)
+    return batch_key(call.request, runtime.plan)
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:

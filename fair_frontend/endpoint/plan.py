@@ -45,6 +45,12 @@ class EndpointPlan:
     token_input: str
     token_output: str | None
     tokenizer: str | None
+    # The batch key's parts (``batching.batch_key``): the padded inputs whose rows of
+    # different widths may share a batch, the rows a batch may have (at least 1), and the
+    # parameter that travels per row (not in the key), if any.
+    padded: frozenset[str]
+    key_rows: int
+    per_row_parameter: str | None
 
 
 def plan(config: Config, model: str, info: ModelInfo) -> EndpointPlan:
@@ -88,6 +94,11 @@ def plan(config: Config, model: str, info: ModelInfo) -> EndpointPlan:
         token_input=endpoint.token_input,
         token_output=endpoint.token_output,
         tokenizer=endpoint.tokenizer,
+        padded=_mergeable_padding(info, endpoint),
+        key_rows=_key_rows(info, endpoint),
+        per_row_parameter=(
+            endpoint.max_tokens_parameter if info.batching and info.takes_rows else None
+        ),
     )
 
 
@@ -109,3 +120,24 @@ def _one_hop(info: ModelInfo, endpoint: Endpoint) -> bool:
     already; sequence batching: the core maps their ids), nor for engine endpoints
     (``max_inflight``). The core and every shell read it from their plans."""
     return endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None
+
+
+def _mergeable_padding(info: ModelInfo, endpoint: Endpoint) -> frozenset[str]:
+    """The padded inputs whose rows of different widths may share a batch: all of them for
+    a model that takes ``fair_rows``; for one that does not, those without a
+    ``lengths_field`` only (the operator chose that the model sees the padding). A row
+    padded beyond its real length, the model not told so, would be read as longer."""
+    return frozenset(
+        name
+        for name, pad in endpoint.padding.inputs.items()
+        if info.takes_rows or pad.lengths_field is None
+    )
+
+
+def _key_rows(info: ModelInfo, endpoint: Endpoint) -> int:
+    """Rows a batch of this endpoint may have, as the batch key's width classes count them
+    (the smaller of the two configs, at least 1)."""
+    configured = endpoint.max_batch_size
+    if configured is None or configured == 0:
+        return max(1, info.max_batch_size)
+    return max(1, min(configured, info.max_batch_size or configured))

@@ -308,7 +308,7 @@ class Gateway:
             paid.settled_by(calls[0])
         # From here on the core counts and logs each part, whatever its outcome.
         if self._keeps_rows(plan):
-            inboxes = self.link.submit_group([_facts(c, info, endpoint) for c in calls])
+            inboxes = self.link.submit_group([_facts(c, plan) for c in calls])
             for inbox, call in zip(inboxes, calls, strict=True):
                 inbox.held = (call, plan)
         else:
@@ -521,7 +521,7 @@ class Gateway:
         logged = False
         if self._keeps_rows(plan):
             logged = self.config.observability.request_log == "shell"
-            inbox = self.link.submit(_facts(call, info, endpoint, logged=logged))
+            inbox = self.link.submit(_facts(call, plan, logged=logged))
             inbox.held = (call, plan)
         else:
             inbox = self.link.submit(call)
@@ -1311,13 +1311,13 @@ class Gateway:
         return self._cache
 
 
-def _facts(call: Call, info: ModelInfo, endpoint: Endpoint, *, logged: bool = False) -> Call:
+def _facts(call: Call, plan: EndpointPlan, *, logged: bool = False) -> Call:
     """What the core is told of a call whose tensors stay here: all but its request's
     inputs, outputs and parameters, and the batch key they make (``Call.key``);
     ``logged``: this shell writes its request-log line (``Call.logged``)."""
     req = call.request
     bare = dataclasses.replace(req, inputs=[], outputs=[], parameters={})
-    key = wire_key(req, info, endpoint)
+    key = wire_key(req, plan)
     return msgspec.structs.replace(call, request=bare, key=key, logged=logged)
 
 

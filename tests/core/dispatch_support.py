@@ -372,8 +372,9 @@ class Harness:
         self.finished: list[Finished] = []
         self.reports: list[BatchReport] = []
         self.route = RecordingRoute()
+        self.plan = plan_of(self.endpoint, self.info)
         self.runtime = dispatcher(
-            plan=plan_of(self.endpoint, self.info),
+            plan=self.plan,
             scheduler=self.scheduler,
             forwarder=self.triton if self.pool is None else None,
             backend=self.backend if self.pool is None else None,
@@ -425,7 +426,7 @@ class Harness:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(call.request, self.info, self.endpoint),
+            batch_key(call.request, self.plan),
             call=call,
             route=route or self.route,
         )

@@ -39,7 +39,8 @@ def shipped_info(model: str, *, instances: int | None = None) -> ModelInfo:
 def derived(endpoint: Endpoint, info: ModelInfo) -> dict[str, Any]:
     """What the rooms derived before the plan, each as it did (``core/plan.py``'s
     ``endpoint_policy`` and ``dispatch_mode``, ``batching.one_hop``, the dispatchers'
-    ``_slots``, ``Core._runtime``, the shells' ``info.bounds(config.endpoint(model))``)."""
+    ``_slots``, ``Core._runtime``, the shells' ``info.bounds(config.endpoint(model))``,
+    ``batching.batch_key``'s parts)."""
     engine = endpoint.max_inflight is not None
     one_hop = endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None
     configured = info.max_batch_size if endpoint.max_batch_size is None else endpoint.max_batch_size
@@ -65,6 +66,22 @@ def derived(endpoint: Endpoint, info: ModelInfo) -> dict[str, Any]:
         "token_input": endpoint.token_input,
         "token_output": endpoint.token_output,
         "tokenizer": endpoint.tokenizer,
+        # batching.batch_key's, per request: mergeable_padding, _max_rows, the per-row one
+        "padded": frozenset(
+            name
+            for name, pad in endpoint.padding.inputs.items()
+            if info.takes_rows or pad.lengths_field is None
+        ),
+        "key_rows": (
+            max(1, info.max_batch_size)
+            if not endpoint.max_batch_size
+            else max(
+                1, min(endpoint.max_batch_size, info.max_batch_size or endpoint.max_batch_size)
+            )
+        ),
+        "per_row_parameter": (
+            endpoint.max_tokens_parameter if info.batching and info.takes_rows else None
+        ),
     }
 
 
