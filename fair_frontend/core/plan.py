@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from fair_frontend.admission import EngineThrottle, RateLimiter, Throttle, storage_from_uri
 from fair_frontend.admission.storage import DEFAULT_BUCKETS
-from fair_frontend.config import Config, Endpoint, Queues, RateLimiting
+from fair_frontend.config import Config, Queues, RateLimiting
+from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.scheduler import GlobalCaps, QueueLimits
 
@@ -42,11 +43,12 @@ def rate_limiter(config: RateLimiting, *, buckets: int = DEFAULT_BUCKETS) -> Rat
     return RateLimiter(storage, on_storage_error=config.on_storage_error)
 
 
-def batch_throttle(endpoint: Endpoint, max_batch_size: int, backends: int = 1) -> Throttle:
-    """The throttle of a configured endpoint (``max_batch_size``: the effective one),
-    served by a pool of ``backends`` Tritons."""
+def batch_throttle(plan: EndpointPlan, backends: int = 1) -> Throttle:
+    """The throttle of a planned endpoint (its rows per batch, at least one), served by a
+    pool of ``backends`` Tritons."""
+    endpoint = plan.endpoint
     return Throttle(
-        max_batch_size=max_batch_size,
+        max_batch_size=plan.max_batch_size or 1,
         max_batch_tokens=endpoint.max_batch_tokens,
         latency_target_s=endpoint.latency_target_ms / 1000.0,
         safety=endpoint.throttle_safety,
@@ -54,28 +56,27 @@ def batch_throttle(endpoint: Endpoint, max_batch_size: int, backends: int = 1) -
     )
 
 
-def engine_throttle(endpoint: Endpoint, backends: int = 1) -> EngineThrottle:
-    """The throttle of a configured engine endpoint (``max_inflight`` set), served by a
-    pool of ``backends`` Tritons, each with ``max_inflight`` slots."""
-    if endpoint.max_inflight is None:
+def engine_throttle(plan: EndpointPlan, backends: int = 1) -> EngineThrottle:
+    """The throttle of a planned engine endpoint (``max_inflight`` set), served by a pool
+    of ``backends`` Tritons, each with the plan's slots."""
+    if not plan.engine:
         raise ValueError("EngineThrottle is for engine endpoints (max_inflight)")
+    endpoint = plan.endpoint
     return EngineThrottle(
-        slots=endpoint.max_inflight * backends,
+        slots=plan.slots * backends,
         reserved_slots=endpoint.reserved_slots,
         latency_target_s=endpoint.latency_target_ms / 1000.0,
         safety=endpoint.throttle_safety,
     )
 
 
-def service_model(
-    name: str, endpoint: Endpoint, max_batch_size: int, config: Config
-) -> ServiceModel:
-    """The service model of a configured endpoint (``max_batch_size``: the effective one)."""
+def service_model(plan: EndpointPlan, config: Config) -> ServiceModel:
+    """The service model of a planned endpoint (its rows per batch, at least one)."""
     return ServiceModel(
-        name,
-        cost_unit=endpoint.cost,
-        max_batch_size=max_batch_size,
-        max_batch_tokens=endpoint.max_batch_tokens,
+        plan.model,
+        cost_unit=plan.cost,
+        max_batch_size=plan.max_batch_size or 1,
+        max_batch_tokens=plan.endpoint.max_batch_tokens,
         alpha=config.observability.ema_alpha,
         interval_s=config.triton.metrics_interval_s,
     )

@@ -901,8 +901,7 @@ class Core:
         if runtime is None:
             plan = endpoint_plan(self.config, model, info)
             endpoint = plan.endpoint
-            batch = plan.max_batch_size or 1
-            service = service_model(model, endpoint, batch, self.config)
+            service = service_model(plan, self.config)
             cost_model = None
             if endpoint.normalize_cost:
                 cost_model = FeedbackCost(cost_model_for(plan.cost), service)
@@ -913,12 +912,14 @@ class Core:
             throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
-                throttle=batch_throttle(endpoint, batch, len(self.pool)) if throttled else None,
+                throttle=batch_throttle(plan, len(self.pool)) if throttled else None,
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
-                tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
+                tier_shares=TierShares(
+                    batch_rows=plan.max_batch_size or 1, batch_tokens=endpoint.max_batch_tokens
+                ),
                 engine=(
-                    engine_throttle(endpoint, backends=len(self.pool))
+                    engine_throttle(plan, backends=len(self.pool))
                     if engine and endpoint.throttle
                     else None
                 ),
