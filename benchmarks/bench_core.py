@@ -53,6 +53,7 @@ from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import Intake, ShellConnection
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import Batch, InferRequest, Tensor
@@ -316,7 +317,7 @@ async def core_per_request_one_hop(
         core.tick = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
-    key = wire_key(request(0), embed_info(), cfg.endpoint("embed"))
+    key = wire_key(request(0), plan(cfg, "embed", embed_info()))
     facts = InferRequest("embed")
     shell = RowsShell()
     intake = Intake(core)

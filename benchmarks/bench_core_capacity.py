@@ -100,6 +100,7 @@ from benchmarks.harness import (
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import free_port
+from fair_frontend.endpoint import plan
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.framing import Framed, to_shell
@@ -577,8 +578,8 @@ class Driver:
         settings = self.shells[0].settings
         assert settings is not None
         self.priority = (int(settings.config["priority_levels"]) + 1) // 2  # the default level
-        endpoint = parse_config(settings.config).endpoint("embed")
-        self.embed_key = wire_key(self.embed_request, embed_info(), endpoint)
+        embed = plan(parse_config(settings.config), "embed", embed_info())
+        self.embed_key = wire_key(self.embed_request, embed)
 
     async def close(self) -> None:
         await asyncio.gather(*(s.disconnect() for s in self.shells), return_exceptions=True)

@@ -41,13 +41,16 @@ import math
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from fair_frontend.config import Endpoint
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, RequestedOutput, Tensor
+
+if TYPE_CHECKING:
+    from fair_frontend.endpoint import EndpointPlan
 
 ROWS_PARAMETER = "fair_rows"
 OUTPUTS_PARAMETER = "fair_outputs"
@@ -72,15 +75,16 @@ class Item(Protocol):
     priority: int
 
 
-def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashable:
-    """What requests must have in common to share a batch (module docstring)."""
-    if info.batching and not req.inputs:
+def batch_key(req: InferRequest, plan: EndpointPlan) -> Hashable:
+    """What requests must have in common to share a batch (module docstring), under the
+    endpoint's ``plan`` (its padded inputs, rows and bounds)."""
+    if plan.info.batching and not req.inputs:
         # No inputs (all the model's inputs are optional): nothing to stack rows along, so
         # Triton could not split the answer between requests: each goes alone.
         return object()
-    padded = mergeable_padding(info, endpoint)
-    rows = _max_rows(info, endpoint)
-    max_bytes = info.bounds(endpoint).payload_bytes
+    padded = plan.padded
+    rows = plan.key_rows
+    max_bytes = plan.bounds.payload_bytes
     inputs = tuple(
         sorted(
             (t.name, t.datatype, t.shape[2:], width_class(t, rows, max_bytes))
@@ -92,41 +96,19 @@ def batch_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> Hashabl
     outputs = tuple((o.name, o.classification) for o in req.outputs)
     # Travels per row in fair_rows (batching models that take it; the others get it as
     # the client sent it).
-    per_row = endpoint.max_tokens_parameter if info.batching and info.takes_rows else None
+    per_row = plan.per_row_parameter
     params = tuple(sorted((k, v) for k, v in req.parameters.items() if k != per_row))
     return (req.version, inputs, outputs, params)
 
 
-def one_hop(info: ModelInfo, endpoint: Endpoint) -> bool:
-    """Whether a unary request to this endpoint takes one hop where its shell is a process
-    of its own (``Endpoint.unary``): its shell keeps its tensors and sends its rows to
-    Triton when the core grants them (``fair_frontend.core.granted``). Not for the
-    requests that keep Triton's own semantics one at a time (decoupled: streamed, one hop
-    already; sequence batching: the core maps their ids), nor for engine endpoints
-    (``max_inflight``). The core's plan and every shell read the same config."""
-    return endpoint.unary == "one_hop" and not info.passthrough and endpoint.max_inflight is None
-
-
-def wire_key(req: InferRequest, info: ModelInfo, endpoint: Endpoint) -> bytes:
+def wire_key(req: InferRequest, plan: EndpointPlan) -> bytes:
     """``batch_key`` as it crosses to the core (``Call.key``): a digest of it, equal for
     requests that may share a batch. A request that goes alone (no inputs) gets a key of
     its own, never equal to another's."""
-    key = batch_key(req, info, endpoint)
+    key = batch_key(req, plan)
     if type(key) is object:
         return b"alone:" + os.urandom(16)
     return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-
-
-def mergeable_padding(info: ModelInfo, endpoint: Endpoint) -> frozenset[str]:
-    """The padded inputs whose rows of different widths may share a batch: all of them for
-    a model that takes ``fair_rows``; for one that does not, those without a
-    ``lengths_field`` only (the operator chose that the model sees the padding). A row
-    padded beyond its real length, the model not told so, would be read as longer."""
-    return frozenset(
-        name
-        for name, pad in endpoint.padding.inputs.items()
-        if info.takes_rows or pad.lengths_field is None
-    )
 
 
 def width_class(t: Tensor, max_rows: int, max_bytes: int) -> int:
@@ -139,14 +121,6 @@ def width_class(t: Tensor, max_rows: int, max_bytes: int) -> int:
     if max_rows * width * row_element_bytes <= max_bytes:
         return 0
     return (width - 1).bit_length()
-
-
-def _max_rows(info: ModelInfo, endpoint: Endpoint) -> int:
-    """Rows a batch of this endpoint may have (the smaller of the two configs)."""
-    configured = endpoint.max_batch_size
-    if configured is None or configured == 0:
-        return max(1, info.max_batch_size)
-    return max(1, min(configured, info.max_batch_size or configured))
 
 
 @dataclass(slots=True)

@@ -8,11 +8,11 @@ assembly and dispatch to Triton, the feedback loop (``fair_frontend.feedback``),
 statistics and the metrics. It answers every call exactly once, along the call's route.
 
 ``service.Core`` is the entry point; a ``dispatch.Dispatcher`` feeds one model's work to
-Triton, in one of the modes of ``dispatch.DISPATCH_MODES``, by the name the plan gives
-(``plan.dispatch_mode``): ``batches.BatchDispatcher`` (batches assembled here),
-``granted.GrantedDispatcher`` (batches formed here, their rows sent by the shells that
-hold them) or ``engine.EngineDispatcher`` (a model that batches inside itself: a request
-per slot);
+Triton, in one of the modes of ``dispatch.DISPATCH_MODES``, by the name its plan gives
+(``fair_frontend.endpoint``: ``EndpointPlan.mode``): ``batches.BatchDispatcher`` (batches
+assembled here), ``granted.GrantedDispatcher`` (batches formed here, their rows sent by
+the shells that hold them) or ``engine.EngineDispatcher`` (a model that batches inside
+itself: a request per slot);
 ``admission.EndpointAdmission`` is one endpoint's throttle with the estimates it reads;
 ``accounting.Accounting`` counts each request against its rate limits and fair share and
 records its outcome; ``plan`` turns the config into the policy packages' own parameters.
@@ -25,7 +25,6 @@ from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.granted import GrantedDispatcher
-from fair_frontend.core.plan import endpoint_policy
 from fair_frontend.core.service import Core, ModelRegistry
 from fair_frontend.observe import BatchReport
 
@@ -43,5 +42,4 @@ __all__ = [
     "ModelRegistry",
     "Route",
     "TierShares",
-    "endpoint_policy",
 ]

@@ -349,7 +349,7 @@ class Accounting:
         runtime = req.runtime
         if runtime is None:
             return
-        if runtime.endpoint.cost is CostUnit.TOKENS:
+        if runtime.plan.cost is CostUnit.TOKENS:
             runtime.scheduler.charge_back(req.tenant, runtime.output_cost(req, tokens))
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
@@ -370,7 +370,7 @@ class Accounting:
         after the check, before it was sent, produced nothing). Once: the mark goes."""
         admitted_at, req.limits_at = req.limits_at, None
         runtime = req.runtime
-        if admitted_at is None or runtime is None or runtime.endpoint.token_output is None:
+        if admitted_at is None or runtime is None or runtime.plan.token_output is None:
             return  # nothing was counted, or output is not counted here
         delta = req.produced - req.call.max_tokens
         if not delta:

@@ -44,10 +44,6 @@ from fair_frontend.protocol import Tensor
 class BatchDispatcher(Dispatcher):
     """Feeds one model's batches to Triton, at most ``max_inflight`` (batches) at a time."""
 
-    def _slots(self) -> int:
-        configured = self.endpoint.max_inflight_batches
-        return configured if configured is not None else self.info.instances
-
     def _start(self) -> None:
         # Per backend: failed batches being bisected there (nothing else goes to it), and
         # this model's calls in it now (a half waits until it is the only one).

@@ -3,7 +3,7 @@
 The scheduler core is pure and synchronous; this module owns the timers (through one
 injected ``Clock``), the tasks that talk to Triton and the bound on what is in flight.
 ``Dispatcher`` is what every model runs; its mode is one of three subclasses, named by
-the endpoint's plan (``plan.dispatch_mode``) and built by ``Core._runtime``:
+the endpoint's plan (``EndpointPlan.mode``) and built by ``Core._runtime``:
 
 * ``batches.BatchDispatcher``: batches of rows are assembled here, at most
   ``max_inflight_batches`` (one per model instance) in Triton at once;
@@ -61,10 +61,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.batching import Packed, batch_key, pack, unpack
-from fair_frontend.config import Endpoint
 from fair_frontend.core.clock import Clock, Timer
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import IDLE_MARGIN
+from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import (
     SHUTTING_DOWN,
     DeadlineExceeded,
@@ -74,7 +74,6 @@ from fair_frontend.errors import (
     TimeoutExpired,
     Unavailable,
 )
-from fair_frontend.models import ModelInfo
 from fair_frontend.observe import BatchReport
 from fair_frontend.outcomes import Outcome
 from fair_frontend.parts import Registry
@@ -283,7 +282,7 @@ class Dispatcher(ABC):
     What both modes share: the queue's side (``submit``, ``cancel``), the dispatch loop
     (``kick``: send while a slot is free, then arm the one timer), deadlines, the call to
     Triton and its answers, grants, outages and shutdown. What a mode decides, it is
-    asked: how many slots (``_slots``), whether one more may go now (``_may_send``),
+    asked: whether one more may go now (``_may_send``),
     whether to wait for a fuller batch (``_hold_until``), what a call not answered in time
     says of Triton (``_timed_out``) and what a model error fails (``_model_error``).
     """
@@ -296,9 +295,7 @@ class Dispatcher(ABC):
     def __init__(
         self,
         *,
-        model: str,
-        info: ModelInfo,
-        endpoint: Endpoint,
+        plan: EndpointPlan,
         scheduler: Scheduler,
         forwarder: Forwarder | None = None,
         backend: Backend | None = None,
@@ -310,9 +307,10 @@ class Dispatcher(ABC):
         on_tokens: Tokens = lambda req, n: None,
         on_served: Served | None = None,
     ) -> None:
-        self.model = model
-        self.info = info
-        self.endpoint = endpoint
+        self.plan = plan  # what the endpoint is: mode, slots, rows (``fair_frontend.endpoint``)
+        self.model = plan.model
+        self.info = info = plan.info
+        self.endpoint = plan.endpoint
         self.scheduler = scheduler
         if pool is None:  # one Triton: the pool of one
             if forwarder is None or backend is None:
@@ -328,8 +326,8 @@ class Dispatcher(ABC):
         self.on_done = on_done
         self.on_tokens = on_tokens
         self.on_served = on_served or self._each_done
-        self._max_inflight = self._slots()
-        self._token_output = endpoint.token_output
+        self._max_inflight = plan.slots
+        self._token_output = plan.token_output
         self.inflight = 0  # batches in Triton (or held for it)
         self.running = [0] * len(pool)  # batches in each backend of the pool (not held)
         self._where: dict[asyncio.Task[None], int] = {}  # each batch's backend
@@ -377,13 +375,9 @@ class Dispatcher(ABC):
     # ---- what a mode decides ------------------------------------------------------------
 
     @abstractmethod
-    def _slots(self) -> int:
-        """How many batches (or requests) may be in Triton at once, for this endpoint and
-        model (``max_inflight``; read once, by ``__init__``)."""
-
-    @abstractmethod
     def _start(self) -> None:
-        """Set up the mode's own state (by ``__init__``, once ``_slots`` is known)."""
+        """Set up the mode's own state (by ``__init__``, once its slots are known: the
+        plan's, ``max_inflight``)."""
 
     @abstractmethod
     def _may_send(self, now: float) -> int | None:
@@ -498,7 +492,7 @@ class Dispatcher(ABC):
                 self._done(req, Outcome.CANCELLED, None, "")
                 continue
             if req.shape_key is None:
-                req.shape_key = batch_key(req.request, self.info, self.endpoint)
+                req.shape_key = batch_key(req.request, self.plan)
             self.scheduler.enqueue_reserved((req,), now)
             queued = True
             if req.deadline is not None and (deadline is None or req.deadline < deadline):
@@ -924,7 +918,7 @@ class Dispatcher(ABC):
         if req.answered:
             return
         if outputs and self._token_output is not None:
-            n = output_tokens(outputs, self._token_output, self.endpoint.tokenizer, req.request)
+            n = output_tokens(outputs, self._token_output, self.plan.tokenizer, req.request)
             if n:
                 req.produced += n
                 self.on_tokens(req, n)
@@ -1071,6 +1065,6 @@ def _sequence_id(req: CoreRequest) -> ParamValue | None:
     return sequence.get("sequence_id") if sequence else None
 
 
-# The dispatch modes, by the name the plan gives (``plan.dispatch_mode``), each added by
+# The dispatch modes, by the name the plan gives (``EndpointPlan.mode``), each added by
 # the module that defines it (the package imports them all).
 DISPATCH_MODES: Registry[type[Dispatcher]] = Registry("dispatch mode")

@@ -26,13 +26,9 @@ class EngineDispatcher(Dispatcher):
     """Feeds one model's requests to its engine, at most ``max_inflight`` (requests) at a
     time."""
 
-    def _slots(self) -> int:
-        slots = self.endpoint.max_inflight
-        if slots is None:
-            raise ValueError("EngineDispatcher is for engine endpoints (max_inflight)")
-        return slots
-
     def _start(self) -> None:
+        if not self.plan.engine:
+            raise ValueError("EngineDispatcher is for engine endpoints (max_inflight)")
         self._capped: str | None = None  # holds its cap while next in line (a slot waits)
 
     def _may_send(self, now: float) -> int | None:

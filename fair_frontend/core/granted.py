@@ -1,6 +1,6 @@
 """Granted mode: batches formed here, sent to Triton by the shells that hold their rows.
 
-A unary endpoint the plan puts in this mode (``batching.one_hop``, ``plan.dispatch_mode``)
+A unary endpoint the plan puts in this mode (``EndpointPlan.one_hop``, ``.mode``)
 runs ``GrantedDispatcher``: batch mode (``batches.BatchDispatcher``) in everything it
 decides, with one hop for the bytes. A shell process keeps a request's tensors and sends
 the core its facts (``records.Call`` with ``key``, the batch key the shell computed); the

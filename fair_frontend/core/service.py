@@ -43,8 +43,6 @@ from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Di
 from fair_frontend.core.metrics import FrontendMetrics, StateCollector
 from fair_frontend.core.plan import (
     batch_throttle,
-    dispatch_mode,
-    endpoint_policy,
     engine_throttle,
     global_caps,
     queue_limits,
@@ -54,6 +52,7 @@ from fair_frontend.core.plan import (
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import OpenSequence, SequenceIds
 from fair_frontend.core.stats import Statistics
+from fair_frontend.endpoint import plan as endpoint_plan
 from fair_frontend.errors import (
     SHUTTING_DOWN,
     FrontendError,
@@ -504,7 +503,7 @@ class Core:
             log.warning("a running stream of %s cannot be held here: %s", model, err)
             return
         if not req.answered and not req.cancelled:
-            req.shape_key = batch_key(req.request, runtime.info, runtime.endpoint)
+            req.shape_key = batch_key(req.request, runtime.plan)
             req.runtime = runtime
             runtime.adopt(req, backend)
 
@@ -900,38 +899,36 @@ class Core:
     def _runtime(self, model: str, info: ModelInfo) -> Dispatcher:
         runtime = self.runtimes.get(model)
         if runtime is None:
-            endpoint = self.config.endpoint(model)
-            policy = endpoint_policy(self.config, endpoint, info)
-            batch = policy.max_batch_size or 1
-            service = service_model(model, endpoint, batch, self.config)
+            plan = endpoint_plan(self.config, model, info)
+            endpoint = plan.endpoint
+            service = service_model(plan, self.config)
             cost_model = None
             if endpoint.normalize_cost:
-                cost_model = FeedbackCost(cost_model_for(endpoint.cost), service)
-            engine = policy.slots is not None  # engine mode: the model batches inside
+                cost_model = FeedbackCost(cost_model_for(plan.cost), service)
+            engine = plan.engine  # engine mode: the model batches inside
             # The batch throttle predicts waits from batch times, one batch after another;
             # an engine serves max_inflight requests at once: its throttle predicts the
             # wait for a slot from how long requests hold theirs.
             throttled = endpoint.throttle and not engine
             admission = EndpointAdmission(
                 service=service,
-                throttle=batch_throttle(endpoint, batch, len(self.pool)) if throttled else None,
+                throttle=batch_throttle(plan, len(self.pool)) if throttled else None,
                 tiers=tuple(self.config.tiers),
                 strict_tiers=self.config.scheduling == "fair",
-                tier_shares=TierShares(batch_rows=batch, batch_tokens=endpoint.max_batch_tokens),
+                tier_shares=TierShares(
+                    batch_rows=plan.max_batch_size or 1, batch_tokens=endpoint.max_batch_tokens
+                ),
                 engine=(
-                    engine_throttle(endpoint, backends=len(self.pool))
+                    engine_throttle(plan, backends=len(self.pool))
                     if engine and endpoint.throttle
                     else None
                 ),
-                slot_times=SlotTimes.for_slots((endpoint.max_inflight or 1) * len(self.pool)),
+                slot_times=SlotTimes.for_slots((plan.slots if engine else 1) * len(self.pool)),
             )
-            dispatcher = DISPATCH_MODES[dispatch_mode(endpoint, info)]
-            runtime = dispatcher(
-                model=model,
-                info=info,
-                endpoint=endpoint,
+            runtime = DISPATCH_MODES[plan.mode](
+                plan=plan,
                 scheduler=Scheduler(
-                    policy,
+                    plan.policy,
                     self.tenants,
                     self.caps,
                     mode=self.config.scheduling,
@@ -1225,9 +1222,9 @@ def _shape_key(call: Call, runtime: Dispatcher | None) -> Any:
     where it kept the tensors (``Call.key``), else taken here (None: no runtime yet)."""
     if call.key:
         return call.key
-    if runtime is None or not runtime.scheduler.policy.max_batch_size:
+    if runtime is None or not runtime.plan.max_batch_size:
         return None  # no runtime yet, or one request per batch: keys never compared
-    return batch_key(call.request, runtime.info, runtime.endpoint)
+    return batch_key(call.request, runtime.plan)
 
 
 def _scheduled_tokens(call: Call, runtime: Dispatcher | None) -> int:

@@ -140,8 +140,8 @@ TenantDirectory = Mapping[str, TenantTerms]
 
 @dataclass(frozen=True)
 class EndpointPolicy:
-    """How one endpoint (model) schedules: built by the core from the config
-    (``fair_frontend.core.plan.endpoint_policy``)."""
+    """How one endpoint (model) schedules: part of the endpoint's plan, built from the
+    config and the model's description (``fair_frontend.endpoint.plan``)."""
 
     cost: CostUnit
     max_batch_size: int  # rows per batch; 0: the model does not batch (one request each)

@@ -88,13 +88,12 @@ class ApiRoutes:
                 gen = await p.decode(decode, p.headers, gateway.config)
                 p.named(gen.model)
                 gen.service_tier = openai.tier_used(gen, gateway.config, p.tenant)
-                info = await gateway.model_info(p.model)
-                endpoint = gateway.config.endpoint(p.model)
-                req = openai.engine_request(gen, info, endpoint)
+                plan = await gateway.plan(p.model)
+                req = openai.engine_request(gen, plan.info, plan.endpoint)
         except FrontendError as err:
             return error_response(err)
         usage = Usage()
-        output = endpoint.token_output
+        output = plan.token_output
         assert output is not None  # engine_request checked it
         replies = gateway.stream_infer(
             req, p.headers, p.known, usage=usage, operation=operation, wire="events"
@@ -192,9 +191,9 @@ class ApiRoutes:
         gateway = self.gateway
         try:
             async with self.door.body(request) as p:
-                info = await gateway.model_info(p.model)
-                endpoint = gateway.config.endpoint(p.model)
-                context = info.bounds(endpoint).max_model_len
+                plan = await gateway.plan(p.model)
+                info, endpoint = plan.info, plan.endpoint
+                context = plan.bounds.max_model_len
                 call = await p.decode(openai.decode_embeddings, context)
                 p.named(call.model)
                 headers, known, model, started = p.headers, p.known, p.model, p.started
@@ -204,11 +203,11 @@ class ApiRoutes:
                 paid: Precharge | None = None
                 if rows is None:
                     # A row of n token ids is 4n bytes of the request's tensors at least.
-                    most = info.bounds(endpoint).payload_bytes // 4
+                    most = plan.bounds.payload_bytes // 4
                     tenant = known.tenant if known is not None else None
                     texts = call.texts or []
                     rows, paid = await _token_ids(
-                        gateway, tenant, endpoint.tokenizer, texts, model, most
+                        gateway, tenant, plan.tokenizer, texts, model, most
                     )
         except FrontendError as err:
             return error_response(err)
@@ -284,16 +283,16 @@ class ApiRoutes:
                 call = await p.decode(decode)
                 p.named(call.model, default)
                 headers, known, model, started = p.headers, p.known, p.model, p.started
-                info = await gateway.model_info(model)
-                endpoint = gateway.config.endpoint(model)
+                plan = await gateway.plan(model)
+                info, tokenizer = plan.info, plan.tokenizer
                 if rerank.SCORE not in info.outputs or rerank.INPUT_IDS not in info.inputs:
                     raise openai.unsupported(model, "does not rerank (it gives no SCORE)")
-                if endpoint.tokenizer is None:
+                if tokenizer is None:
                     raise openai.unsupported(model, "has no tokenizer to join query and document")
-                longest = info.max_model_len or endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
-                rows, paid = await _pair_rows(
-                    gateway, p.tenant, model, endpoint.tokenizer, call, longest
+                longest = (
+                    info.max_model_len or plan.endpoint.max_model_len or openai.DEFAULT_ROW_TOKENS
                 )
+                rows, paid = await _pair_rows(gateway, p.tenant, model, tokenizer, call, longest)
         except FrontendError as err:
             return answer_error(err)
         rid = rerank.new_response_id()
@@ -538,8 +537,7 @@ def _encode(tokenizer: str, texts: list[str], first: int) -> list[list[int]]:
 async def _context(gateway: Gateway, model: str, most: int) -> int:
     """The most tokens one row of ``model`` takes: its context (``max_model_len``, the
     endpoint's or the model config's), and at most ``most``."""
-    info = await gateway.model_info(model)
-    context = info.bounds(gateway.config.endpoint(model)).max_model_len
+    context = (await gateway.plan(model)).bounds.max_model_len
     return most if context is None else min(most, context)
 
 

@@ -32,8 +32,10 @@ import msgspec
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.auth import Authenticator, Identity, KeyRing, ModelAccess
-from fair_frontend.batching import one_hop, pack, unpack, wire_key
+from fair_frontend.batching import pack, unpack, wire_key
 from fair_frontend.config import Config, Endpoint, SideDoors
+from fair_frontend.endpoint import EndpointPlan
+from fair_frontend.endpoint import plan as endpoint_plan
 from fair_frontend.errors import (
     FrontendError,
     Internal,
@@ -146,6 +148,8 @@ class Gateway:
     # The side doors' cache and the config it was made for (``_lookups``).
     _cache: LookupCache | None = None
     _cache_config: Config | None = None
+    # Each model's plan, and the config they were made for (``plan``).
+    _plans_config: Config | None = None
 
     def __init__(
         self,
@@ -165,6 +169,7 @@ class Gateway:
         self.triton = self.tritons[0]
         self.log = RequestLog()
         self._infos: dict[str, ModelInfo] = {}
+        self._plans: dict[str, EndpointPlan] = {}
         self.tokens = TokenCounter()  # text prompts are tokenised off the event loop
         self.turns = Turns()  # requests' decodes, round robin per tenant under a burst
         # Request traces: ``tracing.*`` takes a restart (a reload keeps the first config's).
@@ -247,10 +252,10 @@ class Gateway:
             tenant = self.auth.confirm(known, headers, head.tenant_claim)
             self._admit_model(tenant, model)
             self._shed(tenant, model, sum(r.nbytes for r in reqs))
-            info = await self._model_info(model)
+            plan = await self.plan(model)
+            info, endpoint = plan.info, plan.endpoint
             if info.decoupled:
                 raise Unsupported(f"model '{model}' streams its answers: it takes no call of parts")
-            endpoint = self.config.endpoint(model)
             for i, req in enumerate(reqs):
                 if i and not i % PARTS_PER_ITERATION:
                     await asyncio.sleep(0)  # a call of 10,000 parts: other requests between
@@ -259,8 +264,8 @@ class Gateway:
                     raise Internal("the parts of one call are for one model")
                 texts = prompt_texts(req, info, endpoint)
                 counts = None
-                if texts is not None and endpoint.tokenizer is not None:
-                    counts = await self.tokens.count(tenant, endpoint.tokenizer, texts)
+                if texts is not None and plan.tokenizer is not None:
+                    counts = await self.tokens.count(tenant, plan.tokenizer, texts)
                 ok = validate(req, info, endpoint, text_tokens=counts)
                 checked.append((ok, self._priority(req.priority, tenant, model)))
         except FrontendError as err:
@@ -302,10 +307,10 @@ class Gateway:
         if paid is not None:
             paid.settled_by(calls[0])
         # From here on the core counts and logs each part, whatever its outcome.
-        if self._keeps_rows(info, endpoint):
-            inboxes = self.link.submit_group([_facts(c, info, endpoint) for c in calls])
+        if self._keeps_rows(plan):
+            inboxes = self.link.submit_group([_facts(c, plan) for c in calls])
             for inbox, call in zip(inboxes, calls, strict=True):
-                inbox.held = (call, info, endpoint)
+                inbox.held = (call, plan)
         else:
             inboxes = self.link.submit_group(calls)
         failure: FrontendError | None = None
@@ -313,9 +318,9 @@ class Gateway:
             answers = await _answers(inboxes)
             out = []
             for req, answer, usage in zip(reqs, answers, usages, strict=True):
-                if endpoint.token_output is not None:
+                if plan.token_output is not None:
                     usage.completion_tokens = output_tokens(
-                        answer.outputs, endpoint.token_output, endpoint.tokenizer, req
+                        answer.outputs, plan.token_output, plan.tokenizer, req
                     )
                 out.append(
                     InferResponse(
@@ -466,20 +471,20 @@ class Gateway:
                 report_usage = True
             self._admit_model(tenant, req.model)
             self._shed(tenant, req.model, req.nbytes)
-            info = await self._model_info(req.model)
+            plan = await self.plan(req.model)
+            info, endpoint = plan.info, plan.endpoint
             if info.decoupled and not streaming:
                 raise Unsupported(
                     "ModelInfer RPC doesn't support models with decoupled transaction policy"
                 )
-            endpoint = self.config.endpoint(req.model)
             texts = prompt_texts(req, info, endpoint)  # refuses what its bytes prove too long
             counts = None
-            if texts is not None and endpoint.tokenizer is not None:
+            if texts is not None and plan.tokenizer is not None:
                 if sum(len(t) for t in texts) > self.tokens.inline_bytes:
-                    widest = info.bounds(endpoint).max_token_bytes
+                    widest = plan.bounds.max_token_bytes
                     least = sum(at_least_tokens(utf8_size(t), widest) for t in texts)
                     paid = await self.precharge(tenant, req.model, least)
-                counts = await self.tokens.count(tenant, endpoint.tokenizer, texts)
+                counts = await self.tokens.count(tenant, plan.tokenizer, texts)
             checked = validate(req, info, endpoint, text_tokens=counts)
             priority = self._priority(req.priority, tenant, req.model)
         except FrontendError as err:
@@ -514,10 +519,10 @@ class Gateway:
         # unless it takes one hop: then this shell answers it, and logs it (``_logged``)
         # where the config says the shells do (``observability.request_log``).
         logged = False
-        if self._keeps_rows(info, endpoint):
+        if self._keeps_rows(plan):
             logged = self.config.observability.request_log == "shell"
-            inbox = self.link.submit(_facts(call, info, endpoint, logged=logged))
-            inbox.held = (call, info, endpoint)
+            inbox = self.link.submit(_facts(call, plan, logged=logged))
+            inbox.held = (call, plan)
         else:
             inbox = self.link.submit(call)
         try:
@@ -550,9 +555,9 @@ class Gateway:
                 {FINAL_RESPONSE: True} if streaming and req.empty_final_response else {}
             )
             if usage is not None:
-                if endpoint.token_output is not None:
+                if plan.token_output is not None:
                     usage.completion_tokens = output_tokens(
-                        answer.outputs, endpoint.token_output, endpoint.tokenizer, req
+                        answer.outputs, plan.token_output, plan.tokenizer, req
                     )
                 if report_usage:
                     final.update(usage.as_parameters())
@@ -564,9 +569,9 @@ class Gateway:
 
     # ---- granted rows: a batch's part, sent from here (``core.granted``) -----------------
 
-    def _keeps_rows(self, info: ModelInfo, endpoint: Endpoint) -> bool:
+    def _keeps_rows(self, plan: EndpointPlan) -> bool:
         """Whether a unary call keeps its tensors here (its facts go to the core)."""
-        return self._rows_link is not None and one_hop(info, endpoint)
+        return self._rows_link is not None and plan.one_hop
 
     def send_rows(self, rows: Rows, inboxes: list[Inbox | None]) -> None:
         """The core granted these calls rows of a batch: send them to Triton as one
@@ -604,7 +609,7 @@ class Gateway:
         if not live:
             link.rows_done(RowsDone(rows.model, rows.batch, [], gone))
             return
-        _, info, endpoint = live[0][0].held
+        plan: EndpointPlan = live[0][0].held[1]
         calls = [call for _, call, _, _ in live]
         ids = [call.id for call in calls]
         sent = asyncio.Event()
@@ -615,7 +620,7 @@ class Gateway:
         traceparent = ""
         try:
             version, outs, traceparent = await self._infer_rows(
-                rows, calls, info, endpoint, started
+                rows, calls, plan.info, plan.endpoint, started
             )
         except FrontendError as err:
             fault = Fault.of(err)
@@ -631,11 +636,11 @@ class Gateway:
             served = [(call_id, 0) for call_id in ids]
             link.rows_done(RowsDone(rows.model, rows.batch, served, gone, fault, "", exec_s))
             return
-        name = endpoint.token_output
+        name = plan.token_output
         served = [
             (
                 call.id,
-                output_tokens(out, name, endpoint.tokenizer, call.request)
+                output_tokens(out, name, plan.tokenizer, call.request)
                 if name is not None and out
                 else 0,
             )
@@ -1038,24 +1043,50 @@ class Gateway:
         """The largest request (HTTP body, gRPC message) read for ``model``: its own
         bound, from its description (looked up first; ``UnknownModel`` if Triton has no
         such model)."""
-        info = await self._model_info(model)
-        return info.bounds(self.config.endpoint(model)).wire_bytes
+        plan = await self.plan(model)
+        return plan.bounds.wire_bytes
 
     def kept_wire_bound(self, model: str) -> int:
         """``wire_bound`` without waiting: the model's bound once this shell has its
         description, the endpoint's configured one until then."""
-        endpoint = self.config.endpoint(model)
-        info = self._infos.get(model)
-        return endpoint.max_wire_bytes if info is None else info.bounds(endpoint).wire_bytes
+        plan = self._kept_plan(model)
+        if plan is None:
+            return self.config.endpoint(model).max_wire_bytes
+        return plan.bounds.wire_bytes
 
     def precheck(self, model: str) -> Precheck | None:
         """The model's checks on a request's inputs as declared, for a codec to make
         before it converts them (``models.check_declared``); None while this shell does
         not have the model's description (``validate`` then checks it all after)."""
-        info = self._infos.get(model)
-        if info is None:
+        plan = self._kept_plan(model)
+        if plan is None:
             return None
-        return partial(check_declared, info, self.config.endpoint(model))
+        return partial(check_declared, plan.info, plan.endpoint)
+
+    async def plan(self, model: str) -> EndpointPlan:
+        """The model's plan under this shell's config (``fair_frontend.endpoint``), made
+        once its description is found (``_model_info``) and kept until the config or the
+        description changes; raises ``UnknownModel``."""
+        plan = self._kept_plan(model)
+        if plan is None:
+            await self._model_info(model)
+            plan = self._kept_plan(model)
+            assert plan is not None  # its description is kept now
+        return plan
+
+    def _kept_plan(self, model: str) -> EndpointPlan | None:
+        """``plan`` without waiting: None while this shell does not have the model's
+        description."""
+        if self._plans_config is not self.config:
+            self._plans = {}
+            self._plans_config = self.config
+        kept = self._plans.get(model)
+        info = self._infos.get(model)
+        if kept is None or kept.info is not info:
+            if info is None:
+                return None
+            kept = self._plans[model] = endpoint_plan(self.config, model, info)
+        return kept
 
     async def _model_info(self, model: str) -> ModelInfo:
         """Kept once found; concurrent first lookups share one (a caller that goes away
@@ -1280,13 +1311,13 @@ class Gateway:
         return self._cache
 
 
-def _facts(call: Call, info: ModelInfo, endpoint: Endpoint, *, logged: bool = False) -> Call:
+def _facts(call: Call, plan: EndpointPlan, *, logged: bool = False) -> Call:
     """What the core is told of a call whose tensors stay here: all but its request's
     inputs, outputs and parameters, and the batch key they make (``Call.key``);
     ``logged``: this shell writes its request-log line (``Call.logged``)."""
     req = call.request
     bare = dataclasses.replace(req, inputs=[], outputs=[], parameters={})
-    key = wire_key(req, info, endpoint)
+    key = wire_key(req, plan)
     return msgspec.structs.replace(call, request=bare, key=key, logged=logged)
 
 

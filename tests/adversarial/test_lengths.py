@@ -21,9 +21,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from fair_frontend.batching import batch_key, pack
-from fair_frontend.config import CostUnit, Endpoint, PaddedInput, Padding, parse_config
+from fair_frontend.config import Config, CostUnit, Endpoint, PaddedInput, Padding, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.endpoint import plan
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
@@ -47,6 +48,7 @@ ENDPOINT = Endpoint(
     max_request_bytes=MAX_BYTES,
     padding=Padding(inputs={"INPUT_IDS": PaddedInput(lengths_field="length")}),
 )
+PLAN = plan(Config(tiers=["paid"], endpoints={"embed": ENDPOINT}), "embed", INFO)
 
 
 class _Route:
@@ -68,7 +70,7 @@ def queued(tenant: str, width: int, n: int) -> CoreRequest:
         request.nbytes,
         1,
         None,
-        batch_key(request, INFO, ENDPOINT),
+        batch_key(request, PLAN),
         call=call,
         route=_Route(),
     )

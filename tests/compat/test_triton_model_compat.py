@@ -23,9 +23,10 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__
 from fair_frontend.batching import OUTPUTS_PARAMETER, ROWS_PARAMETER, batch_key, pack
-from fair_frontend.config import Endpoint, PaddedInput, Padding
+from fair_frontend.config import Config, Endpoint, PaddedInput, Padding
 from fair_frontend.core.dispatch import CoreRequest, Route
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
 from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
@@ -150,8 +151,9 @@ def test_ragged_rows_are_merged_only_for_a_model_told_their_lengths(takes_rows: 
     a, b, c = _queued(3, 1, max_tokens=2), _queued(5, 2, max_tokens=7), _queued(5, 3, max_tokens=2)
     for it in (a, b, c):
         validate(it.request, info, PADDED)
-    assert (batch_key(a.request, info, PADDED) == batch_key(b.request, info, PADDED)) is takes_rows
-    assert (batch_key(b.request, info, PADDED) == batch_key(c.request, info, PADDED)) is takes_rows
+    padded = plan(Config(tiers=["paid"], endpoints={"m": PADDED}), "m", info)
+    assert (batch_key(a.request, padded) == batch_key(b.request, padded)) is takes_rows
+    assert (batch_key(b.request, padded) == batch_key(c.request, padded)) is takes_rows
     packed = pack([a], info, PADDED)
     if takes_rows:
         rows = json.loads(str(packed.parameters[ROWS_PARAMETER]))

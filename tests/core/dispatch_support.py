@@ -23,12 +23,13 @@ from typing import Any, cast
 import numpy as np
 
 from fair_frontend.batching import ROWS_PARAMETER, batch_key
-from fair_frontend.config import Endpoint
+from fair_frontend.config import Config, Endpoint
 from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.batches import BatchDispatcher
 from fair_frontend.core.clock import FakeClock, Timer
 from fair_frontend.core.dispatch import Backend, BatchReport, CoreRequest
 from fair_frontend.core.pool import BackendPool
+from fair_frontend.endpoint import EndpointPlan, plan
 from fair_frontend.errors import FrontendError
 from fair_frontend.feedback import ServiceModel
 from fair_frontend.models import ModelInfo, TensorSpec
@@ -56,6 +57,12 @@ def embed_info(*, instances: int = 1, sequence_batching: bool = False) -> ModelI
         takes_rows=True,  # as model_repository/embed asks (the fake reads ids from fair_rows)
         sequence_batching=sequence_batching,
     )
+
+
+def plan_of(endpoint: Endpoint, info: ModelInfo, model: str = MODEL) -> EndpointPlan:
+    """``model``'s plan (``fair_frontend.endpoint.plan``) under a config of the tests'
+    tiers whose entry for it is ``endpoint``: what a dispatcher is built from."""
+    return plan(Config(tiers=list(TIERS), endpoints={model: endpoint}), model, info)
 
 
 def endpoint_policy(endpoint: Endpoint, info: ModelInfo) -> EndpointPolicy:
@@ -365,10 +372,9 @@ class Harness:
         self.finished: list[Finished] = []
         self.reports: list[BatchReport] = []
         self.route = RecordingRoute()
+        self.plan = plan_of(self.endpoint, self.info)
         self.runtime = dispatcher(
-            model=MODEL,
-            info=self.info,
-            endpoint=self.endpoint,
+            plan=self.plan,
             scheduler=self.scheduler,
             forwarder=self.triton if self.pool is None else None,
             backend=self.backend if self.pool is None else None,
@@ -420,7 +426,7 @@ class Harness:
             call.nbytes,
             call.priority,
             call.deadline,
-            batch_key(call.request, self.info, self.endpoint),
+            batch_key(call.request, self.plan),
             call=call,
             route=route or self.route,
         )

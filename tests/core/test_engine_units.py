@@ -15,7 +15,7 @@ from typing import cast
 
 import grpc
 import numpy as np
-from dispatch_support import SETTLE_ROUNDS, Probe, RecordingRoute, StepClock
+from dispatch_support import SETTLE_ROUNDS, Probe, RecordingRoute, StepClock, plan_of
 
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest
@@ -117,9 +117,7 @@ class Engine:
         tenants = {t: TenantSpec("paid") for t in ("a", "b")}
         self.scheduler = Scheduler(policy, tenants, GlobalCaps(), fairness=VirtualTokenCounter())
         self.runtime = EngineDispatcher(
-            model="llm",
-            info=LLM,
-            endpoint=self.endpoint,
+            plan=plan_of(self.endpoint, LLM, "llm"),
             scheduler=self.scheduler,
             forwarder=NoTriton(),
             backend=Backend(self.clock, probe=self.probe, max_outage_s=max_outage_s),
@@ -425,9 +423,7 @@ async def test_in_engine_mode_a_call_past_its_deadline_fails_that_request_alone(
     policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, None, ("paid",))
     scheduler = Scheduler(policy, {"a": TenantSpec("paid")}, GlobalCaps())
     runtime = EngineDispatcher(
-        model="llm",
-        info=info,
-        endpoint=Endpoint(max_inflight=2),
+        plan=plan_of(Endpoint(max_inflight=2), info, "llm"),
         scheduler=scheduler,
         forwarder=triton,
         backend=Backend(clock),

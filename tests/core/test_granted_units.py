@@ -74,9 +74,7 @@ class FakeShell:
         call = self.h.call(tenant, rows=rows)
         self.held[call.id] = call
         bare = dataclasses.replace(call.request, inputs=[])
-        facts = msgspec.structs.replace(
-            call, request=bare, key=wire_key(call.request, self.h.info, self.h.endpoint)
-        )
+        facts = msgspec.structs.replace(call, request=bare, key=wire_key(call.request, self.h.plan))
         req = CoreRequest(
             facts.tenant,
             facts.rows,

@@ -26,6 +26,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.service import Core
+from fair_frontend.endpoint import plan
 from fair_frontend.logs import RequestLog
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
@@ -106,7 +107,7 @@ class Rig:
             id=f"{tenant}:{n}",
             inputs=[Tensor("INPUT_IDS", "INT32", (1, WIDTH), np.full((1, WIDTH), n, np.int32))],
         )
-        key = wire_key(request, info, self.core.config.endpoint(EMBED))
+        key = wire_key(request, plan(self.core.config, EMBED, info))
         now = self.clock.now()
         return Call(
             id=n,

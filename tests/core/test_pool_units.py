@@ -17,7 +17,15 @@ from typing import Any, cast
 import grpc
 import numpy as np
 import pytest
-from dispatch_support import MODEL, FakeTriton, FixedService, Harness, StepClock, embed_info
+from dispatch_support import (
+    MODEL,
+    FakeTriton,
+    FixedService,
+    Harness,
+    StepClock,
+    embed_info,
+    plan_of,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,9 +298,11 @@ def engine(slots: int) -> tuple[EngineDispatcher, Shell, BackendPool, list[Any]]
     pool = BackendPool([Backend(clock), Backend(clock)], [NoTriton(), NoTriton()])
     done: list[Any] = []
     runtime = EngineDispatcher(
-        model="llm",
-        info=LLM,
-        endpoint=Endpoint(cost=CostUnit.TOKENS, max_inflight=slots, token_output="text_output"),
+        plan=plan_of(
+            Endpoint(cost=CostUnit.TOKENS, max_inflight=slots, token_output="text_output"),
+            LLM,
+            "llm",
+        ),
         scheduler=Scheduler(
             EndpointPolicy(CostUnit.TOKENS, 0, None, None, ("paid",)),
             {t: TenantSpec("paid") for t in ("a", "b")},

@@ -22,11 +22,13 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import EngineThrottle, ThrottleDecision, overloaded_error
 from fair_frontend.admission.throttle import DEFAULT_THROTTLE_SAFETY
-from fair_frontend.config import CostUnit, Endpoint
+from fair_frontend.config import Config, CostUnit, Endpoint
 from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.plan import engine_throttle
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import Overloaded
 from fair_frontend.feedback import ServiceModel, SlotTimes
+from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, QueuedRequest, Scheduler, TenantSpec
 
@@ -106,10 +108,11 @@ def test_no_slot_times_yet_never_refuses() -> None:
 
 def test_from_the_endpoint_config() -> None:
     ep = Endpoint(max_inflight=64, reserved_slots=8, latency_target_ms=2500, throttle_safety=1.5)
-    t = engine_throttle(ep)
-    assert (t.slots, t.tenant_slots, t.latency_target_s, t.safety) == (64, 56, 2.5, 1.5)
+    llm = ModelInfo(name="llm", max_batch_size=0, inputs={}, outputs={}, decoupled=True)
+    t = engine_throttle(plan(Config(tiers=["paid"], endpoints={"llm": ep}), "llm", llm), 2)
+    assert (t.slots, t.tenant_slots, t.latency_target_s, t.safety) == (128, 120, 2.5, 1.5)
     with pytest.raises(ValueError):
-        engine_throttle(Endpoint())  # not an engine
+        engine_throttle(plan(Config(tiers=["paid"]), "llm", llm))  # not an engine
 
 
 def test_slot_times_average_then_follow_the_recent_requests() -> None:

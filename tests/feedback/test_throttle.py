@@ -18,11 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.admission import Throttle, ThrottleDecision, overloaded_error
-from fair_frontend.config import CostUnit, Endpoint
+from fair_frontend.config import Config, CostUnit, Endpoint
 from fair_frontend.core import TierShares
 from fair_frontend.core.plan import batch_throttle
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import Overloaded
 from fair_frontend.feedback import ServiceModel
+from fair_frontend.models import ModelInfo
 from fair_frontend.outcomes import Outcome
 from fair_frontend.scheduler import (
     Backlog,
@@ -122,7 +124,8 @@ def test_overloaded_error_needs_a_rejection() -> None:
 
 def test_from_the_endpoint_config() -> None:
     ep = Endpoint(cost=CostUnit.TOKENS, latency_target_ms=250, max_batch_tokens=8192)
-    t = batch_throttle(ep, max_batch_size=32)
+    embed = ModelInfo(name="embed", max_batch_size=32, inputs={}, outputs={})
+    t = batch_throttle(plan(Config(tiers=["paid"], endpoints={"embed": ep}), "embed", embed))
     assert (t.latency_target_s, t.max_batch_size, t.max_batch_tokens) == (0.25, 32, 8192)
     assert Throttle(max_batch_size=0).batches_for(5, 50) == 5  # no batching: one at a time
 

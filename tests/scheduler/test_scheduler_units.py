@@ -7,8 +7,9 @@ import math
 import pytest
 from sched_support import drain, make_request, make_scheduler, tags
 
-from fair_frontend.config import CostUnit, Endpoint, parse_config
-from fair_frontend.core.plan import endpoint_policy, global_caps
+from fair_frontend.config import CostUnit, parse_config
+from fair_frontend.core.plan import global_caps
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import MSG_QUEUE_FULL, Internal, QueueFull
 from fair_frontend.models import ModelInfo
 from fair_frontend.scheduler import (
@@ -418,7 +419,7 @@ def test_global_cap_message_names_the_byte_cap_from_config() -> None:
     acme = {"tier": "paid", "max_queued_bytes": 1 << 31}
     cfg = parse_config({"tiers": ["paid"], "tenants": {"acme": acme}})
     caps = global_caps(cfg.queues)
-    policy = endpoint_policy(cfg, cfg.endpoint("m"), batching_model(8))
+    policy = plan(cfg, "m", batching_model(8)).policy
     s = Scheduler(policy, cfg.tenants, caps)
     with pytest.raises(QueueFull) as err:
         s.enqueue(make_request("acme", nbytes=(1 << 30) + 1), 0.0)
@@ -627,16 +628,20 @@ def test_cost_is_fixed_at_enqueue() -> None:
 
 def test_policy_from_config() -> None:
     guarded = parse_config(
-        {"tiers": ["paid", "trial"], "tier_guard": {"min_share": {"trial": 0.1}}}
+        {
+            "tiers": ["paid", "trial"],
+            "tier_guard": {"min_share": {"trial": 0.1}},
+            "endpoints": {"m": {"cost": "tokens", "max_batch_tokens": 512}},
+        }
     )
-    tokens = endpoint_policy(
-        guarded, Endpoint(cost=CostUnit.TOKENS, max_batch_tokens=512), batching_model(16)
-    )
+    tokens = plan(guarded, "m", batching_model(16)).policy
     assert (tokens.max_batch_size, tokens.max_batch_tokens, tokens.quantum) == (16, 512, 512.0)
     assert tokens.tier_min_share == {"trial": 0.1}
-    unbatched = endpoint_policy(
-        parse_config({"tiers": ["paid"]}), Endpoint(max_batch_size=0), batching_model(16)
-    )
+    unbatched = plan(
+        parse_config({"tiers": ["paid"], "endpoints": {"m": {"max_batch_size": 0}}}),
+        "m",
+        batching_model(16),
+    ).policy
     assert (unbatched.max_batch_size, unbatched.quantum) == (0, 1.0)
     with pytest.raises(ValueError, match="unknown tier"):
         EndpointPolicy(CostUnit.REQUESTS, 8, None, 1.0, ("paid",), {"gold": 0.1})
