@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from fair_frontend.scheduler.cost import CostUnit
 
 if TYPE_CHECKING:
-    from fair_frontend.scheduler.queues import TenantQueue
+    from fair_frontend.scheduler.queues import Program, TenantQueue
 
 DEFAULT_TIER_SHARE_WINDOW_ROWS = 1000
 """Rows in the recent window over which the tier guard measures each tier's share."""
@@ -60,6 +60,9 @@ class QueuedRequest:
     priority: int  # effective level, 1 = highest
     deadline: float | None  # absolute, on the scheduler's clock; None = none
     shape_key: Hashable = None  # only requests with equal keys share a batch
+    # Its program inside its tenant (an agent's run, a chat session; "" none named): the
+    # tenant's programs share its turns by least attained service (``TenantQueue``).
+    program: str = ""
     # Set by the scheduler at enqueue:
     arrival: float = field(default=0.0, init=False)
     seq: int = field(default=-1, init=False)  # arrival order within one scheduler
@@ -68,6 +71,8 @@ class QueuedRequest:
     left_at: float | None = field(default=None, init=False)  # when it left the queue
     _handle: Handle | None = field(default=None, init=False, repr=False)
     _queue: TenantQueue | None = field(default=None, init=False, repr=False)
+    # Its program's queue in a tenant queue of several programs (None: one program).
+    _program: Program | None = field(default=None, init=False, repr=False)
 
 
 class Load:
