@@ -53,6 +53,7 @@ from fair_frontend.scheduler.caps import (
     DEFAULT_ENGINE_QUEUE_SLOTS,
     DEFAULT_GLOBAL_MAX_QUEUED,
     DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
+    DEFAULT_PROGRAMS_PER_TENANT,
     DEFAULT_TENANT_BYTES_SHARE,
     DEFAULT_TENANT_MAX_QUEUED,
 )
@@ -868,6 +869,17 @@ class Queues(_Strict):
         "model, in multiples of the endpoint's slots (4 x 64 = 256 for the shipped llm), "
         "unless its own max_queued says otherwise. The throttle refuses sooner what would "
         "wait for a slot beyond the latency target.",
+    )
+    programs_per_tenant: int = Field(
+        default=DEFAULT_PROGRAMS_PER_TENANT,
+        ge=1,
+        description="Programs (an agent's run, a chat session: the x-program-id header, the "
+        "program parameter, an OpenAI call's user) one tenant's queue on one model keeps "
+        "apart; its programs share its turns by least attained service (halved every 10 s). "
+        "Beyond, an idle program's place is taken, or, where every one has queued work, "
+        "further ids share one overflow program: a flood of ids costs bounded memory. 1: "
+        "programs are not told apart (one queue per tenant, as before). Program ids are "
+        "never metric labels.",
     )
     stalled_stream_s: float = Field(
         default=DEFAULT_STALLED_STREAM_S,
