@@ -44,6 +44,7 @@ from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
     MAX_NAME_BYTES,
+    PROGRAM_PARAMETER,
     RESERVED_PARAMETERS,
     RESERVED_PREFIX,
     TENANT_PARAMETER,
@@ -1494,7 +1495,7 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
     param = ep.get("max_tokens_parameter")
     default, limit = ep.get("max_tokens_default"), ep.get("max_tokens_limit")
     if isinstance(param, str):
-        reserved = param in RESERVED_PARAMETERS or param == TENANT_PARAMETER
+        reserved = param in RESERVED_PARAMETERS or param in (TENANT_PARAMETER, PROGRAM_PARAMETER)
         if reserved or param.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)) or not param:
             problems.append(
                 f"{where}.max_tokens_parameter: {param!r} is reserved (Triton's, the "

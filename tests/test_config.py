@@ -443,3 +443,14 @@ def test_programs_per_tenant_reaches_the_schedulers_caps() -> None:
     assert caps.programs_per_tenant == 8
     with pytest.raises(ConfigError, match="programs_per_tenant"):
         parse_config({"tiers": ["t"], "queues": {"programs_per_tenant": 0}})
+
+
+def test_the_program_parameter_is_no_models_max_tokens_parameter() -> None:
+    """The gateway takes ``program`` out of a request (its program, issue 33): a model's
+    max_tokens cannot be read there."""
+    bad = {
+        "tiers": ["t"],
+        "endpoints": {"e": {"max_tokens_parameter": "program", "max_tokens_default": 16}},
+    }
+    with pytest.raises(ConfigError, match="max_tokens_parameter: 'program' is reserved"):
+        parse_config(bad)
