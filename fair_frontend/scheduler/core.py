@@ -338,13 +338,16 @@ class Scheduler:
         if self._mean_row_cost > 0:
             self._fairness.learn_quantum(self._batch_rows * self._mean_row_cost)
 
-    def charge_back(self, tenant: str, cost: float) -> None:
+    def charge_back(self, tenant: str, cost: float, program: str = "") -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
-        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody)."""
+        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody).
+        Its ``program`` attains it too (at the scale of the latest dispatch's step), where
+        its tenant's queue still keeps that program."""
         if not self._fair or not cost:
             return
         queue = self._queues.get(tenant)
         if queue is not None:
+            queue.charge_back(program, cost * self._scale)
             tier = queue.tier
         else:
             terms = self._tenants.get(tenant)

@@ -43,10 +43,11 @@ class TenantQueue(Load):
     run, a chat session); the tenant's next request is then the head (in the ordering
     policy's order) of its program with the least attained service among those with
     queued work, ties to the program whose head goes first by that order. Service is
-    what the scheduler charges a request at dispatch (the endpoint's cost unit),
-    decayed: ``Scheduler`` hands each charge already scaled by 2 ** (t / half-life)
-    (``PROGRAM_HALF_LIFE_S``), which orders programs exactly as service halved every
-    half-life would, without touching a program's count as time passes. A tenant that
+    what the scheduler charges a request at dispatch (the endpoint's cost unit) and
+    charges back as its output streams (``charge_back``), decayed: ``Scheduler`` hands
+    each charge already scaled by 2 ** (t / half-life) (``PROGRAM_HALF_LIFE_S``), which
+    orders programs exactly as service halved every half-life would, without touching
+    a program's count as time passes. A tenant that
     names one program (or none) keeps one heap, as before programs: the same order and
     costs, one float added per dispatch. The queue turns to one heap per program
     (``Program``) the first time a second program queues work, for its life (until its
@@ -212,6 +213,20 @@ class TenantQueue(Load):
         heapq.heappop(chosen.heap)
         chosen.service += service
         self._chosen = None
+
+    def charge_back(self, program: str, service: float) -> None:
+        """``program`` attained ``service`` more (less, if negative) than it was charged
+        at dispatch (scaled: the class docstring); nothing where this queue no longer
+        keeps it apart (its place taken, or in the overflow)."""
+        programs = self._programs
+        if programs is None:
+            if program == self._sole:
+                self.service += service
+            return
+        kept = programs.get(program)
+        if kept is not None:
+            kept.service += service
+            self._chosen = None
 
     def rescale(self, factor: float) -> None:
         """Multiply every program's service by ``factor`` (the scale's rebase, rare)."""

@@ -260,6 +260,26 @@ def test_service_halves_every_half_life() -> None:
     assert [r.program for r in s.next_batch(half)] == ["p1"]
 
 
+def test_output_charged_back_counts_in_its_programs_service() -> None:
+    """Output tokens charged back as they stream (``charge_back``, engine endpoints) are
+    service of the request's program, as its charge at dispatch is: p1, charged 1 at
+    dispatch and 10 after, goes after p2, charged 3 (mutation caught: charge-back to the
+    tenant alone, where p1 at 1 would go first). A one-program tenant's charge-back
+    counts for its program once a second comes."""
+    s = make_scheduler({"a": "paid"}, tiers=("paid",), max_batch_size=0, cost=CostUnit.TOKENS)
+    s.enqueue(make_request("a", tokens=1, program="p1"), 0.0)
+    assert [r.program for r in s.next_batch(0.0)] == ["p1"]
+    s.charge_back("a", 10.0, "p1")
+    s.enqueue(make_request("a", tokens=3, program="p2"), 0.0)
+    assert [r.program for r in s.next_batch(0.0)] == ["p2"]
+    s.enqueue(make_request("a", tokens=1, program="p1"), 0.0)
+    s.enqueue(make_request("a", tokens=1, program="p2"), 0.0)
+    assert [r.program for r in s.next_batch(0.0)] == ["p2"]  # 3 < 11
+    s.enqueue(make_request("a", tokens=1, program="p2"), 0.0)
+    s.charge_back("a", -100.0, "gone")  # a program the queue does not keep: nothing
+    assert [r.program for r in s.next_batch(0.0)] == ["p2"]  # 4 < 11
+
+
 def test_a_rebase_keeps_the_order_and_the_services_exact() -> None:
     """Past 64 half-lives the scale is taken back by a power of two: every program's
     service divided alike, exactly (mutation caught: a rebase that skips a queue, or
