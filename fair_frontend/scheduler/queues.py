@@ -72,6 +72,7 @@ class TenantQueue(Load):
         "_heap",
         "_key",
         "_overflow",
+        "_program_of",
         "_programs",
         "_sole",
         "by_priority",
@@ -106,14 +107,16 @@ class TenantQueue(Load):
         self._heap: list[tuple[Any, ...]] = []
         self.by_priority: dict[int, Load] = {}
         self._caps = caps  # its programs_per_tenant (None: 64, the default)
-        # One program: its name, its heap (``_heap``) and its service (``service``).
-        self._sole = ""
+        # One program: its name, its heap (``_heap``) and its service (``service``);
+        # _SEVERAL once the queue keeps several, which no program's name equals.
+        self._sole: str | object = ""
         self.service = 0.0
         # Several: name -> program (at most the bound less one), the overflow program,
         # those with queued work, and the one whose head ``head`` chose (None: choose).
         self._programs: dict[str, Program] | None = None
         self._overflow: Program | None = None
         self._busy: dict[Program, None] = {}
+        self._program_of: dict[int, Program] = {}  # a queued request's (by its seq)
         self._chosen: Program | None = None
 
     def add(self, req: QueuedRequest) -> None:
@@ -170,9 +173,8 @@ class TenantQueue(Load):
             level.cost -= cost
         else:
             del self.by_priority[req.priority]
-        program = req._program
-        if program is not None:
-            req._program = None
+        if self._programs is not None:
+            program = self._program_of.pop(req.seq)
             program.requests -= 1
             if not program.requests:
                 del self._busy[program]
@@ -180,7 +182,7 @@ class TenantQueue(Load):
 
     def push(self, req: QueuedRequest, handle: Handle) -> None:
         """Index a request (its accounting is ``add``'s job)."""
-        if req.program != self._sole or self._programs is not None:
+        if req.program != self._sole:  # never equal once it keeps several (_SEVERAL)
             self._push_program(req, handle)
             return
         heap = self._heap
@@ -260,16 +262,17 @@ class TenantQueue(Load):
                 self.push(req, handle)
                 return
             # Now two programs: the one heap becomes its program's.
-            sole = Program(self._sole, self._heap, self.requests - 1, self.service)
+            sole = Program(str(self._sole), self._heap, self.requests - 1, self.service)
             for entry in self._heap:
                 queued = entry[-1][0]
                 if queued is not None:
-                    queued._program = sole
+                    self._program_of[queued.seq] = sole
             programs = self._programs = {sole.name: sole}
             if sole.requests:
                 self._busy[sole] = None
             self._heap = []
             self.service = 0.0
+            self._sole = _SEVERAL
         program = programs.get(req.program)
         if program is None:
             program = self._new_program(programs, req.program)
@@ -278,7 +281,7 @@ class TenantQueue(Load):
             heap[:] = [e for e in heap if e[-1][0] is not None]
             heapq.heapify(heap)
         heapq.heappush(heap, (*self._key(req), handle))
-        req._program = program
+        self._program_of[req.seq] = program
         program.requests += 1
         if program.requests == 1:
             self._busy[program] = None
@@ -335,6 +338,9 @@ class TenantQueue(Load):
                 rows += load.rows
                 tokens += load.tokens
         return cost, rows, tokens
+
+
+_SEVERAL = object()
 
 
 def _service(program: Program) -> float:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from fair_frontend.scheduler.cost import CostUnit
 
 if TYPE_CHECKING:
-    from fair_frontend.scheduler.queues import Program, TenantQueue
+    from fair_frontend.scheduler.queues import TenantQueue
 
 DEFAULT_TIER_SHARE_WINDOW_ROWS = 1000
 """Rows in the recent window over which the tier guard measures each tier's share."""
@@ -71,8 +71,6 @@ class QueuedRequest:
     left_at: float | None = field(default=None, init=False)  # when it left the queue
     _handle: Handle | None = field(default=None, init=False, repr=False)
     _queue: TenantQueue | None = field(default=None, init=False, repr=False)
-    # Its program's queue in a tenant queue of several programs (None: one program).
-    _program: Program | None = field(default=None, init=False, repr=False)
 
 
 class Load:
