@@ -44,6 +44,7 @@ from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
     MAX_NAME_BYTES,
+    PROGRAM_PARAMETER,
     RESERVED_PARAMETERS,
     RESERVED_PREFIX,
     TENANT_PARAMETER,
@@ -53,6 +54,7 @@ from fair_frontend.scheduler.caps import (
     DEFAULT_ENGINE_QUEUE_SLOTS,
     DEFAULT_GLOBAL_MAX_QUEUED,
     DEFAULT_GLOBAL_MAX_QUEUED_BYTES,
+    DEFAULT_PROGRAMS_PER_TENANT,
     DEFAULT_TENANT_BYTES_SHARE,
     DEFAULT_TENANT_MAX_QUEUED,
 )
@@ -869,6 +871,17 @@ class Queues(_Strict):
         "unless its own max_queued says otherwise. The throttle refuses sooner what would "
         "wait for a slot beyond the latency target.",
     )
+    programs_per_tenant: int = Field(
+        default=DEFAULT_PROGRAMS_PER_TENANT,
+        ge=1,
+        description="Programs (an agent's run, a chat session: the x-program-id header, the "
+        "program parameter, an OpenAI call's user) one tenant's queue on one model keeps "
+        "apart; its programs share its turns by least attained service (halved every 10 s). "
+        "Beyond, an idle program's place is taken, or, where every one has queued work, "
+        "further ids share one overflow program: a flood of ids costs bounded memory. 1: "
+        "programs are not told apart (one queue per tenant, as before). Program ids are "
+        "never metric labels.",
+    )
     stalled_stream_s: float = Field(
         default=DEFAULT_STALLED_STREAM_S,
         gt=0,
@@ -1482,7 +1495,7 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
     param = ep.get("max_tokens_parameter")
     default, limit = ep.get("max_tokens_default"), ep.get("max_tokens_limit")
     if isinstance(param, str):
-        reserved = param in RESERVED_PARAMETERS or param == TENANT_PARAMETER
+        reserved = param in RESERVED_PARAMETERS or param in (TENANT_PARAMETER, PROGRAM_PARAMETER)
         if reserved or param.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)) or not param:
             problems.append(
                 f"{where}.max_tokens_parameter: {param!r} is reserved (Triton's, the "

@@ -66,6 +66,12 @@ FRONTEND_PREFIX = "fair_"
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
 # The parameter a trusted gateway (or a client, checked against its key) names the tenant in.
 TENANT_PARAMETER = "tenant"
+# The parameter a request names its program in (an agent's run, a chat session: the
+# tenant's programs share its turns, ``scheduler.queues.TenantQueue``); the gateway takes
+# it out of the request's parameters, so the model never sees it.
+PROGRAM_PARAMETER = "program"
+# The header a request (or a gateway in front) names its program in.
+PROGRAM_HEADER = "x-program-id"
 
 ParamValue = bool | int | float | str
 
@@ -80,6 +86,10 @@ MAX_ID_BYTES = 1024
 # whose names file systems cap at 255 bytes; object stores' keys at 1024). A longer name
 # is refused before it is echoed in an error, a log line or looked up.
 MAX_NAME_BYTES = 1024
+# Longest program id (the ``program`` parameter, ``x-program-id``, an OpenAI call's
+# ``user``), in UTF-8 bytes: a queue keeps a bounded number of programs, each by its id.
+# A longer one is refused (400), never cut: two ids that differ after the cut would merge.
+MAX_PROGRAM_BYTES = 1024
 # Inputs (or outputs) and parameters one request may name. Triton sets no limit, but each
 # costs a decoded structure: counted in the request's bytes first (``json_tensor``), so that
 # a body of ten million empty objects is refused before it becomes ten million of anything.
@@ -308,6 +318,31 @@ def split_parameters(
                     f"a signed 64-bit integer, got {value}"
                 )
             req.parameters[name] = value
+
+
+def take_program(req: InferRequest, headers: Mapping[str, str]) -> str:
+    """The program ``req`` names ("": none), its ``program`` parameter taken out of its
+    parameters (the model never sees it): ``x-program-id`` where the headers have it (a
+    gateway in front, or a client, names it for this frontend), else the parameter (an
+    OpenAI call's ``user`` arrives as one). InvalidArgument (400) where it is not a
+    string or is longer than ``MAX_PROGRAM_BYTES``: the refusal says how long, never
+    what it is."""
+    asked = req.parameters.pop(PROGRAM_PARAMETER, None)
+    header = headers.get(PROGRAM_HEADER)
+    if header is not None:
+        value, where = header.strip(), f"header '{PROGRAM_HEADER}'"
+    elif asked is not None:
+        if not isinstance(asked, str):
+            raise InvalidArgument(f"parameter '{PROGRAM_PARAMETER}' must be a string")
+        value, where = asked, f"parameter '{PROGRAM_PARAMETER}'"
+    else:
+        return ""
+    size = len(value.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_PROGRAM_BYTES:
+        raise InvalidArgument(
+            f"{where} is too long: {size} bytes, the limit is {MAX_PROGRAM_BYTES} bytes"
+        )
+    return value
 
 
 def reject_shared_memory(where: str, params: Container[str]) -> None:

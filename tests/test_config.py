@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fair_frontend.config import ConfigError, CostUnit, load_config, parse_config
+from fair_frontend.core.plan import global_caps, queue_limits
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "config.yaml"
 
@@ -428,3 +429,28 @@ def test_an_endpoint_names_its_fairness_policy_and_an_unknown_name_lists_the_kno
     assert "endpoints.e.fairness: unknown fairness policy 'wfq' (known: drr, fifo, vtc)" in str(
         info.value
     )
+
+
+def test_programs_per_tenant_reaches_the_schedulers_caps() -> None:
+    """``queues.programs_per_tenant`` (issue 33: programs inside tenants) is what every
+    scheduler's caps read, 64 unless set, at least 1."""
+    assert global_caps(parse_config({"tiers": ["t"]}).queues).programs_per_tenant == 64
+    config = parse_config({"tiers": ["t"], "queues": {"programs_per_tenant": 8}})
+    caps = global_caps(config.queues)
+    assert caps.programs_per_tenant == 8
+    caps.programs_per_tenant = 3
+    caps.configure(queue_limits(config.queues))  # a reload sets it again
+    assert caps.programs_per_tenant == 8
+    with pytest.raises(ConfigError, match="programs_per_tenant"):
+        parse_config({"tiers": ["t"], "queues": {"programs_per_tenant": 0}})
+
+
+def test_the_program_parameter_is_no_models_max_tokens_parameter() -> None:
+    """The gateway takes ``program`` out of a request (its program, issue 33): a model's
+    max_tokens cannot be read there."""
+    bad = {
+        "tiers": ["t"],
+        "endpoints": {"e": {"max_tokens_parameter": "program", "max_tokens_default": 16}},
+    }
+    with pytest.raises(ConfigError, match="max_tokens_parameter: 'program' is reserved"):
+        parse_config(bad)

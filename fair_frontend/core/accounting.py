@@ -350,7 +350,8 @@ class Accounting:
         if runtime is None:
             return
         if runtime.plan.cost is CostUnit.TOKENS:
-            runtime.scheduler.charge_back(req.tenant, runtime.output_cost(req, tokens))
+            cost = runtime.output_cost(req, tokens)
+            runtime.scheduler.charge_back(req.tenant, cost, req.program)
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.now()

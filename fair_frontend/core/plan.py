@@ -25,6 +25,7 @@ def queue_limits(queues: Queues) -> QueueLimits:
         max_queued_bytes=queues.max_queued_bytes,
         tenant_bytes_share=queues.tenant_bytes_share,
         engine_queue_slots=queues.engine_queue_slots,
+        programs_per_tenant=queues.programs_per_tenant,
     )
 
 

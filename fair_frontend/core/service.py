@@ -724,6 +724,7 @@ class Core:
             call.priority,
             call.deadline,
             _shape_key(call, runtime) if keyed or call.key else None,
+            call.program,
             call=call,
             route=route,
             runtime=runtime,

@@ -16,7 +16,9 @@ each answering one question (``TierSelector``, ``FairnessPolicy``, ``OrderingPol
    default; the endpoint's config names its policy (``EndpointPolicy.fairness``, one of
    ``FAIRNESS_POLICIES``: ``drr``, ``vtc``: ``vtc.VirtualTokenCounter``, ``fifo``:
    ``fifo.FirstComeFirstServed``, the baseline).
-3. *Request*: which of that tenant's requests? (priority, deadline, arrival).
+3. *Request*: which of that tenant's requests? (priority, deadline, arrival), in the
+   program with the least attained service where its requests name several programs
+   (``TenantQueue``; the tenant's share, chosen in 2, is the same however it splits).
 
 until the batch is full (``BatchAssembler``). ``CostModel`` says what each request costs
 in DRR units. ``mode="fifo"`` replaces 1-3 by one queue in arrival order: the baseline

@@ -14,6 +14,9 @@ DEFAULT_TENANT_BYTES_SHARE = 0.25
 # An engine endpoint (max_inflight) queues per tenant this many times its slots by default:
 # a queue the engine turns over a few times, not 10,000 generations.
 DEFAULT_ENGINE_QUEUE_SLOTS = 4.0
+# Programs (``QueuedRequest.program``) one tenant's queue on one endpoint keeps apart;
+# further ids share one overflow program (``TenantQueue``).
+DEFAULT_PROGRAMS_PER_TENANT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,7 @@ class QueueLimits:
     max_queued_bytes: int = DEFAULT_GLOBAL_MAX_QUEUED_BYTES
     tenant_bytes_share: float = DEFAULT_TENANT_BYTES_SHARE
     engine_queue_slots: float = DEFAULT_ENGINE_QUEUE_SLOTS
+    programs_per_tenant: int = DEFAULT_PROGRAMS_PER_TENANT
 
 
 class GlobalCaps:
@@ -42,6 +46,7 @@ class GlobalCaps:
         "engine_queue_slots",
         "max_queued",
         "max_queued_bytes",
+        "programs_per_tenant",
         "queued",
         "queued_bytes",
         "tenant_bytes",
@@ -55,15 +60,21 @@ class GlobalCaps:
         *,
         tenant_bytes_share: float = DEFAULT_TENANT_BYTES_SHARE,
         engine_queue_slots: float = DEFAULT_ENGINE_QUEUE_SLOTS,
+        programs_per_tenant: int = DEFAULT_PROGRAMS_PER_TENANT,
     ) -> None:
         if max_queued < 1 or max_queued_bytes < 1:
             raise ValueError("global caps must be >= 1")
         if not 0 < tenant_bytes_share <= 1 or not engine_queue_slots > 0:
             raise ValueError("need 0 < tenant_bytes_share <= 1 and engine_queue_slots > 0")
+        if programs_per_tenant < 1:
+            raise ValueError("programs_per_tenant must be >= 1")
         self.max_queued = max_queued
         self.max_queued_bytes = max_queued_bytes
         self.tenant_bytes_share = tenant_bytes_share
         self.engine_queue_slots = engine_queue_slots
+        # Read as a tenant's queue on an endpoint takes a program it has not seen
+        # (``TenantQueue``): a lower bound takes effect as its idle programs are dropped.
+        self.programs_per_tenant = programs_per_tenant
         self.queued = 0
         self.queued_bytes = 0
         # Tenant -> its queued bytes over every endpoint (only tenants with some queued).
@@ -81,6 +92,7 @@ class GlobalCaps:
         self.max_queued_bytes = limits.max_queued_bytes
         self.tenant_bytes_share = limits.tenant_bytes_share
         self.engine_queue_slots = limits.engine_queue_slots
+        self.programs_per_tenant = limits.programs_per_tenant
 
     @property
     def tenant_max_queued_bytes(self) -> int:

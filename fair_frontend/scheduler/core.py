@@ -33,6 +33,21 @@ from fair_frontend.scheduler.types import (
 
 Mode = Literal["fair", "fifo"]
 
+PROGRAM_HALF_LIFE_S = 10.0
+"""A program's attained service halves every this many seconds (``TenantQueue``).
+
+An agent's step (its calls fanned out, then the model's answers) takes seconds: ten
+remember the last few steps, so a program that just had a burst waits behind one that
+had little, while what it got a minute ago counts under 2 %: a program back after a
+pause is not held back for long by service it no longer takes."""
+# Service is scaled in steps of this many seconds (the scale grows by 2 ** (1 / 10) a
+# step): charges within one step weigh alike, so equal charges tie exactly.
+_PROGRAM_STEP_S = 1.0
+_STEPS_PER_HALF_LIFE = round(PROGRAM_HALF_LIFE_S / _PROGRAM_STEP_S)
+# The scale is taken back to 1 (every program's service divided alike, exactly: a power
+# of 2) once it reaches 2 ** 64, far from a float's range.
+_REBASE_HALF_LIVES = 64
+
 _NEW = QueueState.NEW
 _QUEUED = QueueState.QUEUED
 _DISPATCHED = QueueState.DISPATCHED
@@ -108,6 +123,11 @@ class Scheduler:
         self._expired_count = 0
         self._cancelled = 0
         self._resumed_until: float | None = None  # see resume_fairness
+        # Programs' decay (``TenantQueue``): a charge's scale, 2 ** ((step - base) / steps
+        # per half-life), until the step that ends at ``_step_end``.
+        self._scale = 1.0
+        self._step_end = -math.inf
+        self._base_step: int | None = None
         self._peek: Peek = self._peek_fair if self._fair else self._arrivals.head
         self._take: Take = self._take_fair if self._fair else self._take_fifo
 
@@ -318,13 +338,16 @@ class Scheduler:
         if self._mean_row_cost > 0:
             self._fairness.learn_quantum(self._batch_rows * self._mean_row_cost)
 
-    def charge_back(self, tenant: str, cost: float) -> None:
+    def charge_back(self, tenant: str, cost: float, program: str = "") -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
-        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody)."""
+        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody).
+        Its ``program`` attains it too (at the scale of the latest dispatch's step), where
+        its tenant's queue still keeps that program."""
         if not self._fair or not cost:
             return
         queue = self._queues.get(tenant)
         if queue is not None:
+            queue.charge_back(program, cost * self._scale)
             tier = queue.tier
         else:
             terms = self._tenants.get(tenant)
@@ -628,6 +651,7 @@ class Scheduler:
             self._tier_of(tenant, terms),
             self._ordering.key,
             default_max_queued=self._caps.default_max_queued(self.policy.slots),
+            caps=self._caps,
         )
         self._queues[tenant] = queue
         return queue
@@ -650,7 +674,9 @@ class Scheduler:
         """Dispatch the request ``_peek_fair`` just returned."""
         queue = req._queue
         assert queue is not None
-        queue.pop_head()
+        if now >= self._step_end:
+            self._next_step(now)
+        queue.pop_head(req.cost * self._scale)
         tier = queue.tier
         self._fairness.charge(tier.fair_state, queue, req.cost)
         self._tier_selector.record(self._tier_state, tier, req.rows)
@@ -659,6 +685,20 @@ class Scheduler:
         if req.deadline is not None:
             self._deadlines.discard()
         self._dispatched += 1
+
+    def _next_step(self, now: float) -> None:
+        """The programs' scale for the step ``now`` is in (``PROGRAM_HALF_LIFE_S``)."""
+        step = math.floor(now / _PROGRAM_STEP_S)
+        base = self._base_step
+        if base is None:
+            base = self._base_step = step
+        elif step - base >= _REBASE_HALF_LIVES * _STEPS_PER_HALF_LIFE:
+            halvings = (step - base) // _STEPS_PER_HALF_LIFE
+            for queue in self._queues.values():
+                queue.rescale(0.5**halvings)
+            base = self._base_step = base + halvings * _STEPS_PER_HALF_LIFE
+        self._scale = 2.0 ** ((step - base) / _STEPS_PER_HALF_LIFE)
+        self._step_end = (step + 1) * _PROGRAM_STEP_S
 
     def _take_fifo(self, req: QueuedRequest, now: float) -> None:
         """Dispatch the request at the head of the arrival queue."""

@@ -17,14 +17,45 @@ from typing import TYPE_CHECKING, Any
 from fair_frontend.scheduler.types import Handle, Load, QueuedRequest, TenantTerms
 
 if TYPE_CHECKING:
+    from fair_frontend.scheduler.caps import GlobalCaps
     from fair_frontend.scheduler.tiers import Tier
 
 # Rebuild an index when it holds more than 2 * live + slack entries.
 _COMPACT_SLACK = 64
 
 
+class Program:
+    """One program's queued requests in a tenant queue of several (``TenantQueue``)."""
+
+    __slots__ = ("heap", "name", "requests", "service")
+
+    def __init__(self, name: str, heap: list[tuple[Any, ...]], requests: int, service: float):
+        self.name = name
+        self.heap = heap  # its requests' entries, in its ordering policy's order
+        self.requests = requests  # live ones
+        self.service = service  # attained, decayed (scaled: ``TenantQueue``)
+
+
 class TenantQueue(Load):
     """One tenant's queued requests on one endpoint, in its ordering policy's order.
+
+    Programs. A request may name its program (``QueuedRequest.program``: an agent's
+    run, a chat session); the tenant's next request is then the head (in the ordering
+    policy's order) of its program with the least attained service among those with
+    queued work, ties to the program whose head goes first by that order. Service is
+    what the scheduler charges a request at dispatch (the endpoint's cost unit) and
+    charges back as its output streams (``charge_back``), decayed: ``Scheduler`` hands
+    each charge already scaled by 2 ** (t / half-life) (``PROGRAM_HALF_LIFE_S``), which
+    orders programs exactly as service halved every half-life would, without touching
+    a program's count as time passes. A tenant that
+    names one program (or none) keeps one heap, as before programs: the same order and
+    costs, one float added per dispatch. The queue turns to one heap per program
+    (``Program``) the first time a second program queues work, for its life (until its
+    tenant's terms change). Programs keep their service while idle; at most
+    ``GlobalCaps.programs_per_tenant`` of them are kept: a new program takes the place
+    of the idle one with the least service, or, where every kept one has queued work,
+    shares one overflow program with every further id (a flood of ids costs bounded
+    memory). A program's id never leaves the scheduler (no metric names it).
 
     Also the tenant's load on the endpoint, in total and per priority level (for the
     throttle's estimate of the work ahead of a new request). ``tier``, ``weight`` and the
@@ -35,11 +66,19 @@ class TenantQueue(Load):
     """
 
     __slots__ = (
+        "_busy",
+        "_caps",
+        "_chosen",
         "_heap",
         "_key",
+        "_overflow",
+        "_program_of",
+        "_programs",
+        "_sole",
         "by_priority",
         "max_queued",
         "max_queued_bytes",
+        "service",
         "tenant",
         "terms",
         "tier",
@@ -54,6 +93,7 @@ class TenantQueue(Load):
         key: Callable[[QueuedRequest], tuple[Any, ...]],
         *,
         default_max_queued: int,
+        caps: GlobalCaps | None = None,
     ) -> None:
         super().__init__()
         self.tenant = tenant
@@ -66,6 +106,18 @@ class TenantQueue(Load):
         self._key = key
         self._heap: list[tuple[Any, ...]] = []
         self.by_priority: dict[int, Load] = {}
+        self._caps = caps  # its programs_per_tenant (None: 64, the default)
+        # One program: its name, its heap (``_heap``) and its service (``service``);
+        # _SEVERAL once the queue keeps several, which no program's name equals.
+        self._sole: str | object = ""
+        self.service = 0.0
+        # Several: name -> program (at most the bound less one), the overflow program,
+        # those with queued work, and the one whose head ``head`` chose (None: choose).
+        self._programs: dict[str, Program] | None = None
+        self._overflow: Program | None = None
+        self._busy: dict[Program, None] = {}
+        self._program_of: dict[int, Program] = {}  # a queued request's (by its seq)
+        self._chosen: Program | None = None
 
     def add(self, req: QueuedRequest) -> None:
         """Count a request in this queue's load, its priority level's and its tier's.
@@ -121,9 +173,18 @@ class TenantQueue(Load):
             level.cost -= cost
         else:
             del self.by_priority[req.priority]
+        if self._programs is not None:
+            program = self._program_of.pop(req.seq)
+            program.requests -= 1
+            if not program.requests:
+                del self._busy[program]
+            self._chosen = None
 
     def push(self, req: QueuedRequest, handle: Handle) -> None:
         """Index a request (its accounting is ``add``'s job)."""
+        if req.program != self._sole:  # never equal once it keeps several (_SEVERAL)
+            self._push_program(req, handle)
+            return
         heap = self._heap
         if len(heap) > 2 * self.requests + _COMPACT_SLACK:
             heap[:] = [e for e in heap if e[-1][0] is not None]
@@ -132,6 +193,8 @@ class TenantQueue(Load):
 
     def head(self) -> QueuedRequest | None:
         """The live request that goes first, or None; drops tombstones on the way."""
+        if self._programs is not None:
+            return self._head_program()
         heap = self._heap
         while heap:
             req: QueuedRequest | None = heap[0][-1][0]
@@ -140,9 +203,126 @@ class TenantQueue(Load):
             heapq.heappop(heap)
         return None
 
-    def pop_head(self) -> None:
-        """Remove the entry ``head()`` just returned."""
-        heapq.heappop(self._heap)
+    def pop_head(self, service: float) -> None:
+        """Remove the entry ``head()`` just returned; its program attained ``service``
+        (its cost, scaled: the class docstring)."""
+        if self._programs is None:
+            heapq.heappop(self._heap)
+            self.service += service
+            return
+        chosen = self._chosen
+        assert chosen is not None, "pop_head follows head"
+        heapq.heappop(chosen.heap)
+        chosen.service += service
+        self._chosen = None
+
+    def charge_back(self, program: str, service: float) -> None:
+        """``program`` attained ``service`` more (less, if negative) than it was charged
+        at dispatch (scaled: the class docstring); nothing where this queue no longer
+        keeps it apart (its place taken, or in the overflow)."""
+        programs = self._programs
+        if programs is None:
+            if program == self._sole:
+                self.service += service
+            return
+        kept = programs.get(program)
+        if kept is not None:
+            kept.service += service
+            self._chosen = None
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every program's service by ``factor`` (the scale's rebase, rare)."""
+        self.service *= factor
+        for program in self._named():
+            program.service *= factor
+
+    @property
+    def programs(self) -> int:
+        """Programs this queue keeps apart (the overflow one included)."""
+        if self._programs is None:
+            return 1
+        return len(self._programs) + (self._overflow is not None)
+
+    def _named(self) -> list[Program]:
+        if self._programs is None:
+            return []
+        overflow = [self._overflow] if self._overflow is not None else []
+        return [*self._programs.values(), *overflow]
+
+    def _push_program(self, req: QueuedRequest, handle: Handle) -> None:
+        """``push`` for a request of another program than the one heap's, or into a
+        queue of several programs."""
+        programs = self._programs
+        if programs is None:
+            limit = self._caps.programs_per_tenant if self._caps is not None else 64
+            if limit < 2 or (self.requests == 1 and not self.service):
+                # One program for all; or a fresh queue's first program, which it takes
+                # for its one heap's (the unnamed program before it has no history).
+                self._sole = req.program  # one program for all: the one heap
+                self.push(req, handle)
+                return
+            # Now two programs: the one heap becomes its program's.
+            sole = Program(str(self._sole), self._heap, self.requests - 1, self.service)
+            for entry in self._heap:
+                queued = entry[-1][0]
+                if queued is not None:
+                    self._program_of[queued.seq] = sole
+            programs = self._programs = {sole.name: sole}
+            if sole.requests:
+                self._busy[sole] = None
+            self._heap = []
+            self.service = 0.0
+            self._sole = _SEVERAL
+        program = programs.get(req.program)
+        if program is None:
+            program = self._new_program(programs, req.program)
+        heap = program.heap
+        if len(heap) > 2 * program.requests + _COMPACT_SLACK:
+            heap[:] = [e for e in heap if e[-1][0] is not None]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (*self._key(req), handle))
+        self._program_of[req.seq] = program
+        program.requests += 1
+        if program.requests == 1:
+            self._busy[program] = None
+        self._chosen = None
+
+    def _new_program(self, programs: dict[str, Program], name: str) -> Program:
+        """A kept place for program ``name``, or the overflow program (the class
+        docstring): at most the bound less one kept by name, and the overflow. O(programs
+        kept), once per id the queue has not seen (or no longer keeps)."""
+        limit = self._caps.programs_per_tenant if self._caps is not None else 64
+        while len(programs) >= limit - 1:
+            idle = [p for p in programs.values() if not p.requests]
+            if not idle:
+                if self._overflow is None:
+                    self._overflow = Program("", [], 0, 0.0)
+                return self._overflow
+            del programs[min(idle, key=_service).name]
+        program = programs[name] = Program(name, [], 0, 0.0)
+        return program
+
+    def _head_program(self) -> QueuedRequest | None:
+        """``head`` in a queue of several programs: the head of the busy program with
+        the least service, ties to the one whose head goes first. O(busy programs)
+        when something changed since the last answer, else O(1)."""
+        chosen = self._chosen
+        if chosen is None:
+            best: tuple[Any, ...] = ()
+            for program in self._busy:
+                heap = program.heap
+                while heap[0][-1][0] is None:  # a busy program has a live entry
+                    heapq.heappop(heap)
+                if (
+                    chosen is None
+                    or program.service < chosen.service
+                    or (program.service == chosen.service and heap[0] < best)
+                ):
+                    chosen, best = program, heap[0]
+            if chosen is None:
+                return None
+            self._chosen = chosen
+        return chosen.heap[0][-1][0]
 
     def ahead_of(self, priority: int) -> tuple[float, int, int]:
         """(cost, rows, tokens) queued at ``priority`` or higher (a lower or equal level).
@@ -158,6 +338,13 @@ class TenantQueue(Load):
                 rows += load.rows
                 tokens += load.tokens
         return cost, rows, tokens
+
+
+_SEVERAL = object()
+
+
+def _service(program: Program) -> float:
+    return program.service
 
 
 class ArrivalQueue:

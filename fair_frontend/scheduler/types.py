@@ -60,6 +60,9 @@ class QueuedRequest:
     priority: int  # effective level, 1 = highest
     deadline: float | None  # absolute, on the scheduler's clock; None = none
     shape_key: Hashable = None  # only requests with equal keys share a batch
+    # Its program inside its tenant (an agent's run, a chat session; "" none named): the
+    # tenant's programs share its turns by least attained service (``TenantQueue``).
+    program: str = ""
     # Set by the scheduler at enqueue:
     arrival: float = field(default=0.0, init=False)
     seq: int = field(default=-1, init=False)  # arrival order within one scheduler

@@ -66,6 +66,7 @@ from fair_frontend.protocol import (
     Precheck,
     check_name,
     clipped,
+    take_program,
 )
 from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import CoreLink, Inbox
@@ -250,6 +251,7 @@ class Gateway:
         checked: list[tuple[Checked, int]] = []
         try:
             tenant = self.auth.confirm(known, headers, head.tenant_claim)
+            program = take_program(head, headers)
             self._admit_model(tenant, model)
             self._shed(tenant, model, sum(r.nbytes for r in reqs))
             plan = await self.plan(model)
@@ -291,6 +293,7 @@ class Gateway:
                 False,
                 ok.max_tokens,
                 0 if i else 1,  # the call's request, once (OpenAI's limits count calls)
+                program=program,
             )
             if self.traces is not None:
                 span = self.traces.request(
@@ -466,6 +469,7 @@ class Gateway:
         paid: Precharge | None = None
         try:
             tenant = self.auth.confirm(known, headers, req.tenant_claim)
+            program = take_program(req, headers)
             if _wants_usage(req):  # the client asked for USAGE_PARAMETERS
                 usage = usage or Usage()
                 report_usage = True
@@ -507,6 +511,7 @@ class Gateway:
             streaming,
             checked.max_tokens,
             requests,
+            program=program,
         )
         if paid is not None:
             paid.settled_by(call)

@@ -104,6 +104,11 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # that takes one hop), so the core does not: a line per request off the core's hot
     # path, written where the request's bytes are. False: the core writes it.
     logged: bool = False
+    # Its program inside its tenant (the ``program`` parameter, ``x-program-id``, an
+    # OpenAI call's ``user``; "": none named): its tenant's programs share its turns by
+    # least attained service (``scheduler.queues.TenantQueue``). Last: older frames
+    # decode without it.
+    program: str = ""
 
     @property
     def deadline(self) -> float | None:

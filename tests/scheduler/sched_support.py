@@ -64,8 +64,9 @@ def make_request(
     deadline: float | None = None,
     shape: Hashable = None,
     tag: Any = None,
+    program: str = "",
 ) -> TaggedRequest:
-    return TaggedRequest(tenant, rows, tokens, nbytes, priority, deadline, shape, tag=tag)
+    return TaggedRequest(tenant, rows, tokens, nbytes, priority, deadline, shape, program, tag=tag)
 
 
 def make_scheduler(

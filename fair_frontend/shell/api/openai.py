@@ -43,7 +43,7 @@ from fair_frontend import errors
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.errors import FrontendError, InvalidArgument
 from fair_frontend.models import ModelInfo
-from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
+from fair_frontend.protocol import PROGRAM_PARAMETER, InferRequest, RequestedOutput, Tensor
 from fair_frontend.shell.api.body import (
     ABSENT,
     TOKEN_ID_MAX,
@@ -372,6 +372,9 @@ class Generation:
     priority: int  # 0: the tenant's default level
     service_tier: str  # what the response echoes
     chat: bool
+    # Its ``user``: the program it belongs to inside its tenant ("": none; the gateway
+    # takes it from the request's ``program`` parameter, ``protocol.take_program``).
+    user: str = ""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -548,6 +551,7 @@ def _generation(
         priority=priority,
         service_tier=tier,
         chat=chat,
+        user=user,
     )
 
 
@@ -635,6 +639,8 @@ def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> Infe
         inputs.append(_tensor(info, sampling_input, "BYTES", np.array([blob], dtype=np.object_)))
     else:
         parameters.update(sampling)  # as request parameters, where the model reads them
+    if gen.user:
+        parameters[PROGRAM_PARAMETER] = gen.user  # the gateway takes it out again
     return InferRequest(
         model=gen.model,
         id=f"{'chatcmpl' if gen.chat else 'cmpl'}-{gen.id}",
