@@ -50,6 +50,7 @@ import uvloop
 from tritonclient.grpc import model_config_pb2
 
 from benchmarks.harness import load_example_config, progress, write_result
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import Intake, ShellConnection
@@ -59,7 +60,6 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import Batch, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.framing import encode, to_core, to_shell
 from fair_frontend.wire.records import Answer, Call, Grant, Rows, RowsDone
 

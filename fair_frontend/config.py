@@ -40,6 +40,7 @@ from fair_frontend.admission.storage import (
     DEFAULT_RATELIMIT_TIMEOUT_MS,
 )
 from fair_frontend.admission.throttle import DEFAULT_LATENCY_TARGET_MS, DEFAULT_THROTTLE_SAFETY
+from fair_frontend.backends.triton.metrics import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,
@@ -60,7 +61,6 @@ from fair_frontend.scheduler.caps import (
 )
 from fair_frontend.scheduler.cost import CostUnit
 from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES
-from fair_frontend.triton.metrics import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S, MAX_FRAME
 from fair_frontend.wire.remote import MESSAGE_BYTES
 

@@ -34,6 +34,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends import backend
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import (
@@ -48,7 +50,6 @@ from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import abort, make_server
 from fair_frontend.shell.http_server import HttpShell, error_response, proto_to_json
 from fair_frontend.shell.link import LocalLink
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Draining, Settings, Stop
 from fair_frontend.wire.remote import Tls
 
@@ -143,12 +144,12 @@ class FrontendServer:
         # One forwarder per Triton, the core's and (with workers=1) the shell's: a grant
         # names the Triton by its index in this list, which the shell processes get too.
         forwarders = [
-            TritonForwarder(
-                backend.grpc_url,
+            backend(
+                server.grpc_url,
                 request_timeout_s=self.config.triton.request_timeout_s,
-                http_url=backend.http_url,
+                http_url=server.http_url,
             )
-            for backend in self.backends
+            for server in self.backends
         ]
         self.core = self._factory(self.config, forwarders)
         await self.core.start()

@@ -622,7 +622,7 @@ _STOP = object()
 # What a request held by an engine that died (or sent while it restarts) is answered:
 # UNAVAILABLE, the client may retry; "is not ready" is Triton's own wording for a model
 # that cannot serve now, which the frontend reads as UNAVAILABLE for this request alone
-# (fair_frontend.triton.forwarder: a stream's error carries no code, only its message).
+# (fair_frontend.backends.triton.forwarder: a stream's error carries no code, only its message).
 ENGINE_DIED = "llm engine is not ready: it failed and is restarting; this request was aborted"
 ENGINE_RESTARTING = "llm engine is not ready: it is restarting after a failure; retry the request"
 

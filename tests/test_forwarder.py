@@ -1,7 +1,7 @@
 """Batches to Triton over HTTP give what the same batches over gRPC give, errors included.
 
 The core sends its batches over Triton's HTTP endpoint where it knows it (cheaper per call
-in Python, ``fair_frontend.triton.http``) and over gRPC otherwise. The same
+in Python, ``fair_frontend.backends.triton.http``) and over gRPC otherwise. The same
 ``TritonForwarder.infer`` call goes both ways against the session's real Triton: the
 outputs are equal, and an error is the same error (class, gRPC code, HTTP status,
 message), so a client of the frontend cannot tell which way its batch went.
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.protocol import Batch, RequestedOutput, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 
 
 @pytest.fixture

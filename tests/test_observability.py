@@ -577,7 +577,7 @@ async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_s
     tenant = unique("obs-s")
     nowhere = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
     scrape_log = Lines()
-    scrape_logger = logging.getLogger("fair_frontend.triton.metrics")
+    scrape_logger = logging.getLogger("fair_frontend.backends.triton.metrics")
     scrape_logger.addHandler(scrape_log)
     try:
         with running_frontend(_sleeper_config(tenant, nowhere), triton, workers=workers) as fe:

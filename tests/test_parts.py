@@ -1,10 +1,12 @@
-"""Parts by name (``fair_frontend.parts``): the registries of fairness policies and
-dispatch modes, each filled by the modules that define the parts."""
+"""Parts by name (``fair_frontend.parts``): the registries of fairness policies, dispatch
+modes and backends, each filled by the modules that define the parts."""
 
 from __future__ import annotations
 
 import pytest
 
+from fair_frontend.backends import BACKENDS, DEFAULT_BACKEND, backend
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.core import DISPATCH_MODES, BatchDispatcher, EngineDispatcher
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.parts import Registry, UnknownPart
@@ -44,3 +46,16 @@ def test_a_registry_refuses_a_second_part_of_a_name_and_lists_the_known_for_an_u
         parts["c"]
     assert str(info.value) == "unknown widget 'c' (known: a, b)"
     assert isinstance(info.value, KeyError)  # a mapping's miss
+
+
+async def test_a_backend_is_built_by_its_kinds_name() -> None:
+    assert dict(BACKENDS) == {"triton": TritonForwarder} and DEFAULT_BACKEND == "triton"
+    made = backend("127.0.0.1:1", request_timeout_s=7.0, http_url="http://127.0.0.1:2")
+    try:
+        assert isinstance(made, TritonForwarder)
+        assert made.url == "127.0.0.1:1" and made.request_timeout_s == 7.0
+        assert made.http is not None  # its HTTP address taken: batches may go there
+    finally:
+        await made.close()
+    with pytest.raises(UnknownPart, match=r"unknown backend 'vllm' \(known: triton\)"):
+        backend("127.0.0.1:1", request_timeout_s=1.0, http_url=None, kind="vllm")

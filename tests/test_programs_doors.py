@@ -22,6 +22,7 @@ from tritonclient.grpc._utils import _get_inference_request
 
 from fair_frontend import grpc_codec
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.errors import FrontendError, InvalidArgument, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import (
@@ -37,7 +38,6 @@ from fair_frontend.shell.api import openai
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.generate_codec import decode_generate
 from fair_frontend.shell.link import CoreLink, Inbox
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, make_config
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends.triton.forwarder import StreamReply, TritonForwarder
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import STREAM_GRANTS, Gateway
 from fair_frontend.shell.link import CoreLink, Inbox, gone_before_answered
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from fair_frontend.wire.framing import to_core
 from fair_frontend.wire.records import (
     Answer,

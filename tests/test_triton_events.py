@@ -1,5 +1,5 @@
-"""The shell's reader of Triton's generate_stream (``fair_frontend.triton.sse``) and what the
-gateway reads of the events (their token counts, an error event).
+"""The shell's reader of Triton's generate_stream (``fair_frontend.backends.triton.sse``) and
+what the gateway reads of the events (their token counts, an error event).
 
 The wire's failure modes (a kept-alive connection Triton closed while it was idle, a
 connection lost mid-body, a refused connection) cannot be made to happen on cue with the
@@ -20,12 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fair_frontend.backends.triton.sse import Events, TritonEvents, _EventConnection
+from fair_frontend.backends.triton.watchdog import NoProgress
 from fair_frontend.embedded import free_port
 from fair_frontend.errors import FrontendError, StalledStream, Unavailable
 from fair_frontend.shell.gateway import _event_error, _EventCounts
 from fair_frontend.shell.process import forwarders
-from fair_frontend.triton.sse import Events, TritonEvents, _EventConnection
-from fair_frontend.triton.watchdog import NoProgress
 from fair_frontend.wire.records import Settings
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"

@@ -34,6 +34,7 @@ from fair_frontend.admission import (
     overloaded_error,
 )
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.batching import batch_key
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
@@ -83,7 +84,6 @@ from fair_frontend.scheduler import (
     cost_model_for,
 )
 from fair_frontend.tracing import Traces
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import (
     CONNECTION_DOOR,
     Answer,

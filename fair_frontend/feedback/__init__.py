@@ -119,6 +119,16 @@ within the estimate's drift over a queue's lifetime.
 
 from __future__ import annotations
 
+from fair_frontend.backends.triton.metrics import (
+    DEFAULT_METRICS_INTERVAL_S,
+    CounterTracker,
+    ModelCounters,
+    ScrapeStatus,
+    TenantUsage,
+    TritonDelta,
+    TritonMetrics,
+    parse_metrics,
+)
 from fair_frontend.feedback.cost import FeedbackCost
 from fair_frontend.feedback.fit import MIN_SPREAD, TERMS, BatchTime, DecayedStats
 from fair_frontend.feedback.service import (
@@ -133,16 +143,6 @@ from fair_frontend.feedback.service import (
     Source,
 )
 from fair_frontend.feedback.slots import SlotTimes
-from fair_frontend.triton.metrics import (
-    DEFAULT_METRICS_INTERVAL_S,
-    CounterTracker,
-    ModelCounters,
-    ScrapeStatus,
-    TenantUsage,
-    TritonDelta,
-    TritonMetrics,
-    parse_metrics,
-)
 
 __all__ = [
     "DEFAULT_BATCH_SECONDS",

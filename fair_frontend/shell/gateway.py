@@ -32,6 +32,9 @@ import msgspec
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.auth import Authenticator, Identity, KeyRing, ModelAccess
+from fair_frontend.backends.triton.forwarder import TritonForwarder, TritonStream
+from fair_frontend.backends.triton.sse import SseStream
+from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack, unpack, wire_key
 from fair_frontend.config import Config, Endpoint, SideDoors
 from fair_frontend.endpoint import EndpointPlan
@@ -82,9 +85,6 @@ from fair_frontend.tokens import (
     without_output,
 )
 from fair_frontend.tracing import Traces, carried, failed, wall_ns
-from fair_frontend.triton.forwarder import TritonForwarder, TritonStream
-from fair_frontend.triton.sse import SseStream
-from fair_frontend.triton.upstream import upstream_message_error
 from fair_frontend.usage import INCLUDE_USAGE, Usage
 from fair_frontend.wire.records import (
     SIDE_DOOR_LOOKUP,

@@ -27,6 +27,8 @@ import uvloop
 from aiohttp import web
 
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends import backend
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import parse_config
 from fair_frontend.logs import configure_logging
 from fair_frontend.shell.gateway import Gateway
@@ -35,7 +37,6 @@ from fair_frontend.shell.http_server import HttpShell
 from fair_frontend.shell.remote import SECRET_REFUSED, RemoteLink, SecretRefused
 from fair_frontend.shell.router import RouterLink, decode_core_sets
 from fair_frontend.shell.socket_link import SocketLink
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Ready, Settings
 from fair_frontend.wire.remote import SECRET_ENV, SecretError, Tls, load_secret
 from fair_frontend.wire.tcp import LINKS
@@ -190,7 +191,7 @@ def forwarders(settings: Settings, request_timeout_s: float) -> list[TritonForwa
     urls = settings.triton_urls or [settings.triton_url]
     http = settings.triton_http_urls
     return [
-        TritonForwarder(
+        backend(
             url,
             request_timeout_s=request_timeout_s,
             http_url=(http[i] if i < len(http) else "") or None,

@@ -30,13 +30,13 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import parse_config
 from fair_frontend.errors import QuotaExhausted, RateLimited
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.process import keyring_of
 from fair_frontend.shell.socket_link import SocketLink
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Hello, Settings
 from tests.support import (
     KEYS,

@@ -25,11 +25,11 @@ import grpc
 import pytest
 from tritonclient.grpc import model_config_pb2
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.core.service import ModelRegistry
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import UnknownModel, UpstreamError
 from fair_frontend.models import ModelInfo
-from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import KEYS, make_config, running_frontend
 
 MODEL = "m"

@@ -22,11 +22,11 @@ import pytest
 
 from fair_frontend.admission import RateLimiter, RedisStorage
 from fair_frontend.admission.storage import Checked
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import KEYS, KServe, RedisProcess, make_config
 
 DOOMED = "doomed"

@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
+from fair_frontend.backends.triton.forwarder import StreamReply, TritonForwarder
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.protocol import Batch, Tensor
 from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
-from fair_frontend.triton.forwarder import StreamReply, TritonForwarder
 from tests.support import (
     KEYS,
     TEST_MODEL_REPOSITORY,

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import RateLimiter
 from fair_frontend.admission.storage import MemoryStorage
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
@@ -36,7 +37,6 @@ from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Answer, Call
 

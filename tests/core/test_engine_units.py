@@ -17,6 +17,8 @@ import grpc
 import numpy as np
 from dispatch_support import SETTLE_ROUNDS, Probe, RecordingRoute, StepClock, plan_of
 
+from fair_frontend.backends.triton.upstream import upstream_message_error
+from fair_frontend.backends.triton.watchdog import NoProgress
 from fair_frontend.config import CostUnit, Endpoint
 from fair_frontend.core.dispatch import Backend, CoreRequest
 from fair_frontend.core.engine import EngineDispatcher
@@ -31,8 +33,6 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
-from fair_frontend.triton.upstream import upstream_message_error
-from fair_frontend.triton.watchdog import NoProgress
 from fair_frontend.wire.records import Answer, Call, Grant
 
 LLM = ModelInfo(

@@ -26,6 +26,7 @@ from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock,
 
 from fair_frontend.admission import RateLimiter, RateLimitItem
 from fair_frontend.admission.storage import Checked, MemoryStorage
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import PARTS_PER_SLICE
 from fair_frontend.core.service import Core
@@ -33,7 +34,6 @@ from fair_frontend.errors import QueueFull, RateLimited, Unavailable
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Answer, Call, Group
 

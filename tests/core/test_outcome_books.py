@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, StepClock, embed_info
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
 from fair_frontend.core.dispatch import CoreRequest
@@ -31,7 +32,6 @@ from fair_frontend.logs import RequestLog
 from fair_frontend.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Answer, Call, Rows, RowsDone
 
 EMBED = "embed"

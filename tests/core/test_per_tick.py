@@ -20,12 +20,12 @@ from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock,
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.service import Core
 from fair_frontend.core.shells import Intake, ShellConnection
 from fair_frontend.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Call
 
 EMBED = "embed"

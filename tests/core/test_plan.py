@@ -13,13 +13,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config, CostUnit, Endpoint, parse_config
 from fair_frontend.core.dispatch import DISPATCH_MODES
 from fair_frontend.endpoint import EndpointPlan, plan
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import CoreLink
-from fair_frontend.triton.forwarder import TritonForwarder
 from tests.support import config_dict
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"

@@ -29,6 +29,7 @@ from dispatch_support import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Endpoint, parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.dispatch import Backend, CoreRequest, Forwarder
@@ -47,7 +48,6 @@ from fair_frontend.scheduler import (
     TenantSpec,
     VirtualTokenCounter,
 )
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Answer, Call, Grant
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]

@@ -18,12 +18,12 @@ from typing import Any, cast
 import numpy as np
 from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, StepClock, embed_info
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.service import Core
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Answer, Call, Rows, RowsDone
 
 EMBED = "embed"

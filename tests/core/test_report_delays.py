@@ -70,13 +70,13 @@ from dispatch_support import SETTLE_ROUNDS, Shell, StepClock
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.triton.forwarder import TritonForwarder
 from fair_frontend.wire.records import Call
 
 LLM = "llm"

@@ -23,6 +23,10 @@ from tritonclient.grpc import (
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
+from fair_frontend.backends.triton.http import TritonHttp, carries
+from fair_frontend.backends.triton.sse import TritonEvents
+from fair_frontend.backends.triton.upstream import upstream_error, upstream_message_error
+from fair_frontend.backends.triton.watchdog import Watchdog
 from fair_frontend.errors import (
     FrontendError,
     Unavailable,
@@ -33,10 +37,6 @@ from fair_frontend.protocol import (
     Batch,
     Tensor,
 )
-from fair_frontend.triton.http import TritonHttp, carries
-from fair_frontend.triton.sse import TritonEvents
-from fair_frontend.triton.upstream import upstream_error, upstream_message_error
-from fair_frontend.triton.watchdog import Watchdog
 
 _STREAM_RESPONSE = service_pb2.ModelStreamInferResponse.FromString
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
@@ -182,7 +182,7 @@ class TritonForwarder:
         self.url = url
         self.request_timeout_s = request_timeout_s
         # Batches go over Triton's HTTP endpoint where it is given (cheaper per call in
-        # this process: fair_frontend.triton.http); everything else stays on gRPC.
+        # this process: fair_frontend.backends.triton.http); everything else stays on gRPC.
         self.http = TritonHttp(http_url, request_timeout_s=request_timeout_s) if http_url else None
         # Streams whose client reads Triton's own events (generate_stream) read them there.
         self.events = (

@@ -30,9 +30,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from fair_frontend.backends.triton.http import address, dial, error_of
+from fair_frontend.backends.triton.watchdog import Watchdog
 from fair_frontend.errors import FrontendError, Unavailable
-from fair_frontend.triton.http import address, dial, error_of
-from fair_frontend.triton.watchdog import Watchdog
 
 MAX_IDLE = 64  # kept-alive connections per Triton, for the streams to come
 HIGH_WATER = 256 * 1024  # bytes of events held for a consumer before reading pauses

@@ -4,7 +4,8 @@ An ``UpstreamError`` carrying Triton's own gRPC code and the HTTP status Triton'
 server would have used for it, so a client sees through the frontend what it would have
 seen from Triton; an unreachable Triton is ``Unavailable``; Triton's own UNAVAILABLE about
 one model or version is ``ModelUnavailable``. Both ways to Triton use it: the gRPC
-forwarder (``fair_frontend.triton.forwarder``) and the HTTP one (``fair_frontend.triton.http``).
+forwarder (``fair_frontend.backends.triton.forwarder``) and the HTTP one
+(``fair_frontend.backends.triton.http``).
 """
 
 from __future__ import annotations

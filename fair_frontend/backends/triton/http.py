@@ -39,6 +39,7 @@ from urllib.parse import quote, urlsplit
 import grpc
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.upstream import upstream_error
 from fair_frontend.errors import DeadlineExceeded, FrontendError, Unavailable
 from fair_frontend.protocol import (
     Batch,
@@ -48,7 +49,6 @@ from fair_frontend.protocol import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from fair_frontend.triton.upstream import upstream_error
 
 log = logging.getLogger(__name__)
 P = TypeVar("P", bound=asyncio.Protocol)

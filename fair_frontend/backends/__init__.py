@@ -1,0 +1,34 @@
+"""The servers the frontend sends work to, one package each, chosen by name.
+
+A backend kind is a package here (``triton``) whose forwarder's factory is registered in
+``BACKENDS`` by one line below: given a server's address, the request timeout and its
+HTTP address where it has one, the object that sends a ``protocol.Batch`` and opens a
+stream (``core.dispatch.Forwarder``). The core and the shells build their forwarders by
+the kind's name (``DEFAULT_BACKEND`` until a config names another), not by importing a
+class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.parts import Registry
+
+
+class BackendFactory(Protocol):
+    """Builds the forwarder for one server of a backend kind."""
+
+    def __call__(self, url: str, *, request_timeout_s: float, http_url: str | None) -> Any: ...
+
+
+BACKENDS: Registry[BackendFactory] = Registry("backend")
+BACKENDS.add("triton", TritonForwarder)
+DEFAULT_BACKEND = "triton"
+
+
+def backend(url: str, *, request_timeout_s: float, http_url: str | None, kind: str = "") -> Any:
+    """The forwarder for the server at ``url``, of backend ``kind`` (the default one)."""
+    return BACKENDS[kind or DEFAULT_BACKEND](
+        url, request_timeout_s=request_timeout_s, http_url=http_url
+    )
