@@ -100,6 +100,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import resolve_relative_paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -322,13 +323,13 @@ def compute_bounds(config: dict[str, Any], repo: Path) -> Bounds:
         from tritonclient.grpc import model_config_pb2
 
         from fair_frontend.config import Config
-        from fair_frontend.models import ModelInfo, request_bounds
+        from fair_frontend.models import request_bounds
 
         cfg = Config.model_validate(config)
 
         def info(name: str) -> Any:
             text = (repo / name / "config.pbtxt").read_text()
-            return ModelInfo.from_config(text_format.Parse(text, model_config_pb2.ModelConfig()))
+            return model_info(text_format.Parse(text, model_config_pb2.ModelConfig()))
 
         def context(name: str) -> int:
             found = cfg.endpoint(name).max_model_len or info(name).max_model_len

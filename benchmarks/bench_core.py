@@ -51,6 +51,7 @@ from tritonclient.grpc import model_config_pb2
 
 from benchmarks.harness import load_example_config, progress, write_result
 from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import Intake, ShellConnection
@@ -72,7 +73,7 @@ def embed_info() -> ModelInfo:
     cfg.input.add(name="INPUT_IDS", data_type=model_config_pb2.TYPE_INT32, dims=[-1])
     cfg.output.add(name="EMBEDDING", data_type=model_config_pb2.TYPE_FP32, dims=[128])
     cfg.instance_group.add(count=1)
-    return ModelInfo.from_config(cfg, ("1",))
+    return model_info(cfg, ("1",))
 
 
 class InstantTriton:
@@ -197,7 +198,7 @@ def llm_info() -> ModelInfo:
     from benchmarks.harness import ROOT
 
     text = (ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
-    return ModelInfo.from_config(text_format.Parse(text, model_config_pb2.ModelConfig()), ("1",))
+    return model_info(text_format.Parse(text, model_config_pb2.ModelConfig()), ("1",))
 
 
 class Shell:

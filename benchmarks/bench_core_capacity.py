@@ -97,6 +97,7 @@ from benchmarks.harness import (
     wait_http_ready,
     write_config,
 )
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import free_port
@@ -615,7 +616,7 @@ def embed_info() -> ModelInfo:
     from tritonclient.grpc import model_config_pb2
 
     text = (ROOT / "model_repository" / "embed" / "config.pbtxt").read_text()
-    return ModelInfo.from_config(text_format.Parse(text, model_config_pb2.ModelConfig()))
+    return model_info(text_format.Parse(text, model_config_pb2.ModelConfig()))
 
 
 # ---- a step of load ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from fair_frontend.admission.storage import (
     DEFAULT_RATELIMIT_TIMEOUT_MS,
 )
 from fair_frontend.admission.throttle import DEFAULT_LATENCY_TARGET_MS, DEFAULT_THROTTLE_SAFETY
-from fair_frontend.backends.triton.metrics import DEFAULT_METRICS_INTERVAL_S
+from fair_frontend.feedback.delta import DEFAULT_METRICS_INTERVAL_S
 from fair_frontend.feedback.service import DEFAULT_EMA_ALPHA
 from fair_frontend.protocol import (
     FRONTEND_PREFIX,

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.config import WIRE_FRAMING_BYTES, CostUnit, Endpoint
 from fair_frontend.errors import InvalidArgument
@@ -35,8 +34,6 @@ from fair_frontend.sampling import check_sampling, read_sampling_input
 from fair_frontend.tokens import count_text_tokens, max_token_bytes
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
-# Triton's default max_sequence_idle_microseconds (model_config.proto): 1 s.
-TRITON_SEQUENCE_IDLE_US = 1_000_000
 # The model-config parameter by which a model asks for the frontend's per-row metadata
 # (``fair_rows``, ``fair_outputs``): ``parameters { key: "fair_frontend_rows" value {
 # string_value: "true" } }``. A model that does not ask gets the client's request
@@ -46,13 +43,6 @@ ROWS_CONFIG_PARAMETER = "fair_frontend_rows"
 # The model-config parameter in which an engine declares its context, prompt plus generated
 # tokens (vLLM's name; the shipped llm's config.pbtxt): max_tokens is checked against it.
 CONTEXT_CONFIG_PARAMETER = "max_model_len"
-
-
-def triton_datatype(config_type: int) -> str:
-    """``TYPE_INT32`` -> ``INT32``; ``TYPE_STRING`` -> ``BYTES`` (Triton's mapping)."""
-    name: str = model_config_pb2.DataType.Name(config_type)
-    name = name.removeprefix("TYPE_")
-    return "BYTES" if name == "STRING" else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +55,10 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The parts of a Triton model config that scheduling and validation need."""
+    """What scheduling and validation need of a model, in the frontend's own words: its
+    backend describes it (``backends.triton.model_config.model_info`` reads Triton's model
+    config into one); ``raw_config`` keeps the backend's own description, opaque here, for
+    the clients that ask for it (KServe's model config call)."""
 
     name: str
     max_batch_size: int
@@ -81,6 +74,9 @@ class ModelInfo:
     takes_rows: bool = False
     # Its context in tokens (CONTEXT_CONFIG_PARAMETER), where its config declares one.
     max_model_len: int | None = None
+    # How long the backend keeps an idle sequence of a stateful model (Triton: its sequence
+    # batcher's max_sequence_idle_microseconds, 1 s where unset).
+    sequence_idle_s: float = 1.0
     raw_config: Any = field(default=None, compare=False, repr=False)
     # ``bounds``' answer, kept with the endpoint it was computed for.
     _bounds: list[tuple[Endpoint, RequestBounds]] = field(
@@ -96,28 +92,6 @@ class ModelInfo:
             self._bounds[:] = [kept]
         return kept[1]
 
-    @classmethod
-    def from_config(
-        cls, cfg: model_config_pb2.ModelConfig, versions: tuple[str, ...] = ("1",)
-    ) -> ModelInfo:
-        def spec(t: Any, optional: bool = False) -> TensorSpec:
-            return TensorSpec(t.name, triton_datatype(t.data_type), tuple(t.dims), optional)
-
-        return cls(
-            name=cfg.name,
-            max_batch_size=cfg.max_batch_size,
-            inputs={t.name: spec(t, t.optional) for t in cfg.input},
-            outputs={t.name: spec(t) for t in cfg.output},
-            decoupled=cfg.model_transaction_policy.decoupled,
-            sequence_batching=cfg.HasField("sequence_batching"),
-            platform=cfg.platform or cfg.backend,
-            instances=max(1, sum(max(1, g.count) for g in cfg.instance_group)),
-            versions=versions or ("1",),
-            takes_rows=_config_flag(cfg, ROWS_CONFIG_PARAMETER),
-            max_model_len=_config_count(cfg, CONTEXT_CONFIG_PARAMETER),
-            raw_config=cfg,
-        )
-
     @staticmethod
     def version_for(requested: str, info: ModelInfo | None) -> str | None:
         """The version a request's statistics are counted under: its own, else the model's
@@ -132,16 +106,6 @@ class ModelInfo:
         return requested if requested in info.versions else None
 
     @property
-    def sequence_idle_s(self) -> float:
-        """How long Triton keeps an idle sequence of this model (its sequence batcher's
-        ``max_sequence_idle_microseconds``; Triton's default, 1 s, where unset)."""
-        cfg = self.raw_config
-        idle_us = 0
-        if cfg is not None and cfg.HasField("sequence_batching"):
-            idle_us = cfg.sequence_batching.max_sequence_idle_microseconds
-        return (idle_us or TRITON_SEQUENCE_IDLE_US) / 1e6
-
-    @property
     def latest_version(self) -> str:
         return max(self.versions, key=lambda v: int(v) if v.isdigit() else -1)
 
@@ -153,13 +117,6 @@ class ModelInfo:
     def passthrough(self) -> bool:
         """Requests that keep Triton's own semantics and go one at a time, unbatched."""
         return self.decoupled or self.sequence_batching
-
-
-def _config_flag(cfg: model_config_pb2.ModelConfig, key: str) -> bool:
-    """A boolean model-config parameter (a string, as Triton's config keeps them all):
-    "true" in any case, surrounding blanks ignored; anything else, or absent, is false."""
-    param = cfg.parameters.get(key)
-    return param is not None and param.string_value.strip().lower() == "true"
 
 
 # ---- what one request to a model may take ------------------------------------------------
@@ -252,15 +209,6 @@ def request_bounds(info: ModelInfo, endpoint: Endpoint) -> RequestBounds:
         return configured
     wire = min(wire + WIRE_FRAMING_BYTES, configured.wire_bytes)
     return RequestBounds(payload, wire, True, context, token_bytes)
-
-
-def _config_count(cfg: model_config_pb2.ModelConfig, key: str) -> int | None:
-    """A positive integer model-config parameter; None where absent or not one."""
-    param = cfg.parameters.get(key)
-    if param is None:
-        return None
-    text = param.string_value.strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import WIRE_FRAMING_BYTES, Endpoint
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import (
@@ -43,7 +44,7 @@ LONGEST_TOKEN = 32  # bytes of the shipped tokenizer's longest token
 
 def model(path: Path) -> ModelInfo:
     cfg = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-    return ModelInfo.from_config(cfg)
+    return model_info(cfg)
 
 
 @pytest.fixture(scope="module")

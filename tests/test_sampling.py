@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2
 
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import ConfigError, load_config, parse_config
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, validate
@@ -36,7 +37,7 @@ SHIPPED = [ROOT / "examples" / "config.yaml", ROOT / "docker" / "config.yaml"]
 def llm_info() -> ModelInfo:
     """The shipped llm's description, read from its config.pbtxt (as from Triton)."""
     cfg = text_format.Parse(LLM_CONFIG.read_text(), model_config_pb2.ModelConfig())
-    return ModelInfo.from_config(cfg)
+    return model_info(cfg)
 
 
 LLM = llm_info()

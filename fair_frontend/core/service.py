@@ -35,6 +35,8 @@ from fair_frontend.admission import (
 )
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.triton.metrics import TritonMetrics
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import batch_key
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
@@ -65,12 +67,7 @@ from fair_frontend.errors import (
     UnknownModel,
     UpstreamError,
 )
-from fair_frontend.feedback import (
-    FeedbackCost,
-    SlotTimes,
-    TritonDelta,
-    TritonMetrics,
-)
+from fair_frontend.feedback import FeedbackCost, SlotTimes, TritonDelta
 from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
@@ -141,7 +138,7 @@ class ModelRegistry:
                 raise
             except FrontendError as err:
                 raise _unknown_model(model, err) from None
-            return ModelInfo.from_config(cfg, tuple(meta.versions))
+            return model_info(cfg, tuple(meta.versions))
         raise AssertionError("a registry has at least one forwarder")
 
     def _settled(self, model: str, task: asyncio.Task[ModelInfo]) -> None:

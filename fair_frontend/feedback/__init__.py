@@ -1,7 +1,8 @@
 """The feedback loop: what batches really cost, learned from the frontend and from Triton.
 
-Pure core (``ServiceModel``, ``FeedbackCost``, the parser and ``CounterTracker``), one
-asyncio shell (``TritonMetrics``). This docstring explains the estimates once; the code
+Pure core (``ServiceModel``, ``FeedbackCost``), fed ``TritonDelta``s by Triton's metrics
+reader (``backends.triton.metrics``: its parser, ``CounterTracker`` and the asyncio
+``TritonMetrics``). This docstring explains the estimates once; the code
 points here.
 
 Service time of a batch (the frontend's measurement)
@@ -119,17 +120,8 @@ within the estimate's drift over a queue's lifetime.
 
 from __future__ import annotations
 
-from fair_frontend.backends.triton.metrics import (
-    DEFAULT_METRICS_INTERVAL_S,
-    CounterTracker,
-    ModelCounters,
-    ScrapeStatus,
-    TenantUsage,
-    TritonDelta,
-    TritonMetrics,
-    parse_metrics,
-)
 from fair_frontend.feedback.cost import FeedbackCost
+from fair_frontend.feedback.delta import DEFAULT_METRICS_INTERVAL_S, TritonDelta
 from fair_frontend.feedback.fit import MIN_SPREAD, TERMS, BatchTime, DecayedStats
 from fair_frontend.feedback.service import (
     DEFAULT_BATCH_SECONDS,
@@ -154,18 +146,12 @@ __all__ = [
     "MIN_SPREAD",
     "TERMS",
     "BatchTime",
-    "CounterTracker",
     "DecayedStats",
     "FeedbackCost",
-    "ModelCounters",
-    "ScrapeStatus",
     "ServiceModel",
     "ServiceRate",
     "ServiceStatus",
     "SlotTimes",
     "Source",
-    "TenantUsage",
     "TritonDelta",
-    "TritonMetrics",
-    "parse_metrics",
 ]

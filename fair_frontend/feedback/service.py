@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fair_frontend.backends.triton.metrics import DEFAULT_METRICS_INTERVAL_S, TritonDelta
+from fair_frontend.feedback.delta import DEFAULT_METRICS_INTERVAL_S, TritonDelta
 from fair_frontend.feedback.fit import BatchTime, DecayedStats
 from fair_frontend.scheduler.cost import CostUnit
 

@@ -22,6 +22,7 @@ from compat_support import KEY_HEADER, KEY_METADATA, http_request, simple_grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import OUTPUTS_PARAMETER, ROWS_PARAMETER, batch_key, pack
 from fair_frontend.config import Config, Endpoint, PaddedInput, Padding
 from fair_frontend.core.dispatch import CoreRequest, Route
@@ -112,11 +113,11 @@ def _config(takes_rows: bool) -> model_config_pb2.ModelConfig:
 
 
 def test_the_model_config_parameter_is_what_asks() -> None:
-    assert ModelInfo.from_config(_config(True)).takes_rows
-    assert not ModelInfo.from_config(_config(False)).takes_rows
+    assert model_info(_config(True)).takes_rows
+    assert not model_info(_config(False)).takes_rows
     other = _config(False)
     other.parameters["fair_frontend_rows"].string_value = "no"
-    assert not ModelInfo.from_config(other).takes_rows
+    assert not model_info(other).takes_rows
 
 
 PADDED = Endpoint(
@@ -147,7 +148,7 @@ def test_ragged_rows_are_merged_only_for_a_model_told_their_lengths(takes_rows: 
     """Padding with a lengths field needs fair_rows: without it, rows 3 and 5 wide would
     reach the model as two 5-wide rows, the padding read as tokens. And the tokens to
     generate stay the client's parameter, so only requests asking the same share."""
-    info = ModelInfo.from_config(_config(takes_rows))
+    info = model_info(_config(takes_rows))
     a, b, c = _queued(3, 1, max_tokens=2), _queued(5, 2, max_tokens=7), _queued(5, 3, max_tokens=2)
     for it in (a, b, c):
         validate(it.request, info, PADDED)

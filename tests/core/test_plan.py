@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import Config, CostUnit, Endpoint, parse_config
 from fair_frontend.core.dispatch import DISPATCH_MODES
 from fair_frontend.endpoint import EndpointPlan, plan
@@ -33,7 +34,7 @@ def shipped_info(model: str, *, instances: int | None = None) -> ModelInfo:
     )
     if instances is not None:
         cfg.instance_group[0].count = instances
-    return ModelInfo.from_config(cfg)
+    return model_info(cfg)
 
 
 def derived(endpoint: Endpoint, info: ModelInfo) -> dict[str, Any]:

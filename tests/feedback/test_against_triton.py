@@ -35,14 +35,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
+from fair_frontend.backends.triton.metrics import TenantUsage, TritonMetrics
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.feedback import (
-    ServiceModel,
-    Source,
-    TenantUsage,
-    TritonDelta,
-    TritonMetrics,
-)
+from fair_frontend.feedback import ServiceModel, Source, TritonDelta
 from fair_frontend.scheduler.cost import CostUnit
 from fair_frontend.testing import aeventually, eventually
 from tests.support import TEST_MODEL_REPOSITORY

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from fair_frontend.backends.triton.metrics import TENANT_ROWS, TENANT_TOKENS
-from fair_frontend.embedded import free_port
-from fair_frontend.feedback import (
+from fair_frontend.backends.triton.metrics import (
+    TENANT_ROWS,
+    TENANT_TOKENS,
     CounterTracker,
     TenantUsage,
-    TritonDelta,
     TritonMetrics,
     parse_metrics,
 )
+from fair_frontend.embedded import free_port
+from fair_frontend.feedback import TritonDelta
 from python_backend import metering
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from fair_frontend.feedback.delta import DEFAULT_METRICS_INTERVAL_S, TritonDelta
+
 log = logging.getLogger(__name__)
 
 # Triton's per-model counters (cumulative) -> our field names. Names without "_total":
@@ -49,8 +51,6 @@ PENDING_GAUGE = "nv_inference_pending_request_count"
 TENANT_ROWS = "fair_model_rows"
 TENANT_TOKENS = "fair_model_tokens"
 
-DEFAULT_METRICS_INTERVAL_S = 1.0
-"""How often Triton's metrics are read (``triton.metrics_interval_s``)."""
 DEFAULT_SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -80,48 +80,6 @@ class ModelCounters:
             t: TenantUsage(self.tenant_rows.get(t, 0.0), self.tenant_tokens.get(t, 0.0))
             for t in sorted(names)
         }
-
-
-@dataclass(frozen=True, slots=True)
-class TritonDelta:
-    """What one model did between two scrapes (``at - interval_s`` .. ``at``).
-
-    Counts are differences of Triton's cumulative counters, except ``pending_requests``
-    (the queue depth at ``at``). ``rows`` / ``tokens``: the model's own per-tenant
-    counters summed over tenants, ``None`` when it exports none.
-    """
-
-    model: str
-    at: float  # when the scrape answered, on the caller's monotonic clock
-    interval_s: float
-    exec_count: int  # executions (batches Triton ran)
-    inference_count: int  # items (batch rows) inferred
-    request_success: int
-    request_failure: int
-    compute_infer_us: float  # summed per request: see seconds_per_exec
-    queue_us: float
-    request_us: float
-    pending_requests: float
-    rows: int | None = None
-    tokens: int | None = None
-    reset: bool = False  # a counter went down: these are the counts since the restart
-
-    @property
-    def seconds_per_exec(self) -> float | None:
-        """Mean execution time: ``compute_infer / requests``, not ``/ executions``.
-
-        Triton adds an execution's compute time to *every request* in it, so when its
-        dynamic batcher merges k requests into one execution ``compute_infer`` grows by k
-        times the execution's duration while ``exec_count`` grows by 1 (measured on the
-        Python backend: 8 concurrent requests ran as 2 executions of about 10 ms; the
-        compute counter grew by 123 ms: 61 ms per execution, 15 ms per request). Dividing
-        by requests gives the request-weighted mean execution time: exact when every
-        execution holds one request (the frontend sends one request per batch), close
-        when merges are rare.
-        """
-        if self.request_success <= 0:
-            return None
-        return self.compute_infer_us / 1e6 / self.request_success
 
 
 def parse_metrics(text: str) -> dict[str, ModelCounters]:
