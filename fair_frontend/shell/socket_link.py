@@ -10,9 +10,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tritonclient.grpc import model_config_pb2, service_pb2
+from tritonclient.grpc import service_pb2
 
-from fair_frontend.backends.triton.model_config import model_info
+from fair_frontend.backends.triton.model_config import model_info_of
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox, gone_before_answered, per_token
@@ -195,8 +195,7 @@ class SocketLink(Framed):
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
         if answer.fault is not None:
             raise answer.fault.error()
-        config = model_config_pb2.ModelConfig.FromString(answer.config)
-        return model_info(config, tuple(answer.versions))
+        return model_info_of(answer.config, tuple(answer.versions))
 
     async def statistics(self, model: str, version: str) -> Any:
         answer: StatsAnswer = await self._query(lambda i: StatsQuery(i, model, version))

@@ -50,6 +50,12 @@ def model_info(cfg: model_config_pb2.ModelConfig, versions: tuple[str, ...] = ("
     )
 
 
+def model_info_of(raw: bytes, versions: tuple[str, ...] = ("1",)) -> ModelInfo:
+    """``model_info`` of Triton's config as its bytes (``ModelConfig`` serialized: how the
+    core sends it to a shell, ``InfoAnswer.config``)."""
+    return model_info(model_config_pb2.ModelConfig.FromString(raw), versions)
+
+
 def triton_datatype(config_type: int) -> str:
     """``TYPE_INT32`` -> ``INT32``; ``TYPE_STRING`` -> ``BYTES`` (Triton's mapping)."""
     name: str = model_config_pb2.DataType.Name(config_type)
