@@ -234,6 +234,7 @@ def _generation(
         priority=priority,
         service_tier=tier,
         chat=chat,
+        user=user,  # (since programs: the request's program, as the decoder now keeps it)
     )
 
 
