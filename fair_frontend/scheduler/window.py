@@ -13,8 +13,9 @@ The window is the last ``WINDOW_S`` whole seconds: from ``floor(now) - WINDOW_S`
 a figure moves once a second and a service just dispatched shows within a second.
 A tenant is backlogged through the window when it had queued work at every moment of
 it: it last turned queued at or before the start, and it has queued work still or
-last emptied at or after the end. Output charged back counts in the second of the
-scheduler's latest dispatch before it.
+last emptied at or after the end (only the latest of each is kept: a tenant that
+emptied after the end and queued again before the scrape is left out of that scrape).
+Output charged back counts in the second of the scheduler's latest dispatch before it.
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@ by hand: which tenant was served what, when, and who had queued work throughout.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from sched_support import make_request, make_scheduler
 
 from fair_frontend.core.metrics import window_samples
-from fair_frontend.scheduler import Scheduler, TenantSpec
+from fair_frontend.scheduler import QueuedRequest, Scheduler, TenantSpec
 from fair_frontend.scheduler.window import jain_index, service_gap
 
 
@@ -96,6 +99,21 @@ def test_tenants_not_backlogged_through_the_window_are_left_out() -> None:
     assert window.goodput()["c"] == pytest.approx(0.1)
 
 
+def test_a_tenant_that_emptied_after_the_window_ended_was_backlogged_through_it() -> None:
+    """FIFO, queued at 0 s: (a, b) x 12, b, a; one request every 0.5 s from 0.5 s. b's
+    last goes at 12.5 s, after the window's end (12 s) and before the scrape (12.7 s):
+    b had queued work throughout [2 s, 12 s] and counts. a at even k = 4..22, b at odd
+    k = 3..21: 10 each, weights 1: gap 0, Jain 1. Leaving out a tenant empty at the
+    scrape (its emptying time not kept) would leave a alone."""
+    s = make_scheduler({"a": "paid", "b": "paid"}, mode="fifo", max_batch_size=1)
+    for tenant in (*("a", "b") * 12, "b", "a"):
+        s.enqueue(make_request(tenant), 0.0)
+    log = _dispatch_every_half_second(s, 12.5)
+    assert log[-1] == (12.5, "b") and s.depth("b") == 0
+    window = s.window(12.7)
+    assert window.backlogged == {"paid": {"a": 10.0, "b": 10.0}}
+
+
 def test_window_of_a_drr_log_with_charge_backs_matches_the_log() -> None:
     """Fair mode (DRR, weights 2:1:3), batches of up to 4 rows, requests of 1-3 rows
     (cost: rows), each tenant kept at 6 queued requests, a batch every 0.3 s; after each
@@ -156,3 +174,93 @@ def test_jain_index_and_gap_of_simple_shares() -> None:
     assert jain_index([4.0, 0.0, 0.0, 0.0]) == 0.25  # one got all: 1/n
     assert jain_index([0.0, 0.0]) == 1.0  # nobody served: equal
     assert service_gap([3.0, 7.5, 5.0]) == 4.5
+
+
+# ---- against a log kept by the test, on random runs ----------------------------------------
+
+_TENANTS = {"a": ("paid", 2.0), "b": ("paid", 1.0), "c": ("trial", 1.0), "d": ("paid", 0.5)}
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["enqueue", "enqueue", "dispatch", "dispatch", "cancel", "charge", "scrape"]
+        ),
+        st.sampled_from(sorted(_TENANTS)),
+        st.integers(1, 3),  # rows; a charge-back of half as many cost units
+        st.sampled_from([0, 1, 3, 8, 24]),  # sixteenths of a second before the op
+    ),
+    min_size=40,
+    max_size=200,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, fifo=st.booleans())
+def test_window_matches_a_log_of_random_runs(
+    ops: list[tuple[str, str, int, int]], fifo: bool
+) -> None:
+    """Random enqueues, batches (of up to 2 rows), cancellations and charge-backs, with
+    scrapes in between, against the test's own log: the service each tenant got from a
+    dispatch or a charge-back of a tenant served before (at the time of the latest
+    dispatch), and each
+    tenant's spells of queued work, from its queue turning non-empty to turning empty.
+    At a scrape, the window [end - 10 s, end) counts the log's service in it, and a
+    tenant is backlogged when one spell covers it. Times are sixteenths of a second
+    (exact floats); a scrape is at a whole second and 1/16 s, so nothing happened
+    between the window's end and it (where the window, keeping only each queue's latest
+    spell, could not tell an emptying after the end followed by a new spell)."""
+    s = make_scheduler(
+        {name: TenantSpec(tier, w) for name, (tier, w) in _TENANTS.items()},
+        mode="fifo" if fifo else "fair",
+        max_batch_size=2,
+        quantum=2.0,
+    )
+    t = 0.0
+    service: list[tuple[float, str, float]] = []
+    spells: dict[str, list[list[float]]] = {name: [] for name in _TENANTS}
+    queued: list[QueuedRequest] = []
+    last_dispatch = -math.inf
+
+    def left(req: QueuedRequest) -> None:
+        queued.remove(req)
+        if not any(r.tenant == req.tenant for r in queued):
+            spells[req.tenant][-1][1] = t
+
+    for op, tenant, rows, wait in ops:
+        t += wait / 16
+        if op == "enqueue":
+            req = make_request(tenant, rows=rows)
+            if not any(r.tenant == tenant for r in queued):
+                spells[tenant].append([t, math.inf])
+            s.enqueue(req, t)
+            queued.append(req)
+        elif op == "dispatch":
+            for req in s.next_batch(t):
+                service.append((t, req.tenant, req.cost))
+                last_dispatch = t
+                left(req)
+        elif op == "cancel":
+            mine = [r for r in queued if r.tenant == tenant]
+            if mine:
+                assert s.cancel(mine[0], t)
+                left(mine[0])
+        elif op == "charge":
+            if any(name == tenant for _, name, _ in service):  # its output, as it streams
+                s.charge_back(tenant, rows / 2)
+                service.append((last_dispatch, tenant, rows / 2))
+        else:
+            t = math.floor(t) + 1 + 1 / 16
+            end = float(math.floor(t))
+            start = end - 10
+            served: dict[str, float] = {}
+            for when, name, cost in service:
+                if start <= when < end:
+                    served[name] = served.get(name, 0.0) + cost
+            backlogged: dict[str, dict[str, float]] = {}
+            for name, (tier, weight) in _TENANTS.items():
+                if any(a <= start and b >= end for a, b in spells[name]):
+                    backlogged.setdefault(tier, {})[name] = served.get(name, 0.0) / weight
+            window = s.window(t)
+            event(f"served {bool(served)} backlogged {sum(map(len, backlogged.values()))}")
+            assert (window.start, window.end) == (start, end)
+            assert window.served == {n: v for n, v in served.items() if v}
+            assert window.backlogged == backlogged
