@@ -317,6 +317,49 @@ async def test_cardinality_guard_folds_later_tenants_into_other_and_keeps_totals
     assert got.sum("fair_batch_rows_sum", endpoint="embed") == 16
 
 
+async def test_goodput_gauge_agrees_with_the_served_cost_counter_on_a_scrape(
+    triton: EmbeddedTriton,
+    workers: int,
+) -> None:
+    """fair_goodput on a real scrape: once the window's end (the latest whole second) is
+    past the last dispatch, every tenant's goodput times the window (10 s) is the cost
+    the served-cost counter counted, all of it served well within the window. One
+    tenant at a time and never more than one request queued: nobody is backlogged
+    through the window, so fair_service_gap and fair_jain_index have no sample (their
+    families are on the page all the same)."""
+    names = [unique("obs-w0"), unique("obs-w1")]
+    config = make_config(tenants={n: {"tier": "standard", "api_keys": [f"{n}-key"]} for n in names})
+    with running_frontend(config, triton, workers=workers) as fe:
+        client = grpcaio.InferenceServerClient(fe.grpc_url)
+        try:
+            for name, width in zip(names, (8, 24), strict=True):
+                for _ in range(3):
+                    inp = [ids_input(grpcaio, ids(2, width))]
+                    assert await grpc_call(client, "embed", inp, f"{name}-key") is None
+        finally:
+            await client.close()
+
+        async def agrees() -> Samples | None:
+            got = await ascrape(fe.metrics_url)
+            cost = got.by_label("fair_served_cost_total", "tenant", endpoint="embed")
+            goodput = got.by_label("fair_goodput", "tenant", endpoint="embed")
+            if set(cost) != set(names) or set(goodput) != set(names):
+                return None
+            if any(abs(goodput[n] * 10 - cost[n]) > 1e-9 * cost[n] for n in names):
+                return None
+            return got
+
+        got = await aeventually(agrees, 5, 0.2, what="goodput x 10 s = the served cost")
+        page = await asyncio.to_thread(
+            lambda: _HTTP.open(fe.metrics_url, timeout=10).read().decode()
+        )
+    assert got.by_label("fair_served_cost_total", "tenant", endpoint="embed")[names[1]] > 0
+    assert not got.label_values("fair_service_gap", "tier")
+    assert not got.label_values("fair_jain_index", "tier")
+    for family in ("fair_service_gap", "fair_jain_index", "fair_goodput"):
+        assert f"# TYPE {family} gauge" in page
+
+
 async def test_unknown_model_names_do_not_become_metric_labels(
     triton: EmbeddedTriton, workers: int
 ) -> None:

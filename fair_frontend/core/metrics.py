@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 from fair_frontend.config import Config
 from fair_frontend.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
+from fair_frontend.scheduler.window import WINDOW_S, WindowFairness, jain_index, service_gap
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP
 
@@ -584,6 +585,11 @@ class FrontendMetrics(Observer):
             self.pending.observe_all(series, [decision.predicted_wait_s] * count)
 
 
+_WINDOW = (
+    f"the last {WINDOW_S} whole seconds, [floor(now) - {WINDOW_S} s, floor(now)]; service is "
+    "the cost charged at dispatch plus output charged back as it streams"
+)
+
 # The gauges ``StateCollector`` exports: name -> help. Every one is exported, without
 # samples while there is nothing to report (no endpoint used yet, no tenant backlogged),
 # so a scrape always shows which families exist.
@@ -593,6 +599,16 @@ STATE_GAUGES: dict[str, str] = {
     "endpoint but an engine endpoint in token cost, which has fair_vtc_counter instead).",
     "fair_vtc_counter": "Virtual token counter of tenants with queued work (engine "
     "endpoints in token cost): weighted tokens served, lifted on return from idle.",
+    # fair_frontend.scheduler.window, over the window _WINDOW names:
+    "fair_service_gap": "Largest difference of normalised service (cost units served in "
+    f"the window / weight) between two tenants of the tier backlogged (work queued at every "
+    f"moment) through the window: {_WINDOW}. Absent while fewer than two were.",
+    "fair_jain_index": "Jain's fairness index, (sum x)^2 / (n sum x^2), over x = normalised "
+    "service (as fair_service_gap) of the tier's n tenants backlogged through the window: "
+    f"{_WINDOW}. 1: equal shares; 1/n: one got all (1 also when none was served). Absent "
+    "while fewer than two were backlogged.",
+    "fair_goodput": "Cost units served per second to the tenant over the window: "
+    f"{_WINDOW}. Tenants served anything in it only.",
     "fair_inflight_batches": "Batches in Triton now, by endpoint.",
     "fair_backend_available": "1 while Triton (in a pool: any of its Tritons) is reachable.",
     "fair_triton_backend_available": "1 while this Triton of the pool is reachable, by backend.",
@@ -615,6 +631,9 @@ STATE_GAUGE_LABELS: dict[str, tuple[str, ...]] = {
     "fair_queue_depth": ("endpoint", "tier"),
     "fair_drr_deficit": ("endpoint", "tenant"),
     "fair_vtc_counter": ("endpoint", "tenant"),
+    "fair_service_gap": ("endpoint", "tier"),
+    "fair_jain_index": ("endpoint", "tier"),
+    "fair_goodput": ("endpoint", "tenant"),
     "fair_inflight_batches": ("endpoint",),
     "fair_backend_available": (),
     "fair_triton_backend_available": ("backend",),
@@ -655,6 +674,25 @@ def reference() -> str:
         doc = doc.replace("|", "\\|")
         out.append(f"| `{name}` | {kind} | {shown} | {doc} |")
     return "\n".join(out) + "\n"
+
+
+def window_samples(
+    endpoint: str, window: WindowFairness, tenant_label: Callable[[str], str]
+) -> list[tuple[str, dict[str, str], float]]:
+    """The fairness window's gauges of one endpoint (``StateCollector`` samples): the
+    service gap and Jain's index of each tier with two tenants or more backlogged
+    through the window, every served tenant's goodput (under its label: ``other``'s
+    is the sum of the tenants folded into it)."""
+    out: list[tuple[str, dict[str, str], float]] = []
+    for tier, normalised in window.backlogged.items():
+        if len(normalised) < 2:
+            continue
+        labels = {"endpoint": endpoint, "tier": tier}
+        out.append(("fair_service_gap", labels, service_gap(normalised.values())))
+        out.append(("fair_jain_index", labels, jain_index(normalised.values())))
+    for tenant, rate in window.goodput().items():
+        out.append(("fair_goodput", {"endpoint": endpoint, "tenant": tenant_label(tenant)}, rate))
+    return out
 
 
 class StateCollector(Collector):

@@ -43,7 +43,7 @@ from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.clock import Clock, LoopClock
 from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
-from fair_frontend.core.metrics import FrontendMetrics, StateCollector
+from fair_frontend.core.metrics import FrontendMetrics, StateCollector, window_samples
 from fair_frontend.core.plan import (
     batch_throttle,
     engine_throttle,
@@ -1049,7 +1049,8 @@ class Core:
                 runtime.admission.service.tick(at)
 
     def state_samples(self) -> list[tuple[str, dict[str, str], float]]:
-        """Live gauges for the metrics port: queue depths, deficits, in-flight batches."""
+        """Live gauges for the metrics port: queue depths, deficits, in-flight batches,
+        the fairness window's figures."""
         pool = self._pool
         available = pool is None or pool.available
         out: list[tuple[str, dict[str, str], float]] = [
@@ -1060,6 +1061,7 @@ class Core:
             up = 1.0 if backend.available else 0.0
             out.append(("fair_triton_backend_available", {"backend": name}, up))
         label = self.metrics.tenant_label
+        now = self.clock.now()
         for model, rt in list(self.runtimes.items()):
             sched = rt.scheduler
             out.append(("fair_inflight_batches", {"endpoint": model}, float(rt.inflight)))
@@ -1077,6 +1079,7 @@ class Core:
             if gauge is not None:
                 for tenant, deficit in sched.deficits().items():
                     out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
+            out.extend(window_samples(model, sched.window(now), label))
             if rt.admission is not None:
                 out.extend(rt.admission.service.status().samples())
         return out

@@ -30,6 +30,12 @@ from fair_frontend.scheduler.types import (
     TenantDirectory,
     TenantTerms,
 )
+from fair_frontend.scheduler.window import (
+    WINDOW_S,
+    ServiceLog,
+    WindowFairness,
+    window_end,
+)
 
 Mode = Literal["fair", "fifo"]
 
@@ -128,6 +134,9 @@ class Scheduler:
         self._scale = 1.0
         self._step_end = -math.inf
         self._base_step: int | None = None
+        # Every tenant's service at the start of the recent seconds with a dispatch (the
+        # fairness window's, ``fair_frontend.scheduler.window``: taken at a step's start).
+        self._service_log = ServiceLog()
         self._peek: Peek = self._peek_fair if self._fair else self._arrivals.head
         self._take: Take = self._take_fair if self._fair else self._take_fifo
 
@@ -262,9 +271,12 @@ class Scheduler:
         if self._fair:
             queue.push(req, handle)
             if was_idle:
+                queue.busy_since = now
                 tier = queue.tier
                 tier.active_weight += queue.weight
                 self._fairness.join(tier.fair_state, queue)
+        elif was_idle:
+            queue.busy_since = now
 
     def next_batch(self, now: float) -> list[QueuedRequest]:
         """The next batch to send, in dispatch order; [] only if nothing is queued.
@@ -340,12 +352,17 @@ class Scheduler:
 
     def charge_back(self, tenant: str, cost: float, program: str = "") -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
-        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody).
+        if negative): output tokens, as they stream. Fair mode only (fifo charges nobody),
+        but the service the fairness window counts (``window``) takes it in both modes.
         Its ``program`` attains it too (at the scale of the latest dispatch's step), where
         its tenant's queue still keeps that program."""
-        if not self._fair or not cost:
+        if not cost:
             return
         queue = self._queues.get(tenant)
+        if queue is not None:
+            queue.served += cost
+        if not self._fair:
+            return
         if queue is not None:
             queue.charge_back(program, cost * self._scale)
             tier = queue.tier
@@ -486,6 +503,28 @@ class Scheduler:
         for tier in self._tiers:
             out.update(self._fairness.deficits(tier.fair_state))
         return out
+
+    def window(self, now: float) -> WindowFairness:
+        """What this endpoint served over the last ``WINDOW_S`` whole seconds before
+        ``now``, and to which tenants backlogged through them
+        (``fair_frontend.scheduler.window``). O(tenants ever queued here + seconds of
+        the window): for a scrape, not per request."""
+        end = window_end(now)
+        start = end - WINDOW_S
+        queues = self._queues
+        current = {tenant: queue.served for tenant, queue in queues.items()}
+        log = self._service_log
+        at_end, at_start = log.at(end, current), log.at(start, current)
+        served: dict[str, float] = {}
+        backlogged: dict[str, dict[str, float]] = {}
+        for tenant, queue in queues.items():
+            cost = at_end.get(tenant, 0.0) - at_start.get(tenant, 0.0)
+            if cost:
+                served[tenant] = cost
+            if queue.busy_since <= start and (queue.requests or queue.idle_since >= end):
+                tier = backlogged.setdefault(queue.tier.name, {})
+                tier[tenant] = cost / queue.weight
+        return WindowFairness(start, end, served, backlogged)
 
     def oldest_arrival(self) -> float | None:
         """Arrival time of the longest-queued request, None if nothing is queued."""
@@ -645,6 +684,7 @@ class Scheduler:
     def _new_queue(self, tenant: str, terms: TenantTerms) -> TenantQueue:
         # Also replaces an empty queue whose tenant's terms changed (a config reload):
         # terms apply from the moment a tenant's queue is empty (TenantQueue docstring).
+        old = self._queues.get(tenant)
         queue = TenantQueue(
             tenant,
             terms,
@@ -653,6 +693,12 @@ class Scheduler:
             default_max_queued=self._caps.default_max_queued(self.policy.slots),
             caps=self._caps,
         )
+        if old is not None:  # the fairness window's record goes on
+            queue.served, queue.busy_since, queue.idle_since = (
+                old.served,
+                old.busy_since,
+                old.idle_since,
+            )
         self._queues[tenant] = queue
         return queue
 
@@ -677,6 +723,7 @@ class Scheduler:
         if now >= self._step_end:
             self._next_step(now)
         queue.pop_head(req.cost * self._scale)
+        queue.served += req.cost
         tier = queue.tier
         self._fairness.charge(tier.fair_state, queue, req.cost)
         self._tier_selector.record(self._tier_state, tier, req.rows)
@@ -699,9 +746,17 @@ class Scheduler:
             base = self._base_step = base + halvings * _STEPS_PER_HALF_LIFE
         self._scale = 2.0 ** ((step - base) / _STEPS_PER_HALF_LIFE)
         self._step_end = (step + 1) * _PROGRAM_STEP_S
+        # Nothing was dispatched since the step began: this is the service at its start.
+        served = {tenant: queue.served for tenant, queue in self._queues.items()}
+        self._service_log.record(step * _PROGRAM_STEP_S, served)
 
     def _take_fifo(self, req: QueuedRequest, now: float) -> None:
         """Dispatch the request at the head of the arrival queue."""
+        if now >= self._step_end:
+            self._next_step(now)
+        queue = req._queue
+        assert queue is not None
+        queue.served += req.cost
         self._arrivals.pop_head()
         self._finish(req, _DISPATCHED, now)
         if req.deadline is not None:
@@ -730,10 +785,12 @@ class Scheduler:
         queue.remove(req)
         tier = queue.tier
         self._caps.remove(req.tenant, req.nbytes)
-        if self._fair and not queue.requests:
-            # A tenant whose queue empties leaves its tier's round (and loses its budget).
-            tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
-            self._fairness.leave(tier.fair_state, queue)
+        if not queue.requests:
+            queue.idle_since = now
+            if self._fair:
+                # A tenant whose queue empties leaves its tier's round (and its budget).
+                tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
+                self._fairness.leave(tier.fair_state, queue)
 
 
 _NONE_HELD = (0, 0)

@@ -10,6 +10,7 @@ scheduler reports is exact while tombstones wait.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -75,9 +76,12 @@ class TenantQueue(Load):
         "_program_of",
         "_programs",
         "_sole",
+        "busy_since",
         "by_priority",
+        "idle_since",
         "max_queued",
         "max_queued_bytes",
+        "served",
         "service",
         "tenant",
         "terms",
@@ -118,6 +122,12 @@ class TenantQueue(Load):
         self._busy: dict[Program, None] = {}
         self._program_of: dict[int, Program] = {}  # a queued request's (by its seq)
         self._chosen: Program | None = None
+        # For the fairness window (``fair_frontend.scheduler.window``): the cost served
+        # (undecayed, charge-backs included), when the queue last turned from empty to
+        # queued and when it last emptied (the scheduler keeps them).
+        self.served = 0.0
+        self.busy_since = math.inf
+        self.idle_since = -math.inf
 
     def add(self, req: QueuedRequest) -> None:
         """Count a request in this queue's load, its priority level's and its tier's.

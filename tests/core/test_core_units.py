@@ -584,6 +584,49 @@ async def test_the_fair_share_is_charged_the_tokens_reported_as_they_come() -> N
     assert rig.vtc("b") == 20.0 and rig.outcomes(b) == [Outcome.CANCELLED]
 
 
+async def test_the_fairness_gauges_read_the_window_at_the_cores_time() -> None:
+    """``Core.state_samples`` on the fake clock: a and b (weights 1) each have one stream
+    granted at 1000 s (both slots) and two queued from then on. At 1012.5 s, the window
+    [1002 s, 1012 s] saw no grant: both backlogged, neither served, gap 0 and Jain 1,
+    no goodput. Then one stream ends and the queued request of the tenant with the
+    lower counter is granted at 1012.5 s: at 1013.2 s the window [1003 s, 1013 s] has
+    its input (its prompt) for that tenant alone: gap = the prompt, Jain 1/2, goodput
+    prompt / 10 s. (The ended stream's output is charged back before that grant: in
+    the second of the grant at 1000 s, before the window.)"""
+    rig = Rig()
+    shell = Shell("s")
+    prompts = {"a": 10, "b": 4}
+    sent: dict[str, list[Sent]] = {"a": [], "b": []}
+    for _ in range(3):
+        for tenant, p in prompts.items():
+            sent[tenant].append(rig.submit_llm(shell, tenant, prompt=p, max_tokens=10))
+    await rig.settle()
+    assert [x.granted for x in sent["a"] + sent["b"]] == [True, False, False] * 2
+
+    def gauges() -> dict[tuple[str, str], float]:
+        return {
+            (name, labels.get("tier") or labels["tenant"]): value
+            for name, labels, value in rig.core.state_samples()
+            if name in ("fair_service_gap", "fair_jain_index", "fair_goodput")
+            and labels["endpoint"] == LLM
+        }
+
+    await rig.advance(12.5)
+    assert gauges() == {("fair_service_gap", "paid"): 0.0, ("fair_jain_index", "paid"): 1.0}
+    end_stream(rig, sent["a"][0], 5, "ok")
+    await rig.settle()
+    granted = [t for t in prompts if sent[t][1].granted]
+    assert len(granted) == 1
+    (tenant,) = granted
+    await rig.advance(0.7)
+    assert gauges() == {
+        ("fair_service_gap", "paid"): prompts[tenant],
+        ("fair_jain_index", "paid"): 0.5,
+        ("fair_goodput", tenant): prompts[tenant] / 10,
+    }
+    await finish(rig)
+
+
 async def test_a_request_admitted_once_its_model_is_looked_up_holds_its_dispatcher(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
