@@ -351,7 +351,7 @@ class Accounting:
             return
         if runtime.plan.cost is CostUnit.TOKENS:
             cost = runtime.output_cost(req, tokens)
-            runtime.scheduler.charge_back(req.tenant, cost, req.program)
+            runtime.scheduler.charge_back(req.tenant, cost, req.program, self.now())
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.now()

@@ -350,14 +350,22 @@ class Scheduler:
         if self._mean_row_cost > 0:
             self._fairness.learn_quantum(self._batch_rows * self._mean_row_cost)
 
-    def charge_back(self, tenant: str, cost: float, program: str = "") -> None:
+    def charge_back(
+        self, tenant: str, cost: float, program: str = "", now: float | None = None
+    ) -> None:
         """A dispatched request of ``tenant`` cost ``cost`` more than it was charged (less,
         if negative): output tokens, as they stream. Fair mode only (fifo charges nobody),
         but the service the fairness window counts (``window``) takes it in both modes.
-        Its ``program`` attains it too (at the scale of the latest dispatch's step), where
-        its tenant's queue still keeps that program."""
+        Its ``program`` attains it too, where its tenant's queue still keeps that program.
+        ``now``: when it is charged; a second begun since the latest dispatch begins here
+        (its service at its start recorded, the programs' scale moved on), so the window
+        counts the tokens in the second they came, not in the latest dispatch's (an
+        engine's slots held by long streams: seconds apart). Without it, the latest
+        dispatch's second."""
         if not cost:
             return
+        if now is not None and now >= self._step_end:
+            self._next_step(now)
         queue = self._queues.get(tenant)
         if queue is not None:
             queue.served += cost

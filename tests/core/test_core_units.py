@@ -588,11 +588,11 @@ async def test_the_fairness_gauges_read_the_window_at_the_cores_time() -> None:
     """``Core.state_samples`` on the fake clock: a and b (weights 1) each have one stream
     granted at 1000 s (both slots) and two queued from then on. At 1012.5 s, the window
     [1002 s, 1012 s] saw no grant: both backlogged, neither served, gap 0 and Jain 1,
-    no goodput. Then one stream ends and the queued request of the tenant with the
-    lower counter is granted at 1012.5 s: at 1013.2 s the window [1003 s, 1013 s] has
-    its input (its prompt) for that tenant alone: gap = the prompt, Jain 1/2, goodput
-    prompt / 10 s. (The ended stream's output is charged back before that grant: in
-    the second of the grant at 1000 s, before the window.)"""
+    no goodput. Then a's stream ends at 1012.5 s with 5 tokens, charged back to a then
+    (in that second, not in its grant's at 1000 s), and the queued request of the tenant
+    with the lower counter (b: 4 against a's 15) is granted: at 1013.2 s the window
+    [1003 s, 1013 s] has a's 5 output tokens and b's prompt of 4: gap 1, Jain
+    9^2 / (2 (5^2 + 4^2)) = 81/82, goodput 0.5 and 0.4."""
     rig = Rig()
     shell = Shell("s")
     prompts = {"a": 10, "b": 4}
@@ -615,14 +615,13 @@ async def test_the_fairness_gauges_read_the_window_at_the_cores_time() -> None:
     assert gauges() == {("fair_service_gap", "paid"): 0.0, ("fair_jain_index", "paid"): 1.0}
     end_stream(rig, sent["a"][0], 5, "ok")
     await rig.settle()
-    granted = [t for t in prompts if sent[t][1].granted]
-    assert len(granted) == 1
-    (tenant,) = granted
+    assert [t for t in prompts if sent[t][1].granted] == ["b"]
     await rig.advance(0.7)
     assert gauges() == {
-        ("fair_service_gap", "paid"): prompts[tenant],
-        ("fair_jain_index", "paid"): 0.5,
-        ("fair_goodput", tenant): prompts[tenant] / 10,
+        ("fair_service_gap", "paid"): 1.0,
+        ("fair_jain_index", "paid"): pytest.approx(81 / 82, rel=1e-12),
+        ("fair_goodput", "a"): 0.5,
+        ("fair_goodput", "b"): 0.4,
     }
     await finish(rig)
 

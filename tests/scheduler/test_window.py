@@ -264,3 +264,22 @@ def test_window_matches_a_log_of_random_runs(
             assert (window.start, window.end) == (start, end)
             assert window.served == {n: v for n, v in served.items() if v}
             assert window.backlogged == backlogged
+
+
+def test_tokens_charged_back_count_in_the_second_they_came() -> None:
+    """One request dispatched at 1000.2 s (cost 1), its output charged back at 1003.5 s
+    (5), nothing dispatched after: at 1013.7 s the window is [1003 s, 1013 s), and the
+    five tokens are in it, the dispatch is not. Counted in the second of the latest
+    dispatch (the charge-back told no time), they would be before the window: 0 served."""
+    s = make_scheduler({"a": TenantSpec("paid", 1.0)}, max_batch_size=1)
+    s.enqueue(make_request("a"), 1000.0)
+    assert len(s.next_batch(1000.2)) == 1
+    s.charge_back("a", 5.0, "", 1003.5)
+    window = s.window(1013.7)
+    assert (window.start, window.end) == (1003.0, 1013.0)
+    assert window.served == {"a": 5.0}
+    untimed = make_scheduler({"a": TenantSpec("paid", 1.0)}, max_batch_size=1)
+    untimed.enqueue(make_request("a"), 1000.0)
+    untimed.next_batch(1000.2)
+    untimed.charge_back("a", 5.0)
+    assert untimed.window(1013.7).served == {}  # the control: the second it was told
