@@ -47,7 +47,14 @@ import numpy as np
 
 from fair_frontend.config import Endpoint
 from fair_frontend.models import ModelInfo
-from fair_frontend.protocol import DTYPES, InferRequest, ParamValue, RequestedOutput, Tensor
+from fair_frontend.protocol import (
+    DTYPES,
+    Batch,
+    InferRequest,
+    ParamValue,
+    RequestedOutput,
+    Tensor,
+)
 
 if TYPE_CHECKING:
     from fair_frontend.endpoint import EndpointPlan
@@ -130,6 +137,20 @@ class Packed:
     parameters: dict[str, ParamValue]
     stripped: frozenset[str]  # outputs added for the frontend's own use
     sequence: dict[str, ParamValue]  # a stateful model's sequence_id/_start/_end
+
+    def batch(self, model: str, first: InferRequest, rows: int, traceparent: str = "") -> Batch:
+        """This batch as its backend's request (``rows`` calls, ``first`` the first of
+        them): the first's version, and its id where the batch is that one call alone."""
+        return Batch(
+            model,
+            first.version,
+            self.inputs,
+            self.outputs,
+            self.parameters,
+            request_id=first.id if rows == 1 else "",
+            sequence=self.sequence,
+            traceparent=traceparent,
+        )
 
 
 def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:

@@ -790,18 +790,8 @@ class Dispatcher(ABC):
         if self.traces is not None:
             url = str(getattr(forwarder, "url", backend))
             span = self.traces.batch(self.model, [r.call for r in batch], url, self.clock.now())
-        sent = forwarder.infer(
-            Batch(
-                self.model,
-                first.version,
-                packed.inputs,
-                packed.outputs,
-                packed.parameters,
-                request_id=first.id if len(batch) == 1 else "",
-                sequence=packed.sequence,
-                traceparent=carried(span)[0] if span is not None else "",
-            )
-        )
+        traceparent = carried(span)[0] if span is not None else ""
+        sent = forwarder.infer(packed.batch(self.model, first, len(batch), traceparent))
         if span is None:
             return await sent
         context = span.get_span_context()

@@ -777,17 +777,23 @@ class Core:
         if tenant not in self.tenants:
             raise Unauthenticated(REMOVED_TENANT)
 
+    async def _set_up(self, model: str, tenant: str) -> Dispatcher:
+        """The dispatcher of ``model`` for a call of ``tenant`` that came before the model
+        was set up: set up since by another call's lookup, else looked up now."""
+        runtime = self.runtimes.get(model)
+        if runtime is None:
+            runtime = self._runtime(model, await self.models.get(model))
+            self._known(tenant)  # a reload may have removed it meanwhile
+        return runtime
+
     async def _admit_later(self, req: CoreRequest, route: Route, *, lookup: bool) -> None:
         """The rest of admission, where it must wait: a model lookup, a rate-limit storage."""
         call = req.call
         try:
             model = call.request.model
             runtime = req.runtime
-            if runtime is None:  # its model was not set up when it came: looked up
-                runtime = self.runtimes.get(model)  # (or set up by another's lookup since)
-                if runtime is None:
-                    runtime = self._runtime(model, await self.models.get(model))
-                    self._known(req.tenant)  # a reload may have removed it meanwhile
+            if runtime is None:  # its model was not set up when it came
+                runtime = await self._set_up(model, req.tenant)
                 # Its batch key and the tokens the scheduler charges were taken without
                 # the dispatcher (the input and the output asked for): taken again now.
                 req.shape_key = _shape_key(call, runtime)
@@ -830,11 +836,8 @@ class Core:
         try:
             model = head.request.model
             runtime = head.runtime
-            if runtime is None:  # its model was not set up when it came: looked up
-                runtime = self.runtimes.get(model)  # (or set up by another's lookup since)
-                if runtime is None:
-                    runtime = self._runtime(model, await self.models.get(model))
-                    self._known(head.tenant)  # a reload may have removed it meanwhile
+            if runtime is None:  # its model was not set up when it came
+                runtime = await self._set_up(model, head.tenant)
                 for req in reqs:  # (the batch keys: as they are queued)
                     req.tokens = _scheduled_tokens(req.call, runtime)
                     req.runtime = runtime

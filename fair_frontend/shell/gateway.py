@@ -677,16 +677,7 @@ class Gateway:
                 traceparent = carried(span)[0]
         try:
             version, outputs = await forwarder.infer(
-                Batch(
-                    rows.model,
-                    first.version,
-                    packed.inputs,
-                    packed.outputs,
-                    packed.parameters,
-                    request_id=first.id if len(calls) == 1 else "",
-                    sequence=packed.sequence,
-                    traceparent=traceparent,
-                )
+                packed.batch(rows.model, first, len(calls), traceparent)
             )
         except FrontendError as err:
             if span is not None:
