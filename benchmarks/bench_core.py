@@ -224,14 +224,9 @@ async def core_per_stream(n: int) -> dict[str, float]:
     core = Core(parse_config(data), cast(TritonForwarder, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
-    text = np.array([b"a tenant asks the shared model a question"], dtype=object)
-    request = InferRequest(
-        "llm",
-        inputs=[
-            Tensor("text_input", "BYTES", (1,), text),
-            Tensor("stream", "BOOL", (1,), np.array([True])),
-        ],
-    )
+    # What a shell sends of a stream: its facts, the tensors kept to stream them from
+    # Triton once granted (``Gateway._handle``).
+    request = InferRequest("llm")
     reqs: dict[int, Any] = {}
     ids = iter(range(1, 1 << 62))
 

@@ -4,7 +4,8 @@ With the endpoint in granted mode (``Endpoint.unary: one_hop``) a shell process 
 request's tensors, the core forms the batches from their facts and grants each shell its
 rows, and the shell sends them to Triton itself (``core.granted``). Proved here on the real
 stack: a 1 MiB tensor's bytes never reach the core (counted on the core's end of the
-shells' links, both ways; a relayed one of the same size crosses it twice), and it is
+shells' links, both ways; a relayed one of the same size crosses it twice), nor do a
+stream's (a decoupled model's calls are granted slots: their shells stream them), and it is
 answered right; a failing row among many concurrent ones is found by bisection and only
 its request fails; a one-hop call's shell logs it, not the core. The shell killed
 mid-load, with rows of its own in batches beside the other shell's, is
@@ -104,6 +105,46 @@ async def test_a_1_mib_tensor_never_reaches_the_core(two_shells: RunningFrontend
         relayed = await _settled(fe) - before
         assert echoed.as_numpy("OUTPUT0")[0][0] == text[0][0]
         assert relayed > 2 * MIB, relayed
+    finally:
+        await client.close()
+
+
+async def test_a_streams_1_mib_tensor_never_reaches_the_core(two_shells: RunningFrontend) -> None:
+    """A stream takes one hop too: its shell sends the core the call's facts, streams it
+    from Triton once granted a slot, and tells the core its tokens and its end: a request
+    of 1 MiB (flood_decoupled's ``PAD``, which no answer carries) costs the core's links
+    records, not its tensor."""
+    fe = two_shells
+    client = grpcaio.InferenceServerClient(fe.grpc_url)
+    inputs = []
+    for name, values in (
+        ("COUNT", np.array([3], dtype=np.int32)),
+        ("SIZE", np.array([8], dtype=np.int32)),
+        ("PAD", np.full(MIB // 4, 7, dtype=np.int32)),
+    ):
+        tensor = grpcaio.InferInput(name, list(values.shape), "INT32")
+        tensor.set_data_from_numpy(values)
+        inputs.append(tensor)
+
+    async def one(request_inputs: list[grpcaio.InferInput]) -> Any:
+        yield {"model_name": "flood_decoupled", "inputs": request_inputs}
+
+    async def stream(request_inputs: list[grpcaio.InferInput]) -> list[bytes]:
+        got = []
+        headers = {"x-api-key": KEYS["initech"]}
+        async for result, error in client.stream_infer(one(request_inputs), headers=headers):
+            assert error is None, error
+            out = result.as_numpy("OUT")
+            if out is not None:
+                got.append(out.reshape(-1)[0])
+        return got
+
+    try:
+        assert await stream(inputs[:2]) == [b"x" * 8] * 3  # the model known
+        before = await _settled(fe)
+        assert await stream(inputs) == [b"x" * 8] * 3
+        streamed = await _settled(fe) - before
+        assert streamed < RECORDS_BOUND, streamed
     finally:
         await client.close()
 

@@ -528,6 +528,10 @@ class Gateway:
             logged = self.config.observability.request_log == "shell"
             inbox = self.link.submit(_facts(call, plan, logged=logged))
             inbox.held = (call, plan)
+        elif plan.info.decoupled:
+            # Its stream goes from here to Triton when the core grants it a slot (one
+            # hop): the core decides on its facts, never its tensors.
+            inbox = self.link.submit(_facts(call, plan, key=False))
         else:
             inbox = self.link.submit(call)
         try:
@@ -1307,14 +1311,16 @@ class Gateway:
         return self._cache
 
 
-def _facts(call: Call, plan: EndpointPlan, *, logged: bool = False) -> Call:
+def _facts(call: Call, plan: EndpointPlan, *, key: bool = True, logged: bool = False) -> Call:
     """What the core is told of a call whose tensors stay here: all but its request's
-    inputs, outputs and parameters, and the batch key they make (``Call.key``);
-    ``logged``: this shell writes its request-log line (``Call.logged``)."""
+    inputs, outputs and parameters, and (``key``: a unary call, granted rows of a batch)
+    the batch key they make (``Call.key``); ``logged``: this shell writes its
+    request-log line (``Call.logged``). A stream granted a slot (``key`` False) is one
+    request per batch: it has no key."""
     req = call.request
     bare = dataclasses.replace(req, inputs=[], outputs=[], parameters={})
-    key = wire_key(req, plan)
-    return msgspec.structs.replace(call, request=bare, key=key, logged=logged)
+    wire = wire_key(req, plan) if key else b""
+    return msgspec.structs.replace(call, request=bare, key=wire, logged=logged)
 
 
 def _wants_usage(req: InferRequest) -> bool:
