@@ -72,7 +72,7 @@ class Seen:
 
 class CoreSpy:
     """What the core does for one model, as it does it: a spy on the model's runtime (its
-    scheduler's ``enqueue`` and ``next_batch``, its ``count_produced`` and ``on_done``), put in
+    scheduler's ``enqueue`` and ``next_batch``, its ``count_report`` and ``on_done``), put in
     and taken out on the core's own loop. The core runs in this process (``running_frontend``,
     whatever the number of shells), so its record is readable here."""
 
@@ -94,9 +94,9 @@ class CoreSpy:
         runtime = self.fe.frontend.runtimes[self.model]
         scheduler = runtime.scheduler
         enqueue, next_batch = scheduler.enqueue, scheduler.next_batch
-        # count_produced: where every token report is counted (one by one in process, a
+        # count_report: where every token report is counted (one by one in process, a
         # shell's Produced record at once over a socket: Core.produced_all).
-        produced, on_done = runtime.count_produced, runtime.on_done
+        produced, on_done = runtime.count_report, runtime.on_done
 
         def spied_enqueue(req: Any, now: float) -> None:
             enqueue(req, now)
@@ -110,12 +110,10 @@ class CoreSpy:
                 self._note("dispatched", req, depths)
             return batch
 
-        def spied_produced(req: Any, tokens: int) -> bool:
-            counted = not req.answered and tokens > 0
-            charged: bool = produced(req, tokens)
-            if counted:
-                self._note("produced", req, scheduler.depths(), tokens=tokens)
-            return charged
+        def spied_produced(req: Any, tokens: int) -> float | None:
+            cost: float | None = produced(req, tokens)  # asked of an unanswered one only
+            self._note("produced", req, scheduler.depths(), tokens=tokens)
+            return cost
 
         def spied_on_done(req: Any, outcome: Any, err: Any, version: str) -> None:
             on_done(req, outcome, err, version)
@@ -123,10 +121,10 @@ class CoreSpy:
             self._note("ended", req, scheduler.depths(), outcome=outcome.value)
 
         scheduler.enqueue, scheduler.next_batch = spied_enqueue, spied_next_batch
-        runtime.count_produced, runtime.on_done = spied_produced, spied_on_done
+        runtime.count_report, runtime.on_done = spied_produced, spied_on_done
 
         def restore() -> None:
-            del scheduler.enqueue, scheduler.next_batch, runtime.count_produced
+            del scheduler.enqueue, scheduler.next_batch, runtime.count_report
             runtime.on_done = on_done
 
         self._restore = restore

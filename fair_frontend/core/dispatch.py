@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.batching import Packed, batch_key, pack, unpack
+from fair_frontend.config import CostUnit
 from fair_frontend.core.clock import Clock, Timer
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import IDLE_MARGIN
@@ -850,23 +851,23 @@ class Dispatcher(ABC):
     def produced(self, req: CoreRequest, tokens: int) -> None:
         """A granted request's stream relayed ``tokens`` output tokens (its shell says so,
         as they come): charged to its tenant now."""
-        if self.count_produced(req, tokens):
-            self._tokens_charged()
+        if req.answered or tokens <= 0 or self.count_report(req, tokens) is None:
+            return
+        self.on_tokens(req, tokens)
+        self._tokens_charged()
 
-    def count_produced(self, req: CoreRequest, tokens: int) -> bool:
-        """``produced`` but for asking whether a slot waits on the charge: True where its
-        tenant was charged, and the caller then calls ``charged`` once, after all the
-        reports it counts together (a shell's ``Produced``: one record per tick)."""
-        if req.answered or tokens <= 0:
-            return False
+    def count_report(self, req: CoreRequest, tokens: int) -> float | None:
+        """``produced`` without the charge, for a record's reports charged together
+        (``Core.produced_all``): ``tokens`` counted to ``req``; what they cost its
+        tenant's fair share (its output cost, 0.0 on an endpoint that counts requests),
+        or None where this endpoint does not count its output (nothing to charge)."""
         req.produced += tokens
         if self._token_output is None:
-            return False
-        self.on_tokens(req, tokens)
-        return True
+            return None
+        return self.output_cost(req, tokens) if self.plan.cost is CostUnit.TOKENS else 0.0
 
     def charged(self) -> None:
-        """Streams' tokens were charged to their tenants (``count_produced``)."""
+        """Streams' tokens were charged to their tenants (``count_report``)."""
         self._tokens_charged()
 
     def ended(

@@ -62,6 +62,7 @@ import asyncio
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -76,6 +77,7 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
+from fair_frontend.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.records import Call
 
@@ -457,3 +459,72 @@ def test_lost_reports_are_the_term_the_core_cannot_bound() -> None:
     assert relay.start["a"] == relay.start["b"]
     assert ahead > 10 * work.lead(0.0), (ahead, work.lead(0.0))
     assert ahead <= work.lead_from_start(relay.lost["a"], 0.0)
+
+
+class Told(Observer):
+    """The token observations the core makes."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, int, float | None, int]] = []
+
+    def tokens_produced(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        tokens: int,
+        first_token_s: float | None,
+        inter_token_s: Sequence[float] = (),
+    ) -> None:
+        self.told.append((tenant, tokens, first_token_s, len(inter_token_s)))
+
+
+def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_produced() -> None:
+    """One shell's record of a tick (``Core.produced_all``): each tenant is charged, and
+    its counter stands, exactly as with its streams' reports one by one (``produced``);
+    the record is observed once per tenant (every token and gap of it) and once per
+    first token, not once per stream; a stream answered meanwhile is charged nothing."""
+
+    async def scenario() -> None:
+        cores = []
+        for _ in range(2):
+            told = Told()
+            core = Core(
+                config(8, 3.0),
+                cast(TritonForwarder, NoTriton()),
+                observers=[told],
+                clock=StepClock(),
+            )
+            core._runtime(LLM, LLM_INFO)
+            shell = Shell()
+            reqs = []
+            for i, tenant in enumerate("aabbbc"):
+                call = Call(i + 1, tenant, 1, 0.0, 1.7e9, 1, 12, 2, None, InferRequest(LLM),
+                            stream=True, max_tokens=8)  # fmt: skip
+                req = core.submit(call, shell)
+                assert req is not None
+                reqs.append(req)
+            for _ in range(SETTLE_ROUNDS):
+                await asyncio.sleep(0)
+            assert len(shell.grants) == 6
+            cores.append((core, told, reqs))
+        (together, told, reqs), (alone, _, reqs_alone) = cores
+        reports = [
+            (0, 3, 0.02, [0.01] * 2), (1, 1, -1.0, [0.01]), (2, 2, 0.03, [0.01]),
+            (3, 4, -1.0, [0.01] * 4), (4, 1, -1.0, [0.02]), (0, 2, -1.0, [0.01] * 2),
+        ]  # fmt: skip
+        reqs[5].answered = reqs_alone[5].answered = True  # c's: answered meanwhile
+        reports.append((5, 7, 0.01, [0.0] * 6))
+        together.produced_all([(reqs[k], n, first, gaps) for k, n, first, gaps in reports])
+        for k, n, first, gaps in reports:
+            alone.produced(reqs_alone[k], n, first, gaps)
+        assert [r.produced for r in reqs] == [5, 1, 2, 4, 1, 0]
+        assert [r.produced for r in reqs_alone] == [r.produced for r in reqs]
+        fair = together.runtimes[LLM].scheduler.export_fairness()
+        assert fair == alone.runtimes[LLM].scheduler.export_fairness()
+        assert sorted(told.told, key=repr) == sorted(
+            [("a", 0, 0.02, 0), ("b", 0, 0.03, 0), ("a", 6, None, 5), ("b", 7, None, 6)],
+            key=repr,
+        )
+
+    asyncio.run(scenario())
