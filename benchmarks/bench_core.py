@@ -33,8 +33,14 @@ each ``Call`` decoded from its frame as the link delivers it, granted, then one
 own Python work per stream, without the link that ``bench_core_capacity`` adds (results:
 ``core_streams.json``).
 
+With ``--tokens`` it measures the core's CPU per output token its shells report (issue
+30): 64 granted streams, a shell's ``Produced`` record of a tick carrying 1, 4 or 8
+tokens of each, decoded from its frame, its calls found as ``ShellConnection`` finds
+them, charged and observed (``Core.produced_all``); ``--requests / 4`` records each way
+(results: ``core_tokens.json``).
+
     .venv/bin/python -m benchmarks.bench_core [--requests 20000] [--limits] [--streams]
-        [--one-hop]
+        [--one-hop] [--tokens]
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from fair_frontend.protocol import Batch, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.wire.framing import encode, to_core, to_shell
-from fair_frontend.wire.records import Answer, Call, Grant, Rows, RowsDone
+from fair_frontend.wire.records import Answer, Call, Grant, Produced, Rows, RowsDone
 
 TOKENS = 128
 TENANTS = 8
@@ -212,8 +218,8 @@ class Shell:
             self.grants.append(answer)
 
 
-async def core_per_stream(n: int) -> dict[str, float]:
-    """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1)."""
+def stream_config() -> Any:
+    """The example config, ``llm`` unthrottled and unlimited, acme 2 : globex 1."""
     data = load_example_config()
     data.pop("tier_limits", None)
     data["default_endpoint"] = {"throttle": False}
@@ -221,7 +227,12 @@ async def core_per_stream(n: int) -> dict[str, float]:
     for tenant, weight in (("acme", 2.0), ("globex", 1.0)):
         data["tenants"][tenant].update(weight=weight, max_queued=1_000_000)
         data["tenants"][tenant].pop("limits", None)
-    core = Core(parse_config(data), cast(TritonForwarder, InstantTriton()))
+    return parse_config(data)
+
+
+async def core_per_stream(n: int) -> dict[str, float]:
+    """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1)."""
+    core = Core(stream_config(), cast(TritonForwarder, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
     # What a shell sends of a stream: its facts, the tensors kept to stream them from
@@ -397,6 +408,58 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     return out
 
 
+async def core_per_token(per_entry: int, records: int) -> dict[str, float]:
+    """The core's CPU per reported token: 64 granted streams of ``llm`` (acme 2 : globex
+    1), each of a shell's ``Produced`` records (one tick) carrying ``per_entry`` tokens of
+    each stream with their gaps, decoded from its frame as the link delivers it, its
+    calls found as ``ShellConnection`` finds them, then ``Core.produced_all``."""
+    core = Core(stream_config(), cast(TritonForwarder, InstantTriton()))
+    core._runtime("llm", llm_info())
+    shell = Shell()
+    calls: dict[int, Any] = {}
+    for i in range(1, 65):
+        tenant = ("acme", "globex")[i % 2]
+        call = Call(i, tenant, 2, time.monotonic(), time.time(), 1, 17, 64, None,
+                    InferRequest("llm"), True, 1)  # fmt: skip
+        calls[i] = core.submit(call, shell)
+    while len(shell.grants) < 64:
+        await asyncio.sleep(0)
+    frame = encode(Produced([(g.id, per_entry, -1.0, [0.01] * per_entry) for g in shell.grants]))
+    frame = frame[4:]
+    cpu0 = time.process_time()
+    for _ in range(records):
+        record = cast(Produced, to_core.decode(frame))
+        reports = []
+        for call_id, tokens, first_s, gaps in record.entries:
+            req = calls.get(call_id)
+            if req is not None:
+                reports.append((req, tokens, first_s, gaps))
+        core.produced_all(reports)
+    cpu = time.process_time() - cpu0
+    for req in calls.values():
+        core.stream_ended(req, "1", None, False)
+    await core.runtimes["llm"].drain(1.0)
+    return {"us_per_token": cpu / (records * 64 * per_entry) * 1e6}
+
+
+async def tokens_async(records: int) -> dict[str, Any]:
+    import logging
+
+    logging.getLogger("fair_frontend.requests").setLevel(logging.WARNING)
+    out: dict[str, Any] = {"streams": 64, "records": records}
+    for per_entry in (1, 4, 8):
+        progress(f"core: {records} Produced records of 64 streams, {per_entry} token(s) each")
+        await core_per_token(per_entry, records // 4)  # warm-up
+        got = [await core_per_token(per_entry, records) for _ in range(3)]
+        out[f"tokens_per_entry_{per_entry}"] = {
+            "us_per_token": min(g["us_per_token"] for g in got),
+            "rounds_us_per_token": [g["us_per_token"] for g in got],
+        }
+        progress(f"  {out[f'tokens_per_entry_{per_entry}']['us_per_token']:.2f} us of CPU "
+                 "per reported token")  # fmt: skip
+    return out
+
+
 def _done(value: ModelInfo) -> asyncio.Task[ModelInfo]:
     """A finished lookup, as the registry keeps one (a Future where it keeps a Task: what
     it reads of one, a Future has)."""
@@ -439,7 +502,11 @@ def main() -> None:
     parser.add_argument("--limits", action="store_true", help="every tenant rate-limited")
     parser.add_argument("--streams", action="store_true", help="new streams of llm instead")
     parser.add_argument("--one-hop", action="store_true", help="unary requests as facts")
+    parser.add_argument("--tokens", action="store_true", help="streams' token reports")
     args = parser.parse_args()
+    if args.tokens:
+        write_result("core_tokens", uvloop.run(tokens_async(args.requests // 4)))
+        return
     if args.one_hop:
         write_result("core_one_hop", uvloop.run(one_hop_async(args.requests)))
         return

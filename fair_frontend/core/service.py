@@ -552,47 +552,48 @@ class Core:
         self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
     ) -> None:
         """``produced`` for each report of one record (a shell's ``Produced``: its streams'
-        tokens of one tick), counted per stream, charged per tenant and program and
-        observed per tenant and model: one charge and one observation for the tick's
-        tokens of each, not one per stream, and each model is asked once, after them all,
-        whether a slot waits on the charges (``Dispatcher.charged``). The charges are the
+        tokens of one tick), counted per stream, charged and observed per tenant and
+        program: one charge and one observation for the tick's tokens of each, not one
+        per stream, and each model is asked once, after them all, whether a slot waits
+        on the charges (``Dispatcher.charged``). The charges are the
         sums of those ``produced`` makes one by one, at the same moment of the core's
         clock, with no decision between them: the fairness bounds
         (``tests/core/test_report_delays.py``) are the same."""
-        charges: dict[tuple[Dispatcher, str, str], float] = {}
-        seen: dict[tuple[str, str], tuple[int, list[float]]] = {}
+        # (runtime, tenant, program) -> [cost (None: not charged), tokens, gaps]
+        groups: dict[tuple[Dispatcher, str, str], list[Any]] = {}
         observe = self.observer.tokens_produced
         for req, tokens, first_token_s, gaps_s in reports:
             runtime = req.runtime
             if runtime is None or req.answered or tokens <= 0:
                 continue
             cost = runtime.count_report(req, tokens)
-            if cost is not None:
-                key = (runtime, req.tenant, req.program)
-                charges[key] = charges.get(key, 0.0) + cost
-            model = req.call.request.model
-            if first_token_s >= 0:
-                observe(tenant=req.tenant, model=model, tokens=0, first_token_s=first_token_s)
-            sink = (req.tenant, model)
-            held = seen.get(sink)
-            if held is None:
-                seen[sink] = (tokens, list(gaps_s))
+            key = (runtime, req.tenant, req.program)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [cost, tokens, list(gaps_s)]
             else:
-                held[1].extend(gaps_s)
-                seen[sink] = (held[0] + tokens, held[1])
-        for (tenant, model), (tokens, gaps) in seen.items():
-            observe(tenant=tenant, model=model, tokens=tokens, first_token_s=None,
+                if cost is not None:
+                    group[0] += cost
+                group[1] += tokens
+                group[2].extend(gaps_s)
+            if first_token_s >= 0:
+                observe(tenant=req.tenant, model=runtime.model, tokens=0,
+                        first_token_s=first_token_s)  # fmt: skip
+        if not groups:
+            return
+        now = self.clock.now()
+        charged: list[Dispatcher] = []
+        for (runtime, tenant, program), (cost, tokens, gaps) in groups.items():
+            observe(tenant=tenant, model=runtime.model, tokens=tokens, first_token_s=None,
                     inter_token_s=gaps)  # fmt: skip
-        if charges:
-            now = self.clock.now()
-            charged: list[Dispatcher] = []
-            for (runtime, tenant, program), cost in charges.items():
-                if cost:
-                    runtime.scheduler.charge_back(tenant, cost, program, now)
-                if runtime not in charged:
-                    charged.append(runtime)
-            for runtime in charged:
-                runtime.charged()
+            if cost is None:
+                continue  # its output is not counted here (``count_report``)
+            if cost:
+                runtime.scheduler.charge_back(tenant, cost, program, now)
+            if runtime not in charged:
+                charged.append(runtime)
+        for runtime in charged:
+            runtime.charged()
 
     def stream_ended(
         self,

@@ -482,8 +482,9 @@ class Told(Observer):
 def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_produced() -> None:
     """One shell's record of a tick (``Core.produced_all``): each tenant is charged, and
     its counter stands, exactly as with its streams' reports one by one (``produced``);
-    the record is observed once per tenant (every token and gap of it) and once per
-    first token, not once per stream; a stream answered meanwhile is charged nothing."""
+    the record is observed once per tenant and program (every token and gap of it) and
+    once per first token, not once per stream; a stream answered meanwhile is charged
+    nothing."""
 
     async def scenario() -> None:
         cores = []
