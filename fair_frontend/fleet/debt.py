@@ -1,12 +1,12 @@
 """Failover keeps the debt: the leader's fairness state, followed by its standbys.
 
 The leader publishes what its schedulers owe each tenant (``Core.export_fairness``: the
-DRR deficits and virtual token counters of every endpoint, ``fair_frontend.scheduler.
-snapshot``) every ``TICK_S`` to a key beside its lease in Redis; a standby that takes the
-lease reads it back before it accepts a shell and resumes from it
-(``Core.resume_fairness``). A tenant that had taken more than its share before the
-leader died is then served less than its share after, until even, instead of starting
-level with the tenant it took from.
+DRR deficits and virtual token counters of every endpoint, and the attained service of
+its backlogged tenants' programs, ``fair_frontend.scheduler.snapshot``) every
+``TICK_S`` to a key beside its lease in Redis; a standby that takes the lease reads it
+back before it accepts a shell and resumes from it (``Core.resume_fairness``). A tenant
+that had taken more than its share before the leader died is then served less than its
+share after, until even, instead of starting level with the tenant it took from.
 
 Why Redis, and not a follower link to the leader over the core link
 (``fair_frontend.wire.remote``):

@@ -129,6 +129,8 @@ class Scheduler:
         self._expired_count = 0
         self._cancelled = 0
         self._resumed_until: float | None = None  # see resume_fairness
+        # A resumed leader's programs' service, by tenant, for their queues to come.
+        self._resumed_programs: dict[str, dict[str, float]] = {}
         # Programs' decay (``TenantQueue``): a charge's scale, 2 ** ((step - base) / steps
         # per half-life), until the step that ends at ``_step_end``.
         self._scale = 1.0
@@ -388,11 +390,19 @@ class Scheduler:
         if not self._fair:
             return SchedulerFairness({})
         learned = self.quantum if self._learn_quantum and self._seen_rows else 0.0
+        unscale = 1.0 / self._scale
+        programs = {}
+        for tenant, queue in self._queues.items():
+            if queue.requests:  # backlogged: its programs' order matters at the resume
+                services = queue.export_programs(unscale)
+                if services:
+                    programs[tenant] = services
         return SchedulerFairness(
             {tier.name: self._fairness.export(tier.fair_state) for tier in self._tiers},
             learned,
             self._mean_row_cost,
             self._seen_rows,
+            programs,
         )
 
     def resume_fairness(self, saved: SchedulerFairness, now: float, keep_s: float) -> None:
@@ -409,10 +419,14 @@ class Scheduler:
             self._mean_row_cost, self._seen_rows = saved.mean_row_cost, saved.seen_rows
             if saved.quantum > 0:
                 self._fairness.learn_quantum(saved.quantum)
+        self._resumed_programs = dict(saved.programs)
         self._resumed_until = now + keep_s
 
     def _forget_resumed(self) -> None:
         self._resumed_until = None
+        self._resumed_programs = {}
+        for queue in self._queues.values():
+            queue.forget_restored()
         for tier in self._tiers:
             self._fairness.resume(tier.fair_state, _NOTHING)
 
@@ -707,6 +721,9 @@ class Scheduler:
                 old.busy_since,
                 old.idle_since,
             )
+        saved = self._resumed_programs.pop(tenant, None)
+        if saved:
+            queue.restore_programs(saved, self._scale)
         self._queues[tenant] = queue
         return queue
 

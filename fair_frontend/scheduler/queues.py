@@ -75,6 +75,7 @@ class TenantQueue(Load):
         "_overflow",
         "_program_of",
         "_programs",
+        "_restored",
         "_sole",
         "busy_since",
         "by_priority",
@@ -122,6 +123,9 @@ class TenantQueue(Load):
         self._busy: dict[Program, None] = {}
         self._program_of: dict[int, Program] = {}  # a queued request's (by its seq)
         self._chosen: Program | None = None
+        # A failed leader's service of this tenant's programs, scaled, given to each
+        # program as it first queues here (``restore_programs``); None: nothing left.
+        self._restored: dict[str, float] | None = None
         # For the fairness window (``fair_frontend.scheduler.window``): the cost served
         # (undecayed, charge-backs included), when the queue last turned from empty to
         # queued and when it last emptied (the scheduler keeps them).
@@ -246,6 +250,41 @@ class TenantQueue(Load):
         for program in self._named():
             program.service *= factor
 
+    def export_programs(self, factor: float) -> dict[str, float]:
+        """Each program's attained service times ``factor`` (the scale's inverse: its
+        service now), those this queue keeps apart and has served; the overflow aside (no
+        name is its own). Service still restorable (``restore_programs``) counts too."""
+        out = {name: service * factor for name, service in (self._restored or {}).items()}
+        if self._programs is None:
+            if isinstance(self._sole, str) and self.service:
+                out[self._sole] = self.service * factor
+        else:
+            for program in self._programs.values():
+                if program.service:
+                    out[program.name] = program.service * factor
+        return out
+
+    def restore_programs(self, services: dict[str, float], scale: float) -> None:
+        """A failed leader's ``export_programs`` of this tenant (a fresh queue's): each
+        program gets its service back, times ``scale`` (the scale now), as it first
+        queues here; the unnamed one's at once (the one heap's, until another comes)."""
+        restored = {name: service * scale for name, service in services.items() if service}
+        self.service = restored.pop("", 0.0)
+        self._restored = restored or None
+
+    def forget_restored(self) -> None:
+        """The resume is over: a program not back by now starts as a new one."""
+        self._restored = None
+
+    def _restored_service(self, name: str) -> float:
+        restored = self._restored
+        if restored is None:
+            return 0.0
+        service = restored.pop(name, 0.0)
+        if not restored:
+            self._restored = None
+        return service
+
     @property
     def programs(self) -> int:
         """Programs this queue keeps apart (the overflow one included)."""
@@ -269,6 +308,8 @@ class TenantQueue(Load):
                 # One program for all; or a fresh queue's first program, which it takes
                 # for its one heap's (the unnamed program before it has no history).
                 self._sole = req.program  # one program for all: the one heap
+                if limit >= 2:  # its own service, where a resume carried one
+                    self.service = self._restored_service(req.program)
                 self.push(req, handle)
                 return
             # Now two programs: the one heap becomes its program's.
@@ -309,7 +350,7 @@ class TenantQueue(Load):
                     self._overflow = Program("", [], 0, 0.0)
                 return self._overflow
             del programs[min(idle, key=_service).name]
-        program = programs[name] = Program(name, [], 0, 0.0)
+        program = programs[name] = Program(name, [], 0, self._restored_service(name))
         return program
 
     def _head_program(self) -> QueuedRequest | None:

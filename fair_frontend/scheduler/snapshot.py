@@ -27,6 +27,10 @@ exception lasts ``keep_s`` after the resume (``Scheduler.resume_fairness``: the 
 shells take to send their calls again), then every join is an ordinary one: a tenant
 whose calls never came back cannot bank its old position for later.
 
+Programs inside a tenant (``TenantQueue``) carry their attained service the same way:
+each backlogged tenant's, decayed to the export, restored to a program when it first
+queues again at the new leader within ``keep_s``.
+
 The round order of DRR is not carried (it is rebuilt by the joins); a tenant restored in
 the middle of its turn may therefore hold one quantum more than (I2) allows, once: the
 bounds of the package docstring widen by ``q`` across a failover, never more.
@@ -57,3 +61,8 @@ class SchedulerFairness(msgspec.Struct, array_like=True, frozen=True):
     quantum: float = 0.0  # 0: not learned (the configured one holds)
     mean_row_cost: float = 0.0
     seen_rows: int = 0
+    # Each backlogged tenant's programs' attained service (``TenantQueue``), decayed to
+    # the moment of the export: inside a tenant the program that had taken the most
+    # before the failover still waits behind the others after it. Last: older records
+    # decode without it.
+    programs: dict[str, dict[str, float]] = {}

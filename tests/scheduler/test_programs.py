@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_support import make_request, make_scheduler
@@ -21,6 +22,7 @@ from fair_frontend.scheduler import (
     QueuedRequest,
     QueueState,
     Scheduler,
+    SchedulerFairness,
     TenantQueue,
     TenantSpec,
 )
@@ -364,3 +366,58 @@ def test_the_default_bound_holds_against_a_flood() -> None:
         s.enqueue(make_request("a", program=f"id-{i}"), 0.0)
     assert queue_of(s, "a").programs == DEFAULT_PROGRAMS_PER_TENANT
     assert sum(len(b) for b in iter(lambda: s.next_batch(0.0), [])) == 2_000
+
+
+# ---- a failover keeps the programs' order ------------------------------------------------
+
+
+def _resumed(leader: Scheduler | None, now: float) -> Scheduler:
+    """A new leader's scheduler, resuming ``leader``'s export as a standby decodes it
+    (None: today's new leader, which resumes nothing)."""
+    s = make_scheduler({"a": "paid", "b": "paid"}, tiers=("paid",), max_batch_size=0)
+    if leader is not None:
+        wire = msgspec.msgpack.encode(leader.export_fairness())
+        s.resume_fairness(msgspec.msgpack.decode(wire, type=SchedulerFairness), now, 10.0)
+    return s
+
+
+def test_a_program_that_took_more_before_a_failover_goes_after_the_others_after_it() -> None:
+    """Inside tenant a, the agent took 6 units before the leader failed (one call, and
+    its output charged back), the chat 1, the unnamed program 1; all still have calls
+    queued. The shells send them again to the new leader, the agent's first: the chat's
+    and the unnamed program's go before the agent's, which has had most, as at the old
+    leader. Negative control: a new leader without the export serves the agent first
+    (every program even, its head first)."""
+    leader = make_scheduler({"a": "paid", "b": "paid"}, tiers=("paid",), max_batch_size=0)
+    for program in ("agent", "chat", "", "agent", "chat", ""):
+        leader.enqueue(make_request("a", program=program), 0.0)
+    assert [leader.next_batch(0.0)[0].program for _ in range(3)] == ["agent", "chat", ""]
+    leader.charge_back("a", 5.0, "agent")
+    exported = leader.export_fairness().programs["a"]
+    assert exported == {"agent": 6.0, "chat": 1.0, "": 1.0}
+
+    def first_served(s: Scheduler) -> list[str]:
+        for program in ("agent", "agent", "chat", ""):
+            s.enqueue(make_request("a", program=program), 1.0)
+        return [s.next_batch(1.0)[0].program for _ in range(4)]
+
+    assert first_served(_resumed(leader, 1.0)) == ["chat", "", "agent", "agent"]
+    assert first_served(_resumed(None, 1.0))[0] == "agent"
+
+
+def test_a_program_back_after_the_resume_is_over_starts_as_a_new_one() -> None:
+    """The carried service waits for each program ``keep_s`` (10 s here); one that comes
+    back later starts with none, as any program new to the queue (mutation caught: a
+    restore that never ends, which would bank an old position for later)."""
+    leader = make_scheduler({"a": "paid", "b": "paid"}, tiers=("paid",), max_batch_size=0)
+    for program in ("agent", "agent", "agent", "chat"):
+        leader.enqueue(make_request("a", program=program), 0.0)
+    assert [leader.next_batch(0.0)[0].program for _ in range(2)] == ["agent", "chat"]
+    assert leader.next_batch(0.0)[0].program == "agent"  # 2 units; chat 1; one still queued
+    s = _resumed(leader, 0.0)
+    s.enqueue(make_request("b"), 0.0)  # another tenant's calls come back in time ...
+    s.enqueue(make_request("a", program="agent"), 20.0)  # ... a's after keep_s
+    s.enqueue(make_request("a", program="chat"), 20.0)
+    assert queue_of(s, "a").export_programs(1.0) == {}
+    s.next_batch(20.0)
+    assert [s.next_batch(20.0)[0].program for _ in range(2)] == ["agent", "chat"]
