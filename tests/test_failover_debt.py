@@ -7,8 +7,9 @@
   hop: its shell logs it, once; the new leader counts it and logs nothing of it.
 * The debt survives a SIGKILL: acme holds every engine slot of ``llm`` with long
   generations while globex waits (acme's counter runs far ahead); the leader is killed;
-  the new leader gives globex the slots until even. Judged from the new leader's own
-  request log (its dispatches), not from the clients' clocks. Before, the new leader
+  the new leader gives globex the slots until even. Judged from the request log (the
+  new leader's dispatches, as the shell's lines of its streams time them), not from the
+  clients' clocks. Before, the new leader
   started both at 0 and served them alike.
 """
 
@@ -244,12 +245,13 @@ async def test_a_tenant_far_ahead_before_the_leader_is_killed_gets_less_after_un
         standby.proc.popen.send_signal(signal.SIGCONT)
     got = [*ended, *await asyncio.wait_for(asyncio.gather(acme, globex), 300)]
     assert got == [[LONG]] * SLOTS + [[SHORT] * QUEUED] * 2
+    shell = fleet.shells[0]
     await aeventually(
-        lambda: len(new_dispatches(standby, killed_at)) >= 2 * QUEUED - SLOTS,
+        lambda: len(new_dispatches(shell, killed_at)) >= 2 * QUEUED - SLOTS,
         30,
-        what="the new leader to log the generations it dispatched",
+        what="the shell to log the generations the new leader dispatched",
     )
-    dispatched = sorted(new_dispatches(standby, killed_at), key=lambda r: r.dispatched)
+    dispatched = sorted(new_dispatches(shell, killed_at), key=lambda r: r.dispatched)
     # The short generations only (a long one still running at the takeover is adopted,
     # and logged as the new leader's).
     order = [r.tenant for r in dispatched if r.tokens_out == SHORT]
@@ -265,7 +267,8 @@ async def test_a_tenant_far_ahead_before_the_leader_is_killed_gets_less_after_un
     new_standby(fleet)
 
 
-def new_dispatches(core: Core, since: float) -> list[Logged]:
-    """The generations ``core`` dispatched after ``since`` (wall clock), from its log."""
-    log = [Logged.of(line) for line in request_log(core, "llm")]
+def new_dispatches(shell: Shell, since: float) -> list[Logged]:
+    """The generations dispatched after ``since`` (wall clock) that ``shell`` relayed,
+    from its log (a stream's line is its shell's)."""
+    log = [Logged.of(line) for line in request_log(shell, "llm")]
     return [r for r in log if r.dispatched > since]

@@ -299,9 +299,10 @@ async def _is(value: Awaitable[float], expected: float) -> bool:
 
 @dataclass(frozen=True)
 class Logged:
-    """One request served to its end, as the core logged it (``fair_frontend.logs.
-    RequestLog``), on the wall clock: when it joined the core's queue, left it for an
-    engine slot (its dispatch), and ended; its tokens in and out."""
+    """One request served to its end, as its request-log line says (``fair_frontend.logs.
+    RequestLog``; a stream's is its shell's), on the wall clock: when it joined the core's
+    queue, left it for an engine slot (its dispatch: its grant, as its shell read it),
+    and ended; its tokens in and out."""
 
     tenant: str
     queued: float
@@ -372,13 +373,22 @@ def backlogged_service(
 async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet: Fleet) -> None:
     """acme (weight 2) only through shell 0, globex (weight 1) only through shell 1, each
     with a backlog of generations: while both are backlogged, the core serves acme two
-    thirds of the tokens. Judged from the core's own record (its request log: when each
-    request queued, went to its slot and ended, and its tokens), not from when the
-    clients, behind separate shell processes, received their tokens."""
+    thirds of the tokens. Judged from the request log (when each request queued, as the
+    core timed it, went to its slot and ended, and its tokens: each stream's line, written
+    by its shell), not from when the clients received their tokens."""
     leader = fleet.leader()
     metrics = f"http://127.0.0.1:{leader.metrics}/metrics"
     peak = {0: 0.0, 1: 0.0}
-    offset = leader.proc.log.stat().st_size  # this test's requests are logged after
+    # This test's requests are logged after these offsets, each by the shell that relayed
+    # its stream (``observability.request_log: shell``, the default).
+    offsets = [shell.proc.log.stat().st_size for shell in fleet.shells]
+
+    def lines() -> list[dict[str, Any]]:
+        return [
+            line
+            for shell, offset in zip(fleet.shells, offsets, strict=True)
+            for line in request_log(shell, "llm", offset)
+        ]
 
     async def watch_slots() -> None:
         while True:
@@ -398,13 +408,10 @@ async def test_weights_hold_across_shells_and_no_triton_exceeds_its_slots(fleet:
         )
     finally:
         watcher.cancel()
-    # The core logs each request as it records its end: a moment after its client's.
-    await aeventually(
-        lambda: len(request_log(leader, "llm", offset)) >= 2 * BACKLOG,
-        30,
-        what="the core to log every generation",
-    )
-    log = [Logged.of(line) for line in request_log(leader, "llm", offset)]
+    # A shell logs each stream as it tells the core of its end: about when its client
+    # has its last token.
+    await aeventually(lambda: len(lines()) >= 2 * BACKLOG, 30, what="every generation logged")
+    log = [Logged.of(line) for line in lines()]
     assert sorted(r.tenant for r in log) == sorted(KEYS_AB * BACKLOG)
     # After the first fills of the slots (which both get alike, whatever their weights):
     # from the moment each has had two rounds of the fleet's slots.

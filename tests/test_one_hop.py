@@ -7,9 +7,9 @@ stack: a 1 MiB tensor's bytes never reach the core (counted on the core's end of
 shells' links, both ways; a relayed one of the same size crosses it twice), nor do a
 stream's (a decoupled model's calls are granted slots: their shells stream them), and it is
 answered right; a failing row among many concurrent ones is found by bisection and only
-its request fails; a one-hop call's shell logs it, not the core. The shell killed
-mid-load, with rows of its own in batches beside the other shell's, is
-``tests/test_shells.py``'s first test, run in both modes.
+its request fails; a one-hop call's shell logs it, not the core, and a stream's too.
+The shell killed mid-load, with rows of its own in batches beside the other shell's,
+is ``tests/test_shells.py``'s first test, run in both modes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.logs import REQUEST_LOGGER
 from fair_frontend.testing import aeventually
-from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
+from tests.support import (
+    KEYS,
+    PROMPT,
+    RunningFrontend,
+    config_dict,
+    llm_inputs,
+    running_frontend,
+)
 
 MIB = 1 << 20
 # What may cross the core's links for one request whose tensors do not: its facts, its
@@ -109,6 +116,35 @@ async def test_a_1_mib_tensor_never_reaches_the_core(two_shells: RunningFrontend
         await client.close()
 
 
+async def _one(request: dict[str, Any]) -> Any:
+    yield request
+
+
+async def _flood(client: grpcaio.InferenceServerClient, count: int, *, pad: int = 0) -> list[bytes]:
+    """One flood_decoupled stream of ``count`` answers of 8 bytes, its request ``pad``
+    bytes larger (``PAD``, which no answer carries): the answers, read to its end."""
+    inputs = []
+    for name, values in (
+        ("COUNT", np.array([count], dtype=np.int32)),
+        ("SIZE", np.array([8], dtype=np.int32)),
+        ("PAD", np.full(pad // 4, 7, dtype=np.int32)),
+    ):
+        if values.size:
+            tensor = grpcaio.InferInput(name, list(values.shape), "INT32")
+            tensor.set_data_from_numpy(values)
+            inputs.append(tensor)
+
+    request = {"model_name": "flood_decoupled", "inputs": inputs}
+    got = []
+    headers = {"x-api-key": KEYS["initech"]}
+    async for result, error in client.stream_infer(_one(request), headers=headers):
+        assert error is None, error
+        out = result.as_numpy("OUT")
+        if out is not None:
+            got.append(out.reshape(-1)[0])
+    return got
+
+
 async def test_a_streams_1_mib_tensor_never_reaches_the_core(two_shells: RunningFrontend) -> None:
     """A stream takes one hop too: its shell sends the core the call's facts, streams it
     from Triton once granted a slot, and tells the core its tokens and its end: a request
@@ -116,33 +152,10 @@ async def test_a_streams_1_mib_tensor_never_reaches_the_core(two_shells: Running
     records, not its tensor."""
     fe = two_shells
     client = grpcaio.InferenceServerClient(fe.grpc_url)
-    inputs = []
-    for name, values in (
-        ("COUNT", np.array([3], dtype=np.int32)),
-        ("SIZE", np.array([8], dtype=np.int32)),
-        ("PAD", np.full(MIB // 4, 7, dtype=np.int32)),
-    ):
-        tensor = grpcaio.InferInput(name, list(values.shape), "INT32")
-        tensor.set_data_from_numpy(values)
-        inputs.append(tensor)
-
-    async def one(request_inputs: list[grpcaio.InferInput]) -> Any:
-        yield {"model_name": "flood_decoupled", "inputs": request_inputs}
-
-    async def stream(request_inputs: list[grpcaio.InferInput]) -> list[bytes]:
-        got = []
-        headers = {"x-api-key": KEYS["initech"]}
-        async for result, error in client.stream_infer(one(request_inputs), headers=headers):
-            assert error is None, error
-            out = result.as_numpy("OUT")
-            if out is not None:
-                got.append(out.reshape(-1)[0])
-        return got
-
     try:
-        assert await stream(inputs[:2]) == [b"x" * 8] * 3  # the model known
+        assert await _flood(client, 3) == [b"x" * 8] * 3  # the model known
         before = await _settled(fe)
-        assert await stream(inputs) == [b"x" * 8] * 3
+        assert await _flood(client, 3, pad=MIB) == [b"x" * 8] * 3
         streamed = await _settled(fe) - before
         assert streamed < RECORDS_BOUND, streamed
     finally:
@@ -239,6 +252,14 @@ async def _logged_where_answered(
             await client.infer("raiser", [_x([[1, 2]])], headers=headers, request_id="hop")
             with pytest.raises(InferenceServerException, match="refusing the value 13"):
                 await client.infer("raiser", [_x([[13, 2]])], headers=headers, request_id="bad")
+            streams = counted("llm")
+            stream = client.stream_infer(
+                _one({"model_name": "llm", "inputs": llm_inputs(PROMPT, 6),
+                      "request_id": "streamed"}),
+                headers={"x-api-key": KEYS["acme"]},
+            )  # fmt: skip
+            async for _result, error in stream:
+                assert error is None, error
             text = np.array([[b"relayed"]], dtype=object)
             await client.infer(
                 "simple_identity", [_x(text, "BYTES")], headers=headers, request_id="relayed"
@@ -246,15 +267,25 @@ async def _logged_where_answered(
             # The core records a one-hop call when its shell's report comes (polled); its
             # line, were it written, would be written in the same step.
             await aeventually(lambda: counted("raiser") >= hops + 2, 30, 0.01, what="counted")
+            await aeventually(lambda: counted("llm") >= streams + 1, 30, 0.01, what="streamed")
             await aeventually(lambda: core_logged("relayed"), 30, 0.01, what="the relayed line")
             assert core_logged("relayed") == 1
+            called = ("hop", "bad", "streamed", "relayed")
             if not by_shell:
-                assert core_logged("hop") == core_logged("bad") == 1
+                assert core_logged("hop") == core_logged("bad") == core_logged("streamed") == 1
                 # The shells answered those before the relayed call was sent: their lines
                 # would be out by now.
-                assert not [shell_logged(i) for i in ("hop", "bad", "relayed") if shell_logged(i)]
+                assert not [shell_logged(i) for i in called if shell_logged(i)]
                 return
-            assert core_logged("hop") == core_logged("bad") == 0
+            assert core_logged("hop") == core_logged("bad") == core_logged("streamed") == 0
+            await aeventually(lambda: shell_logged("streamed"), 30, 0.01, what="streamed")
+            [streamed] = shell_logged("streamed")
+            assert (streamed["tenant"], streamed["endpoint"], streamed["outcome"]) == (
+                "acme", "llm", "dispatched"
+            ), streamed  # fmt: skip
+            assert streamed["tokens_out"] == 6 and streamed["tokens_in"] > 0, streamed
+            assert streamed["queued_ms"] >= 0 and streamed["service_ms"] > 0, streamed
+            assert streamed["latency_ms"] >= streamed["service_ms"], streamed
             for request_id in ("hop", "bad"):
                 await aeventually(lambda: shell_logged(request_id), 30, 0.01, what=request_id)  # noqa: B023
             [hop] = shell_logged("hop")

@@ -45,6 +45,9 @@ def _config() -> Any:
     }
     data["tenants"]["initech"]["limits"] = {"llm": {"requests_per_minute": 1}}
     data["tenants"]["hooli"]["limits"] = {"llm": {"requests_per_day": 1}}
+    # The request log's lines are read here, in the core's process, in both modes (where
+    # shell processes write them, the default: tests/test_one_hop.py).
+    data["observability"] = {"request_log": "core"}
     return parse_config(data)
 
 

@@ -530,19 +530,19 @@ class Gateway:
             inbox.held = (call, plan)
         elif plan.info.decoupled:
             # Its stream goes from here to Triton when the core grants it a slot (one
-            # hop): the core decides on its facts, never its tensors.
-            inbox = self.link.submit(_facts(call, plan, key=False))
+            # hop): the core decides on its facts, never its tensors; where this shell is
+            # a process of its own it writes the stream's line at its end, as it does
+            # for a unary call it answers (the core writes one line fewer per request).
+            logged = self._rows_link is not None and (
+                self.config.observability.request_log == "shell"
+            )
+            inbox = self.link.submit(_facts(call, plan, key=False, logged=logged))
+            if logged:
+                inbox.on_end = partial(self._stream_logged, call, inbox)
         else:
             inbox = self.link.submit(call)
         try:
-            try:
-                answer = await inbox.get()
-            except asyncio.CancelledError:
-                if logged:  # its client went away before its answer
-                    self._logged(call, None, inbox)
-                raise
-            if logged:
-                self._logged(call, answer, inbox)
+            answer = await self._answer_of(call, inbox, logged)
             grants = 0
             while isinstance(answer, Grant):
                 grants += 1
@@ -557,7 +557,7 @@ class Gateway:
                     return
                 # Given back (its Triton was gone before it answered anything): the
                 # core's next grant, to another Triton, or its answer.
-                answer = await inbox.get()
+                answer = await self._answer_of(call, inbox, logged)
             if answer.fault is not None:
                 raise answer.fault.error()  # with its quota (``FrontendError.quota``)
             final: dict[str, ParamValue] = (
@@ -981,6 +981,43 @@ class Gateway:
             )
         )
 
+    async def _answer_of(self, call: Call, inbox: Inbox, logged: bool) -> Answer | Grant:
+        """The core's word on ``call`` (its answer, or a grant); where this shell writes
+        the call's request-log line (``logged``), an answer's is written now (a grant's at
+        its stream's end: ``_stream_logged``), as is a client's that went away first."""
+        try:
+            answer = await inbox.get()
+        except asyncio.CancelledError:
+            if logged:  # its client went away before its answer
+                self._logged(call, None, inbox)
+            raise
+        if logged:
+            self._logged(call, answer, inbox)
+        return answer
+
+    def _stream_logged(
+        self, call: Call, inbox: Inbox, version: str, fault: FrontendError | None, cancelled: bool
+    ) -> None:
+        """The request-log line of a granted stream this shell relayed, at its end (told
+        to the core, which writes none: ``Call.logged``): served, failed with ``fault``
+        or ``cancelled``, with the core's queue time, its time since the grant and the
+        output tokens it relayed, as the core would write it."""
+        grant = inbox.answered
+        queued_s = grant.queued_s if isinstance(grant, Grant) and grant.queued_s >= 0 else None
+        if cancelled:
+            outcome, error = Outcome.CANCELLED, None
+        elif fault is not None:
+            outcome, error = fault.outcome, fault.message
+        else:
+            outcome, error = Outcome.DISPATCHED, None
+        now = time.monotonic()
+        self.log.request_finished(
+            tenant=call.tenant, model=call.request.model, outcome=outcome, queued_s=queued_s,
+            request_id=call.request.id, latency_s=now - call.arrived, error=error,
+            usage=Usage(call.tokens - call.max_tokens, inbox.tokens),
+            service_s=now - inbox.granted_at,
+        )  # fmt: skip
+
     def _logged(self, call: Call, answer: Answer | Grant | None, inbox: Inbox) -> None:
         """The request-log line of a call this shell answers itself (one hop), as the core
         would write it: ``answer`` the core's word (its rows served here: ``Inbox.served``;
@@ -992,7 +1029,7 @@ class Gateway:
         error: str | None = None
         if answer is None:
             outcome = Outcome.CANCELLED
-        elif isinstance(answer, Grant):  # not for a unary call: the core's doing
+        elif isinstance(answer, Grant):  # its stream's line comes at its end
             return
         else:
             queued_s = answer.queued_s if answer.queued_s >= 0 else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -36,8 +37,8 @@ class Inbox:
     """
 
     __slots__ = (
-        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "held",
-        "on_answer", "on_revoke", "served",
+        "_answer", "_cancel", "_end", "_produced", "_waiter", "done", "granted", "granted_at",
+        "held", "on_answer", "on_end", "on_revoke", "served", "tokens",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -57,6 +58,12 @@ class Inbox:
         # Where its shell sent it to Triton itself (granted mode): the part's seconds in
         # Triton and the call's output tokens, for its request-log line.
         self.served: tuple[float, int] | None = None
+        # A granted stream: when its grant was read (``time.monotonic()``), the output
+        # tokens relayed (``produced``), and who hears of its end once it is told to the
+        # core (its shell's request-log line: ``Gateway._stream_logged``).
+        self.granted_at = 0.0
+        self.tokens = 0
+        self.on_end: Callable[[str, FrontendError | None, bool], None] | None = None
 
     def answer(self, answer: Answer | Grant) -> None:
         if self.granted:  # the core takes the slot back
@@ -85,6 +92,7 @@ class Inbox:
         answer = self._answer
         if isinstance(answer, Grant):
             self.granted = True
+            self.granted_at = time.monotonic()
         else:
             self.done = True
         return answer
@@ -93,6 +101,7 @@ class Inbox:
         """The granted stream relayed ``tokens`` output tokens in one response, its first
         ``first_token_s`` after the call arrived (-1: not its first), ``gap_s`` after the
         response before (-1: none before), which its tokens share: ``per_token``."""
+        self.tokens += tokens
         self._produced(tokens, first_token_s, gap_s)
 
     def end(
@@ -108,6 +117,8 @@ class Inbox:
             assert fault is not None
             fault = Unavailable(fault.message, retry_after=fault.retry_after)
         self._end(version, fault, cancelled)
+        if self.on_end is not None:
+            self.on_end(version, fault, cancelled)
 
     def again(self, fault: FrontendError) -> None:
         """The granted stream's Triton is gone, and nothing of the stream reached its
