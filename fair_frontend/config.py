@@ -1014,12 +1014,12 @@ class Observability(_Strict):
     )
     request_log: Literal["shell", "core"] = Field(
         default="shell",
-        description="Who writes the request-log line of a unary call that takes one hop "
-        "(endpoints' unary: one_hop, shells in processes of their own): shell, the shell "
-        "that answers it (the default: the line costs the core nothing; a fleet's log is "
-        "its cores' and shells' together), or core, which writes every request's line (one "
-        "log, at a line's CPU per request on the core). Every other request's line is the "
-        "core's either way.",
+        description="Who writes the request-log line of a request that takes one hop (a "
+        "unary call of an endpoint with unary: one_hop, and a decoupled model's stream, "
+        "with shells in processes of their own): shell, the shell that answers it (the "
+        "default: the line costs the core nothing; a fleet's log is its cores' and shells' "
+        "together), or core, which writes every request's line (one log, at a line's CPU "
+        "per request on the core). Every other request's line is the core's either way.",
     )
     ema_alpha: float = Field(
         default=DEFAULT_EMA_ALPHA,
