@@ -1,0 +1,295 @@
+"""docs/YOUR_MODEL.md's worked endpoint configs, as written there, served and called
+through the frontend in front of a real Triton serving stand-ins with exactly the config
+interface of Triton's vLLM backend, TensorRT-LLM's ``tensorrt_llm_bls`` model and an
+exported embedding model (``tests/your_models/``, ``python_backend/standins.py``: the real
+backends need a GPU and weights).
+
+One Triton for the module (the stand-ins only) and one frontend (one process), started
+once. The engine stand-ins refuse a sequence over their slots, so a test that passes
+through the frontend shows it kept to ``max_inflight``; the same load sent straight to
+Triton is the negative control that the refusal happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+import yaml
+
+from fair_frontend.config import parse_config, resolve_relative_paths
+from fair_frontend.embedded import EmbeddedTriton
+from python_backend.standins import TOKENIZER
+from tests.support import RunningFrontend, metric_sum, running_frontend
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "YOUR_MODEL.md"
+STANDINS = Path(__file__).resolve().parent / "your_models"
+MARKER = "<!-- your-model-config -->"
+KEY = "your-model-test-key"
+TENANT = "platform"
+HEADERS = {"authorization": f"Bearer {KEY}"}
+SLOTS_REFUSED = "sequences at once, more than"
+
+
+def documented_config() -> dict[str, Any]:
+    """The YAML block right after the marker in docs/YOUR_MODEL.md."""
+    after = DOC.read_text().split(MARKER, 1)[1].lstrip("\n")
+    assert after.startswith("```yaml\n"), "no yaml block right after the marker"
+    data: dict[str, Any] = yaml.safe_load(after.split("\n", 1)[1].split("\n```", 1)[0])
+    return data
+
+
+@pytest.fixture(scope="module")
+def standins() -> Iterator[EmbeddedTriton]:
+    with EmbeddedTriton([STANDINS]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def worked(standins: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The frontend with the documented entries, as pasted, plus one tenant to call them."""
+    folder = tmp_path_factory.mktemp("your-model")
+    shutil.copy(TOKENIZER, folder / "tokenizer.json")  # "the model's own tokenizer.json"
+    data = documented_config()
+    data.update(
+        tiers=["enterprise"],
+        tier_models={"enterprise": sorted(data["endpoints"])},
+        tenants={TENANT: {"tier": "enterprise", "api_keys": [KEY]}},
+    )
+    resolve_relative_paths(data, folder)
+    with running_frontend(parse_config(data), standins) as running:
+        yield running
+
+
+def model_config(triton: EmbeddedTriton, model: str) -> dict[str, Any]:
+    url = f"{triton.http_url}/v2/models/{model}/config"
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        config: dict[str, Any] = json.load(answer)
+    return config
+
+
+def test_the_entries_say_what_the_models_say(standins: EmbeddedTriton) -> None:
+    """Each value the doc ties to a model setting is that setting, and each input or
+    output an entry names is one of the model's, with the type the entry needs."""
+    endpoints = documented_config()["endpoints"]
+    engine_args = json.loads((STANDINS / "vllm_model" / "1" / "model.json").read_text())
+    vllm = endpoints["vllm_model"]
+    assert vllm["max_inflight"] == engine_args["max_num_seqs"]
+    assert vllm["max_model_len"] == engine_args["max_model_len"]
+    trt = endpoints["tensorrt_llm_bls"]
+    assert trt["max_inflight"] == model_config(standins, "tensorrt_llm_bls")["max_batch_size"]
+    embedding = model_config(standins, "embedding_onnx")
+    assert endpoints["embedding_onnx"]["max_batch_size"] <= embedding["max_batch_size"]
+    for model, entry in endpoints.items():
+        config = model_config(standins, model)
+        inputs = {i["name"]: i["data_type"] for i in config["input"]}
+        outputs = {o["name"]: o["data_type"] for o in config["output"]}
+        for key in ("token_input", "sampling_parameters_input", "token_count_input"):
+            if key in entry:
+                assert entry[key] in inputs, (model, key)
+        for key in ("token_output", "token_count_output"):
+            if key in entry:
+                assert entry[key] in outputs, (model, key)
+        assert set(entry.get("padding", {}).get("inputs", {})) <= set(inputs), model
+        decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
+        assert decoupled == ("max_inflight" in entry), model  # engines stream, embedders batch
+
+
+# ---- the two engines ------------------------------------------------------------------
+
+
+def vllm_inputs(prompt: str, max_tokens: int, **sampling: Any) -> list[Any]:
+    text = grpcaio.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    stream = grpcaio.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+    blob = json.dumps({"max_tokens": max_tokens, **sampling}).encode()
+    params.set_data_from_numpy(np.array([blob], dtype=object))
+    return [text, stream, params]
+
+
+def trtllm_inputs(prompt: str, max_tokens: int) -> list[Any]:
+    text = grpcaio.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+    count = grpcaio.InferInput("max_tokens", [1, 1], "INT32")
+    count.set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
+    stream = grpcaio.InferInput("stream", [1, 1], "BOOL")
+    stream.set_data_from_numpy(np.array([[True]]))
+    temperature = grpcaio.InferInput("temperature", [1, 1], "FP32")
+    temperature.set_data_from_numpy(np.array([[0.7]], dtype=np.float32))
+    return [text, count, stream, temperature]
+
+
+ENGINE_INPUTS = {"vllm_model": vllm_inputs, "tensorrt_llm_bls": trtllm_inputs}
+
+
+async def streams(
+    url: str, model: str, count: int, max_tokens: int, headers: dict[str, str] | None
+) -> tuple[dict[str, list[str]], list[str], set[str]]:
+    """``count`` streamed generations sent at once on one gRPC stream, read to its end:
+    (text pieces per request id, errors, the output names the responses carried)."""
+    client = grpcaio.InferenceServerClient(url)
+    pieces: dict[str, list[str]] = {str(i): [] for i in range(count)}
+    errors: list[str] = []
+    names: set[str] = set()
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        for i in range(count):
+            inputs = ENGINE_INPUTS[model](f"request {i} of a busy tenant", max_tokens)
+            yield {"model_name": model, "inputs": inputs, "request_id": str(i)}
+
+    try:
+        async for result, error in client.stream_infer(requests(), headers=headers):
+            if error is not None:
+                errors.append(str(error))
+                continue
+            response = result.get_response()
+            names.update(o.name for o in response.outputs)
+            text = result.as_numpy("text_output")
+            if text is not None and text.size:
+                pieces[response.id].append(b"".join(text.reshape(-1)).decode())
+    finally:
+        await client.close()
+    return pieces, errors, names
+
+
+@pytest.mark.parametrize("model", sorted(ENGINE_INPUTS))
+async def test_the_engine_stand_in_refuses_more_than_its_slots(
+    standins: EmbeddedTriton, model: str
+) -> None:
+    """The negative control: five generations sent straight to Triton at once find two
+    slots, and the stand-in refuses the rest (what the frontend's test relies on)."""
+    _, errors, _ = await streams(standins.grpc_url, model, 5, 40, None)
+    assert errors and all(SLOTS_REFUSED in e for e in errors), errors
+
+
+@pytest.mark.parametrize("model", sorted(ENGINE_INPUTS))
+async def test_generations_through_the_frontend_keep_to_the_engines_slots(
+    worked: RunningFrontend, model: str
+) -> None:
+    """Five generations at once through the frontend: the engine never sees more than
+    max_inflight (no refusal), each streams its max_tokens tokens one per response, and
+    the tenant is charged each output token (vLLM: the count each response carries,
+    asked for by the frontend and not passed on to this client, who did not ask)."""
+    before = metric_sum(worked, "fair_output_tokens_total", tenant=TENANT, endpoint=model)
+    pieces, errors, names = await streams(worked.grpc_url, model, 5, 40, HEADERS)
+    assert errors == []
+    assert all(len(p) == 40 for p in pieces.values()), {k: len(p) for k, p in pieces.items()}
+    assert "num_output_tokens" not in names
+    after = metric_sum(worked, "fair_output_tokens_total", tenant=TENANT, endpoint=model)
+    assert after - before == 5 * 40
+
+
+async def test_vllm_sampling_is_checked_at_the_door(worked: RunningFrontend) -> None:
+    """vLLM's rules, and its context from model.json's max_model_len (which its config
+    does not carry: the entry says it), refuse a request before it waits for a slot."""
+    client = grpcaio.InferenceServerClient(worked.grpc_url)
+
+    async def one(inputs: list[Any]) -> str:
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": "vllm_model", "inputs": inputs}
+
+        async for _, error in client.stream_infer(requests(), headers=HEADERS):
+            return "answered" if error is None else str(error.message())
+        return "no answer"
+
+    try:
+        hot = await one(vllm_inputs("hello", 4, temperature=-1))
+        long = await one(vllm_inputs("hello", 300))
+    finally:
+        await client.close()
+    # The stand-in checks neither: these are the frontend's words (vLLM's rules).
+    assert hot == "input 'sampling_parameters': temperature must be non-negative, got -1.0."
+    assert "maximum context length of 256 tokens" in long, long
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        f"http://{url}{path}",
+        data=json.dumps(body).encode(),
+        headers={**HEADERS, "content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_vllm_model_serves_the_openai_completions_route(worked: RunningFrontend) -> None:
+    body = {"model": "vllm_model", "prompt": "a fair queue is", "max_tokens": 6}
+    status, answer = post(worked.http_url, "/v1/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 6
+    assert answer["choices"][0]["finish_reason"] == "length"
+    status, answer = post(worked.http_url, "/v1/completions", {**body, "top_p": 0})
+    assert status == 400 and "top_p" in answer["error"]["message"], answer
+
+
+def test_trtllm_generate_extension_as_its_readme_calls_it(worked: RunningFrontend) -> None:
+    """TensorRT-LLM's README: POST /v2/models/<m>/generate with text_input, max_tokens,
+    bad_words, stop_words; the answer's text_output is the generated text."""
+    body = {"text_input": "What is ML?", "max_tokens": 5, "bad_words": "", "stop_words": ""}
+    status, answer = post(worked.http_url, "/v2/models/tensorrt_llm_bls/generate", body)
+    assert status == 200, answer
+    assert answer["model_name"] == "tensorrt_llm_bls"
+    assert isinstance(answer["text_output"], str) and answer["text_output"], answer
+
+
+def test_trtllm_is_not_an_openai_completions_model(worked: RunningFrontend) -> None:
+    """What the doc says is not served: the OpenAI route cannot fill the BLS model's
+    max_tokens tensor; the answer is a 400 naming it, not a hang or a 500."""
+    body = {"model": "tensorrt_llm_bls", "prompt": "a fair queue is", "max_tokens": 6}
+    status, answer = post(worked.http_url, "/v1/completions", body)
+    assert status == 400 and "max_tokens" in answer["error"]["message"], answer
+
+
+# ---- the embedding model -------------------------------------------------------------
+
+
+def embedding_inputs(ids: list[int]) -> list[Any]:
+    out = []
+    for name, values in (("input_ids", ids), ("attention_mask", [1] * len(ids))):
+        tensor = grpcaio.InferInput(name, [1, len(ids)], "INT64")
+        tensor.set_data_from_numpy(np.array([values], dtype=np.int64))
+        out.append(tensor)
+    return out
+
+
+async def test_embeddings_of_ragged_rows_are_each_rows_own(
+    worked: RunningFrontend, standins: EmbeddedTriton
+) -> None:
+    """Twenty requests of 3 to 60 tokens at once through the frontend share padded
+    batches (fewer batches than requests), and each answer is the one Triton gives the
+    same request alone: the padded attention_mask keeps the padding out of the mean."""
+    rows = [[(7 * i + j) % 5000 + 1 for j in range(3 + (i * 13) % 58)] for i in range(20)]
+    direct = grpcaio.InferenceServerClient(standins.grpc_url)
+    front = grpcaio.InferenceServerClient(worked.grpc_url)
+    batches = await worked.acall(worked.batch_count("embedding_onnx"))
+    try:
+        alone = [
+            (await direct.infer("embedding_onnx", embedding_inputs(r))).as_numpy("embeddings")
+            for r in rows
+        ]
+        answers = await asyncio.gather(
+            *(front.infer("embedding_onnx", embedding_inputs(r), headers=HEADERS) for r in rows)
+        )
+    finally:
+        await direct.close()
+        await front.close()
+    for row, answer, expected in zip(rows, answers, alone, strict=True):
+        got = answer.as_numpy("embeddings")
+        assert got.shape == (1, 32), (len(row), got.shape)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    sent = await worked.acall(worked.batch_count("embedding_onnx")) - batches
+    assert 1 <= sent < len(rows), sent
