@@ -22,11 +22,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import yaml
 
-from fair_frontend.config import parse_config, resolve_relative_paths
+from fair_frontend.backends.triton.model_config import model_info
+from fair_frontend.config import Config, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.shell.api import openai
 from python_backend.standins import TOKENIZER
 from tests.support import RunningFrontend, metric_sum, running_frontend
 
@@ -54,10 +57,9 @@ def standins() -> Iterator[EmbeddedTriton]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def worked(standins: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The frontend with the documented entries, as pasted, plus one tenant to call them."""
-    folder = tmp_path_factory.mktemp("your-model")
+def worked_config(folder: Path) -> Config:
+    """The documented entries, as pasted, plus one tenant to call them; the tokenizer
+    where the entries say, in ``folder``."""
     shutil.copy(TOKENIZER, folder / "tokenizer.json")  # "the model's own tokenizer.json"
     data = documented_config()
     data.update(
@@ -66,7 +68,14 @@ def worked(standins: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -
         tenants={TENANT: {"tier": "enterprise", "api_keys": [KEY]}},
     )
     resolve_relative_paths(data, folder)
-    with running_frontend(parse_config(data), standins) as running:
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module")
+def worked(standins: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The frontend with the documented entries in front of the stand-ins."""
+    config = worked_config(tmp_path_factory.mktemp("your-model"))
+    with running_frontend(config, standins) as running:
         yield running
 
 
@@ -246,11 +255,52 @@ def test_trtllm_generate_extension_as_its_readme_calls_it(worked: RunningFronten
     assert isinstance(answer["text_output"], str) and answer["text_output"], answer
 
 
-def test_trtllm_is_not_an_openai_completions_model(worked: RunningFrontend) -> None:
-    """What the doc says is not served: the OpenAI route cannot fill the BLS model's
-    max_tokens tensor; the answer is a 400 naming it, not a hang or a 500."""
+def test_the_completions_route_gives_each_engine_its_sampling_its_way(
+    standins: EmbeddedTriton, tmp_path: Path
+) -> None:
+    """vLLM: every sampling parameter in its sampling_parameters JSON; TensorRT-LLM's BLS
+    model: those it has an input for as tensors of that input's type, the rest (seed: its
+    input is random_seed) as request parameters."""
+    config = worked_config(tmp_path)
+    client = grpcclient.InferenceServerClient(standins.grpc_url)
+    try:
+        infos = {m: model_info(client.get_model_config(m).config) for m in ENGINE_INPUTS}
+    finally:
+        client.close()
+    doc = {"prompt": "hi", "max_tokens": 6, "temperature": 0.5, "seed": 3}
+    trt = openai.completion_request({**doc, "model": "tensorrt_llm_bls"}, {}, config)
+    req = openai.engine_request(trt, infos["tensorrt_llm_bls"], config.endpoints[trt.model])
+    tensors = {t.name: t for t in req.inputs}
+    assert (tensors["max_tokens"].datatype, tensors["max_tokens"].data.tolist()) == ("INT32", [[6]])
+    assert (tensors["temperature"].datatype, tensors["temperature"].data.tolist()) == (
+        "FP32",
+        [[0.5]],
+    )
+    assert req.parameters == {"seed": 3}
+    vllm = openai.completion_request({**doc, "model": "vllm_model"}, {}, config)
+    req = openai.engine_request(vllm, infos["vllm_model"], config.endpoints[vllm.model])
+    tensors = {t.name: t for t in req.inputs}
+    assert set(tensors) == {
+        "text_input",
+        "stream",
+        "exclude_input_in_output",
+        "sampling_parameters",
+    }
+    blob = json.loads(tensors["sampling_parameters"].data.reshape(-1)[0])
+    assert blob == {"temperature": 0.5, "seed": 3, "max_tokens": 6}
+    assert req.parameters == {}
+
+
+def test_trtllm_serves_the_openai_completions_route(worked: RunningFrontend) -> None:
+    """The BLS model takes its sampling parameters as inputs of their own: the route
+    sends max_tokens (INT32, required), temperature and top_p (FP32) as those tensors.
+    It answered 400 before, the required max_tokens input missing."""
     body = {"model": "tensorrt_llm_bls", "prompt": "a fair queue is", "max_tokens": 6}
-    status, answer = post(worked.http_url, "/v1/completions", body)
+    status, answer = post(worked.http_url, "/v1/completions", {**body, "temperature": 0.5})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 6  # the stand-in made max_tokens
+    assert answer["choices"][0]["text"]
+    status, answer = post(worked.http_url, "/v1/completions", {**body, "max_tokens": 2**40})
     assert status == 400 and "max_tokens" in answer["error"]["message"], answer
 
 
@@ -293,3 +343,29 @@ async def test_embeddings_of_ragged_rows_are_each_rows_own(
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     sent = await worked.acall(worked.batch_count("embedding_onnx")) - batches
     assert 1 <= sent < len(rows), sent
+
+
+def test_the_openai_embeddings_route_fills_the_attention_mask(
+    worked: RunningFrontend, standins: EmbeddedTriton
+) -> None:
+    """POST /v1/embeddings sends each input's token ids and, as the exported model
+    requires, its attention_mask (all ones): each vector is the one Triton gives the same
+    row sent straight to it. It answered 400 before (attention_mask missing)."""
+    rows = [[11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
+    body = {"model": "embedding_onnx", "input": rows, "encoding_format": "float"}
+    status, answer = post(worked.http_url, "/v1/embeddings", body)
+    assert status == 200, answer
+
+    async def alone() -> list[np.ndarray]:
+        client = grpcaio.InferenceServerClient(standins.grpc_url)
+        try:
+            return [
+                (await client.infer("embedding_onnx", embedding_inputs(r))).as_numpy("embeddings")
+                for r in rows
+            ]
+        finally:
+            await client.close()
+
+    expected = asyncio.run(alone())
+    for item, vector in zip(answer["data"], expected, strict=True):
+        np.testing.assert_allclose(item["embedding"], vector[0], rtol=1e-5, atol=1e-6)
