@@ -71,11 +71,17 @@ def worked_config(folder: Path) -> Config:
     return parse_config(data)
 
 
-@pytest.fixture(scope="module")
-def worked(standins: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The frontend with the documented entries in front of the stand-ins."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-shells"])
+def worked(
+    standins: EmbeddedTriton,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Any]:
+    """The frontend with the documented entries in front of the stand-ins: in one
+    process, and with two shell processes in front of the core (one hop: the shells
+    send the granted rows and streams to Triton themselves)."""
     config = worked_config(tmp_path_factory.mktemp("your-model"))
-    with running_frontend(config, standins) as running:
+    with running_frontend(config, standins, workers=int(request.param)) as running:
         yield running
 
 
