@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -375,3 +377,41 @@ def test_the_openai_embeddings_route_fills_the_attention_mask(
     expected = asyncio.run(alone())
     for item, vector in zip(answer["data"], expected, strict=True):
         np.testing.assert_allclose(item["embedding"], vector[0], rtol=1e-5, atol=1e-6)
+
+
+# ---- the doc's own commands ------------------------------------------------------------
+
+
+def doc_block(after: str, language: str) -> str:
+    """The first ``language`` fenced block after the text ``after`` in docs/YOUR_MODEL.md."""
+    rest = DOC.read_text().split(after, 1)[1]
+    return rest.split(f"```{language}\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_docs_tritonclient_example_streams_through_the_frontend(
+    worked: RunningFrontend,
+) -> None:
+    """The doc's vLLM example, as written but for the address and the key: it prints
+    max_tokens pieces of text and no error."""
+    code = doc_block("vLLM, as Triton's own client examples do", "python")
+    code = code.replace("localhost:8001", worked.grpc_url).replace("<key>", KEY)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    lines = out.splitlines()
+    assert len(lines) == 32 and all(line.startswith("[b") for line in lines), out
+
+
+def test_the_docs_curl_command_generates_through_the_frontend(worked: RunningFrontend) -> None:
+    """TensorRT-LLM's README call, as the doc writes it, but for the address and the key."""
+    command = doc_block("TensorRT-LLM, as its", "sh").replace("\\\n", " ")
+    command = command.replace("localhost:8000", worked.http_url).replace("<key>", KEY)
+    out = subprocess.run(
+        ["bash", "-c", f"{command} --silent --show-error --fail-with-body"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    answer = json.loads(out)
+    assert answer["model_name"] == "tensorrt_llm_bls" and answer["text_output"], answer
