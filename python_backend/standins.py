@@ -53,6 +53,9 @@ VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 EMBEDDING_DIM = 32
 EMBEDDING_VOCAB = 8192
 EMBEDDING_SEED = 34
+# What one batch of the embedding stand-in takes, as a GPU's batch does: requests that
+# arrive while one runs wait in the frontend and go together, padded, in the next.
+EMBEDDING_BATCH_S = 0.05
 
 
 def _config_string(model_config: dict[str, Any], key: str) -> str | None:
@@ -295,6 +298,7 @@ class EmbeddingStandIn:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         pb = self.pb
+        time.sleep(EMBEDDING_BATCH_S)  # the batch's compute, not a wait for anything
         responses = []
         for request in requests:
             ids = pb.get_input_tensor_by_name(request, "input_ids").as_numpy()

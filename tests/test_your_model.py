@@ -185,8 +185,9 @@ async def test_the_engine_stand_in_refuses_more_than_its_slots(
     standins: EmbeddedTriton, model: str
 ) -> None:
     """The negative control: five generations sent straight to Triton at once find two
-    slots, and the stand-in refuses the rest (what the frontend's test relies on)."""
-    _, errors, _ = await streams(standins.grpc_url, model, 5, 40, None)
+    slots, and the stand-in refuses the rest (what the frontend's test relies on). Each
+    takes 100 steps (0.4 s), so all five are sent long before the first ends."""
+    _, errors, _ = await streams(standins.grpc_url, model, 5, 100, None)
     assert errors and all(SLOTS_REFUSED in e for e in errors), errors
 
 
