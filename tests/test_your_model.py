@@ -29,8 +29,9 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 
 from fair_frontend.backends.triton.model_config import model_info
-from fair_frontend.config import Config, parse_config, resolve_relative_paths
+from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.errors import FrontendError
 from fair_frontend.shell.api import openai
 from python_backend.standins import TOKENIZER
 from tests.support import RunningFrontend, metric_sum, running_frontend
@@ -298,6 +299,48 @@ def test_the_completions_route_gives_each_engine_its_sampling_its_way(
     blob = json.loads(tensors["sampling_parameters"].data.reshape(-1)[0])
     assert blob == {"temperature": 0.5, "seed": 3, "max_tokens": 6}
     assert req.parameters == {}
+
+
+def test_trtllm_generate_stream_streams_each_token(worked: RunningFrontend) -> None:
+    """/generate_stream with "stream": true: one server-sent event per token, each with
+    its text_output."""
+    body = {"text_input": "What is ML?", "max_tokens": 5, "stream": True}
+    req = urllib.request.Request(
+        f"http://{worked.http_url}/v2/models/tensorrt_llm_bls/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={**HEADERS, "content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as answer:
+        assert answer.status == 200
+        events = [
+            json.loads(line[len(b"data: ") :])
+            for line in answer.read().splitlines()
+            if line.startswith(b"data: ")
+        ]
+    texts = [e["text_output"] for e in events if e.get("text_output")]
+    assert len(texts) == 5, events
+
+
+def test_the_embeddings_route_names_an_input_it_cannot_fill(standins: EmbeddedTriton) -> None:
+    """A model that requires an input beside its ids and the two the route fills is
+    refused with the input's name, not sent to fail in Triton."""
+    client = grpcclient.InferenceServerClient(standins.grpc_url)
+    try:
+        cfg = client.get_model_config("embedding_onnx").config
+    finally:
+        client.close()
+    endpoint = documented_endpoint("embedding_onnx")
+    filled = openai.embedding_companions(model_info(cfg), endpoint, "embedding_onnx")
+    assert filled == [("attention_mask", "INT64", 1)]
+    extra = cfg.input.add()
+    extra.CopyFrom(cfg.input[0])
+    extra.name = "position_ids"
+    with pytest.raises(FrontendError, match="requires input 'position_ids'"):
+        openai.embedding_companions(model_info(cfg), endpoint, "embedding_onnx")
+
+
+def documented_endpoint(model: str) -> Endpoint:
+    return Endpoint.model_validate(documented_config()["endpoints"][model])
 
 
 def test_trtllm_serves_the_openai_completions_route(worked: RunningFrontend) -> None:
