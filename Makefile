@@ -23,7 +23,7 @@ TEST_WORKERS ?= 2
 LINT_PATHS := fair_frontend python_backend tests benchmarks
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps run test lint bench clean
+.PHONY: setup system-deps run test lint bench clean images push
 
 setup: system-deps $(STAMP) $(PERF_ANALYZER) $(AIPERF)
 
@@ -83,6 +83,27 @@ lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy $(LINT_PATHS)
+
+# The two images the chart and compose run (docker/README.md, "Images"), built from this
+# tree: $(IMAGE_REPOSITORY):serve (docker/Dockerfile.serve: the core and the shells) and
+# $(IMAGE_REPOSITORY):triton (docker/Dockerfile: Triton with the models), each also tagged
+# with the version (serve-0.2.0, triton-0.2.0) for a pinned deployment. `make push` pushes
+# all four tags; then install the chart with
+#   --set image.repository=$(IMAGE_REPOSITORY) --set triton.image.repository=$(IMAGE_REPOSITORY)
+# (tests/test_helm_chart.py renders that and checks the pods' images are these).
+IMAGE_REPOSITORY ?= fair-frontend
+DOCKER ?= docker
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+images:
+	$(DOCKER) build -f docker/Dockerfile.serve -t $(IMAGE_REPOSITORY):serve -t $(IMAGE_REPOSITORY):serve-$(VERSION) .
+	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE_REPOSITORY):triton -t $(IMAGE_REPOSITORY):triton-$(VERSION) .
+
+push: images
+	$(DOCKER) push $(IMAGE_REPOSITORY):serve
+	$(DOCKER) push $(IMAGE_REPOSITORY):serve-$(VERSION)
+	$(DOCKER) push $(IMAGE_REPOSITORY):triton
+	$(DOCKER) push $(IMAGE_REPOSITORY):triton-$(VERSION)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -54,6 +54,7 @@ from fair_frontend.fleet import (
 from fair_frontend.fleet.run import run_core, run_shells
 from fair_frontend.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
+from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.router import parse_core_sets
 from fair_frontend.wire.remote import SECRET_ENV, SecretError, load_secret
 from fair_frontend.wire.tcp import LINKS
@@ -351,6 +352,7 @@ def check_start(config: Config, *, demo: bool = False) -> StartCheck:
     that check-config's OK means the frontend starts.
 
     Refused (``StartRefused``): a key file that cannot be read, a key variable not set,
+    a tenant-port certificate and key that do not load,
     the gateway's secret or Redis's password not to be had, a key set that admits nobody
     (outside ``up``'s demo mode). Warned of: tenants that accept a published demo key,
     tenants that may call no model, model names no endpoint carries (with the closest)."""
@@ -358,6 +360,7 @@ def check_start(config: Config, *, demo: bool = False) -> StartCheck:
         keyring = KeyRing.from_config(config)
         GatewayTrust.from_config(config.auth)
         config.rate_limiting.storage_url()
+        tenant_tls.http_context(config.server)  # the tenant ports' certificate and key load
     except ConfigError as err:
         raise StartRefused(str(err)) from None
     warnings = []

@@ -583,6 +583,20 @@ class Server(_Strict):
         "(tritonclient's get_inference_statistics), ServerLive, ServerReady, "
         "ServerMetadata; nothing else (0: any free). Unset: none.",
     )
+    tls_cert_file: str | None = Field(
+        default=None,
+        description="PEM certificate (its chain) of the tenant ports: with tls_key_file, "
+        "HTTP and gRPC are served over TLS on http_port and grpc_port (HTTPS; gRPC with "
+        "TLS), nothing in clear there. Loaded by every start check (serve, up, core, "
+        "check-config: a pair that does not load is refused) and by each process that "
+        "listens (shells on other hosts: the same path on theirs); a restart reads a "
+        "renewed one. Unset: plain "
+        "HTTP and gRPC, for a TLS terminator in front (docker/README.md: never expose the "
+        "plain ports: every request carries its tenant's key).",
+    )
+    tls_key_file: str | None = Field(
+        default=None, description="The PEM private key of tls_cert_file; both or neither."
+    )
     statistics: Literal["keyed", "operator"] = Field(
         default="keyed",
         description="Where Triton's statistics extension (/v2/models/{m}/stats, gRPC "
@@ -703,6 +717,12 @@ class Server(_Strict):
         "200 calls of 1 MiB, 204 MiB) may arrive before it is refused; large messages "
         "over long, fast links upload faster.",
     )
+
+    @model_validator(mode="after")
+    def _tls_both_or_neither(self) -> Server:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("server.tls_cert_file and server.tls_key_file: both or neither")
+        return self
 
 
 class CoreLink(_Strict):

@@ -46,6 +46,7 @@ from fair_frontend.core.shells import (
     shell_config,
 )
 from fair_frontend.errors import FrontendError
+from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import abort, make_server
 from fair_frontend.shell.http_server import HttpShell, error_response, proto_to_json
@@ -192,12 +193,19 @@ class FrontendServer:
         shell = HttpShell(self.gateway, max_body_bytes=self.config.max_wire_bytes())
         self._runner = shell.runner()
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.listen.host, self.listen.http_port)
+        site = web.TCPSite(
+            self._runner,
+            self.listen.host,
+            self.listen.http_port,
+            ssl_context=tenant_tls.http_context(self.config.server),
+        )
         await site.start()
         self.http_port = _bound_port(site)
         self._grpc = make_server(self.gateway)
         self.grpc_port = _bind_grpc(
-            self._grpc, f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}"
+            self._grpc,
+            f"{_grpc_host(self.listen.host)}:{self.listen.grpc_port}",
+            tenant_tls.grpc_credentials(self.config.server),
         )
         await self._grpc.start()
 
@@ -360,10 +368,14 @@ class OperatorGrpc(service_pb2_grpc.GRPCInferenceServiceServicer):
             await abort(context, err)
 
 
-def _bind_grpc(server: grpc.aio.Server, address: str) -> int:
-    """``server.add_insecure_port``, failing as a socket's bind does (gRPC raises a bare
-    RuntimeError for a port in use)."""
+def _bind_grpc(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """``server.add_insecure_port`` (``add_secure_port`` with ``credentials``), failing as
+    a socket's bind does (gRPC raises a bare RuntimeError for a port in use)."""
     try:
+        if credentials is not None:
+            return int(server.add_secure_port(address, credentials))
         return int(server.add_insecure_port(address))
     except RuntimeError as err:
         raise OSError(errno.EADDRINUSE, f"gRPC cannot bind {address} (in use?)") from err

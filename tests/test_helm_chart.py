@@ -31,6 +31,7 @@ import functools
 import json
 import re
 import secrets
+import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "mutual-tls": {"coreTls": {"coreSecret": "core-tls", "shellSecret": "shell-tls"}},
+    "tls-ingress": {
+        "ingress": {
+            "enabled": True,
+            "httpHost": "infer.example.com",
+            "grpcHost": "grpc.infer.example.com",
+            "tls": {"secretName": "infer-tls"},
+        },
+        "networkPolicy": {"gateway": {"ingressControllerNamespace": "ingress-nginx"}},
+    },
     "existing-secrets": {
         "keys": {"existingSecret": "tenant-keys"},
         "coreSecret": {"existingSecret": "core-secret"},
@@ -312,6 +322,28 @@ def test_the_chart_renders_nothing_without_the_tenants_keys(chart: helm.Chart) -
             "triton.maxReplicas (2) is below triton.replicas (3)",
         ),
         ({"config": "tenants: [unclosed"}, "config: not valid YAML"),
+        (
+            {
+                "ingress": {
+                    "enabled": True,
+                    "httpHost": "a.example.com",
+                    "grpcHost": "b.example.com",
+                }
+            },
+            "ingress.tls.secretName is empty",
+        ),
+        ({"ingress": {"enabled": True, "httpHost": "a.example.com"}}, "grpcHost are both needed"),
+        (
+            {
+                "ingress": {
+                    "enabled": True,
+                    "httpHost": "a.example.com",
+                    "grpcHost": "b.example.com",
+                    "tls": {"secretName": "t"},
+                }
+            },
+            "ingressControllerNamespace is empty",
+        ),
         (
             {"config": "tenants: {acme: {tier: t, api_keys_file: /etc/keys/acme}}"},
             "tenants.acme.api_keys_file /etc/keys/acme",
@@ -536,6 +568,10 @@ def test_what_each_variant_renders(release: Release) -> None:
     )
     assert ("ConfigMap", f"{FULLNAME}-dashboard") in kinds
     assert len(release.of_kind("NetworkPolicy")) == (5 if external else 6)
+    ingresses = {o["metadata"]["name"] for o in release.of_kind("Ingress")}
+    assert ingresses == (
+        {f"{FULLNAME}-http", f"{FULLNAME}-grpc"} if release.option("ingress.enabled") else set()
+    )
 
 
 def test_the_defaults_keep_the_crd_kinds_off() -> None:
@@ -1165,3 +1201,111 @@ def test_mutual_tls_mounts_each_side_its_own_and_the_shells_never_the_cores_key(
     assert "core-tls/tls.key" not in shell.values()
     plain = _cached("default")
     assert core_args(plain).tls_cert is None and shell_args(plain).tls_ca is None
+
+
+# ---- TLS in front, key rotation, the documented install ------------------------------
+
+
+def test_the_ingresses_terminate_tls_for_both_tenant_ports() -> None:
+    """ingress.enabled: an HTTP and a gRPC Ingress, each with the TLS Secret for its host,
+    routing to the shells' Service on its port (gRPC spoken to the shells)."""
+    rel = _cached("tls-ingress")
+    service = rel.get("Service", FULLNAME)
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    for kind, host in (("http", "infer.example.com"), ("grpc", "grpc.infer.example.com")):
+        spec = rel.get("Ingress", f"{FULLNAME}-{kind}")["spec"]
+        assert spec["tls"] == [{"hosts": [host], "secretName": "infer-tls"}]
+        (rule,) = spec["rules"]
+        assert rule["host"] == host
+        (path,) = rule["http"]["paths"]
+        assert path["backend"]["service"] == {"name": FULLNAME, "port": {"number": ports[kind]}}
+    annotations = rel.get("Ingress", f"{FULLNAME}-grpc")["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    # The controller's pods reach the shells' ports, and nothing more: the variant is
+    # one of test_network_policies_allow_exactly_the_fleets_paths's.
+    assert rel.option("networkPolicy.gateway.ingressControllerNamespace") == "ingress-nginx"
+
+
+def _keys_checksum(values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as loaded:
+        objects, _ = parse(render_raw(loaded, values))
+    (core,) = [
+        o
+        for o in objects
+        if o["metadata"]["name"] == f"{FULLNAME}-core" and o["kind"] == "Deployment"
+    ]
+    checksum: str = core["spec"]["template"]["metadata"]["annotations"]["checksum/keys"]
+    return checksum
+
+
+def test_rotating_keys_changes_the_cores_pod_template() -> None:
+    """A new key (keys.data) or a new keys.revision (a named Secret, rendered offline:
+    lookup finds nothing) changes the cores' pod template, so helm upgrade replaces the
+    cores, which read the keys as they start; the same values, the same template. It
+    changed nothing for a named Secret before: a rotation reached no running core."""
+    data = {KEY_ENTRIES[t]: hash_key(t) for t in KEY_ENTRIES}
+    base = _keys_checksum({"keys": {"data": data}})
+    assert base == _keys_checksum({"keys": {"data": data}})
+    rotated = {**data, "acme.keys": hash_key("a new key")}
+    assert _keys_checksum({"keys": {"data": rotated}}) != base
+    named = {"keys": {"existingSecret": "tenant-keys"}}
+    first = _keys_checksum(named)
+    assert first == _keys_checksum(named)
+    assert _keys_checksum(merged(named, {"keys": {"revision": "2026-12-06"}})) != first
+
+
+DOCUMENTED = "<!-- install-from-registry -->"
+
+
+def documented_install() -> str:
+    """The fenced block right after the marker in docker/README.md."""
+    after = (DOCKER / "README.md").read_text().split(DOCUMENTED, 1)[1].lstrip("\n")
+    assert after.startswith("```"), "no fenced block after the marker"
+    return after.split("\n", 1)[1].split("\n```", 1)[0]
+
+
+def set_values(command: str) -> dict[str, Any]:
+    """The --set KEY=VALUE pairs of a helm command, as the values they make."""
+    values: dict[str, Any] = {}
+    for key, value in re.findall(r"--set\s+([\w.]+)=(\S+)", command):
+        *parents, last = key.split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return values
+
+
+def test_the_documented_install_pulls_the_images_make_push_pushed() -> None:
+    """docker/README.md's steps as written: `make push IMAGE_REPOSITORY=R` builds and pushes
+    both images (make -n: no Docker daemon here), and the helm install's --set values
+    render pods that run exactly those images, with the keys Secret the steps create."""
+    block = documented_install()
+    make = re.search(r"^make push IMAGE_REPOSITORY=(\S+)", block, re.MULTILINE)
+    assert make, block
+    repository = make.group(1)
+    dry = subprocess.run(
+        ["make", "-n", "push", f"IMAGE_REPOSITORY={repository}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    built = set(re.findall(r"-t (\S+)", dry))
+    pushed = set(re.findall(r"^docker push (\S+)$", dry, re.MULTILINE))
+    assert built == pushed and {f"{repository}:serve", f"{repository}:triton"} <= pushed
+    assert {"docker/Dockerfile", "docker/Dockerfile.serve"} == set(re.findall(r"-f (\S+)", dry))
+    install = block[block.index("helm install") :]
+    values = set_values(install)
+    secret = re.search(r"create secret generic (\S+)", block)
+    assert secret and values["keys"]["existingSecret"] == secret.group(1)
+    with helm.Chart.load(CHART) as loaded:
+        objects, _ = parse(render_raw(loaded, values))
+    images = {
+        c["image"]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["metadata"]["name"] != f"{FULLNAME}-redis"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {f"{repository}:serve", f"{repository}:triton"}, images

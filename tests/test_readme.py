@@ -3,11 +3,13 @@ its minimal config is one ``fair-frontend check-config`` says OK to as it stands
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import bench_engine, headline
 from fair_frontend.auth import KeyRing
 from fair_frontend.config import load_config, reference
 from fair_frontend.core.metrics import STATE_GAUGE_LABELS, STATE_GAUGES
@@ -91,3 +93,57 @@ def test_readme_table_of_contents_reaches_every_section() -> None:
     listed = {link[1:] for link in links if link.startswith("#")}
     sections = {github_anchor(h) for h in re.findall(r"^## (.+)$", text, re.MULTILINE)}
     assert sections <= listed, sorted(sections - listed)
+
+
+def test_readme_headline_figures_are_the_committed_results() -> None:
+    """The front page's figures are the ones benchmarks.headline writes from
+    benchmarks/results/ (they had drifted from the files: 6.2 s / 44 ms / 140x quoted,
+    2.6 s / 46 ms / 56x committed)."""
+    text = (ROOT / "README.md").read_text()
+    assert headline.embedded(text) == headline.headline(), (
+        "run: python -m benchmarks.headline --write"
+    )
+    assert text.index(headline.START) < text.index("\n## "), "the headline is on the front page"
+
+
+def test_headline_follows_the_result_files(tmp_path: Path) -> None:
+    """A new run's file changes the figures (the generator reads them, it does not
+    keep them), and the scenario's fixed numbers are bench_engine's own."""
+    for name in ("noisy_neighbour.json", "engine.json"):
+        (tmp_path / name).write_text((headline.RESULTS / name).read_text())
+    noisy = json.loads((tmp_path / "noisy_neighbour.json").read_text())
+    noisy["burst"] = 10_000
+    noisy["targets"]["triton direct"]["after"]["b_max_ms"] = 6_197.0
+    (tmp_path / "noisy_neighbour.json").write_text(json.dumps(noisy))
+    paragraph = headline.headline(tmp_path)
+    assert "bursts 10,000 requests" in paragraph
+    assert "straight to Triton 6.2 s" in paragraph
+    assert paragraph != headline.headline()
+    assert (bench_engine.SLOTS, bench_engine.RESERVED) == (
+        headline.ENGINE_SLOTS,
+        headline.ENGINE_RESERVED,
+    )
+    assert (bench_engine.B_REQUESTS, bench_engine.B_TOKENS) == (
+        headline.B_REQUESTS,
+        headline.B_TOKENS,
+    )
+
+
+def test_readme_architecture_picture_has_every_part() -> None:
+    """clients -> shells -> core -> Tritons, Redis and Prometheus, as a mermaid block
+    on the front page (GitHub draws it)."""
+    block = readme_block("<!-- architecture -->")
+    text = (ROOT / "README.md").read_text()
+    assert text.index("<!-- architecture -->") < text.index("\n## ")
+    assert block.startswith("flowchart")
+    edges = {
+        ("clients", "shells"),
+        ("shells", "core"),
+        ("core", "tritons"),
+        ("shells", "tritons"),
+        ("core", "redis"),
+        ("prometheus", "core"),
+        ("prometheus", "tritons"),
+    }
+    found = set(re.findall(r"^\s*(\w+)\s*[-.<>]+(?:\|[^|]*\|)?\s*(\w+)\s*$", block, re.MULTILINE))
+    assert edges <= found, sorted(edges - found)

@@ -198,6 +198,7 @@ class ApiRoutes:
                 p.named(call.model)
                 headers, known, model, started = p.headers, p.known, p.model, p.started
                 name = openai.embedding_input(info, endpoint, model)
+                companions = openai.embedding_companions(info, endpoint, model)
                 output = openai.embedding_output(info, model)
                 rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
                 paid: Precharge | None = None
@@ -216,7 +217,7 @@ class ApiRoutes:
         reqs = await _off_loop(
             len(rows) > OFF_LOOP_PARTS,
             lambda: [
-                openai.row_request(model, name, datatype, row, output, f"{rid}-{i}")
+                openai.row_request(model, name, datatype, row, output, f"{rid}-{i}", companions)
                 for i, row in enumerate(rows)
             ],
         )

@@ -31,6 +31,7 @@ from fair_frontend.backends import backend
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import parse_config
 from fair_frontend.logs import configure_logging
+from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
 from fair_frontend.shell.http_server import HttpShell
@@ -139,10 +140,15 @@ class ShellProcess:
         runner = shell.runner()
         await runner.setup()
         sock = socket.socket(fileno=self.args.http_fd)
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=tenant_tls.http_context(config.server))
         await site.start()
         grpc_server = make_server(self.gateway, shared_port=True)
-        grpc_port = grpc_server.add_insecure_port(f"{self.args.grpc_host}:{self.args.grpc_port}")
+        address = f"{self.args.grpc_host}:{self.args.grpc_port}"
+        credentials = tenant_tls.grpc_credentials(config.server)
+        if credentials is not None:
+            grpc_port = grpc_server.add_secure_port(address, credentials)
+        else:
+            grpc_port = grpc_server.add_insecure_port(address)
         if grpc_port == 0:
             log.error("shell %d: cannot bind gRPC port %d", self.args.index, self.args.grpc_port)
             return 1

@@ -9,7 +9,9 @@ scheduler, rate limits, charge-back and metrics apply unchanged:
   endpoint (a decoupled model shaped like Triton's vLLM backend: a BYTES text input, the
   endpoint's ``token_input``; ``stream`` and ``exclude_input_in_output`` inputs where the
   model has them; the sampling parameters as the JSON object of its
-  ``sampling_parameters_input``). Chat messages become one prompt by ``CHAT_TEMPLATE``.
+  ``sampling_parameters_input``, or, for a model without one, each as the input of its
+  name where the model has one, TensorRT-LLM's ``max_tokens``, ``temperature``, ``top_p``,
+  and as request parameters otherwise). Chat messages become one prompt by ``CHAT_TEMPLATE``.
   The model streams one response per token; the route relays them as OpenAI chunks, or
   gathers them for a whole answer. ``stop`` strings are found here, in the text as it
   streams (vLLM's server does the same): the text ends before the stop string, and the
@@ -17,6 +19,8 @@ scheduler, rate limits, charge-back and metrics apply unchanged:
 - ``/v1/embeddings``: one request per input to a token-cost endpoint (its
   ``token_input``: token ids, one row), so the fair batches interleave a tenant's long
   list with other tenants' short ones; only the first counts against the requests limits.
+  An exported encoder's other required inputs go with the ids (``COMPANION_FILL``:
+  ``attention_mask`` of ones, ``token_type_ids`` of zeros).
 
 Errors are OpenAI's envelope, ``{"error": {"message", "type", "param", "code"}}``, with
 the statuses OpenAI's SDKs branch on (``envelope``): 429 ``rate_limit_exceeded``
@@ -638,7 +642,15 @@ def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> Infe
         blob = json.dumps(sampling).encode()
         inputs.append(_tensor(info, sampling_input, "BYTES", np.array([blob], dtype=np.object_)))
     else:
-        parameters.update(sampling)  # as request parameters, where the model reads them
+        # A model that takes each as an input of its own (TensorRT-LLM's tensorrt_llm_bls:
+        # max_tokens INT32, temperature and top_p FP32) gets those as tensors; the rest as
+        # request parameters, where such a model reads them.
+        for key, value in sampling.items():
+            spec = info.inputs.get(key)
+            if spec is None or key == text:
+                parameters[key] = value
+            else:
+                inputs.append(_tensor(info, key, spec.datatype, _scalar(key, value, spec.datatype)))
     if gen.user:
         parameters[PROGRAM_PARAMETER] = gen.user  # the gateway takes it out again
     return InferRequest(
@@ -649,6 +661,32 @@ def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> Infe
         parameters=parameters,
         priority=gen.priority,
     )
+
+
+_NUMERIC: dict[str, type[np.integer[Any]] | type[np.floating[Any]]] = {
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+
+def _scalar(key: str, value: Any, datatype: str) -> np.ndarray:
+    """``value`` as a one-element array of the model input's ``datatype``, or 400 naming
+    the parameter where it is not one (a float for an integer input, a value out of its
+    range, an input of a type a sampling parameter never has)."""
+    numeric = _NUMERIC.get(datatype)
+    if numeric is None:
+        raise ParamError(key, f"'{key}' cannot be given to this model's {datatype} input")
+    if issubclass(numeric, np.integer):
+        limits = np.iinfo(numeric)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ParamError(key, f"'{key}' must be an integer for this model")
+        if not limits.min <= value <= limits.max:
+            raise ParamError(key, f"'{key}' must be within [{limits.min}, {limits.max}]")
+    return np.array([value], dtype=numeric)
 
 
 def _tensor(info: ModelInfo, name: str, datatype: str, data: np.ndarray) -> Tensor:
@@ -876,6 +914,32 @@ def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
     return spec.name
 
 
+# The inputs an exported Hugging Face encoder requires beside its token ids (ONNX and
+# TensorRT exports make every input required), and what a row of n ids sends in each: the
+# route fills them, one row per request, so no padding is ever attended.
+COMPANION_FILL = {"attention_mask": 1, "token_type_ids": 0}
+
+
+def embedding_companions(
+    info: ModelInfo, endpoint: Endpoint, model: str
+) -> list[tuple[str, str, int]]:
+    """(name, datatype, fill) of each required input beside the token ids, or 400 where
+    the model requires one the route cannot fill."""
+    out = []
+    for spec in info.inputs.values():
+        if spec.name == endpoint.token_input or spec.optional:
+            continue
+        fill = COMPANION_FILL.get(spec.name)
+        if fill is None or spec.datatype not in ("INT32", "INT64"):
+            raise unsupported(
+                model,
+                f"does not serve embeddings (it also requires input '{spec.name}', which "
+                "the route cannot fill)",
+            )
+        out.append((spec.name, spec.datatype, fill))
+    return out
+
+
 def embedding_output(info: ModelInfo, model: str) -> str:
     """The model's one floating-point output (the embedding)."""
     for spec in info.outputs.values():
@@ -885,14 +949,26 @@ def embedding_output(info: ModelInfo, model: str) -> str:
 
 
 def row_request(
-    model: str, name: str, datatype: str, ids: Sequence[int] | np.ndarray, output: str, rid: str
+    model: str,
+    name: str,
+    datatype: str,
+    ids: Sequence[int] | np.ndarray,
+    output: str,
+    rid: str,
+    companions: Sequence[tuple[str, str, int]] = (),
 ) -> InferRequest:
-    """One input as its own KServe request: one row of token ids."""
+    """One input as its own KServe request: one row of token ids, and the ``companions``
+    (``embedding_companions``) as wide, each filled with its value."""
     data = np.asarray(ids, dtype=np.int32 if datatype == "INT32" else np.int64).reshape(1, -1)
+    inputs = [Tensor(name, datatype, tuple(data.shape), data)]
+    for other, other_type, fill in companions:
+        width = np.int32 if other_type == "INT32" else np.int64
+        values = np.full(data.shape, fill, dtype=width)
+        inputs.append(Tensor(other, other_type, tuple(values.shape), values))
     return InferRequest(
         model=model,
         id=rid,
-        inputs=[Tensor(name, datatype, tuple(data.shape), data)],
+        inputs=inputs,
         outputs=[RequestedOutput(output)],
     )
 

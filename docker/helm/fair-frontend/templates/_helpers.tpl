@@ -53,6 +53,22 @@ capabilities:
 {{- default (printf "%s-core-secret" (include "fair-frontend.fullname" .)) .Values.coreSecret.existingSecret -}}
 {{- end -}}
 
+{{- /* The cores' keys as a checksum in their pod template: keys.data, or the named
+Secret's data as lookup finds it when helm install/upgrade runs against the cluster, and
+keys.revision. A change of any changes the template, so `helm upgrade` replaces the cores,
+which read the keys as they start (rendered offline, lookup finds nothing: bump
+keys.revision). */ -}}
+{{- define "fair-frontend.keysChecksum" -}}
+{{- $parts := dict "revision" (toString (.Values.keys.revision | default "")) -}}
+{{- if .Values.keys.existingSecret -}}
+{{- $found := lookup "v1" "Secret" .Release.Namespace .Values.keys.existingSecret | default dict -}}
+{{- $_ := set $parts "secret" (get $found "data" | default dict) -}}
+{{- else -}}
+{{- $_ := set $parts "data" (.Values.keys.data | default dict) -}}
+{{- end -}}
+{{- toJson $parts | sha256sum -}}
+{{- end -}}
+
 {{- define "fair-frontend.keysSecretName" -}}
 {{- default (printf "%s-keys" (include "fair-frontend.fullname" .)) .Values.keys.existingSecret -}}
 {{- end -}}
@@ -177,6 +193,17 @@ without one. */}}
 {{/* ---- what the chart refuses --------------------------------------------------------- */}}
 
 {{- define "fair-frontend.validate" -}}
+{{- if .Values.ingress.enabled -}}
+{{- if not (and .Values.ingress.httpHost .Values.ingress.grpcHost) -}}
+{{- fail "ingress.enabled: ingress.httpHost and ingress.grpcHost are both needed (gRPC has a host of its own)" -}}
+{{- end -}}
+{{- if not .Values.ingress.tls.secretName -}}
+{{- fail "ingress.enabled: ingress.tls.secretName is empty; the Ingresses are there to terminate TLS (keys would cross in clear)" -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.ingressControllerNamespace) -}}
+{{- fail "ingress.enabled: networkPolicy.gateway.ingressControllerNamespace is empty; the NetworkPolicies would keep the ingress controller from the shells" -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has .Values.core.election (list "redis" "kubernetes")) -}}
 {{- fail (printf "core.election: %v; one of redis, kubernetes (with %d cores, none would make each a leader)" .Values.core.election (int .Values.core.replicas)) -}}
 {{- end -}}
