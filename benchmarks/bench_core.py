@@ -30,8 +30,9 @@ With ``--streams`` it measures a new stream instead (issue 30): the example conf
 ``llm`` (decoupled, engine mode, 64 slots, two tenants of weights 2:1 kept backlogged),
 each ``Call`` decoded from its frame as the link delivers it, granted, then one
 ``Produced`` record (its one token, ``Core.produced_all``) and its ``Ended``: the core's
-own Python work per stream, without the link that ``bench_core_capacity`` adds (results:
-``core_streams.json``).
+own Python work per stream, without the link that ``bench_core_capacity`` adds; three
+ways, each twice, alternated: the request log off, on with each stream's line written by
+its shell (the default), on with the core writing it (results: ``core_streams.json``).
 
 With ``--tokens`` it measures the core's CPU per output token its shells report (issue
 30): 64 granted streams, a shell's ``Produced`` record of a tick carrying 1, 4 or 8
@@ -230,8 +231,10 @@ def stream_config() -> Any:
     return parse_config(data)
 
 
-async def core_per_stream(n: int) -> dict[str, float]:
-    """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1)."""
+async def core_per_stream(n: int, *, logged: bool = True) -> dict[str, float]:
+    """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1);
+    ``logged``: their shells write their request-log lines (``Call.logged``: the default,
+    ``observability.request_log: shell``), else the core does."""
     core = Core(stream_config(), cast(TritonForwarder, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
@@ -243,7 +246,8 @@ async def core_per_stream(n: int) -> dict[str, float]:
 
     def submit(tenant: str) -> None:
         i = next(ids)
-        call = Call(i, tenant, 2, time.monotonic(), time.time(), 1, 17, 64, None, request, True, 1)
+        call = Call(i, tenant, 2, time.monotonic(), time.time(), 1, 17, 64, None, request, True, 1,
+                    logged=logged)  # fmt: skip
         reqs[i] = core.submit(cast(Call, to_core.decode(encode(call)[4:])), shell)  # as it arrives
 
     for k in range(256):
@@ -469,14 +473,43 @@ def _done(value: ModelInfo) -> asyncio.Task[ModelInfo]:
 
 
 async def streams_async(n: int) -> dict[str, Any]:
+    """New streams three ways, each twice, alternated: the request log off (the core logs
+    warnings only); on as deployed (INFO, JSON lines to a file: ``/dev/null``), each
+    stream's line written by its shell (the default); on, written by the core
+    (``request_log: core``)."""
     import logging
+    import os
 
-    logging.getLogger("fair_frontend.requests").setLevel(logging.WARNING)
-    progress(f"core: {n} new streams of llm, Call .. Grant .. Produced .. Ended")
-    await core_per_stream(n // 4)  # warm-up
-    out = await core_per_stream(n)
-    progress(f"  {out['us_per_stream']:.1f} us of CPU per new stream")
-    return {"streams": n, **out}
+    from fair_frontend.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    handler = cast("logging.StreamHandler[Any]", logging.getLogger().handlers[0])
+    handler.stream = open(os.devnull, "w")  # noqa: SIM115
+    requests = logging.getLogger("fair_frontend.requests")
+    ways = (
+        ("log_off", logging.WARNING, True),
+        ("log_by_shells", logging.INFO, True),
+        ("log_by_core", logging.INFO, False),
+    )
+    runs: dict[str, list[float]] = {name: [] for name, *_ in ways}
+    for round_ in (1, 2):
+        for name, level, logged in ways:
+            requests.setLevel(level)
+            progress(f"core, round {round_}: {n} new streams of llm ({name}), "
+                     "Call .. Grant .. Produced .. Ended")  # fmt: skip
+            await core_per_stream(n // 4, logged=logged)  # warm-up
+            runs[name].append((await core_per_stream(n, logged=logged))["us_per_stream"])
+            progress(f"  {runs[name][-1]:.1f} us of CPU per new stream")
+    out: dict[str, Any] = {"streams": n}
+    for name, got in runs.items():
+        out[name] = {"us_per_stream": min(got), "rounds_us_per_stream": got}
+    out["us_per_stream"] = out["log_by_shells"]["us_per_stream"]  # as deployed
+    out["log_by_core_vs_shells"] = (
+        out["log_by_core"]["us_per_stream"] / out["log_by_shells"]["us_per_stream"]
+    )
+    progress(f"the core's CPU per new stream, its request log by the core / by the shells: "
+             f"{out['log_by_core_vs_shells']:.2f}x")  # fmt: skip
+    return out
 
 
 async def main_async(n: int) -> dict[str, Any]:
