@@ -10,8 +10,9 @@ What a class changes
 Admission, on every endpoint that throttles (``EndpointAdmission``): the target the
 throttle compares its predicted wait with is the class's, not the endpoint's
 ``latency_target_ms``. An interactive request's is its TTFT target less the time a
-request takes from its slot to its first token (``SloLedger.first_token_s``: measured;
-the prediction is of the wait for a slot). A batch request's is its deadline less the
+request takes from its slot to its first token (``SloLedger``: measured, its moving mean
+and spread; the target leaves room for its 99th percentile, as the wait for a slot is
+judged at its 99th percentile: ``SLO_QUANTILE_Z``). A batch request's is its deadline less the
 time a request holds its slot (``SlotTimes``: it must also finish), so a batch request
 is refused only when even the wait predicted for it cannot leave it time to complete;
 that prediction is a lower bound (batch work yields, below), so what is refused could
@@ -153,6 +154,7 @@ class SloLedger:
 
     def __init__(self) -> None:
         self.first_token_s = DEFAULT_FIRST_TOKEN_S
+        self.first_token_dev_s = 0.0  # the moving mean absolute deviation of it
         self._measured = False
         # (second, {(tenant, class): [met, total]}), oldest first, WINDOW_S + 1 at most
         self._seconds: deque[tuple[float, dict[tuple[str, str], list[int]]]] = deque()
@@ -162,8 +164,15 @@ class SloLedger:
             return
         if not self._measured:
             self.first_token_s, self._measured = slot_to_first_s, True
-        else:
-            self.first_token_s += FIRST_TOKEN_ALPHA * (slot_to_first_s - self.first_token_s)
+            return
+        off = slot_to_first_s - self.first_token_s
+        self.first_token_s += FIRST_TOKEN_ALPHA * off
+        self.first_token_dev_s += FIRST_TOKEN_ALPHA * (abs(off) - self.first_token_dev_s)
+
+    def first_token_quantile_s(self, z: float) -> float:
+        """A high quantile of the first-token time: its mean and ``z`` times its spread
+        (the mean absolute deviation scaled to a normal's standard deviation, 1.25x)."""
+        return self.first_token_s + z * 1.25 * self.first_token_dev_s
 
     def record(self, tenant: str, slo: str, met: bool, now: float) -> None:
         second = float(math.floor(now))

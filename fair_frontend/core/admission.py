@@ -113,8 +113,8 @@ class EndpointAdmission:
         own_ahead = scheduler.own_ahead(tenant, priority) + rows if self.engine else 0
         if slo is None:
             return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
-        target = slo.target_s(self.slo.first_token_s, self._hold_s)
         z = SLO_QUANTILE_Z if slo.interactive else 0.0
+        target = slo.target_s(self.slo.first_token_quantile_s(z), self._hold_s)
         decision = self._decide(
             backlog, own_ahead, inflight, own_inflight, tier, remaining_s, target, z
         )
