@@ -9,22 +9,23 @@ What a class changes
 --------------------
 Admission, on every endpoint that throttles (``EndpointAdmission``): the target the
 throttle compares its predicted wait with is the class's, not the endpoint's
-``latency_target_ms``. An interactive request's is its TTFT target less the time a
-request takes from its slot to its first token (``SloLedger``: measured, its moving mean
-and spread; the target leaves room for its 99th percentile, as the wait for a slot is
-judged at its 99th percentile: ``SLO_QUANTILE_Z``). A batch request's is its deadline less the
-time a request holds its slot (``SlotTimes``: it must also finish), so a batch request
-is refused only when even the wait predicted for it cannot leave it time to complete;
-that prediction is a lower bound (batch work yields, below), so what is refused could
-not have made it. Either way the request's own deadline still tightens the target, and
-the throttle's rules stand: a request that finds a free slot or is next in line is
-never refused, and a tenant's wait is predicted from its own place in the fair order
-(its own work ahead and its fair share of its tier's others, ``Scheduler.backlog_ahead``)
-and the slots' measured turnover, so a tenant within its share is not refused for
-another's backlog.
+``latency_target_ms``. An interactive request's is its TTFT target less the time it
+spent before admission (from its shell's arrival: its shell's and the link's lag under
+load) and the time a request takes from its slot to its first token (``SloLedger``:
+measured, its moving mean and spread; the target leaves room for its 99th percentile, as
+the wait for a slot is judged at its 99th percentile: ``SLO_QUANTILE_Z``). A batch
+request's is its deadline less the time a request holds its slot (``SlotTimes``: it must
+also finish), so a batch request is refused only when even the wait predicted for it
+cannot leave it time to complete; that prediction is a lower bound (batch work yields,
+below), so what is refused could not have made it. Either way the request's own deadline
+still tightens the target, and the throttle's rules stand: a request that finds a free
+slot or is next in line is never refused, and a tenant's wait is predicted from its own
+place in the fair order (its own work ahead and its fair share of its tier's others,
+``Scheduler.backlog_ahead``) and the slots' measured turnover, so a tenant within its
+share is not refused for another's backlog.
 
 Order: a batch request's priority level is moved below every level
-(``BATCH_BAND``: ``priority_levels`` is added to it), so inside its tenant it goes after
+(``priority_levels`` is added to it: ``Core._new_request``), so inside its tenant it goes after
 every interactive (or unclassed) request, whatever priority it asked for: batch work
 takes the slack its tenant's interactive work leaves. Between tenants nothing changes:
 tiers in strict order, then fair shares (so batch work of a tenant within its share is
@@ -88,10 +89,11 @@ class SloClass:
         return self.kind is SloKind.INTERACTIVE
 
     def target_s(self, first_token_s: float, hold_s: float) -> float:
-        """The throttle's target for a wait for a slot: the TTFT target less the first
-        token's time once in a slot (interactive), or the deadline less a slot's mean
-        hold time (batch). At least a millisecond: a target the slot's own time uses up
-        refuses every request that must wait (a free slot or the next in line still go)."""
+        """The throttle's target for a wait for a slot: the TTFT target less the first token's time
+        once in a slot (interactive; the caller adds the time the request spent before
+        admission), or the deadline less a slot's mean hold time (batch). At least a
+        millisecond: a target the slot's own time uses up refuses every request that
+        must wait (a free slot or the next in line still go)."""
         if self.interactive:
             assert self.ttft_s is not None
             left = self.ttft_s - first_token_s

@@ -99,13 +99,15 @@ class EndpointAdmission:
         remaining_s: float | None,
         own_inflight: int = 0,
         slo: SloClass | None = None,
+        elapsed_s: float = 0.0,
     ) -> ThrottleDecision | None:
         """The throttle's decision for a new request (None: the endpoint does not throttle).
 
         ``inflight``: batches in Triton (engine: requests in the engine), ``own_inflight``
         of them the tenant's (engine only). ``remaining_s``: the time left to the
         request's own deadline, if it has one. ``slo``: its SLO class, whose target
-        replaces the endpoint's (``admission.slo``).
+        replaces the endpoint's (``admission.slo``), less ``elapsed_s``: the time since
+        the request arrived at its shell (its class's clock runs from then).
         """
         if self.throttle is None and self.engine is None:
             return None
@@ -114,7 +116,7 @@ class EndpointAdmission:
         if slo is None:
             return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
         z = SLO_QUANTILE_Z if slo.interactive else 0.0
-        target = slo.target_s(self.slo.first_token_quantile_s(z), self._hold_s)
+        target = slo.target_s(self.slo.first_token_quantile_s(z) + elapsed_s, self._hold_s)
         decision = self._decide(
             backlog, own_ahead, inflight, own_inflight, tier, remaining_s, target, z
         )
@@ -131,15 +133,15 @@ class EndpointAdmission:
         rows, tokens = self.service.typical_batch()
         return bt.fixed_s + bt.per_row_s * rows + bt.per_token_s * tokens
 
-    def predicted_ttft_s(self, decision: ThrottleDecision) -> float:
-        """The time to first token ``decision`` predicts, without the safety margin: its
-        wait for a slot (or for its batches) plus the time from a slot to a first token
-        measured lately."""
+    def predicted_ttft_s(self, decision: ThrottleDecision, elapsed_s: float = 0.0) -> float:
+        """The time to first token ``decision`` predicts, without the safety margin: the
+        time since arrival ``elapsed_s``, its wait for a slot (or for its batches), and
+        the time from a slot to a first token measured lately."""
         if decision.mean_wait_s is not None:
-            return decision.mean_wait_s + self.slo.first_token_s
+            return elapsed_s + decision.mean_wait_s + self.slo.first_token_s
         gate = self.engine if self.engine is not None else self.throttle
         safety = gate.safety if gate is not None else 1.0
-        return decision.predicted_wait_s / safety + self.slo.first_token_s
+        return elapsed_s + decision.predicted_wait_s / safety + self.slo.first_token_s
 
     def verdict(
         self, scheduler: Scheduler, inflight: int, tier: str, weight: float, tenants: int

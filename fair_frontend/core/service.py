@@ -758,14 +758,23 @@ class Core:
         # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
         deadline = req.call.deadline
         remaining_s = None if deadline is None else deadline - self.clock.now()
+        elapsed = max(0.0, self.clock.now() - req.call.arrived)
         decision = self._decide(
-            runtime, admission, req.tenant, req.priority, req.rows, req.tokens, remaining_s, req.slo
+            runtime,
+            admission,
+            req.tenant,
+            req.priority,
+            req.rows,
+            req.tokens,
+            remaining_s,
+            req.slo,
+            elapsed,
         )
         self.observer.throttle_decision(model=runtime.model, decision=decision)
         if not decision.admitted:
             raise overloaded_error(decision, runtime.model)
         if req.slo is not None and req.slo.interactive:
-            req.predicted_ttft_s = admission.predicted_ttft_s(decision)
+            req.predicted_ttft_s = admission.predicted_ttft_s(decision, elapsed)
 
     def _decide(
         self,
@@ -777,6 +786,7 @@ class Core:
         tokens: int,
         remaining_s: float | None,
         slo: SloClass | None = None,
+        elapsed_s: float = 0.0,
     ) -> ThrottleDecision:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
         ``priority`` (a call, or a tenant's calls of one tick) of SLO class ``slo``,
@@ -794,6 +804,7 @@ class Core:
             remaining_s=remaining_s,
             own_inflight=own,
             slo=slo,
+            elapsed_s=elapsed_s,
         )
         assert decision is not None  # the caller checked that the endpoint throttles
         return decision

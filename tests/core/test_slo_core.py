@@ -491,3 +491,36 @@ def test_the_ledger_counts_whole_seconds_of_the_window() -> None:
     assert ("fair_slo_attainment", {"endpoint": LLM, "tenant": "a"}, 0.5) in got
     assert ("fair_slo_class_attainment", {"endpoint": LLM, "slo_class": "chat"}, 2 / 3) in got
     assert ("fair_slo_goodput", {"endpoint": LLM, "slo_class": "chat"}, 2 / WINDOW_S) in got
+
+
+def test_the_time_spent_before_admission_counts_against_the_ttft_target() -> None:
+    """A request that reached the core late (its shell or the link lagging) has that much
+    less of its TTFT target left for the wait: the same queue admits it fresh and refuses
+    it 0.6 s old; its predicted TTFT counts the time spent."""
+    chat = SloClass("chat", SloKind.INTERACTIVE, ttft_s=1.0)
+    policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
+    scheduler = Scheduler(policy, {"a": TenantSpec("paid", max_queued=10**6)}, GlobalCaps())
+    admission = EndpointAdmission(
+        service=ServiceModel(LLM),
+        throttle=None,
+        tiers=("paid",),
+        engine=EngineThrottle(slots=SLOTS, latency_target_s=5.0),
+        slot_times=SlotTimes.for_slots(SLOTS),
+    )
+    for _ in range(3 * SLOTS):
+        admission.slot_times.observe(MEAN_HOLD_S)
+    for _ in range(3):
+        scheduler.enqueue(QueuedRequest("a", 1, 0, 0, 1, None), 0.0)
+
+    def admit(elapsed_s: float) -> Any:
+        return admission.admit(
+            scheduler, SLOTS, tenant="a", tier="paid", priority=1, rows=1, tokens=0,
+            remaining_s=None, slo=chat, elapsed_s=elapsed_s,
+        )  # fmt: skip
+
+    fresh, late = admit(0.0), admit(0.6)
+    assert fresh.admitted and not late.admitted
+    assert late.target_s == pytest.approx(fresh.target_s - 0.6)
+    assert admission.predicted_ttft_s(fresh, 0.25) == pytest.approx(
+        0.25 + fresh.mean_wait_s + admission.slo.first_token_s
+    )
