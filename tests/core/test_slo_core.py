@@ -524,3 +524,33 @@ def test_the_time_spent_before_admission_counts_against_the_ttft_target() -> Non
     assert admission.predicted_ttft_s(fresh, 0.25) == pytest.approx(
         0.25 + fresh.mean_wait_s + admission.slo.first_token_s
     )
+
+
+def test_a_tier_is_closed_only_if_every_class_would_refuse_it() -> None:
+    """The shells shed a tier the throttle closed (``EndpointAdmission.verdict``): with
+    SLO classes a request of the tier may name any of them, so the tier is closed only
+    when even the loosest class's target would refuse its best request."""
+    bulk = SloClass("bulk", SloKind.BATCH, deadline_s=100.0)
+    chat = SloClass("chat", SloKind.INTERACTIVE, ttft_s=0.1)
+
+    def verdict(classes: dict[str, SloClass] | None) -> Any:
+        policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
+        tenants = {t: TenantSpec("paid", max_queued=10**6) for t in ("a", "b")}
+        scheduler = Scheduler(policy, tenants, GlobalCaps(10**7))
+        admission = EndpointAdmission(
+            service=ServiceModel(LLM),
+            throttle=None,
+            tiers=("paid",),
+            engine=EngineThrottle(slots=SLOTS, latency_target_s=0.1),
+            slot_times=SlotTimes.for_slots(SLOTS),
+            slo_classes=None if classes is None else SloClasses(classes, lambda t: None),
+        )
+        for _ in range(3 * SLOTS):
+            admission.slot_times.observe(MEAN_HOLD_S)
+        for _ in range(500):
+            scheduler.enqueue(QueuedRequest("a", 1, 0, 0, 1, None), 0.0)
+        return admission.verdict(scheduler, SLOTS, "paid", 1.0, 2)
+
+    assert verdict(None) is not None  # the endpoint's 0.1 s: closed
+    assert verdict({"chat": chat}) is not None  # no class looser than it
+    assert verdict({"chat": chat, "bulk": bulk}) is None  # a batch request still fits
