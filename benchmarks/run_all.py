@@ -32,6 +32,7 @@ BENCHMARKS = [
     "bench_hostile",
     "bench_door",
     "bench_core_capacity",
+    "bench_slo",
 ]
 
 

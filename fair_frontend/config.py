@@ -35,6 +35,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fair_frontend.admission.slo import SloClass, SloKind
 from fair_frontend.admission.storage import (
     DEFAULT_RATELIMIT_STORAGE,
     DEFAULT_RATELIMIT_TIMEOUT_MS,
@@ -48,6 +49,7 @@ from fair_frontend.protocol import (
     PROGRAM_PARAMETER,
     RESERVED_PARAMETERS,
     RESERVED_PREFIX,
+    SLO_CLASS_PARAMETER,
     TENANT_PARAMETER,
 )
 from fair_frontend.sampling import KNOWN_KEYS, SamplingRules
@@ -503,6 +505,56 @@ class Endpoint(_Strict):
         return None
 
 
+class SloClassConfig(_Strict):
+    """One SLO class (``slo_classes``): interactive (TTFT and inter-token targets) or batch
+    (a completion deadline); ``fair_frontend.admission.slo`` says what each changes."""
+
+    kind: Literal["interactive", "batch"] = Field(
+        description="interactive: the throttle refuses at once a request whose predicted "
+        "time to first token exceeds ttft_ms; batch: only one that cannot complete within "
+        "deadline_s even at the wait predicted for it, and inside its tenant it goes after "
+        "every other request (batch work takes the slack)."
+    )
+    ttft_ms: float | None = Field(
+        default=None, gt=0, description="interactive: the time-to-first-token target."
+    )
+    itl_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="interactive, optional: the inter-token target (shown, not enforced: an "
+        "engine's step time follows its slots, not its queue's order).",
+    )
+    deadline_s: float | None = Field(
+        default=None, gt=0, description="batch: the completion deadline, from arrival."
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self) -> SloClassConfig:
+        if self.kind == SloKind.INTERACTIVE:
+            if self.ttft_ms is None:
+                raise ValueError("an interactive class needs ttft_ms")
+            if self.deadline_s is not None:
+                raise ValueError("deadline_s is a batch class's (interactive: ttft_ms, itl_ms)")
+        else:
+            if self.deadline_s is None:
+                raise ValueError("a batch class needs deadline_s")
+            if self.ttft_ms is not None or self.itl_ms is not None:
+                raise ValueError(
+                    "ttft_ms and itl_ms are an interactive class's (batch: deadline_s)"
+                )
+        return self
+
+    def slo_class(self, name: str) -> SloClass:
+        """The policy's parameters, in seconds."""
+        return SloClass(
+            name,
+            SloKind(self.kind),
+            ttft_s=None if self.ttft_ms is None else self.ttft_ms / 1000.0,
+            itl_s=None if self.itl_ms is None else self.itl_ms / 1000.0,
+            deadline_s=self.deadline_s,
+        )
+
+
 class Tenant(_Strict):
     tier: str = Field(description="One of tiers.")
     weight: float = Field(default=1.0, gt=0, description="Share relative to its tier's peers.")
@@ -550,6 +602,11 @@ class Tenant(_Strict):
         default_factory=list,
         description="Models this tenant may not call whatever the lists say (narrows its "
         'tier\'s list; "*": none at all, e.g. to suspend a tenant and keep its keys).',
+    )
+    slo_class: str | None = Field(
+        default=None,
+        description="The SLO class (one of slo_classes) of this tenant's requests that name "
+        "none. Unset: its tier's (tier_slo_classes), if any.",
     )
 
 
@@ -1176,6 +1233,21 @@ class Config(_Strict):
     tenants: dict[str, Tenant] = Field(
         default_factory=dict, description="Tenants by name: tier, weight, keys, limits."
     )
+    slo_classes: dict[str, SloClassConfig] = Field(
+        default_factory=dict,
+        description="SLO classes by name, e.g. `interactive: {kind: interactive, ttft_ms: "
+        "500, itl_ms: 50}`, `bulk: {kind: batch, deadline_s: 600}`. A request's class is the "
+        "one it names (the slo_class parameter or the x-slo-class header; a name not here is "
+        "refused with 400), else its tenant's slo_class, else its tier's (tier_slo_classes); "
+        "none: the endpoint's latency_target_ms, as before. The throttle judges a request "
+        "against its class's target; attainment is exported per tenant and class "
+        "(fair_slo_attainment, fair_slo_class_attainment).",
+    )
+    tier_slo_classes: dict[str, str] = Field(
+        default_factory=dict,
+        description="Tier -> SLO class (one of slo_classes) of its tenants' requests that "
+        "name none and whose tenant has no slo_class.",
+    )
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -1252,6 +1324,17 @@ class Config(_Strict):
         t = self.tenants.get(tenant)
         return 1 if t is None else self.tier_top_priority.get(t.tier, 1)
 
+    def slo_classes_by_name(self) -> dict[str, SloClass]:
+        """The SLO classes by name, as the policy takes them (seconds)."""
+        return {name: c.slo_class(name) for name, c in self.slo_classes.items()}
+
+    def slo_class_of(self, tenant: str) -> str | None:
+        """The SLO class of ``tenant``'s requests that name none: its own, else its tier's."""
+        t = self.tenants.get(tenant)
+        if t is None:
+            return None
+        return t.slo_class or self.tier_slo_classes.get(t.tier)
+
     def default_priority(self, tenant: str | None, endpoint: str) -> int:
         """The level a request with priority 0 gets: tenant's, endpoint's, or the middle level."""
         if tenant is not None:
@@ -1296,6 +1379,25 @@ def reference_problems(data: Mapping[str, Any]) -> list[str]:
         if tier not in tiers:
             problems.append(f"tier_models.{tier}: unknown tier (tiers: {tier_list})")
         problems.extend(_model_list_problems(f"tier_models.{tier}", models))
+    slo_names = set(mapping(data.get("slo_classes")))
+    for tier, slo in mapping(data.get("tier_slo_classes")).items():
+        if tier not in tiers:
+            problems.append(f"tier_slo_classes.{tier}: unknown tier (tiers: {tier_list})")
+        if slo not in slo_names:
+            problems.append(
+                f"tier_slo_classes.{tier}: unknown SLO class {slo!r} "
+                f"(slo_classes: {sorted(slo_names)})"
+            )
+    for tname, raw_tenant in mapping(data.get("tenants")).items():
+        slo = mapping(raw_tenant).get("slo_class")
+        if slo is not None and slo not in slo_names:
+            problems.append(
+                f"tenants.{tname}.slo_class: unknown SLO class {slo!r} "
+                f"(slo_classes: {sorted(slo_names)})"
+            )
+    for name in slo_names:
+        if not _NAME_RE.match(str(name)):
+            problems.append(f"slo_classes: {name!r} is not a valid name")
     shares = mapping(mapping(data.get("tier_guard")).get("min_share"))
     for tier, share in shares.items():
         if tier not in tiers:
@@ -1515,7 +1617,11 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
     param = ep.get("max_tokens_parameter")
     default, limit = ep.get("max_tokens_default"), ep.get("max_tokens_limit")
     if isinstance(param, str):
-        reserved = param in RESERVED_PARAMETERS or param in (TENANT_PARAMETER, PROGRAM_PARAMETER)
+        reserved = param in RESERVED_PARAMETERS or param in (
+            TENANT_PARAMETER,
+            PROGRAM_PARAMETER,
+            SLO_CLASS_PARAMETER,
+        )
         if reserved or param.startswith((RESERVED_PREFIX, FRONTEND_PREFIX)) or not param:
             problems.append(
                 f"{where}.max_tokens_parameter: {param!r} is reserved (Triton's, the "
@@ -1690,6 +1796,7 @@ def reference() -> str:
         ("`padding.inputs.<input>`", PaddedInput),
         ("`padding.outputs.<output>`", PaddedOutput),
         ("`tenants.<name>`", Tenant),
+        ("`slo_classes.<name>`", SloClassConfig),
         ("limits (`tier_limits.<tier>.<model>`, `tenants.<name>.limits.<model>`)", Limits),
     ]
     out = []

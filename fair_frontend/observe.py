@@ -119,6 +119,11 @@ class Observer:
         """The throttle admitted or rejected a request (``count`` requests: a tenant's calls
         of one intake slice judged together, ``Core.judge_together``)."""
 
+    def ttft_predicted(self, *, model: str, slo_class: str, error: float) -> None:
+        """An admitted request of interactive SLO class ``slo_class`` had its first token:
+        the throttle's predicted time to it was off by ``error`` ((predicted - actual) /
+        actual)."""
+
     def tokens_produced(
         self,
         *,
@@ -208,3 +213,6 @@ class Observers(Observer):
 
     def tokens_produced(self, **kwargs: Any) -> None:
         self._each("tokens_produced", **kwargs)
+
+    def ttft_predicted(self, **kwargs: Any) -> None:
+        self._each("ttft_predicted", **kwargs)

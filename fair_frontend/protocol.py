@@ -14,7 +14,7 @@ converted to JSON).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,10 @@ TENANT_PARAMETER = "tenant"
 PROGRAM_PARAMETER = "program"
 # The header a request (or a gateway in front) names its program in.
 PROGRAM_HEADER = "x-program-id"
+# The parameter and header a request names its SLO class in (``admission.slo``); taken
+# out of its parameters like the program.
+SLO_CLASS_PARAMETER = "slo_class"
+SLO_CLASS_HEADER = "x-slo-class"
 
 ParamValue = bool | int | float | str
 
@@ -342,6 +346,28 @@ def take_program(req: InferRequest, headers: Mapping[str, str]) -> str:
         raise InvalidArgument(
             f"{where} is too long: {size} bytes, the limit is {MAX_PROGRAM_BYTES} bytes"
         )
+    return value
+
+
+def take_slo_class(req: InferRequest, headers: Mapping[str, str], known: Collection[str]) -> str:
+    """The SLO class ``req`` names ("": none), its ``slo_class`` parameter taken out of its
+    parameters (the model never sees it): ``x-slo-class`` where the headers have it, else
+    the parameter. InvalidArgument (400) where it is not a string or not one of ``known``
+    (the configured classes); the refusal names them, and the asked name only if short."""
+    asked = req.parameters.pop(SLO_CLASS_PARAMETER, None)
+    header = headers.get(SLO_CLASS_HEADER)
+    if header is not None:
+        value, where = header.strip(), f"header '{SLO_CLASS_HEADER}'"
+    elif asked is not None:
+        if not isinstance(asked, str):
+            raise InvalidArgument(f"parameter '{SLO_CLASS_PARAMETER}' must be a string")
+        value, where = asked, f"parameter '{SLO_CLASS_PARAMETER}'"
+    else:
+        return ""
+    if value and value not in known:
+        shown = repr(value) if len(value) <= 64 else "(a name too long to be one)"
+        names = ", ".join(sorted(known)) if known else "none are configured"
+        raise InvalidArgument(f"{where}: unknown SLO class {shown}: the classes are {names}")
     return value
 
 

@@ -454,3 +454,50 @@ def test_the_program_parameter_is_no_models_max_tokens_parameter() -> None:
     }
     with pytest.raises(ConfigError, match="max_tokens_parameter: 'program' is reserved"):
         parse_config(bad)
+
+
+def test_slo_classes_are_checked_with_every_problem_listed() -> None:
+    """Each kind has its own targets; a tier's or tenant's class must be configured; the
+    policy gets the targets in seconds, a tenant's own class before its tier's."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {
+                "tiers": ["gold"],
+                "slo_classes": {
+                    "chat": {"kind": "interactive"},
+                    "bulk": {"kind": "batch", "deadline_s": 60, "ttft_ms": 5},
+                    "late": {"kind": "batch"},
+                },
+                "tier_slo_classes": {"gold": "platinum", "silver": "chat"},
+                "tenants": {"a": {"tier": "gold", "slo_class": "zz"}},
+            }
+        )
+    text = str(info.value)
+    for says in (
+        "slo_classes.chat: an interactive class needs ttft_ms",
+        "slo_classes.bulk: ttft_ms and itl_ms are an interactive class's",
+        "slo_classes.late: a batch class needs deadline_s",
+        "tier_slo_classes.gold: unknown SLO class 'platinum'",
+        "tier_slo_classes.silver: unknown tier",
+        "tenants.a.slo_class: unknown SLO class 'zz'",
+    ):
+        assert says in text, text
+    cfg = parse_config(
+        {
+            "tiers": ["gold", "free"],
+            "slo_classes": {
+                "chat": {"kind": "interactive", "ttft_ms": 500, "itl_ms": 40},
+                "bulk": {"kind": "batch", "deadline_s": 600},
+            },
+            "tier_slo_classes": {"free": "bulk"},
+            "tenants": {
+                "g": {"tier": "gold"},
+                "f": {"tier": "free"},
+                "fc": {"tier": "free", "slo_class": "chat"},
+            },
+        }
+    )
+    chat = cfg.slo_classes_by_name()["chat"]
+    assert chat.ttft_s == 0.5 and chat.itl_s == 0.04 and chat.interactive
+    assert cfg.slo_classes_by_name()["bulk"].deadline_s == 600
+    assert [cfg.slo_class_of(t) for t in ("g", "f", "fc", "nobody")] == [None, "bulk", "chat", None]

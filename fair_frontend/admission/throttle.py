@@ -139,6 +139,9 @@ class ThrottleDecision:
     reason: str
     deadline_bound: bool = False  # the request's own deadline set the target
     retry_after_s: float | None = None  # on reject: when the wait would fit again
+    slo_class: str = ""  # the SLO class whose target it was judged against ("": none)
+    # engine: the expected wait for a slot, without margin or quantile (None: not known)
+    mean_wait_s: float | None = None
 
 
 class Throttle:
@@ -215,13 +218,15 @@ class Throttle:
         *,
         remaining_s: float | None = None,
         slowdown: float = 1.0,
+        target_s: float | None = None,
     ) -> ThrottleDecision:
         """Admit or reject a request whose backlog (itself included) is ``backlog``.
 
         ``inflight``: batches of this endpoint in Triton now. ``remaining_s``: the time left
-        to the request's own deadline, if it has one.
+        to the request's own deadline, if it has one. ``target_s``: its SLO class's target
+        (``admission.slo``) in place of the endpoint's.
         """
-        target = self.latency_target_s
+        target = self.latency_target_s if target_s is None else target_s
         deadline_bound = remaining_s is not None and remaining_s < target
         if remaining_s is not None:
             target = min(target, remaining_s)
@@ -281,13 +286,22 @@ class EngineThrottle:
         own_inflight: int,
         hold_s: float,
         slowdown: float = 1.0,
+        quantile_z: float = 0.0,
     ) -> float:
         """Seconds until a slot is free for the request (the module docstring's formula).
-        ``hold_s``: the mean time a request holds its slot."""
-        overall = max(0, inflight + ahead - self.slots) * hold_s / self.slots
-        overall *= max(1.0, slowdown)
-        own = max(0, own_inflight + own_ahead - self.tenant_slots) * hold_s / self.tenant_slots
-        return max(overall, own) * self.safety
+        ``hold_s``: the mean time a request holds its slot. ``quantile_z`` > 0: the
+        releases counted at that quantile of their time (``release_quantile``), and no
+        ``safety`` (the quantile is the margin); 0: at their mean, times ``safety``."""
+        overall_n = float(max(0, inflight + ahead - self.slots))
+        own_n = float(max(0, own_inflight + own_ahead - self.tenant_slots))
+        safety = self.safety
+        if quantile_z > 0:
+            overall_n = release_quantile(overall_n, quantile_z)
+            own_n = release_quantile(own_n, quantile_z)
+            safety = 1.0
+        overall = overall_n * hold_s / self.slots * max(1.0, slowdown)
+        own = own_n * hold_s / self.tenant_slots
+        return max(overall, own) * safety
 
     def check(
         self,
@@ -299,35 +313,63 @@ class EngineThrottle:
         slot_times: SlotTimes,
         remaining_s: float | None = None,
         slowdown: float = 1.0,
+        target_s: float | None = None,
+        quantile_z: float = 0.0,
     ) -> ThrottleDecision:
         """Admit or reject a request (arguments as ``releases``); ``remaining_s``: the time
-        left to its own deadline, if it has one."""
-        target = self.latency_target_s
+        left to its own deadline, if it has one; ``target_s``: its SLO class's target
+        (``admission.slo``) in place of the endpoint's, judged at ``quantile_z``
+        (``predicted_wait``)."""
+        target = self.latency_target_s if target_s is None else target_s
         deadline_bound = remaining_s is not None and remaining_s < target
         if remaining_s is not None:
             target = min(target, remaining_s)
         n = self.releases(ahead, own_ahead, inflight, own_inflight)
+        hold = slot_times.mean_hold_s
         wait = self.predicted_wait(
-            ahead, own_ahead, inflight, own_inflight, slot_times.mean_hold_s, slowdown
+            ahead, own_ahead, inflight, own_inflight, hold, slowdown, quantile_z
         )
+        # The expected wait (no margin, no quantile): what the time to first token is
+        # predicted from (``EndpointAdmission.predicted_ttft_s``).
+        mean = self.predicted_wait(ahead, own_ahead, inflight, own_inflight, hold, slowdown)
+        mean /= self.safety
         shown = max(0, n)
         if n <= 0:
-            return ThrottleDecision(True, wait, target, shown, "free slot", deadline_bound)
-        if not slot_times.has_data:
-            return ThrottleDecision(True, wait, target, shown, "no service data", deadline_bound)
-        if n <= 1:
-            return ThrottleDecision(True, wait, target, shown, "next in line", deadline_bound)
-        if wait <= target:
-            return ThrottleDecision(True, wait, target, shown, "within target", deadline_bound)
-        retry = max(self.min_retry_after_s, wait - target)
-        return ThrottleDecision(False, wait, target, shown, "over target", deadline_bound, retry)
+            reason = "free slot"
+        elif not slot_times.has_data:
+            reason = "no service data"
+        elif n <= 1:
+            reason = "next in line"
+        elif wait <= target:
+            reason = "within target"
+        else:
+            retry = max(self.min_retry_after_s, wait - target)
+            return ThrottleDecision(
+                False, wait, target, shown, "over target", deadline_bound, retry, mean_wait_s=mean
+            )
+        return ThrottleDecision(True, wait, target, shown, reason, deadline_bound, mean_wait_s=mean)
+
+
+def release_quantile(n: float, z: float) -> float:
+    """The releases whose mean time is the ``z``-quantile of the time to ``n`` releases,
+    where releases come as a Poisson process (S slots of varied hold times free up
+    nearly so): Gamma(n)'s quantile by Wilson and Hilferty's approximation, ``n (1 -
+    1/(9n) + z / (3 sqrt n))^3`` (for n = 1 and z = 2.33, 4.63: the exact 4.61). 0 for
+    ``n`` <= 0. Monotone in ``n`` and ``z``."""
+    if n <= 0:
+        return 0.0
+    return float(n * (1.0 - 1.0 / (9.0 * n) + z / (3.0 * math.sqrt(n))) ** 3)
 
 
 def overloaded_error(decision: ThrottleDecision, endpoint: str) -> Overloaded:
     """The 503 for a rejected decision: says the predicted wait and the target."""
     if decision.admitted:
         raise ValueError("overloaded_error needs a rejected decision")
-    whose = "the request's deadline" if decision.deadline_bound else "the latency target"
+    whose = "the latency target"
+    if decision.deadline_bound:
+        whose = "the request's deadline"
+    elif decision.slo_class:
+        whose = f"the target of SLO class '{decision.slo_class}'"
     wait, target = _wait_and_target(decision.predicted_wait_s, decision.target_s)
     return Overloaded(
         f"Server overloaded on model '{endpoint}': predicted wait {wait} exceeds {whose} of "
@@ -363,4 +405,5 @@ __all__ = [
     "Throttle",
     "ThrottleDecision",
     "overloaded_error",
+    "release_quantile",
 ]

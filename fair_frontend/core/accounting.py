@@ -32,6 +32,7 @@ from fair_frontend.admission import (
     rate_limited_error,
 )
 from fair_frontend.admission.ratelimit import Decision, StorageUnavailable
+from fair_frontend.admission.slo import prediction_error
 from fair_frontend.config import Config, CostUnit
 from fair_frontend.core.dispatch import CoreRequest, Dispatcher
 from fair_frontend.core.stats import Statistics
@@ -279,11 +280,55 @@ class Accounting:
 
     # ---- outcomes and charge-backs ------------------------------------------------------
 
+    def first_token(self, req: CoreRequest, first_token_s: float) -> None:
+        """``req``'s first output token came ``first_token_s`` after its arrival: the time
+        from its slot to it is measured for its endpoint, and an interactive SLO class's
+        attainment and the error of the TTFT its admission predicted are counted
+        (``admission.slo``)."""
+        runtime = req.runtime
+        admission = runtime.admission if runtime is not None else None
+        if admission is None:
+            return
+        ledger = admission.slo
+        if req.dispatched_at is not None:
+            ledger.observe_first_token(first_token_s - (req.dispatched_at - req.call.arrived))
+        slo = req.slo
+        if slo is None or not slo.interactive or req.slo_counted:
+            return
+        req.slo_counted = True
+        ledger.record(req.tenant, slo.name, slo.met(first_token_s), self.now())
+        if req.predicted_ttft_s is not None:
+            error = prediction_error(req.predicted_ttft_s, first_token_s)
+            if error is not None:
+                model = req.call.request.model
+                self.observer.ttft_predicted(model=model, slo_class=slo.name, error=error)
+
+    def _slo_ended(self, req: CoreRequest, outcome: Outcome, now: float) -> None:
+        """``req`` of an SLO class ended: served, its class's verdict on its whole time
+        (a batch class's deadline; an interactive request that counted no first token, on
+        its answer's time); expired, missed; otherwise (refused, cancelled, failed) not
+        counted."""
+        slo = req.slo
+        if slo is None or req.slo_counted or req.runtime is None:
+            return
+        if outcome is Outcome.DISPATCHED:
+            met = slo.met(now - req.call.arrived)
+        elif outcome is Outcome.EXPIRED:
+            met = False
+        else:
+            return
+        req.slo_counted = True
+        admission = req.runtime.admission
+        if admission is not None:
+            admission.slo.record(req.tenant, slo.name, met, now)
+
     def on_done(
         self, req: CoreRequest, outcome: Outcome, err: FrontendError | None, version: str
     ) -> None:
         """A queued request is answered (or its client went away): count it once."""
         now = self.now()
+        if req.slo is not None:
+            self._slo_ended(req, outcome, now)
         infer_s = None
         if req.dispatched_at is not None:
             infer_s = now - req.dispatched_at
@@ -317,6 +362,8 @@ class Accounting:
         for req in reqs:
             if req.limits_at is not None:
                 self.charge_back_limits(req)
+            if req.slo is not None:
+                self._slo_ended(req, Outcome.DISPATCHED, now)
             call = req.call
             queued_s = req.queued_s
             dispatched = req.dispatched_at
@@ -355,13 +402,16 @@ class Accounting:
         if req.ended is not None:
             return  # a granted stream: observed as its shell timed it (``produced``)
         now = self.now()
+        first = req.produced == tokens
         self.observer.tokens_produced(  # an answer in one piece: its tokens at once
             tenant=req.tenant,
             model=req.request.model,
             tokens=tokens,
-            first_token_s=now - req.call.arrived if req.produced == tokens else None,
+            first_token_s=now - req.call.arrived if first else None,
             inter_token_s=(),
         )
+        if first:
+            self.first_token(req, now - req.call.arrived)
 
     def charge_back_limits(self, req: CoreRequest) -> None:
         """Token limits count what was produced where the endpoint counts its output

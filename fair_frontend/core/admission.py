@@ -15,9 +15,10 @@ the platform cannot serve in time costs the tenant no quota).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fair_frontend.admission import EngineThrottle, Throttle, ThrottleDecision
+from fair_frontend.admission.slo import SLO_QUANTILE_Z, SloClass, SloClasses, SloLedger
 from fair_frontend.feedback import ServiceModel, SlotTimes
 from fair_frontend.scheduler import Backlog, Scheduler
 
@@ -75,6 +76,10 @@ class EndpointAdmission:
     tier_shares: TierShares = field(default_factory=TierShares)
     engine: EngineThrottle | None = None  # an engine endpoint's throttle (then no throttle)
     slot_times: SlotTimes = field(default_factory=SlotTimes)  # engine: slot hold times
+    # The configured SLO classes (``admission.slo``; None: none), and what this endpoint
+    # measured of them (attainment, the time from a slot to the first token).
+    slo_classes: SloClasses | None = None
+    slo: SloLedger = field(default_factory=SloLedger)
 
     @property
     def throttles(self) -> bool:
@@ -93,18 +98,50 @@ class EndpointAdmission:
         tokens: int,
         remaining_s: float | None,
         own_inflight: int = 0,
+        slo: SloClass | None = None,
+        elapsed_s: float = 0.0,
     ) -> ThrottleDecision | None:
         """The throttle's decision for a new request (None: the endpoint does not throttle).
 
         ``inflight``: batches in Triton (engine: requests in the engine), ``own_inflight``
         of them the tenant's (engine only). ``remaining_s``: the time left to the
-        request's own deadline, if it has one.
+        request's own deadline, if it has one. ``slo``: its SLO class, whose target
+        replaces the endpoint's (``admission.slo``), less ``elapsed_s``: the time since
+        the request arrived at its shell (its class's clock runs from then).
         """
         if self.throttle is None and self.engine is None:
             return None
         backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens)
         own_ahead = scheduler.own_ahead(tenant, priority) + rows if self.engine else 0
-        return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
+        if slo is None:
+            return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
+        z = SLO_QUANTILE_Z if slo.interactive else 0.0
+        target = slo.target_s(self.slo.first_token_quantile_s(z) + elapsed_s, self._hold_s)
+        decision = self._decide(
+            backlog, own_ahead, inflight, own_inflight, tier, remaining_s, target, z
+        )
+        return replace(decision, slo_class=slo.name)
+
+    @property
+    def _hold_s(self) -> float:
+        """How long a request holds its slot (engine), or a batch runs, lately."""
+        if self.engine is not None:
+            return self.slot_times.mean_hold_s if self.slot_times.has_data else 0.0
+        if not self.service.has_data:
+            return 0.0
+        bt = self.service.batch_time()
+        rows, tokens = self.service.typical_batch()
+        return bt.fixed_s + bt.per_row_s * rows + bt.per_token_s * tokens
+
+    def predicted_ttft_s(self, decision: ThrottleDecision, elapsed_s: float = 0.0) -> float:
+        """The time to first token ``decision`` predicts, without the safety margin: the
+        time since arrival ``elapsed_s``, its wait for a slot (or for its batches), and
+        the time from a slot to a first token measured lately."""
+        if decision.mean_wait_s is not None:
+            return elapsed_s + decision.mean_wait_s + self.slo.first_token_s
+        gate = self.engine if self.engine is not None else self.throttle
+        safety = gate.safety if gate is not None else 1.0
+        return elapsed_s + decision.predicted_wait_s / safety + self.slo.first_token_s
 
     def verdict(
         self, scheduler: Scheduler, inflight: int, tier: str, weight: float, tenants: int
@@ -129,9 +166,18 @@ class EndpointAdmission:
         least = scheduler.least_backlogs(tier, weight, tenants)
         if not least:
             return None  # too many tenants queued to go through (or no such tier)
+        # With SLO classes, a request of the tier may name any class: judged against the
+        # loosest target of all (and the endpoint's own), so a tier is closed only when
+        # every request of it would be refused whatever class it named.
+        loosest = None
+        if self.slo_classes is not None:
+            loosest = self.slo_classes.loosest_target_s(self.slo.first_token_s, self._hold_s)
+            gate = self.engine if self.engine is not None else self.throttle
+            if loosest is not None and gate is not None:
+                loosest = max(loosest, gate.latency_target_s)
         best: ThrottleDecision | None = None
         for backlog, own_ahead in least:
-            decision = self._decide(backlog, own_ahead, inflight, 0, tier, None)
+            decision = self._decide(backlog, own_ahead, inflight, 0, tier, None, loosest)
             if decision.admitted:
                 return None
             if best is None or decision.predicted_wait_s < best.predicted_wait_s:
@@ -146,6 +192,8 @@ class EndpointAdmission:
         own_inflight: int,
         tier: str,
         remaining_s: float | None,
+        target_s: float | None = None,
+        quantile_z: float = 0.0,
     ) -> ThrottleDecision:
         slowdown = 1.0
         if self.strict_tiers:
@@ -160,10 +208,17 @@ class EndpointAdmission:
                 slot_times=self.slot_times,
                 remaining_s=remaining_s,
                 slowdown=slowdown,
+                target_s=target_s,
+                quantile_z=quantile_z,
             )
         assert self.throttle is not None
         return self.throttle.check(
-            backlog, inflight, self.service, remaining_s=remaining_s, slowdown=slowdown
+            backlog,
+            inflight,
+            self.service,
+            remaining_s=remaining_s,
+            slowdown=slowdown,
+            target_s=target_s,
         )
 
     def observe_batch(

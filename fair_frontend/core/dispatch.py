@@ -60,6 +60,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from fair_frontend.admission.slo import SloClass
 from fair_frontend.batching import Packed, batch_key, pack, unpack
 from fair_frontend.config import CostUnit
 from fair_frontend.core.clock import Clock, Timer
@@ -141,6 +142,12 @@ class CoreRequest(QueuedRequest):
     # once a model looked up later is set up): what it is told of goes there, not to a
     # dispatcher looked up again by the model's name.
     runtime: Dispatcher | None = None
+    # Its SLO class (``admission.slo``; None: none), resolved at admission; for an
+    # interactive one, the time to first token the throttle predicted; whether its
+    # attainment was counted (once: at its first token, or at its end).
+    slo: SloClass | None = None
+    predicted_ttft_s: float | None = None
+    slo_counted: bool = False
 
     @property
     def request(self) -> InferRequest:

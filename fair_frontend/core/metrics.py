@@ -33,7 +33,7 @@ names the model only where it knows it exists and the tenant may call it (``Gate
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,9 @@ UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity w
 
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# The relative error of a predicted time to first token, (predicted - actual) / actual:
+# the fraction within 20 % either way is the bucket at 0.2 less the one at -0.2.
+_ERROR_BUCKETS = (-0.9, -0.5, -0.3, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5)
 _BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
@@ -270,6 +273,15 @@ class FrontendMetrics(Observer):
             "The throttle's predicted queue wait at admission.",
             ["endpoint"],
             buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.ttft_prediction_error = Histogram(
+            "fair_ttft_prediction_error",
+            "Relative error of the time to first token the throttle predicted for an "
+            "admitted request of an interactive SLO class: (predicted - actual) / actual, "
+            "by its class.",
+            ["endpoint", "slo_class"],
+            buckets=_ERROR_BUCKETS,
             registry=r,
         )
 
@@ -584,6 +596,11 @@ class FrontendMetrics(Observer):
         else:  # each request's decision, the group's wait (its last request's)
             self.pending.observe_all(series, [decision.predicted_wait_s] * count)
 
+    def ttft_predicted(self, *, model: str, slo_class: str, error: float) -> None:
+        self.endpoint_label.confirm(model)
+        series = self._series(self.ttft_prediction_error, model, slo_class)
+        self.pending.observe(series, error)
+
 
 _WINDOW = (
     f"the last {WINDOW_S} whole seconds, [floor(now) - {WINDOW_S} s, floor(now)]; service is "
@@ -609,6 +626,15 @@ STATE_GAUGES: dict[str, str] = {
     "while fewer than two were backlogged.",
     "fair_goodput": "Cost units served per second to the tenant over the window: "
     f"{_WINDOW}. Tenants served anything in it only.",
+    # fair_frontend.admission.slo.SloLedger, over the same whole seconds:
+    "fair_slo_attainment": "Fraction of the tenant's requests of an SLO class that met "
+    "their class's target (interactive: first token within ttft_ms; batch: served within "
+    f"deadline_s; expired counts as missed, refused not at all), over the last {WINDOW_S} "
+    "whole seconds by when the verdict was known. Tenants with such a request only.",
+    "fair_slo_class_attainment": "As fair_slo_attainment, over every tenant's requests of "
+    "the class.",
+    "fair_slo_goodput": "Requests of the class that met its target, per second over the "
+    "window (as fair_slo_attainment).",
     "fair_inflight_batches": "Batches in Triton now, by endpoint.",
     "fair_backend_available": "1 while Triton (in a pool: any of its Tritons) is reachable.",
     "fair_triton_backend_available": "1 while this Triton of the pool is reachable, by backend.",
@@ -634,6 +660,9 @@ STATE_GAUGE_LABELS: dict[str, tuple[str, ...]] = {
     "fair_service_gap": ("endpoint", "tier"),
     "fair_jain_index": ("endpoint", "tier"),
     "fair_goodput": ("endpoint", "tenant"),
+    "fair_slo_attainment": ("endpoint", "tenant"),
+    "fair_slo_class_attainment": ("endpoint", "slo_class"),
+    "fair_slo_goodput": ("endpoint", "slo_class"),
     "fair_inflight_batches": ("endpoint",),
     "fair_backend_available": (),
     "fair_triton_backend_available": ("backend",),
@@ -692,6 +721,32 @@ def window_samples(
         out.append(("fair_jain_index", labels, jain_index(normalised.values())))
     for tenant, rate in window.goodput().items():
         out.append(("fair_goodput", {"endpoint": endpoint, "tenant": tenant_label(tenant)}, rate))
+    return out
+
+
+def slo_samples(
+    endpoint: str,
+    window: Mapping[tuple[str, str], tuple[int, int]],
+    tenant_label: Callable[[str], str],
+) -> list[tuple[str, dict[str, str], float]]:
+    """The SLO gauges of one endpoint from its ledger's window ((tenant, class) -> (met,
+    total)): attainment per tenant (over its classes) and per class, and each class's
+    goodput. Tenants folded into ``other`` (the label guard) are summed before dividing:
+    ``other``'s attainment is over all their requests."""
+    out: list[tuple[str, dict[str, str], float]] = []
+    tenants: dict[str, list[int]] = {}
+    classes: dict[str, list[int]] = {}
+    for (tenant, slo), (met, total) in window.items():
+        for key, sums in ((tenant_label(tenant), tenants), (slo, classes)):
+            counts = sums.setdefault(key, [0, 0])
+            counts[0] += met
+            counts[1] += total
+    for tenant, (met, total) in tenants.items():
+        out.append(("fair_slo_attainment", {"endpoint": endpoint, "tenant": tenant}, met / total))
+    for slo, (met, total) in classes.items():
+        labels = {"endpoint": endpoint, "slo_class": slo}
+        out.append(("fair_slo_class_attainment", labels, met / total))
+        out.append(("fair_slo_goodput", dict(labels), met / WINDOW_S))
     return out
 
 

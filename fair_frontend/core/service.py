@@ -33,6 +33,7 @@ from fair_frontend.admission import (
     ThrottleDecision,
     overloaded_error,
 )
+from fair_frontend.admission.slo import SloClass, SloClasses
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.backends.triton.metrics import TritonMetrics
@@ -43,7 +44,12 @@ from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.clock import Clock, LoopClock
 from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
-from fair_frontend.core.metrics import FrontendMetrics, StateCollector, window_samples
+from fair_frontend.core.metrics import (
+    FrontendMetrics,
+    StateCollector,
+    slo_samples,
+    window_samples,
+)
 from fair_frontend.core.plan import (
     batch_throttle,
     engine_throttle,
@@ -194,6 +200,9 @@ class Core:
         self.models = ModelRegistry(self.forwarders)
         # The schedulers read tenants from this dict: a reload updates it in place.
         self.tenants: dict[str, Tenant] = dict(config.tenants)
+        # SLO classes (``admission.slo``): the configured ones (a restart changes them);
+        # a tenant's own or its tier's, read from the running config (a reload: live).
+        self.slo = SloClasses(config.slo_classes_by_name(), lambda t: self.config.slo_class_of(t))
         self.keyring = keyring or KeyRing.from_config(config)
         self.metrics = FrontendMetrics(config)
         self.metrics.registry.register(StateCollector(self.state_samples))
@@ -370,8 +379,10 @@ class Core:
                 groups[key] = [i]
             else:
                 members.append(i)
-        if len(groups) == len(calls):
-            return passed  # one call each: judged one by one
+        if len(groups) == len(calls) or self.slo.classes:
+            # One call each, or SLO classes: each call judged one by one (each its own
+            # class's target, and its own predicted time to first token).
+            return passed
         now = self.clock.now()
         for (tenant, model), members in groups.items():
             if len(members) < 2 or tenant not in self.tenants:
@@ -547,6 +558,8 @@ class Core:
             first_token_s=first_token_s if first_token_s >= 0 else None,
             inter_token_s=gaps_s,
         )
+        if first_token_s >= 0:
+            self.accounting.first_token(req, first_token_s)
 
     def produced_all(
         self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
@@ -579,6 +592,7 @@ class Core:
             if first_token_s >= 0:
                 observe(tenant=req.tenant, model=runtime.model, tokens=0,
                         first_token_s=first_token_s)  # fmt: skip
+                self.accounting.first_token(req, first_token_s)
         if not groups:
             return
         now = self.clock.now()
@@ -734,18 +748,25 @@ class Core:
             # Its shell kept the tensors for an endpoint this core relays: the shell and
             # the core read different configs (the plan is the same function of it).
             raise Internal(f"model '{runtime.model}' takes whole calls here, not their facts")
+        slo = self.slo.resolve(call.tenant, call.slo_class)
+        priority = call.priority
+        if slo is not None and not slo.interactive:
+            # Batch work takes the slack: inside its tenant, below every level
+            # (``admission.slo``, "Order").
+            priority += self.config.priority_levels
         return CoreRequest(
             call.tenant,
             call.rows,
             _scheduled_tokens(call, runtime),
             call.nbytes,
-            call.priority,
+            priority,
             call.deadline,
             _shape_key(call, runtime) if keyed or call.key else None,
             call.program,
             call=call,
             route=route,
             runtime=runtime,
+            slo=slo,
         )
 
     def _throttle(self, runtime: Dispatcher, req: CoreRequest) -> None:
@@ -757,12 +778,23 @@ class Core:
         # spent in its shell and on the way here is gone (one clock: ``Call.arrived``).
         deadline = req.call.deadline
         remaining_s = None if deadline is None else deadline - self.clock.now()
+        elapsed = max(0.0, self.clock.now() - req.call.arrived)
         decision = self._decide(
-            runtime, admission, req.tenant, req.priority, req.rows, req.tokens, remaining_s
+            runtime,
+            admission,
+            req.tenant,
+            req.priority,
+            req.rows,
+            req.tokens,
+            remaining_s,
+            req.slo,
+            elapsed,
         )
         self.observer.throttle_decision(model=runtime.model, decision=decision)
         if not decision.admitted:
             raise overloaded_error(decision, runtime.model)
+        if req.slo is not None and req.slo.interactive:
+            req.predicted_ttft_s = admission.predicted_ttft_s(decision, elapsed)
 
     def _decide(
         self,
@@ -773,9 +805,12 @@ class Core:
         rows: int,
         tokens: int,
         remaining_s: float | None,
+        slo: SloClass | None = None,
+        elapsed_s: float = 0.0,
     ) -> ThrottleDecision:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
-        ``priority`` (a call, or a tenant's calls of one tick), unrecorded."""
+        ``priority`` (a call, or a tenant's calls of one tick) of SLO class ``slo``,
+        unrecorded."""
         # An engine's throttle also weighs the slots the tenant holds already.
         own = runtime.in_engine(tenant)
         decision = admission.admit(
@@ -788,6 +823,8 @@ class Core:
             tokens=tokens,
             remaining_s=remaining_s,
             own_inflight=own,
+            slo=slo,
+            elapsed_s=elapsed_s,
         )
         assert decision is not None  # the caller checked that the endpoint throttles
         return decision
@@ -946,6 +983,7 @@ class Core:
                     else None
                 ),
                 slot_times=SlotTimes.for_slots((plan.slots if engine else 1) * len(self.pool)),
+                slo_classes=self.slo if self.slo.classes else None,
             )
             runtime = DISPATCH_MODES[plan.mode](
                 plan=plan,
@@ -1104,6 +1142,8 @@ class Core:
                 for tenant, deficit in sched.deficits().items():
                     out.append((gauge, {"endpoint": model, "tenant": label(tenant)}, deficit))
             out.extend(window_samples(model, sched.window(now), label))
+            if rt.admission is not None and rt.admission.slo_classes is not None:
+                out.extend(slo_samples(model, rt.admission.slo.window(now), label))
             if rt.admission is not None:
                 out.extend(rt.admission.service.status().samples())
         return out

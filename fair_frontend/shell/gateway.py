@@ -70,6 +70,7 @@ from fair_frontend.protocol import (
     check_name,
     clipped,
     take_program,
+    take_slo_class,
 )
 from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import CoreLink, Inbox
@@ -252,6 +253,7 @@ class Gateway:
         try:
             tenant = self.auth.confirm(known, headers, head.tenant_claim)
             program = take_program(head, headers)
+            slo_class = take_slo_class(head, headers, self.config.slo_classes)
             self._admit_model(tenant, model)
             self._shed(tenant, model, sum(r.nbytes for r in reqs))
             plan = await self.plan(model)
@@ -294,6 +296,7 @@ class Gateway:
                 ok.max_tokens,
                 0 if i else 1,  # the call's request, once (OpenAI's limits count calls)
                 program=program,
+                slo_class=slo_class,
             )
             if self.traces is not None:
                 span = self.traces.request(
@@ -470,6 +473,7 @@ class Gateway:
         try:
             tenant = self.auth.confirm(known, headers, req.tenant_claim)
             program = take_program(req, headers)
+            slo_class = take_slo_class(req, headers, self.config.slo_classes)
             if _wants_usage(req):  # the client asked for USAGE_PARAMETERS
                 usage = usage or Usage()
                 report_usage = True
@@ -512,6 +516,7 @@ class Gateway:
             checked.max_tokens,
             requests,
             program=program,
+            slo_class=slo_class,
         )
         if paid is not None:
             paid.settled_by(call)

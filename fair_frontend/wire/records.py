@@ -109,6 +109,10 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # least attained service (``scheduler.queues.TenantQueue``). Last: older frames
     # decode without it.
     program: str = ""
+    # The SLO class it named (the ``slo_class`` parameter, ``x-slo-class``; "": none, its
+    # tenant's or tier's holds: ``admission.slo``), checked by its shell against the
+    # configured ones. Last: older frames decode without it.
+    slo_class: str = ""
 
     @property
     def deadline(self) -> float | None:
