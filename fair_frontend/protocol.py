@@ -324,6 +324,23 @@ def split_parameters(
             req.parameters[name] = value
 
 
+def _header_or_parameter(
+    req: InferRequest, headers: Mapping[str, str], header: str, parameter: str
+) -> tuple[str, str] | None:
+    """What the request names by ``header`` (first) or its ``parameter`` (taken out of its
+    parameters either way: the model never sees it), and where it was named (for a
+    refusal); None: neither. InvalidArgument (400) where the parameter is not a string."""
+    asked = req.parameters.pop(parameter, None)
+    value = headers.get(header)
+    if value is not None:
+        return value.strip(), f"header '{header}'"
+    if asked is None:
+        return None
+    if not isinstance(asked, str):
+        raise InvalidArgument(f"parameter '{parameter}' must be a string")
+    return asked, f"parameter '{parameter}'"
+
+
 def take_program(req: InferRequest, headers: Mapping[str, str]) -> str:
     """The program ``req`` names ("": none), its ``program`` parameter taken out of its
     parameters (the model never sees it): ``x-program-id`` where the headers have it (a
@@ -331,16 +348,10 @@ def take_program(req: InferRequest, headers: Mapping[str, str]) -> str:
     OpenAI call's ``user`` arrives as one). InvalidArgument (400) where it is not a
     string or is longer than ``MAX_PROGRAM_BYTES``: the refusal says how long, never
     what it is."""
-    asked = req.parameters.pop(PROGRAM_PARAMETER, None)
-    header = headers.get(PROGRAM_HEADER)
-    if header is not None:
-        value, where = header.strip(), f"header '{PROGRAM_HEADER}'"
-    elif asked is not None:
-        if not isinstance(asked, str):
-            raise InvalidArgument(f"parameter '{PROGRAM_PARAMETER}' must be a string")
-        value, where = asked, f"parameter '{PROGRAM_PARAMETER}'"
-    else:
+    named = _header_or_parameter(req, headers, PROGRAM_HEADER, PROGRAM_PARAMETER)
+    if named is None:
         return ""
+    value, where = named
     size = len(value.encode("utf-8", errors="surrogatepass"))
     if size > MAX_PROGRAM_BYTES:
         raise InvalidArgument(
@@ -354,16 +365,10 @@ def take_slo_class(req: InferRequest, headers: Mapping[str, str], known: Collect
     parameters (the model never sees it): ``x-slo-class`` where the headers have it, else
     the parameter. InvalidArgument (400) where it is not a string or not one of ``known``
     (the configured classes); the refusal names them, and the asked name only if short."""
-    asked = req.parameters.pop(SLO_CLASS_PARAMETER, None)
-    header = headers.get(SLO_CLASS_HEADER)
-    if header is not None:
-        value, where = header.strip(), f"header '{SLO_CLASS_HEADER}'"
-    elif asked is not None:
-        if not isinstance(asked, str):
-            raise InvalidArgument(f"parameter '{SLO_CLASS_PARAMETER}' must be a string")
-        value, where = asked, f"parameter '{SLO_CLASS_PARAMETER}'"
-    else:
+    named = _header_or_parameter(req, headers, SLO_CLASS_HEADER, SLO_CLASS_PARAMETER)
+    if named is None:
         return ""
+    value, where = named
     if value and value not in known:
         shown = repr(value) if len(value) <= 64 else "(a name too long to be one)"
         names = ", ".join(sorted(known)) if known else "none are configured"
