@@ -69,6 +69,10 @@ async def _sleeper(
         return err
 
 
+async def _depth(runtime: Any, tenant: str) -> int:
+    return int(runtime.scheduler.depth(tenant))
+
+
 async def _until(
     fe: RunningFrontend, condition: Any, what: str, deadline_s: float = SETTLE_S
 ) -> None:
@@ -163,7 +167,16 @@ async def test_the_shells_shed_a_tenant_at_its_byte_share_before_the_core(
                 # and waits behind the gate (a fresh clone under load): all six first.
                 return bool(fe.frontend.runtimes["sleeper"].scheduler.depth("acme") == len(hog))
 
-            await _until(fe, hogs_queued, "acme's six requests queued in the core")
+            try:
+                await _until(fe, hogs_queued, "acme's six requests queued in the core")
+            except AssertionError as err:  # what became of the six, for the report
+                runtime = fe.frontend.runtimes["sleeper"]
+                depth = await fe.acall(_depth(runtime, "acme"))
+                done = [h.result() if h.done() else "pending" for h in hog]
+                raise AssertionError(
+                    f"{err}: acme's depth {depth}, sleeper's batches in Triton "
+                    f"{runtime.inflight}, the view {core_server.queue_view}, the six: {done}"
+                ) from None
 
             async def shell_sheds() -> bool:
                 # The view is on its way to the shell process: read once it refuses alone.
