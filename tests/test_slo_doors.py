@@ -16,52 +16,17 @@ import pytest
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.errors import FrontendError, InvalidArgument, Unavailable
-from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import SLO_CLASS_HEADER, SLO_CLASS_PARAMETER, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
-from fair_frontend.shell.link import CoreLink, Inbox
+from fair_frontend.shell.link import CoreLink
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, make_config
+from tests.test_programs_doors import Recording
 
-REPEAT = ModelInfo(
-    name="rep",
-    max_batch_size=0,
-    inputs={"IN": TensorSpec("IN", "INT32", (-1,))},
-    outputs={"OUT": TensorSpec("OUT", "INT32", (1,))},
-    decoupled=True,
-)
 CLASSES = {
     "chat": {"kind": "interactive", "ttft_ms": 500, "itl_ms": 50},
     "bulk": {"kind": "batch", "deadline_s": 600},
 }
-
-
-class Recording:
-    """A ``CoreLink`` that keeps the call submitted and refuses it (no core here)."""
-
-    accepting = True
-
-    def __init__(self) -> None:
-        self.calls: list[Call] = []
-
-    def new_id(self) -> int:
-        return len(self.calls) + 1
-
-    def submit(self, call: Call) -> Inbox:
-        self.calls.append(call)
-        raise Unavailable("no core in this test")
-
-    async def model_info(self, model: str) -> ModelInfo:
-        return REPEAT
-
-    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
-        return None
-
-    def overloaded(self, tier: str, model: str) -> Any:
-        return None
-
-    def tally(self, entry: Any) -> None:
-        pass
 
 
 async def submitted(parameters: dict[str, Any], headers: dict[str, str]) -> list[Call]:
