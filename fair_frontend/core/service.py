@@ -546,20 +546,8 @@ class Core:
         """The stream of granted ``req`` relayed ``tokens`` output tokens (its shell says
         so, with their times at the client: ``first_token_s`` since arrival if the first
         is among them, else -1, and the gaps between them): charged to its tenant, and
-        observed."""
-        runtime = req.runtime
-        if runtime is None or req.answered or tokens <= 0:
-            return
-        runtime.produced(req, tokens)
-        self.observer.tokens_produced(
-            tenant=req.tenant,
-            model=req.request.model,
-            tokens=tokens,
-            first_token_s=first_token_s if first_token_s >= 0 else None,
-            inter_token_s=gaps_s,
-        )
-        if first_token_s >= 0:
-            self.accounting.first_token(req, first_token_s)
+        observed, as a record of one report (``produced_all``)."""
+        self.produced_all(((req, tokens, first_token_s, gaps_s),))
 
     def produced_all(
         self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
