@@ -213,7 +213,7 @@ class FrontendServer:
         assert self.core is not None
         while True:
             await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
-            self.core.refresh_overload()
+            self.core.shedding.refresh()
 
     # ---- the operator's listener ----------------------------------------------------
     #

@@ -48,6 +48,7 @@ class FakeCore:
         self.resumed_sequences: dict[str, list[OpenSequence]] | None = None
         self.down: list[str] = []
         self.resumed_down: list[str] | None = None
+        self.carried = self  # the fake plays the core's failover state (``Core.carried``) too
 
     def export_fairness(self) -> dict[str, SchedulerFairness]:
         return self.state

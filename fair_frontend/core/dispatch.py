@@ -55,8 +55,8 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -65,7 +65,7 @@ from fair_frontend.batching import Packed, batch_key, pack, unpack
 from fair_frontend.config import CostUnit
 from fair_frontend.core.clock import Clock, Timer
 from fair_frontend.core.pool import BackendPool
-from fair_frontend.core.sequences import IDLE_MARGIN
+from fair_frontend.core.sequences import Pins
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import (
     SHUTTING_DOWN,
@@ -92,8 +92,6 @@ from fair_frontend.tracing import carried, failed, wall_ns
 from fair_frontend.wire.records import Answer, Call, Fault, Grant, RowsDone
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from opentelemetry.trace import SpanContext
 
     from fair_frontend.core.admission import EndpointAdmission
@@ -340,10 +338,10 @@ class Dispatcher(ABC):
         self.running = [0] * len(pool)  # batches in each backend of the pool (not held)
         self._where: dict[asyncio.Task[None], int] = {}  # each batch's backend
         # A stateful model's open sequences in a pool of more than one: the backend that
-        # holds each one's state, by Triton's sequence id, least recently used first.
-        self._pins: OrderedDict[ParamValue, tuple[int, float]] | None = None
+        # holds each one's state.
+        self.pins: Pins | None = None
         if info.sequence_batching and len(pool) > 1:
-            self._pins = OrderedDict()
+            self.pins = Pins(info.sequence_idle_s, len(pool))
         self.batches_sent = 0
         self._timer: Timer | None = None
         self._timer_at: float | None = None
@@ -556,7 +554,7 @@ class Dispatcher(ABC):
         """Send batches while a slot is free and work is queued; re-arm the timer."""
         now = self.clock.now()
         self._expire(now)
-        if self._pins is not None:
+        if self.pins is not None:
             self._drop_orphans(now)
         while self.pool.available:
             backend = self._may_send(now)
@@ -585,8 +583,8 @@ class Dispatcher(ABC):
         self.running[backend] += 1
         self.batches_sent += 1
         self.pool.took(backend)
-        if self._pins is not None:
-            self._pin(batch, backend, now)
+        if self.pins is not None:
+            self.pins.pin(_sequences(batch), backend, now)
         task = asyncio.get_running_loop().create_task(self._run(batch, backend))
         self._tasks[task] = batch
         in_tasks = self._in_tasks
@@ -612,48 +610,12 @@ class Dispatcher(ABC):
 
     def _pinned(self, now: float) -> int | None:
         """The backend the next batch must go to (its sequence's), if it must."""
-        if self._pins is None:
+        if self.pins is None:
             return None
         head = self._held[0][0] if self._held else self.scheduler.peek(now)
         if head is None:
             return None
-        pin = self._pins.get(_sequence_id(head))  # type: ignore[arg-type]
-        return None if pin is None else pin[0]
-
-    def _pin(self, batch: list[CoreRequest], backend: int, now: float) -> None:
-        """Keep the backend of each sequence the batch goes on with (until its end, or
-        twice the model's idle timeout unused: Triton has dropped it by then)."""
-        pins = self._pins
-        assert pins is not None
-        keep_s = IDLE_MARGIN * self.info.sequence_idle_s
-        while pins:
-            key, (_, used) = next(iter(pins.items()))
-            if used >= now - keep_s:
-                break
-            del pins[key]
-        for r in batch:
-            sequence_id = _sequence_id(r)
-            if sequence_id is None:
-                continue
-            if r.request.sequence.get("sequence_end", False):
-                pins.pop(sequence_id, None)
-            else:
-                pins[sequence_id] = (backend, now)
-                pins.move_to_end(sequence_id)
-
-    def export_pins(self) -> dict[ParamValue, int]:
-        """Each pinned sequence's backend (Triton's sequence id -> its index in the pool),
-        for a new leader (``fair_frontend.fleet.debt``)."""
-        return {} if self._pins is None else {key: b for key, (b, _) in self._pins.items()}
-
-    def resume_pins(self, pins: Mapping[ParamValue, int], now: float) -> None:
-        """Take over a failed leader's ``export_pins``, each as if used ``now``; a sequence
-        this core pinned meanwhile keeps its own."""
-        if self._pins is None:
-            return
-        for key, backend in pins.items():
-            if key not in self._pins and 0 <= backend < len(self.pool):
-                self._pins[key] = (backend, now)
+        return self.pins.backend_of(_sequence_id(head))  # type: ignore[arg-type]
 
     def _drop_orphans(self, now: float) -> None:
         """Answer UNAVAILABLE the next in line whose sequence's backend is down: its
@@ -1055,6 +1017,16 @@ def _report(
         finished=finished,
         ok=ok,
     )
+
+
+def _sequences(batch: list[CoreRequest]) -> list[tuple[ParamValue, bool]]:
+    """The sequences of a batch's requests: (Triton's id, whether the request ends it)."""
+    out = []
+    for r in batch:
+        sequence_id = _sequence_id(r)
+        if sequence_id is not None:
+            out.append((sequence_id, bool(r.request.sequence.get("sequence_end", False))))
+    return out
 
 
 def _sequence_id(req: CoreRequest) -> ParamValue | None:

@@ -213,3 +213,48 @@ def _fresh_id(like: SequenceId, taken: set[SequenceId]) -> SequenceId:
             fresh = f"fair-{secrets.token_hex(16)}"
         if fresh not in taken:
             return fresh
+
+
+class Pins:
+    """A stateful model's open sequences in a pool of more than one Triton: the backend
+    that holds each one's state, by Triton's sequence id, least recently used first. A
+    sequence stays on its backend until its end, or twice the model's idle timeout unused
+    (Triton has dropped it by then)."""
+
+    def __init__(self, idle_s: float, backends: int) -> None:
+        self.keep_s = IDLE_MARGIN * idle_s
+        self.backends = backends
+        self._pins: OrderedDict[ParamValue, tuple[int, float]] = OrderedDict()
+
+    def backend_of(self, sequence_id: ParamValue | None) -> int | None:
+        """The backend that holds this sequence's state, if one does."""
+        pin = self._pins.get(sequence_id) if sequence_id is not None else None
+        return None if pin is None else pin[0]
+
+    def pin(self, sequences: list[tuple[ParamValue, bool]], backend: int, now: float) -> None:
+        """A batch went to ``backend`` with these sequences (Triton's id, whether the
+        request ends it): each goes on there, or is forgotten at its end."""
+        pins = self._pins
+        while pins:
+            key, (_, used) = next(iter(pins.items()))
+            if used >= now - self.keep_s:
+                break
+            del pins[key]
+        for sequence_id, end in sequences:
+            if end:
+                pins.pop(sequence_id, None)
+            else:
+                pins[sequence_id] = (backend, now)
+                pins.move_to_end(sequence_id)
+
+    def export(self) -> dict[ParamValue, int]:
+        """Each pinned sequence's backend (Triton's sequence id -> its index in the pool),
+        for a new leader (``fair_frontend.core.carried``)."""
+        return {key: b for key, (b, _) in self._pins.items()}
+
+    def resume(self, pins: Mapping[ParamValue, int], now: float) -> None:
+        """Take over a failed leader's ``export``, each as if used ``now``; a sequence
+        this core pinned meanwhile keeps its own."""
+        for key, backend in pins.items():
+            if key not in self._pins and 0 <= backend < self.backends:
+                self._pins[key] = (backend, now)

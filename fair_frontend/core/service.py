@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import msgspec
-
 from fair_frontend.admission import (
     RateLimiter,
     ThrottleDecision,
@@ -42,6 +40,7 @@ from fair_frontend.batching import batch_key
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
 from fair_frontend.core.admission import EndpointAdmission, TierShares
+from fair_frontend.core.carried import Carried
 from fair_frontend.core.clock import Clock, LoopClock
 from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
 from fair_frontend.core.metrics import (
@@ -59,7 +58,8 @@ from fair_frontend.core.plan import (
     service_model,
 )
 from fair_frontend.core.pool import BackendPool
-from fair_frontend.core.sequences import OpenSequence, SequenceIds
+from fair_frontend.core.sequences import SequenceIds
+from fair_frontend.core.shedding import Shedding
 from fair_frontend.core.stats import Statistics
 from fair_frontend.endpoint import plan as endpoint_plan
 from fair_frontend.errors import (
@@ -67,7 +67,6 @@ from fair_frontend.errors import (
     FrontendError,
     Internal,
     InvalidArgument,
-    Overloaded,
     Unauthenticated,
     Unavailable,
     UnknownModel,
@@ -78,12 +77,10 @@ from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo
 from fair_frontend.observe import Observer, Observers
 from fair_frontend.outcomes import Outcome
-from fair_frontend.protocol import ParamValue
 from fair_frontend.quota import Quota
 from fair_frontend.scheduler import (
     QueueState,
     Scheduler,
-    SchedulerFairness,
     cost_model_for,
 )
 from fair_frontend.tracing import Traces
@@ -236,16 +233,11 @@ class Core:
         self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
         self._ticking: set[Dispatcher] | None = None  # in a tick: the runtimes to settle
-        # (model, tier) -> (message, retry-after) of the tiers the throttle closed at the
-        # last ``refresh_overload``; the tiers' largest weights (reset by a reload).
-        self._closed: dict[tuple[str, str], tuple[str, float]] = {}
-        self._tier_weights: dict[str, tuple[float, int]] | None = None  # (largest, count)
-        # A failed leader's fairness state per model, for the endpoints not set up yet:
-        # resumed as each is (``resume_fairness``).
-        self._resumed: dict[str, SchedulerFairness] = {}
-        self._resumed_until = 0.0  # clock.now() past which the rest of it is forgotten
-        # ... and its sequences' backends in a pool (Triton's id -> backend), likewise.
-        self._resumed_pins: dict[str, dict[ParamValue, int]] = {}
+        # What the shells shed before a call reaches this core: its full queues, and the
+        # tiers its throttle closed.
+        self.shedding = Shedding(self)
+        # What a failover carries: this core's export, a failed leader's state resumed.
+        self.carried = Carried(self)
 
     @property
     def clock(self) -> Clock:
@@ -268,6 +260,11 @@ class Core:
                 for f, name in zip(self.forwarders, self.backend_names, strict=True)
             ]
             self._pool = BackendPool(backends, self.forwarders, self.backend_names)
+        return self._pool
+
+    @property
+    def pool_if_made(self) -> BackendPool | None:
+        """The pool where it has been made (``pool`` makes it)."""
         return self._pool
 
     @property
@@ -636,88 +633,6 @@ class Core:
             if e.failed_version is not None:
                 self.stats.failures(e.model, e.failed_version, e.failed_s, e.count)
 
-    def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
-        """The queue cap a new request of ``tenant`` for ``model`` with ``nbytes`` tensor
-        bytes would hit, if any (``nbytes`` 0: the count caps alone)."""
-        runtime = self.runtimes.get(model)
-        if runtime is not None:
-            return runtime.scheduler.full(tenant, nbytes)
-        caps = self.caps
-        if caps.queued >= caps.max_queued:
-            return f"global max_queued={caps.max_queued}"
-        return None
-
-    def full_queues(self) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, int, str]]]:
-        """What the shells shed (``QueueView``): every full queue, (tenant, model, cap),
-        ("*", "*", cap) for the global cap; and the byte caps close to full, (tenant,
-        model, bytes left, cap), model "*" for a tenant's default share, ("*", "*", ...)
-        for the global byte cap. Close: less room than the largest request any model
-        accepts (a request that fits everywhere is not refused by it)."""
-        caps = self.caps
-        below = self.config.max_wire_bytes()
-        room: list[tuple[str, str, int, str]] = []
-        left = caps.max_queued_bytes - caps.queued_bytes
-        if left < below:
-            room.append(("*", "*", left, f"global max_queued_bytes={caps.max_queued_bytes}"))
-        share = caps.tenant_max_queued_bytes
-        for tenant, queued in caps.tenant_bytes.items():
-            terms = self.tenants.get(tenant)
-            if terms is not None and terms.max_queued_bytes is None and share - queued < below:
-                room.append(
-                    (tenant, "*", share - queued, f"tenant {tenant!r} {caps.tenant_default_cap()}")
-                )
-        if caps.queued >= caps.max_queued:
-            return [("*", "*", f"global max_queued={caps.max_queued}")], room
-        full = []
-        for model, runtime in self.runtimes.items():
-            scheduler = runtime.scheduler
-            for tenant in scheduler.depths():
-                cap = scheduler.full(tenant)
-                if cap is not None:
-                    full.append((tenant, model, cap))
-            room.extend((tenant, model, n, cap) for tenant, n, cap in scheduler.byte_room(below))
-        return full, room
-
-    def refresh_overload(self) -> list[tuple[str, str, str, float]]:
-        """Work out which tiers the throttle closes on which endpoints now, and keep it
-        for ``overloaded``: (model, tier, message, retry-after seconds) for each (model,
-        tier) where even the most favourable request of the tier would be refused
-        (``EndpointAdmission.verdict``), with the refusal the core would answer. What the
-        shells shed with the full queues (``QueueView.overloaded``); called on their
-        tick (``QUEUE_VIEW_INTERVAL_S``), not per request. O(tenants queued) at most."""
-        closed: dict[tuple[str, str], tuple[str, float]] = {}
-        out: list[tuple[str, str, str, float]] = []
-        pool = self._pool
-        if self.accepting and (pool is None or not pool.gave_up):
-            weights = self._tier_weights
-            if weights is None:
-                weights = {}
-                for terms in self.tenants.values():
-                    largest, count = weights.get(terms.tier, (0.0, 0))
-                    weights[terms.tier] = (max(largest, float(terms.weight)), count + 1)
-                self._tier_weights = weights
-            for model, runtime in self.runtimes.items():
-                admission = runtime.admission
-                if admission is None or not admission.throttles:
-                    continue
-                for tier, (weight, count) in weights.items():
-                    decision = admission.verdict(
-                        runtime.scheduler, runtime.inflight, tier, weight, count
-                    )
-                    if decision is not None:
-                        err = overloaded_error(decision, model)
-                        retry = decision.retry_after_s or 0.0
-                        closed[(model, tier)] = (err.message, retry)
-                        out.append((model, tier, err.message, retry))
-        self._closed = closed
-        return out
-
-    def overloaded(self, tier: str, model: str) -> Overloaded | None:
-        """The refusal for a request of ``tier`` for ``model`` if the throttle closed the
-        tier on it at the last ``refresh_overload`` (a dict lookup)."""
-        closed = self._closed.get((model, tier)) if self._closed else None
-        return Overloaded(closed[0], retry_after=closed[1]) if closed is not None else None
-
     async def model_info(self, model: str) -> ModelInfo:
         info = await self.models.get(model)
         self._runtime(model, info)  # ready before the shell's first call arrives
@@ -992,81 +907,8 @@ class Core:
             )
             runtime.traces = self.traces
             self.runtimes[model] = runtime
-            saved = self._resumed.pop(model, None)
-            now = self.clock.now()
-            if saved is not None and now < self._resumed_until:
-                runtime.scheduler.resume_fairness(saved, now, self._resumed_until - now)
-            pins = self._resumed_pins.pop(model, None)
-            if pins:
-                runtime.resume_pins(pins, now)
+            self.carried.set_up(model, runtime)
         return runtime
-
-    # ---- failover (``fair_frontend.fleet.debt``) ----------------------------------------
-
-    def export_fairness(self) -> dict[str, SchedulerFairness]:
-        """Each endpoint's fairness state (``Scheduler.export_fairness``), and what a
-        resume left for endpoints this core has not set up yet: still owed."""
-        out = dict(self._resumed) if self.clock.now() < self._resumed_until else {}
-        for model, runtime in list(self.runtimes.items()):
-            out[model] = runtime.scheduler.export_fairness()
-        return out
-
-    def resume_fairness(self, saved: dict[str, SchedulerFairness], keep_s: float) -> None:
-        """Take over a failed leader's ``export_fairness``, before this core serves: each
-        endpoint resumes it as it is set up (at once where it is already), within
-        ``keep_s`` of now: the carried backlog comes back in that time, or not at all."""
-        now = self.clock.now()
-        self._resumed_until = now + keep_s
-        for model, state in saved.items():
-            runtime = self.runtimes.get(model)
-            if runtime is None:
-                self._resumed[model] = state
-            else:
-                runtime.scheduler.resume_fairness(state, now, keep_s)
-
-    def export_sequences(self) -> dict[str, list[OpenSequence]]:
-        """Every open sequence of a stateful model, with the backend that holds its state
-        where the model has a pool (``SequenceIds.export``, ``Dispatcher.export_pins``)."""
-        out = self.sequences.export()
-        for model, entries in out.items():
-            runtime = self.runtimes.get(model)
-            pins = runtime.export_pins() if runtime is not None else {}
-            if pins:
-                out[model] = [
-                    msgspec.structs.replace(s, backend=pins.get(s.assigned, -1)) for s in entries
-                ]
-        return out
-
-    def resume_sequences(self, saved: dict[str, list[OpenSequence]]) -> None:
-        """Take over a failed leader's ``export_sequences`` before this core serves: its
-        tenants' sequences go on under the ids Triton holds them by, on the same backends."""
-        now = self.clock.now()
-        self.sequences.resume(saved, now)
-        for model, entries in saved.items():
-            pins: dict[ParamValue, int] = {s.assigned: s.backend for s in entries if s.backend >= 0}
-            runtime = self.runtimes.get(model)
-            if not pins:
-                continue
-            if runtime is None:
-                self._resumed_pins[model] = pins
-            else:
-                runtime.resume_pins(pins, now)
-
-    def export_down(self) -> list[str]:
-        """The Tritons of the pool this core finds unreachable (by address), for a new
-        leader: it must not grant them work before its own probe finds them back."""
-        pool = self._pool
-        if pool is None:
-            return []
-        return [name for name, b in zip(pool.names, pool.backends, strict=True) if not b.available]
-
-    def resume_down(self, down: Sequence[str]) -> None:
-        """Take a failed leader's ``export_down``: those Tritons start down here (probed
-        until they answer), instead of each costing a grant that fails first."""
-        pool = self.pool
-        for name, backend in zip(pool.names, pool.backends, strict=True):
-            if name in down:
-                backend.mark_down()
 
     # ---- feedback from Triton's metrics -------------------------------------------------
 
@@ -1161,7 +1003,7 @@ class Core:
         self.tenants.update(config.tenants)
         for gone in set(self.tenants) - set(config.tenants):
             del self.tenants[gone]
-        self._tier_weights = None
+        self.shedding.reload()
         self.keyring = keyring
         self.caps.configure(queue_limits(config.queues))
         self.limiter.on_storage_error = config.rate_limiting.on_storage_error

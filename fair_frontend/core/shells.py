@@ -635,7 +635,7 @@ class CoreServer:
         that changes (``QueueView``)."""
         while True:
             await asyncio.sleep(QUEUE_VIEW_INTERVAL_S)
-            view = (*self.core.full_queues(), self.core.refresh_overload())
+            view = (*self.core.shedding.full_queues(), self.core.shedding.refresh())
             if view != self._view:
                 self._view = view
                 self.broadcast(QueueView(*view))

@@ -1,10 +1,10 @@
 """Failover keeps the debt: the leader's fairness state, followed by its standbys.
 
-The leader publishes what its schedulers owe each tenant (``Core.export_fairness``: the
+The leader publishes what its schedulers owe each tenant (``Carried.export_fairness``: the
 DRR deficits and virtual token counters of every endpoint, and the attained service of
 its backlogged tenants' programs, ``fair_frontend.scheduler.snapshot``) every
 ``TICK_S`` to a key beside its lease in Redis; a standby that takes the lease reads it
-back before it accepts a shell and resumes from it (``Core.resume_fairness``). A tenant
+back before it accepts a shell and resumes from it (``Carried.resume_fairness``). A tenant
 that had taken more than its share before the leader died is then served less than its
 share after, until even, instead of starting level with the tenant it took from.
 
@@ -27,7 +27,7 @@ The key expires ``TTL_S`` after the last write: a fleet that was down for longer
 even. The same record carries the open sequences of stateful models (``Core.
 export_sequences``: each tenant's sequence id, the id Triton holds its state under, and in
 a pool the Triton that holds it), so that a sequence goes on across a failover on the same
-state; and the Tritons the leader could not reach (``Core.export_down``): the new leader
+state; and the Tritons the leader could not reach (``Carried.export_down``): the new leader
 starts them down, probed until they answer, instead of granting each work that fails
 first. Engine slot holders need no carrying (the shells tell the new leader of the
 streams they relay, ``Running``, with what their rate-limit correction needs); rate
@@ -68,8 +68,8 @@ class FairnessState(msgspec.Struct, array_like=True, frozen=True):
     leader: str
     at: float
     endpoints: dict[str, SchedulerFairness]
-    sequences: dict[str, list[OpenSequence]] = {}  # per model (``Core.export_sequences``)
-    down: list[str] = []  # the Tritons it could not reach (``Core.export_down``)
+    sequences: dict[str, list[OpenSequence]] = {}  # per model (``Carried.export_sequences``)
+    down: list[str] = []  # the Tritons it could not reach (``Carried.export_down``)
 
 
 # Set the state only while the lease (KEYS[1]) names this core (ARGV[1]).
@@ -112,9 +112,9 @@ class FairnessJournal:
         except msgspec.DecodeError as err:
             log.warning("the last leader's fairness state is unreadable (%s): starting even", err)
             return False
-        core.resume_fairness(state.endpoints, keep_s)
-        core.resume_sequences(state.sequences)
-        core.resume_down(state.down)
+        core.carried.resume_fairness(state.endpoints, keep_s)
+        core.carried.resume_sequences(state.sequences)
+        core.carried.resume_down(state.down)
         log.info(
             "resumed the fairness state of %s, %.2f s old, for %d endpoints",
             state.leader,
@@ -127,9 +127,9 @@ class FairnessJournal:
         """Publish ``core``'s state now if it changed (or ``force``, or every
         ``REFRESH_S``); False where the lease is not this core's any more."""
         exported, sequences, down = (
-            core.export_fairness(),
-            core.export_sequences(),
-            core.export_down(),
+            core.carried.export_fairness(),
+            core.carried.export_sequences(),
+            core.carried.export_down(),
         )
         endpoints = _ENCODER.encode((exported, sequences, down))
         now = time.monotonic()

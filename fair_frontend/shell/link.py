@@ -217,7 +217,7 @@ class CoreLink(Protocol):
     def overloaded(self, tier: str, model: str) -> Overloaded | None:
         """The core's refusal (503, Retry-After) for any request of a tenant of ``tier``
         for ``model``, if its throttle closed the tier there at its last look
-        (``Core.refresh_overload``, every ``QUEUE_VIEW_INTERVAL_S``): even the most
+        (``Shedding.refresh``, every ``QUEUE_VIEW_INTERVAL_S``): even the most
         favourable request of the tier would be refused. A dict lookup."""
         ...
 
@@ -257,6 +257,13 @@ class InProcessCore(Protocol):
     async def statistics(self, model: str, version: str) -> Any: ...
 
     def tally(self, tally: Tally) -> None: ...
+
+    @property
+    def shedding(self) -> Shedding: ...
+
+
+class Shedding(Protocol):
+    """The core's queue caps and closed tiers (``fair_frontend.core.shedding``)."""
 
     def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None: ...
 
@@ -373,10 +380,10 @@ class LocalLink:
         self.core.tally(Tally([entry]))
 
     def queue_full(self, tenant: str, model: str, nbytes: int = 0) -> str | None:
-        return self.core.queue_full(tenant, model, nbytes)
+        return self.core.shedding.queue_full(tenant, model, nbytes)
 
     def overloaded(self, tier: str, model: str) -> Overloaded | None:
-        return self.core.overloaded(tier, model)
+        return self.core.shedding.overloaded(tier, model)
 
     @property
     def accepting(self) -> bool:

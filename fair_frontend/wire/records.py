@@ -430,7 +430,7 @@ class QueueView(msgspec.Struct, tag=16, array_like=True):
 
     ``overloaded``: the tiers the throttle closed, (model, tier, message, retry-after
     seconds) for each model and tier where even the most favourable request of the tier
-    would be refused now (``Core.refresh_overload``): a shell refuses a request of a
+    would be refused now (``Shedding.refresh``): a shell refuses a request of a
     tenant of that tier for that model at once, with that message (503, Retry-After), as
     the core would."""
 

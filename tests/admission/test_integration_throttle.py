@@ -415,7 +415,7 @@ async def test_a_tier_the_throttle_closed_is_refused_by_the_shell_from_its_heade
     def closed() -> bool:
         """Has the core closed the lower tier on embed (read from this thread: a dict
         lookup)? What the shells then refuse from headers."""
-        return fe.frontend.overloaded(TIERS[FLOODER], "embed") is not None
+        return fe.frontend.shedding.overloaded(TIERS[FLOODER], "embed") is not None
 
     async def probes() -> list[Answer | None]:
         # The higher tier's queue builds up until the core closes the lower tier; then

@@ -97,11 +97,11 @@ def test_a_restart_keeps_the_tenants_own_sequence(fe: RunningFrontend) -> None:
 
 
 async def _export(fe: RunningFrontend) -> dict[str, list[OpenSequence]]:
-    return fe.frontend.export_sequences()
+    return fe.frontend.carried.export_sequences()
 
 
 async def _resume(fe: RunningFrontend, saved: dict[str, list[OpenSequence]]) -> None:
-    fe.frontend.resume_sequences(saved)
+    fe.frontend.carried.resume_sequences(saved)
 
 
 def test_a_new_leader_goes_on_with_each_tenants_sequence(triton: EmbeddedTriton) -> None:

@@ -445,7 +445,7 @@ async def test_a_sequence_stays_on_the_backend_that_holds_its_state(
 async def test_a_new_leader_sends_each_sequence_to_the_backend_that_holds_its_state(
     make: Callable[..., Harness],
 ) -> None:
-    """The pins a failed leader exported (``Dispatcher.export_pins``, carried by the
+    """The pins a failed leader exported (``Pins.export``, carried by the
     fairness journal) are the new leader's: sequence 8, whose state is in backend 1, goes
     there though backend 0 is free and first in the round robin, where a leader without
     them (the control) sends it."""
@@ -454,12 +454,12 @@ async def test_a_new_leader_sends_each_sequence_to_the_backend_that_holds_its_st
     s8 = in_sequence(old, "b", 8, start=True)
     await old.settle()
     assert sent_to(old) == [[ids(s7)], [ids(s8)]]
-    pins = old.runtime.export_pins()
+    pins = old.runtime.pins.export()
     assert pins == {7: 0, 8: 1}
     for resumed in (True, False):
         new = make(endpoint=Endpoint(max_batch_size=1), sequence_batching=True)
         if resumed:
-            new.runtime.resume_pins(pins, new.clock.now())
+            new.runtime.pins.resume(pins, new.clock.now())
         s8b = in_sequence(new, "b", 8)
         await new.settle()
         assert sent_to(new) == ([[], [ids(s8b)]] if resumed else [[ids(s8b)], []])
@@ -547,7 +547,7 @@ async def test_the_core_serves_every_endpoint_from_its_pool_and_says_so_in_its_g
 
 
 async def test_a_cores_open_sequences_carry_their_backends_to_the_next_leader() -> None:
-    """``Core.export_sequences``: each open sequence with the Triton of the pool that holds
+    """``Carried.export_sequences``: each open sequence with the Triton of the pool that holds
     its state; ``resume_sequences`` on a core that has not set the endpoint up yet: the
     pins wait for it, and its dispatcher starts with them."""
     clock = StepClock()
@@ -582,21 +582,22 @@ async def test_a_cores_open_sequences_carry_their_backends_to_the_next_leader() 
             call = Call(n, "a", 1, clock.now(), 1.7e9, 1, 3, request.nbytes, None, request)
             assert old.submit(call, Shell()) is not None
             await settle()
-        carried = old.export_sequences()
+        carried = old.carried.export_sequences()
         assert carried == {
             MODEL: [OpenSequence("a", 7, 7, backend=0), OpenSequence("a", 8, 8, backend=1)]
         }
-        new.resume_sequences(carried)
+        new.carried.resume_sequences(carried)
         assert new.sequences.open_sequences(MODEL, "a") == 2
         new._runtime(MODEL, info)
-        assert new.runtimes[MODEL].export_pins() == {7: 0, 8: 1}
+        pins = new.runtimes[MODEL].pins
+        assert pins is not None and pins.export() == {7: 0, 8: 1}
     finally:
         for core in cores:
             await core.shutdown(grace_s=0.1)
 
 
 async def test_a_new_leader_starts_with_the_tritons_the_old_one_found_down() -> None:
-    """``Core.export_down`` / ``resume_down``: a Triton the old leader could not reach
+    """``Carried.export_down`` / ``resume_down``: a Triton the old leader could not reach
     starts down at the new one: no batch goes to it (where the round robin would send
     every other one) until the new leader's own probe finds it back."""
     clock = StepClock()
@@ -614,10 +615,10 @@ async def test_a_new_leader_starts_with_the_tritons_the_old_one_found_down() -> 
         Core(config, cast(list[TritonForwarder], t), clock=clock, wall=lambda: 1.7e9) for t in fakes
     )
     try:
-        assert old.export_down() == []
+        assert old.carried.export_down() == []
         old.pool.backends[1].mark_down()
-        assert old.export_down() == ["t1:8001"]
-        new.resume_down(old.export_down())
+        assert old.carried.export_down() == ["t1:8001"]
+        new.carried.resume_down(old.carried.export_down())
         new._runtime(MODEL, embed_info())
         shell = Shell()
         for n in (1, 2):
