@@ -24,8 +24,8 @@ from fair_frontend.backends.triton.sse import Events, TritonEvents, _EventConnec
 from fair_frontend.backends.triton.watchdog import NoProgress
 from fair_frontend.embedded import free_port
 from fair_frontend.errors import FrontendError, StalledStream, Unavailable
-from fair_frontend.shell.gateway import _event_error, _EventCounts
 from fair_frontend.shell.process import forwarders
+from fair_frontend.shell.relay import _event_error, _EventCounts
 from fair_frontend.wire.records import Settings
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"

@@ -46,7 +46,8 @@ from fair_frontend.config import Config
 from fair_frontend.errors import FrontendError, Internal, InvalidArgument, QueueFull
 from fair_frontend.protocol import InferRequest, ParamValue
 from fair_frontend.quota import Quota, quota_headers
-from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway
+from fair_frontend.shell.gateway import Gateway
+from fair_frontend.shell.side_doors import FRONTEND_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +226,14 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
     # side doors of ``Gateway``).
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
-        return service_pb2.ServerLiveResponse(live=await self.gateway.live())
+        return service_pb2.ServerLiveResponse(live=await self.gateway.side.live())
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return service_pb2.ServerReadyResponse(ready=await self.gateway.ready())
+        return service_pb2.ServerReadyResponse(ready=await self.gateway.side.ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         async def ready() -> Any:
-            answer = await self.gateway.model_ready(
+            answer = await self.gateway.side.model_ready(
                 request.name, request.version, _headers(context)
             )
             return service_pb2.ModelReadyResponse(ready=answer)
@@ -241,7 +242,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         async def answer() -> Any:
-            doc = await self.gateway.server_metadata()
+            doc = await self.gateway.side.server_metadata()
             # The response names the Triton behind; the frontend names itself here.
             await context.send_initial_metadata(((FRONTEND_HEADER, __version__),))
             return service_pb2.ServerMetadataResponse(**doc)
@@ -251,19 +252,23 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         return await _guard(
             context,
-            lambda: self.gateway.model_metadata(request.name, request.version, _headers(context)),
+            lambda: self.gateway.side.model_metadata(
+                request.name, request.version, _headers(context)
+            ),
         )
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         return await _guard(
             context,
-            lambda: self.gateway.model_config(request.name, request.version, _headers(context)),
+            lambda: self.gateway.side.model_config(
+                request.name, request.version, _headers(context)
+            ),
         )
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         return await _guard(
             context,
-            lambda: self.gateway.statistics(request.name, request.version, _headers(context)),
+            lambda: self.gateway.side.statistics(request.name, request.version, _headers(context)),
         )
 
     async def _infer(
@@ -406,7 +411,7 @@ class GrpcShell(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 def _passed_on(serialize: Callable[[Any], bytes], reply: Any) -> bytes:
     """A stream's reply on the wire: Triton's own message as it came (bytes: the shell
-    read it but changed nothing, ``Gateway._relay``), else the message made here."""
+    read it but changed nothing, ``StreamRelay.relay``), else the message made here."""
     return reply if isinstance(reply, bytes) else serialize(reply)
 
 

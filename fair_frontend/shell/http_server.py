@@ -59,7 +59,7 @@ from fair_frontend.shell.door import (
     expect_after_checks,
     too_large,
 )
-from fair_frontend.shell.gateway import FRONTEND_HEADER, Gateway, Wire
+from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.generate_codec import (
     MSG_NOT_ONE_RESPONSE,
     SSE_CONTENT_TYPE,
@@ -80,6 +80,8 @@ from fair_frontend.shell.http_codec import (
     is_raw_binary,
     parse_header_length,
 )
+from fair_frontend.shell.relay import Wire
+from fair_frontend.shell.side_doors import FRONTEND_HEADER
 from fair_frontend.wire.records import CONNECTION_DOOR, TallyEntry
 
 log = logging.getLogger(__name__)
@@ -249,32 +251,32 @@ class HttpShell:
 
     async def live(self, request: web.Request) -> web.Response:
         # Open, as ready and server metadata are: see Gateway's side doors.
-        return web.Response(status=200 if await self.gateway.live() else 400)
+        return web.Response(status=200 if await self.gateway.side.live() else 400)
 
     async def ready(self, request: web.Request) -> web.Response:
         # Triton answers 400 when not ready; Kubernetes probes treat it as failing.
-        return web.Response(status=200 if await self.gateway.ready() else 400)
+        return web.Response(status=200 if await self.gateway.side.ready() else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        response = _json(await self.gateway.server_metadata())
+        response = _json(await self.gateway.side.server_metadata())
         # The body names the Triton behind; the frontend names itself here.
         response.headers[FRONTEND_HEADER] = __version__
         return response
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        response = await self.gateway.model_metadata(model, version, _headers(request))
+        response = await self.gateway.side.model_metadata(model, version, _headers(request))
         return _json(proto_to_json(response))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        if await self.gateway.model_ready(model, version, _headers(request)):
+        if await self.gateway.side.model_ready(model, version, _headers(request)):
             return web.Response(status=200)
         return error_response(InvalidArgument("Model version not ready"))
 
     async def model_config(self, request: web.Request) -> web.Response:
         model, version = _model_version(request)
-        response = await self.gateway.model_config(model, version, _headers(request))
+        response = await self.gateway.side.model_config(model, version, _headers(request))
         return _json(proto_to_json(response.config))
 
     @staticmethod
@@ -308,7 +310,7 @@ class HttpShell:
     async def statistics(self, request: web.Request) -> web.Response:
         model = request.match_info.get("model", "")
         version = request.match_info.get("version", "")
-        response = await self.gateway.statistics(model, version, _headers(request))
+        response = await self.gateway.side.statistics(model, version, _headers(request))
         return _json(proto_to_json(response))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:

@@ -53,7 +53,7 @@ class Inbox:
         self.done = False  # answered and read, or ended
         self.granted = False
         # A call whose tensors its shell kept (granted mode): what it needs to send the
-        # rows the core grants (set by the gateway; ``Gateway.send_rows``).
+        # rows the core grants (set by the gateway; ``RowsSender.send``).
         self.held: Any = None
         # Where its shell sent it to Triton itself (granted mode): the part's seconds in
         # Triton and the call's output tokens, for its request-log line.

@@ -1,7 +1,7 @@
 """Granted mode (``core.granted``) on the fake clock: the core forms the batches from the
 calls' facts, the shells send their rows.
 
-``FakeShell`` is a shell process as ``Gateway.send_rows`` is one: it keeps each call's
+``FakeShell`` is a shell process as ``RowsSender.send`` is one: it keeps each call's
 tensors, sends the rows the core grants it to the (fake) Triton as one request, answers
 its clients when Triton does and reports each part (``records.RowsDone``). What is proved
 here: the batches are the ones batch mode forms, in the same fair order, across two shells;
@@ -51,7 +51,7 @@ def model_error() -> UpstreamError:
 
 @dataclass(eq=False)
 class FakeShell:
-    """A shell process that keeps its calls' tensors (``Gateway.send_rows``)."""
+    """A shell process that keeps its calls' tensors (``RowsSender.send``)."""
 
     h: Harness
     name: str

@@ -19,7 +19,7 @@ A request's answer before any event (Triton refusing it, or the model's error as
 response) is Triton's status and ``{"error": ...}``, as ``http.error_of`` reads it. A
 connection that could not be made is ``Unavailable(never_sent=True)``; one lost before the
 body's end is ``Unavailable``: the gateway gives a call back to the core only while its
-client has had nothing (``Gateway._relay``). A kept-alive connection Triton closed while it
+client has had nothing (``StreamRelay.relay``). A kept-alive connection Triton closed while it
 was idle is found before its first byte and the request sent once more on a new one.
 """
 
