@@ -137,12 +137,15 @@ class GrantedDispatcher(BatchDispatcher):
                 parts.setdefault(r.route, []).append(r)
         failures: Failures = []
         with self._in_triton(backend):
-            waits = []
-            if parts:
-                waits.append(self._grant_rows(parts, backend, failures))
-            if whole:
-                waits.append(self._relay(whole, backend, failures))
-            await asyncio.gather(*waits)
+            if parts and whole:
+                await asyncio.gather(
+                    self._grant_rows(parts, backend, failures),
+                    self._relay(whole, backend, failures),
+                )
+            elif parts:  # (the common case: awaited here, without a task of its own)
+                await self._grant_rows(parts, backend, failures)
+            else:
+                await self._relay(whole, backend, failures)
         return failures, len(parts) + (1 if whole else 0)
 
     async def _grant_rows(
