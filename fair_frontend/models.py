@@ -32,6 +32,7 @@ from fair_frontend.protocol import (
 )
 from fair_frontend.sampling import check_sampling, read_sampling_input
 from fair_frontend.tokens import count_text_tokens, max_token_bytes
+from fair_frontend.wire.records import ModelDescribed, TensorDescribed
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 # The model-config parameter by which a model asks for the frontend's per-row metadata
@@ -57,8 +58,8 @@ class TensorSpec:
 class ModelInfo:
     """What scheduling and validation need of a model, in the frontend's own words: its
     backend describes it (``backends.triton.model_config.model_info`` reads Triton's model
-    config into one); ``raw_config`` keeps the backend's own description, opaque here, for
-    the clients that ask for it (KServe's model config call)."""
+    config into one). The backend's own description is not kept: a client that asks for
+    it (KServe's model config call) is answered by the backend."""
 
     name: str
     max_batch_size: int
@@ -77,7 +78,6 @@ class ModelInfo:
     # How long the backend keeps an idle sequence of a stateful model (Triton: its sequence
     # batcher's max_sequence_idle_microseconds, 1 s where unset).
     sequence_idle_s: float = 1.0
-    raw_config: Any = field(default=None, compare=False, repr=False)
     # ``bounds``' answer, kept with the endpoint it was computed for.
     _bounds: list[tuple[Endpoint, RequestBounds]] = field(
         default_factory=list, init=False, compare=False, repr=False
@@ -91,6 +91,54 @@ class ModelInfo:
             kept = (endpoint, request_bounds(self, endpoint))
             self._bounds[:] = [kept]
         return kept[1]
+
+    def described(self) -> ModelDescribed:
+        """This description as it crosses the link (the core answers a shell's
+        ``InfoQuery`` with it)."""
+
+        def tensors(specs: Mapping[str, TensorSpec]) -> tuple[TensorDescribed, ...]:
+            return tuple(
+                TensorDescribed(t.name, t.datatype, t.dims, t.optional) for t in specs.values()
+            )
+
+        return ModelDescribed(
+            name=self.name,
+            max_batch_size=self.max_batch_size,
+            inputs=tensors(self.inputs),
+            outputs=tensors(self.outputs),
+            decoupled=self.decoupled,
+            sequence_batching=self.sequence_batching,
+            platform=self.platform,
+            instances=self.instances,
+            versions=self.versions,
+            takes_rows=self.takes_rows,
+            max_model_len=self.max_model_len,
+            sequence_idle_s=self.sequence_idle_s,
+        )
+
+    @staticmethod
+    def of(described: ModelDescribed) -> ModelInfo:
+        """The description a shell was sent (``described``), as the core holds it."""
+
+        def tensors(records: tuple[TensorDescribed, ...]) -> dict[str, TensorSpec]:
+            return {
+                t.name: TensorSpec(t.name, t.datatype, tuple(t.dims), t.optional) for t in records
+            }
+
+        return ModelInfo(
+            name=described.name,
+            max_batch_size=described.max_batch_size,
+            inputs=tensors(described.inputs),
+            outputs=tensors(described.outputs),
+            decoupled=described.decoupled,
+            sequence_batching=described.sequence_batching,
+            platform=described.platform,
+            instances=described.instances,
+            versions=tuple(described.versions),
+            takes_rows=described.takes_rows,
+            max_model_len=described.max_model_len,
+            sequence_idle_s=described.sequence_idle_s,
+        )
 
     @staticmethod
     def version_for(requested: str, info: ModelInfo | None) -> str | None:

@@ -343,8 +343,7 @@ class ShellConnection(Framed):
     async def _info(self, query: InfoQuery) -> None:
         try:
             info = await self.core.model_info(query.model)
-            raw = info.raw_config.SerializeToString() if info.raw_config is not None else b""
-            self.send(InfoAnswer(query.id, raw, info.versions))
+            self.send(InfoAnswer(query.id, info.described()))
         except FrontendError as err:
             self.send(InfoAnswer(query.id, fault=Fault.of(err)))
         except Exception as err:

@@ -12,7 +12,6 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
-from fair_frontend.backends.triton.model_config import model_info_of
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox, gone_before_answered, per_token
@@ -195,7 +194,8 @@ class SocketLink(Framed):
         answer: InfoAnswer = await self._query(lambda i: InfoQuery(i, model))
         if answer.fault is not None:
             raise answer.fault.error()
-        return model_info_of(answer.config, tuple(answer.versions))
+        assert answer.model is not None  # a core answers a fault or the model
+        return ModelInfo.of(answer.model)
 
     async def statistics(self, model: str, version: str) -> Any:
         answer: StatsAnswer = await self._query(lambda i: StatsQuery(i, model, version))

@@ -342,10 +342,38 @@ class InfoQuery(msgspec.Struct, tag=5, array_like=True):
     model: str
 
 
+class TensorDescribed(msgspec.Struct, array_like=True, frozen=True):
+    """One input or output of a model (``models.TensorSpec``)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]  # without the batch dimension
+    optional: bool = False
+
+
+class ModelDescribed(msgspec.Struct, array_like=True, frozen=True):
+    """A model as the frontend describes it (``models.ModelInfo``, its fields), whatever
+    the backend that serves it: what a shell validates and batches by. The backend's own
+    description of the model (Triton's model config) does not cross; a client that asks
+    for it is answered by the backend."""
+
+    name: str
+    max_batch_size: int
+    inputs: tuple[TensorDescribed, ...]
+    outputs: tuple[TensorDescribed, ...]
+    decoupled: bool
+    sequence_batching: bool
+    platform: str
+    instances: int
+    versions: tuple[str, ...]
+    takes_rows: bool
+    max_model_len: int | None
+    sequence_idle_s: float
+
+
 class InfoAnswer(msgspec.Struct, tag=6, array_like=True):
     id: int
-    config: bytes = b""  # the serialized ModelConfig
-    versions: tuple[str, ...] = ()
+    model: ModelDescribed | None = None  # None with a fault
     fault: Fault | None = None
 
 

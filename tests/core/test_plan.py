@@ -4,6 +4,7 @@ derivations gave."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,6 +22,8 @@ from fair_frontend.endpoint import EndpointPlan, plan
 from fair_frontend.models import ModelInfo
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import CoreLink
+from fair_frontend.wire.framing import encode, to_shell
+from fair_frontend.wire.records import InfoAnswer
 from tests.support import config_dict
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -216,3 +219,23 @@ async def test_a_shell_keeps_one_plan_per_model_until_its_config_or_the_descript
     gateway._infos["embed"] = changed = shipped_info("embed", instances=2)
     third = await gateway.plan("embed")
     assert third.info is changed and third.slots == 2 and second.slots == 1
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+def test_a_models_description_crosses_the_link_in_the_frontends_words(
+    model: str, example: Config
+) -> None:
+    """The core answers a shell's ``InfoQuery`` with the ``ModelInfo`` it read from
+    Triton's config, its fields and not Triton's bytes: the shell's copy is equal, and so
+    is the plan made of it."""
+    info = dataclasses.replace(shipped_info(model, instances=3), versions=("1", "3"))
+    frame = encode(InfoAnswer(7, info.described()))
+    answer = to_shell.decode(frame[4:])
+    assert isinstance(answer, InfoAnswer) and answer.model is not None
+    received = ModelInfo.of(answer.model)
+    assert received == info
+    assert list(received.inputs) == list(info.inputs)
+    assert list(received.outputs) == list(info.outputs)
+    endpoint = example.endpoint(model)
+    assert facts(plan(example, model, received)) == facts(plan(example, model, info))
+    assert received.bounds(endpoint) == info.bounds(endpoint)

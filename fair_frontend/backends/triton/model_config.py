@@ -1,9 +1,9 @@
 """Triton's model config read into the frontend's description of a model (``ModelInfo``).
 
 The one place that reads Triton's model-config schema (``model_config_pb2``): the core
-when it looks a model up, a shell when the core answers it a model's config. Everything
-past this reads ``ModelInfo``; the config itself rides along opaque
-(``ModelInfo.raw_config``) for the clients that ask for it.
+when it looks a model up. Everything past this reads ``ModelInfo``, the shells too (the
+core sends them its fields, ``wire.records.ModelDescribed``); a client that asks for the
+config itself is answered by Triton (the shells' side doors).
 """
 
 from __future__ import annotations
@@ -46,14 +46,7 @@ def model_info(cfg: model_config_pb2.ModelConfig, versions: tuple[str, ...] = ("
         takes_rows=_config_flag(cfg, ROWS_CONFIG_PARAMETER),
         max_model_len=_config_count(cfg, CONTEXT_CONFIG_PARAMETER),
         sequence_idle_s=(idle_us or TRITON_SEQUENCE_IDLE_US) / 1e6,
-        raw_config=cfg,
     )
-
-
-def model_info_of(raw: bytes, versions: tuple[str, ...] = ("1",)) -> ModelInfo:
-    """``model_info`` of Triton's config as its bytes (``ModelConfig`` serialized: how the
-    core sends it to a shell, ``InfoAnswer.config``)."""
-    return model_info(model_config_pb2.ModelConfig.FromString(raw), versions)
 
 
 def triton_datatype(config_type: int) -> str:
