@@ -57,7 +57,7 @@ import uvloop
 from tritonclient.grpc import model_config_pb2
 
 from benchmarks.harness import load_example_config, progress, write_result
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
@@ -145,7 +145,7 @@ def make_call(i: int) -> Call:
 async def core_per_request(n: int) -> dict[str, float]:
     """Submit n calls in waves of 256 (a burst at a time, answered as Triton frees)."""
     triton = InstantTriton()
-    core = Core(config(), cast(TritonForwarder, triton))
+    core = Core(config(), cast(BackendServer, triton))
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
     sink = Sink()
@@ -167,12 +167,10 @@ async def gateway_per_request(n: int) -> dict[str, float]:
     """The shell's side: identify, validate, build the Call, read the answer."""
     triton = InstantTriton()
     cfg = config()
-    core = Core(cfg, cast(TritonForwarder, triton))
+    core = Core(cfg, cast(BackendServer, triton))
     core._runtime("embed", embed_info())
     core.models._infos["embed"] = _done(embed_info())
-    gateway = Gateway(
-        cfg, core.keyring, LocalLink(core, Intake(core)), cast(TritonForwarder, triton)
-    )
+    gateway = Gateway(cfg, core.keyring, LocalLink(core, Intake(core)), cast(BackendServer, triton))
     headers = [{"authorization": f"Bearer key-{i}"} for i in range(TENANTS)]
     cpu0 = time.process_time()
     for start in range(0, n, 256):
@@ -235,7 +233,7 @@ async def core_per_stream(n: int, *, logged: bool = True) -> dict[str, float]:
     """``n`` new streams on ``llm``, 256 waiting at any time (acme 2 : globex 1);
     ``logged``: their shells write their request-log lines (``Call.logged``: the default,
     ``observability.request_log: shell``), else the core does."""
-    core = Core(stream_config(), cast(TritonForwarder, InstantTriton()))
+    core = Core(stream_config(), cast(BackendServer, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
     # What a shell sends of a stream: its facts, the tensors kept to stream them from
@@ -321,7 +319,7 @@ async def core_per_request_one_hop(
     data = config().model_dump(mode="json")
     data["endpoints"]["embed"]["latency_target_ms"] = 3_600_000
     cfg = parse_config(data)
-    core = Core(cfg, cast(TritonForwarder, InstantTriton()))
+    core = Core(cfg, cast(BackendServer, InstantTriton()))
     if not per_tick:  # the core before the tick: each call judged, each batch decided, alone
         # (patched on the instance)
         core.judge_together = lambda calls: [False] * len(calls)  # type: ignore[method-assign]
@@ -417,7 +415,7 @@ async def core_per_token(per_entry: int, records: int) -> dict[str, float]:
     1), each of a shell's ``Produced`` records (one tick) carrying ``per_entry`` tokens of
     each stream with their gaps, decoded from its frame as the link delivers it, its
     calls found as ``ShellConnection`` finds them, then ``Core.produced_all``."""
-    core = Core(stream_config(), cast(TritonForwarder, InstantTriton()))
+    core = Core(stream_config(), cast(BackendServer, InstantTriton()))
     core._runtime("llm", llm_info())
     shell = Shell()
     calls: dict[int, Any] = {}

@@ -35,7 +35,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from fair_frontend import __version__
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends import backend
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import (
@@ -106,7 +106,7 @@ class FrontendServer:
         listen: Listen,
         *,
         workers: int = 1,
-        core_factory: Callable[[Config, list[TritonForwarder]], Core] | None = None,
+        core_factory: Callable[[Config, list[BackendServer]], Core] | None = None,
     ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, not {workers}")
@@ -184,7 +184,7 @@ class FrontendServer:
         """Serving: leading, and the core admitting."""
         return self.leading and self.core is not None and self.core.accepting
 
-    async def _start_local_shell(self, forwarders: list[TritonForwarder]) -> None:
+    async def _start_local_shell(self, forwarders: list[BackendServer]) -> None:
         assert self.core is not None
         link = LocalLink(self.core, Intake(self.core))  # the intake shell processes have
         self.gateway = Gateway(self.config, self.core.keyring, link, forwarders)

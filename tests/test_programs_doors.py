@@ -22,7 +22,7 @@ from tritonclient.grpc._utils import _get_inference_request
 
 from fair_frontend import grpc_codec
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.errors import FrontendError, InvalidArgument, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import (
@@ -185,7 +185,7 @@ async def submitted(parameters: dict[str, Any], headers: dict[str, str]) -> Call
     config = make_config()
     link = Recording()
     gateway = Gateway(config, KeyRing.from_config(config), cast(CoreLink, link),
-                      cast(TritonForwarder, object()))  # fmt: skip
+                      cast(BackendServer, object()))  # fmt: skip
     values = Tensor("IN", "INT32", (2,), np.array([1, 2], dtype=np.int32))
     request = InferRequest("rep", id="s1", inputs=[values], parameters=parameters)
     with pytest.raises(FrontendError):

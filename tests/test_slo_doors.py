@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.errors import FrontendError, InvalidArgument, Unavailable
 from fair_frontend.protocol import SLO_CLASS_HEADER, SLO_CLASS_PARAMETER, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
@@ -35,7 +35,7 @@ async def submitted(parameters: dict[str, Any], headers: dict[str, str]) -> list
     config = make_config(slo_classes=CLASSES)
     link = Recording()
     gateway = Gateway(config, KeyRing.from_config(config), cast(CoreLink, link),
-                      cast(TritonForwarder, object()))  # fmt: skip
+                      cast(BackendServer, object()))  # fmt: skip
     values = Tensor("IN", "INT32", (2,), np.array([1, 2], dtype=np.int32))
     request = InferRequest("rep", id="s1", inputs=[values], parameters=parameters)
     try:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.triton.forwarder import StreamReply, TritonForwarder
+from fair_frontend.backends.protocol import BackendServer, StreamReply
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
@@ -294,7 +294,7 @@ async def relayed(tritons: list[FakeTriton]) -> tuple[GrantingCore, list[int], A
     got, the error that ended it or None)."""
     config = make_config()
     core = GrantingCore(len(tritons))
-    link, forwarders = cast(CoreLink, core), cast(list[TritonForwarder], tritons)  # stand-ins
+    link, forwarders = cast(CoreLink, core), cast(list[BackendServer], tritons)  # stand-ins
     gateway = Gateway(config, KeyRing.from_config(config), link, forwarders)
     values = Tensor("IN", "INT32", (2,), np.array([1, 2], dtype=np.int32))
     request = InferRequest("rep", id="s1", inputs=[values])

@@ -2,16 +2,17 @@
 
 A backend kind is a package here (``triton``) whose forwarder's factory is registered in
 ``BACKENDS`` by one line below: given a server's address, the request timeout and its
-HTTP address where it has one, the object that sends a ``protocol.Batch`` and opens a
-stream (``core.dispatch.Forwarder``). The core and the shells build their forwarders by
-the kind's name (``DEFAULT_BACKEND`` until a config names another), not by importing a
-class.
+HTTP address where it has one, the object that sends a ``protocol.Batch``, opens a
+stream and describes a model (``backends.protocol.BackendServer``). The core and the
+shells build their forwarders by the kind's name (``DEFAULT_BACKEND`` until a config
+names another) and hold them by that protocol, not by importing a class.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.parts import Registry
 
@@ -19,7 +20,9 @@ from fair_frontend.parts import Registry
 class BackendFactory(Protocol):
     """Builds the forwarder for one server of a backend kind."""
 
-    def __call__(self, url: str, *, request_timeout_s: float, http_url: str | None) -> Any: ...
+    def __call__(
+        self, url: str, *, request_timeout_s: float, http_url: str | None
+    ) -> BackendServer: ...
 
 
 BACKENDS: Registry[BackendFactory] = Registry("backend")
@@ -27,7 +30,9 @@ BACKENDS.add("triton", TritonForwarder)
 DEFAULT_BACKEND = "triton"
 
 
-def backend(url: str, *, request_timeout_s: float, http_url: str | None, kind: str = "") -> Any:
+def backend(
+    url: str, *, request_timeout_s: float, http_url: str | None, kind: str = ""
+) -> BackendServer:
     """The forwarder for the server at ``url``, of backend ``kind`` (the default one)."""
     return BACKENDS[kind or DEFAULT_BACKEND](
         url, request_timeout_s=request_timeout_s, http_url=http_url

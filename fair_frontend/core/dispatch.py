@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.admission.slo import SloClass
+from fair_frontend.backends.protocol import Forwarder
 from fair_frontend.batching import Packed, batch_key, pack, unpack
 from fair_frontend.config import CostUnit
 from fair_frontend.core.clock import Clock, Timer
@@ -80,7 +81,6 @@ from fair_frontend.observe import BatchReport
 from fair_frontend.outcomes import Outcome
 from fair_frontend.parts import Registry
 from fair_frontend.protocol import (
-    Batch,
     InferRequest,
     ParamValue,
     Tensor,
@@ -163,14 +163,6 @@ class CoreRequest(QueuedRequest):
     @property
     def queued_s(self) -> float:
         return -1.0 if self.dispatched_at is None else self.dispatched_at - self.arrival
-
-
-class Forwarder(Protocol):
-    """What the dispatch loop needs of Triton (``TritonForwarder`` in production)."""
-
-    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
-        """One request (``batch``); returns (the model version that ran, its outputs)."""
-        ...
 
 
 class Backend:

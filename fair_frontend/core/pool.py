@@ -47,7 +47,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fair_frontend.core.dispatch import Backend, Forwarder
+    from fair_frontend.backends.protocol import Forwarder
+    from fair_frontend.core.dispatch import Backend
 
 log = logging.getLogger(__name__)
 

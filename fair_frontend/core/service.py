@@ -33,9 +33,8 @@ from fair_frontend.admission import (
 )
 from fair_frontend.admission.slo import SloClass, SloClasses
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.backends.triton.metrics import TritonMetrics
-from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import batch_key
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
@@ -111,7 +110,7 @@ class ModelRegistry:
     Triton unreachable) reaches them, and it is not kept: the next caller asks again.
     """
 
-    def __init__(self, forwarders: TritonForwarder | Sequence[TritonForwarder]) -> None:
+    def __init__(self, forwarders: BackendServer | Sequence[BackendServer]) -> None:
         self.forwarders = _each(forwarders)
         self.forwarder = self.forwarders[0]
         self._infos: dict[str, asyncio.Task[ModelInfo]] = {}
@@ -133,15 +132,13 @@ class ModelRegistry:
     async def _lookup(self, model: str) -> ModelInfo:
         for i, forwarder in enumerate(self.forwarders):
             try:
-                cfg = await forwarder.model_config(model)
-                meta = await forwarder.call("get_model_metadata", model_name=model)
+                return await forwarder.describe(model)
             except Unavailable:
                 if i + 1 < len(self.forwarders):
                     continue  # that one is away: the next one serves the same models
                 raise
             except FrontendError as err:
                 raise _unknown_model(model, err) from None
-            return model_info(cfg, tuple(meta.versions))
         raise AssertionError("a registry has at least one forwarder")
 
     def _settled(self, model: str, task: asyncio.Task[ModelInfo]) -> None:
@@ -151,7 +148,7 @@ class ModelRegistry:
             del self._infos[model]
 
 
-def _each(forwarders: TritonForwarder | Sequence[TritonForwarder]) -> list[TritonForwarder]:
+def _each(forwarders: BackendServer | Sequence[BackendServer]) -> list[BackendServer]:
     """The pool's forwarders: one given alone is a pool of one."""
     if isinstance(forwarders, (list, tuple)):
         return list(forwarders)
@@ -172,7 +169,7 @@ class Core:
     def __init__(
         self,
         config: Config,
-        forwarder: TritonForwarder | Sequence[TritonForwarder],
+        forwarder: BackendServer | Sequence[BackendServer],
         *,
         keyring: KeyRing | None = None,
         observers: Sequence[Observer] | None = None,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from fair_frontend.auth import Authenticator, Identity, KeyRing, ModelAccess
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.batching import wire_key
 from fair_frontend.config import Config
 from fair_frontend.endpoint import EndpointPlan
@@ -113,12 +113,12 @@ class Gateway:
         config: Config,
         keyring: KeyRing,
         link: CoreLink,
-        triton: TritonForwarder | Sequence[TritonForwarder],
+        triton: BackendServer | Sequence[BackendServer],
     ) -> None:
         self.link = link
         # Each Triton of the pool, in the order of ``Settings.triton_urls`` (a ``Grant``
         # names one by its index); the first one alone where there is one.
-        self.tritons: list[TritonForwarder] = (
+        self.tritons: list[BackendServer] = (
             list(triton) if isinstance(triton, (list, tuple)) else [triton]  # type: ignore[list-item]
         )
         # Metadata, config and readiness come from Triton itself: the first that answers

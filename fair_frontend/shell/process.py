@@ -28,7 +28,7 @@ from aiohttp import web
 
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends import backend
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import parse_config
 from fair_frontend.logs import configure_logging
 from fair_frontend.shell import tls as tenant_tls
@@ -191,7 +191,7 @@ def _nothing() -> None:
     pass
 
 
-def forwarders(settings: Settings, request_timeout_s: float) -> list[TritonForwarder]:
+def forwarders(settings: Settings, request_timeout_s: float) -> list[BackendServer]:
     """One forwarder per Triton of the pool, in the settings' order (a grant names the one
     to stream from), each with its HTTP address where the core has one for it."""
     urls = settings.triton_urls or [settings.triton_url]

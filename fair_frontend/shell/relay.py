@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from fair_frontend.backends.triton.forwarder import TritonStream
+from fair_frontend.backends.protocol import Stream
 from fair_frontend.backends.triton.sse import SseStream
 from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack
@@ -74,7 +74,7 @@ class StreamRelay:
         responses to the client as they come, one hop (``records``, the module
         docstring), counting the output tokens they carry for the core. The slot goes
         back once, however it ends: served, Triton's error, the core taking it back
-        (``on_revoke``), a client that stops reading (``TritonStream``), or one that went
+        (``on_revoke``), a client that stops reading (``Stream``), or one that went
         away (this generator closed). A Triton that is gone before the client had any
         response (not reached, or lost before its first) gives the call back to the core
         instead (``Inbox.again``: it ends with nothing yielded and the inbox not done),
@@ -154,7 +154,7 @@ class StreamRelay:
         call: Call,
         grant: Grant,
         inbox: Inbox,
-        stream: TritonStream,
+        stream: Stream,
         endpoint: Endpoint,
         version: str,
         tally: _Tally,
@@ -326,7 +326,7 @@ class _Tally:
             self.traced.end()
 
 
-def _watched(stream: TritonStream | SseStream, inbox: Inbox) -> None:
+def _watched(stream: Stream | SseStream, inbox: Inbox) -> None:
     """A granted stream and its slot, tied: a stop from either side ends both at once
     (the watchdog's or the core's revoke)."""
     stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once

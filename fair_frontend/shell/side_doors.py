@@ -207,7 +207,7 @@ class SideDoorAnswers:
         )
 
     async def _ask(self, method: str, **kwargs: Any) -> Any:
-        """Triton's answer (``TritonForwarder.call``): the first Triton's, or where one is
+        """Triton's answer (``BackendServer.call``): the first Triton's, or where one is
         unreachable the next one's."""
         for i, triton in enumerate(self.gateway.tritons):
             try:

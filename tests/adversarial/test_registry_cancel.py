@@ -18,14 +18,14 @@ import json
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
 import pytest
 from tritonclient.grpc import model_config_pb2
 
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.core.service import ModelRegistry
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import UnknownModel, UpstreamError
@@ -53,17 +53,13 @@ class GatedForwarder:
         self.lookups = 0
         self.error = error
 
-    async def model_config(self, model: str, version: str = "") -> Any:
+    async def describe(self, model: str) -> ModelInfo:
         self.lookups += 1
         self.started.set()
         await self.gate.wait()
         if self.error is not None:
             raise self.error
-        return _config(model)
-
-    async def call(self, method: str, **kwargs: Any) -> Any:
-        assert method == "get_model_metadata"
-        return SimpleNamespace(versions=["1"])
+        return model_info(_config(model), ("1",))
 
 
 async def _waiting(*tasks: asyncio.Task[Any]) -> None:
@@ -74,7 +70,7 @@ async def _waiting(*tasks: asyncio.Task[Any]) -> None:
 
 async def test_a_cancelled_first_caller_does_not_fail_the_others() -> None:
     forwarder = GatedForwarder()
-    registry = ModelRegistry(cast(TritonForwarder, forwarder))
+    registry = ModelRegistry(cast(BackendServer, forwarder))
     first = asyncio.create_task(registry.get(MODEL))
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     second = asyncio.create_task(registry.get(MODEL))
@@ -94,7 +90,7 @@ async def test_a_cancelled_first_caller_does_not_fail_the_others() -> None:
 
 async def test_a_lookup_whose_callers_all_left_still_completes_and_is_kept() -> None:
     forwarder = GatedForwarder()
-    registry = ModelRegistry(cast(TritonForwarder, forwarder))
+    registry = ModelRegistry(cast(BackendServer, forwarder))
     only = asyncio.create_task(registry.get(MODEL))
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     only.cancel()
@@ -111,7 +107,7 @@ async def test_a_real_lookup_error_reaches_every_caller_and_is_not_kept() -> Non
         f"Request for unknown model: '{MODEL}' is not found", grpc.StatusCode.NOT_FOUND, 404
     )
     forwarder = GatedForwarder(error=unknown)
-    registry = ModelRegistry(cast(TritonForwarder, forwarder))
+    registry = ModelRegistry(cast(BackendServer, forwarder))
     callers = [asyncio.create_task(registry.get(MODEL)) for _ in range(3)]
     await asyncio.wait_for(forwarder.started.wait(), STARTED_S)
     await _waiting(*callers)
@@ -177,13 +173,13 @@ def test_a_client_that_disconnects_during_the_first_lookup_does_not_fail_another
         gate = asyncio.Event()
         in_lookup, b_waiting, a_gone = threading.Event(), threading.Event(), threading.Event()
         forwarder = fe.frontend.forwarder
-        real_config, real_bound = forwarder.model_config, fe.gateway.wire_bound
+        real_describe, real_bound = forwarder.describe, fe.gateway.wire_bound
         calls = 0
 
-        async def gated_config(model: str, version: str = "") -> Any:
+        async def gated_describe(model: str) -> ModelInfo:
             in_lookup.set()
             await gate.wait()
-            return await real_config(model, version)
+            return await real_describe(model)
 
         async def tracked_bound(model: str) -> int:
             # The first thing an HTTP infer asks of its model, before its body is read: its
@@ -200,7 +196,7 @@ def test_a_client_that_disconnects_during_the_first_lookup_does_not_fail_another
                 if n == 1:
                     a_gone.set()
 
-        monkeypatch.setattr(forwarder, "model_config", gated_config)
+        monkeypatch.setattr(forwarder, "describe", gated_describe)
         monkeypatch.setattr(fe.gateway, "wire_bound", tracked_bound)
         path = "/v2/models/simple/infer"
         a = _send_and_leave_open(fe.http_url, path, _infer_body("A"))

@@ -22,7 +22,7 @@ import pytest
 
 from fair_frontend.admission import RateLimiter, RedisStorage
 from fair_frontend.admission.storage import Checked
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton
@@ -85,7 +85,7 @@ async def test_a_tenant_removed_during_its_rate_limit_check_is_unauthenticated(
         update={"triton": config.triton.model_copy(update={"http_url": triton.http_url})}
     )
 
-    def core(c: Config, f: list[TritonForwarder]) -> Core:
+    def core(c: Config, f: list[BackendServer]) -> Core:
         return Core(c, f, limiter=RateLimiter(storage))
 
     server = FrontendServer(config, triton.grpc_url, Listen(), core_factory=core)

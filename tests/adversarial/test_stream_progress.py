@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from fair_frontend.backends.triton.forwarder import StreamReply, TritonForwarder
+from fair_frontend.backends.protocol import StreamReply
+from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.protocol import Batch, Tensor

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import RateLimiter
 from fair_frontend.admission.storage import MemoryStorage
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
@@ -179,7 +179,7 @@ class Rig:
         self.recorder = Recorder(self.clock)
         self.core = Core(
             core_config(),
-            cast(TritonForwarder, self.triton),
+            cast(BackendServer, self.triton),
             observers=[self.recorder],
             limiter=RateLimiter(self.storage),
             clock=self.clock,

@@ -26,7 +26,7 @@ from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock,
 
 from fair_frontend.admission import RateLimiter, RateLimitItem
 from fair_frontend.admission.storage import Checked, MemoryStorage
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import PARTS_PER_SLICE
 from fair_frontend.core.service import Core
@@ -132,7 +132,7 @@ class Rig:
         self.finished = recorder.finished
         self.core = Core(
             core_config(),
-            cast(TritonForwarder, self.triton),
+            cast(BackendServer, self.triton),
             observers=[recorder],
             limiter=RateLimiter(storage),
             clock=self.clock,

@@ -20,7 +20,7 @@ from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock,
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.service import Core
 from fair_frontend.core.shells import Intake, ShellConnection
@@ -77,7 +77,7 @@ class Rig:
         self.triton = Triton(self.clock)
         self.core = Core(
             core_config(target_ms),
-            cast(TritonForwarder, self.triton),
+            cast(BackendServer, self.triton),
             observers=[self.decisions],
             clock=self.clock,
             wall=lambda: EPOCH + self.clock.now(),

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import Config, CostUnit, Endpoint, parse_config
 from fair_frontend.core.dispatch import DISPATCH_MODES
@@ -196,7 +196,7 @@ async def test_a_shell_keeps_one_plan_per_model_until_its_config_or_the_descript
     info = shipped_info("embed")
     link = Lookups(info)
     gateway = Gateway(
-        config, KeyRing.from_config(config), cast(CoreLink, link), cast(TritonForwarder, None)
+        config, KeyRing.from_config(config), cast(CoreLink, link), cast(BackendServer, None)
     )
     assert gateway.kept_wire_bound("embed") == config.endpoint("embed").max_wire_bytes
     assert gateway.precheck("embed") is None  # no description yet

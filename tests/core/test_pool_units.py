@@ -29,10 +29,10 @@ from dispatch_support import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer, Forwarder
 from fair_frontend.config import Endpoint, parse_config
 from fair_frontend.core import Core
-from fair_frontend.core.dispatch import Backend, CoreRequest, Forwarder
+from fair_frontend.core.dispatch import Backend, CoreRequest
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import OpenSequence
@@ -497,7 +497,7 @@ async def test_the_core_serves_every_endpoint_from_its_pool_and_says_so_in_its_g
             "default_endpoint": {"throttle": False},
         }
     )
-    core = Core(config, cast(list[TritonForwarder], tritons), clock=clock, wall=lambda: 1.7e9)
+    core = Core(config, cast(list[BackendServer], tritons), clock=clock, wall=lambda: 1.7e9)
     core._runtime(MODEL, embed_info())
     shell = Shell()
 
@@ -564,7 +564,7 @@ async def test_a_cores_open_sequences_carry_their_backends_to_the_next_leader() 
     cores = [
         Core(
             config,
-            cast(list[TritonForwarder], [ReadyTriton(clock, url) for url in urls]),
+            cast(list[BackendServer], [ReadyTriton(clock, url) for url in urls]),
             clock=clock,
             wall=lambda: 1.7e9,
         )
@@ -612,7 +612,7 @@ async def test_a_new_leader_starts_with_the_tritons_the_old_one_found_down() -> 
     urls = ("t0:8001", "t1:8001")
     fakes = [[ReadyTriton(clock, url) for url in urls] for _ in range(2)]
     old, new = (
-        Core(config, cast(list[TritonForwarder], t), clock=clock, wall=lambda: 1.7e9) for t in fakes
+        Core(config, cast(list[BackendServer], t), clock=clock, wall=lambda: 1.7e9) for t in fakes
     )
     try:
         assert old.carried.export_down() == []

@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, StepClock, embed_info
 
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
 from fair_frontend.core.granted import GrantedDispatcher
@@ -62,7 +62,7 @@ class Rig:
         }
         self.core = Core(
             parse_config(data),
-            cast(TritonForwarder, Triton(self.clock)),
+            cast(BackendServer, Triton(self.clock)),
             clock=self.clock,
             wall=lambda: EPOCH + self.clock.now(),
         )

@@ -71,7 +71,7 @@ from dispatch_support import SETTLE_ROUNDS, Shell, StepClock
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
@@ -181,7 +181,7 @@ class Relay:
         self.clock = StepClock()
         self.core = Core(
             config(work.slots, work.output_weight),
-            cast(TritonForwarder, NoTriton()),
+            cast(BackendServer, NoTriton()),
             clock=self.clock,
             wall=lambda: 1.7e9 + self.clock.now(),
         )
@@ -492,7 +492,7 @@ def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_prod
             told = Told()
             core = Core(
                 config(8, 3.0),
-                cast(TritonForwarder, NoTriton()),
+                cast(BackendServer, NoTriton()),
                 observers=[told],
                 clock=StepClock(),
             )

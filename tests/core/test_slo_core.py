@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import EngineThrottle
 from fair_frontend.admission.slo import SloClass, SloClasses, SloKind, SloLedger
-from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, CostUnit, parse_config
 from fair_frontend.core.admission import EndpointAdmission
 from fair_frontend.core.dispatch import CoreRequest
@@ -127,7 +127,7 @@ class Rig:
         self.clock = StepClock(START)
         self.core = Core(
             cfg,
-            cast(TritonForwarder, NoTriton()),
+            cast(BackendServer, NoTriton()),
             clock=self.clock,
             wall=lambda: 1.7e9 + self.clock.now(),
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -23,7 +22,9 @@ from tritonclient.grpc import (
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
+from fair_frontend.backends.protocol import StreamReply
 from fair_frontend.backends.triton.http import TritonHttp, carries
+from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.backends.triton.sse import TritonEvents
 from fair_frontend.backends.triton.upstream import upstream_error, upstream_message_error
 from fair_frontend.backends.triton.watchdog import Watchdog
@@ -31,6 +32,7 @@ from fair_frontend.errors import (
     FrontendError,
     Unavailable,
 )
+from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
@@ -41,21 +43,6 @@ from fair_frontend.protocol import (
 _STREAM_RESPONSE = service_pb2.ModelStreamInferResponse.FromString
 # Large batches of embeddings can exceed gRPC's 4 MiB default; Triton allows 2 GiB.
 _MAX_MESSAGE = 2**31 - 1
-
-
-@dataclass(slots=True)
-class StreamReply:
-    """One response of a decoupled model (or the error that ended its stream)."""
-
-    version: str = ""
-    outputs: list[Tensor] = field(default_factory=list)
-    final: bool = False
-    error: FrontendError | None = None
-    # A stream read raw (``TritonForwarder.stream(raw=True)``): Triton's serialized
-    # ``ModelStreamInferResponse``, and that message parsed (``outputs`` stays empty:
-    # nothing is decoded into tensors).
-    raw: bytes = b""
-    message: Any = None
 
 
 def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
@@ -289,6 +276,13 @@ class TritonForwarder:
     async def model_config(self, model: str, version: str = "") -> Any:
         response = await self.call("get_model_config", model_name=model, model_version=version)
         return response.config
+
+    async def describe(self, model: str) -> ModelInfo:
+        """``model`` in the frontend's words: its config read (``model_info``), with the
+        versions its metadata says are ready."""
+        cfg = await self.model_config(model)
+        meta = await self.call("get_model_metadata", model_name=model)
+        return model_info(cfg, tuple(meta.versions))
 
     @property
     def stub(self) -> Any:

@@ -1,0 +1,92 @@
+"""What the core and the shells need of one server of a backend, whatever its kind.
+
+A backend kind's forwarder (``backends.triton.forwarder.TritonForwarder``) is built by its
+name (``backends.BACKENDS``) and used through these protocols only: the dispatch loop
+sends batches (``Forwarder``); the core also looks models up and probes readiness, and a
+shell also opens streams and answers the side doors (``BackendServer``).
+
+The side doors speak KServe's v2 protocol, which the frontend serves to its clients as
+it is: ``call`` takes its calls by the names of tritonclient's client
+(``get_model_metadata``, ``get_model_config``, ...) and answers its messages. ``events``
+is a server's own event stream (Triton's ``generate_stream``), passed to a client as it
+came where the shell has nothing to add to it; a kind that has none leaves it None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fair_frontend.errors import FrontendError
+from fair_frontend.models import ModelInfo
+from fair_frontend.protocol import Batch, Tensor
+
+if TYPE_CHECKING:
+    from fair_frontend.backends.triton.sse import TritonEvents
+
+
+class Forwarder(Protocol):
+    """What the dispatch loop needs of a server: one batch sent, its outputs back."""
+
+    async def infer(self, batch: Batch) -> tuple[str, list[Tensor]]:
+        """One request (``batch``); returns (the model version that ran, its outputs)."""
+        ...
+
+
+@dataclass(slots=True)
+class StreamReply:
+    """One response of a decoupled model (or the error that ended its stream)."""
+
+    version: str = ""
+    outputs: list[Tensor] = field(default_factory=list)
+    final: bool = False
+    error: FrontendError | None = None
+    # A stream read raw (``BackendServer.stream(raw=True)``): the server's serialized
+    # response, and that message parsed (``outputs`` stays empty: nothing is decoded
+    # into tensors).
+    raw: bytes = b""
+    message: Any = None
+
+
+class Stream(Protocol):
+    """One request to a decoupled model: its responses, the last one an error where one
+    ended it. ``stop(err)`` cancels it from outside (the core took its slot back): the
+    consumer's next reply is ``err``; ``on_stop`` hears of every stop at once."""
+
+    stopped: FrontendError | None
+    on_stop: Callable[[FrontendError], None]
+
+    def stop(self, err: FrontendError) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[StreamReply]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BackendServer(Forwarder, Protocol):
+    """One server of a backend kind, as the core and the shells use it."""
+
+    url: str  # its address (log lines, traces, metrics)
+    request_timeout_s: float
+
+    @property
+    def events(self) -> TritonEvents | None: ...
+
+    async def describe(self, model: str) -> ModelInfo:
+        """``model`` in the frontend's words: its inputs, outputs, batching, ready
+        versions (the core asks once per model and sends it to the shells)."""
+        ...
+
+    def stream(self, batch: Batch, *, stalled_s: float | None = None, raw: bool = False) -> Stream:
+        """One request to a decoupled model, its responses as they come; a consumer that
+        holds one for ``stalled_s`` has it cancelled."""
+        ...
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """A side door's call (KServe's, by tritonclient's method name), errors mapped."""
+        ...
+
+    async def server_ready(self) -> bool: ...
+
+    async def close(self) -> None: ...
