@@ -45,8 +45,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from fair_frontend.config import Endpoint
-from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import (
     DTYPES,
     Batch,
@@ -153,8 +151,9 @@ class Packed:
         )
 
 
-def pack(items: Sequence[Item], info: ModelInfo, endpoint: Endpoint) -> Packed:
+def pack(items: Sequence[Item], plan: EndpointPlan) -> Packed:
     """One Triton request for the whole batch."""
+    info, endpoint = plan.info, plan.endpoint
     first = items[0].request
     columns: dict[str, list[object]] = {}  # fair_rows lists beyond the metadata
     if not info.batching:
@@ -255,11 +254,11 @@ def _pad_concat(items: Sequence[Item], t0: Tensor, pad_value: float) -> tuple[Te
 def unpack(
     outputs: Sequence[Tensor],
     items: Sequence[Item],
-    info: ModelInfo,
-    endpoint: Endpoint,
+    plan: EndpointPlan,
     stripped: frozenset[str],
 ) -> list[list[Tensor]]:
     """Split a batch's outputs into each item's outputs, in the item's requested order."""
+    info, endpoint = plan.info, plan.endpoint
     by_name = {t.name: t for t in outputs}
     if not info.batching:
         return [[t for t in outputs if t.name not in stripped]]

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from fair_frontend.protocol import (
 from fair_frontend.sampling import check_sampling, read_sampling_input
 from fair_frontend.tokens import count_text_tokens, max_token_bytes
 from fair_frontend.wire.records import ModelDescribed, TensorDescribed
+
+if TYPE_CHECKING:
+    from fair_frontend.endpoint import EndpointPlan
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 # The model-config parameter by which a model asks for the frontend's per-row metadata
@@ -397,17 +400,15 @@ def _check_inputs(
 
 
 def validate(
-    req: InferRequest,
-    info: ModelInfo,
-    endpoint: Endpoint,
-    *,
-    text_tokens: list[int] | None = None,
+    req: InferRequest, plan: EndpointPlan, *, text_tokens: list[int] | None = None
 ) -> Checked:
-    """Check a request against its model; fill configured defaults; count rows and tokens.
+    """Check a request against its model and endpoint (``plan``); fill configured
+    defaults; count rows and tokens.
 
     ``text_tokens``: the tokens of each element of a text token input, counted by the
     caller off the event loop (``prompt_texts``, then ``tokens.TokenCounter``); counted
     here where not given."""
+    info, endpoint = plan.info, plan.endpoint
     model = info.name
     check_id("request id", req.id)  # copied into every row's fair_rows entry
     check_version(req.version)

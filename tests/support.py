@@ -30,8 +30,10 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from fair_frontend.config import Config, parse_config, resolve_relative_paths
+from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.endpoint import EndpointPlan, plan
+from fair_frontend.models import ModelInfo
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.testing import free_port, scrape
 
@@ -113,6 +115,14 @@ def llm_served(triton: EmbeddedTriton) -> None:
     except OSError:
         pass
     pytest.fail(f"model_repository/llm is not ready on this Triton: see {triton.log_path}")
+
+
+def planned(info: ModelInfo, endpoint: Endpoint | None = None) -> EndpointPlan:
+    """The model's plan (``fair_frontend.endpoint.plan``) under a config whose entry for it
+    is ``endpoint`` (the default one where not given): what a shell validates a request
+    by, and packs and unpacks its batch by."""
+    config = Config(tiers=["standard"], endpoints={info.name: endpoint or Endpoint()})
+    return plan(config, info.name, info)
 
 
 def make_config(**overrides: Any) -> Config:

@@ -34,7 +34,7 @@ from fair_frontend.tokens import (
     load_tokenizer,
     max_token_bytes,
 )
-from tests.support import ROOT, TEST_MODEL_REPOSITORY, make_config
+from tests.support import ROOT, TEST_MODEL_REPOSITORY, make_config, planned
 
 MODELS = ROOT / "model_repository"
 TOKENIZER = str(MODELS / "llm" / "tokenizer.json")
@@ -145,7 +145,7 @@ def test_check_declared_says_what_validate_says(
         check_declared(info, Endpoint(), InferRequest("simple"), declared)
     tensors = [Tensor(n, d, s, np.zeros(s, dtype=np.int32)) for n, d, s in inputs]
     with pytest.raises(InvalidArgument) as after:
-        validate(InferRequest("simple", inputs=tensors), info, Endpoint())
+        validate(InferRequest("simple", inputs=tensors), planned(info))
     assert before.value.message == after.value.message
     assert says in before.value.message
 
@@ -186,7 +186,7 @@ def test_a_prompt_longer_than_the_context_once_counted_is_refused(
     info, endpoint = llm
     text = "é " * 2000
     with pytest.raises(InvalidArgument, match=r"the prompt has [0-9]+ tokens"):
-        validate(prompt(text.encode()), info, endpoint)
+        validate(prompt(text.encode()), planned(info, endpoint))
 
 
 def test_text_that_is_not_utf8_is_refused_naming_the_input(

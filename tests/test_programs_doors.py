@@ -23,6 +23,7 @@ from tritonclient.grpc._utils import _get_inference_request
 from fair_frontend import grpc_codec
 from fair_frontend.auth import KeyRing
 from fair_frontend.backends.protocol import BackendServer
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import FrontendError, InvalidArgument, Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import (
@@ -133,12 +134,13 @@ def test_an_openai_chat_calls_user_is_its_program() -> None:
         {"text_output": TensorSpec("text_output", "BYTES", (1,))},
         decoupled=True,
     )
-    req = openai.engine_request(gen, info, config.endpoint("llm"))
+    req = openai.engine_request(gen, plan(config, "llm", info))
     assert take_program(req, {}) == "session-42"
     assert PROGRAM_PARAMETER not in req.parameters
     anonymous = json.dumps({"model": "llm", "messages": [{"role": "user", "content": "hi"}]})
-    req = openai.engine_request(openai.decode_chat(anonymous.encode(), {}, config), info,
-                                config.endpoint("llm"))  # fmt: skip
+    req = openai.engine_request(
+        openai.decode_chat(anonymous.encode(), {}, config), plan(config, "llm", info)
+    )
     assert PROGRAM_PARAMETER not in req.parameters and take_program(req, {}) == ""
 
 

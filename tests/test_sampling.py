@@ -28,7 +28,7 @@ from fair_frontend.sampling import SamplingRules, check_sampling
 from python_backend.llm import decode_sampling_parameters
 from python_backend.rows import RequestError
 from tests.sampling_strategies import LLM_KEYS, PARAMS, SAMPLING
-from tests.support import ROOT, config_dict
+from tests.support import ROOT, config_dict, planned
 
 LLM_CONFIG = ROOT / "model_repository" / "llm" / "config.pbtxt"
 SHIPPED = [ROOT / "examples" / "config.yaml", ROOT / "docker" / "config.yaml"]
@@ -42,6 +42,7 @@ def llm_info() -> ModelInfo:
 
 LLM = llm_info()
 ENDPOINT = load_config(SHIPPED[0]).endpoints["llm"]
+LLM_PLAN = planned(LLM, ENDPOINT)
 
 
 def llm_request(sampling: dict[str, Any] | str | None = None, **parameters: Any) -> InferRequest:
@@ -55,7 +56,7 @@ def llm_request(sampling: dict[str, Any] | str | None = None, **parameters: Any)
 
 def refused(req: InferRequest) -> str:
     with pytest.raises(InvalidArgument) as info:
-        validate(req, LLM, ENDPOINT)
+        validate(req, LLM_PLAN)
     return info.value.message
 
 
@@ -106,11 +107,13 @@ def test_a_value_out_of_its_rule_is_refused_naming_the_key_and_the_rule(
 
 def test_the_input_is_read_before_the_parameter_and_values_are_converted() -> None:
     # The input's valid value wins; the parameter's bad one is not read (as the model).
-    checked = validate(llm_request({"seed": 5, "max_tokens": "7"}, seed=2**70), LLM, ENDPOINT)
+    checked = validate(
+        llm_request({"seed": 5, "max_tokens": "7"}, seed=2**70), planned(LLM, ENDPOINT)
+    )
     assert checked.max_tokens == 7  # a string of digits, as vLLM's int() takes it
-    assert validate(llm_request({"max_tokens": 9.0}), LLM, ENDPOINT).max_tokens == 9
-    assert validate(llm_request({"max_tokens": None}, max_tokens=3), LLM, ENDPOINT).max_tokens == 3
-    assert validate(llm_request(seed=-1, top_k=-1), LLM, ENDPOINT).max_tokens == 16
+    assert validate(llm_request({"max_tokens": 9.0}), LLM_PLAN).max_tokens == 9
+    assert validate(llm_request({"max_tokens": None}, max_tokens=3), LLM_PLAN).max_tokens == 3
+    assert validate(llm_request(seed=-1, top_k=-1), LLM_PLAN).max_tokens == 16
 
 
 def test_keys_without_a_rule_and_other_parameters_pass() -> None:

@@ -31,10 +31,11 @@ import yaml
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.endpoint import plan
 from fair_frontend.errors import FrontendError
 from fair_frontend.shell.api import openai
 from python_backend.standins import TOKENIZER
-from tests.support import RunningFrontend, metric_sum, running_frontend
+from tests.support import RunningFrontend, metric_sum, planned, running_frontend
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "YOUR_MODEL.md"
@@ -279,7 +280,7 @@ def test_the_completions_route_gives_each_engine_its_sampling_its_way(
         client.close()
     doc = {"prompt": "hi", "max_tokens": 6, "temperature": 0.5, "seed": 3}
     trt = openai.completion_request({**doc, "model": "tensorrt_llm_bls"}, {}, config)
-    req = openai.engine_request(trt, infos["tensorrt_llm_bls"], config.endpoints[trt.model])
+    req = openai.engine_request(trt, plan(config, trt.model, infos["tensorrt_llm_bls"]))
     tensors = {t.name: t for t in req.inputs}
     assert (tensors["max_tokens"].datatype, tensors["max_tokens"].data.tolist()) == ("INT32", [[6]])
     assert (tensors["temperature"].datatype, tensors["temperature"].data.tolist()) == (
@@ -288,7 +289,7 @@ def test_the_completions_route_gives_each_engine_its_sampling_its_way(
     )
     assert req.parameters == {"seed": 3}
     vllm = openai.completion_request({**doc, "model": "vllm_model"}, {}, config)
-    req = openai.engine_request(vllm, infos["vllm_model"], config.endpoints[vllm.model])
+    req = openai.engine_request(vllm, plan(config, vllm.model, infos["vllm_model"]))
     tensors = {t.name: t for t in req.inputs}
     assert set(tensors) == {
         "text_input",
@@ -330,13 +331,13 @@ def test_the_embeddings_route_names_an_input_it_cannot_fill(standins: EmbeddedTr
     finally:
         client.close()
     endpoint = documented_endpoint("embedding_onnx")
-    filled = openai.embedding_companions(model_info(cfg), endpoint, "embedding_onnx")
+    filled = openai.embedding_companions(planned(model_info(cfg), endpoint))
     assert filled == [("attention_mask", "INT64", 1)]
     extra = cfg.input.add()
     extra.CopyFrom(cfg.input[0])
     extra.name = "position_ids"
     with pytest.raises(FrontendError, match="requires input 'position_ids'"):
-        openai.embedding_companions(model_info(cfg), endpoint, "embedding_onnx")
+        openai.embedding_companions(planned(model_info(cfg), endpoint))
 
 
 def documented_endpoint(model: str) -> Endpoint:

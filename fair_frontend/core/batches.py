@@ -288,9 +288,9 @@ class BatchDispatcher(Dispatcher):
         """Send part of a failed batch as one call, and finish its requests (raises the
         call's error, nothing answered, when it fails)."""
         await self._alone_in(backend)
-        packed = pack(group, self.info, self.endpoint)
+        packed = pack(group, self.plan)
         version, outputs = await self._forward(packed, group, backend)
-        outs = unpack(outputs, group, self.info, self.endpoint, packed.stripped)
+        outs = unpack(outputs, group, self.plan, packed.stripped)
         for r, out in zip(group, outs, strict=True):
             self._finish(r, version, out)
 

@@ -711,7 +711,7 @@ class Dispatcher(ABC):
         if not batch:
             return True, False
         try:
-            packed = pack(batch, self.info, self.endpoint)
+            packed = pack(batch, self.plan)
             version, outputs = await self._forward(packed, batch, backend)
         except DeadlineExceeded as err:
             self._timed_out(backend)
@@ -737,9 +737,7 @@ class Dispatcher(ABC):
             return False, False
         except FrontendError as err:
             return await self._model_error(batch, err, backend)
-        for r, outs in zip(
-            batch, unpack(outputs, batch, self.info, self.endpoint, packed.stripped), strict=True
-        ):
+        for r, outs in zip(batch, unpack(outputs, batch, self.plan, packed.stripped), strict=True):
             self._finish(r, version, outs)
         return True, False
 

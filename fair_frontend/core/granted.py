@@ -204,12 +204,12 @@ class GrantedDispatcher(BatchDispatcher):
     async def _relay(self, whole: list[CoreRequest], backend: int, failures: Failures) -> None:
         """The calls that came whole: sent from here, as batch mode sends them."""
         try:
-            packed = pack(whole, self.info, self.endpoint)
+            packed = pack(whole, self.plan)
             version, outputs = await self._forward(packed, whole, backend)
         except FrontendError as err:
             failures.append((whole, err))
             return
-        outs = unpack(outputs, whole, self.info, self.endpoint, packed.stripped)
+        outs = unpack(outputs, whole, self.plan, packed.stripped)
         for r, out in zip(whole, outs, strict=True):
             self._finish(r, version, out)
 

@@ -89,7 +89,7 @@ class ApiRoutes:
                 p.named(gen.model)
                 gen.service_tier = openai.tier_used(gen, gateway.config, p.tenant)
                 plan = await gateway.plan(p.model)
-                req = openai.engine_request(gen, plan.info, plan.endpoint)
+                req = openai.engine_request(gen, plan)
         except FrontendError as err:
             return error_response(err)
         usage = Usage()
@@ -192,13 +192,13 @@ class ApiRoutes:
         try:
             async with self.door.body(request) as p:
                 plan = await gateway.plan(p.model)
-                info, endpoint = plan.info, plan.endpoint
+                info = plan.info
                 context = plan.bounds.max_model_len
                 call = await p.decode(openai.decode_embeddings, context)
                 p.named(call.model)
                 headers, known, model, started = p.headers, p.known, p.model, p.started
-                name = openai.embedding_input(info, endpoint, model)
-                companions = openai.embedding_companions(info, endpoint, model)
+                name = openai.embedding_input(plan)
+                companions = openai.embedding_companions(plan)
                 output = openai.embedding_output(info, model)
                 rows: Sequence[Any] | None = call.ids  # int32 arrays, or lists from texts
                 paid: Precharge | None = None

@@ -224,7 +224,7 @@ class Gateway:
                 counts = None
                 if texts is not None and plan.tokenizer is not None:
                     counts = await self.tokens.count(tenant, plan.tokenizer, texts)
-                ok = validate(req, info, endpoint, text_tokens=counts)
+                ok = validate(req, plan, text_tokens=counts)
                 checked.append((ok, self._priority(req.priority, tenant, model)))
         except FrontendError as err:
             self._refused(tenant, current, err, arrived, info)
@@ -447,7 +447,7 @@ class Gateway:
                     least = sum(at_least_tokens(utf8_size(t), widest) for t in texts)
                     paid = await self.precharge(tenant, req.model, least)
                 counts = await self.tokens.count(tenant, plan.tokenizer, texts)
-            checked = validate(req, info, endpoint, text_tokens=counts)
+            checked = validate(req, plan, text_tokens=counts)
             priority = self._priority(req.priority, tenant, req.model)
         except FrontendError as err:
             self._refused(tenant, req, err, arrived, info)
@@ -506,7 +506,7 @@ class Gateway:
             while isinstance(answer, Grant):
                 grants += 1
                 replies = self.relay.relay(
-                    call, info, endpoint, answer, inbox, streaming, usage, report_usage, span,
+                    call, plan, answer, inbox, streaming, usage, report_usage, span,
                     give_back=grants < STREAM_GRANTS, wire=wire,
                 )  # fmt: skip
                 async with aclosing(replies):

@@ -25,9 +25,9 @@ from fair_frontend.backends.triton.sse import SseStream
 from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack
 from fair_frontend.config import Endpoint
+from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.grpc_codec import drop_output, output_tokens_said
-from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import FINAL_RESPONSE, Batch, InferResponse, ParamValue
 from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import Inbox
@@ -58,8 +58,7 @@ class StreamRelay:
     async def relay(
         self,
         call: Call,
-        info: ModelInfo,
-        endpoint: Endpoint,
+        plan: EndpointPlan,
         grant: Grant,
         inbox: Inbox,
         streaming: bool,
@@ -85,12 +84,13 @@ class StreamRelay:
         are read and passed on, generate_stream's events (``_events``) or
         ModelStreamInfer's messages, parsed but not decoded (``raw``)."""
         req = call.request
+        info, endpoint = plan.info, plan.endpoint
         # Its tokens counted from what each response says it carries, where the model
         # says (``token_count_output``); the client sees that output only if it asked.
         sent, count, hide = ask_token_counts(req, info, endpoint)
         if sent is not req:
             call = msgspec.structs.replace(call, request=sent)
-        packed = pack([call], info, endpoint)
+        packed = pack([call], plan)
         want_final = streaming and req.empty_final_response
         triton = self.gateway.tritons[grant.backend]
         body = None

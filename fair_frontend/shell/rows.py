@@ -16,10 +16,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fair_frontend.batching import pack, unpack
-from fair_frontend.config import Endpoint
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Internal
-from fair_frontend.models import ModelInfo
 from fair_frontend.shell.link import Inbox
 from fair_frontend.tokens import output_tokens
 from fair_frontend.tracing import carried, failed
@@ -87,9 +85,7 @@ class RowsSender:
         fault: Fault | None = None
         traceparent = ""
         try:
-            version, outs, traceparent = await self._infer_rows(
-                rows, calls, plan.info, plan.endpoint, started
-            )
+            version, outs, traceparent = await self._infer_rows(rows, calls, plan, started)
         except FrontendError as err:
             fault = Fault.of(err)
         except Exception as err:  # never lose a part: the core judges it
@@ -125,11 +121,11 @@ class RowsSender:
             inbox.answer(Answer(call.id, version, out, queued_s=queued_s, quota=quota))
 
     async def _infer_rows(
-        self, rows: Rows, calls: list[Call], info: ModelInfo, endpoint: Endpoint, started: float
+        self, rows: Rows, calls: list[Call], plan: EndpointPlan, started: float
     ) -> tuple[str, list[list[Any]], str]:
         """The part's one Triton request: (the version that ran, each call's outputs, the
         traceparent of its span where traced)."""
-        packed = pack(calls, info, endpoint)
+        packed = pack(calls, plan)
         forwarder = self.gateway.tritons[rows.backend]
         first = calls[0].request
         span = None
@@ -149,4 +145,4 @@ class RowsSender:
         finally:
             if span is not None:
                 span.end()
-        return version, unpack(outputs, calls, info, endpoint, packed.stripped), traceparent
+        return version, unpack(outputs, calls, plan, packed.stripped), traceparent

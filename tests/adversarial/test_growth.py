@@ -32,7 +32,14 @@ from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
 from fair_frontend.protocol import INT64_MAX, MAX_ID_BYTES, InferRequest, Tensor
-from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
+from tests.support import (
+    KEYS,
+    RunningFrontend,
+    ids_input,
+    make_config,
+    planned,
+    running_frontend,
+)
 
 HEADERS = {"x-api-key": KEYS["umbrella"]}
 
@@ -127,13 +134,13 @@ def two_rows(max_tokens: Any) -> InferRequest:
 )
 def test_max_tokens_that_would_wrap_64_bits_are_refused(max_tokens: Any) -> None:
     with pytest.raises(InvalidArgument, match="max_tokens"):
-        validate(two_rows(max_tokens), GENERATE, UNLIMITED)
+        validate(two_rows(max_tokens), planned(GENERATE, UNLIMITED))
 
 
 def test_max_tokens_up_to_the_64_bit_bound_are_accepted() -> None:
     """The bound refuses only what cannot be counted: the largest sum that fits passes,
     and crosses between processes (msgpack holds 64-bit integers)."""
     per_row = (INT64_MAX - 8) // 2
-    checked = validate(two_rows(str(per_row)), GENERATE, UNLIMITED)
+    checked = validate(two_rows(str(per_row)), planned(GENERATE, UNLIMITED))
     assert checked.tokens == 8 + 2 * per_row
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(checked.tokens)) == checked.tokens

@@ -30,7 +30,7 @@ from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
 from fair_frontend.testing import eventually
 from fair_frontend.wire.records import Call
-from tests.support import KEYS, config_dict, ids_input, running_frontend
+from tests.support import KEYS, config_dict, ids_input, planned, running_frontend
 
 MAX_ROWS = 32
 MAX_BYTES = 1 << 20  # the endpoint's max_request_bytes: 256K INT32 tokens
@@ -101,7 +101,7 @@ def test_a_wide_row_does_not_pad_its_neighbours_batch() -> None:
     made = batches(requests)
     assert sorted(r.call.id for b in made for r in b) == sorted(r.call.id for r in requests)
     for batch in made:
-        (ids,) = [t for t in pack(batch, INFO, ENDPOINT).inputs if t.name == "INPUT_IDS"]
+        (ids,) = [t for t in pack(batch, planned(INFO, ENDPOINT)).inputs if t.name == "INPUT_IDS"]
         sent = sum(r.request.nbytes for r in batch)
         # Never more than one request's worth of bytes, or twice what its rows sent.
         assert ids.data.nbytes <= max(MAX_BYTES, 2 * sent), [r.call.id for r in batch]
@@ -115,7 +115,7 @@ def test_ragged_rows_of_ordinary_widths_still_share_a_batch() -> None:
     widths = [3, 17, 120, 511, 64, 9, 2048, 1]
     made = batches([queued(f"n{1 + i % 3}", w, i) for i, w in enumerate(widths)])
     assert len(made) == 1
-    (ids,) = pack(made[0], INFO, ENDPOINT).inputs
+    (ids,) = pack(made[0], planned(INFO, ENDPOINT)).inputs
     assert ids.shape == (len(widths), max(widths))
 
 

@@ -32,7 +32,7 @@ from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
 from fair_frontend.protocol import InferRequest, RequestedOutput, Tensor
 from fair_frontend.wire.records import Call
-from tests.support import RunningFrontend
+from tests.support import RunningFrontend, planned
 
 # qa/L0_parameters' parameter lists (its "triton_" one is refused by both, and tested
 # elsewhere), plus none at all.
@@ -151,11 +151,11 @@ def test_ragged_rows_are_merged_only_for_a_model_told_their_lengths(takes_rows: 
     info = model_info(_config(takes_rows))
     a, b, c = _queued(3, 1, max_tokens=2), _queued(5, 2, max_tokens=7), _queued(5, 3, max_tokens=2)
     for it in (a, b, c):
-        validate(it.request, info, PADDED)
+        validate(it.request, planned(info, PADDED))
     padded = plan(Config(tiers=["paid"], endpoints={"m": PADDED}), "m", info)
     assert (batch_key(a.request, padded) == batch_key(b.request, padded)) is takes_rows
     assert (batch_key(b.request, padded) == batch_key(c.request, padded)) is takes_rows
-    packed = pack([a], info, PADDED)
+    packed = pack([a], planned(info, PADDED))
     if takes_rows:
         rows = json.loads(str(packed.parameters[ROWS_PARAMETER]))
         assert (rows["length"], rows["max_tokens"], rows["tenant"]) == ([3], [2], ["acme"])
@@ -224,7 +224,7 @@ def test_a_model_with_optional_inputs_says_how_many_it_takes() -> None:
         outputs={"OUTPUT0": TensorSpec("OUTPUT0", "FP32", (1,))},
     )
     with pytest.raises(InvalidArgument) as err:
-        validate(InferRequest(model="input_optional"), info, Endpoint())
+        validate(InferRequest(model="input_optional"), planned(info))
     assert str(err.value) == (
         "[request id: <id_unknown>] expected number of inputs between 3 and 4 but got 0 "
         "inputs for model 'input_optional'. Got input(s) [], but missing required input(s) "

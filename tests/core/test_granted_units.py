@@ -107,7 +107,7 @@ class FakeShell:
         h = self.h
         calls = [self.held[i] for i in rows.calls if i in self.held]
         gone = [i for i in rows.calls if i not in self.held]
-        packed = pack(calls, h.info, h.endpoint)
+        packed = pack(calls, h.plan)
         triton = h.tritons[rows.backend]
         try:
             version, outputs = await triton.infer(
@@ -120,7 +120,7 @@ class FakeShell:
             return
         if not self.alive:
             return
-        outs = unpack(outputs, calls, h.info, h.endpoint, packed.stripped)
+        outs = unpack(outputs, calls, h.plan, packed.stripped)
         for c, out in zip(calls, outs, strict=True):
             self.served.setdefault(c.id, []).append(out)
             del self.held[c.id]

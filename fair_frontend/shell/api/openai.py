@@ -44,7 +44,8 @@ import msgspec
 import numpy as np
 
 from fair_frontend import errors
-from fair_frontend.config import Config, Endpoint
+from fair_frontend.config import Config
+from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, InvalidArgument
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import PROGRAM_PARAMETER, InferRequest, RequestedOutput, Tensor
@@ -616,8 +617,10 @@ def tier_used(gen: Generation, config: Config, tenant: str | None) -> str:
     return gen.service_tier
 
 
-def engine_request(gen: Generation, info: ModelInfo, endpoint: Endpoint) -> InferRequest:
-    """The KServe request for ``gen``: streamed, the prompt not echoed."""
+def engine_request(gen: Generation, plan: EndpointPlan) -> InferRequest:
+    """The KServe request for ``gen`` to its model (``plan``): streamed, the prompt not
+    echoed."""
+    info, endpoint = plan.info, plan.endpoint
     if not info.decoupled or endpoint.token_output is None:
         raise unsupported(gen.model, "does not serve completions (it is not a streaming engine)")
     text = endpoint.token_input
@@ -906,8 +909,9 @@ def _within_context(raw: msgspec.Raw, most_ids: int | None, where: str) -> None:
         )
 
 
-def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
+def embedding_input(plan: EndpointPlan) -> str:
     """The endpoint's token-id input, or 404 where the model takes none."""
+    info, endpoint, model = plan.info, plan.endpoint, plan.model
     spec = info.inputs.get(endpoint.token_input)
     if info.decoupled or spec is None or spec.datatype not in ("INT32", "INT64"):
         raise unsupported(model, "does not serve embeddings (it takes no token ids)")
@@ -920,11 +924,10 @@ def embedding_input(info: ModelInfo, endpoint: Endpoint, model: str) -> str:
 COMPANION_FILL = {"attention_mask": 1, "token_type_ids": 0}
 
 
-def embedding_companions(
-    info: ModelInfo, endpoint: Endpoint, model: str
-) -> list[tuple[str, str, int]]:
+def embedding_companions(plan: EndpointPlan) -> list[tuple[str, str, int]]:
     """(name, datatype, fill) of each required input beside the token ids, or 400 where
     the model requires one the route cannot fill."""
+    info, endpoint, model = plan.info, plan.endpoint, plan.model
     out = []
     for spec in info.inputs.values():
         if spec.name == endpoint.token_input or spec.optional:
