@@ -370,7 +370,7 @@ async def one_hop_async(n: int) -> dict[str, Any]:
     import logging
     import os
 
-    from fair_frontend.logs import configure_logging
+    from fair_frontend.observability.logs import configure_logging
 
     configure_logging("json", "INFO")
     handler = cast("logging.StreamHandler[Any]", logging.getLogger().handlers[0])
@@ -478,7 +478,7 @@ async def streams_async(n: int) -> dict[str, Any]:
     import logging
     import os
 
-    from fair_frontend.logs import configure_logging
+    from fair_frontend.observability.logs import configure_logging
 
     configure_logging("json", "INFO")
     handler = cast("logging.StreamHandler[Any]", logging.getLogger().handlers[0])

@@ -46,7 +46,7 @@ from benchmarks.harness import RESULTS, ROOT, load_example_config, progress, wri
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 

@@ -52,7 +52,7 @@ from fair_frontend.fleet import (
     DEFAULT_LEASE_S,
 )
 from fair_frontend.fleet.run import run_core, run_shells
-from fair_frontend.logs import configure_logging
+from fair_frontend.observability.logs import configure_logging
 from fair_frontend.server import FrontendServer, Listen, default_workers
 from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.router import parse_core_sets

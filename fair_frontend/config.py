@@ -1107,8 +1107,8 @@ class Observability(_Strict):
 
 
 class Tracing(_Strict):
-    """OpenTelemetry traces of requests (``fair_frontend.tracing``): off unless an OTLP
-    endpoint is named."""
+    """OpenTelemetry traces of requests (``fair_frontend.observability.tracing``): off
+    unless an OTLP endpoint is named."""
 
     otlp_endpoint: str | None = Field(
         default=None,

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.errors import InvalidArgument
-from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.shell.api import openai, rerank
 from fair_frontend.shell.json_tensor import WINDOW
 from fair_frontend.testing import eventually

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
-from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.server import Listen
 from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape
 from tests.support import (

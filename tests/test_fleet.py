@@ -30,7 +30,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape, eventually, free_port
 from tests.support import (
     KEYS,
@@ -299,10 +299,10 @@ async def _is(value: Awaitable[float], expected: float) -> bool:
 
 @dataclass(frozen=True)
 class Logged:
-    """One request served to its end, as its request-log line says (``fair_frontend.logs.
-    RequestLog``; a stream's is its shell's), on the wall clock: when it joined the core's
-    queue, left it for an engine slot (its dispatch: its grant, as its shell read it),
-    and ended; its tokens in and out."""
+    """One request served to its end, as its request-log line says
+    (``fair_frontend.observability.logs.RequestLog``; a stream's is its shell's), on the
+    wall clock: when it joined the core's queue, left it for an engine slot (its dispatch:
+    its grant, as its shell read it), and ended; its tokens in and out."""
 
     tenant: str
     queued: float

@@ -1,7 +1,8 @@
-"""The log writer (``fair_frontend.logs``): the lines of one event-loop turn go out in one
-write (a core logs a line per finished request: one write per request was a write system
-call each on its hot path); a record where no loop runs goes out at once; ``flush`` (and
-``logging.shutdown`` at exit) writes what is held; each line is one JSON object."""
+"""The log writer (``fair_frontend.observability.logs``): the lines of one event-loop turn
+go out in one write (a core logs a line per finished request: one write per request was a
+write system call each on its hot path); a record where no loop runs goes out at once;
+``flush`` (and ``logging.shutdown`` at exit) writes what is held; each line is one JSON
+object."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fair_frontend.logs import FLUSH_LINES, JsonFormatter, TurnStreamHandler
+from fair_frontend.observability.logs import FLUSH_LINES, JsonFormatter, TurnStreamHandler
 
 
 class Writes(io.StringIO):

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.config import parse_config
 from fair_frontend.core.metrics import PENDING_VALUES, FrontendMetrics, observe_many
-from fair_frontend.observe import BatchReport, Finished
+from fair_frontend.observability.observe import BatchReport, Finished
 from fair_frontend.outcomes import Outcome
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)

@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.core.metrics import OTHER_ENDPOINT, OTHER_TENANT, UNAUTHENTICATED
 from fair_frontend.embedded import EmbeddedTriton, free_port
-from fair_frontend.logs import REQUEST_LOGGER, JsonFormatter
+from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.testing import Samples, aeventually, ascrape
 from tests.support import (
     RunningFrontend,

@@ -42,7 +42,7 @@ from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import ShellConnection
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.testing import aeventually, ascrape

@@ -37,7 +37,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import INTAKE_SLICE, Intake, ShellConnection
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen, ShellPool

@@ -26,7 +26,7 @@ from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Di
 from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.service import Core, ModelRegistry
-from fair_frontend.observe import BatchReport
+from fair_frontend.observability.observe import BatchReport
 
 __all__ = [
     "DISPATCH_MODES",

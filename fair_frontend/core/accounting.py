@@ -38,7 +38,7 @@ from fair_frontend.core.dispatch import CoreRequest, Dispatcher
 from fair_frontend.core.stats import Statistics
 from fair_frontend.errors import FrontendError, UnknownModel
 from fair_frontend.models import ModelInfo
-from fair_frontend.observe import BatchReport, Finished, Observer
+from fair_frontend.observability.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.quota import Quota
 from fair_frontend.usage import Usage
@@ -47,7 +47,7 @@ from fair_frontend.wire.records import Call
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
-    from fair_frontend.tracing import Traces
+    from fair_frontend.observability.tracing import Traces
 
 _NO_LIMITS = Decision(True)
 

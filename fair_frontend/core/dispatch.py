@@ -77,7 +77,8 @@ from fair_frontend.errors import (
     TimeoutExpired,
     Unavailable,
 )
-from fair_frontend.observe import BatchReport
+from fair_frontend.observability.observe import BatchReport
+from fair_frontend.observability.tracing import carried, failed, wall_ns
 from fair_frontend.outcomes import Outcome
 from fair_frontend.parts import Registry
 from fair_frontend.protocol import (
@@ -88,7 +89,6 @@ from fair_frontend.protocol import (
 from fair_frontend.quota import Quota
 from fair_frontend.scheduler import QueuedRequest, QueueState, Scheduler
 from fair_frontend.tokens import output_tokens
-from fair_frontend.tracing import carried, failed, wall_ns
 from fair_frontend.wire.records import Answer, Call, Fault, Grant, RowsDone
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 
     from fair_frontend.core.admission import EndpointAdmission
     from fair_frontend.feedback import ServiceModel
-    from fair_frontend.tracing import Traces
+    from fair_frontend.observability.tracing import Traces
 
 log = logging.getLogger(__name__)
 

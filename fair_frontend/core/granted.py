@@ -60,8 +60,8 @@ from fair_frontend.errors import (
     ModelUnavailable,
     Unavailable,
 )
+from fair_frontend.observability.tracing import span_context
 from fair_frontend.outcomes import Outcome
-from fair_frontend.tracing import span_context
 from fair_frontend.wire.records import Rows, RowsDone
 
 REPORT_MARGIN_S = 10.0  # beyond triton.request_timeout_s, before a part is given up on

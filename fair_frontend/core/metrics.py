@@ -43,7 +43,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from fair_frontend.config import Config
-from fair_frontend.observe import BatchReport, Finished, Observer
+from fair_frontend.observability.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.scheduler.window import WINDOW_S, WindowFairness, jain_index, service_gap
 from fair_frontend.usage import Usage

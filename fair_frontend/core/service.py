@@ -72,9 +72,10 @@ from fair_frontend.errors import (
     UpstreamError,
 )
 from fair_frontend.feedback import FeedbackCost, SlotTimes, TritonDelta
-from fair_frontend.logs import RequestLog
 from fair_frontend.models import ModelInfo
-from fair_frontend.observe import Observer, Observers
+from fair_frontend.observability.logs import RequestLog
+from fair_frontend.observability.observe import Observer, Observers
+from fair_frontend.observability.tracing import Traces
 from fair_frontend.outcomes import Outcome
 from fair_frontend.quota import Quota
 from fair_frontend.scheduler import (
@@ -82,7 +83,6 @@ from fair_frontend.scheduler import (
     Scheduler,
     cost_model_for,
 )
-from fair_frontend.tracing import Traces
 from fair_frontend.wire.records import (
     CONNECTION_DOOR,
     Answer,

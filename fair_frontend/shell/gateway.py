@@ -41,7 +41,6 @@ from fair_frontend.errors import (
     UnknownModel,
     Unsupported,
 )
-from fair_frontend.logs import RequestLog
 from fair_frontend.models import (
     Checked,
     ModelInfo,
@@ -50,6 +49,8 @@ from fair_frontend.models import (
     prompt_texts,
     validate,
 )
+from fair_frontend.observability.logs import RequestLog
+from fair_frontend.observability.tracing import Traces, carried, failed
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import (
     FINAL_RESPONSE,
@@ -74,7 +75,6 @@ from fair_frontend.tokens import (
     output_tokens,
     utf8_size,
 )
-from fair_frontend.tracing import Traces, carried, failed
 from fair_frontend.usage import INCLUDE_USAGE, Usage
 from fair_frontend.wire.records import (
     Answer,
@@ -165,7 +165,7 @@ class Gateway:
         filled in with what the request used, as it goes. ``requests``: what it counts
         against its tenant's request limits (0 for every part of an API call made of
         several, but its first: ``Call.requests``). ``operation``: its trace span's name
-        (``fair_frontend.tracing``), before the model's."""
+        (``fair_frontend.observability.tracing``), before the model's."""
         replies = self._replies(
             req, headers, known, False, usage=usage, requests=requests, operation=operation
         )

@@ -30,7 +30,7 @@ from fair_frontend.auth import KeyRing
 from fair_frontend.backends import backend
 from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import parse_config
-from fair_frontend.logs import configure_logging
+from fair_frontend.observability.logs import configure_logging
 from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server

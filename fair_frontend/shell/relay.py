@@ -28,11 +28,11 @@ from fair_frontend.config import Endpoint
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.grpc_codec import drop_output, output_tokens_said
+from fair_frontend.observability.tracing import carried, failed, wall_ns
 from fair_frontend.protocol import FINAL_RESPONSE, Batch, InferResponse, ParamValue
 from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import Inbox
 from fair_frontend.tokens import ask_token_counts, counted_tokens, output_tokens, without_output
-from fair_frontend.tracing import carried, failed, wall_ns
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call, Grant
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from fair_frontend.batching import pack, unpack
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Internal
+from fair_frontend.observability.tracing import carried, failed
 from fair_frontend.shell.link import Inbox
 from fair_frontend.tokens import output_tokens
-from fair_frontend.tracing import carried, failed
 from fair_frontend.wire.records import Answer, Call, Fault, Rows, RowsDone
 
 if TYPE_CHECKING:

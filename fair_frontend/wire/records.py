@@ -85,7 +85,7 @@ class Call(msgspec.Struct, tag=1, array_like=True):
     # What it counts against its tenant's request limits: 1, or 0 for each part of an API
     # call made of several but its first (a rerank's documents, an embeddings' inputs).
     requests: int = 1
-    # Its trace (``fair_frontend.tracing``): the W3C traceparent and tracestate of its
+    # Its trace (``fair_frontend.observability.tracing``): the W3C traceparent and tracestate of its
     # shell's span, where it is sampled; "" otherwise (tracing off: nothing to carry).
     traceparent: str = ""
     tracestate: str = ""

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import ThrottleDecision, overloaded_error
 from fair_frontend.config import parse_config
-from fair_frontend.logs import REQUEST_LOGGER
+from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.testing import aeventually
 from tests.support import (
     KEYS,

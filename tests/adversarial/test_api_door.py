@@ -46,7 +46,7 @@ import pytest
 
 from fair_frontend.config import Config, parse_config
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.logs import REQUEST_LOGGER, JsonFormatter
+from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.shell import door as shell_door
 from fair_frontend.shell.api import openai as openai_api
 from fair_frontend.shell.api import rerank as rerank_api

@@ -33,7 +33,7 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
 from fair_frontend.models import ModelInfo, TensorSpec
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler

@@ -31,7 +31,7 @@ from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import PARTS_PER_SLICE
 from fair_frontend.core.service import Core
 from fair_frontend.errors import QueueFull, RateLimited, Unavailable
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.usage import Usage

@@ -28,8 +28,8 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.core.service import Core
 from fair_frontend.endpoint import plan
-from fair_frontend.logs import RequestLog
-from fair_frontend.observe import Observer
+from fair_frontend.observability.logs import RequestLog
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.records import Answer, Call, Rows, RowsDone

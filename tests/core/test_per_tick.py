@@ -24,7 +24,7 @@ from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.service import Core
 from fair_frontend.core.shells import Intake, ShellConnection
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.records import Call
 

@@ -77,7 +77,7 @@ from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.records import Call
 

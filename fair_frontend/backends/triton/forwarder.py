@@ -203,7 +203,7 @@ class TritonForwarder:
         passed through for sequence-batched (stateful) models. The request is built with
         raw contents straight from the tensors and sent on the generated stub: one batch
         costs one protobuf message and one call, nothing per element. ``traceparent``:
-        the W3C trace context Triton's own spans join (``fair_frontend.tracing``).
+        the W3C trace context Triton's own spans join (``fair_frontend.observability.tracing``).
         """
         if self.http is not None and carries(batch.all_parameters(), batch.request_id):
             return await self.http.infer(batch)

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import msgspec
 
-from fair_frontend.observe import Observer
+from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import MAX_ID_BYTES, MAX_NAME_BYTES, clipped
 from fair_frontend.usage import Usage
