@@ -48,7 +48,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
+from fair_frontend.kit import testing
 
 MODEL = "llm"
 TENANTS = {  # name: (API key, weight)

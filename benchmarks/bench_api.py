@@ -41,7 +41,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.testing import perf_analyzer_binary
+from fair_frontend.kit.testing import perf_analyzer_binary
 
 KEY = "acme-demo-key"
 QUIET_KEY = "globex-demo-key"  # the same tier as acme: the fair share decides

@@ -55,8 +55,8 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
 from fair_frontend.embedded import process_group_members
+from fair_frontend.kit import testing
 
 MODEL = "llm"
 PROMPT = "a tenant asks the engine for a story about"

@@ -77,7 +77,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
+from fair_frontend.kit import testing
 
 MODEL = "embed"
 TOKENS = 512  # one row; max_batch_tokens 4,096: 8 rows a batch

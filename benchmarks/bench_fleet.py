@@ -67,7 +67,7 @@ from benchmarks.harness import (
     write_result,
 )
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
-from fair_frontend.testing import perf_analyzer, perf_analyzer_binary, scrape
+from fair_frontend.kit.testing import perf_analyzer, perf_analyzer_binary, scrape
 
 TEST_MODELS = ROOT / "tests" / "model_repository"
 KEYS = {"acme": "acme-demo-key", "globex": "globex-demo-key"}

@@ -38,7 +38,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.testing import perf_analyzer
+from fair_frontend.kit.testing import perf_analyzer
 
 WARMUP_MS = 1000
 

@@ -40,7 +40,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
+from fair_frontend.kit import testing
 
 MODEL = "embed"
 TOKENS = 128  # A's and B's request size: 32 rows x 128 tokens = one full batch (4096 tokens)

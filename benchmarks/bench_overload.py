@@ -68,8 +68,8 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
 from fair_frontend.admission import MemoryStorage, RateLimiter, RedisStorage
+from fair_frontend.kit import testing
 
 MODEL = "embed"
 # 512 tokens: 8 rows fill a batch (max_batch_tokens 4096), so 3x capacity is a few hundred

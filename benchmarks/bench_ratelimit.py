@@ -86,7 +86,6 @@ from benchmarks.harness import (
     wait_http_ready,
     write_result,
 )
-from fair_frontend import testing
 from fair_frontend.admission import (
     MemoryStorage,
     RateLimiter,
@@ -96,6 +95,7 @@ from fair_frontend.admission import (
 )
 from fair_frontend.config import resolve_relative_paths
 from fair_frontend.embedded import free_port
+from fair_frontend.kit import testing
 from fair_frontend.protocol import Tensor
 from fair_frontend.quota import Quota, QuotaWindow, quota_headers
 from fair_frontend.wire.framing import encode, to_shell

@@ -32,7 +32,7 @@ from benchmarks.harness import (
     write_result,
 )
 from fair_frontend.embedded import default_model_repository
-from fair_frontend.testing import perf_analyzer
+from fair_frontend.kit.testing import perf_analyzer
 
 MODEL = "simple"
 KEY = "scaling-bench-key"

@@ -51,8 +51,8 @@ from typing import Any
 import aiohttp
 
 from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
-from fair_frontend import testing
 from fair_frontend.embedded import llm_with_stream_interval
+from fair_frontend.kit import testing
 
 MODEL = "llm"
 TENANTS = {  # name: (API key, tier)

@@ -52,9 +52,9 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
 from fair_frontend.embedded import free_port
-from fair_frontend.testing import perf_analyzer
+from fair_frontend.kit import testing
+from fair_frontend.kit.testing import perf_analyzer
 
 MODEL = "embed"
 WARMUP_MS = 1500

@@ -37,8 +37,8 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend import testing
-from fair_frontend.testing import perf_analyzer_binary
+from fair_frontend.kit import testing
+from fair_frontend.kit.testing import perf_analyzer_binary
 
 MODEL = "embed"
 BIG, SMALL = "big", "small"

@@ -4,7 +4,7 @@ Everything here runs real processes on free loopback ports: an embedded Triton, 
 frontend as its own process (``fair-frontend serve``), perf_analyzer 2.46. Results go
 to ``benchmarks/results/<name>.json``; figures people would rather see go next to them
 as PNG plots. What the tests use too (perf_analyzer, the metrics scraper, waits with a
-deadline) is in ``fair_frontend.testing``.
+deadline) is in ``fair_frontend.kit.testing``.
 """
 
 from __future__ import annotations

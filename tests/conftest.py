@@ -25,7 +25,7 @@ import pytest
 from hypothesis import settings
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import eventually
+from fair_frontend.kit.testing import eventually
 from tests.support import RunningFrontend, make_config, running_frontend
 
 TEST_MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"

@@ -33,9 +33,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import EndpointPlan, plan
+from fair_frontend.kit.testing import free_port, scrape
 from fair_frontend.models import ModelInfo
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import free_port, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = ROOT / "examples" / "config.yaml"

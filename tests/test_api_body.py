@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.kit.testing import eventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.shell.api import openai, rerank
 from fair_frontend.shell.json_tensor import WINDOW
-from fair_frontend.testing import eventually
 from tests import api_oracle as oracle
 from tests.support import KEYS, RunningFrontend, make_config, metric_sum
 

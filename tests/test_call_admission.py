@@ -31,8 +31,8 @@ import pytest
 from fair_frontend.admission import items_from_limits, limit_key
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually, eventually
 from fair_frontend.quota import Quota
-from fair_frontend.testing import aeventually, eventually
 from fair_frontend.tokens import load_tokenizer, max_token_bytes
 from tests.support import (
     KEYS,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from fair_frontend.config import model_name_warnings, parse_config
-from fair_frontend.testing import eventually, free_port
+from fair_frontend.kit.testing import eventually, free_port
 from tests.support import Proc, config_dict, start
 
 UNSET = "FAIR_TEST_CHECK_UNSET_KEYS"

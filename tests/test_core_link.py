@@ -23,9 +23,9 @@ import pytest
 
 from fair_frontend.config import Config, parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually, free_port
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink, SecretRefused
-from fair_frontend.testing import aeventually, free_port
 from fair_frontend.wire.framing import encode, to_shell
 from fair_frontend.wire.records import Hello, Settings
 from fair_frontend.wire.remote import MESSAGE_BYTES, METHOD, SECRET_HEADER, StreamTransport

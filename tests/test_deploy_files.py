@@ -73,7 +73,7 @@ from fair_frontend.core.metrics import exported_families
 from fair_frontend.core.plan import rate_limiter
 from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.fleet import DEFAULT_CORE_PORT
-from fair_frontend.testing import fetch
+from fair_frontend.kit.testing import fetch
 from tests.deploy_support import (
     DEMO_KEYS,
     Endpoint,
@@ -741,7 +741,7 @@ def _names_and_labels(text: str) -> dict[str, set[str]]:
 
     From the samples, and from the ``# TYPE`` lines too: a family with no samples yet
     (no storage error so far, no tenant backlogged right now) still exists. (Its own
-    reading of the page, not ``fair_frontend.testing.parse``, which keeps samples only:
+    reading of the page, not ``fair_frontend.kit.testing.parse``, which keeps samples only:
     this check is about series names as the page spells them, with and without samples.)
     """
     out: dict[str, set[str]] = {}

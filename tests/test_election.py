@@ -32,7 +32,7 @@ from aiohttp import web
 from fair_frontend.cli import build_parser
 from fair_frontend.fleet.election import STEP_DOWN, KubernetesLease, RedisLease
 from fair_frontend.fleet.run import lease_identity
-from fair_frontend.testing import aeventually
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.wire.remote import MIN_SECRET_BYTES, SecretError, load_secret, secret_matches
 from tests.support import RedisProcess
 

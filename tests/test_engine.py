@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from fair_frontend.config import Config, CostUnit
-from fair_frontend.testing import aeventually, ascrape
+from fair_frontend.kit.testing import aeventually, ascrape
 from fair_frontend.tokens import count_text_tokens
 from tests.support import (
     PROMPT,

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.fleet import DEFAULT_LEASE_S
 from fair_frontend.fleet.election import POLLS, STEP_DOWN
-from fair_frontend.testing import aeventually, ascrape, eventually
+from fair_frontend.kit.testing import aeventually, ascrape, eventually
 from tests.support import KEYS, RedisProcess, config_dict, llm_served
 from tests.test_fleet import SECRET, Core, Fleet, Logged, Shell, request_log
 

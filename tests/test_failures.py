@@ -1,7 +1,7 @@
 """Failures: Triton killed and restarted, key reload under load, shutdown. Nothing lost.
 
 Every request sent gets exactly one answer; these tests count answers by kind. A backlog
-is made of ``flood`` requests held at a gate in Triton (``fair_frontend.testing.Gate``) until
+is made of ``flood`` requests held at a gate in Triton (``fair_frontend.kit.testing.Gate``) until
 the test opens it, not of requests sized to outlast this machine's speed; a request is
 known to have been refused at admission, not queued first, from the request log (no queue
 wait), not from how soon it came back.
@@ -31,9 +31,9 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually, ascrape
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.server import Listen
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape
 from tests.support import (
     KEYS,
     TEST_MODEL_REPOSITORY,

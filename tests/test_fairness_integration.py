@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.testing import aeventually
+from fair_frontend.kit.testing import aeventually
 from tests.support import KEYS, RunningFrontend, ids_input, make_config, running_frontend
 
 TOKENS = 512  # 8 rows x 512 tokens = one full embed batch (max_batch_tokens 4096)

@@ -30,8 +30,15 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.kit.testing import (
+    GATE_PARAMETER,
+    Gate,
+    aeventually,
+    ascrape,
+    eventually,
+    free_port,
+)
 from fair_frontend.observability.logs import REQUEST_LOGGER
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually, ascrape, eventually, free_port
 from tests.support import (
     KEYS,
     Proc,

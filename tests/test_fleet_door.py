@@ -29,8 +29,8 @@ import yaml
 
 from fair_frontend.auth import hash_key
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually, eventually, free_port
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.testing import aeventually, eventually, free_port
 from fair_frontend.wire.framing import encode
 from fair_frontend.wire.records import Hello, Settings
 from tests.support import (

@@ -20,7 +20,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.testing import aeventually, eventually, free_port
+from fair_frontend.kit.testing import aeventually, eventually, free_port
 from tests.support import config_dict, start
 from tests.test_fleet import SECRET, Core, Shell, _embed
 

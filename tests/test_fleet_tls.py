@@ -13,9 +13,9 @@ import pytest
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually, free_port
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.testing import aeventually, free_port
 from fair_frontend.wire.records import Hello
 from fair_frontend.wire.remote import SecretError, Tls
 from tests.support import config_dict, required_tool

@@ -18,7 +18,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.testing import aeventually
+from fair_frontend.kit.testing import aeventually
 from tests.support import KEYS, RunningFrontend, ids_input
 
 RNG = np.random.default_rng(7)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fair_frontend.testing import scrape
+from fair_frontend.kit.testing import scrape
 from tests.support import KEYS, llm_served, make_config, metric_sum, running_frontend
 
 KEY = {"x-api-key": KEYS["hooli"]}

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import eventually, scrape
+from fair_frontend.kit.testing import eventually, scrape
 from python_backend import nets
 from python_backend import tokenizer as tokenizer_module
 from python_backend.llm import (

@@ -29,7 +29,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
-from fair_frontend.testing import eventually, scrape
+from fair_frontend.kit.testing import eventually, scrape
 from python_backend import nets
 from python_backend.embed import EmbedModel
 from python_backend.export_torchscript import export, script_embed

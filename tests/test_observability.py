@@ -30,8 +30,8 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.core.metrics import OTHER_ENDPOINT, OTHER_TENANT, UNAUTHENTICATED
 from fair_frontend.embedded import EmbeddedTriton, free_port
+from fair_frontend.kit.testing import Samples, aeventually, ascrape
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
-from fair_frontend.testing import Samples, aeventually, ascrape
 from tests.support import (
     RunningFrontend,
     config_dict,

@@ -29,8 +29,8 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.core.granted import GrantedDispatcher
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
-from fair_frontend.testing import aeventually
 from tests.support import (
     KEYS,
     PROMPT,

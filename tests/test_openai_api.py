@@ -26,9 +26,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
 from fair_frontend.config import parse_config
+from fair_frontend.kit.testing import aeventually, eventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.shell.api.openai import CHAT_ANSWER, CHAT_TEMPLATE
-from fair_frontend.testing import aeventually, eventually
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 MAX_TOKENS = 8

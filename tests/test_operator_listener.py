@@ -27,8 +27,8 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.cli import _listen, build_parser
 from fair_frontend.config import DEFAULT_METRICS_HOST
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import perf_analyzer, scrape
 from fair_frontend.server import Listen
-from fair_frontend.testing import perf_analyzer, scrape
 from tests.support import (
     KEYS,
     PERF_ANALYZER_SHORT_RUN,

@@ -29,8 +29,14 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.kit.testing import (
+    GATE_FIRST_PARAMETER,
+    GATE_PARAMETER,
+    Gate,
+    aeventually,
+    ascrape,
+)
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, repeat_stream
 
 TEST_MODELS = Path(__file__).resolve().parent / "model_repository"

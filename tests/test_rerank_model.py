@@ -25,8 +25,8 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.kit.testing import eventually, perf_analyzer
 from fair_frontend.shell.api.rerank import pair_rows, row_request
-from fair_frontend.testing import eventually, perf_analyzer
 from fair_frontend.tokens import load_tokenizer
 from python_backend import nets
 from python_backend.rerank import SCORE, RerankModel, RerankOptions

@@ -21,9 +21,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from fair_frontend.config import parse_config
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.shell.api.rerank import pair_rows
-from fair_frontend.testing import aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 QUERY = "Which rivers flow through Vienna?"

@@ -42,10 +42,10 @@ from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import ShellConnection
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually, ascrape
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
-from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, make_config
 
 SLOTS = 64  # the llm's own max_num_seqs: the 50 streams and a probe fit

@@ -37,11 +37,11 @@ from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import INTAKE_SLICE, Intake, ShellConnection
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen, ShellPool
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, RunningFrontend, ids_input, make_config
 

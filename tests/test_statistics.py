@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.testing import perf_analyzer_binary
+from fair_frontend.kit.testing import perf_analyzer_binary
 from tests.support import KEYS, ids_input, make_config, running_frontend
 
 

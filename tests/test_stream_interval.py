@@ -25,7 +25,7 @@ from fair_frontend.embedded import (
     default_model_repository,
     llm_with_stream_interval,
 )
-from fair_frontend.testing import aeventually, ascrape
+from fair_frontend.kit.testing import aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, llm_inputs, make_config, running_frontend
 
 INTERVAL = 4

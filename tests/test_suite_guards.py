@@ -21,7 +21,7 @@ import signal
 import pytest
 
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.testing import eventually
+from fair_frontend.kit.testing import eventually
 from tests.conftest import TEST_MODEL_REPOSITORY, shared
 
 

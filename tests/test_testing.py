@@ -1,4 +1,4 @@
-"""``fair_frontend.testing``: the scraper and the waits the tests and benchmarks share.
+"""``fair_frontend.kit.testing``: the scraper and the waits the tests and benchmarks share.
 
 ``eventually`` runs on a clock of the test's own (``FakeTime``: its sleeps move it on and
 are recorded), so what it waits is asserted exactly. ``aeventually`` runs on the loop's
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from fair_frontend import testing
-from fair_frontend.testing import aeventually, eventually, parse
+from fair_frontend.kit import testing
+from fair_frontend.kit.testing import aeventually, eventually, parse
 
 # aeventually's bound on a wait of 0.1 s: far above what a loaded machine adds to it, far
 # below the interval a bug would sleep (LONG_INTERVAL_S), or a hang.
@@ -76,7 +76,7 @@ def test_per_label_sums_and_values() -> None:
 
 
 class FakeTime:
-    """``fair_frontend.testing``'s ``time`` module, on a clock of the test's own: ``sleep``
+    """``fair_frontend.kit.testing``'s ``time`` module, on a clock of the test's own: ``sleep``
     moves it on at once and records how long; ``monotonic`` reads it. (The times the tests
     use are binary fractions: sums of them are exact.)"""
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fair_frontend.testing import aeventually
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.tokens import (
     MAX_TOKENIZE_THREADS,
     TokenCounter,

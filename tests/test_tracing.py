@@ -29,8 +29,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.kit.testing import aeventually, ascrape
 from fair_frontend.observability.tracing import Traces
-from fair_frontend.testing import aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, config_dict, llm_inputs, running_frontend
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -26,7 +26,7 @@ import tritonclient.http.aio as httpaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.testing import aeventually
+from fair_frontend.kit.testing import aeventually
 from tests.support import EXAMPLE_CONFIG, KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:

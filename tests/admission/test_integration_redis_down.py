@@ -30,7 +30,7 @@ import pytest
 
 from fair_frontend.admission.ratelimit import DEFAULT_OPEN_AFTER_S
 from fair_frontend.admission.storage import BACKSTOP_S, BACKSTOP_TIMEOUTS
-from fair_frontend.testing import aeventually, ascrape
+from fair_frontend.kit.testing import aeventually, ascrape
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 if TYPE_CHECKING:

@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 
 from fair_frontend.admission import ThrottleDecision, overloaded_error
 from fair_frontend.config import parse_config
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
-from fair_frontend.testing import aeventually
 from tests.support import (
     KEYS,
     TIERS,

@@ -46,12 +46,12 @@ import pytest
 
 from fair_frontend.config import Config, parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import eventually
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.shell import door as shell_door
 from fair_frontend.shell.api import openai as openai_api
 from fair_frontend.shell.api import rerank as rerank_api
 from fair_frontend.shell.door import SCAN_BYTES
-from fair_frontend.testing import eventually
 from tests.support import (
     ANSWER_TIMEOUT_S,
     KEYS,

@@ -47,9 +47,9 @@ from fair_frontend.auth import MISSING_KEY
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
+from fair_frontend.kit.testing import perf_analyzer
 from fair_frontend.protocol import DTYPES
 from fair_frontend.server import ShellPool
-from fair_frontend.testing import perf_analyzer
 from tests.support import (
     KEYS,
     ROOT,

@@ -25,10 +25,10 @@ from fair_frontend.config import Config, CostUnit, Endpoint, PaddedInput, Paddin
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import plan
+from fair_frontend.kit.testing import eventually
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, Scheduler, TenantSpec
-from fair_frontend.testing import eventually
 from fair_frontend.wire.records import Call
 from tests.support import KEYS, config_dict, ids_input, planned, running_frontend
 

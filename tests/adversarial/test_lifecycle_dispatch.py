@@ -25,8 +25,8 @@ from fair_frontend.backends.triton.http import error_of
 from fair_frontend.backends.triton.upstream import upstream_error
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import Unavailable
+from fair_frontend.kit.testing import aeventually, scrape
 from fair_frontend.outcomes import Outcome
-from fair_frontend.testing import aeventually, scrape
 from tests.core.dispatch_support import Harness
 from tests.support import KEYS, ids_input, make_config, running_frontend
 

@@ -42,9 +42,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.metrics import FrontendMetrics
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import eventually, fetch, parse, scrape
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.outcomes import Outcome
-from fair_frontend.testing import eventually, fetch, parse, scrape
 from tests.support import KEYS, RunningFrontend, config_dict, running_frontend
 
 ANSWER_TIMEOUT_S = 30.0

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import MSG_QUEUE_FULL
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
+from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, running_frontend
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"

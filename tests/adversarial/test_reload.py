@@ -20,7 +20,7 @@ import pytest
 
 from fair_frontend.config import Config, ConfigError
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.testing import free_port
+from fair_frontend.kit.testing import free_port
 from tests.support import (
     KEYS,
     KServe,

@@ -30,8 +30,8 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import Unavailable, UpstreamError
+from fair_frontend.kit.testing import scrape
 from fair_frontend.shell.lookup_cache import MAX_KEPT_NAME_CHARS, LookupCache
-from fair_frontend.testing import scrape
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend
 
 TTL_S = 10.0

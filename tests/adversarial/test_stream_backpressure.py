@@ -44,10 +44,10 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.config import parse_config
 from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.kit.testing import aeventually
 from fair_frontend.scheduler import Counters
 from fair_frontend.server import ShellPool
 from fair_frontend.shell.grpc_server import REPLY_BUFFER
-from fair_frontend.testing import aeventually
 from tests.support import (
     KEYS,
     RunningFrontend,

@@ -11,7 +11,7 @@ after the timeout, alone, and nothing is marked down.
 ``repeat_int32`` (tests/model_repository: one response per element of ``IN``, each
 ``DELAY[i]`` ms after the one before) streams for a known time, whatever the machine's
 speed; it is an engine endpoint here (``max_inflight``), as ``llm`` is. A request that
-names a gate (``fair_frontend.testing.Gate``) is held after its first response until the
+names a gate (``fair_frontend.kit.testing.Gate``) is held after its first response until the
 test opens it: a model that stops answering for as long as the test says. Whether
 anything was marked down is read once the core has recorded the stream's end.
 """
@@ -33,8 +33,8 @@ from fair_frontend.backends.protocol import StreamReply
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.protocol import Batch, Tensor
-from fair_frontend.testing import GATE_PARAMETER, Gate, aeventually
 from tests.support import (
     KEYS,
     TEST_MODEL_REPOSITORY,

@@ -23,7 +23,7 @@ import pytest
 from compat_support import TENANT
 
 from fair_frontend.embedded import EmbeddedTriton
-from fair_frontend.testing import perf_analyzer, perf_analyzer_binary
+from fair_frontend.kit.testing import perf_analyzer, perf_analyzer_binary
 from tests.support import (
     KEYS,
     PERF_ANALYZER_SHORT_RUN,

@@ -38,8 +38,8 @@ import tritonclient.grpc.aio as aioclient
 from fair_frontend.backends.triton.metrics import TenantUsage, TritonMetrics
 from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.feedback import ServiceModel, Source, TritonDelta
+from fair_frontend.kit.testing import aeventually, ascrape, eventually
 from fair_frontend.scheduler.cost import CostUnit
-from fair_frontend.testing import aeventually, ascrape, eventually
 from tests.support import TEST_MODEL_REPOSITORY
 
 SLEEPER_FIXED_S = 0.002  # tests/model_repository/sleeper/config.pbtxt

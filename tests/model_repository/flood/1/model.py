@@ -2,7 +2,7 @@
 
 A batch endpoint's stand-in for a burst of large answers: the frontend's link to a
 shell must deliver a burst of them whole to a shell that paused. Holds each ``execute``
-at the gate its first request names (``fair_frontend.testing.Gate``: the test opens it),
+at the gate its first request names (``fair_frontend.kit.testing.Gate``: the test opens it),
 then sleeps DELAY_MS ms (the first row's), then answers every request of it.
 """
 
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fair_frontend.gates import hold_at_gate
+from fair_frontend.kit.gates import hold_at_gate
 
 
 def _column(request, name):

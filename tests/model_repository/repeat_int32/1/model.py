@@ -1,6 +1,6 @@
 """Triton's repeat backend: OUT = IN[i], IDX = i, one response each, DELAY[i] ms apart.
 
-A request that names a gate (the ``test_gate`` parameter: ``fair_frontend.testing.Gate``)
+A request that names a gate (the ``test_gate`` parameter: ``fair_frontend.kit.testing.Gate``)
 is held at it after its first response, until the test opens it: a stream that runs
 until the test says so; one named ``test_gate_first`` holds it before its first response
 (a stream in Triton that has answered nothing yet). A request without one is answered
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fair_frontend.gates import GATE_FIRST_PARAMETER, hold_at_gate
+from fair_frontend.kit.gates import GATE_FIRST_PARAMETER, hold_at_gate
 
 
 def _values(request, name):

@@ -6,7 +6,7 @@ machine can each take that time at once (a GPU's time is its own, not the host's
 A row's tokens are its entry in the ``length`` list of the ``fair_rows`` request parameter
 (as the frontend sends it where it pads ragged rows), else the width of INPUT_IDS. OUT is
 each row's token count. The cost parameters come from config.pbtxt (defaults 2 ms, 20 us).
-A request that names a gate (``fair_frontend.testing.Gate``) is held there first, until
+A request that names a gate (``fair_frontend.kit.testing.Gate``) is held there first, until
 the test opens it: a blocker that holds the model exactly as long as the test needs.
 """
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fair_frontend.gates import hold_at_gate
+from fair_frontend.kit.gates import hold_at_gate
 
 
 class TritonPythonModel:

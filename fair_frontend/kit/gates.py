@@ -2,7 +2,7 @@
 
 In place of a model that sleeps for a time sized to the machine's speed: the test decides
 when the answer goes. ``Gate`` is the test's side, ``hold_at_gate`` the model's (in its
-``execute``); both are re-exported by ``fair_frontend.testing``. This module needs only the
+``execute``); both are re-exported by ``fair_frontend.kit.testing``. This module needs only the
 standard library: Triton's Python-backend stub imports it, and that interpreter cannot
 load every extension module of the virtual environment's (``ssl`` among them).
 """

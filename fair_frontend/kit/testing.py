@@ -13,7 +13,7 @@ module. It holds:
 - ``free_port``;
 - a gate a test model holds its answers at until the test opens it: ``Gate`` (the test's
   side) and ``hold_at_gate`` (the model's, in its ``execute``), in place of a model that
-  sleeps a time sized to the machine's speed (``fair_frontend.gates``).
+  sleeps a time sized to the machine's speed (``fair_frontend.kit.gates``).
 
 Helpers only one side uses stay there: ``tests/support.py`` (the tests'),
 ``benchmarks/harness.py`` (the benchmarks').
@@ -38,7 +38,7 @@ from typing import Any, TypeVar, overload
 from prometheus_client.parser import text_string_to_metric_families
 
 from fair_frontend.embedded import free_port
-from fair_frontend.gates import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, hold_at_gate
+from fair_frontend.kit.gates import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, hold_at_gate
 
 __all__ = [
     "GATE_FIRST_PARAMETER",
