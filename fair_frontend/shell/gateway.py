@@ -235,23 +235,11 @@ class Gateway:
         calls: list[Call] = []
         spans: list[Span] = []
         for i, (req, (ok, priority)) in enumerate(zip(reqs, checked, strict=True)):
-            call = Call(
-                self.link.new_id(),
-                tenant,
-                priority,
-                arrived,
-                arrived_wall,
-                ok.rows,
-                ok.tokens,
-                req.nbytes,
-                ok.lengths,
-                req,
-                False,
-                ok.max_tokens,
+            call = self._call(
+                req, tenant, priority, (arrived, arrived_wall), ok, False,
                 0 if i else 1,  # the call's request, once (OpenAI's limits count calls)
-                program=program,
-                slo_class=slo_class,
-            )
+                program, slo_class,
+            )  # fmt: skip
             if self.traces is not None:
                 span = self.traces.request(
                     f"{operation} {model}",
@@ -273,6 +261,18 @@ class Gateway:
                 inbox.held = (call, plan)
         else:
             inboxes = self.link.submit_group(calls)
+        return await self._group_answers(reqs, inboxes, usages, spans, plan)
+
+    async def _group_answers(
+        self,
+        reqs: Sequence[InferRequest],
+        inboxes: list[Inbox],
+        usages: Sequence[Usage],
+        spans: list[Span],
+        plan: EndpointPlan,
+    ) -> list[InferResponse]:
+        """The answers to a call's parts, in order (``infer_group``); the first failure
+        cancels the others and is raised; each part's usage and span closed."""
         failure: FrontendError | None = None
         try:
             answers = await _answers(inboxes)
@@ -455,23 +455,10 @@ class Gateway:
         except asyncio.CancelledError:
             self._refused(tenant, req, None, arrived, info)
             raise
-        call = Call(
-            self.link.new_id(),
-            tenant,
-            priority,
-            arrived,
-            arrived_wall,
-            checked.rows,
-            checked.tokens,
-            req.nbytes,
-            checked.lengths,
-            req,
-            streaming,
-            checked.max_tokens,
-            requests,
-            program=program,
-            slo_class=slo_class,
-        )
+        call = self._call(
+            req, tenant, priority, (arrived, arrived_wall), checked, streaming, requests,
+            program, slo_class,
+        )  # fmt: skip
         if paid is not None:
             paid.settled_by(call)
         if span is not None:
@@ -479,27 +466,7 @@ class Gateway:
             call.traceparent, call.tracestate = carried(span)
         if usage is not None:
             usage.prompt_tokens = checked.tokens - checked.max_tokens
-        # From here on the core counts the request, whatever its outcome, and logs it
-        # unless it takes one hop: then this shell answers it, and logs it (``_logged``)
-        # where the config says the shells do (``observability.request_log``).
-        logged = False
-        if self._keeps_rows(plan):
-            logged = self.config.observability.request_log == "shell"
-            inbox = self.link.submit(_facts(call, plan, logged=logged))
-            inbox.held = (call, plan)
-        elif plan.info.decoupled:
-            # Its stream goes from here to Triton when the core grants it a slot (one
-            # hop): the core decides on its facts, never its tensors; where this shell is
-            # a process of its own it writes the stream's line at its end, as it does
-            # for a unary call it answers (the core writes one line fewer per request).
-            logged = self._rows_link is not None and (
-                self.config.observability.request_log == "shell"
-            )
-            inbox = self.link.submit(_facts(call, plan, key=False, logged=logged))
-            if logged:
-                inbox.on_end = partial(self._stream_logged, call, inbox)
-        else:
-            inbox = self.link.submit(call)
+        inbox, logged = self._submit(call, plan)
         try:
             answer = await self._answer_of(call, inbox, logged)
             grants = 0
@@ -534,6 +501,64 @@ class Gateway:
             )
         finally:
             inbox.cancel()  # no-op once answered or ended
+
+    def _call(
+        self,
+        req: InferRequest,
+        tenant: str,
+        priority: int,
+        arrived: tuple[float, float],
+        checked: Checked,
+        streaming: bool,
+        requests: int,
+        program: str,
+        slo_class: str,
+    ) -> Call:
+        """The core's record of a checked request (``arrived``: its monotonic and wall
+        times)."""
+        return Call(
+            self.link.new_id(),
+            tenant,
+            priority,
+            arrived[0],
+            arrived[1],
+            checked.rows,
+            checked.tokens,
+            req.nbytes,
+            checked.lengths,
+            req,
+            streaming,
+            checked.max_tokens,
+            requests,
+            program=program,
+            slo_class=slo_class,
+        )
+
+    def _submit(self, call: Call, plan: EndpointPlan) -> tuple[Inbox, bool]:
+        """A checked call to the core: its inbox, and whether this shell writes its
+        request-log line."""
+        # From here on the core counts the request, whatever its outcome, and logs it
+        # unless it takes one hop: then this shell answers it, and logs it (``_logged``)
+        # where the config says the shells do (``observability.request_log``).
+        logged = False
+        if self._keeps_rows(plan):
+            logged = self.config.observability.request_log == "shell"
+            inbox = self.link.submit(_facts(call, plan, logged=logged))
+            inbox.held = (call, plan)
+        elif plan.info.decoupled:
+            # Its stream goes from here to Triton when the core grants it a slot (one
+            # hop): the core decides on its facts, never its tensors; where this shell is
+            # a process of its own it writes the stream's line at its end, as it does
+            # for a unary call it answers (the core writes one line fewer per request).
+            logged = self._rows_link is not None and (
+                self.config.observability.request_log == "shell"
+            )
+            inbox = self.link.submit(_facts(call, plan, key=False, logged=logged))
+            if logged:
+                inbox.on_end = partial(self._stream_logged, call, inbox)
+        else:
+            inbox = self.link.submit(call)
+        return inbox, logged
 
     # ---- granted rows: a batch's part, sent from here (``shell.rows``) -------------------
 
