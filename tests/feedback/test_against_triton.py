@@ -12,12 +12,13 @@ the Python stub's wait for a CPU, and a busy wait that is off the CPU at its dea
 overshoots. Measured at load averages of 4-6 (other test suites running): the fitted
 per-token cost stays within 8 % of the configured 20 us, but the fixed cost comes out
 0.3-1.7 ms high with 2 ms or 10 ms configured, and 3-7 ms high with 20 ms. So the
-per-token cost is held to 25 % of the configuration; the fixed cost to between 75 % of
-the configuration and 125 % of it plus the largest overhead Triton measured over the batch
-shapes in the same run (a fit over shapes whose overshoots differ may put the largest in
-its fixed cost: 3.0 ms fitted against 2.4 ms configured + the smallest batch's overhead, in
-one CI run);
-and the fitted model must reproduce Triton's mean time of every batch shape.
+per-token cost is held to 25 % of the configuration, or above it to 25 % over the slope
+Triton measured in the same run where the machine's load stretched it; the fixed cost to
+between 75 % of the configuration and 125 % of it plus the largest overhead Triton measured
+over the batch shapes in the same run (a fit over shapes whose overshoots differ may put
+the largest in its fixed cost: 3.0 ms fitted against 2.4 ms configured + the smallest
+batch's overhead, in one CI run); and the fitted model must reproduce Triton's mean time
+of every batch shape.
 """
 
 from __future__ import annotations
@@ -224,7 +225,13 @@ def test_learns_the_sleepers_cost_from_tritons_metrics(learned: Learned) -> None
         f"\ntriton: {bt}\nfrontend: {learned.frontend_only.batch_time()}"
         f"\nlargest overhead over the batch shapes: {overhead * 1e3:.2f} ms"
     )
-    assert bt.per_token_s == pytest.approx(SLEEPER_PER_TOKEN_S, rel=0.25)
+    # Triton's own time per token: the slope of its measured means over the shapes. A
+    # loaded machine stretches it, never shrinks it (one-sided, as the fixed cost's): 26
+    # us for the configured 20 in a fresh clone at a load average of 17-19.
+    tokens = [float(rows * width) for rows, width in means]
+    slope = float(np.polyfit(tokens, list(means.values()), 1)[0])
+    top = 1.25 * max(SLEEPER_PER_TOKEN_S, slope)
+    assert 0.75 * SLEEPER_PER_TOKEN_S <= bt.per_token_s <= top, (bt, slope)
     assert bt.fixed_s <= 1.25 * (SLEEPER_FIXED_S + overhead)
     if overhead < SLEEPER_FIXED_S / 2:
         # Found where Triton's timing error is well below it. (A fresh clone beside two
