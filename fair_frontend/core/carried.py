@@ -11,23 +11,44 @@ comes back in that time, or not at all.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from fair_frontend.core.sequences import OpenSequence
+from fair_frontend.core.clock import Clock
+from fair_frontend.core.pool import BackendPool
+from fair_frontend.core.sequences import OpenSequence, SequenceIds
 from fair_frontend.protocol import ParamValue
 from fair_frontend.scheduler import SchedulerFairness
 
 if TYPE_CHECKING:
     from fair_frontend.core.dispatch import Dispatcher
-    from fair_frontend.core.service import Core
+
+
+class Holder(Protocol):
+    """What a core's failover state reads of the core: its clock, endpoints, sequence
+    ids and pool."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def runtimes(self) -> dict[str, Dispatcher]: ...
+
+    @property
+    def sequences(self) -> SequenceIds: ...
+
+    @property
+    def pool(self) -> BackendPool: ...
+
+    @property
+    def pool_if_made(self) -> BackendPool | None: ...
 
 
 class Carried:
     """A core's state for a failover: its export, and what a failed leader left it."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Holder) -> None:
         self.core = core
         # A failed leader's fairness state per model, for the endpoints not set up yet:
         # resumed as each is (``set_up``).

@@ -6,19 +6,45 @@ core's own process (``LocalLink``), read here at each call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fair_frontend.admission import overloaded_error
+from fair_frontend.config import Config, Tenant
+from fair_frontend.core.pool import BackendPool
 from fair_frontend.errors import Overloaded
+from fair_frontend.scheduler.caps import GlobalCaps
 
 if TYPE_CHECKING:
-    from fair_frontend.core.service import Core
+    from fair_frontend.core.dispatch import Dispatcher
+
+
+class Holder(Protocol):
+    """What the shed views read of the core: its endpoints, caps, config, tenants, whether
+    it admits, and its pool."""
+
+    @property
+    def runtimes(self) -> dict[str, Dispatcher]: ...
+
+    @property
+    def caps(self) -> GlobalCaps: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def tenants(self) -> dict[str, Tenant]: ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+    @property
+    def pool_if_made(self) -> BackendPool | None: ...
 
 
 class Shedding:
     """A core's queue caps and closed tiers, as the shells read them."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Holder) -> None:
         self.core = core
         # (model, tier) -> (message, retry-after) of the tiers the throttle closed at the
         # last ``refresh``; the tiers' largest weights (reset by a reload).

@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
@@ -24,7 +24,7 @@ from fair_frontend.backends.protocol import Stream
 from fair_frontend.backends.triton.sse import SseStream
 from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack
-from fair_frontend.config import Endpoint
+from fair_frontend.config import Config, Endpoint
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.grpc_codec import drop_output, output_tokens_said
@@ -32,14 +32,13 @@ from fair_frontend.observability.tracing import carried, failed, wall_ns
 from fair_frontend.protocol import FINAL_RESPONSE, Batch, InferResponse, ParamValue
 from fair_frontend.shell.generate_codec import encode_generate_request
 from fair_frontend.shell.link import Inbox
+from fair_frontend.shell.rows import Upstreams
 from fair_frontend.tokens import ask_token_counts, counted_tokens, output_tokens, without_output
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Call, Grant
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
-
-    from fair_frontend.shell.gateway import Gateway
 
 
 Wire = Literal["", "sse", "grpc", "events"]
@@ -48,11 +47,18 @@ Wire = Literal["", "sse", "grpc", "events"]
 "events" the same events, for a reader in this shell (the OpenAI routes)."""
 
 
+class Relaying(Upstreams, Protocol):
+    """What a relay reads of its gateway: its upstreams and the running config."""
+
+    @property
+    def config(self) -> Config: ...
+
+
 class StreamRelay:
     """A shell's granted streams (the module's doc); its Tritons, traces and config are
     the gateway's, read through it (a reload changes the config)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Relaying) -> None:
         self.gateway = gateway
 
     async def relay(

@@ -13,26 +13,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.batching import pack, unpack
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import FrontendError, Internal
-from fair_frontend.observability.tracing import carried, failed
+from fair_frontend.observability.tracing import Traces, carried, failed
 from fair_frontend.shell.link import Inbox
 from fair_frontend.tokens import output_tokens
 from fair_frontend.wire.records import Answer, Call, Fault, Rows, RowsDone
 
-if TYPE_CHECKING:
-    from fair_frontend.shell.gateway import Gateway
-
 log = logging.getLogger(__name__)
+
+
+class Upstreams(Protocol):
+    """What a shell's granted work reads of its gateway: the Tritons of the pool (a grant
+    names one by its index) and the request traces."""
+
+    @property
+    def tritons(self) -> list[BackendServer]: ...
+
+    @property
+    def traces(self) -> Traces | None: ...
 
 
 class RowsSender:
     """A shell's granted parts of batches, sent and reported (the module's doc)."""
 
-    def __init__(self, gateway: Gateway, link: Any) -> None:
+    def __init__(self, gateway: Upstreams, link: Any) -> None:
         self.gateway = gateway  # its Tritons and traces
         self.link = link  # the link that takes grants of rows, and their reports
         # Calls whose granted rows are in Triton now: set when their send is over.

@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tritonclient.grpc import service_pb2
 
+from fair_frontend.auth import Authenticator, ModelAccess
+from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import Config, SideDoors
 from fair_frontend.errors import FrontendError, Unavailable, Unsupported
+from fair_frontend.shell.link import CoreLink
 from fair_frontend.shell.lookup_cache import Key, LookupCache
 from fair_frontend.wire.records import SIDE_DOOR_LOOKUP, TallyEntry
-
-if TYPE_CHECKING:
-    from fair_frontend.shell.gateway import Gateway
 
 T = TypeVar("T")
 
@@ -63,6 +63,31 @@ EXTENSIONS_WITHOUT_STATISTICS = tuple(e for e in EXTENSIONS if e != "statistics"
 FRONTEND_HEADER = "x-fair-frontend"
 
 
+class Doorkeeper(Protocol):
+    """What the side doors read of their gateway (a reload changes all but the
+    Tritons): who asks, what they may call, the link and the Tritons."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def link(self) -> CoreLink: ...
+
+    @property
+    def auth(self) -> Authenticator: ...
+
+    @property
+    def access(self) -> ModelAccess: ...
+
+    @property
+    def tritons(self) -> list[BackendServer]: ...
+
+    @property
+    def triton(self) -> BackendServer: ...
+
+    def admit_model(self, tenant: str, model: str) -> None: ...
+
+
 class SideDoorAnswers:
     """A shell's answers to health, metadata, config and statistics (the module's doc);
     the gateway's identity, access and link, read through it (a reload changes them)."""
@@ -71,7 +96,7 @@ class SideDoorAnswers:
     _cache: LookupCache | None = None
     _cache_config: Config | None = None
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Doorkeeper) -> None:
         self.gateway = gateway
 
     async def live(self) -> bool:
