@@ -6,8 +6,8 @@ sends batches (``Forwarder``); the core also looks models up and probes readines
 shell also opens streams and answers the side doors (``BackendServer``).
 
 The side doors speak KServe's v2 protocol, which the frontend serves to its clients as
-it is: ``call`` takes its calls by the names of tritonclient's client
-(``get_model_metadata``, ``get_model_config``, ...) and answers its messages. ``events``
+it is: ``side_door`` takes a door by the frontend's name for it (``SideDoor``) and
+answers KServe's message for it (a kind other than Triton makes that message). ``events``
 is a server's own event stream (Triton's ``generate_stream``), passed to a client as it
 came where the shell has nothing to add to it; a kind that has none leaves it None.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fair_frontend.errors import FrontendError
 from fair_frontend.models import ModelInfo
@@ -64,6 +64,11 @@ class Stream(Protocol):
     async def aclose(self) -> None: ...
 
 
+SideDoor = Literal["server_metadata", "model_metadata", "model_config", "model_ready"]
+"""The side doors a server answers itself (health's liveness is the frontend's own, its
+readiness ``server_ready``; statistics are the frontend's, from the core)."""
+
+
 class BackendServer(Forwarder, Protocol):
     """One server of a backend kind, as the core and the shells use it."""
 
@@ -83,8 +88,9 @@ class BackendServer(Forwarder, Protocol):
         holds one for ``stalled_s`` has it cancelled."""
         ...
 
-    async def call(self, method: str, **kwargs: Any) -> Any:
-        """A side door's call (KServe's, by tritonclient's method name), errors mapped."""
+    async def side_door(self, door: SideDoor, model: str = "", version: str = "") -> Any:
+        """KServe's answer to a side door (its v2 message: ``model_ready`` a bool), about
+        ``model`` and ``version`` where the door is about a model; errors mapped."""
         ...
 
     async def server_ready(self) -> bool: ...

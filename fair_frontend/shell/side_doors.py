@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 from tritonclient.grpc import service_pb2
 
 from fair_frontend.auth import Authenticator, ModelAccess
-from fair_frontend.backends.protocol import BackendServer
+from fair_frontend.backends.protocol import BackendServer, SideDoor
 from fair_frontend.config import Config, SideDoors
 from fair_frontend.errors import FrontendError, Unavailable, Unsupported
 from fair_frontend.shell.link import CoreLink
@@ -123,9 +123,7 @@ class SideDoorAnswers:
                         "model_ready",
                         ("model_ready", model, version),
                         self._side_doors.ready_ttl_s,
-                        lambda: self._ask(
-                            "is_model_ready", model_name=model, model_version=version
-                        ),
+                        lambda: self._ask("model_ready", model, version),
                     )
                 )
             except FrontendError:
@@ -143,7 +141,7 @@ class SideDoorAnswers:
                 "server_metadata",
                 ("server_metadata", "", ""),
                 self._side_doors.metadata_ttl_s,
-                lambda: self._ask("get_server_metadata"),
+                lambda: self._ask("server_metadata"),
             )
         except FrontendError as err:
             self._count_door("server_metadata", None, err.grpc_code.name.lower())
@@ -165,7 +163,7 @@ class SideDoorAnswers:
             "model_metadata",
             model,
             headers,
-            lambda _: self._static("model_metadata", "get_model_metadata", model, version),
+            lambda _: self._static("model_metadata", model, version),
         )
 
     async def model_config(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
@@ -173,7 +171,7 @@ class SideDoorAnswers:
             "model_config",
             model,
             headers,
-            lambda _: self._static("model_config", "get_model_config", model, version),
+            lambda _: self._static("model_config", model, version),
         )
 
     async def statistics(self, model: str, version: str, headers: Mapping[str, str]) -> Any:
@@ -223,20 +221,20 @@ class SideDoorAnswers:
         self._count_door(door, tenant, "ok")
         return result
 
-    async def _static(self, door: str, method: str, model: str, version: str) -> Any:
+    async def _static(self, door: SideDoor, model: str, version: str) -> Any:
         return await self._from_triton(
             door,
             (door, model, version),
             self._side_doors.metadata_ttl_s,
-            lambda: self._ask(method, model_name=model, model_version=version),
+            lambda: self._ask(door, model, version),
         )
 
-    async def _ask(self, method: str, **kwargs: Any) -> Any:
-        """Triton's answer (``BackendServer.call``): the first Triton's, or where one is
-        unreachable the next one's."""
+    async def _ask(self, door: SideDoor, model: str = "", version: str = "") -> Any:
+        """Triton's answer (``BackendServer.side_door``): the first Triton's, or where one
+        is unreachable the next one's."""
         for i, triton in enumerate(self.gateway.tritons):
             try:
-                return await triton.call(method, **kwargs)
+                return await triton.side_door(door, model, version)
             except Unavailable:
                 if i + 1 == len(self.gateway.tritons):
                     raise

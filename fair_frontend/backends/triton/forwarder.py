@@ -22,7 +22,7 @@ from tritonclient.grpc import (
 from tritonclient.grpc import aio as grpcclient
 
 from fair_frontend import grpc_codec
-from fair_frontend.backends.protocol import StreamReply
+from fair_frontend.backends.protocol import SideDoor, StreamReply
 from fair_frontend.backends.triton.http import TritonHttp, carries
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.backends.triton.sse import TritonEvents
@@ -51,6 +51,14 @@ def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
 
 
 REOPEN_WAIT_S = 2.0  # a stream that never reached Triton: how long its second try waits
+
+
+# The side doors' calls of tritonclient's client, by the frontend's name for each door.
+_SIDE_DOORS: dict[str, str] = {
+    "model_metadata": "get_model_metadata",
+    "model_config": "get_model_config",
+    "model_ready": "is_model_ready",
+}
 
 
 class TritonStream:
@@ -266,6 +274,13 @@ class TritonForwarder:
             )
         except InferenceServerException as err:
             raise upstream_error(err) from None
+
+    async def side_door(self, door: SideDoor, model: str = "", version: str = "") -> Any:
+        """KServe's answer to a side door (``BackendServer.side_door``): tritonclient's
+        call of that name."""
+        if door == "server_metadata":
+            return await self.call("get_server_metadata")
+        return await self.call(_SIDE_DOORS[door], model_name=model, model_version=version)
 
     async def server_ready(self) -> bool:
         try:
