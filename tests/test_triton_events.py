@@ -324,7 +324,7 @@ async def test_a_shell_process_streams_from_each_tritons_http_address() -> None:
     made = forwarders(sent, 5.0)
     try:
         assert [f.events is not None for f in made] == [True, False]
-        assert made[0].events is not None and made[0].events.port == 2
+        assert isinstance(made[0].events, TritonEvents) and made[0].events.port == 2
     finally:
         for f in made:
             await f.close()

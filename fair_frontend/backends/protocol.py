@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from fair_frontend.errors import FrontendError
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import Batch, Tensor
-
-if TYPE_CHECKING:
-    from fair_frontend.backends.triton.sse import TritonEvents
 
 
 class Forwarder(Protocol):
@@ -64,6 +61,45 @@ class Stream(Protocol):
     async def aclose(self) -> None: ...
 
 
+@dataclass(slots=True)
+class Events:
+    """Whole events of a server's own event stream, as it wrote them (Triton's
+    generate_stream: ``data: {...}\\n\\n``, one or more); or the error that ended it."""
+
+    data: bytes = b""
+    error: FrontendError | None = None
+
+
+class EventStream(Protocol):
+    """One request's events (``EventSource.stream``), as ``Stream`` its responses: the
+    last item an error where one ended it; ``stop`` and ``on_stop`` as ``Stream``'s."""
+
+    stopped: FrontendError | None
+    on_stop: Callable[[FrontendError], None]
+
+    def stop(self, err: FrontendError) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[Events]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EventSource(Protocol):
+    """A server's own event stream (``BackendServer.events``): one request (``body``, the
+    generate extension's JSON object) and its events; a consumer that holds them for
+    ``stalled_s`` has the request cancelled."""
+
+    def stream(
+        self,
+        model: str,
+        version: str,
+        body: bytes,
+        *,
+        stalled_s: float | None = None,
+        traceparent: str = "",
+    ) -> EventStream: ...
+
+
 SideDoor = Literal["server_metadata", "model_metadata", "model_config", "model_ready"]
 """The side doors a server answers itself (health's liveness is the frontend's own, its
 readiness ``server_ready``; statistics are the frontend's, from the core)."""
@@ -76,7 +112,7 @@ class BackendServer(Forwarder, Protocol):
     request_timeout_s: float
 
     @property
-    def events(self) -> TritonEvents | None: ...
+    def events(self) -> EventSource | None: ...
 
     async def describe(self, model: str) -> ModelInfo:
         """``model`` in the frontend's words: its inputs, outputs, batching, ready

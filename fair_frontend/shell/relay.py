@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
-from fair_frontend.backends.protocol import Stream
-from fair_frontend.backends.triton.sse import SseStream
+from fair_frontend.backends.protocol import EventStream, Stream
 from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack
 from fair_frontend.config import Config, Endpoint
@@ -245,7 +244,7 @@ class StreamRelay:
         call: Call,
         grant: Grant,
         inbox: Inbox,
-        stream: SseStream,
+        stream: EventStream,
         count: str,
         hide: bool,
         version: str,
@@ -332,7 +331,7 @@ class _Tally:
             self.traced.end()
 
 
-def _watched(stream: Stream | SseStream, inbox: Inbox) -> None:
+def _watched(stream: Stream | EventStream, inbox: Inbox) -> None:
     """A granted stream and its slot, tied: a stop from either side ends both at once
     (the watchdog's or the core's revoke)."""
     stream.on_stop = lambda err: inbox.end(fault=err)  # its slot back at once

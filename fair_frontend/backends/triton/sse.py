@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
 from urllib.parse import quote
 
+from fair_frontend.backends.protocol import Events
 from fair_frontend.backends.triton.http import address, dial, error_of
 from fair_frontend.backends.triton.watchdog import Watchdog
 from fair_frontend.errors import FrontendError, Unavailable
@@ -40,15 +40,6 @@ HIGH_WATER = 256 * 1024  # bytes of events held for a consumer before reading pa
 
 class _Dropped(Exception):
     """The connection ended before the whole answer came."""
-
-
-@dataclass(slots=True)
-class Events:
-    """Whole events, as Triton wrote them (``data: {...}\\n\\n``, one or more); or the
-    error that ended the stream."""
-
-    data: bytes = b""
-    error: FrontendError | None = None
 
 
 # The states of a connection's answer (``_EventConnection``).
