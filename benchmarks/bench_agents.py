@@ -183,7 +183,11 @@ async def _drive(cmd: dict[str, Any]) -> dict[str, Any]:
     return {"chats": chats, "steps": steps, "errors": errors}
 
 
-def _client(cmd: dict[str, Any], out: Any) -> None:
+def _client(cmd: dict[str, Any], out: Any, ready: Any, go: Any) -> None:
+    """One tenant's client process: up (its imports done), then told the window's end,
+    then driving until it."""
+    ready.put(cmd["tenant"])
+    cmd["stop"] = go.get(True, 300)
     out.put((cmd["tenant"], asyncio.run(_drive(cmd))))
 
 
@@ -213,15 +217,13 @@ async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int
         metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
         ctx = multiprocessing.get_context("spawn")
         queue: Any = ctx.Queue()
-        # The clients start together once spawned; the window follows the warm-up.
-        begin = time.monotonic() + 2.0
-        t0, t1 = begin + args.warmup_s, begin + args.warmup_s + window_s
+        ready: Any = ctx.Queue()
+        go: Any = ctx.Queue()
         procs = []
         for i, tenant in enumerate(TENANTS):
             cmd = {
                 "url": f"http://127.0.0.1:{fe.http_port}",
                 "tenant": tenant,
-                "stop": t1,
                 "seed": seed * 100 + i,
                 "agents": agents,
                 "chat_tokens": args.chat_tokens,
@@ -230,9 +232,18 @@ async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int
                 "agent_tokens": args.agent_tokens,
                 "agent_think_s": args.agent_think_s,
             }
-            p = ctx.Process(target=_client, args=(cmd, queue))
+            p = ctx.Process(target=_client, args=(cmd, queue, ready, go))
             p.start()
             procs.append(p)
+        # The clients start together once every one is up (a spawn takes seconds on a
+        # loaded machine: a window fixed from here could end before they drove); the
+        # window follows the warm-up.
+        for _ in procs:
+            await asyncio.to_thread(ready.get, True, 120)
+        begin = time.monotonic()
+        t0, t1 = begin + args.warmup_s, begin + args.warmup_s + window_s
+        for _ in procs:
+            go.put(t1)
         await asyncio.sleep(max(0.0, t0 - time.monotonic()))
         start, queued = await asyncio.to_thread(output_tokens, metrics)
         # Between two scrapes (every SCRAPE_S) where every tenant had queued work at both,

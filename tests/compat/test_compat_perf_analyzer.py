@@ -43,7 +43,7 @@ def counted(triton: EmbeddedTriton) -> Iterator[tuple[RunningFrontend, Counter[s
     """A frontend of its own whose metadata calls are counted (wrapping, not replacing)."""
     calls: Counter[str] = Counter()
     with running_frontend(make_config(), triton) as running:
-        service = running.gateway
+        service = running.gateway.side  # the side doors (``SideDoorAnswers``)
         for name in COUNTED:
             original = getattr(service, name)
 
