@@ -115,44 +115,54 @@ class StreamRelay:
         stalled_s = self.gateway.config.queues.stalled_stream_s
         version = req.version or info.latest_version
         tally = _Tally(inbox, call.arrived, traced, usage)
+        stream: Stream | EventStream
         if body is not None:
             assert triton.events is not None and count is not None
-            upstream = triton.events.stream(
+            upstream = stream = triton.events.stream(
                 req.model, req.version, body, stalled_s=stalled_s, traceparent=traceparent
             )
             hide = hide and wire == "sse"  # (the other reader never looks at the count)
             replies = self._events(
                 call, grant, inbox, upstream, count, hide, version, tally, give_back
             )
+        else:
+            # Triton's messages pass on to a gRPC client as they came, but for the count
+            # the client did not ask for; the shell parses them, and decodes only that
+            # count.
+            raw = wire == "grpc" and count is not None and not report_usage
+            messages = stream = triton.stream(
+                Batch(
+                    req.model,
+                    req.version,
+                    packed.inputs,
+                    packed.outputs,
+                    packed.parameters,
+                    request_id=req.id,
+                    sequence=grant.sequence,
+                    traceparent=traceparent,
+                ),
+                stalled_s=stalled_s,
+                raw=raw,
+            )
+            replies = self._messages(
+                call, grant, inbox, messages, endpoint, version, tally,
+                raw=raw, count=count, hide=hide, want_final=want_final, usage=usage,
+                report_usage=report_usage, give_back=give_back,
+            )  # fmt: skip
+        # The stream and its slot, tied; one way out, whichever reader reads it.
+        _watched(stream, inbox)
+        try:
             async with aclosing(replies):
                 async for resp in replies:
                     yield resp
-            return
-        # Triton's messages pass on to a gRPC client as they came, but for the count the
-        # client did not ask for; the shell parses them, and decodes only that count.
-        raw = wire == "grpc" and count is not None and not report_usage
-        stream = triton.stream(
-            Batch(
-                req.model,
-                req.version,
-                packed.inputs,
-                packed.outputs,
-                packed.parameters,
-                request_id=req.id,
-                sequence=grant.sequence,
-                traceparent=traceparent,
-            ),
-            stalled_s=stalled_s,
-            raw=raw,
-        )
-        replies = self._messages(
-            call, grant, inbox, stream, endpoint, version, tally,
-            raw=raw, count=count, hide=hide, want_final=want_final, usage=usage,
-            report_usage=report_usage, give_back=give_back,
-        )  # fmt: skip
-        async with aclosing(replies):
-            async for resp in replies:
-                yield resp
+        except FrontendError as err:
+            if traced is not None:
+                failed(traced, err)
+            raise
+        finally:
+            inbox.end(cancelled=True)  # no-op once ended
+            await stream.aclose()
+            tally.close()
 
     async def _messages(
         self,
@@ -176,68 +186,57 @@ class StreamRelay:
         and passed on as it came but for the count the client did not ask for), its
         tokens told to the core, the client's responses made of it."""
         req = call.request
-        traced = tally.traced
-        _watched(stream, inbox)
         name = endpoint.token_output
         answered = False  # anything yielded to the client: the stream cannot be replayed
-        try:
-            async for reply in stream:
-                if reply.error is not None:
-                    _stream_failed(reply.error, stream.stopped, tally, grant, version,
-                                   give_back=give_back and not answered)  # fmt: skip
-                    return  # given back
-                version = reply.version or version
-                if raw:
-                    assert count is not None
-                    msg = reply.message.infer_response
-                    said = output_tokens_said(msg, count)
-                    n = int(any(o.name == name for o in msg.outputs)) if said is None else said
-                    if n > 0:
-                        tally.add(n)
-                    if reply.final:
-                        inbox.end(version)
-                    data = reply.raw
-                    if hide:
-                        drop_output(msg, count)
-                        data = reply.message.SerializeToString()
-                    if not msg.outputs and not (reply.final and want_final):
-                        continue  # Triton's empty final: only for clients that asked
-                    answered = True
-                    yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
-                    continue
-                if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
-                    # An engine streams one response per decode step; a whole answer in
-                    # one response (its final and first: not streamed) counts in tokens.
-                    n = 1
-                    said = counted_tokens(reply.outputs, count) if count is not None else None
-                    if said is not None:
-                        n = said
-                    elif reply.final and not tally.produced:
-                        n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
-                    if n > 0:  # (a response may say it carries no token)
-                        tally.add(n)
+        async for reply in stream:
+            if reply.error is not None:
+                _stream_failed(reply.error, stream.stopped, tally, grant, version,
+                               give_back=give_back and not answered)  # fmt: skip
+                return  # given back
+            version = reply.version or version
+            if raw:
+                assert count is not None
+                msg = reply.message.infer_response
+                said = output_tokens_said(msg, count)
+                n = int(any(o.name == name for o in msg.outputs)) if said is None else said
+                if n > 0:
+                    tally.add(n)
                 if reply.final:
-                    inbox.end(version)  # the core hears of it before the client does
+                    inbox.end(version)
+                data = reply.raw
                 if hide:
-                    assert count is not None
-                    reply.outputs = without_output(reply.outputs, count)
-                if not reply.outputs and not (reply.final and want_final):
+                    drop_output(msg, count)
+                    data = reply.message.SerializeToString()
+                if not msg.outputs and not (reply.final and want_final):
                     continue  # Triton's empty final: only for clients that asked
-                params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}
-                if reply.final and report_usage:
-                    assert usage is not None
-                    params.update(usage.as_parameters())
                 answered = True
-                yield InferResponse(req.model, version, req.id, reply.outputs, params, grant.quota)
-            inbox.end(version)
-        except FrontendError as err:
-            if traced is not None:
-                failed(traced, err)
-            raise
-        finally:
-            inbox.end(cancelled=True)  # no-op once ended
-            await stream.aclose()
-            tally.close()
+                yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
+                continue
+            if name is not None and any(t.name == name and t.data.size for t in reply.outputs):
+                # An engine streams one response per decode step; a whole answer in
+                # one response (its final and first: not streamed) counts in tokens.
+                n = 1
+                said = counted_tokens(reply.outputs, count) if count is not None else None
+                if said is not None:
+                    n = said
+                elif reply.final and not tally.produced:
+                    n = output_tokens(reply.outputs, name, endpoint.tokenizer, req)
+                if n > 0:  # (a response may say it carries no token)
+                    tally.add(n)
+            if reply.final:
+                inbox.end(version)  # the core hears of it before the client does
+            if hide:
+                assert count is not None
+                reply.outputs = without_output(reply.outputs, count)
+            if not reply.outputs and not (reply.final and want_final):
+                continue  # Triton's empty final: only for clients that asked
+            params: dict[str, ParamValue] = {FINAL_RESPONSE: reply.final} if want_final else {}
+            if reply.final and report_usage:
+                assert usage is not None
+                params.update(usage.as_parameters())
+            answered = True
+            yield InferResponse(req.model, version, req.id, reply.outputs, params, grant.quota)
+        inbox.end(version)
 
     async def _events(
         self,
@@ -260,39 +259,29 @@ class StreamRelay:
         final response: generate_stream ends with it)."""
         req = call.request
         tokens_in = _EventCounts.of(count)
-        _watched(stream, inbox)
         answered = False
-        try:
-            async for got in stream:
-                if got.error is not None:
-                    _stream_failed(got.error, stream.stopped, tally, grant, version,
-                                   give_back=give_back and not answered)  # fmt: skip
-                    return  # given back
-                data = got.data
-                error = None
-                cut = data.find(_ERROR_EVENT)
-                if cut >= 0:  # the model's error: Triton's last event
-                    error = upstream_message_error(_event_error(data[cut:]))
-                    data = data[:cut]
-                if data:
-                    if not answered and (found := _VERSION.search(data)) is not None:
-                        version = found[1].decode()
-                    n, data = tokens_in(data, hide)
-                    if n > 0:
-                        tally.add(n)
-                    answered = True
-                    yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
-                if error is not None:
-                    _stream_failed(error, None, tally, grant, version, give_back=False)
-            inbox.end(version)
-        except FrontendError as err:
-            if tally.traced is not None:
-                failed(tally.traced, err)
-            raise
-        finally:
-            inbox.end(cancelled=True)  # no-op once ended
-            await stream.aclose()
-            tally.close()
+        async for got in stream:
+            if got.error is not None:
+                _stream_failed(got.error, stream.stopped, tally, grant, version,
+                               give_back=give_back and not answered)  # fmt: skip
+                return  # given back
+            data = got.data
+            error = None
+            cut = data.find(_ERROR_EVENT)
+            if cut >= 0:  # the model's error: Triton's last event
+                error = upstream_message_error(_event_error(data[cut:]))
+                data = data[:cut]
+            if data:
+                if not answered and (found := _VERSION.search(data)) is not None:
+                    version = found[1].decode()
+                n, data = tokens_in(data, hide)
+                if n > 0:
+                    tally.add(n)
+                answered = True
+                yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
+            if error is not None:
+                _stream_failed(error, None, tally, grant, version, give_back=False)
+        inbox.end(version)
 
 
 class _Tally:
