@@ -97,51 +97,29 @@ class ModelInfo:
 
     def described(self) -> ModelDescribed:
         """This description as it crosses the link (the core answers a shell's
-        ``InfoQuery`` with it)."""
-
-        def tensors(specs: Mapping[str, TensorSpec]) -> tuple[TensorDescribed, ...]:
-            return tuple(
-                TensorDescribed(t.name, t.datatype, t.dims, t.optional) for t in specs.values()
+        ``InfoQuery`` with it): its fields, each as it is (the record names them: one
+        list of them, ``ModelDescribed``), its tensors as records."""
+        fields: dict[str, Any] = {f: getattr(self, f) for f in ModelDescribed.__struct_fields__}
+        for io in ("inputs", "outputs"):
+            fields[io] = tuple(
+                TensorDescribed(t.name, t.datatype, t.dims, t.optional)
+                for t in getattr(self, io).values()
             )
-
-        return ModelDescribed(
-            name=self.name,
-            max_batch_size=self.max_batch_size,
-            inputs=tensors(self.inputs),
-            outputs=tensors(self.outputs),
-            decoupled=self.decoupled,
-            sequence_batching=self.sequence_batching,
-            platform=self.platform,
-            instances=self.instances,
-            versions=self.versions,
-            takes_rows=self.takes_rows,
-            max_model_len=self.max_model_len,
-            sequence_idle_s=self.sequence_idle_s,
-        )
+        return ModelDescribed(**fields)
 
     @staticmethod
     def of(described: ModelDescribed) -> ModelInfo:
         """The description a shell was sent (``described``), as the core holds it."""
-
-        def tensors(records: tuple[TensorDescribed, ...]) -> dict[str, TensorSpec]:
-            return {
-                t.name: TensorSpec(t.name, t.datatype, tuple(t.dims), t.optional) for t in records
+        fields: dict[str, Any] = {
+            f: getattr(described, f) for f in ModelDescribed.__struct_fields__
+        }
+        for io in ("inputs", "outputs"):
+            fields[io] = {
+                t.name: TensorSpec(t.name, t.datatype, tuple(t.dims), t.optional)
+                for t in getattr(described, io)
             }
-
-        return ModelInfo(
-            name=described.name,
-            max_batch_size=described.max_batch_size,
-            inputs=tensors(described.inputs),
-            outputs=tensors(described.outputs),
-            decoupled=described.decoupled,
-            sequence_batching=described.sequence_batching,
-            platform=described.platform,
-            instances=described.instances,
-            versions=tuple(described.versions),
-            takes_rows=described.takes_rows,
-            max_model_len=described.max_model_len,
-            sequence_idle_s=described.sequence_idle_s,
-        )
+        fields["versions"] = tuple(described.versions)
+        return ModelInfo(**fields)
 
     @staticmethod
     def version_for(requested: str, info: ModelInfo | None) -> str | None:

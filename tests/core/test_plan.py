@@ -23,7 +23,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import CoreLink
 from fair_frontend.wire.framing import encode, to_shell
-from fair_frontend.wire.records import InfoAnswer
+from fair_frontend.wire.records import InfoAnswer, ModelDescribed
 from tests.support import config_dict
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -219,6 +219,14 @@ async def test_a_shell_keeps_one_plan_per_model_until_its_config_or_the_descript
     gateway._infos["embed"] = changed = shipped_info("embed", instances=2)
     third = await gateway.plan("embed")
     assert third.info is changed and third.slots == 2 and second.slots == 1
+
+
+def test_the_link_record_names_every_field_of_a_models_description() -> None:
+    """``ModelDescribed`` is the one list of what crosses (``ModelInfo.described`` and
+    ``of`` copy its fields by name): a field added to ``ModelInfo`` and not to the record
+    would reach the shells as its default."""
+    fields = {f.name for f in dataclasses.fields(ModelInfo) if f.init}
+    assert set(ModelDescribed.__struct_fields__) == fields
 
 
 @pytest.mark.parametrize("model", SHIPPED)
