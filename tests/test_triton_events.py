@@ -20,12 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fair_frontend.backends.triton.sse import Events, TritonEvents, _EventConnection
+from fair_frontend.backends.triton.embedded import free_port
+from fair_frontend.backends.triton.sse import Events, TritonEvents, _EventConnection, error_message
 from fair_frontend.backends.triton.watchdog import NoProgress
-from fair_frontend.embedded import free_port
 from fair_frontend.errors import FrontendError, StalledStream, Unavailable
 from fair_frontend.shell.process import forwarders
-from fair_frontend.shell.relay import _event_error, _EventCounts
+from fair_frontend.shell.relay import _EventCounts
 from fair_frontend.wire.records import Settings
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
@@ -313,8 +313,8 @@ def test_a_token_per_event_is_read_as_the_patterns_read_it(events: bytes, hide: 
 
 
 def test_an_error_event_gives_its_message() -> None:
-    assert _event_error(b'data: {"error":"Request was cancelled"}\n\n') == "Request was cancelled"
-    assert _event_error(b"data: {not json\n\n") == "{not json"
+    assert error_message(b'data: {"error":"Request was cancelled"}\n\n') == "Request was cancelled"
+    assert error_message(b"data: {not json\n\n") == "{not json"
 
 
 async def test_a_shell_process_streams_from_each_tritons_http_address() -> None:

@@ -10,6 +10,10 @@ it is: ``side_door`` takes a door by the frontend's name for it (``SideDoor``) a
 answers KServe's message for it (a kind other than Triton makes that message). ``events``
 is a server's own event stream (Triton's ``generate_stream``), passed to a client as it
 came where the shell has nothing to add to it; a kind that has none leaves it None.
+
+A server's own metrics feed the core's service estimates (``MetricsReader``, built by the
+kind's name too: ``backends.metrics_reader``): each model's counters between two reads,
+as the feedback loop's own ``TritonDelta``.
 """
 
 from __future__ import annotations
@@ -64,10 +68,14 @@ class Stream(Protocol):
 @dataclass(slots=True)
 class Events:
     """Whole events of a server's own event stream, as it wrote them (Triton's
-    generate_stream: ``data: {...}\\n\\n``, one or more); or the error that ended it."""
+    generate_stream: ``data: {...}\\n\\n``, one or more); or the error that ended it:
+    ``error``, the stream's (not reached, lost, stopped), or ``model_error``, what the
+    model answered in the stream's last event (its server's own error event, left out of
+    ``data``, which holds the events before it)."""
 
     data: bytes = b""
     error: FrontendError | None = None
+    model_error: FrontendError | None = None
 
 
 class EventStream(Protocol):
@@ -132,3 +140,27 @@ class BackendServer(Forwarder, Protocol):
     async def server_ready(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeStatus:
+    """How a ``MetricsReader``'s reads went, for the core's metrics."""
+
+    url: str
+    scrapes: int  # successful
+    failures: int
+    consecutive_failures: int
+    last_success_at: float | None
+    last_error: str | None
+
+
+class MetricsReader(Protocol):
+    """Reads one server's metrics every interval while started, and tells its owner of
+    each model's counters between two reads (``on_delta``) and of every read
+    (``on_scrape``: the loop's time, whether it succeeded)."""
+
+    def start(self) -> Any: ...
+
+    async def stop(self) -> None: ...
+
+    def status(self) -> ScrapeStatus: ...

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 
 from fair_frontend.backends.protocol import EventStream, Stream
-from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.batching import pack
 from fair_frontend.config import Config, Endpoint
 from fair_frontend.endpoint import EndpointPlan
@@ -266,11 +265,6 @@ class StreamRelay:
                                give_back=give_back and not answered)  # fmt: skip
                 return  # given back
             data = got.data
-            error = None
-            cut = data.find(_ERROR_EVENT)
-            if cut >= 0:  # the model's error: Triton's last event
-                error = upstream_message_error(_event_error(data[cut:]))
-                data = data[:cut]
             if data:
                 if not answered and (found := _VERSION.search(data)) is not None:
                     version = found[1].decode()
@@ -279,8 +273,8 @@ class StreamRelay:
                     tally.add(n)
                 answered = True
                 yield InferResponse(req.model, version, req.id, [], {}, grant.quota, data)
-            if error is not None:
-                _stream_failed(error, None, tally, grant, version, give_back=False)
+            if got.model_error is not None:
+                _stream_failed(got.model_error, None, tally, grant, version, give_back=False)
         inbox.end(version)
 
 
@@ -352,7 +346,6 @@ def _stream_failed(
 
 # What the shell reads of Triton's events (``StreamRelay._events``). Keys are not
 # found inside a string: a quote there is escaped.
-_ERROR_EVENT = b'data: {"error":'
 _VERSION = re.compile(rb'"model_version":"([^"\\]*)"')
 
 
@@ -394,15 +387,6 @@ class _EventCounts:
         said = self.counts.findall(data)
         n = sum(max(0, int(x)) for x in said) + data.count(b"\n\n") - len(said)
         return n, self.strip.sub(b"", data) if hide else data
-
-
-def _event_error(data: bytes) -> str:
-    """The message of Triton's error event (``data: {"error": ...}``)."""
-    payload = data[len(b"data: ") :].split(b"\n\n", 1)[0]
-    try:
-        return str(json.loads(payload)["error"])
-    except (ValueError, KeyError, TypeError):
-        return payload.decode("utf-8", "replace")
 
 
 def _triton_gone(err: FrontendError, stopped: FrontendError | None) -> bool:

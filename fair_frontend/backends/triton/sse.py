@@ -26,16 +26,19 @@ was idle is found before its first byte and the request sent once more on a new 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from urllib.parse import quote
 
 from fair_frontend.backends.protocol import Events
 from fair_frontend.backends.triton.http import address, dial, error_of
+from fair_frontend.backends.triton.upstream import upstream_message_error
 from fair_frontend.backends.triton.watchdog import Watchdog
 from fair_frontend.errors import FrontendError, Unavailable
 
 MAX_IDLE = 64  # kept-alive connections per Triton, for the streams to come
 HIGH_WATER = 256 * 1024  # bytes of events held for a consumer before reading pauses
+_ERROR_EVENT = b'data: {"error":'  # the model's error, as Triton writes it in a stream
 
 
 class _Dropped(Exception):
@@ -349,7 +352,13 @@ class SseStream:
                     yield Events(error=self.stopped)
                     return
                 watch.hold()
-                yield Events(data)
+                cut = data.find(_ERROR_EVENT)
+                if cut >= 0:  # the model's error: Triton's last event
+                    yield Events(
+                        data[:cut], model_error=upstream_message_error(error_message(data[cut:]))
+                    )
+                else:
+                    yield Events(data)
                 watch.progress()  # asked for more: the wait for Triton
             if self.stopped is not None:
                 yield Events(error=self.stopped)
@@ -375,3 +384,12 @@ class SseStream:
             watch.close()
             if conn is not None:
                 conn.close()
+
+
+def error_message(data: bytes) -> str:
+    """The message of Triton's error event (``data: {"error": ...}``)."""
+    payload = data[len(b"data: ") :].split(b"\n\n", 1)[0]
+    try:
+        return str(json.loads(payload)["error"])
+    except (ValueError, KeyError, TypeError):
+        return payload.decode("utf-8", "replace")
