@@ -28,8 +28,8 @@ import tritonclient.http.aio as httpaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, free_port
 from fair_frontend.core.metrics import OTHER_ENDPOINT, OTHER_TENANT, UNAUTHENTICATED
-from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.kit.testing import Samples, aeventually, ascrape
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from tests.support import (
@@ -629,7 +629,7 @@ async def test_stale_tritons_metrics_fall_back_to_the_frontends_timing_and_say_s
 
             async def failed_twice() -> bool:
                 async def failures() -> int:
-                    metrics = fe.frontend.triton_metrics
+                    metrics = fe.frontend.backend_metrics
                     return 0 if metrics is None else int(metrics.status().failures)
 
                 return await fe.acall(failures()) >= 2

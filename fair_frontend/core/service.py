@@ -33,8 +33,8 @@ from fair_frontend.admission import (
 )
 from fair_frontend.admission.slo import SloClass, SloClasses
 from fair_frontend.auth import KeyRing
-from fair_frontend.backends.protocol import BackendServer
-from fair_frontend.backends.triton.metrics import TritonMetrics
+from fair_frontend.backends import metrics_reader
+from fair_frontend.backends.protocol import BackendServer, MetricsReader
 from fair_frontend.batching import batch_key
 from fair_frontend.config import Config, ConfigError, Tenant, parse_config
 from fair_frontend.core.accounting import Accounting
@@ -225,7 +225,7 @@ class Core:
         )
         self.accounting.traces = self.traces
         self.sequences = SequenceIds()  # tenants' sequence ids -> the ids Triton sees
-        self.triton_metrics: TritonMetrics | None = None
+        self.backend_metrics: MetricsReader | None = None  # the first Triton's, where read
         self.accepting = True
         self.last_call_at = 0.0  # clock.now() of the latest call (shutdown's quiet)
         self._admitting: set[asyncio.Task[None]] = set()
@@ -919,13 +919,13 @@ class Core:
                 log.warning("endpoint %s: not served by Triton yet (%s)", model, err.message)
         url = self.config.triton.first_metrics_url()
         if url:
-            self.triton_metrics = TritonMetrics(
+            self.backend_metrics = metrics_reader(
                 url,
                 interval_s=self.config.triton.metrics_interval_s,
                 on_delta=self._on_triton_delta,
                 on_scrape=self._on_scrape,
             )
-            self.triton_metrics.start()
+            self.backend_metrics.start()
 
     def _on_triton_delta(self, delta: TritonDelta) -> None:
         runtime = self.runtimes.get(delta.model)
@@ -1049,8 +1049,8 @@ class Core:
         for runtime in self.runtimes.values():
             await runtime.drain(max(0.0, deadline - loop.time()), err)
         await self.pool.close()
-        if self.triton_metrics is not None:
-            await self.triton_metrics.stop()
+        if self.backend_metrics is not None:
+            await self.backend_metrics.stop()
         await self.limiter.close()
         if self.traces is not None:  # the last spans out (off the loop: a blocking flush)
             await asyncio.to_thread(self.traces.flush)

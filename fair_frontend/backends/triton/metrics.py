@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from fair_frontend.backends.protocol import ScrapeStatus
 from fair_frontend.feedback.delta import DEFAULT_METRICS_INTERVAL_S, TritonDelta
 
 log = logging.getLogger(__name__)
@@ -165,18 +166,6 @@ def _delta(
         tokens=tokens,
         reset=reset,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeStatus:
-    """The scraper's health, for the metrics layer."""
-
-    url: str
-    scrapes: int  # successful
-    failures: int
-    consecutive_failures: int
-    last_success_at: float | None
-    last_error: str | None
 
 
 class TritonMetrics:
