@@ -36,8 +36,8 @@ import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
 from benchmarks.harness import progress, write_result
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.config import Config, parse_config
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 
 TIERS = ["enterprise", "standard", "trial"]

@@ -97,10 +97,10 @@ from benchmarks.harness import (
     wait_http_ready,
     write_config,
 )
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import wire_key
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import free_port
 from fair_frontend.endpoint import plan
 from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor

@@ -63,7 +63,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import free_port
+from fair_frontend.backends.triton.embedded import free_port
 
 MIB = 1 << 20
 KEY = "door-bench-key"

@@ -55,7 +55,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import process_group_members
+from fair_frontend.backends.triton.embedded import process_group_members
 from fair_frontend.kit import testing
 
 MODEL = "llm"

@@ -43,9 +43,9 @@ from typing import Any, cast
 import numpy as np
 
 from benchmarks.harness import RESULTS, ROOT, load_example_config, progress, write_result
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen

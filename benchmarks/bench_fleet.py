@@ -66,7 +66,11 @@ from benchmarks.harness import (
     write_config,
     write_result,
 )
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
+from fair_frontend.backends.triton.embedded import (
+    EmbeddedTriton,
+    default_model_repository,
+    free_port,
+)
 from fair_frontend.kit.testing import perf_analyzer, perf_analyzer_binary, scrape
 
 TEST_MODELS = ROOT / "tests" / "model_repository"

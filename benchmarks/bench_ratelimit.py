@@ -93,8 +93,8 @@ from fair_frontend.admission import (
     RedisStorage,
     limit_key,
 )
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.config import resolve_relative_paths
-from fair_frontend.embedded import free_port
 from fair_frontend.kit import testing
 from fair_frontend.protocol import Tensor
 from fair_frontend.quota import Quota, QuotaWindow, quota_headers

@@ -75,7 +75,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import free_port, llm_with_stream_interval
+from fair_frontend.backends.triton.embedded import free_port, llm_with_stream_interval
 
 MODEL = "llm"
 PROMPT = "a tenant asks the engine for a story about"

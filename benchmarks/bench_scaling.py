@@ -31,7 +31,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import default_model_repository
+from fair_frontend.backends.triton.embedded import default_model_repository
 from fair_frontend.kit.testing import perf_analyzer
 
 MODEL = "simple"

@@ -51,7 +51,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.harness import frontend, load_example_config, progress, triton, write_result
-from fair_frontend.embedded import llm_with_stream_interval
+from fair_frontend.backends.triton.embedded import llm_with_stream_interval
 from fair_frontend.kit import testing
 
 MODEL = "llm"

@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from benchmarks.echo_server import Echo
 from benchmarks.harness import progress, write_result
-from fair_frontend.embedded import free_port
+from fair_frontend.backends.triton.embedded import free_port
 
 
 class Slow(Echo):

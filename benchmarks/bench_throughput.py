@@ -52,7 +52,7 @@ from benchmarks.harness import (
     triton,
     write_result,
 )
-from fair_frontend.embedded import free_port
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.kit import testing
 from fair_frontend.kit.testing import perf_analyzer
 

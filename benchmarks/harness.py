@@ -26,8 +26,12 @@ from typing import Any
 
 import yaml
 
+from fair_frontend.backends.triton.embedded import (
+    EmbeddedTriton,
+    default_model_repository,
+    free_port,
+)
 from fair_frontend.config import resolve_relative_paths
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

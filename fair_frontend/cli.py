@@ -35,6 +35,11 @@ from typing import Any
 import uvloop
 
 from fair_frontend.auth import GatewayTrust, KeyRing, ModelAccess, hash_key
+from fair_frontend.backends.triton.embedded import (
+    EmbeddedTriton,
+    TritonStartError,
+    default_model_repository,
+)
 from fair_frontend.config import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
@@ -45,7 +50,6 @@ from fair_frontend.config import (
     reference,
 )
 from fair_frontend.core.metrics import reference as metrics_reference
-from fair_frontend.embedded import EmbeddedTriton, TritonStartError, default_model_repository
 from fair_frontend.fleet import (
     DEFAULT_CORE_PORT,
     DEFAULT_KUBERNETES_LEASE_S,

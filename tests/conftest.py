@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import eventually
 from tests.support import RunningFrontend, make_config, running_frontend
 

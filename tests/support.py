@@ -30,8 +30,8 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import EndpointPlan, plan
 from fair_frontend.kit.testing import free_port, scrape
 from fair_frontend.models import ModelInfo

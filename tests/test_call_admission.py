@@ -29,8 +29,8 @@ import openai
 import pytest
 
 from fair_frontend.admission import items_from_limits, limit_key
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, eventually
 from fair_frontend.quota import Quota
 from fair_frontend.tokens import load_tokenizer, max_token_bytes

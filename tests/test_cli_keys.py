@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from fair_frontend.auth import KeyRing
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.cli import key_set_problem, model_access_problem
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import free_port
 from tests.support import config_dict
 
 

@@ -59,6 +59,7 @@ from tritonclient.utils import InferenceServerException
 
 from fair_frontend.admission import RedisStorage
 from fair_frontend.auth import KeyRing, hash_key
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, free_port
 from fair_frontend.cli import DEMO_KEYS as CLI_DEMO_KEYS
 from fair_frontend.cli import _listen, build_parser, is_example_config
 from fair_frontend.config import (
@@ -71,7 +72,6 @@ from fair_frontend.config import (
 )
 from fair_frontend.core.metrics import exported_families
 from fair_frontend.core.plan import rate_limiter
-from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.fleet import DEFAULT_CORE_PORT
 from fair_frontend.kit.testing import fetch
 from tests.deploy_support import (
@@ -1409,7 +1409,7 @@ def test_compose_services_drop_privileges_and_keep_the_operators_ports_local() -
 _READ_ONLY_STACK = """
 import json, os, pathlib, sys, urllib.request
 import numpy as np, tritonclient.grpc as grpcclient
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from tests.support import KEYS, ids_input, make_config
 

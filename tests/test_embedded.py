@@ -27,8 +27,7 @@ import tritonclient.http as httpclient
 import yaml
 
 from fair_frontend.auth import hash_key
-from fair_frontend.cli import demo_banner
-from fair_frontend.embedded import (
+from fair_frontend.backends.triton.embedded import (
     STUB_NAME,
     EmbeddedTriton,
     TritonStartError,
@@ -38,6 +37,7 @@ from fair_frontend.embedded import (
     is_wheel_tritonserver,
     process_group_members,
 )
+from fair_frontend.cli import demo_banner
 from tests.support import config_dict
 
 ECHO_CONFIG = """

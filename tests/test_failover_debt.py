@@ -28,7 +28,7 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.fleet import DEFAULT_LEASE_S
 from fair_frontend.fleet.election import POLLS, STEP_DOWN
 from fair_frontend.kit.testing import aeventually, ascrape, eventually

@@ -29,8 +29,12 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import (
+    EmbeddedTriton,
+    default_model_repository,
+    free_port,
+)
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository, free_port
 from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually, ascrape
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from fair_frontend.server import Listen

@@ -29,7 +29,7 @@ import tritonclient.grpc.aio as grpcaio
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import (
     GATE_PARAMETER,
     Gate,

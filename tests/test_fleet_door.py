@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from fair_frontend.auth import hash_key
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, eventually, free_port
 from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.wire.framing import encode

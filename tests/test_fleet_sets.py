@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 import yaml
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, ascrape, eventually, free_port
 from tests.support import KEYS, Proc, config_dict, http_status, ids_input, repeat_stream, start
 

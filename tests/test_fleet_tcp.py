@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, eventually, free_port
 from tests.support import config_dict, start
 from tests.test_fleet import SECRET, Core, Shell, _embed

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, free_port
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, free_port
 from fair_frontend.backends.triton.forwarder import TritonForwarder
-from fair_frontend.embedded import EmbeddedTriton, free_port
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.protocol import Batch, RequestedOutput, Tensor
 

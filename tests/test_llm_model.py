@@ -33,7 +33,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import eventually, scrape
 from python_backend import nets
 from python_backend import tokenizer as tokenizer_module

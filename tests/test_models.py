@@ -28,7 +28,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import eventually, scrape
 from python_backend import nets
 from python_backend.embed import EmbedModel

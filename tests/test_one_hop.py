@@ -26,9 +26,9 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
 from fair_frontend.core.granted import GrantedDispatcher
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually
 from fair_frontend.observability.logs import REQUEST_LOGGER
 from tests.support import (

@@ -24,9 +24,9 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.cli import _listen, build_parser
 from fair_frontend.config import DEFAULT_METRICS_HOST
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import perf_analyzer, scrape
 from fair_frontend.server import Listen
 from tests.support import (

@@ -24,9 +24,9 @@ from redis.connection import parse_url
 from tritonclient.utils import InferenceServerException
 
 from fair_frontend.admission import RedisStorage
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, free_port
 from fair_frontend.config import ConfigError, RateLimiting, parse_config, url_with_password
 from fair_frontend.core.plan import rate_limiter
-from fair_frontend.embedded import EmbeddedTriton, free_port
 from tests.support import KEYS, config_dict, ids_input, required_tool, running_frontend
 
 # Characters a URI must escape, so the test sees the encoding work.

@@ -24,7 +24,7 @@ from torch import nn
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import eventually, perf_analyzer
 from fair_frontend.shell.api.rerank import pair_rows, row_request
 from fair_frontend.tokens import load_tokenizer

@@ -38,10 +38,10 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import ShellConnection
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, ascrape
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome

@@ -33,10 +33,10 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
 from fair_frontend.core import Core
 from fair_frontend.core.shells import INTAKE_SLICE, Intake, ShellConnection
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from fair_frontend.embedded import (
+from fair_frontend.backends.triton.embedded import (
     EmbeddedTriton,
     default_model_repository,
     llm_with_stream_interval,

@@ -20,7 +20,7 @@ import signal
 
 import pytest
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import eventually
 from tests.conftest import TEST_MODEL_REPOSITORY, shared
 

@@ -20,9 +20,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.cli import StartRefused, check_start
 from fair_frontend.config import ConfigError
-from fair_frontend.embedded import EmbeddedTriton
 from tests.support import KEYS, RunningFrontend, config_dict, make_config, required_tool
 from tests.support import running_frontend as start_frontend
 

@@ -27,8 +27,8 @@ import tritonclient.grpc.aio as grpcaio
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import aeventually, ascrape
 from fair_frontend.observability.tracing import Traces
 from tests.support import KEYS, RunningFrontend, config_dict, llm_inputs, running_frontend

@@ -28,9 +28,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import yaml
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.config import Config, Endpoint, parse_config, resolve_relative_paths
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import plan
 from fair_frontend.errors import FrontendError
 from fair_frontend.shell.api import openai

@@ -37,7 +37,7 @@ from typing import Any, TypeVar, overload
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fair_frontend.embedded import free_port
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.kit.gates import GATE_FIRST_PARAMETER, GATE_PARAMETER, Gate, hold_at_gate
 
 __all__ = [

@@ -23,8 +23,8 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.core.dispatch import CoreRequest
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import ModelUnavailable, UpstreamError
 from fair_frontend.outcomes import Outcome
 from tests.core.dispatch_support import Harness

@@ -44,8 +44,8 @@ from typing import Any
 
 import pytest
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config, parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import eventually
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.shell import door as shell_door

@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import ShellPool
 from tests.support import (
     ANSWER_TIMEOUT_S,

@@ -27,8 +27,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Endpoint
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate
 from fair_frontend.protocol import INT64_MAX, MAX_ID_BYTES, InferRequest, Tensor

@@ -44,8 +44,8 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend import grpc_codec
 from fair_frontend.auth import MISSING_KEY
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.kit.testing import perf_analyzer
 from fair_frontend.protocol import DTYPES

@@ -49,8 +49,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.shell import http_server
 from fair_frontend.shell.http_codec import decode_infer
 from tests.support import (

@@ -29,8 +29,8 @@ import pytest
 from multidict import CIMultiDict
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import ConfigError, parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from tests.support import KEYS, RunningFrontend, config_dict, make_config, running_frontend
 
 SECRET = "gateway-test-secret"

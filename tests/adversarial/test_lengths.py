@@ -20,10 +20,10 @@ from typing import Any, cast
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.batching import batch_key, pack
 from fair_frontend.config import Config, CostUnit, Endpoint, PaddedInput, Padding, parse_config
 from fair_frontend.core.dispatch import CoreRequest
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import plan
 from fair_frontend.kit.testing import eventually
 from fair_frontend.models import ModelInfo, TensorSpec

@@ -21,9 +21,9 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.backends.triton.http import error_of
 from fair_frontend.backends.triton.upstream import upstream_error
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.errors import Unavailable
 from fair_frontend.kit.testing import aeventually, scrape
 from fair_frontend.outcomes import Outcome

@@ -39,9 +39,9 @@ import pytest
 from prometheus_client import generate_latest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config, parse_config
 from fair_frontend.core.metrics import FrontendMetrics
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import eventually, fetch, parse, scrape
 from fair_frontend.observability.logs import REQUEST_LOGGER, JsonFormatter
 from fair_frontend.outcomes import Outcome

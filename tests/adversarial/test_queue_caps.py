@@ -28,8 +28,8 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import MSG_QUEUE_FULL
 from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from tests.support import KEYS, RunningFrontend, config_dict, ids_input, running_frontend

@@ -25,9 +25,9 @@ import pytest
 from tritonclient.grpc import model_config_pb2
 
 from fair_frontend.backends.protocol import BackendServer
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.core.service import ModelRegistry
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import UnknownModel, UpstreamError
 from fair_frontend.models import ModelInfo
 from tests.support import KEYS, make_config, running_frontend

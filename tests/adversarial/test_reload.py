@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config, ConfigError
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import free_port
 from tests.support import (
     KEYS,

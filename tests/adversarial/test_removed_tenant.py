@@ -23,9 +23,9 @@ import pytest
 from fair_frontend.admission import RateLimiter, RedisStorage
 from fair_frontend.admission.storage import Checked
 from fair_frontend.backends.protocol import BackendServer
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import Config
 from fair_frontend.core import Core
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from tests.support import KEYS, KServe, RedisProcess, make_config
 

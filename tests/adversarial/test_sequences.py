@@ -22,8 +22,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.core.sequences import IDLE_MARGIN, OpenSequence, SequenceIds
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument, RateLimited
 from fair_frontend.fleet.debt import FairnessState
 from tests.support import KEYS, RunningFrontend, make_config, running_frontend

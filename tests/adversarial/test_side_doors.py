@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.errors import Unavailable, UpstreamError
 from fair_frontend.kit.testing import scrape
 from fair_frontend.shell.lookup_cache import MAX_KEPT_NAME_CHARS, LookupCache

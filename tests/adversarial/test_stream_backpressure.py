@@ -42,8 +42,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually
 from fair_frontend.scheduler import Counters
 from fair_frontend.server import ShellPool

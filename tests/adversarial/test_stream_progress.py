@@ -30,9 +30,9 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 
 from fair_frontend.backends.protocol import StreamReply
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.backends.triton.forwarder import TritonForwarder
 from fair_frontend.config import Config
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import GATE_PARAMETER, Gate, aeventually
 from fair_frontend.protocol import Batch, Tensor
 from tests.support import (

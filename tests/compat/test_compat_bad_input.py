@@ -39,8 +39,8 @@ from compat_support import (
 )
 from tritonclient.grpc import service_pb2
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton
 from tests.support import RunningFrontend, config_dict, running_frontend
 
 IA = grpc.StatusCode.INVALID_ARGUMENT

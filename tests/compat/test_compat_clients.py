@@ -34,7 +34,7 @@ from compat_support import (
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from tests.support import RunningFrontend
 
 RNG = np.random.default_rng(20261129)

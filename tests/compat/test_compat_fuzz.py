@@ -51,7 +51,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.errors import MSG_TIMEOUT_EXPIRED
 from fair_frontend.protocol import DTYPES
 from tests.support import RunningFrontend

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from compat_support import TENANT
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import perf_analyzer, perf_analyzer_binary
 from tests.support import (
     KEYS,

@@ -24,7 +24,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from compat_support import KEY_HEADER
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from tests.support import RunningFrontend
 
 VALUES = [11, 7, 5, 3, 2, 0, 1]  # the example's

@@ -35,7 +35,7 @@ from compat_support import (
 )
 from tritonclient.grpc import service_pb2
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.shell.http_codec import decode_raw_infer, json_string_bytes

@@ -22,11 +22,11 @@ from compat_support import KEY_HEADER, KEY_METADATA, http_request, simple_grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from fair_frontend import __version__
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.backends.triton.model_config import model_info
 from fair_frontend.batching import OUTPUTS_PARAMETER, ROWS_PARAMETER, batch_key, pack
 from fair_frontend.config import Config, Endpoint, PaddedInput, Padding
 from fair_frontend.core.dispatch import CoreRequest, Route
-from fair_frontend.embedded import EmbeddedTriton
 from fair_frontend.endpoint import plan
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.models import ModelInfo, TensorSpec, validate

@@ -36,8 +36,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.backends.triton.metrics import TenantUsage, TritonMetrics
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.feedback import ServiceModel, Source, TritonDelta
 from fair_frontend.kit.testing import aeventually, ascrape, eventually
 from fair_frontend.scheduler.cost import CostUnit

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from fair_frontend.backends.triton.embedded import free_port
 from fair_frontend.backends.triton.metrics import (
     TENANT_ROWS,
     TENANT_TOKENS,
@@ -23,7 +24,6 @@ from fair_frontend.backends.triton.metrics import (
     TritonMetrics,
     parse_metrics,
 )
-from fair_frontend.embedded import free_port
 from fair_frontend.feedback import TritonDelta
 from python_backend import metering
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from tests.support import KEYS, TEST_MODEL_REPOSITORY, make_config, running_frontend
 from tests.triton_suites.runner import DIRECT, FRONTEND, SIDES, Results, Target, run_all, summary
 

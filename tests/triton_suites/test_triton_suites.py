@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fair_frontend.embedded import EmbeddedTriton
+from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from tests.support import KEYS, make_config, running_frontend
 from tests.triton_suites.runner import (
     DIRECT,

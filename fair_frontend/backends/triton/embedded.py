@@ -219,7 +219,9 @@ def default_model_repository() -> Path:
     Raises ``FileNotFoundError`` saying to pass ``--model-repository`` when the package is
     installed without its source tree (a non-editable install has no such directory).
     """
-    repo = Path(__file__).resolve().parent.parent / "model_repository"
+    repo = (
+        Path(__file__).resolve().parents[3] / "model_repository"
+    )  # fair_frontend/backends/triton/
     if not repo.is_dir():
         raise FileNotFoundError(
             f"no model repository at {repo}: fair_frontend seems installed without its source "
