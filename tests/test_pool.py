@@ -1,8 +1,9 @@
 """A pool of two real Tritons behind one frontend (``triton.backends``; ``core.pool``).
 
-Two ``tritonserver`` processes of this test's own (one of them gets killed), each serving
-``embed``, the decoupled ``repeat_int32`` and ``flood`` (its answers held at a gate the test
-opens), on free loopback ports; the frontend in front of both, in either link mode
+Two ``tritonserver`` processes of this module's own (each test kills one, started again
+before the next), each serving ``embed``, the decoupled ``repeat_int32`` and ``flood`` (its
+answers held at a gate the test opens), on free loopback ports; the frontend in front of
+both, in either link mode
 (``workers``: the shell in the core's process, or two shell processes streaming over the
 socket). What users see: load spreads over both, a Triton killed mid-load costs only the
 requests running on it (UNAVAILABLE, retryable), the rest is served by the other one, and
@@ -19,6 +20,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from fair_frontend.backends.triton.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.config import parse_config
-from fair_frontend.embedded import EmbeddedTriton, default_model_repository
 from fair_frontend.kit.testing import (
     GATE_FIRST_PARAMETER,
     GATE_PARAMETER,
@@ -44,11 +46,13 @@ WIDE = np.full((1, 1024), 3, dtype=np.int32)
 # Rows of flood, held at a gate: more than both Tritons' batches in flight hold (their
 # slots' batches and an early send each, of 64 rows), so that some wait in the queue.
 FLOOD = 300
+STOP_GRACE_S = 2.0  # the module's Tritons at its end: nothing of theirs is kept
 
 
-@pytest.fixture
-def two_tritons() -> Iterator[list[EmbeddedTriton]]:
-    """Two Tritons of this test's own, serving only ``embed``, ``repeat_int32``, ``flood``."""
+@pytest.fixture(scope="module")
+def _pair() -> Iterator[list[EmbeddedTriton]]:
+    """Two Tritons of this module's own, serving only ``embed``, ``repeat_int32``,
+    ``flood``, started together (each is seconds of the suite's time)."""
     servers = [
         EmbeddedTriton(
             [default_model_repository(), TEST_MODELS],
@@ -62,12 +66,22 @@ def two_tritons() -> Iterator[list[EmbeddedTriton]]:
         for _ in range(2)
     ]
     try:
-        for server in servers:
-            server.start()
+        with ThreadPoolExecutor(2) as starting:
+            list(starting.map(EmbeddedTriton.start, servers))
         yield servers
     finally:
         for server in servers:
-            server.stop()
+            server.stop(grace_s=STOP_GRACE_S)
+
+
+@pytest.fixture
+def two_tritons(_pair: list[EmbeddedTriton]) -> list[EmbeddedTriton]:
+    """The module's two Tritons, both serving: each test SIGKILLs one, which is started
+    again (on its ports) before the next. A test reads their counters as differences."""
+    for server in _pair:
+        if not server.is_running():
+            server.restart()
+    return _pair
 
 
 def pool_frontend(tritons: list[EmbeddedTriton], workers: int) -> tuple[FrontendServer, Any]:
@@ -120,14 +134,15 @@ async def served_by(triton: EmbeddedTriton, model: str) -> int:
     return sum(int(s.inference_stats.success.count) for s in stats.model_stats)
 
 
-async def served_some(tritons: list[EmbeddedTriton], model: str) -> None:
-    """Wait until each of ``tritons`` says it served ``model``: Triton counts a request
-    once its ``execute`` has returned, after its answers went out (a decoupled model's
-    final response among them), so a moment after the client had them."""
-    for triton in tritons:
+async def served_some(tritons: list[EmbeddedTriton], model: str, since: list[int]) -> None:
+    """Wait until each of ``tritons`` says it served ``model`` since it counted ``since``:
+    Triton counts a request once its ``execute`` has returned, after its answers went out
+    (a decoupled model's final response among them), so a moment after the client had
+    them."""
+    for triton, before in zip(tritons, since, strict=True):
 
-        async def counted(triton: EmbeddedTriton = triton) -> bool:
-            return await served_by(triton, model) > 0
+        async def counted(triton: EmbeddedTriton = triton, before: int = before) -> bool:
+            return await served_by(triton, model) > before
 
         await aeventually(counted, 30, 0.05, what=f"{triton.grpc_url} to count {model} served")
 
@@ -175,6 +190,8 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
         fe = RunningFrontend(server, background)
         assert [b.grpc_url for b in server.backends] == [first.grpc_url, second.grpc_url]
         client = grpcaio.InferenceServerClient(fe.grpc_url)
+        embedded = [await served_by(t, "embed") for t in two_tritons]
+        streamed = [await served_by(t, "repeat_int32") for t in two_tritons]
         try:
             # 1. Load spreads over both: batches, and the streams granted to the shells
             # (each shell streams from the Triton its grant names).
@@ -184,8 +201,8 @@ async def test_two_tritons_share_the_load_and_one_killed_costs_only_its_own(
                 *(repeat_stream(fe.grpc_url, [50] * 4) for _ in range(6))
             )
             assert streams == [(4, None)] * 6
-            await served_some(two_tritons, "embed")
-            await served_some(two_tritons, "repeat_int32")
+            await served_some(two_tritons, "embed", embedded)
+            await served_some(two_tritons, "repeat_int32", streamed)
 
             # 2. The second one SIGKILLed under a flood, held at a gate in both Tritons
             # until the test opens it (none of it can end first): the frontend stays ready
@@ -290,9 +307,10 @@ async def test_streams_granted_to_a_killed_triton_are_served_by_the_other(
     with background:
         fe = RunningFrontend(server, background)
         # Both Tritons take streams (each shell's channel to each is up).
+        streamed = [await served_by(t, "repeat_int32") for t in two_tritons]
         streams = await asyncio.gather(*(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(6)))
         assert streams == [(3, None)] * 6
-        await served_some(two_tritons, "repeat_int32")
+        await served_some(two_tritons, "repeat_int32", streamed)
         before = await served_by(first, "repeat_int32")
         assert second.pid is not None
         os.killpg(second.pid, signal.SIGKILL)
@@ -339,6 +357,7 @@ async def test_a_stream_in_a_killed_triton_before_its_first_response_is_served_b
             # Each Triton has one instance of repeat_int32, and the core one slot on each.
             await aeventually(lambda: gate.held == 2, 60, 0.01, what="a stream in each Triton")
             assert await fe.acall(_running(fe, "repeat_int32")) == [1, 1]
+            before = await served_by(first, "repeat_int32")
             assert second.pid is not None
             os.killpg(second.pid, signal.SIGKILL)
             await aeventually(
@@ -353,7 +372,7 @@ async def test_a_stream_in_a_killed_triton_before_its_first_response_is_served_b
             assert results == [(3, None)] * 2, [str(err) for _, err in results if err]
 
             async def both_on_first() -> bool:
-                return await served_by(first, "repeat_int32") == 2
+                return await served_by(first, "repeat_int32") - before == 2
 
             await aeventually(both_on_first, 30, 0.05, what="the first Triton to count both")
         finally:
