@@ -421,7 +421,15 @@ class SimShell(Framed):
     def stream(self, tenant: str, max_tokens: int) -> None:
         """An ``llm`` stream asking for ``max_tokens``."""
         tokens = PROMPT_TOKENS + max_tokens
-        self._call(tenant, self.driver.llm_request, tokens, None, True, max_tokens)
+        self._call(
+            tenant,
+            self.driver.llm_facts,
+            tokens,
+            None,
+            True,
+            max_tokens,
+            nbytes=self.driver.llm_nbytes,
+        )
 
     def _call(
         self,
@@ -452,7 +460,8 @@ class SimShell(Framed):
             stream,
             max_tokens,
             key=key,
-            logged=bool(key) and LOGGED_BY_SHELLS,  # one hop: as a shell's config says
+            # One hop (a unary call's rows, a stream's slot): as a shell's config says.
+            logged=(bool(key) or (stream and not request.inputs)) and LOGGED_BY_SHELLS,
         )
         self.pending[call_id] = (tenant, now)
         self.driver.books[tenant].sent += 1
@@ -571,6 +580,10 @@ class Driver:
             self.embed_request, inputs=[], outputs=[], parameters={}
         )
         self.embed_key = b""
+        # A stream's facts, as a shell process sends them (``_facts`` without a key): the
+        # core grants its slot on them; its tensors go from the shell to Triton.
+        self.llm_nbytes = sum(t.nbytes for t in self.llm_request.inputs)
+        self.llm_facts = dataclasses.replace(self.llm_request, inputs=[], outputs=[], parameters={})
         self.on_answer: Callable[[SimShell, str], None] = lambda shell, tenant: None
         self.on_grant: Callable[[SimShell, int], None] = lambda shell, call_id: None
 
@@ -1144,11 +1157,12 @@ def processes(
 # ---- GPUs one core serves ---------------------------------------------------------------------
 
 
-def net_of_streams(results: dict[str, Any]) -> None:
+def net_of_streams(results: dict[str, Any], link: str = "") -> None:
     """Per token less what its streams' starts cost: each tokens step's streams started
-    a second times the CPU per new stream of the streams step offered the nearest rate."""
-    streams = [s for s in results.get("streams", {}).get("steps", []) if s["core_cpu_us"]]
-    tokens = results.get("tokens")
+    a second times the CPU per new stream of the streams step offered the nearest rate
+    (``link``: as ``gpus_served``'s)."""
+    streams = [s for s in results.get(f"streams{link}", {}).get("steps", []) if s["core_cpu_us"]]
+    tokens = results.get(f"tokens{link}")
     if not streams or not tokens:
         return
     for step in tokens["steps"]:
@@ -1160,15 +1174,16 @@ def net_of_streams(results: dict[str, Any]) -> None:
         step["core_cpu_us_less_stream_starts"] = left / step["done_per_s"]
 
 
-def gpus_served(results: dict[str, Any]) -> dict[str, Any]:
+def gpus_served(results: dict[str, Any], link: str = "") -> dict[str, Any]:
     """From the measured rates: how many GPUs' worth of work one core decides. Two ways:
     the saturation rate measured here (the core had what CPU 0 gave it on this shared
-    machine), and one whole CPU over the CPU per unit at saturation."""
+    machine), and one whole CPU over the CPU per unit at saturation. ``link``: "_tcp" for
+    the figures over TCP (``--link both``), "" for the first link's."""
     out: dict[str, Any] = {
         "method": "rate one core decides / one GPU's rate; 'measured': the saturation rate "
         "measured here; 'one_cpu': 1 s of CPU / the core's CPU per unit at saturation"
     }
-    unary = results.get("unary")
+    unary = results.get(f"unary{link}")
     if unary:
         rates = {"measured": unary["saturation_per_s"], "one_cpu": unary["one_core_per_s_by_cpu"]}
         out["embed_h200"] = {
@@ -1176,7 +1191,7 @@ def gpus_served(results: dict[str, Any]) -> dict[str, Any]:
             "core_per_s": rates,
             "gpus": {k: v / H200_EMBED_PER_S for k, v in rates.items() if v},
         }
-    tokens = results.get("tokens")
+    tokens = results.get(f"tokens{link}")
     if tokens:
         lo, hi = H100_8B_TOKENS_PER_S
         rates = {"measured": tokens["saturation_per_s"], "one_cpu": tokens["one_core_per_s_by_cpu"]}
@@ -1359,7 +1374,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     net_of_streams(results)
+    net_of_streams(results, "_tcp")
     results["gpus_served"] = gpus_served(results)
+    if args.link == "both":
+        results["gpus_served_tcp"] = gpus_served(results, "_tcp")
     results["run"] = {
         "shells": args.shells,
         "quick": quick,
