@@ -302,6 +302,17 @@ class Endpoint(_Strict):
         "instead of waiting for a slot to turn over (a hog's generations can be long). "
         "Costs a lone tenant that many slots of the engine's batch.",
     )
+    light_slots: int = Field(
+        default=0,
+        ge=0,
+        description="Engine mode: the last light_slots free slots go only to a request "
+        "whose program holds no slot (a chat's call beside its own or another tenant's "
+        "agent fan-out; programs: x-program-id, the OpenAI user field, the program "
+        "parameter; a request naming none is its tenant's one program), the fairest such "
+        "request first, so it finds a slot free instead of waiting for one to turn over. "
+        "The rest wait for more slots to free: costs a busy engine up to that many idle "
+        "slots while no such request waits.",
+    )
     tokenizer: str | None = Field(
         default=None,
         description="A `tokenizers` JSON file (tokenizer.json; relative paths are from the "
@@ -1643,14 +1654,14 @@ def _endpoint_problems(where: str, ep: Mapping[str, Any]) -> list[str]:
             f"{where}: max_inflight (engine mode: requests in the engine) and "
             "max_inflight_batches (batches built here) exclude each other"
         )
-    kept, slots = ep.get("reserved_slots"), ep.get("max_inflight")
-    if isinstance(kept, int) and kept:
-        if not isinstance(slots, int):
-            problems.append(f"{where}.reserved_slots: needs max_inflight (engine mode)")
-        elif kept >= slots:
-            problems.append(
-                f"{where}.reserved_slots: {kept} must be less than max_inflight ({slots})"
-            )
+    slots = ep.get("max_inflight")
+    for name in ("reserved_slots", "light_slots"):
+        kept = ep.get(name)
+        if isinstance(kept, int) and kept:
+            if not isinstance(slots, int):
+                problems.append(f"{where}.{name}: needs max_inflight (engine mode)")
+            elif kept >= slots:
+                problems.append(f"{where}.{name}: {kept} must be less than max_inflight ({slots})")
     keys, rules = ep.get("sampling_keys"), ep.get("sampling_rules")
     if isinstance(keys, list):
         known = KNOWN_KEYS.get(SamplingRules(rules)) if rules in list(SamplingRules) else None

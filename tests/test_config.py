@@ -206,7 +206,7 @@ def test_default_shells_follow_the_cpus_a_container_may_use(tmp_path: Path) -> N
 
 
 def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
-    """reserved_slots needs max_inflight and must leave a slot; max_inflight and
+    """reserved_slots and light_slots need max_inflight and must leave a slot; max_inflight and
     max_inflight_batches exclude each other; a tokenizer must exist, relative paths
     being from the config file's folder."""
     with pytest.raises(ConfigError) as info:
@@ -218,6 +218,8 @@ def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
                     "b": {"max_inflight": 4, "reserved_slots": 4},
                     "c": {"max_inflight": 4, "max_inflight_batches": 2},
                     "d": {"tokenizer": str(tmp_path / "missing.json")},
+                    "f": {"light_slots": 1},
+                    "g": {"max_inflight": 4, "light_slots": 5},
                 },
             }
         )
@@ -226,6 +228,8 @@ def test_engine_mode_fields_are_checked_together(tmp_path: Path) -> None:
     assert "endpoints.b.reserved_slots: 4 must be less than max_inflight (4)" in problems
     assert "endpoints.c: max_inflight" in problems and "exclude each other" in problems
     assert "endpoints.d.tokenizer: no such file" in problems
+    assert "endpoints.f.light_slots: needs max_inflight" in problems
+    assert "endpoints.g.light_slots: 5 must be less than max_inflight (4)" in problems
     (tmp_path / "tok.json").write_text("{}")
     config_file = tmp_path / "config.yaml"
     config_file.write_text("tiers: [t]\nendpoints:\n  e: {tokenizer: tok.json, max_inflight: 4}\n")

@@ -560,7 +560,7 @@ class Dispatcher(ABC):
                 if hold is not None:
                     self._arm(hold)
                     break
-                batch = self.scheduler.next_batch(now)  # type: ignore[assignment]
+                batch = self._next(now)
             if not batch:
                 break
             self._launch(batch, now, backend)
@@ -569,6 +569,10 @@ class Dispatcher(ABC):
         due = self._next_deadline()
         if due is not None:
             self._arm(due)
+
+    def _next(self, now: float) -> list[CoreRequest]:
+        """The next batch, in the scheduler's order (a mode may choose among the queued)."""
+        return self.scheduler.next_batch(now)  # type: ignore[return-value]
 
     def _launch(self, batch: list[CoreRequest], now: float, backend: int) -> asyncio.Task[None]:
         self.inflight += 1

@@ -12,6 +12,12 @@ Invariants of this mode:
   reserved_slots`` of them, so another tenant's first request finds one free; the next
   in line at its cap waits (and so does everything behind it: the order is the
   scheduler's) until the order changes, which a stream's charged tokens may do;
+* with ``light_slots``, the last that many free slots go only to a request whose
+  program (inside its tenant) holds no slot: the fairest such request queued, taken out
+  of turn (``Scheduler.next_where``; its tenant is charged as for any other), so a
+  chat's call beside agents' fan-outs finds a slot instead of waiting for one to turn
+  over (every slot an agent's, each freeing once a generation). While none waits, those
+  slots stay free: the rest wait for more to free;
 * a call past its deadline fails only the request it carried: a generation may be long,
   and gRPC's keepalive, not a deadline, finds a Triton that stopped answering.
 """
@@ -52,6 +58,26 @@ class EngineDispatcher(Dispatcher):
         capped = self.in_engine(head.tenant) >= cap
         self._capped = head.tenant if capped else None
         return None if capped else backend
+
+    def _next(self, now: float) -> list[CoreRequest]:
+        """The scheduler's next request; with ``light_slots``, where no more than that
+        many slots are free (counting the one about to be taken), the fairest request
+        whose program holds none (the module's doc), or none."""
+        light = self.endpoint.light_slots
+        if not light or self._free() > light:
+            return super()._next(now)
+        busy = {(r.tenant, r.program) for batch in self._tasks.values() for r in batch}
+        for batch in self._held:
+            busy.update((r.tenant, r.program) for r in batch)
+        taken = self.scheduler.next_where(now, lambda r: (r.tenant, r.program) not in busy)
+        return taken  # type: ignore[return-value]
+
+    def _free(self) -> int:
+        """Slots free on the reachable backends, less those the held streams will take."""
+        slots = self.max_inflight
+        running = self.running
+        free = sum(slots - running[i] for i, b in enumerate(self.pool.backends) if b.available)
+        return free - sum(len(batch) for batch in self._held)
 
     def _arm_lead(self) -> None:
         """A slot frees when a request ends, whenever that is: no batch time to send ahead

@@ -8,7 +8,7 @@ the package docstring; this module is its bookkeeping.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from fair_frontend.errors import Internal, QueueFull
@@ -297,6 +297,37 @@ class Scheduler:
         if self._deadlines.live:
             self._expire_due(now, self._expired)
         return self._peek()
+
+    def next_where(self, now: float, ok: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
+        """The next request ``ok`` takes, alone: ``next_batch``'s first request where
+        ``ok`` takes it; else the first head ``ok`` takes in the order the selectors
+        would reach it (tiers highest first, each tier's tenants as its policy ranks
+        them, ``FairnessPolicy.ranked``; a tenant's own head), taken out of turn and
+        charged to its tenant as a charge-back is (``credit``: DRR's budget owes it,
+        VTC's counter counts it). [] where no queued head is one ``ok`` takes: nothing
+        is taken. With ``scheduling: fifo``, the first arrival or nothing.
+
+        An engine's light slots (``core.engine``): a slot kept for a program that holds
+        none goes to the fairest such request queued, not to whoever is next."""
+        if self._deadlines.live:
+            self._expire_due(now, self._expired)
+        head = self._peek()
+        if head is None:
+            return []
+        if ok(head):
+            self._take(head, now)
+            return [head]
+        if not self._fair:
+            return []
+        for tier in self._tiers:
+            if not tier.requests:
+                continue
+            for queue in self._fairness.ranked(tier.fair_state):
+                req = queue.head()
+                if req is not None and ok(req):
+                    self._take_out_of_turn(req, now)
+                    return [req]
+        return []
 
     def expire(self, now: float) -> list[QueuedRequest]:
         """Remove and return every request whose deadline is ``<= now``."""
@@ -751,6 +782,24 @@ class Scheduler:
         queue.served += req.cost
         tier = queue.tier
         self._fairness.charge(tier.fair_state, queue, req.cost)
+        self._tier_selector.record(self._tier_state, tier, req.rows)
+        self._finish(req, _DISPATCHED, now)
+        self._arrivals.discard()
+        if req.deadline is not None:
+            self._deadlines.discard()
+        self._dispatched += 1
+
+    def _take_out_of_turn(self, req: QueuedRequest, now: float) -> None:
+        """Dispatch a tenant's head that its policy did not pick (``next_where``): as
+        ``_take_fair``, charged as a charge-back is."""
+        queue = req._queue
+        assert queue is not None
+        if now >= self._step_end:
+            self._next_step(now)
+        queue.pop_head(req.cost * self._scale)
+        queue.served += req.cost
+        tier = queue.tier
+        self._fairness.credit(tier.fair_state, queue.tenant, req.cost)
         self._tier_selector.record(self._tier_state, tier, req.rows)
         self._finish(req, _DISPATCHED, now)
         self._arrivals.discard()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from fair_frontend.parts import Registry
@@ -67,6 +67,14 @@ class FairnessPolicy(Protocol[S]):
 
     def charge(self, state: S, queue: TenantQueue, cost: float) -> None:
         """The picked tenant's head request, of this cost, was dispatched."""
+
+    def ranked(self, state: S) -> Iterator[TenantQueue]:
+        """The tier's tenants with queued work, the one it would serve first first, with
+        nothing changed (``Scheduler.next_where``: a request taken out of turn, charged
+        by ``credit``). A policy that cannot rank without picking yields its pick."""
+        queue = self.pick(state)
+        if queue is not None:
+            yield queue
 
     def credit(self, state: S, tenant: str, cost: float) -> None:
         """Charge-back: the tenant's requests cost ``cost`` more (less, if negative) than
@@ -233,6 +241,15 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
         turn = state.current
         assert turn is not None and turn.queue is queue, "charge follows pick"
         turn.deficit -= cost
+
+    def ranked(self, state: DrrState) -> Iterator[TenantQueue]:
+        """Round order from the current turn: the listed tenants, each once."""
+        seen: set[str] = set()
+        for turn in state.active:
+            tenant = turn.queue.tenant
+            if turn.listed and tenant not in seen:
+                seen.add(tenant)
+                yield turn.queue
 
     def credit(self, state: DrrState, tenant: str, cost: float) -> None:
         """Charge-back, from the budget of a tenant still in the round: a debt (a budget

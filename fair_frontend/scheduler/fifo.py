@@ -14,6 +14,8 @@ backlogged in the tier): a baseline's price, not a fair policy's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES, FairnessPolicy
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import TierFairness
@@ -52,6 +54,12 @@ class FirstComeFirstServed(FairnessPolicy[FifoState]):
             if head is not None and (first is None or head.seq < first_seq):
                 first, first_seq = queue, head.seq
         return first
+
+    def ranked(self, state: FifoState) -> Iterator[TenantQueue]:
+        """By their heads' arrival."""
+        heads = [(q.head(), q) for q in state.active.values()]
+        for _, queue in sorted((h.seq, q) for h, q in heads if h is not None):
+            yield queue
 
     def charge(self, state: FifoState, queue: TenantQueue, cost: float) -> None:
         """Nothing is owed: arrival alone decides."""

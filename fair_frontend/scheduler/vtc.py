@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 
 from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES, FairnessPolicy
 from fair_frontend.scheduler.queues import TenantQueue
@@ -119,6 +120,16 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
                 return state.active[tenant]
             heapq.heappop(heap)
         return None
+
+    def ranked(self, state: VtcState) -> Iterator[TenantQueue]:
+        """Least counter first: the heap's live entries in order (a copy popped, so
+        ``pick`` and the heap are as they were)."""
+        heap = list(state.heap)
+        live = state.live
+        while heap:
+            _, _, order, tenant = heapq.heappop(heap)
+            if live.get(tenant) == order:
+                yield state.active[tenant]
 
     def charge(self, state: VtcState, queue: TenantQueue, cost: float) -> None:
         tenant = queue.tenant

@@ -102,7 +102,9 @@ class NoTriton:
 class Engine:
     """The runtime of ``llm`` in engine mode, wired as ``Core._runtime`` wires it."""
 
-    def __init__(self, *, slots: int, reserved: int, max_outage_s: float = 60.0) -> None:
+    def __init__(
+        self, *, slots: int, reserved: int, max_outage_s: float = 60.0, light: int = 0
+    ) -> None:
         self.clock = StepClock()
         self.probe = Probe(self.clock)  # Triton's readiness, once it is down
         self.triton = FakeShell()
@@ -111,10 +113,11 @@ class Engine:
             cost=CostUnit.TOKENS,
             max_inflight=slots,
             reserved_slots=reserved,
+            light_slots=light,
             token_output="text_output",
         )
         policy = EndpointPolicy(CostUnit.TOKENS, 0, None, None, ("paid",))
-        tenants = {t: TenantSpec("paid") for t in ("a", "b")}
+        tenants = {t: TenantSpec("paid") for t in ("a", "b", "c")}
         self.scheduler = Scheduler(policy, tenants, GlobalCaps(), fairness=VirtualTokenCounter())
         self.runtime = EngineDispatcher(
             plan=plan_of(self.endpoint, LLM, "llm"),
@@ -129,7 +132,7 @@ class Engine:
         self.triton.runtime = self.runtime
         self._ids = 0
 
-    def submit(self, tenant: str, prompt_tokens: int) -> CoreRequest:
+    def submit(self, tenant: str, prompt_tokens: int, program: str = "") -> CoreRequest:
         self._ids += 1
         text = Tensor("text_input", "BYTES", (1,), np.array([b"hi"], dtype=object))
         request = InferRequest("llm", id=f"{tenant}:{self._ids}", inputs=[text])
@@ -146,14 +149,16 @@ class Engine:
             request,
             True,
         )
-        req = CoreRequest(tenant, 1, prompt_tokens, 2, 1, None, None, call=call, route=self.triton)
+        req = CoreRequest(
+            tenant, 1, prompt_tokens, 2, 1, None, None, program, call=call, route=self.triton
+        )
         self.triton.reqs[call.id] = req
         self.runtime.submit(req)
         return req
 
     def _charge(self, req: CoreRequest, tokens: int) -> None:
         self.charged.append((req.tenant, tokens))
-        self.scheduler.charge_back(req.tenant, float(tokens))
+        self.scheduler.charge_back(req.tenant, float(tokens), req.program)
 
     def outcomes(self, req: CoreRequest) -> list[Outcome]:
         return [outcome for r, outcome, _ in self.done if r is req]
@@ -209,6 +214,52 @@ async def test_no_tenant_holds_more_than_max_inflight_less_the_reserved_slots() 
     # ago, so it was next, and has been charged its next request's input.
     assert counters(e) == {"a": 4.0, "b": 3.0}
     assert (len(e.triton.open("a")), len(e.triton.open("b"))) == (2, 1)
+    await e.close()
+
+
+async def test_the_light_slots_go_to_programs_holding_none_the_fairest_first() -> None:
+    """4 slots, 1 light. An agent's calls take 3 and wait for the fourth; a chat's call
+    (its program holds no slot) takes it at once; the chat's next call waits, as its
+    program holds a slot now. The kept slot, once free, waits for a light call however
+    long the agent's queue; a slot freed beyond it goes to the next in line."""
+    e = Engine(slots=4, reserved=0, light=1)
+    for _ in range(6):
+        e.submit("a", 1, "agent")
+    await e.settle()
+    assert len(e.triton.open("a")) == 3 and e.scheduler.depth("a") == 3
+    e.submit("c", 1, "chat")
+    e.submit("c", 1, "chat")
+    await e.settle()
+    assert [s.req.program for s in e.triton.open("c")] == ["chat"]  # at once, one slot
+    assert e.runtime.inflight == 4 and e.scheduler.depth("c") == 1
+    e.triton.open("a")[0].end()  # 1 free, the kept one: no light call queued, none goes
+    await e.settle()
+    assert e.runtime.inflight == 3
+    # c joined lifted to a's counter and was charged its chat's input: a is next in line.
+    assert counters(e) == {"a": 3.0, "c": 4.0}
+    e.triton.open("c")[0].end()  # 2 free: a's agent takes one, c's chat (light now) the last
+    await e.settle()
+    assert [s.req.program for s in e.triton.open("a")] == ["agent"] * 3
+    assert [s.req.program for s in e.triton.open("c")] == ["chat"]
+    e.submit("b", 1, "chat")  # every slot busy: it waits for one
+    await e.settle()
+    assert e.triton.open("b") == []
+    e.triton.open("a")[0].end()  # the kept slot again: b's chat, not a's agents
+    await e.settle()
+    assert [s.req.program for s in e.triton.open("b")] == ["chat"]
+    assert e.scheduler.depth("a") == 2
+    await e.close()
+
+
+async def test_without_light_slots_a_chat_waits_for_a_turnover() -> None:
+    """The control: the same agents fill every slot, and the chat's call waits."""
+    e = Engine(slots=4, reserved=0)
+    for _ in range(6):
+        e.submit("a", 1, "agent")
+    await e.settle()
+    e.submit("c", 1, "chat")
+    await e.settle()
+    assert len(e.triton.open("a")) == 4 and len(e.triton.open("c")) == 0
     await e.close()
 
 
