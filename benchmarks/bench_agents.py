@@ -14,14 +14,17 @@ program named in ``x-program-id``):
 
 Configurations, in one Triton, one invocation, alternated over ``--rounds`` rounds:
 ``programs`` (the default config: a tenant's programs share its turns by least attained
-service) and ``no_programs`` (``queues.programs_per_tenant: 1``: one queue per tenant, as
-before programs), then ``alone``: the chat programs with no agent running. Measured over a
+service), ``light`` (the same with ``light_slots: 4``: the last 4 free slots go only to a
+program holding none, the fairest first) and ``no_programs``
+(``queues.programs_per_tenant: 1``: one queue per tenant, as before programs), then
+``alone``: the chat programs with no agent running. Measured over a
 window after a warm-up: each tenant's share of the output tokens the frontend counted
 (``fair_output_tokens_total``) against its weight's share, and the chat calls' TTFT
 (p50 / p99, every tenant's calls together and per tenant).
 
 Targets (issue 33): chat p99 TTFT with programs / without <= 0.5x; with programs / alone
-<= 2x; every tenant's token share within 5 % of its weight's share.
+<= 2x; every tenant's token share within 5 % of its weight's share. Each is judged for
+``programs`` and for ``light``.
 
     .venv/bin/python -m benchmarks.bench_agents [--rounds 2] [--window-s 40] [--quick]
         [--json PATH]
@@ -57,15 +60,17 @@ TENANTS = {  # name: (API key, weight)
     "c": ("tenant-c-agents-key", 1.0),
     "d": ("tenant-d-agents-key", 1.0),
 }
-CONFIGS = ("programs", "no_programs")
+CONFIGS = ("programs", "light", "no_programs")
+LIGHT_SLOTS = 4  # ``light``: one per tenant's chat
 CHAT_PROMPT = "hello, how are you"
 SCRAPE_S = 0.5
 AGENT_PROMPT = "step {step} of the plan: look up item {i} and summarise what it says"
 
 
-def bench_config(programs: bool) -> dict[str, Any]:
+def bench_config(programs: bool, light: int = 0) -> dict[str, Any]:
     """The example config's ``llm`` endpoint as shipped (64 slots, 8 reserved, token cost),
-    the four tenants in one tier; ``programs`` False: one queue per tenant."""
+    the four tenants in one tier; ``programs`` False: one queue per tenant; ``light``: its
+    ``light_slots``."""
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = "fair"
@@ -73,6 +78,8 @@ def bench_config(programs: bool) -> dict[str, Any]:
     # the engine's tokens on these CPUs: the throttle would refuse some (a 503 the agent
     # would retry); off, every call waits its turn and the shares are the scheduler's.
     cfg["endpoints"][MODEL]["throttle"] = False
+    if light:
+        cfg["endpoints"][MODEL]["light_slots"] = light
     cfg["queues"] = {"max_queued": 100_000}
     if not programs:
         cfg["queues"]["programs_per_tenant"] = 1
@@ -211,7 +218,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     agents = name != "alone"
-    cfg = bench_config(programs=name != "no_programs")
+    cfg = bench_config(programs=name != "no_programs", light=LIGHT_SLOTS if name == "light" else 0)
     window_s = args.window_s if agents else args.alone_s
     with frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
         metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
@@ -356,11 +363,22 @@ def verdict(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "worst_share_error_no_programs": worst_share_off,
         "worst_all_backlogged_share_error_programs": worst_backlogged,
     }
+    if runs.get("light"):
+        out["p99_light_over_no_programs"] = p99["light"] / p99["no_programs"]
+        out["p99_light_over_alone"] = p99["light"] / p99["alone"]
+        out["p99_light_over_programs"] = p99["light"] / p99["programs"]
+        out["worst_share_error_light"] = max(
+            abs(e) for r in runs["light"] for e in r["share_error"].values()
+        )
     out["met"] = {
         "p99_vs_no_programs_le_0.5": out["p99_programs_over_no_programs"] <= 0.5,
         "p99_vs_alone_le_2": out["p99_programs_over_alone"] <= 2.0,
         "shares_within_5pct": worst_share <= 0.05,
     }
+    if runs.get("light"):
+        out["met"]["light_p99_vs_no_programs_le_0.5"] = out["p99_light_over_no_programs"] <= 0.5
+        out["met"]["light_p99_vs_alone_le_2"] = out["p99_light_over_alone"] <= 2.0
+        out["met"]["light_shares_within_5pct"] = out["worst_share_error_light"] <= 0.05
     return out
 
 
@@ -371,9 +389,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = results["runs"]
-    names = ["alone", "programs", "no_programs"]
+    names = ["alone", "light", "programs", "no_programs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    colors = {"alone": "#55a868", "programs": "#4c72b0", "no_programs": "#c44e52"}
+    colors = {"alone": "#55a868", "light": "#8172b2", "programs": "#4c72b0",
+              "no_programs": "#c44e52"}  # fmt: skip
     for name in names:
         values = sorted(x for r in runs[name] for x in r["chat_ttft_s"])
         if not values:
@@ -387,10 +406,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     left.set_title("a tenant's chat beside its own agent's fan-outs")
     left.legend()
     tenants = list(TENANTS)
-    width = 0.35
-    for j, name in enumerate(("programs", "no_programs")):
+    width = 0.25
+    for j, name in enumerate(CONFIGS):
         shares = [statistics.mean(r["share"][t] for r in runs[name]) for t in tenants]
-        xs = [i + (j - 0.5) * width for i in range(len(tenants))]
+        xs = [i + (j - 1) * width for i in range(len(tenants))]
         right.bar(xs, shares, width, color=colors[name], label=name)
     target = runs["programs"][0]["target_share"]
     right.scatter(
@@ -428,7 +447,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="programs / no_programs pairs")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration")
     parser.add_argument("--warmup-s", type=float, default=6.0)
     parser.add_argument("--window-s", type=float, default=40.0)
     parser.add_argument("--alone-s", type=float, default=20.0, help="window of 'alone'")
@@ -449,6 +468,11 @@ def main() -> None:
         f"chat p99 TTFT programs / no_programs {v['p99_programs_over_no_programs']:.3f} "
         f"(target <= 0.5), programs / alone {v['p99_programs_over_alone']:.2f} (target <= 2); "
         f"worst token share error {v['worst_share_error_programs'] * 100:.1f} % (target <= 5 %)"
+    )
+    progress(
+        f"with light slots: chat p99 TTFT / no_programs {v['p99_light_over_no_programs']:.3f}, "
+        f"/ alone {v['p99_light_over_alone']:.2f}, / programs {v['p99_light_over_programs']:.2f}; "
+        f"worst token share error {v['worst_share_error_light'] * 100:.1f} %"
     )
     if args.json:
         path = Path(args.json)

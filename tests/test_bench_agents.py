@@ -37,7 +37,7 @@ def test_the_benchmark_measures_chats_beside_agents_with_and_without_programs(
     # What a window of a few seconds must hold on a loaded machine: something of each
     # kind, not every tenant's (a chat call queued behind a step's fan-out can take
     # longer than the window; the full run's p99 was 2.5 s).
-    for name in ("programs", "no_programs", "alone"):
+    for name in ("programs", "light", "no_programs", "alone"):
         (run,) = r["runs"][name]
         assert all(t > 0 for t in run["chat_ttft_s"]), name
         assert set(run["share"]) == set(TENANTS), name
@@ -50,8 +50,12 @@ def test_the_benchmark_measures_chats_beside_agents_with_and_without_programs(
             assert math.isclose(sum(run["share"].values()), 1.0), name
     v = r["verdict"]
     assert {"p99_programs_over_no_programs", "p99_programs_over_alone"} <= set(v)
+    assert {"p99_light_over_no_programs", "p99_light_over_alone"} <= set(v)
     assert set(v["met"]) == {
         "p99_vs_no_programs_le_0.5",
         "p99_vs_alone_le_2",
         "shares_within_5pct",
+        "light_p99_vs_no_programs_le_0.5",
+        "light_p99_vs_alone_le_2",
+        "light_shares_within_5pct",
     }
