@@ -67,6 +67,7 @@ from fair_frontend.config import CostUnit
 from fair_frontend.core.clock import Clock, Timer
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import Pins
+from fair_frontend.core.silence import SilentGrants
 from fair_frontend.endpoint import EndpointPlan
 from fair_frontend.errors import (
     SHUTTING_DOWN,
@@ -304,6 +305,7 @@ class Dispatcher(ABC):
         on_done: Done = lambda req, outcome, err, version: None,
         on_tokens: Tokens = lambda req, n: None,
         on_served: Served | None = None,
+        silent_after_s: float | None = None,
     ) -> None:
         self.plan = plan  # what the endpoint is: mode, slots, rows (``fair_frontend.endpoint``)
         self.model = plan.model
@@ -353,6 +355,13 @@ class Dispatcher(ABC):
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
+        # A decoupled model's granted streams whose shell went silent for
+        # ``silent_after_s``: taken back (``core.silence``).
+        self._silence: SilentGrants | None = None
+        if info.decoupled and silent_after_s:
+            self._silence = SilentGrants(
+                clock, silent_after_s, self._streams_granted, self._take_back
+            )
         self._start()
         for member in pool.backends:
             member.listeners.append(self.kick)  # one is back: its slots are free
@@ -780,6 +789,8 @@ class Dispatcher(ABC):
         if req.answered:
             return True, False
         ended = req.ended = asyncio.get_running_loop().create_future()
+        if self._silence is not None:
+            self._silence.watch()
         if not req.adopted:
             req.route.answer(
                 Grant(
@@ -797,6 +808,17 @@ class Dispatcher(ABC):
             self._held.append([req])
             return False, True
         return bool(served), False
+
+    def _streams_granted(self) -> list[CoreRequest]:
+        """The granted streams still held (``SilentGrants``)."""
+        return [b[0] for b in self._tasks.values() if b and b[0].ended is not None]
+
+    def _take_back(self, req: CoreRequest, err: Unavailable) -> None:
+        """A granted stream its shell lost (``SilentGrants``): failed, its slot free."""
+        log.warning("%s: %s", self.model, err.message)
+        self._fail(req, err)  # (to its shell: the revoke a live relay stops on)
+        if req.ended is not None and not req.ended.done():
+            req.ended.set_result(False)
 
     def adopt(self, req: CoreRequest, backend: int) -> bool:
         """A stream another core granted, still relayed by its shell (a failover): it

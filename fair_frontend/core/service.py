@@ -59,6 +59,7 @@ from fair_frontend.core.plan import (
 from fair_frontend.core.pool import BackendPool
 from fair_frontend.core.sequences import SequenceIds
 from fair_frontend.core.shedding import Shedding
+from fair_frontend.core.silence import SILENT_MARGIN_S
 from fair_frontend.core.stats import Statistics
 from fair_frontend.endpoint import plan as endpoint_plan
 from fair_frontend.errors import (
@@ -901,6 +902,9 @@ class Core:
                 on_done=self.accounting.on_done,
                 on_tokens=self.accounting.on_tokens,
                 on_served=self.accounting.on_served,
+                silent_after_s=self.config.triton.request_timeout_s
+                + self.config.queues.stalled_stream_s
+                + SILENT_MARGIN_S,
             )
             runtime.traces = self.traces
             self.runtimes[model] = runtime

@@ -103,7 +103,13 @@ class Engine:
     """The runtime of ``llm`` in engine mode, wired as ``Core._runtime`` wires it."""
 
     def __init__(
-        self, *, slots: int, reserved: int, max_outage_s: float = 60.0, light: int = 0
+        self,
+        *,
+        slots: int,
+        reserved: int,
+        max_outage_s: float = 60.0,
+        light: int = 0,
+        silent_after_s: float | None = None,
     ) -> None:
         self.clock = StepClock()
         self.probe = Probe(self.clock)  # Triton's readiness, once it is down
@@ -127,6 +133,7 @@ class Engine:
             clock=self.clock,
             on_done=lambda req, outcome, err, version: self.done.append((req, outcome, err)),
             on_tokens=self._charge,
+            silent_after_s=silent_after_s,
         )
         self.charged: list[tuple[str, int]] = []
         self.triton.runtime = self.runtime
@@ -260,6 +267,32 @@ async def test_without_light_slots_a_chat_waits_for_a_turnover() -> None:
     e.submit("c", 1, "chat")
     await e.settle()
     assert len(e.triton.open("a")) == 4 and len(e.triton.open("c")) == 0
+    await e.close()
+
+
+async def test_a_stream_its_shell_went_silent_on_is_taken_back_and_its_slot_reused() -> None:
+    """Two slots, both granted; one stream's shell reports tokens, the other's says
+    nothing (its relay lost). Past ``silent_after_s`` (40 s here), the silent
+    one is failed UNAVAILABLE to its shell (the revoke a live relay stops on) and its slot
+    goes to the queued call; the talking one, and the new one, run on."""
+    e = Engine(slots=2, reserved=0, silent_after_s=40.0)
+    talking, silent = e.submit("a", 1), e.submit("b", 1)
+    queued = e.submit("a", 1)
+    await e.settle()
+    assert e.runtime.inflight == 2 and e.scheduler.depth("a") == 1
+    stream = next(s for s in e.triton.streams if s.req is talking)
+    for _ in range(12):  # 60 s, a token every 5 s
+        stream.token()
+        await e.advance(5.0)
+    assert e.outcomes(silent) == [Outcome.FAILED]
+    (revoke,) = [a for a in e.triton.answers if a.id == silent.call.id]
+    assert revoke.fault is not None and "said nothing of it" in revoke.fault.message
+    assert e.outcomes(talking) == [] and not talking.answered
+    assert [s.req for s in e.triton.streams if not s.closed and s.req is not silent] == [
+        talking,
+        queued,
+    ]
+    assert e.runtime.inflight == 2
     await e.close()
 
 
