@@ -325,7 +325,7 @@ class Scheduler:
             for queue in self._fairness.ranked(tier.fair_state):
                 req = queue.head()
                 if req is not None and ok(req):
-                    self._take_out_of_turn(req, now)
+                    self._take_fair(req, now, picked=False)
                     return [req]
         return []
 
@@ -772,8 +772,10 @@ class Scheduler:
             raise AssertionError(f"tier {tier.name!r} has work but no tenant to pick")
         return queue.head()
 
-    def _take_fair(self, req: QueuedRequest, now: float) -> None:
-        """Dispatch the request ``_peek_fair`` just returned."""
+    def _take_fair(self, req: QueuedRequest, now: float, picked: bool = True) -> None:
+        """Dispatch the request ``_peek_fair`` just returned; or (``picked`` False) a
+        tenant's head its policy did not pick (``next_where``), charged as a charge-back
+        is (``credit``)."""
         queue = req._queue
         assert queue is not None
         if now >= self._step_end:
@@ -781,25 +783,10 @@ class Scheduler:
         queue.pop_head(req.cost * self._scale)
         queue.served += req.cost
         tier = queue.tier
-        self._fairness.charge(tier.fair_state, queue, req.cost)
-        self._tier_selector.record(self._tier_state, tier, req.rows)
-        self._finish(req, _DISPATCHED, now)
-        self._arrivals.discard()
-        if req.deadline is not None:
-            self._deadlines.discard()
-        self._dispatched += 1
-
-    def _take_out_of_turn(self, req: QueuedRequest, now: float) -> None:
-        """Dispatch a tenant's head that its policy did not pick (``next_where``): as
-        ``_take_fair``, charged as a charge-back is."""
-        queue = req._queue
-        assert queue is not None
-        if now >= self._step_end:
-            self._next_step(now)
-        queue.pop_head(req.cost * self._scale)
-        queue.served += req.cost
-        tier = queue.tier
-        self._fairness.credit(tier.fair_state, queue.tenant, req.cost)
+        if picked:
+            self._fairness.charge(tier.fair_state, queue, req.cost)
+        else:
+            self._fairness.credit(tier.fair_state, queue.tenant, req.cost)
         self._tier_selector.record(self._tier_state, tier, req.rows)
         self._finish(req, _DISPATCHED, now)
         self._arrivals.discard()
