@@ -149,36 +149,45 @@ class ApiRoutes:
         await out.prepare(request)
         scanner = openai.StopScanner(gen.stop)
         around = openai.token_events(gen)
-        await out.write(openai.sse(openai.chunk(gen, "" if gen.chat else None, first=True)))
+        # What is ready goes in one write, before waiting for more: the role chunk with
+        # the first tokens, the last tokens with the finish, usage, [DONE] and the body's
+        # end.
+        ready = [openai.sse(openai.chunk(gen, "" if gen.chat else None, first=True))]
         try:
             pending = [first] if first is not None else []
             while True:
-                resp = pending.pop() if pending else await anext(replies, None)
+                if pending:
+                    resp: InferResponse | None = pending.pop()
+                else:
+                    if ready:
+                        await out.write(b"".join(ready))
+                        ready.clear()
+                    resp = await anext(replies, None)
                 if resp is None:
                     break
                 quoted = _quoted(resp.wire, output) if resp.wire and not scanner.stops else None
                 if quoted is not None:  # Triton's own JSON of the text, as it came
                     if quoted:
-                        await out.write(b'%s"%s"%s' % (around[0], quoted, around[1]))
+                        ready.append(b'%s"%s"%s' % (around[0], quoted, around[1]))
                     continue
                 text = scanner.feed(_text(resp, output))
                 if text:
-                    await out.write(openai.token_event(around, text))
+                    ready.append(openai.token_event(around, text))
                 if scanner.stopped:
                     break
             rest = scanner.flush()
             if rest:
-                await out.write(openai.token_event(around, rest))
+                ready.append(openai.token_event(around, rest))
         except FrontendError as err:
-            await out.write(openai.sse(openai.envelope(err)[1]))
-            await out.write_eof()
+            ready.append(openai.sse(openai.envelope(err)[1]))
+            await out.write_eof(b"".join(ready))
             return out
         reason = openai.finish_reason(scanner)
-        await out.write(openai.sse(openai.chunk(gen, None, reason)))
+        ready.append(openai.sse(openai.chunk(gen, None, reason)))
         if gen.include_usage:
-            await out.write(openai.sse(openai.chunk(gen, None, usage=usage)))
-        await out.write(openai.SSE_DONE)
-        await out.write_eof()
+            ready.append(openai.sse(openai.chunk(gen, None, usage=usage)))
+        ready.append(openai.SSE_DONE)
+        await out.write_eof(b"".join(ready))
         return out
 
     # ---- embeddings ----------------------------------------------------------------------
