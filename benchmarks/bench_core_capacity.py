@@ -461,7 +461,7 @@ class SimShell(Framed):
             max_tokens,
             key=key,
             # One hop (a unary call's rows, a stream's slot): as a shell's config says.
-            logged=(bool(key) or (stream and not request.inputs)) and LOGGED_BY_SHELLS,
+            logged=(bool(key) or stream) and LOGGED_BY_SHELLS,
         )
         self.pending[call_id] = (tenant, now)
         self.driver.books[tenant].sent += 1

@@ -62,22 +62,20 @@ class EngineDispatcher(Dispatcher):
     def _next(self, now: float) -> list[CoreRequest]:
         """The scheduler's next request; with ``light_slots``, where no more than that
         many slots are free (counting the one about to be taken), the fairest request
-        whose program holds none (the module's doc), or none."""
+        whose program holds none (the module's doc), or none. (``kick`` sends the held
+        first: none is held when it asks for this.)"""
         light = self.endpoint.light_slots
         if not light or self._free() > light:
             return super()._next(now)
         busy = {(r.tenant, r.program) for batch in self._tasks.values() for r in batch}
-        for batch in self._held:
-            busy.update((r.tenant, r.program) for r in batch)
         taken = self.scheduler.next_where(now, lambda r: (r.tenant, r.program) not in busy)
         return taken  # type: ignore[return-value]
 
     def _free(self) -> int:
-        """Slots free on the reachable backends, less those the held streams will take."""
+        """Slots free on the reachable backends."""
         slots = self.max_inflight
         running = self.running
-        free = sum(slots - running[i] for i, b in enumerate(self.pool.backends) if b.available)
-        return free - sum(len(batch) for batch in self._held)
+        return sum(slots - running[i] for i, b in enumerate(self.pool.backends) if b.available)
 
     def _arm_lead(self) -> None:
         """A slot frees when a request ends, whenever that is: no batch time to send ahead

@@ -53,11 +53,6 @@ class SilentGrants:
         if self._timer is None:
             self._arm()
 
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _arm(self) -> None:
         self._timer = self.clock.call_at(
             self.clock.now() + self.limit_s / LOOKS_PER_LIMIT, self._look
