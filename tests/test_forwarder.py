@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fair_frontend.backends.triton.embedded import EmbeddedTriton, free_port
 from fair_frontend.backends.triton.forwarder import TritonForwarder
+from fair_frontend.backends.triton.forwarder import _finishing as forwarder_calls
 from fair_frontend.errors import FrontendError, Unavailable
 from fair_frontend.protocol import Batch, RequestedOutput, Tensor
 
@@ -213,3 +214,52 @@ async def test_a_stream_whose_triton_stays_down_fails_unavailable_never_sent() -
         assert isinstance(reply.error, Unavailable) and reply.error.never_sent
     finally:
         await fwd.close()
+
+
+class _Held(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """A stand-in Triton that sends one response (the last, where ``final``), then holds
+    the call open until ``release`` is set, as Triton does while it finishes a request."""
+
+    def __init__(self, final: bool) -> None:
+        self.final = final
+        self.release = asyncio.Event()
+
+    async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
+        async for request in requests:
+            reply = service_pb2.ModelStreamInferResponse()
+            reply.infer_response.model_name = request.model_name
+            reply.infer_response.parameters["triton_final_response"].bool_param = self.final
+            yield reply
+        await self.release.wait()
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["finished", "unfinished"])
+async def test_a_stream_is_cancelled_in_triton_only_before_its_last_response(final: bool) -> None:
+    """Once its last response has come, a stream's call is left to end as Triton ends it:
+    cancelled while Triton finishes the request, Triton 2.51 never releases its trace (the
+    request's root span is never exported). One that has not finished is cancelled at once.
+    A stand-in Triton, since the real one's window between the two is too short to hit."""
+    port = free_port()
+    held = _Held(final)
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(held, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    fwd = TritonForwarder(f"127.0.0.1:{port}")
+    try:
+        stream = fwd.stream(Batch("llm", "", []))
+        reply = await asyncio.wait_for(anext(aiter(stream)), 10)
+        assert reply.final is final and reply.error is None
+        await stream.aclose()  # the relay's way out, whichever way it leaves
+        call = stream._call
+        if final:
+            assert not call.done() and call in forwarder_calls  # open, held, not cancelled
+            held.release.set()
+            assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.OK
+            assert call not in forwarder_calls  # nothing holds it after its end
+        else:  # cancelled at once (Triton stops generating for nobody)
+            assert call.done() and await call.code() == grpc.StatusCode.CANCELLED
+    finally:
+        held.release.set()
+        await fwd.close()
+        await server.stop(None)

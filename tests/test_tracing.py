@@ -330,18 +330,20 @@ async def test_a_stream_is_traced_with_its_first_token_and_its_engine_slot(
     slot = one(spans, "fair.engine_slot")
     queue = one(spans, "fair.queue")
     assert queue.end == slot.start and slot.parent == request.span_id
-    # Triton's spans hang under the stream's call (its gRPC traceparent metadata) where
-    # Triton joins it: Triton 2.51 does for most streams, not all (12-14 of 15 measured on
-    # these machines with the same client and metadata), so its joining is not required
-    # here; the unary test above requires it of a batch's call. Triton exports its spans
-    # apart from ours and in batches: a child may come before its parent (a fresh clone
-    # under load read a "compute" span whose request span had not come yet), so they are
-    # judged once each has its parent among them.
+    # Triton's spans hang under the stream's call (its gRPC traceparent metadata), as a
+    # batch's do under its call. Triton exports its spans apart from ours and in batches:
+    # a child may come before its parent (a fresh clone under load read a "compute" span
+    # whose request span had not come yet), so they are judged once each has its parent
+    # among them. (Triton's root span of a request is exported when Triton releases the
+    # request's trace, which it never did where the call was cancelled after its last
+    # response, before its status came: 2 of 24 such streams had no span of Triton's at
+    # all, others one whose parent never came.)
 
-    def rooted() -> bool:  # (none at all, where Triton did not join: rooted too)
+    def rooted() -> bool:
         triton = [s for s in seen.of_trace(trace_id) if s.service == "triton"]
         known = {stream.span_id, *(t.span_id for t in triton)}
-        return all(s.parent in known for s in triton)
+        joined = any(s.parent == stream.span_id for s in triton)
+        return joined and all(s.parent in known for s in triton)
 
     await aeventually(rooted, SETTLE_S, what="Triton's spans, each under the stream's call")
     # The engine slot is held while the stream runs: granted before its call, freed after

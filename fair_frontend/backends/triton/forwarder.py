@@ -51,6 +51,27 @@ def _rpc_exception(err: grpc.aio.AioRpcError) -> InferenceServerException:
 
 
 REOPEN_WAIT_S = 2.0  # a stream that never reached Triton: how long its second try waits
+# A stream whose last response came, left to end on its own: cancelled if it has not
+# ended this long after (Triton ends it as soon as it has sent that response).
+FINISH_WAIT_S = 5.0
+_finishing: set[Any] = set()  # such calls, held until they end (a dropped call is cancelled)
+
+
+def _let_finish(call: Any) -> None:
+    """Leave a call whose last response has come to end as Triton ends it.
+
+    Its status follows that response at once; cancelling it in between reaches Triton
+    while it is finishing the request, and Triton 2.51 then never releases the request's
+    trace (its root span is never exported: a traced stream's spans hang from a parent
+    nobody sees). Held here until it ends, since grpc.aio cancels a call it collects."""
+    late = asyncio.get_running_loop().call_later(FINISH_WAIT_S, call.cancel)
+    _finishing.add(call)
+
+    def ended(_: Any) -> None:
+        late.cancel()
+        _finishing.discard(call)
+
+    call.add_done_callback(ended)
 
 
 # The side doors' calls of tritonclient's client, by the frontend's name for each door.
@@ -88,6 +109,7 @@ class TritonStream:
         # A call that never reached Triton (its channel was still reconnecting: a Triton
         # the core saw come back a moment ago) is made once more, once the channel is up.
         self._reopen = reopen
+        self._finished = False  # its last response came: Triton ends the call itself
         self._watch = Watchdog(self.stop, timeout_s, stalled_s)
         self.stopped: FrontendError | None = None
         self.on_stop: Callable[[FrontendError], None] = lambda err: None
@@ -105,8 +127,14 @@ class TritonStream:
     async def aclose(self) -> None:
         """Closed on every way out: cancels the request in Triton at once if not done."""
         self._watch.close()
-        self._call.cancel()
+        self._end()
         await self._replies.aclose()
+
+    def _end(self) -> None:
+        if not self._finished:
+            self._call.cancel()
+        elif not self._call.done() and self._call not in _finishing:
+            _let_finish(self._call)
 
     async def _read(self) -> AsyncGenerator[StreamReply, None]:
         watch = self._watch
@@ -129,6 +157,7 @@ class TritonStream:
                     else False
                 )
                 watch.hold()
+                self._finished = final
                 if self._raw:
                     yield StreamReply(r.model_version, [], final, None, got, reply)
                 else:
@@ -150,7 +179,7 @@ class TritonStream:
             yield StreamReply(error=err)
         finally:
             watch.close()
-            self._call.cancel()
+            self._end()
 
     async def _first(self) -> Any:
         """The call, once it has reached Triton: made again (once) where it never did;
