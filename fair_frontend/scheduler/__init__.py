@@ -50,9 +50,18 @@ tenant f a budget (deficit) D_f. Tenant f's grant is Q_f = quantum * weight_f. W
 turn starts, D_f += Q_f; f then sends its head requests while the head's cost <= D_f,
 each paid from D_f; when the head costs more than what is left, the turn ends and f goes
 to the back of the list, keeping D_f. When f's queue empties (dispatch, expiry or
-cancellation) f leaves the list and D_f = 0: an idle tenant saves nothing up. A tenant
-that (re)joins is appended at the back with D_f = 0. The state (list, current turn,
-deficits) lives in ``DrrState``, one per tier; ``DeficitRoundRobin`` is stateless.
+cancellation) f leaves the list and D_f = min(D_f, 0): an idle tenant saves nothing up,
+but a debt stays owed. A tenant that (re)joins is appended at the back with that D_f (0
+unless it owes). The state (list, current turn, deficits) lives in ``DrrState``, one per
+tier; ``DeficitRoundRobin`` is stateless.
+
+Charge-backs. A request's cost may be corrected after it was sent (``charge_back``: the
+output tokens of a token-cost endpoint, counted as they come): D_f -= the correction,
+whether f is listed or not (an unlisted f's D_f stays <= 0: a refund pays a debt off and
+saves nothing). Below 0 D_f is a debt its next grants pay before f sends again; (I1) then
+reads D_f >= -(what f was charged back), and the bounds hold with C_f including it. A
+tenant whose queue empties between its requests pays for their output on its return, as
+one that stayed backlogged does: no way of sending forgives it.
 
 Invariants, for a tenant f of one tier:
 

@@ -174,7 +174,9 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
         turn.queue = queue
         turn.weight = queue.weight
         turn.grant = self._quantum * queue.weight
-        turn.deficit = state.resumed.get(queue.tenant, 0.0) if state.resumed else 0.0
+        # What it owes from before it left (0, or a debt), or what a failover carried.
+        if state.resumed and queue.tenant in state.resumed:
+            turn.deficit = state.resumed[queue.tenant]
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
         turn.listed = True
         turn.entries += 1
@@ -188,7 +190,12 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
             # come back one by one, and each may empty the queue as it is sent).
             state.resumed[queue.tenant] = turn.effective(state.jumps)
         turn.listed = False
-        turn.deficit = 0.0  # an emptied queue keeps no budget (no hoarding while idle)
+        # An emptied queue keeps no budget (no hoarding while idle), but keeps its debt:
+        # what was charged back beyond its budget is paid by its next grants, as if it
+        # had stayed (else a tenant whose queue empties between its requests would never
+        # pay for their output tokens, counted after they were sent).
+        turn.deficit = min(0.0, turn.effective(state.jumps))
+        turn.seen_jumps = state.jumps
         state.count -= 1
         if state.current is turn:
             state.current = None
@@ -252,14 +259,18 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
                 yield turn.queue
 
     def credit(self, state: DrrState, tenant: str, cost: float) -> None:
-        """Charge-back, from the budget of a tenant still in the round: a debt (a budget
-        below 0) is paid off by its next grants before it sends again, so (I1) becomes
-        D_f >= -debt, and the bounds hold with C_f including what was charged back. A
-        tenant that has left the round has no budget to correct (it saved nothing either:
-        its queue was empty)."""
+        """Charge-back, from the budget of a tenant: a debt (a budget below 0) is paid off
+        by its next grants before it sends again, so (I1) becomes D_f >= -debt, and the
+        bounds hold with C_f including what was charged back. A tenant that has left the
+        round keeps its debt for its return (``leave``): a charge-back adds to it, a
+        refund pays it off but saves nothing beyond (its queue is empty: no budget)."""
         turn = state.turns.get(tenant)
-        if turn is not None and turn.listed:
+        if turn is None:
+            return
+        if turn.listed:
             turn.deficit -= cost
+        else:
+            turn.deficit = min(0.0, turn.deficit - cost)
 
     def deficits(self, state: DrrState) -> dict[str, float]:
         jumps = state.jumps
@@ -269,8 +280,10 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
 
     def export(self, state: DrrState) -> TierFairness:
         """The deficits of the backlogged tenants (an idle one's is 0 by definition), and
-        those restored but not yet joined again (still owed from the failover before)."""
-        deficits = {**state.resumed, **self.deficits(state)}
+        those restored but not yet joined again (still owed from the failover before),
+        and the debts of tenants that left owing (``leave``)."""
+        owed = {t: turn.deficit for t, turn in state.turns.items() if turn.deficit < 0}
+        deficits = {**owed, **state.resumed, **self.deficits(state)}
         return TierFairness(deficits, active=list(deficits))
 
     def resume(self, state: DrrState, saved: TierFairness) -> None:

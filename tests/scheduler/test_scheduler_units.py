@@ -158,6 +158,43 @@ def test_deficit_resets_when_the_queue_empties() -> None:
     assert drain(s, 3.0) == [["b1"], ["a1"], ["b2"], ["b3"], ["a2"], ["b4"]]
 
 
+def test_a_debt_stays_owed_when_the_queue_empties() -> None:
+    """A budget is dropped when the queue empties, a debt is not: a's request was charged
+    back 150 after it was sent (its output), while a had nothing queued. On its return a
+    pays it before it sends again (with the debt forgiven, a1 would go right after b1)."""
+    s = make_scheduler(PAID2, cost=CostUnit.TOKENS, quantum=100.0, max_batch_size=1)
+    s.enqueue(make_request("a", tokens=30, tag="a0"), 0.0)
+    for i in range(1, 5):
+        s.enqueue(make_request("b", tokens=60, tag=f"b{i}"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["a0"]  # its queue empty, a left with 70: dropped
+    s.charge_back("a", 150.0)  # its output, counted after it left: 150 owed
+    s.charge_back("a", -20.0)  # a refund pays 20 of it (and would save nothing beyond)
+    s.enqueue(make_request("a", tokens=80, tag="a1"), 2.0)
+    assert s.deficits() == {"a": -130.0, "b": 0.0}
+    # a's turns: -30, 70 (< 80), 170: a1 on its third.
+    assert drain(s, 3.0) == [["b1"], ["b2"], ["b3"], ["b4"], ["a1"]]
+
+
+def test_a_tenant_whose_queue_empties_between_requests_gets_its_share_of_their_cost() -> None:
+    """Two tenants of equal weight, their requests' output charged back after dispatch: b
+    stays backlogged, a sends one request at a time (its queue empties after each, so
+    every charge-back comes while it is out of the round). Each gets half of what was
+    served, counted with the charge-backs; a tenant whose debts were forgiven on leaving
+    would take 4 times b's share."""
+    s = make_scheduler(PAID2, cost=CostUnit.TOKENS, quantum=100.0, max_batch_size=1)
+    cost = {"a": 0.0, "b": 0.0}
+    for _ in range(400):
+        s.enqueue(make_request("b", tokens=50), 0.0)
+    s.enqueue(make_request("a", tokens=50), 0.0)
+    for step in range(300):
+        (req,) = s.next_batch(float(step))
+        cost[req.tenant] += 200.0  # 50 charged at enqueue, 150 charged back now
+        s.charge_back(req.tenant, 150.0, now=float(step))
+        if req.tenant == "a":
+            s.enqueue(make_request("a", tokens=50), float(step))
+    assert abs(cost["a"] - cost["b"]) <= 100.0 + 200.0  # a quantum and a request's cost
+
+
 def test_turn_continues_across_a_batch_boundary() -> None:
     s = make_scheduler(PAID2, quantum=3.0, max_batch_size=2)
     for i in range(1, 6):

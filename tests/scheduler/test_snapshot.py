@@ -197,3 +197,17 @@ def test_a_drr_deficit_left_with_is_the_one_joined_with_again() -> None:
     s.next_batch(0.0)  # b's turn: its 2 units + 4, one spent; its queue empties
     s.enqueue(make_request("b"), 0.0)
     assert s.deficits() == {"b": 5.0}
+
+
+def test_a_debt_owed_by_a_tenant_with_nothing_queued_survives_the_failover() -> None:
+    """A's request was charged back after A's queue emptied: the debt it owes on its
+    return (``DeficitRoundRobin.leave``) is carried, and A rejoins the new leader owing it."""
+    leader = make_scheduler({"a": "paid", "b": "paid"}, quantum=4.0, max_batch_size=1)
+    leader.enqueue(make_request("a"), 0.0)
+    leader.enqueue(make_request("b"), 0.0)
+    leader.next_batch(0.0)  # a's request: a leaves the round
+    leader.charge_back("a", 6.0)
+    s = make_scheduler({"a": "paid", "b": "paid"}, quantum=4.0, max_batch_size=1)
+    s.resume_fairness(carried(leader), 0.0, KEEP_S)
+    s.enqueue(make_request("a"), 1.0)
+    assert s.deficits()["a"] == -6.0
