@@ -81,6 +81,10 @@ from fair_frontend.kit import testing
 
 MODEL = "embed"
 TOKENS = 512  # one row; max_batch_tokens 4,096: 8 rows a batch
+# ``--sizes``: every request TOKENS long, or each of one of these, in turn (a row each; the
+# mean 793, a batch of 4,096 tokens holds 2 to 32 of them): how the default quantum is
+# chosen for requests of mixed sizes.
+SIZES = {"512": (TOKENS,), "mixed": (128, 2048, 256, 512, 1024, 128, 256, 2048, 512, 1024, 64)}
 TENANTS = ("a", "b")
 RATES = {"a": 1.0, "b": 2.0}  # offered load, x the measured capacity
 KEYS = {t: f"{t}-fairness-time-key" for t in TENANTS}
@@ -103,6 +107,8 @@ TARGETS: dict[str, tuple[str, str, int | None, dict[str, Any], bool]] = {
     "w2": ("fair, 2 shells", "fair", 2, {}, False),
     "before": ("before the split, fair", "fair", None, {}, True),
     "quantum512": ("fair, quantum 512, 1 process", "fair", 1, {"quantum": TOKENS}, False),
+    "quantum1024": ("fair, quantum 1,024, 1 process", "fair", 1, {"quantum": 1024}, False),
+    "quantum2048": ("fair, quantum 2,048, 1 process", "fair", 1, {"quantum": 2048}, False),
     "fifo": ("fifo, 1 process", "fifo", 1, {}, False),
 }
 
@@ -148,10 +154,12 @@ async def client_main(args: argparse.Namespace) -> None:
     processes of one machine) for ``send_s``; write sends and answers to ``out``."""
     channel = grpc.aio.insecure_channel(args.client)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-    requests = [bench_overload.infer_request(TOKENS, seed) for seed in range(16)]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    requests = [bench_overload.infer_request(n, seed) for seed, n in enumerate(sizes * 2)]
     metadata = (("authorization", f"Bearer {args.key}"),)
     sent: list[float] = []
     done: list[float] = []  # answers OK
+    done_tokens: list[int] = []  # and each one's tokens
     failed: list[str] = []
     skipped = 0
     outstanding = 0
@@ -160,8 +168,10 @@ async def client_main(args: argparse.Namespace) -> None:
     async def call(i: int) -> None:
         nonlocal outstanding
         try:
-            await stub.ModelInfer(requests[i % 16], metadata=metadata, timeout=CALL_DEADLINE_S)
+            request = requests[i % len(requests)]
+            await stub.ModelInfer(request, metadata=metadata, timeout=CALL_DEADLINE_S)
             done.append(time.monotonic())
+            done_tokens.append(request.inputs[0].shape[1])
         except grpc.aio.AioRpcError as err:
             failed.append(f"{err.code().name}: {err.details()}")
         finally:
@@ -192,7 +202,15 @@ async def client_main(args: argparse.Namespace) -> None:
         wait = at - time.monotonic()
         await asyncio.sleep(wait if wait > 0.0005 else 0)
     Path(args.out).write_text(
-        json.dumps({"sent": sent, "done": done, "failed": failed, "skipped": skipped})
+        json.dumps(
+            {
+                "sent": sent,
+                "done": done,
+                "done_tokens": done_tokens,
+                "failed": failed,
+                "skipped": skipped,
+            }
+        )
     )
     for task in list(tasks):
         task.cancel()
@@ -207,6 +225,7 @@ def clients(
     send_s: float,
     tmp: Path,
     max_outstanding: int,
+    sizes: tuple[int, ...],
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
@@ -217,6 +236,7 @@ def clients(
                 "--start-at", f"{start_at:.6f}", "--send-s", f"{send_s:.3f}",
                 "--max-outstanding", str(max_outstanding), "--seed", str(n + 1),
                 "--out", str(tmp / f"{tenant}.json"),
+                "--sizes", ",".join(map(str, sizes)),
             ]  # fmt: skip
             log = (tmp / f"{tenant}.log").open("wb")
             procs[tenant] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -250,6 +270,7 @@ def run_target(
     warmup_s: float,
     seconds: float,
     max_outstanding: int,
+    sizes: tuple[int, ...] = SIZES["512"],
 ) -> dict[str, Any]:
     series: list[dict[str, Any]] = []
     embed = cfg["endpoints"][MODEL]
@@ -263,10 +284,11 @@ def run_target(
         start_at = time.monotonic() + START_DELAY_S
         send_s = warmup_s + seconds + 1.0
         progress(
-            f"{name}: a {rates['a']:.0f}/s, b {rates['b']:.0f}/s of {TOKENS}-token requests, "
+            f"{name}: a {rates['a']:.0f}/s, b {rates['b']:.0f}/s of requests of "
+            f"{'/'.join(map(str, sorted(set(sizes))))} tokens, "
             f"{warmup_s:g} s warm-up + {seconds:g} s"
         )
-        with clients(fe.grpc_url, rates, start_at, send_s, tmp, max_outstanding) as procs:
+        with clients(fe.grpc_url, rates, start_at, send_s, tmp, max_outstanding, sizes) as procs:
             next_scrape = start_at
             next_print = start_at + 10
             while (now := time.monotonic()) < start_at + warmup_s + seconds + SCRAPE_S:
@@ -301,6 +323,8 @@ def run_target(
     for log in logs.values():
         log["sent"] = [x - start_at for x in log["sent"]]
         log["done"] = [x - start_at for x in log["done"]]
+        order = np.argsort(log["done"], kind="stable")  # each answer's tokens, by time
+        log["done_tokens"] = np.asarray(log["done_tokens"], dtype=float)[order]
     return summarise(name, series, logs, warmup_s, seconds, turn)
 
 
@@ -446,9 +470,11 @@ def summarise(
     )
     # Clients: exact windows on a regular grid, from each answer's completion time.
     done = {t: np.sort(np.asarray(logs[t]["done"])) for t in TENANTS}
+    # tokens answered to each tenant up to its i-th answer (0 before the first)
+    upto = {t: np.concatenate([[0.0], np.cumsum(logs[t]["done_tokens"])]) for t in TENANTS}
     for w in WINDOWS_S:
         edges = origin + w * np.arange(int(seconds / w + 1e-9) + 1)
-        served = {t: np.diff(np.searchsorted(done[t], edges)) * float(TOKENS) for t in TENANTS}
+        served = {t: np.diff(upto[t][np.searchsorted(done[t], edges)]) for t in TENANTS}
         backlog = {t: _outstanding_min(logs[t], edges) for t in TENANTS}
         keep = (backlog["a"] >= BACKLOG_ROWS) & (backlog["b"] >= BACKLOG_ROWS)
         out["client"][f"w{w:g}"] = window_stats(served, keep, w, turn)
@@ -458,8 +484,8 @@ def summarise(
     events = events[(events >= origin) & (events <= end)]
     if len(events):
         cum = {
-            t: (np.searchsorted(done[t], events, side="right") - np.searchsorted(done[t], origin))
-            * float(TOKENS)
+            t: upto[t][np.searchsorted(done[t], events, side="right")]
+            - upto[t][np.searchsorted(done[t], origin)]
             for t in TENANTS
         }
         out["client"].update(cumulative_stats(events, cum["a"], cum["b"], seconds))
@@ -570,6 +596,13 @@ def main() -> None:
     parser.add_argument("--ref", default=BASELINE_REF, help="the frontend before the split")
     parser.add_argument("--max-outstanding", type=int, default=DEFAULT_MAX_OUTSTANDING)
     parser.add_argument("--quick", action="store_true", help="3 s warm-up, 10 s measured")
+    parser.add_argument(
+        "--sizes",
+        default="512",
+        help="the requests' tokens: 512 (each 512, the default: results in "
+        "fairness_time.json) or mixed (64 to 2,048: results in fairness_time_mixed.json); "
+        "as a client, the sizes it sends in turn",
+    )
     # Internal: run as one tenant's client.
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
@@ -582,11 +615,14 @@ def main() -> None:
     if args.client:
         asyncio.run(client_main(args))
         return
+    sizes = SIZES[args.sizes]
+    mean_tokens = sum(sizes) / len(sizes)
+    suffix = "" if args.sizes == "512" else f"_{args.sizes}"
     warmup_s, seconds = (3.0, 10.0) if args.quick else (args.warmup_s, args.seconds)
     results: dict[str, Any] = {
         "warmup_s": warmup_s,
         "seconds": seconds,
-        "tokens": TOKENS,
+        "tokens": TOKENS if len(sizes) == 1 else list(sizes),
         "rates_x_capacity": RATES,
         "ref": args.ref,
         "max_outstanding": args.max_outstanding,
@@ -608,7 +644,10 @@ def main() -> None:
                 )
             )  # fmt: skip
         results["capacity"] = capacity
-        rates = {t: RATES[t] * capacity["requests_per_s"] for t in TENANTS}
+        # (the capacity in tokens/s, measured with TOKENS-token rows, sets the rates of
+        # requests of the mean size: a little more than 1x and 2x with smaller rows)
+        per_s = capacity["tokens_per_s"] / mean_tokens
+        rates = {t: RATES[t] * per_s for t in TENANTS}
         results["rates_per_s"] = rates
         for name in args.targets:
             label, mode, workers, overrides, old = TARGETS[name]
@@ -623,10 +662,11 @@ def main() -> None:
                 warmup_s,
                 seconds,
                 args.max_outstanding,
+                sizes,
             )
     print_table(results)
-    write_result("fairness_time", results)
-    plot(results, RESULTS / "fairness_time.png")
+    write_result(f"fairness_time{suffix}", results)
+    plot(results, RESULTS / f"fairness_time{suffix}.png")
 
 
 if __name__ == "__main__":
