@@ -22,7 +22,10 @@ still tightens the target, and the throttle's rules stand: a request that finds 
 slot or is next in line is never refused, and a tenant's wait is predicted from its own
 place in the fair order (its own work ahead and its fair share of its tier's others,
 ``Scheduler.backlog_ahead``) and the slots' measured turnover, so a tenant within its
-share is not refused for another's backlog.
+share is not refused for another's backlog. Its own work ahead is its program's place
+inside its tenant where it names one: a chat's call beside its own agent's fan-out
+waits for what least attained service serves first (one or two of the agent's calls),
+not the fan-out, and is not refused for it.
 
 Order: a batch request's priority level is moved below every level
 (``priority_levels`` is added to it: ``Core._new_request``), so inside its tenant it goes after

@@ -100,6 +100,7 @@ class EndpointAdmission:
         own_inflight: int = 0,
         slo: SloClass | None = None,
         elapsed_s: float = 0.0,
+        program: str | None = None,
     ) -> ThrottleDecision | None:
         """The throttle's decision for a new request (None: the endpoint does not throttle).
 
@@ -107,12 +108,16 @@ class EndpointAdmission:
         of them the tenant's (engine only). ``remaining_s``: the time left to the
         request's own deadline, if it has one. ``slo``: its SLO class, whose target
         replaces the endpoint's (``admission.slo``), less ``elapsed_s``: the time since
-        the request arrived at its shell (its class's clock runs from then).
+        the request arrived at its shell (its class's clock runs from then). ``program``:
+        its program, whose place inside its tenant's queue it waits by (None: the
+        tenant's calls judged together, behind all of its queued work).
         """
         if self.throttle is None and self.engine is None:
             return None
-        backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens)
-        own_ahead = scheduler.own_ahead(tenant, priority) + rows if self.engine else 0
+        backlog = scheduler.backlog_ahead(tenant, priority, rows, tokens, program)
+        own_ahead = 0
+        if self.engine:
+            own_ahead = scheduler.own_ahead(tenant, priority, program, rows, tokens) + rows
         if slo is None:
             return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
         z = SLO_QUANTILE_Z if slo.interactive else 0.0

@@ -690,6 +690,7 @@ class Core:
             remaining_s,
             req.slo,
             elapsed,
+            req.program,
         )
         self.observer.throttle_decision(model=runtime.model, decision=decision)
         if not decision.admitted:
@@ -708,10 +709,11 @@ class Core:
         remaining_s: float | None,
         slo: SloClass | None = None,
         elapsed_s: float = 0.0,
+        program: str | None = None,
     ) -> ThrottleDecision:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
-        ``priority`` (a call, or a tenant's calls of one tick) of SLO class ``slo``,
-        unrecorded."""
+        ``priority`` (a call of ``program``, or a tenant's calls of one tick: None) of
+        SLO class ``slo``, unrecorded."""
         # An engine's throttle also weighs the slots the tenant holds already.
         own = runtime.in_engine(tenant)
         decision = admission.admit(
@@ -726,6 +728,7 @@ class Core:
             own_inflight=own,
             slo=slo,
             elapsed_s=elapsed_s,
+            program=program,
         )
         assert decision is not None  # the caller checked that the endpoint throttles
         return decision

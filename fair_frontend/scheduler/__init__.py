@@ -171,7 +171,8 @@ when turns can send (grant >= typical cost; each turn costs O(1) and sends or en
 O(log n) to pop; never a scan over tenants: the active list rotates as a deque. A tier
 where every tenant is saving costs one pass over its tenants, then a round jump.
 ``expire``/``cancel``: O(1) amortised plus the lazy pops. ``backlog_ahead``: O(T + L)
-from aggregates. Memory: the request (slots), a handle, a heap entry, an arrival entry
+from aggregates, plus O(programs with queued work) of the tenant's where it keeps
+programs apart and the request names its program. Memory: the request (slots), a handle, a heap entry, an arrival entry
 and a deadline entry if it has one, about 0.4-0.5 KB in all (``benchmarks/README.md``).
 """
 

@@ -584,7 +584,9 @@ class Scheduler:
         head = self._arrivals.head()
         return head.arrival if head is not None else None
 
-    def backlog_ahead(self, tenant: str, priority: int, rows: int, tokens: int) -> Backlog:
+    def backlog_ahead(
+        self, tenant: str, priority: int, rows: int, tokens: int, program: str | None = None
+    ) -> Backlog:
         """Work served before a new request of ``tenant`` at ``priority``, plus the request.
 
         For the throttle's predicted wait; O(tiers + priority levels), independent of the
@@ -593,7 +595,10 @@ class Scheduler:
         - everything queued in higher tiers (strict order serves it first; the tier
           guard, if on, lets this tier in earlier, so this overestimates);
         - the tenant's own queued work at this priority level or a higher one (equal
-          levels count as ahead, whatever their deadlines);
+          levels count as ahead, whatever their deadlines); where the request names its
+          ``program`` and the tenant's queue keeps programs apart, what least attained
+          service serves before it instead (``TenantQueue.ahead_in_programs``: its own
+          program's work, and of each other program its service gap and alternation);
         - from the other tenants of its tier, what DRR serves them while the tenant's own
           work ahead, of cost ``c`` (including the new request), is served: each other
           active tenant j gets ``c * w_j / w``, plus what is left of its current grant,
@@ -619,9 +624,8 @@ class Scheduler:
             return Backlog(self.queued_rows + rows, self.queued_tokens + tokens)
         queue = self._queues.get(tenant)
         if queue is not None and queue.requests:
-            return self._backlog(
-                queue.tier, queue.weight, queue.ahead_of(priority), queue, rows, tokens
-            )
+            own = queue.ahead_of(priority, program, self._cost.cost(rows, tokens), self._scale)
+            return self._backlog(queue.tier, queue.weight, own, queue, rows, tokens)
         return self._backlog(
             self._tier_of(tenant, terms), float(terms.weight), None, None, rows, tokens
         )
@@ -712,16 +716,24 @@ class Scheduler:
                 ahead_tokens += others_tokens
         return Backlog(ahead_rows, ahead_tokens)
 
-    def own_ahead(self, tenant: str, priority: int) -> int:
+    def own_ahead(
+        self,
+        tenant: str,
+        priority: int,
+        program: str | None = None,
+        rows: int = 1,
+        tokens: int = 0,
+    ) -> int:
         """Rows of ``tenant``'s own queued here that go before a new request of it at
-        ``priority`` (its levels at or above it; in fifo mode all of them): the engine
-        throttle's count of the tenant's own work ahead. O(priority levels)."""
+        ``priority`` (its levels at or above it; in fifo mode all of them), of ``rows``
+        and ``tokens``, of ``program`` (``backlog_ahead``): the engine throttle's count
+        of the tenant's own work ahead. O(priority levels), or O(programs queued)."""
         queue = self._queues.get(tenant)
         if queue is None or not queue.requests:
             return 0
         if not self._fair:
             return queue.rows
-        return queue.ahead_of(priority)[1]
+        return queue.ahead_of(priority, program, self._cost.cost(rows, tokens), self._scale)[1]
 
     # ---- internals ----------------------------------------------------------------------
 

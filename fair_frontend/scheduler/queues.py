@@ -28,13 +28,14 @@ _COMPACT_SLACK = 64
 class Program:
     """One program's queued requests in a tenant queue of several (``TenantQueue``)."""
 
-    __slots__ = ("heap", "name", "requests", "service")
+    __slots__ = ("heap", "load", "name", "requests", "service")
 
     def __init__(self, name: str, heap: list[tuple[Any, ...]], requests: int, service: float):
         self.name = name
         self.heap = heap  # its requests' entries, in its ordering policy's order
         self.requests = requests  # live ones
         self.service = service  # attained, decayed (scaled: ``TenantQueue``)
+        self.load: list[float] = [0.0, 0, 0]  # its live requests' cost, rows, tokens
 
 
 class TenantQueue(Load):
@@ -190,8 +191,14 @@ class TenantQueue(Load):
         if self._programs is not None:
             program = self._program_of.pop(req.seq)
             program.requests -= 1
+            load = program.load
             if not program.requests:
                 del self._busy[program]
+                load[0], load[1], load[2] = 0.0, 0, 0  # no float residue either
+            else:
+                load[0] -= cost
+                load[1] -= rows
+                load[2] -= tokens
             self._chosen = None
 
     def push(self, req: QueuedRequest, handle: Handle) -> None:
@@ -314,6 +321,7 @@ class TenantQueue(Load):
                 return
             # Now two programs: the one heap becomes its program's.
             sole = Program(str(self._sole), self._heap, self.requests - 1, self.service)
+            sole.load = [self.cost - req.cost, self.rows - req.rows, self.tokens - req.tokens]
             for entry in self._heap:
                 queued = entry[-1][0]
                 if queued is not None:
@@ -334,6 +342,10 @@ class TenantQueue(Load):
         heapq.heappush(heap, (*self._key(req), handle))
         self._program_of[req.seq] = program
         program.requests += 1
+        load = program.load
+        load[0] += req.cost
+        load[1] += req.rows
+        load[2] += req.tokens
         if program.requests == 1:
             self._busy[program] = None
         self._chosen = None
@@ -375,12 +387,23 @@ class TenantQueue(Load):
             self._chosen = chosen
         return chosen.heap[0][-1][0]
 
-    def ahead_of(self, priority: int) -> tuple[float, int, int]:
-        """(cost, rows, tokens) queued at ``priority`` or higher (a lower or equal level).
+    def ahead_of(
+        self, priority: int, program: str | None = None, cost: float = 0.0, scale: float = 1.0
+    ) -> tuple[float, int, int]:
+        """(cost, rows, tokens) queued that goes before a new request at ``priority``:
+        its levels or higher (a lower or equal level).
 
         Equal levels count as ahead: a new request is behind them unless its deadline is
         earlier, and the throttle prefers to overestimate a wait. O(priority levels).
+
+        ``program``: the request's program, where the queue keeps programs apart (or the
+        request names another than its one): then ``ahead_in_programs`` (None: the whole
+        queue, as for a tenant's calls judged together).
         """
+        apart = program is not None and (self._programs is not None or program != self._sole)
+        if apart and self._limit() >= 2:  # (a bound of 1 keeps every program in one heap)
+            assert program is not None
+            return self.ahead_in_programs(program, cost, scale)
         cost = 0.0
         rows = tokens = 0
         for level, load in self.by_priority.items():
@@ -389,6 +412,63 @@ class TenantQueue(Load):
                 rows += load.rows
                 tokens += load.tokens
         return cost, rows, tokens
+
+    def ahead_in_programs(self, name: str, cost: float, scale: float) -> tuple[float, int, int]:
+        """``ahead_of`` for a new request of program ``name`` costing ``cost``: its own
+        program's queued work (all of it, every level: an overestimate), and from each
+        other program with queued work what least attained service serves it first:
+        the gap between the two programs' service (``scale``: the scale their services
+        are kept in), then as much as the request's program sends meanwhile (the two
+        alternate), at most what it has queued (a program of zero-cost work counts in
+        full). A chat's call beside its own agent's fan-out finds one or two of the
+        agent's calls ahead of it, not the fan-out. O(programs with queued work)."""
+        if self._programs is None:  # one program (the one heap) and the request's new one
+            others = [(self.service, [self.cost, self.rows, self.tokens])] if self.requests else []
+            mine = None
+        else:
+            busy = self._busy
+            kept = self._programs.get(name)
+            if kept is None and self._overflow is not None and not self._room():
+                kept = self._overflow  # where a new id goes while every kept one is busy
+            mine = kept if kept is not None and kept in busy else None
+            others = [(p.service, p.load) for p in busy if p is not mine]
+        if mine is not None:
+            service = mine.service
+            own_cost, own_rows, own_tokens = mine.load[0], int(mine.load[1]), int(mine.load[2])
+        else:  # a program with nothing queued: its service kept, or carried, or none
+            known = self._programs.get(name) if self._programs is not None else None
+            service = known.service if known is not None else self._restored_peek(name)
+            own_cost, own_rows, own_tokens = 0.0, 0, 0
+        ahead_cost, ahead_rows, ahead_tokens = own_cost, own_rows, own_tokens
+        sends = own_cost + cost
+        for other_service, (q_cost, q_rows, q_tokens) in others:
+            if q_cost <= 0:
+                ahead_rows += int(q_rows)
+                ahead_tokens += int(q_tokens)
+                continue
+            take = min(q_cost, max(0.0, (service - other_service) / scale + sends))
+            if take > 0:
+                ahead_cost += take
+                ahead_rows += math.ceil(q_rows * take / q_cost)
+                ahead_tokens += math.ceil(q_tokens * take / q_cost)
+        return ahead_cost, ahead_rows, ahead_tokens
+
+    def _limit(self) -> int:
+        return self._caps.programs_per_tenant if self._caps is not None else 64
+
+    def _room(self) -> bool:
+        """Whether a new program id would be kept apart (a place free, or an idle one to
+        take), not sent to the overflow program."""
+        programs = self._programs
+        if programs is None or len(programs) < self._limit() - 1:
+            return True
+        return any(not p.requests for p in programs.values())
+
+    def _restored_peek(self, name: str) -> float:
+        """The service a failed leader's state carries for program ``name`` (0: none),
+        left for it to take when it first queues (``_restored_service``)."""
+        restored = self._restored
+        return restored.get(name, 0.0) if restored else 0.0
 
 
 _SEVERAL = object()

@@ -322,6 +322,41 @@ def test_another_tenants_backlog_never_changes_a_decision(
     assert decide(others) == decide(others + more)
 
 
+def test_a_chat_call_is_judged_by_its_place_among_its_tenants_programs() -> None:
+    """One tenant: its agent has served 8 calls and queued 4 x the slots more, every
+    slot busy. Its chat's interactive call goes before all of the agent's (its program
+    has less service: ``TenantQueue.ahead_in_programs``), so the next slot to free is
+    its: admitted, where judged behind the tenant's whole queue (its calls judged
+    together) it is refused."""
+    chat = SloClass("chat", SloKind.INTERACTIVE, ttft_s=TTFT_S)
+    policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
+    scheduler = Scheduler(policy, {"a": TenantSpec("paid", max_queued=10**6)}, GlobalCaps(10**7))
+    admission = EndpointAdmission(
+        service=ServiceModel(LLM),
+        throttle=None,
+        tiers=("paid",),
+        engine=EngineThrottle(slots=SLOTS, latency_target_s=5.0, safety=1.25),
+        slot_times=SlotTimes.for_slots(SLOTS),
+    )
+    for _ in range(3 * SLOTS):
+        admission.slot_times.observe(MEAN_HOLD_S)
+    for _ in range(8):
+        scheduler.enqueue(QueuedRequest("a", 1, 0, 0, 1, None, program="agent"), 0.0)
+    while scheduler.next_batch(0.0):
+        pass
+    for _ in range(4 * SLOTS):
+        scheduler.enqueue(QueuedRequest("a", 1, 0, 0, 1, None, program="agent"), 0.0)
+
+    def decide(program: str | None) -> Any:
+        return admission.admit(
+            scheduler, SLOTS, tenant="a", tier="paid", priority=1, rows=1, tokens=0,
+            remaining_s=None, own_inflight=SLOTS, slo=chat, program=program,
+        )  # fmt: skip
+
+    assert decide("chat").admitted
+    assert not decide(None).admitted
+
+
 async def test_under_light_load_nothing_is_refused() -> None:
     rig = Rig(config({"a": "chat", "b": "chat"}), seed=2)
     out = await rig.run({"a": 0.35, "b": 0.35}, 30.0)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_support import make_request, make_scheduler
+from sched_support import make_request, make_scheduler, tags
 
 from fair_frontend.scheduler import (
     GlobalCaps,
@@ -421,3 +421,70 @@ def test_a_program_back_after_the_resume_is_over_starts_as_a_new_one() -> None:
     assert queue_of(s, "a").export_programs(1.0) == {}
     s.next_batch(20.0)
     assert [s.next_batch(20.0)[0].program for _ in range(2)] == ["agent", "chat"]
+
+
+# ---- (d) the throttle's work ahead follows the programs --------------------------------------
+
+
+@st.composite
+def program_histories(draw: st.DrawFn) -> dict[str, Any]:
+    programs = ["", "agent", "chat", "p3"]
+    op = st.one_of(
+        st.tuples(st.just("enqueue"), st.sampled_from(programs), st.integers(1, 8)),
+        st.tuples(st.just("batch")),
+    )
+    return {
+        "max_batch_size": draw(st.sampled_from([1, 3])),
+        "ops": draw(st.lists(op, min_size=1, max_size=40)),
+        "program": draw(st.sampled_from(programs)),
+    }
+
+
+@SETTINGS
+@given(program_histories())
+def test_the_work_ahead_of_a_new_request_is_what_its_tenant_serves_before_it(
+    run: dict[str, Any],
+) -> None:
+    """The throttle's count of a tenant's own work ahead of a new request
+    (``own_ahead``, of its program) is exactly how many of the tenant's queued requests
+    go before it: its program's own, and of each other program what least attained
+    service serves first (requests of one cost and level, no time passing). Mutations
+    caught: the whole queue counted (a chat's call behind its own agent's fan-out), the
+    service gap ignored or taken the wrong way round, the alternation left out."""
+    s = make_scheduler({"a": "paid"}, max_batch_size=run["max_batch_size"])
+    for op in run["ops"]:
+        if op[0] == "enqueue":
+            for _ in range(op[2]):
+                s.enqueue(make_request("a", program=op[1]), 0.0)
+        else:
+            s.next_batch(0.0)
+    program = run["program"]
+    predicted = s.own_ahead("a", 1, program)
+    assert s.own_ahead("a", 1) >= predicted  # the whole queue: never less
+    new = make_request("a", program=program, tag="new")
+    s.enqueue(new, 0.0)
+    before = 0
+    while (batch := s.next_batch(0.0)) and new not in batch:
+        before += len(batch)
+    before += [r.tag for r in batch].index("new")
+    assert predicted == before
+
+
+def test_a_chat_call_beside_its_own_agents_fan_out_has_none_of_it_ahead() -> None:
+    """The agent has been served and has 64 calls queued; the chat's new call goes
+    before all of them (its program has less service): nothing of the tenant's ahead of
+    it, where the tenant's whole queue counted 64."""
+    s = make_scheduler({"a": "paid"}, max_batch_size=1)
+    for _ in range(8):
+        s.enqueue(make_request("a", program="agent"), 0.0)
+    for _ in range(4):
+        s.next_batch(0.0)  # the agent: 4 served
+    for _ in range(60):
+        s.enqueue(make_request("a", program="agent"), 0.0)
+    assert s.own_ahead("a", 1) == 64
+    assert s.own_ahead("a", 1, "chat") == 0
+    backlog = s.backlog_ahead("a", 1, 1, 0, "chat")
+    assert backlog.rows == 1  # the call itself
+    assert s.backlog_ahead("a", 1, 1, 0).rows == 65  # the tenant's calls judged together
+    s.enqueue(make_request("a", program="chat", tag="chat"), 0.0)
+    assert tags(s.next_batch(0.0)) == ["chat"]
