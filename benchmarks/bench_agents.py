@@ -26,8 +26,14 @@ Targets (issue 33): chat p99 TTFT with programs / without <= 0.5x; with programs
 <= 2x; every tenant's token share within 5 % of its weight's share. Each is judged for
 ``programs`` and for ``light``.
 
+``--slo-ttft-ms MS`` runs another configuration alone, ``slo``: programs, the throttle
+on, and every chat call of an interactive SLO class with that TTFT target (the
+``x-slo-class`` header): how many of the chat calls the throttle refuses beside the
+agents' fan-outs (each refusal a 503 the chat would retry), and their TTFT. Results in
+``results/agents_slo.json``.
+
     .venv/bin/python -m benchmarks.bench_agents [--rounds 2] [--window-s 40] [--quick]
-        [--json PATH]
+        [--json PATH] [--slo-ttft-ms 2000]
 """
 
 from __future__ import annotations
@@ -67,10 +73,11 @@ SCRAPE_S = 0.5
 AGENT_PROMPT = "step {step} of the plan: look up item {i} and summarise what it says"
 
 
-def bench_config(programs: bool, light: int = 0) -> dict[str, Any]:
+def bench_config(programs: bool, light: int = 0, slo_ttft_ms: float = 0.0) -> dict[str, Any]:
     """The example config's ``llm`` endpoint as shipped (64 slots, 8 reserved, token cost),
     the four tenants in one tier; ``programs`` False: one queue per tenant; ``light``: its
-    ``light_slots``."""
+    ``light_slots``; ``slo_ttft_ms``: the throttle on, and an interactive class ``chat``
+    with that TTFT target."""
     cfg = load_example_config()
     cfg.pop("tier_limits", None)
     cfg["scheduling"] = "fair"
@@ -78,6 +85,9 @@ def bench_config(programs: bool, light: int = 0) -> dict[str, Any]:
     # the engine's tokens on these CPUs: the throttle would refuse some (a 503 the agent
     # would retry); off, every call waits its turn and the shares are the scheduler's.
     cfg["endpoints"][MODEL]["throttle"] = False
+    if slo_ttft_ms:  # (the agents' calls name no class: the endpoint's own target)
+        cfg["endpoints"][MODEL]["throttle"] = True
+        cfg["slo_classes"] = {"chat": {"kind": "interactive", "ttft_ms": slo_ttft_ms}}
     if light:
         cfg["endpoints"][MODEL]["light_slots"] = light
     cfg["queues"] = {"max_queued": 100_000}
@@ -137,6 +147,8 @@ async def _drive(cmd: dict[str, Any]) -> dict[str, Any]:
 
     async def chat(session: aiohttp.ClientSession) -> None:
         headers = {**base, "x-program-id": f"{tenant}-chat"}
+        if cmd.get("slo"):
+            headers["x-slo-class"] = "chat"
         n = 0
         while time.monotonic() < stop:
             try:
@@ -218,7 +230,9 @@ def pct(values: list[float], q: float) -> float:
 
 async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     agents = name != "alone"
-    cfg = bench_config(programs=name != "no_programs", light=LIGHT_SLOTS if name == "light" else 0)
+    slo_ms = args.slo_ttft_ms if name == "slo" else 0.0
+    light = LIGHT_SLOTS if name == "light" else 0
+    cfg = bench_config(programs=name != "no_programs", light=light, slo_ttft_ms=slo_ms)
     window_s = args.window_s if agents else args.alone_s
     with frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
         metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
@@ -238,6 +252,7 @@ async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int
                 "fanout": tuple(args.fanout),
                 "agent_tokens": args.agent_tokens,
                 "agent_think_s": args.agent_think_s,
+                "slo": bool(slo_ms),
             }
             p = ctx.Process(target=_client, args=(cmd, queue, ready, go))
             p.start()
@@ -315,6 +330,10 @@ async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int
             t: [[c[0] - t0, c[1], c[3] - c[0]] for c in got[t]["chats"]] for t in TENANTS
         },
         "errors": {t: len(got[t]["errors"]) for t in TENANTS},
+        # Chat calls the frontend refused (the throttle's 503), per tenant.
+        "chat_refused": {
+            t: sum(1 for e in got[t]["errors"] if e.startswith("chat: 503")) for t in TENANTS
+        },
         "error_samples": [e for t in TENANTS for e in got[t]["errors"][:2]],
     }
     out["share_error"] = (
@@ -425,6 +444,35 @@ def plot(results: dict[str, Any], path: Path) -> None:
     progress(f"plot written to {path}")
 
 
+async def main_slo(args: argparse.Namespace) -> dict[str, Any]:
+    """``--slo-ttft-ms``: the ``slo`` configuration alone, ``--rounds`` times."""
+    runs: list[dict[str, Any]] = []
+    with triton() as server:
+        for rnd in range(args.rounds):
+            progress(
+                f"round {rnd + 1}/{args.rounds}: slo (chat TTFT target "
+                f"{args.slo_ttft_ms:g} ms), {args.warmup_s:g} + {args.window_s:g} s"
+            )
+            r = await run_config(server, "slo", args, seed=rnd)
+            runs.append(r)
+            refused = sum(r["chat_refused"].values())
+            progress(summary("slo", r) + f"; chat calls refused {refused}")
+    refused = sum(sum(r["chat_refused"].values()) for r in runs)
+    calls = sum(r["chat_calls"] for r in runs)
+    pooled = [x for r in runs for x in r["chat_ttft_s"]]
+    return {
+        "runs": {"slo": runs},
+        "verdict": {
+            "chat_refused": refused,
+            "chat_served": calls,
+            "chat_refused_fraction": refused / max(1, refused + calls),
+            "chat_p50_s": pct(pooled, 50),
+            "chat_p99_s": pct(pooled, 99),
+            "slo_ttft_ms": args.slo_ttft_ms,
+        },
+    }
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*CONFIGS, "alone")}
     with triton() as server:
@@ -458,9 +506,29 @@ def main() -> None:
     parser.add_argument("--agent-think-s", type=float, default=0.05)
     parser.add_argument("--quick", action="store_true", help="one round, short windows")
     parser.add_argument("--json", default=None, help="where the results go")
+    parser.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="run the slo configuration alone, the chats' TTFT target this many ms",
+    )
     if parser.parse_args().quick:  # its sizes; a size given on the command line wins
         parser.set_defaults(rounds=1, warmup_s=4.0, window_s=15.0, alone_s=10.0)
     args = parser.parse_args()
+    if args.slo_ttft_ms:
+        results = asyncio.run(main_slo(args))
+        results["args"] = vars(args)
+        v = results["verdict"]
+        progress(
+            f"slo: chat calls refused {v['chat_refused']} of {v['chat_refused'] + v['chat_served']}"
+            f" ({v['chat_refused_fraction']:.1%}); served chat TTFT p50 "
+            f"{v['chat_p50_s'] * 1000:.0f} ms, p99 {v['chat_p99_s'] * 1000:.0f} ms"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        else:
+            write_result("agents_slo", results)
+        return
     results = asyncio.run(main_async(args))
     results["args"] = vars(args)
     v = results["verdict"]
