@@ -172,8 +172,9 @@ O(log n) to pop; never a scan over tenants: the active list rotates as a deque. 
 where every tenant is saving costs one pass over its tenants, then a round jump.
 ``expire``/``cancel``: O(1) amortised plus the lazy pops. ``backlog_ahead``: O(T + L)
 from aggregates, plus O(programs with queued work) of the tenant's where it keeps
-programs apart and the request names its program. Memory: the request (slots), a handle, a heap entry, an arrival entry
-and a deadline entry if it has one, about 0.4-0.5 KB in all (``benchmarks/README.md``).
+programs apart and the request names its program. Memory: the request (slots), a
+handle, a heap entry, an arrival entry and a deadline entry if it has one, about
+0.4-0.5 KB in all (``benchmarks/README.md``).
 """
 
 from __future__ import annotations
