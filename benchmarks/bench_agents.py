@@ -524,10 +524,7 @@ def main() -> None:
             f" ({v['chat_refused_fraction']:.1%}); served chat TTFT p50 "
             f"{v['chat_p50_s'] * 1000:.0f} ms, p99 {v['chat_p99_s'] * 1000:.0f} ms"
         )
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        else:
-            write_result("agents_slo", results)
+        save(results, args.json, "agents_slo")
         return
     results = asyncio.run(main_async(args))
     results["args"] = vars(args)
@@ -542,12 +539,16 @@ def main() -> None:
         f"/ alone {v['p99_light_over_alone']:.2f}, / programs {v['p99_light_over_programs']:.2f}; "
         f"worst token share error {v['worst_share_error_light'] * 100:.1f} %"
     )
-    if args.json:
-        path = Path(args.json)
+    plot(results, save(results, args.json, "agents").with_suffix(".png"))
+
+
+def save(results: dict[str, Any], json_path: str | None, name: str) -> Path:
+    """``results`` written where ``--json`` says, else to ``results/<name>.json``."""
+    if json_path:
+        path = Path(json_path)
         path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    else:
-        path = write_result("agents", results)
-    plot(results, path.with_suffix(".png"))
+        return path
+    return write_result(name, results)
 
 
 if __name__ == "__main__":

@@ -281,6 +281,24 @@ async def test_a_tenant_within_its_share_is_never_refused_for_anothers_backlog()
     assert served > 0.75 * 40 * SLOTS / MEAN_HOLD_S  # the slack is taken
 
 
+def engine_rig(tenants: tuple[str, ...]) -> tuple[Scheduler, EndpointAdmission]:
+    """A scheduler of ``tenants`` (one tier) in engine mode and its admission, the slots'
+    hold times learned (``MEAN_HOLD_S``)."""
+    policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
+    specs = {t: TenantSpec("paid", max_queued=10**6) for t in tenants}
+    scheduler = Scheduler(policy, specs, GlobalCaps(10**7))
+    admission = EndpointAdmission(
+        service=ServiceModel(LLM),
+        throttle=None,
+        tiers=("paid",),
+        engine=EngineThrottle(slots=SLOTS, latency_target_s=5.0, safety=1.25),
+        slot_times=SlotTimes.for_slots(SLOTS),
+    )
+    for _ in range(3 * SLOTS):
+        admission.slot_times.observe(MEAN_HOLD_S)
+    return scheduler, admission
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     others=st.integers(1, 3000),
@@ -297,18 +315,7 @@ def test_another_tenants_backlog_never_changes_a_decision(
     chat = SloClass("chat", SloKind.INTERACTIVE, ttft_s=0.5)
 
     def decide(backlog: int) -> Any:
-        policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
-        tenants = {t: TenantSpec("paid", max_queued=10**6) for t in ("chat", "bulk")}
-        scheduler = Scheduler(policy, tenants, GlobalCaps(10**7))
-        admission = EndpointAdmission(
-            service=ServiceModel(LLM),
-            throttle=None,
-            tiers=("paid",),
-            engine=EngineThrottle(slots=SLOTS, latency_target_s=5.0, safety=1.25),
-            slot_times=SlotTimes.for_slots(SLOTS),
-        )
-        for _ in range(3 * SLOTS):
-            admission.slot_times.observe(MEAN_HOLD_S)
+        scheduler, admission = engine_rig(("chat", "bulk"))
         for _ in range(backlog):
             scheduler.enqueue(QueuedRequest("bulk", 1, 0, 0, 11, None), 0.0)
         for _ in range(own_queued):
@@ -329,17 +336,7 @@ def test_a_chat_call_is_judged_by_its_place_among_its_tenants_programs() -> None
     its: admitted, where judged behind the tenant's whole queue (its calls judged
     together) it is refused."""
     chat = SloClass("chat", SloKind.INTERACTIVE, ttft_s=TTFT_S)
-    policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, ("paid",), slots=SLOTS)
-    scheduler = Scheduler(policy, {"a": TenantSpec("paid", max_queued=10**6)}, GlobalCaps(10**7))
-    admission = EndpointAdmission(
-        service=ServiceModel(LLM),
-        throttle=None,
-        tiers=("paid",),
-        engine=EngineThrottle(slots=SLOTS, latency_target_s=5.0, safety=1.25),
-        slot_times=SlotTimes.for_slots(SLOTS),
-    )
-    for _ in range(3 * SLOTS):
-        admission.slot_times.observe(MEAN_HOLD_S)
+    scheduler, admission = engine_rig(("a",))
     for _ in range(8):
         scheduler.enqueue(QueuedRequest("a", 1, 0, 0, 1, None, program="agent"), 0.0)
     while scheduler.next_batch(0.0):
