@@ -33,7 +33,7 @@ agents' fan-outs (each refusal a 503 the chat would retry), and their TTFT. Resu
 ``results/agents_slo.json``.
 
     .venv/bin/python -m benchmarks.bench_agents [--rounds 2] [--window-s 40] [--quick]
-        [--json PATH] [--slo-ttft-ms 2000]
+        [--json PATH] [--slo-ttft-ms 2000] [--source DIR]
 """
 
 from __future__ import annotations
@@ -85,8 +85,12 @@ def bench_config(programs: bool, light: int = 0, slo_ttft_ms: float = 0.0) -> di
     # the engine's tokens on these CPUs: the throttle would refuse some (a 503 the agent
     # would retry); off, every call waits its turn and the shares are the scheduler's.
     cfg["endpoints"][MODEL]["throttle"] = False
-    if slo_ttft_ms:  # (the agents' calls name no class: the endpoint's own target)
+    if slo_ttft_ms:
+        # The agents' calls name no class: the endpoint's own target, a minute, so that
+        # their fan-outs queue (with the shipped 5 s the throttle refuses their surplus
+        # first, and no chat call finds its agent's backlog ahead of it).
         cfg["endpoints"][MODEL]["throttle"] = True
+        cfg["endpoints"][MODEL]["latency_target_ms"] = 60_000
         cfg["slo_classes"] = {"chat": {"kind": "interactive", "ttft_ms": slo_ttft_ms}}
     if light:
         cfg["endpoints"][MODEL]["light_slots"] = light
@@ -234,7 +238,8 @@ async def run_config(server: Any, name: str, args: argparse.Namespace, seed: int
     light = LIGHT_SLOTS if name == "light" else 0
     cfg = bench_config(programs=name != "no_programs", light=light, slo_ttft_ms=slo_ms)
     window_s = args.window_s if agents else args.alone_s
-    with frontend(cfg, server.grpc_url, http_url=server.http_url) as fe:
+    source = Path(args.source) if args.source else None
+    with frontend(cfg, server.grpc_url, http_url=server.http_url, source=source) as fe:
         metrics = f"http://127.0.0.1:{fe.metrics_port}/metrics"
         ctx = multiprocessing.get_context("spawn")
         queue: Any = ctx.Queue()
@@ -511,6 +516,12 @@ def main() -> None:
         type=float,
         default=0.0,
         help="run the slo configuration alone, the chats' TTFT target this many ms",
+    )
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="the frontend of another checkout (a folder holding its fair_frontend, e.g. "
+        "`git archive REV fair_frontend | tar -x -C DIR`): a before to compare with",
     )
     if parser.parse_args().quick:  # its sizes; a size given on the command line wins
         parser.set_defaults(rounds=1, warmup_s=4.0, window_s=15.0, alone_s=10.0)
