@@ -25,17 +25,17 @@ if TYPE_CHECKING:
 _COMPACT_SLACK = 64
 
 
-class Program:
-    """One program's queued requests in a tenant queue of several (``TenantQueue``)."""
+class Program(Load):
+    """One program's queued requests in a tenant queue of several (``TenantQueue``), and
+    their load (the throttle's count of the work ahead: ``ahead_in_programs``)."""
 
-    __slots__ = ("heap", "load", "name", "requests", "service")
+    __slots__ = ("heap", "name", "service")
 
-    def __init__(self, name: str, heap: list[tuple[Any, ...]], requests: int, service: float):
+    def __init__(self, name: str, heap: list[tuple[Any, ...]], service: float):
+        super().__init__()
         self.name = name
         self.heap = heap  # its requests' entries, in its ordering policy's order
-        self.requests = requests  # live ones
         self.service = service  # attained, decayed (scaled: ``TenantQueue``)
-        self.load: list[float] = [0.0, 0, 0]  # its live requests' cost, rows, tokens
 
 
 class TenantQueue(Load):
@@ -191,14 +191,12 @@ class TenantQueue(Load):
         if self._programs is not None:
             program = self._program_of.pop(req.seq)
             program.requests -= 1
-            load = program.load
+            program.rows -= rows
+            program.tokens -= tokens
+            program.nbytes -= nbytes
+            program.cost = program.cost - cost if program.requests else 0.0
             if not program.requests:
                 del self._busy[program]
-                load[0], load[1], load[2] = 0.0, 0, 0  # no float residue either
-            else:
-                load[0] -= cost
-                load[1] -= rows
-                load[2] -= tokens
             self._chosen = None
 
     def push(self, req: QueuedRequest, handle: Handle) -> None:
@@ -310,7 +308,7 @@ class TenantQueue(Load):
         queue of several programs."""
         programs = self._programs
         if programs is None:
-            limit = self._caps.programs_per_tenant if self._caps is not None else 64
+            limit = self._limit()
             if limit < 2 or (self.requests == 1 and not self.service):
                 # One program for all; or a fresh queue's first program, which it takes
                 # for its one heap's (the unnamed program before it has no history).
@@ -320,8 +318,13 @@ class TenantQueue(Load):
                 self.push(req, handle)
                 return
             # Now two programs: the one heap becomes its program's.
-            sole = Program(str(self._sole), self._heap, self.requests - 1, self.service)
-            sole.load = [self.cost - req.cost, self.rows - req.rows, self.tokens - req.tokens]
+            # (its load: the queue's, but for the request being pushed)
+            sole = Program(str(self._sole), self._heap, self.service)
+            sole.requests = self.requests - 1
+            sole.rows = self.rows - req.rows
+            sole.tokens = self.tokens - req.tokens
+            sole.nbytes = self.nbytes - req.nbytes
+            sole.cost = self.cost - req.cost if sole.requests else 0.0
             for entry in self._heap:
                 queued = entry[-1][0]
                 if queued is not None:
@@ -342,10 +345,10 @@ class TenantQueue(Load):
         heapq.heappush(heap, (*self._key(req), handle))
         self._program_of[req.seq] = program
         program.requests += 1
-        load = program.load
-        load[0] += req.cost
-        load[1] += req.rows
-        load[2] += req.tokens
+        program.rows += req.rows
+        program.tokens += req.tokens
+        program.nbytes += req.nbytes
+        program.cost += req.cost
         if program.requests == 1:
             self._busy[program] = None
         self._chosen = None
@@ -354,15 +357,15 @@ class TenantQueue(Load):
         """A kept place for program ``name``, or the overflow program (the class
         docstring): at most the bound less one kept by name, and the overflow. O(programs
         kept), once per id the queue has not seen (or no longer keeps)."""
-        limit = self._caps.programs_per_tenant if self._caps is not None else 64
+        limit = self._limit()
         while len(programs) >= limit - 1:
             idle = [p for p in programs.values() if not p.requests]
             if not idle:
                 if self._overflow is None:
-                    self._overflow = Program("", [], 0, 0.0)
+                    self._overflow = Program("", [], 0.0)
                 return self._overflow
             del programs[min(idle, key=_service).name]
-        program = programs[name] = Program(name, [], 0, self._restored_service(name))
+        program = programs[name] = Program(name, [], self._restored_service(name))
         return program
 
     def _head_program(self) -> QueuedRequest | None:
@@ -400,9 +403,9 @@ class TenantQueue(Load):
         request names another than its one): then ``ahead_in_programs`` (None: the whole
         queue, as for a tenant's calls judged together).
         """
-        apart = program is not None and (self._programs is not None or program != self._sole)
-        if apart and self._limit() >= 2:  # (a bound of 1 keeps every program in one heap)
-            assert program is not None
+        # (a bound of 1 keeps every program in the one heap: the whole queue is ahead)
+        apart = self._programs is not None or program != self._sole
+        if program is not None and apart and self._limit() >= 2:
             return self.ahead_in_programs(program, cost, scale)
         cost = 0.0
         rows = tokens = 0
@@ -422,8 +425,9 @@ class TenantQueue(Load):
         alternate), at most what it has queued (a program of zero-cost work counts in
         full). A chat's call beside its own agent's fan-out finds one or two of the
         agent's calls ahead of it, not the fan-out. O(programs with queued work)."""
+        others: list[tuple[float, Load]]
         if self._programs is None:  # one program (the one heap) and the request's new one
-            others = [(self.service, [self.cost, self.rows, self.tokens])] if self.requests else []
+            others = [(self.service, self)] if self.requests else []
             mine = None
         else:
             busy = self._busy
@@ -431,29 +435,30 @@ class TenantQueue(Load):
             if kept is None and self._overflow is not None and not self._room():
                 kept = self._overflow  # where a new id goes while every kept one is busy
             mine = kept if kept is not None and kept in busy else None
-            others = [(p.service, p.load) for p in busy if p is not mine]
+            others = [(p.service, p) for p in busy if p is not mine]
         if mine is not None:
             service = mine.service
-            own_cost, own_rows, own_tokens = mine.load[0], int(mine.load[1]), int(mine.load[2])
+            own_cost, own_rows, own_tokens = mine.cost, mine.rows, mine.tokens
         else:  # a program with nothing queued: its service kept, or carried, or none
             known = self._programs.get(name) if self._programs is not None else None
             service = known.service if known is not None else self._restored_peek(name)
             own_cost, own_rows, own_tokens = 0.0, 0, 0
         ahead_cost, ahead_rows, ahead_tokens = own_cost, own_rows, own_tokens
         sends = own_cost + cost
-        for other_service, (q_cost, q_rows, q_tokens) in others:
-            if q_cost <= 0:
-                ahead_rows += int(q_rows)
-                ahead_tokens += int(q_tokens)
+        for other_service, load in others:
+            if load.cost <= 0:
+                ahead_rows += load.rows
+                ahead_tokens += load.tokens
                 continue
-            take = min(q_cost, max(0.0, (service - other_service) / scale + sends))
+            take = min(load.cost, max(0.0, (service - other_service) / scale + sends))
             if take > 0:
                 ahead_cost += take
-                ahead_rows += math.ceil(q_rows * take / q_cost)
-                ahead_tokens += math.ceil(q_tokens * take / q_cost)
+                ahead_rows += math.ceil(load.rows * take / load.cost)
+                ahead_tokens += math.ceil(load.tokens * take / load.cost)
         return ahead_cost, ahead_rows, ahead_tokens
 
     def _limit(self) -> int:
+        """Its programs_per_tenant (64, the default, without caps)."""
         return self._caps.programs_per_tenant if self._caps is not None else 64
 
     def _room(self) -> bool:

@@ -77,7 +77,8 @@ class Load:
     """Queued work: requests, rows, tokens, bytes and DRR cost, kept exact.
 
     Updated only by ``TenantQueue.add``/``remove``, for a tenant, a priority level of
-    it, and its tier at once.
+    it, and its tier at once (a tenant's program's, where its queue keeps programs
+    apart: by ``push`` and ``remove``).
     """
 
     __slots__ = ("cost", "nbytes", "requests", "rows", "tokens")
