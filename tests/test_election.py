@@ -188,6 +188,40 @@ async def test_a_leader_that_cannot_reach_redis_steps_down(tmp_path: Path) -> No
         server.stop()
 
 
+class SlowOnce(CountedLease):
+    """A ``CountedLease`` whose first renewal answers a tenth of a second after the
+    renewal interval (a third of the lease), well before the leader's step-down."""
+
+    def __init__(self, url: str, key: str, identity: str, lease_s: float) -> None:
+        super().__init__(url, key, identity, lease_s)
+        self.slow_ended = 0.0
+
+    async def _try_renew(self) -> bool:
+        if not self.slow_ended:
+            await asyncio.sleep(self.lease_s / 3 + 0.1)
+            self.slow_ended = time.monotonic()
+        return await super()._try_renew()
+
+
+async def test_a_renewal_slower_than_its_interval_keeps_the_lead(
+    redis_server: RedisProcess,
+) -> None:
+    """A loaded machine answers late: the leader keeps leading as long as a renewal
+    comes before its step-down. (Before, an attempt was cut at the interval and the next
+    came an interval later, past the step-down: one slow answer ended the lead.)"""
+    lease_s = 5.0  # the step-down 0.32 s after the slow renewal's answer
+    leader = SlowOnce(redis_server.url, f"lease-{next(_names)}", "core-0", lease_s)
+    await leader.acquire()
+    try:
+        await aeventually(
+            lambda: leader.renewals >= 2 or leader.lost.is_set(), 10 * lease_s, what="renewals"
+        )
+        assert leader.slow_ended and not leader.lost.is_set()
+    finally:
+        await leader.release()
+        await leader.close()
+
+
 class Partition:
     """A relay between a client and Redis that the test cuts: from then on it passes
     nothing either way and keeps every connection open, as a network partition does (the

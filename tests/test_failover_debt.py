@@ -64,7 +64,10 @@ def fleet(triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> I
     config.write_text(yaml.safe_dump(data))
     secret = tmp / "secret"
     secret.write_text(SECRET + "\n")
-    fleet = Fleet([triton], redis, config, secret, [], [], tmp)
+    # A lease long enough that the leader, busy counting 8 streams' tokens on a loaded
+    # machine, is not late for it before the test kills it (what is judged here is what
+    # the new leader does, not how soon it leads).
+    fleet = Fleet([triton], redis, config, secret, [], [], tmp, lease_s=4.0)
     try:
         fleet.cores.append(fleet.core(0))
         eventually(lambda: fleet.cores[0].ready, 60, what="the first core to lead")
@@ -201,7 +204,10 @@ async def generations(
 
 async def counters(core: Core) -> dict[str, float]:
     """The core's virtual token counters of ``llm``'s tenants with queued work."""
-    page = await ascrape(f"http://127.0.0.1:{core.metrics}/metrics")
+    try:
+        page = await ascrape(f"http://127.0.0.1:{core.metrics}/metrics")
+    except OSError as err:  # the core gone (stepped down?): what it said
+        pytest.fail(f"the core's metrics: {err}; it printed:\n{core.proc.output()[-3000:]}")
     return page.by_label("fair_vtc_counter", "tenant", endpoint="llm")
 
 

@@ -93,6 +93,7 @@ class Fleet:
     shells: list[Shell]
     tmp: Path
     killed: list[int] = field(default_factory=list)  # ports of cores gone
+    lease_s: float = LEASE_S
 
     def core(self, index: int, port: int = 0) -> Core:
         """A core; ``port``: a lost core's, which the shells know (as a Service's)."""
@@ -103,7 +104,7 @@ class Fleet:
             "--listen", f"127.0.0.1:{port}",
             "--secret-file", str(self.secret),
             "--election", "redis",
-            "--lease-s", str(LEASE_S),
+            "--lease-s", str(self.lease_s),
             "--lease-name", f"fleet-test-{os.getpid()}",
             "--metrics-port", str(metrics),
             "--metrics-host", "127.0.0.1",

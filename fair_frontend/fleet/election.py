@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 STEP_DOWN = 0.75  # of lease_s without a renewal, after which a leader stops leading
+RETRY = 0.1  # of the renewal interval: the wait before a failed renewal is tried again
 POLLS = 8  # polls of a standby per lease
 
 
@@ -150,21 +151,31 @@ class _Lease:
         self.lost.set()
 
     async def _attempts(self, interval: float) -> None:
-        """Renew every ``interval``; return once the key is another core's."""
+        """Renew every ``interval``; return once the key is another core's.
+
+        An attempt may take until the step-down (``_renew`` watches that clock on its
+        own), and one that failed is tried again at once: a slow answer on a loaded
+        machine, or one lost connection, does not end the lead while time is left. (With
+        each attempt cut at ``interval`` and the next an interval later, one renewal
+        slower than a third of the lease made the leader step down.)"""
+        wait = interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait)
             started = time.monotonic()
+            left = self._renewed_at + STEP_DOWN * self.lease_s - started
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel
                 # that comes as the renewal completes, and a leader cancelled (stopping)
                 # then went on renewing for ever (seen: a standby never took its lease).
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(max(interval, left)):
                     held = await self._try_renew()
             except (RedisError, OSError, aiohttp.ClientError, TimeoutError) as err:
                 log.warning("cannot renew the lease: %s", err)
+                wait = interval * RETRY
                 continue
             if held:
                 self._renewed_at = started
+                wait = max(0.0, interval - (time.monotonic() - started))
             else:
                 log.error("the lease is another core's now: stepping down")
                 return
