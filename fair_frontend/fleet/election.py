@@ -175,7 +175,16 @@ class _Lease:
                 continue
             if held:
                 self._renewed_at = started
-                wait = max(0.0, interval - (time.monotonic() - started))
+                took = time.monotonic() - started
+                if took > interval:  # what a leader stepping down later is traced to
+                    log.warning(
+                        "the lease's renewal took %.2f s (one every %.2f s; stepping down "
+                        "after %.2f s without one)",
+                        took,
+                        interval,
+                        STEP_DOWN * self.lease_s,
+                    )
+                wait = max(0.0, interval - took)
             else:
                 log.error("the lease is another core's now: stepping down")
                 return
