@@ -91,6 +91,18 @@ bound is not shared with them). Never rejected: a request with no data behind H
 that frees is its own), whatever the prediction. ``retry_after`` = wait - target, as for
 batches.
 
+With ``light_slots`` L (``core.engine``: the last L free slots go only to a request
+whose program holds none, the fairest such one, out of turn) the order above holds for
+a request only while more than L slots are free. One that may not take a light slot
+(its program holds a slot, or has work queued before it) needs a slot with L still free
+after: ``n = I + k - (S - L)``. One that may (its program holds none and queues nothing)
+also gets a light slot as soon as the requests that may take one before it have: at
+most one head of each other tenant queued in its tier or a higher one (``h`` of them:
+``Scheduler.light_rivals``; the fairest goes first, and a tenant's next head waits for
+its next turn), so ``n = min(I + k - S, I + h + 1 - S)``. An estimate, not a bound: a
+rival's head may not be light (taking no light slot), and the request may not be its
+tenant's head when a light slot frees (another of its programs has less service).
+
 Its error. Releases are the ends of S generations of different lengths, not evenly
 spaced: while the slots are busy the time to n of them concentrates around n H / S, with
 a relative spread of about CV / sqrt(n) (CV: the coefficient of variation of hold
@@ -258,23 +270,39 @@ class EngineThrottle:
         latency_target_s: float = DEFAULT_LATENCY_TARGET_MS / 1000.0,
         min_retry_after_s: float = DEFAULT_MIN_RETRY_AFTER_S,
         safety: float = 1.0,
+        light_slots: int = 0,
     ) -> None:
         if slots < 1 or not 0 <= reserved_slots < slots:
             raise ValueError("need slots >= 1 and 0 <= reserved_slots < slots")
         if latency_target_s <= 0 or safety < 1:
             raise ValueError("need latency_target_s > 0 and safety >= 1")
+        if not 0 <= light_slots < slots:
+            raise ValueError("need 0 <= light_slots < slots")
         self.slots = slots
         self.tenant_slots = slots - reserved_slots  # the most one tenant holds
+        self.light_slots = light_slots
         self.latency_target_s = latency_target_s
         self.min_retry_after_s = min_retry_after_s
         self.safety = safety
 
-    def releases(self, ahead: int, own_ahead: int, inflight: int, own_inflight: int) -> int:
+    def _overall(self, ahead: int, inflight: int, light: int | None) -> int:
+        """Releases of any request's before this one's slot: the module docstring's n,
+        with light slots (``light``: None where the request may not take one, else the
+        requests that may take one before it, itself included)."""
+        if not self.light_slots:
+            return inflight + ahead - self.slots
+        if light is None:
+            return inflight + ahead - (self.slots - self.light_slots)
+        return min(inflight + ahead, inflight + light) - self.slots
+
+    def releases(
+        self, ahead: int, own_ahead: int, inflight: int, own_inflight: int, light: int | None = None
+    ) -> int:
         """Requests that must leave the engine before this one gets a slot (<= 0: a slot
         is free for it). ``ahead``: requests served before it, itself included;
         ``own_ahead``: of those, its tenant's; ``inflight``/``own_inflight``: requests
-        in the engine, all and its tenant's."""
-        overall = inflight + ahead - self.slots
+        in the engine, all and its tenant's; ``light``: as for ``_overall``."""
+        overall = self._overall(ahead, inflight, light)
         own = own_inflight + own_ahead - self.tenant_slots
         return max(overall, own)
 
@@ -287,12 +315,14 @@ class EngineThrottle:
         hold_s: float,
         slowdown: float = 1.0,
         quantile_z: float = 0.0,
+        light: int | None = None,
     ) -> float:
         """Seconds until a slot is free for the request (the module docstring's formula).
         ``hold_s``: the mean time a request holds its slot. ``quantile_z`` > 0: the
         releases counted at that quantile of their time (``release_quantile``), and no
-        ``safety`` (the quantile is the margin); 0: at their mean, times ``safety``."""
-        overall_n = float(max(0, inflight + ahead - self.slots))
+        ``safety`` (the quantile is the margin); 0: at their mean, times ``safety``.
+        ``light``: as for ``_overall``."""
+        overall_n = float(max(0, self._overall(ahead, inflight, light)))
         own_n = float(max(0, own_inflight + own_ahead - self.tenant_slots))
         safety = self.safety
         if quantile_z > 0:
@@ -315,6 +345,7 @@ class EngineThrottle:
         slowdown: float = 1.0,
         target_s: float | None = None,
         quantile_z: float = 0.0,
+        light: int | None = None,
     ) -> ThrottleDecision:
         """Admit or reject a request (arguments as ``releases``); ``remaining_s``: the time
         left to its own deadline, if it has one; ``target_s``: its SLO class's target
@@ -324,14 +355,16 @@ class EngineThrottle:
         deadline_bound = remaining_s is not None and remaining_s < target
         if remaining_s is not None:
             target = min(target, remaining_s)
-        n = self.releases(ahead, own_ahead, inflight, own_inflight)
+        n = self.releases(ahead, own_ahead, inflight, own_inflight, light)
         hold = slot_times.mean_hold_s
         wait = self.predicted_wait(
-            ahead, own_ahead, inflight, own_inflight, hold, slowdown, quantile_z
+            ahead, own_ahead, inflight, own_inflight, hold, slowdown, quantile_z, light
         )
         # The expected wait (no margin, no quantile): what the time to first token is
         # predicted from (``EndpointAdmission.predicted_ttft_s``).
-        mean = self.predicted_wait(ahead, own_ahead, inflight, own_inflight, hold, slowdown)
+        mean = self.predicted_wait(
+            ahead, own_ahead, inflight, own_inflight, hold, slowdown, light=light
+        )
         mean /= self.safety
         shown = max(0, n)
         if n <= 0:

@@ -101,6 +101,7 @@ class EndpointAdmission:
         slo: SloClass | None = None,
         elapsed_s: float = 0.0,
         program: str | None = None,
+        light: int | None = None,
     ) -> ThrottleDecision | None:
         """The throttle's decision for a new request (None: the endpoint does not throttle).
 
@@ -110,7 +111,10 @@ class EndpointAdmission:
         replaces the endpoint's (``admission.slo``), less ``elapsed_s``: the time since
         the request arrived at its shell (its class's clock runs from then). ``program``:
         its program, whose place inside its tenant's queue it waits by (None: the
-        tenant's calls judged together, behind all of its queued work).
+        tenant's calls judged together, behind all of its queued work). ``light``
+        (engine, with light slots): None where the request may not take a light slot,
+        else the requests that may take one before it, itself included
+        (``EngineThrottle``).
         """
         if self.throttle is None and self.engine is None:
             return None
@@ -119,11 +123,13 @@ class EndpointAdmission:
         if self.engine:
             own_ahead = scheduler.own_ahead(tenant, priority, program, rows, tokens) + rows
         if slo is None:
-            return self._decide(backlog, own_ahead, inflight, own_inflight, tier, remaining_s)
+            return self._decide(
+                backlog, own_ahead, inflight, own_inflight, tier, remaining_s, light=light
+            )
         z = SLO_QUANTILE_Z if slo.interactive else 0.0
         target = slo.target_s(self.slo.first_token_quantile_s(z) + elapsed_s, self._hold_s)
         decision = self._decide(
-            backlog, own_ahead, inflight, own_inflight, tier, remaining_s, target, z
+            backlog, own_ahead, inflight, own_inflight, tier, remaining_s, target, z, light
         )
         return replace(decision, slo_class=slo.name)
 
@@ -180,9 +186,16 @@ class EndpointAdmission:
             gate = self.engine if self.engine is not None else self.throttle
             if loosest is not None and gate is not None:
                 loosest = max(loosest, gate.latency_target_s)
+        # With light slots, the most favourable request may take one: behind the fewest
+        # rivals any tenant of the tier has (one with work queued: itself not a rival).
+        light = None
+        if self.engine is not None and self.engine.light_slots:
+            light = 1 + scheduler.tier_light_rivals(tier)
         best: ThrottleDecision | None = None
         for backlog, own_ahead in least:
-            decision = self._decide(backlog, own_ahead, inflight, 0, tier, None, loosest)
+            decision = self._decide(
+                backlog, own_ahead, inflight, 0, tier, None, loosest, light=light
+            )
             if decision.admitted:
                 return None
             if best is None or decision.predicted_wait_s < best.predicted_wait_s:
@@ -199,6 +212,7 @@ class EndpointAdmission:
         remaining_s: float | None,
         target_s: float | None = None,
         quantile_z: float = 0.0,
+        light: int | None = None,
     ) -> ThrottleDecision:
         slowdown = 1.0
         if self.strict_tiers:
@@ -215,6 +229,7 @@ class EndpointAdmission:
                 slowdown=slowdown,
                 target_s=target_s,
                 quantile_z=quantile_z,
+                light=light,
             )
         assert self.throttle is not None
         return self.throttle.check(

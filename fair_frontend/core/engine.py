@@ -17,7 +17,8 @@ Invariants of this mode:
   of turn (``Scheduler.next_where``; its tenant is charged as for any other), so a
   chat's call beside agents' fan-outs finds a slot instead of waiting for one to turn
   over (every slot an agent's, each freeing once a generation). While none waits, those
-  slots stay free: the rest wait for more to free;
+  slots stay free: the rest wait for more to free. The throttle judges each call by the
+  slots it may take (``light_place``, ``EngineThrottle``);
 * a call past its deadline fails only the request it carried: a generation may be long,
   and gRPC's keepalive, not a deadline, finds a Triton that stopped answering.
 """
@@ -98,6 +99,24 @@ class EngineDispatcher(Dispatcher):
         """Each output token as it streams, weighed against an input token (none was
         charged at dispatch)."""
         return tokens * self.endpoint.output_token_weight
+
+    def light_place(self, tenant: str, program: str) -> int | None:
+        """For the throttle (``EngineThrottle``, light slots): None where a new request
+        of ``tenant``'s ``program`` may not take a light slot (none are kept, its program
+        holds a slot, or has requests queued before it), else the requests that may take
+        one before it, itself included: one head of each other tenant queued in its tier
+        or a higher one (``Scheduler.light_rivals``), at most. O(tiers), and O(slots)
+        where its tenant holds some."""
+        if not self.endpoint.light_slots or self.scheduler.program_queued(tenant, program):
+            return None
+        if self.in_engine(tenant) and any(
+            r.tenant == tenant and r.program == program
+            for batch in (*self._tasks.values(), *self._held)
+            for r in batch
+        ):
+            return None
+        rivals = self.scheduler.light_rivals(tenant)
+        return None if rivals is None else rivals + 1
 
     def in_engine(self, tenant: str) -> int:
         """``tenant``'s requests in Triton (counted as they go and end) or held for it (a

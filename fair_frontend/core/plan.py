@@ -68,6 +68,7 @@ def engine_throttle(plan: EndpointPlan, backends: int = 1) -> EngineThrottle:
         reserved_slots=endpoint.reserved_slots,
         latency_target_s=endpoint.latency_target_ms / 1000.0,
         safety=endpoint.throttle_safety,
+        light_slots=endpoint.light_slots,
     )
 
 

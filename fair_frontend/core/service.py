@@ -42,6 +42,7 @@ from fair_frontend.core.admission import EndpointAdmission, TierShares
 from fair_frontend.core.carried import Carried
 from fair_frontend.core.clock import Clock, LoopClock
 from fair_frontend.core.dispatch import DISPATCH_MODES, Backend, CoreRequest, Dispatcher, Route
+from fair_frontend.core.engine import EngineDispatcher
 from fair_frontend.core.metrics import (
     FrontendMetrics,
     StateCollector,
@@ -714,8 +715,12 @@ class Core:
         """The throttle's decision for ``rows`` and ``tokens`` of ``tenant`` at
         ``priority`` (a call of ``program``, or a tenant's calls of one tick: None) of
         SLO class ``slo``, unrecorded."""
-        # An engine's throttle also weighs the slots the tenant holds already.
+        # An engine's throttle also weighs the slots the tenant holds already, and its
+        # light slots, which a call of a program holding none may take out of turn.
         own = runtime.in_engine(tenant)
+        light = None
+        if program is not None and isinstance(runtime, EngineDispatcher):
+            light = runtime.light_place(tenant, program)
         decision = admission.admit(
             runtime.scheduler,
             runtime.inflight,
@@ -729,6 +734,7 @@ class Core:
             slo=slo,
             elapsed_s=elapsed_s,
             program=program,
+            light=light,
         )
         assert decision is not None  # the caller checked that the endpoint throttles
         return decision

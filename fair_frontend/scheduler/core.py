@@ -276,6 +276,7 @@ class Scheduler:
                 queue.busy_since = now
                 tier = queue.tier
                 tier.active_weight += queue.weight
+                tier.busy_tenants += 1
                 self._fairness.join(tier.fair_state, queue)
         elif was_idle:
             queue.busy_since = now
@@ -735,6 +736,33 @@ class Scheduler:
             return queue.rows
         return queue.ahead_of(priority, program, self._cost.cost(rows, tokens), self._scale)[1]
 
+    def light_rivals(self, tenant: str) -> int | None:
+        """The other tenants with work queued in ``tenant``'s tier or a higher one: the
+        most heads an engine's light slots go to before a new request of ``tenant``
+        that may take one (``EngineThrottle``; ``next_where`` gives each light slot to
+        the fairest head that may). None in fifo mode (no request goes out of turn).
+        O(tiers)."""
+        terms = self._tenants.get(tenant)
+        if terms is None or not self._fair:
+            return None
+        tier = self._tier_of(tenant, terms)
+        queue = self._queues.get(tenant)
+        own = 1 if queue is not None and queue.requests else 0
+        return sum(t.busy_tenants for t in self._tiers[: tier.index + 1]) - own
+
+    def tier_light_rivals(self, tier: str) -> int:
+        """``light_rivals`` at its least for a tenant of ``tier``: one with work queued
+        (the throttle's verdict for the tier, ``EndpointAdmission.verdict``)."""
+        level = self._tier_by_name.get(tier)
+        if level is None or not self._fair:
+            return 0
+        return max(0, sum(t.busy_tenants for t in self._tiers[: level.index + 1]) - 1)
+
+    def program_queued(self, tenant: str, program: str) -> bool:
+        """Whether ``tenant`` has requests of ``program`` queued here. O(1)."""
+        queue = self._queues.get(tenant)
+        return queue is not None and queue.program_queued(program)
+
     # ---- internals ----------------------------------------------------------------------
 
     def _tier_of(self, tenant: str, terms: TenantTerms) -> Tier:
@@ -863,6 +891,7 @@ class Scheduler:
             if self._fair:
                 # A tenant whose queue empties leaves its tier's round (and its budget).
                 tier.active_weight = tier.active_weight - queue.weight if tier.requests else 0.0
+                tier.busy_tenants = tier.busy_tenants - 1 if tier.requests else 0
                 self._fairness.leave(tier.fair_state, queue)
 
 

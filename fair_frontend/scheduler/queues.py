@@ -290,6 +290,17 @@ class TenantQueue(Load):
             self._restored = None
         return service
 
+    def program_queued(self, name: str) -> bool:
+        """Whether requests of program ``name`` are queued here (one past the bound of
+        programs counts as queued where the overflow program holds any). O(1)."""
+        programs = self._programs
+        if programs is None:
+            return bool(self.requests) and self._sole == name
+        kept = programs.get(name)
+        if kept is not None:
+            return bool(kept.requests)
+        return self._overflow is not None and bool(self._overflow.requests)
+
     @property
     def programs(self) -> int:
         """Programs this queue keeps apart (the overflow one included)."""

@@ -14,13 +14,14 @@ S = TypeVar("S")
 class Tier(Load):
     """One tier on one endpoint: its queued load, active weight and fairness state."""
 
-    __slots__ = ("active_weight", "fair_state", "index", "name")
+    __slots__ = ("active_weight", "busy_tenants", "fair_state", "index", "name")
 
     def __init__(self, name: str, index: int, fair_state: Any) -> None:
         super().__init__()
         self.name = name
         self.index = index  # 0 = highest
         self.active_weight = 0.0  # sum of weights of its tenants with queued work
+        self.busy_tenants = 0  # its tenants with queued work (fair mode)
         self.fair_state = fair_state  # the FairnessPolicy's state for this tier
 
 

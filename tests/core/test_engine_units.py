@@ -258,6 +258,34 @@ async def test_the_light_slots_go_to_programs_holding_none_the_fairest_first() -
     await e.close()
 
 
+async def test_the_throttle_is_told_which_calls_may_take_a_light_slot() -> None:
+    """``light_place`` (``EngineThrottle``'s ``light``): None for a call of a program
+    that holds a slot or queues calls, or where no slot is light; else the rivals that
+    a light slot may go to first (a head of each other tenant with work queued), and
+    the call itself."""
+    e = Engine(slots=4, reserved=0, light=1)
+    for _ in range(6):
+        e.submit("a", 1, "agent")
+    await e.settle()
+    assert len(e.triton.open("a")) == 3 and e.scheduler.depth("a") == 3
+    place = e.runtime.light_place
+    assert place("a", "agent") is None  # it holds slots and queues calls
+    assert place("a", "chat") == 1  # its own tenant's queue is no rival
+    assert place("c", "chat") == 2  # a's head may take the light slot first
+    e.submit("c", 1, "chat")
+    await e.settle()
+    assert [s.req.program for s in e.triton.open("c")] == ["chat"]  # the light slot
+    assert place("c", "chat") is None  # it holds one
+    e.submit("b", 1, "chat")  # every slot busy: it waits
+    await e.settle()
+    assert place("b", "chat") is None  # queued
+    assert place("c", "other") == 3  # a's and b's heads
+    plain = Engine(slots=4, reserved=0)
+    assert plain.runtime.light_place("c", "chat") is None  # no slot is light
+    await plain.close()
+    await e.close()
+
+
 async def test_without_light_slots_a_chat_waits_for_a_turnover() -> None:
     """The control: the same agents fill every slot, and the chat's call waits."""
     e = Engine(slots=4, reserved=0)

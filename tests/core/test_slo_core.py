@@ -61,7 +61,11 @@ START = 1000.0  # the fake clock's
 
 
 def config(
-    tenants: dict[str, str | None], *, latency_target_ms: float = 5000.0, classes: bool = True
+    tenants: dict[str, str | None],
+    *,
+    latency_target_ms: float = 5000.0,
+    classes: bool = True,
+    light_slots: int = 0,
 ) -> Config:
     """``tenants``: name -> its SLO class (None: none). Classes: ``chat`` (interactive,
     ``TTFT_S``) and ``bulk`` (batch, a deadline of 1000 s)."""
@@ -87,6 +91,7 @@ def config(
                     "max_inflight": SLOTS,
                     "token_output": "text_output",
                     "latency_target_ms": latency_target_ms,
+                    "light_slots": light_slots,
                 }
             },
         }
@@ -145,7 +150,7 @@ class Rig:
     def runtime(self) -> Any:
         return self.core.runtimes[LLM]
 
-    def call(self, tenant: str, slo: str = "") -> Call:
+    def call(self, tenant: str, slo: str = "", program: str = "") -> Call:
         call_id = next(self.ids)
         now = self.clock.now()
         text = Tensor("text_input", "BYTES", (1,), np.array([b"hi"], dtype=object))
@@ -163,12 +168,13 @@ class Rig:
             stream=True,
             max_tokens=5,
             slo_class=slo,
+            program=program,
         )
 
-    def submit(self, tenant: str, slo: str = "") -> CoreRequest | None:
+    def submit(self, tenant: str, slo: str = "", program: str = "") -> CoreRequest | None:
         out = self.out
         out.sent[tenant] = out.sent.get(tenant, 0) + 1
-        call = self.call(tenant, slo)
+        call = self.call(tenant, slo, program)
         own = self.runtime.scheduler.depth(tenant) + self.runtime.in_engine(tenant)
         req = self.core.submit(call, cast(Any, self.shell))
         if req is None:
@@ -359,6 +365,35 @@ async def test_under_light_load_nothing_is_refused() -> None:
     out = await rig.run({"a": 0.35, "b": 0.35}, 30.0)
     assert not out.refused and sum(out.sent.values()) > 100
     assert not sum(out.late.values())
+
+
+async def test_the_throttle_judges_a_call_that_may_take_a_light_slot_by_its_rivals() -> None:
+    """With light slots, the core tells the engine's throttle which calls may take one
+    (``EngineDispatcher.light_place``): a's agent fills every slot and queues more; b's
+    chat (its program holds none) is judged behind a's head alone, a's next agent call
+    as one that may not. Without light slots, neither is."""
+    for light_slots, expected in ((2, [None, 2, None]), (0, [None, None, None])):
+        rig = Rig(config({"a": None, "b": "chat"}, light_slots=light_slots))
+        engine = rig.runtime.admission.engine
+        told: list[int | None] = []
+        judge = engine.check
+
+        def spy(told: list[int | None] = told, judge: Any = judge, **kw: Any) -> Any:
+            told.append(kw["light"])
+            return judge(**kw)
+
+        engine.check = spy
+        for _ in range(SLOTS + 4):
+            rig.submit("a", program="agent")
+        await rig.settle()
+        assert rig.runtime.inflight == SLOTS - light_slots
+        told.clear()
+        rig.submit("a", program="agent")
+        rig.submit("b", "chat", program="chat")
+        rig.submit("b", "chat", program="chat")  # queued behind b's first: not light
+        assert told == expected, light_slots
+        rig.take_grants()
+        await rig.run({}, 0.0)  # every stream served to its end
 
 
 async def test_a_batch_class_is_refused_only_when_its_deadline_cannot_be_met() -> None:

@@ -100,6 +100,62 @@ def test_the_requests_deadline_tightens_the_target() -> None:
     assert "exceeds the request's deadline of 1.00 s" in overloaded_error(d, "llm").message
 
 
+def test_light_slots_count_for_the_requests_that_may_take_them() -> None:
+    """8 slots, the last 2 light, all busy, 10 requests' worth ahead: a request whose
+    program holds a slot waits until 2 are still free after its own (12 releases); one
+    whose program holds none takes a light slot once the 2 rivals before it have (3
+    releases), where without light slots it waited its turn (10)."""
+    t = EngineThrottle(slots=8, latency_target_s=1.0, light_slots=2)
+    busy = {"ahead": 10, "own_ahead": 1, "inflight": 8}
+    heavy = check(t, hold_s=2.0, **busy)
+    light = t.check(slot_times=slot_times(2.0), own_inflight=0, light=3, **busy)
+    plain = check(engine(target_s=1.0), hold_s=2.0, **busy)
+    assert (heavy.batches, light.batches, plain.batches) == (12, 3, 10)
+    assert not heavy.admitted and light.admitted and not plain.admitted
+    assert light.predicted_wait_s == pytest.approx(3 * 2.0 / 8)
+    # Slots free but only the light ones: the next heavy request waits for a release,
+    # a light one takes a slot at once (never later than its turn: the fewer of the two).
+    assert check(t, inflight=6, ahead=1).reason == "next in line"
+    assert t.check(slot_times=slot_times(2.0), **LONE, inflight=6, light=1).reason == "free slot"
+    assert t.check(slot_times=slot_times(2.0), **LONE, inflight=8, light=5).batches == 1
+
+
+LONE = {"ahead": 1, "own_ahead": 1, "own_inflight": 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    light_slots=st.integers(1, 7),
+    ahead=st.integers(1, 500),
+    more=st.integers(0, 500),
+    rivals=st.integers(1, 64),
+    more_rivals=st.integers(0, 64),
+    inflight=st.integers(0, 8),
+)
+def test_with_light_slots_more_ahead_or_more_rivals_never_admits_what_was_refused(
+    light_slots: int, ahead: int, more: int, rivals: int, more_rivals: int, inflight: int
+) -> None:
+    """Monotone in the work ahead and in the light rivals; and a request that may take a
+    light slot never waits longer than one that may not."""
+    t = EngineThrottle(slots=8, latency_target_s=0.5, light_slots=light_slots)
+    times = slot_times(2.0)
+
+    def judge(ahead: int, light: int | None) -> ThrottleDecision:
+        return t.check(
+            ahead=ahead, own_ahead=1, inflight=inflight, own_inflight=0, slot_times=times,
+            light=light,
+        )  # fmt: skip
+
+    for light in (None, rivals):
+        small, large = judge(ahead, light), judge(ahead + more, light)
+        assert large.predicted_wait_s >= small.predicted_wait_s
+        assert small.admitted or not large.admitted
+    fewer, more_of_them = judge(ahead, rivals), judge(ahead, rivals + more_rivals)
+    assert more_of_them.predicted_wait_s >= fewer.predicted_wait_s
+    assert fewer.admitted or not more_of_them.admitted
+    assert judge(ahead, rivals).predicted_wait_s <= judge(ahead, None).predicted_wait_s
+
+
 def test_no_slot_times_yet_never_refuses() -> None:
     t = engine(target_s=0.001)
     d = t.check(ahead=10**5, own_ahead=10**5, inflight=8, own_inflight=8, slot_times=SlotTimes())
@@ -111,6 +167,10 @@ def test_from_the_endpoint_config() -> None:
     llm = ModelInfo(name="llm", max_batch_size=0, inputs={}, outputs={}, decoupled=True)
     t = engine_throttle(plan(Config(tiers=["paid"], endpoints={"llm": ep}), "llm", llm), 2)
     assert (t.slots, t.tenant_slots, t.latency_target_s, t.safety) == (128, 120, 2.5, 1.5)
+    assert t.light_slots == 0
+    ep = Endpoint(max_inflight=64, light_slots=4)
+    light = engine_throttle(plan(Config(tiers=["paid"], endpoints={"llm": ep}), "llm", llm), 2)
+    assert light.light_slots == 4
     with pytest.raises(ValueError):
         engine_throttle(plan(Config(tiers=["paid"]), "llm", llm))  # not an engine
 

@@ -200,6 +200,7 @@ def test_a_closed_tier_refuses_every_request_of_it(
     target_s=st.floats(0.01, 5.0),
     paid_share=st.floats(0.0, 1.0),
     mode=st.sampled_from(["fair", "fifo"]),
+    light_slots=st.integers(0, 15),
     requests=st.lists(
         st.tuples(
             st.sampled_from(["p1", "p2", "f1", "f2"]),
@@ -207,6 +208,7 @@ def test_a_closed_tier_refuses_every_request_of_it(
             st.integers(0, 400),
             st.integers(1, 3),
             st.integers(0, 16),  # own_inflight
+            st.booleans(),  # may take a light slot
         ),
         min_size=1,
         max_size=20,
@@ -222,8 +224,11 @@ def test_a_closed_tier_refuses_every_request_of_it_on_an_engine(
     target_s: float,
     paid_share: float,
     mode: Mode,
-    requests: list[tuple[str, int, int, int, int]],
+    light_slots: int,
+    requests: list[tuple[str, int, int, int, int, bool]],
 ) -> None:
+    """Light slots included: a request that may take one is judged by its rivals
+    (``Scheduler.light_rivals``), and a tier closed refuses it too."""
     tenants = directory(weights)
     policy = EndpointPolicy(CostUnit.REQUESTS, 0, None, 1.0, TIERS, slots=slots)
     scheduler = Scheduler(policy, tenants, GlobalCaps(10**7), mode=mode)
@@ -237,7 +242,10 @@ def test_a_closed_tier_refuses_every_request_of_it_on_an_engine(
         strict_tiers=mode == "fair",
         tier_shares=TierShares(),
         engine=EngineThrottle(
-            slots=slots, reserved_slots=min(reserved, slots - 1), latency_target_s=target_s
+            slots=slots,
+            reserved_slots=min(reserved, slots - 1),
+            latency_target_s=target_s,
+            light_slots=min(light_slots, slots - 1),
         ),
         slot_times=times,
     )
@@ -247,11 +255,14 @@ def test_a_closed_tier_refuses_every_request_of_it_on_an_engine(
     verdicts = {
         t: admission.verdict(scheduler, inflight, t, largest_weight(tenants, t), 2) for t in TIERS
     }
-    for tenant, rows, tokens, priority, own_inflight in requests:
+    for tenant, rows, tokens, priority, own_inflight, may_light in requests:
         tier = tenants[tenant].tier
+        rivals = scheduler.light_rivals(tenant)
+        light = rivals + 1 if may_light and rivals is not None else None
         d = admission.admit(
             scheduler, inflight, tenant=tenant, tier=tier, priority=priority, rows=rows,
             tokens=tokens, remaining_s=None, own_inflight=min(own_inflight, inflight),
+            light=light,
         )  # fmt: skip
         assert d is not None
         if verdicts[tier] is not None:
