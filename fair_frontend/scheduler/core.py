@@ -748,7 +748,7 @@ class Scheduler:
         tier = self._tier_of(tenant, terms)
         queue = self._queues.get(tenant)
         own = 1 if queue is not None and queue.requests else 0
-        return sum(t.busy_tenants for t in self._tiers[: tier.index + 1]) - own
+        return self._busy_through(tier) - own
 
     def tier_light_rivals(self, tier: str) -> int:
         """``light_rivals`` at its least for a tenant of ``tier``: one with work queued
@@ -756,7 +756,7 @@ class Scheduler:
         level = self._tier_by_name.get(tier)
         if level is None or not self._fair:
             return 0
-        return max(0, sum(t.busy_tenants for t in self._tiers[: level.index + 1]) - 1)
+        return max(0, self._busy_through(level) - 1)
 
     def program_queued(self, tenant: str, program: str) -> bool:
         """Whether ``tenant`` has requests of ``program`` queued here. O(1)."""
@@ -764,6 +764,10 @@ class Scheduler:
         return queue is not None and queue.program_queued(program)
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _busy_through(self, tier: Tier) -> int:
+        """Tenants with work queued in ``tier`` and the tiers above it. O(tiers)."""
+        return sum(t.busy_tenants for t in self._tiers[: tier.index + 1])
 
     def _tier_of(self, tenant: str, terms: TenantTerms) -> Tier:
         tier = self._tier_by_name.get(terms.tier)
