@@ -4,7 +4,10 @@ These tests count *order*, not time: how many of a noisy tenant's requests the c
 dispatches while a quiet tenant's request waits in its queue. That is what a burst costs
 the quiet tenant, and it does not depend on how fast these shared machines happen to be
 today. The order is the core's own record (``DispatchRecord``: a spy on the model's
-scheduler, on the core's loop), not the order in which answers reach the clients.
+scheduler, on the core's loop), not the order in which answers reach the clients. A
+flood is queued whole before its probe comes: the core holds the model's batches
+meanwhile (``holding``), as a Triton slower than the clients would, whatever the speed
+of the machine and of the clients' process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tests.support import KEYS, RunningFrontend, ids_input, make_config, running
 
 TOKENS = 512  # 8 rows x 512 tokens = one full embed batch (max_batch_tokens 4096)
 ROWS_PER_BATCH = 8
+FLOOD = 240  # a noisy tenant's calls, all queued before the probe (30 batches)
 # The flood reaching the frontend: a second or two here; far above that, a hang fails.
 FLOOD_ARRIVAL_S = 60.0
 SETTLE_S = 60.0  # bounds every other wait on the core (a hang fails; never a timing)
@@ -168,24 +172,37 @@ class Probe:
     outcome: str  # the probe's outcome as the core recorded it
 
 
+@contextlib.asynccontextmanager
+async def holding(fe: RunningFrontend, model: str = "embed") -> AsyncIterator[None]:
+    """The core sends no batch of ``model`` while within: what arrives queues there, as
+    behind a Triton slower than its clients; on the way out it sends again at once. A
+    gate the test holds at the core, in place of a flood sized to outpace Triton: on a
+    loaded machine one client's 240-320 calls drained as they came (0-4 of them queued,
+    three tries running), and a test of what a queue does found none."""
+
+    async def hold() -> None:
+        await fe.frontend.model_info(model)  # its runtime, made before any call
+        runtime = fe.frontend.runtimes[model]
+        runtime._may_send = lambda now: None
+
+    async def release() -> None:
+        runtime = fe.frontend.runtimes[model]
+        del runtime._may_send
+        runtime.kick()
+
+    await fe.acall(hold())
+    try:
+        yield
+    finally:
+        await fe.acall(release())
+
+
 async def _flood_then_probe(
     fe: RunningFrontend, noisy: str, quiet: str, flood: int, **probe_kw: Any
 ) -> Probe:
-    """``_flood_once``, again (up to 3 times) where the flood had drained before the probe
-    came: the flood must outpace Triton, and on a loaded machine (a fresh clone beside
-    another, its Triton just restarted) one client's 240 calls once queued 0-2 of them.
-    The callers assert the flood queued; the last try is returned either way."""
-    for _ in range(3):
-        probe = await _flood_once(fe, noisy, quiet, flood, **probe_kw)
-        if probe.queued >= 4 * ROWS_PER_BATCH:
-            break
-    return probe
-
-
-async def _flood_once(
-    fe: RunningFrontend, noisy: str, quiet: str, flood: int, **probe_kw: Any
-) -> Probe:
-    """Flood with ``noisy``, then send one ``quiet`` request once the flood is queued.
+    """Flood with ``noisy`` while the core holds the model's batches (``holding``), send
+    one ``quiet`` request once the whole flood is queued, and let the batches go once the
+    probe is queued too (or answered: refused, expired).
 
     The probe's client connects before the flood (its request is then one message on a
     connection already open). Read from the core's record: how many of the noisy
@@ -195,29 +212,39 @@ async def _flood_once(
     client = grpcaio.InferenceServerClient(fe.grpc_url)
     probe_client = grpcaio.InferenceServerClient(fe.grpc_url)
     tracker = Tracker()
+
+    async def send_probe() -> Any:
+        try:
+            return await probe_client.infer(
+                "embed",
+                [ids_input(grpcaio, _ids())],
+                request_id=PROBE_ID,
+                headers={"x-api-key": KEYS[quiet]},
+                **probe_kw,
+            )
+        except InferenceServerException as err:
+            return err
+
     try:
         assert await probe_client.is_server_live(headers={"x-api-key": KEYS[quiet]})
         async with recording(fe) as record:
-            tasks = [asyncio.ensure_future(tracker.send(client, noisy)) for _ in range(flood)]
+            async with holding(fe):
+                tasks = [asyncio.ensure_future(tracker.send(client, noisy)) for _ in range(flood)]
 
-            async def arrived() -> bool:
-                # Every flood request has arrived: queued, in a batch in flight, or answered.
-                queued = await fe.acall(_queued(fe, noisy))
-                return bool(queued + tracker.done >= flood - ROWS_PER_BATCH)
+                async def arrived() -> bool:
+                    return await fe.acall(_queued(fe, noisy)) >= flood or bool(tracker.errors)
 
-            what = f"{noisy}'s flood to arrive"
-            await aeventually(arrived, FLOOD_ARRIVAL_S, 0.005, what=what)
-            probe: Any
-            try:
-                probe = await probe_client.infer(
-                    "embed",
-                    [ids_input(grpcaio, _ids())],
-                    request_id=PROBE_ID,
-                    headers={"x-api-key": KEYS[quiet]},
-                    **probe_kw,
-                )
-            except InferenceServerException as err:
-                probe = err
+                what = f"{noisy}'s flood queued"
+                await aeventually(arrived, FLOOD_ARRIVAL_S, 0.005, what=what)
+                assert not tracker.errors, tracker.errors[:3]
+                probe_task = asyncio.ensure_future(send_probe())
+
+                def probe_in() -> bool:
+                    came = any(s.request.request.id == PROBE_ID for s in list(record.steps))
+                    return came or probe_task.done()
+
+                await aeventually(probe_in, SETTLE_S, 0.005, what="the probe queued")
+            probe = await probe_task
             await asyncio.gather(*tasks, return_exceptions=True)
             assert not tracker.errors, tracker.errors[:3]
             await aeventually(record.settled, SETTLE_S, 0.01, what="every request's end")
@@ -245,9 +272,9 @@ async def test_a_burst_does_not_delay_another_tenant_beyond_one_batch(mode_front
     first.
     """
     fe = mode_frontend
-    got = await _flood_then_probe(fe, "initech", "hooli", flood=240)
+    got = await _flood_then_probe(fe, "initech", "hooli", flood=FLOOD)
     assert not isinstance(got.result, Exception), got.result
-    assert got.queued >= 4 * ROWS_PER_BATCH, f"the flood drained before the probe ({got})"
+    assert got.queued == FLOOD, f"the flood was not all queued when the probe came ({got})"
     if fe.server.config.scheduling == "fair":
         assert got.ahead <= ROWS_PER_BATCH, f"{got.ahead} flood requests went first ({got})"
     else:
@@ -257,16 +284,16 @@ async def test_a_burst_does_not_delay_another_tenant_beyond_one_batch(mode_front
 async def test_higher_tier_goes_first(frontend) -> None:
     # umbrella is trial, acme enterprise: the enterprise request overtakes trial's backlog
     # (strict tiers: it is the next request dispatched).
-    got = await _flood_then_probe(frontend, "umbrella", "acme", flood=240)
+    got = await _flood_then_probe(frontend, "umbrella", "acme", flood=FLOOD)
     assert not isinstance(got.result, Exception), got.result
-    assert got.queued >= 4 * ROWS_PER_BATCH, f"the flood drained before the probe ({got})"
+    assert got.queued == FLOOD, f"the flood was not all queued when the probe came ({got})"
     assert got.ahead == 0, f"{got.ahead} trial requests went first ({got})"
 
 
 async def test_priority_overtakes_within_a_tenant(frontend) -> None:
-    got = await _flood_then_probe(frontend, "globex", "globex", flood=240, priority=1)
+    got = await _flood_then_probe(frontend, "globex", "globex", flood=FLOOD, priority=1)
     assert not isinstance(got.result, Exception), got.result
-    assert got.queued >= 4 * ROWS_PER_BATCH, f"the flood drained before the probe ({got})"
+    assert got.queued == FLOOD, f"the flood was not all queued when the probe came ({got})"
     assert got.ahead == 0, f"{got.ahead} of its own lower-priority requests went first ({got})"
 
 
@@ -275,7 +302,7 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:
         frontend,
         "initech",
         "initech",
-        flood=240,
+        flood=FLOOD,
         timeout=1000,  # 1 ms, microseconds
         # The lowest level: behind the whole flood (earliest-deadline-first alone would put
         # it at the head of its tenant's queue, next in line within the same millisecond).
@@ -286,7 +313,7 @@ async def test_a_queued_request_expires_at_its_deadline(frontend) -> None:
     assert probe.status() == "StatusCode.UNAVAILABLE"
     assert probe.message() == "Request timeout expired"
     assert got.outcome == "expired"
-    assert got.queued >= 4 * ROWS_PER_BATCH, f"the flood drained before the probe ({got})"
+    assert got.queued == FLOOD, f"the flood was not all queued when the probe came ({got})"
     # Answered at its deadline, not when its turn came (after every one queued ahead of
     # it): most of the flood was still queued when it expired.
     assert got.ahead < got.queued / 2, got
@@ -337,33 +364,41 @@ async def test_a_cancelled_request_leaves_the_queue_and_is_never_sent(triton, wo
         client = grpcaio.InferenceServerClient(fe.grpc_url)
         victim_client = grpcaio.InferenceServerClient(fe.grpc_url)
         try:
-            flood = [
-                asyncio.ensure_future(
-                    client.infer(
-                        "embed", [ids_input(grpcaio, _ids())], headers={"x-api-key": KEYS["acme"]}
+            async with holding(fe):  # acme's flood queued ahead of the victim
+                flood = [
+                    asyncio.ensure_future(
+                        client.infer(
+                            "embed",
+                            [ids_input(grpcaio, _ids())],
+                            headers={"x-api-key": KEYS["acme"]},
+                        )
+                    )
+                    for _ in range(320)
+                ]
+                await aeventually(
+                    lambda: _at_least(fe, "acme", 320),
+                    FLOOD_ARRIVAL_S,
+                    0.005,
+                    what="acme's flood queued",
+                )
+                victim = asyncio.ensure_future(
+                    victim_client.infer(
+                        "embed",
+                        [ids_input(grpcaio, _ids())],
+                        headers={"x-api-key": KEYS["umbrella"]},  # trial: behind all of acme
                     )
                 )
-                for _ in range(320)
-            ]
-            await aeventually(
-                lambda: _at_least(fe, "acme", 4 * ROWS_PER_BATCH),
-                FLOOD_ARRIVAL_S,
-                0.005,
-                what="acme's flood queued",
-            )
-            victim = asyncio.ensure_future(
-                victim_client.infer(
-                    "embed",
-                    [ids_input(grpcaio, _ids())],
-                    headers={"x-api-key": KEYS["umbrella"]},  # trial: behind all of acme
+                await aeventually(
+                    lambda: _at_least(fe, "umbrella", 1), SETTLE_S, 0.005, what="the victim queued"
                 )
-            )
-            await aeventually(
-                lambda: _at_least(fe, "umbrella", 1), SETTLE_S, 0.005, what="the victim queued"
-            )
-            victim.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await victim
+                victim.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await victim
+
+                async def gone() -> bool:  # its cancellation reached the core's queue
+                    return await _queued(fe, "umbrella") == 0
+
+                await aeventually(lambda: fe.acall(gone()), SETTLE_S, 0.005, what="the victim gone")
             await asyncio.gather(*flood)
         finally:
             await client.close()
