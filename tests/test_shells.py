@@ -319,7 +319,7 @@ def _head(model: str, key: str) -> str:
 
 
 async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body(
-    triton: EmbeddedTriton, workers: int
+    triton: EmbeddedTriton, workers: int, tmp_path: Path
 ) -> None:
     data = make_config().model_dump(mode="json")
     data["tenants"]["hooli"]["max_queued"] = 5
@@ -335,26 +335,33 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
         assert refused.startswith("HTTP/1.1 401"), refused
         # A good key and a queue with room: the server waits for the body (the control).
         assert await _raw_http(port, _head("sleeper", KEYS["hooli"]), 0.5) == ""
-        # Fill hooli's queue behind one slow request: 100,000 tokens at 20 us a token (2 s on
-        # the sleeper model) in Triton, then 5 small ones queued behind it.
+        # Fill hooli's queue behind one request held in Triton at a gate until the test
+        # opens it (a slow request sized to outlast the test drained the queue first on a
+        # loaded machine), then 5 small ones queued behind it.
         client = grpcaio.InferenceServerClient(fe.grpc_url)
+        gate = Gate(tmp_path)
 
-        async def send(tokens: int) -> Any:
+        async def send(tokens: int, parameters: dict[str, Any] | None = None) -> Any:
             ids = np.ones((1, tokens), dtype=np.int32)
             try:
                 return await client.infer(
-                    "sleeper", [ids_input(grpcaio, ids)], headers={"x-api-key": KEYS["hooli"]}
+                    "sleeper",
+                    [ids_input(grpcaio, ids)],
+                    headers={"x-api-key": KEYS["hooli"]},
+                    parameters=parameters,
                 )
             except InferenceServerException as err:
                 return err
 
         core = server.core
         assert core is not None
-        flood = [asyncio.ensure_future(send(100_000))]
+        # (10,000 tokens: the core predicts it busy for 0.2 s, far beyond its early send's
+        # lead, so the 5 wait in its queue, not in Triton's.)
+        flood = [asyncio.ensure_future(send(10_000, {GATE_PARAMETER: gate.parameter}))]
         try:
             deadline = time.monotonic() + 30
             while (runtime := core.runtimes.get("sleeper")) is None or runtime.inflight < 1:
-                assert time.monotonic() < deadline, "the slow request never reached Triton"
+                assert time.monotonic() < deadline, "the gated request never reached Triton"
                 await asyncio.sleep(0.005)
             flood += [asyncio.ensure_future(send(10)) for _ in range(5)]
             while runtime.scheduler.depth("hooli") < 5:
@@ -368,6 +375,7 @@ async def test_http_refuses_unknown_keys_and_full_queues_before_reading_the_body
                 shed = await _raw_http(port, _head("sleeper", KEYS["hooli"]), 0.2)
             assert "Exceeds maximum queue size: tenant 'hooli' max_queued=5" in shed, shed
         finally:
+            gate.open()
             results = await asyncio.wait_for(asyncio.gather(*flood), 120)
             await client.close()
         assert not [r for r in results if isinstance(r, Exception)], results
