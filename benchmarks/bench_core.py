@@ -69,7 +69,7 @@ from fair_frontend.protocol import Batch, InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.link import LocalLink
 from fair_frontend.wire.framing import encode, to_core, to_shell
-from fair_frontend.wire.records import Answer, Call, Grant, Produced, Rows, RowsDone
+from fair_frontend.wire.records import Answer, Call, Grant, Produced, Rows, RowsDone, gaps_from
 
 TOKENS = 128
 TENANTS = 8
@@ -257,7 +257,7 @@ async def core_per_stream(n: int, *, logged: bool = True) -> dict[str, float]:
         grants, seen = shell.grants[seen:], len(shell.grants)
         for grant in grants:
             req = reqs.pop(grant.id)
-            core.produced_all([(req, 1, 0.001, [])])
+            core.produced_all([(req, 1, 0.001)])
             core.stream_ended(req, "1", None, False)
             submit(req.tenant)
             done += 1
@@ -426,17 +426,19 @@ async def core_per_token(per_entry: int, records: int) -> dict[str, float]:
         calls[i] = core.submit(call, shell)
     while len(shell.grants) < 64:
         await asyncio.sleep(0)
-    frame = encode(Produced([(g.id, per_entry, -1.0, [0.01] * per_entry) for g in shell.grants]))
+    # Each tenant's inter-token times of the tick, binned as its shell bins them.
+    times = [(t, "llm", *gaps_from([0.01] * per_entry * 32)) for t in ("acme", "globex")]
+    frame = encode(Produced([(g.id, per_entry, -1.0) for g in shell.grants], times))
     frame = frame[4:]
     cpu0 = time.process_time()
     for _ in range(records):
         record = cast(Produced, to_core.decode(frame))
         reports = []
-        for call_id, tokens, first_s, gaps in record.entries:
+        for call_id, tokens, first_s in record.entries:
             req = calls.get(call_id)
             if req is not None:
-                reports.append((req, tokens, first_s, gaps))
-        core.produced_all(reports)
+                reports.append((req, tokens, first_s))
+        core.produced_all(reports, record.gaps)
     cpu = time.process_time() - cpu0
     for req in calls.values():
         core.stream_ended(req, "1", None, False)

@@ -118,6 +118,8 @@ from fair_frontend.wire.records import (
     Rows,
     RowsDone,
     Settings,
+    bin_gaps,
+    gaps_of,
 )
 from fair_frontend.wire.remote import METHOD, SECRET_HEADER, StreamTransport
 from fair_frontend.wire.tcp import ACCEPTED, HEARTBEAT_S, LINKS, SILENT_S, preamble, tune
@@ -473,10 +475,13 @@ class SimShell(Framed):
         stream.tokens += n
         self.driver.books[stream.call.tenant].tokens += n
 
-    def produced(self, entries: list[tuple[int, int, float, list[float]]]) -> None:
+    def produced(
+        self, entries: list[tuple[int, int, float]], gaps: dict[str, tuple[float, dict[int, int]]]
+    ) -> None:
         if entries:
             self.driver.produced_records += 1
-            self.send(Produced(entries))
+            times = [(tenant, "llm", *gaps_of(*binned)) for tenant, binned in gaps.items()]
+            self.send(Produced(entries, times))
 
     def ended(self, call_id: int) -> None:
         self.streams.pop(call_id, None)
@@ -812,7 +817,7 @@ def instant_stream(driver: Driver) -> None:
     def granted(shell: SimShell, call_id: int) -> None:
         stream = shell.streams[call_id]
         first = time.monotonic() - stream.call.arrived
-        shell.produced([(call_id, 1, first, [])])
+        shell.produced([(call_id, 1, first)], {})
         shell.books_token(stream, 1)
         shell.ended(call_id)
 
@@ -912,7 +917,9 @@ async def tokens_step(
                 continue
             each, extra = divmod(int(owed), len(live))
             owed -= each * len(live) + extra
-            entries: dict[SimShell, list[tuple[int, int, float, list[float]]]] = {}
+            entries: dict[SimShell, list[tuple[int, int, float]]] = {}
+            # Per shell and tenant: the tick's inter-token times, binned as a shell bins them.
+            times: dict[SimShell, dict[str, tuple[float, dict[int, int]]]] = {}
             done: list[tuple[SimShell, int]] = []
             for i, (shell, cid) in enumerate(live):
                 stream = shell.streams[cid]
@@ -920,13 +927,18 @@ async def tokens_step(
                 if n <= 0:
                     continue
                 first = now - stream.call.arrived if stream.tokens == 0 else -1.0
-                gaps = [PRODUCED_TICK_S / n] * (n - 1 if stream.tokens == 0 else n)
-                entries.setdefault(shell, []).append((cid, n, first, gaps))
+                timed = n - 1 if stream.tokens == 0 else n
+                if timed:
+                    tenant = stream.call.tenant
+                    total, bins = times.setdefault(shell, {}).get(tenant, (0.0, {}))
+                    total += bin_gaps(bins, timed, PRODUCED_TICK_S / n * timed)
+                    times[shell][tenant] = (total, bins)
+                entries.setdefault(shell, []).append((cid, n, first))
                 shell.books_token(stream, n)
                 if stream.tokens >= STREAM_TOKENS:
                     done.append((shell, cid))
             for shell, batch in entries.items():
-                shell.produced(batch)
+                shell.produced(batch, times.get(shell, {}))
             for shell, cid in done:
                 tenant = shell.streams[cid].call.tenant
                 shell.ended(cid)

@@ -21,6 +21,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.core.metrics import PENDING_VALUES, FrontendMetrics, observe_many
 from fair_frontend.observability.observe import BatchReport, Finished
 from fair_frontend.outcomes import Outcome
+from fair_frontend.wire.records import INTER_TOKEN_BUCKETS, bin_gaps, gaps_from, gaps_of
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 
@@ -69,7 +70,7 @@ def test_everything_counted_before_a_scrape_is_in_it() -> None:
             tenant="acme", model="llm", outcome=Outcome.DISPATCHED, queued_s=0.002, latency_s=0.5
         )
     metrics.tokens_produced(
-        tenant="acme", model="llm", tokens=5, first_token_s=0.2, inter_token_s=[0.02] * 4
+        tenant="acme", model="llm", tokens=5, first_token_s=0.2, inter_token=[gaps_from([0.02] * 4)]
     )
     metrics.batch_finished(
         BatchReport("llm", 1, 9, 1, {"acme": 1}, {"acme": 9}, {"acme": 9.0}, 0.0, 0.25, True)
@@ -94,16 +95,52 @@ def test_everything_counted_before_a_scrape_is_in_it() -> None:
 
 
 def test_observations_held_between_scrapes_stay_bounded() -> None:
+    """A stream's inter-token times come binned (``records.Gaps``): what is held for a
+    series between scrapes is its buckets, however many times they count."""
     metrics = FrontendMetrics(config())
-    gaps = [0.01] * 1000
-    for _ in range(3 * PENDING_VALUES // len(gaps)):
+    gaps = gaps_from([0.01] * 1000)
+    for _ in range(3 * PENDING_VALUES // 1000):
         metrics.tokens_produced(
-            tenant="acme", model="llm", tokens=1001, first_token_s=None, inter_token_s=gaps
+            tenant="acme", model="llm", tokens=1001, first_token_s=None, inter_token=[gaps] * 2
         )
         assert all(len(v) < PENDING_VALUES for v in metrics.pending.values.values())
+        ((_, bins),) = metrics.pending.binned.values()
+        assert len(bins) == len(INTER_TOKEN_BUCKETS) + 1
     got = samples(metrics.registry)
     acme = (("endpoint", "llm"), ("tenant", "acme"), ("tier", "standard"))
-    assert got[("fair_inter_token_seconds_count", acme)] == 3 * PENDING_VALUES // 1000 * 1000
+    assert got[("fair_inter_token_seconds_count", acme)] == 3 * PENDING_VALUES // 1000 * 2000
+    assert not metrics.pending.binned  # the scrape took them
+
+
+TIMES = st.floats(0.0, 10.0, allow_nan=False) | st.sampled_from([0.0, *INTER_TOKEN_BUCKETS])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(1, 16), TIMES), max_size=8), max_size=6))
+def test_times_binned_by_the_shells_read_as_each_observed(
+    streams: list[list[tuple[int, float]]],
+) -> None:
+    """Streams' responses (tokens, the gap before them) binned as a shell bins them
+    (``bin_gaps``: the gap shared evenly by the response's tokens) and held by the core
+    (``Pending.observe_binned``) leave both histograms as ``observe`` of each token's time
+    would: every bucket, the sum and the count (a bound itself, 0, past the last)."""
+    one, binned = FrontendMetrics(config()), FrontendMetrics(config())
+    one.tokens_produced(tenant="acme", model="llm", tokens=0, first_token_s=None)  # its series
+    sink = one._token_sinks[("acme", "llm")][2]
+    sent = []
+    for responses in streams:
+        bins: dict[int, int] = {}
+        total = 0.0
+        for tokens, gap_s in responses:
+            total += bin_gaps(bins, tokens, gap_s)
+            for child in sink:
+                for _ in range(tokens):
+                    child.observe(gap_s / tokens)
+        sent.append(gaps_of(total, bins))
+    binned.tokens_produced(
+        tenant="acme", model="llm", tokens=0, first_token_s=None, inter_token=sent
+    )
+    assert close(samples(binned.registry), samples(one.registry))
 
 
 def many_config():

@@ -408,7 +408,6 @@ class Accounting:
             model=req.request.model,
             tokens=tokens,
             first_token_s=now - req.call.arrived if first else None,
-            inter_token_s=(),
         )
         if first:
             self.first_token(req, now - req.call.arrived)

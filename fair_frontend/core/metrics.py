@@ -47,14 +47,16 @@ from fair_frontend.observability.observe import BatchReport, Finished, Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.scheduler.window import WINDOW_S, WindowFairness, jain_index, service_gap
 from fair_frontend.usage import Usage
-from fair_frontend.wire.records import SIDE_DOOR_LOOKUP
+from fair_frontend.wire.records import INTER_TOKEN_BUCKETS, SIDE_DOOR_LOOKUP, Gaps
 
 OTHER_TENANT = "other"
 OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docstring
 UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity was known
 
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# The shells bin inter-token times at these bounds (``records.Gaps``): the histograms of
+# them take the counts as they come.
+_INTER_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS
 # The relative error of a predicted time to first token, (predicted - actual) / actual:
 # the fraction within 20 % either way is the bucket at 0.2 less the one at -0.2.
 _ERROR_BUCKETS = (-0.9, -0.5, -0.3, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5)
@@ -94,13 +96,17 @@ def observe_many(child: Any, values: Sequence[float]) -> None:
 class Pending:
     """Counter increments and histogram observations not yet in their families (the
     module docstring: per tick, not per event). Keys are labelled children (counters) and
-    tuples of them (histograms observing the same values: each gets every value)."""
+    tuples of them (histograms observing the same values: each gets every value); the
+    observations come as values, or binned already (``observe_binned``: counts per bucket
+    and their sum)."""
 
-    __slots__ = ("counts", "values")
+    __slots__ = ("binned", "counts", "values")
 
     def __init__(self) -> None:
         self.counts: dict[Any, float] = {}
         self.values: dict[tuple[Any, ...], list[float]] = {}
+        # children -> [the sum, a count per bucket (+Inf last)]
+        self.binned: dict[tuple[Any, ...], list[Any]] = {}
 
     def inc(self, child: Any, amount: float = 1) -> None:
         counts = self.counts
@@ -123,6 +129,19 @@ class Pending:
         if len(held) >= PENDING_VALUES:
             self._bin(children)
 
+    def observe_binned(self, children: tuple[Any, ...], gaps: Sequence[Gaps]) -> None:
+        """Observations binned already at ``INTER_TOKEN_BUCKETS`` (each of ``gaps``: their
+        sum, and [bucket, count, ...]), held as counts: the same as ``observe`` of each
+        value binned (``children``: histograms of those buckets)."""
+        held = self.binned.get(children)
+        if held is None:
+            held = self.binned[children] = [0.0, [0] * (len(INTER_TOKEN_BUCKETS) + 1)]
+        counts = held[1]
+        for total, bins in gaps:
+            held[0] += total
+            for i in range(0, len(bins), 2):
+                counts[bins[i]] += bins[i + 1]
+
     def _bin(self, children: tuple[Any, ...]) -> None:
         values = self.values.pop(children)
         for child in children:
@@ -135,6 +154,14 @@ class Pending:
             child.inc(amount)
         for children in list(self.values):
             self._bin(children)
+        binned, self.binned = self.binned, {}
+        for children, (total, bins) in binned.items():
+            for child in children:
+                child._sum.inc(total)
+                buckets = child._buckets
+                for i, n in enumerate(bins):
+                    if n:
+                        buckets[i].inc(n)
 
 
 class _FlushPending(Collector):
@@ -545,7 +572,7 @@ class FrontendMetrics(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: Sequence[float] = (),
+        inter_token: Sequence[Gaps] = (),
     ) -> None:
         sink = self._token_sinks.get((tenant, model))
         if sink is None:
@@ -554,8 +581,8 @@ class FrontendMetrics(Observer):
         pending.inc(sink[0], tokens)
         if first_token_s is not None:
             pending.observe(sink[1], first_token_s)
-        if inter_token_s:
-            pending.observe_all(sink[2], inter_token_s)  # binned in bulk: not per token
+        if inter_token:
+            pending.observe_binned(sink[2], inter_token)  # binned by the shells
 
     def _token_sink(self, tenant: str, model: str) -> tuple[Any, ...]:
         """The output-token counter of a tenant's model, then its first-token histogram

@@ -87,9 +87,11 @@ from fair_frontend.scheduler import (
 )
 from fair_frontend.wire.records import (
     CONNECTION_DOOR,
+    NO_GAPS,
     Answer,
     Call,
     Fault,
+    Gaps,
     Group,
     RowsDone,
     Tally,
@@ -537,16 +539,19 @@ class Core:
         req: CoreRequest,
         tokens: int,
         first_token_s: float = -1.0,
-        gaps_s: Sequence[float] = (),
+        gaps: Gaps = NO_GAPS,
     ) -> None:
         """The stream of granted ``req`` relayed ``tokens`` output tokens (its shell says
         so, with their times at the client: ``first_token_s`` since arrival if the first
-        is among them, else -1, and the gaps between them): charged to its tenant, and
-        observed, as a record of one report (``produced_all``)."""
-        self.produced_all(((req, tokens, first_token_s, gaps_s),))
+        is among them, else -1, and the gaps between them, binned: ``records.Gaps``):
+        charged to its tenant, and observed, as a record of one report (``produced_all``)."""
+        times = [(req.tenant, req.call.request.model, *gaps)] if gaps[1] else []
+        self.produced_all(((req, tokens, first_token_s),), times)
 
     def produced_all(
-        self, reports: Iterable[tuple[CoreRequest, int, float, Sequence[float]]]
+        self,
+        reports: Iterable[tuple[CoreRequest, int, float]],
+        gaps: Sequence[tuple[str, str, float, list[int]]] = (),
     ) -> None:
         """``produced`` for each report of one record (a shell's ``Produced``: its streams'
         tokens of one tick), counted per stream, charged and observed per tenant and
@@ -555,11 +560,13 @@ class Core:
         on the charges (``Dispatcher.charged``). The charges are the
         sums of those ``produced`` makes one by one, at the same moment of the core's
         clock, with no decision between them: the fairness bounds
-        (``tests/core/test_report_delays.py``) are the same."""
-        # (runtime, tenant, program) -> [cost (None: not charged), tokens, gaps]
+        (``tests/core/test_report_delays.py``) are the same. ``gaps``: the record's
+        inter-token times, binned by its shell per tenant and model, observed as they
+        come (one observation per tenant and model, not one per token or stream)."""
+        # (runtime, tenant, program) -> [cost (None: not charged), tokens]
         groups: dict[tuple[Dispatcher, str, str], list[Any]] = {}
         observe = self.observer.tokens_produced
-        for req, tokens, first_token_s, gaps_s in reports:
+        for req, tokens, first_token_s in reports:
             runtime = req.runtime
             if runtime is None or req.answered or tokens <= 0:
                 continue
@@ -567,23 +574,24 @@ class Core:
             key = (runtime, req.tenant, req.program)
             group = groups.get(key)
             if group is None:
-                groups[key] = [cost, tokens, list(gaps_s)]
+                groups[key] = [cost, tokens]
             else:
                 if cost is not None:
                     group[0] += cost
                 group[1] += tokens
-                group[2].extend(gaps_s)
             if first_token_s >= 0:
                 observe(tenant=req.tenant, model=runtime.model, tokens=0,
                         first_token_s=first_token_s)  # fmt: skip
                 self.accounting.first_token(req, first_token_s)
+        for tenant, model, total_s, bins in gaps:
+            observe(tenant=tenant, model=model, tokens=0, first_token_s=None,
+                    inter_token=((total_s, bins),))  # fmt: skip
         if not groups:
             return
         now = self.clock.now()
         charged: list[Dispatcher] = []
-        for (runtime, tenant, program), (cost, tokens, gaps) in groups.items():
-            observe(tenant=tenant, model=runtime.model, tokens=tokens, first_token_s=None,
-                    inter_token_s=gaps)  # fmt: skip
+        for (runtime, tenant, program), (cost, tokens) in groups.items():
+            observe(tenant=tenant, model=runtime.model, tokens=tokens, first_token_s=None)
             if cost is None:
                 continue  # its output is not counted here (``count_report``)
             if cost:

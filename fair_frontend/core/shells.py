@@ -227,11 +227,12 @@ class ShellConnection(Framed):
         elif isinstance(record, Produced):
             calls = self.calls
             reports = []
-            for call_id, tokens, first_s, gaps in record.entries:
+            for call_id, tokens, first_s in record.entries:
                 req = calls.get(call_id)
                 if req is not None and req is not _CANCELLED:
-                    reports.append((req, tokens, first_s, gaps))
-            self.core.produced_all(reports)  # one tick of this shell's streams at once
+                    reports.append((req, tokens, first_s))
+            # One tick of this shell's streams at once, and their inter-token times.
+            self.core.produced_all(reports, record.gaps)
         elif isinstance(record, Ended):
             # A stream given back (never sent: its Triton was gone) is still this shell's
             # call: granted again or answered (``answer``) here.

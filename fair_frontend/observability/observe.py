@@ -17,6 +17,7 @@ from fair_frontend.usage import Usage
 
 if TYPE_CHECKING:
     from fair_frontend.admission import ThrottleDecision
+    from fair_frontend.wire.records import Gaps
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,13 @@ class Observer:
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: Sequence[float] = (),
+        inter_token: Sequence[Gaps] = (),
     ) -> None:
         """A request's output produced ``tokens`` tokens (streamed responses, or a whole
         answer): ``first_token_s`` from its arrival, if its first is among them;
-        ``inter_token_s``, the time between each two consecutive streamed ones among them
-        (a stream's as its shell wrote them to the client)."""
+        ``inter_token``, the time between each two consecutive streamed ones among them
+        (streams' as their shells wrote them to the client), binned by those shells at
+        ``records.INTER_TOKEN_BUCKETS`` (``records.Gaps``: one per stream)."""
 
 
 class Observers(Observer):

@@ -14,13 +14,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.wire.records import Answer, Call, Grant, Group, Tally, TallyEntry
+from fair_frontend.wire.records import (
+    NO_GAPS,
+    Answer,
+    Call,
+    Gaps,
+    Grant,
+    Group,
+    Tally,
+    TallyEntry,
+    bin_gaps,
+    gaps_of,
+)
 
 
 class Inbox:
@@ -157,13 +168,14 @@ def _nothing(value: Any) -> None:
     pass
 
 
-def per_token(tokens: int, gap_s: float) -> tuple[float, ...]:
+def binned(tokens: int, gap_s: float) -> Gaps:
     """The inter-token times of ``tokens`` tokens that came together ``gap_s`` after the
-    response before (-1: none before): the gap shared evenly, one time per token (a stream
-    interval of N is N tokens per response, not one token N times slower)."""
+    response before (-1: none before), binned as a ``Produced`` entry carries them
+    (``records.bin_gaps``)."""
     if gap_s < 0 or tokens <= 0:
-        return ()
-    return (gap_s,) if tokens == 1 else (gap_s / tokens,) * tokens
+        return NO_GAPS
+    bins: dict[int, int] = {}
+    return gaps_of(bin_gaps(bins, tokens, gap_s), bins)
 
 
 def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
@@ -244,9 +256,7 @@ class InProcessCore(Protocol):
 
     def cancel(self, req: Any) -> None: ...
 
-    def produced(
-        self, req: Any, tokens: int, first_token_s: float, gaps_s: Sequence[float]
-    ) -> None: ...
+    def produced(self, req: Any, tokens: int, first_token_s: float, gaps: Gaps) -> None: ...
 
     def stream_ended(
         self, req: Any, version: str, err: FrontendError | None, cancelled: bool
@@ -360,7 +370,7 @@ class LocalLink:
         core = self.core
         inbox._cancel = lambda: core.cancel(req)
         inbox._produced = lambda tokens, first, gap: core.produced(
-            req, tokens, first, per_token(tokens, gap)
+            req, tokens, first, binned(tokens, gap)
         )
         inbox._end = lambda version, fault, cancelled: core.stream_ended(
             req, version, fault, cancelled

@@ -201,7 +201,7 @@ class RemoteLink(SocketLink):
     # calls
 
     def submit(self, call: Call) -> Inbox:
-        inbox = self._register(call.id)
+        inbox = self._register(call)
         self._held[call.id] = (call, asyncio.get_running_loop().time())
         if self.closed or self._draining:
             self._watch_hold()
@@ -210,7 +210,7 @@ class RemoteLink(SocketLink):
         return inbox
 
     def submit_group(self, calls: list[Call]) -> list[Inbox]:
-        inboxes = [self._register(call.id) for call in calls]
+        inboxes = [self._register(call) for call in calls]
         now = asyncio.get_running_loop().time()
         ids = [call.id for call in calls]
         for call in calls:
@@ -429,11 +429,13 @@ class RemoteLink(SocketLink):
         self._lost_at = None
         self._resend()
 
-    def _tokens(self, call_id: int, tokens: int, first_s: float, gap_s: float) -> None:
+    def _tokens(
+        self, call_id: int, key: tuple[str, str], tokens: int, first_s: float, gap_s: float
+    ) -> None:
         stream = self._streaming.get(call_id)
         if stream is not None:
             stream.relayed += tokens
-        super()._tokens(call_id, tokens, first_s, gap_s)
+        super()._tokens(call_id, key, tokens, first_s, gap_s)
 
     def _ended(self, call_id: int, version: str, fault: Any, cancelled: bool) -> None:
         streaming = self._streaming.pop(call_id, None)

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.shell.link import Inbox, gone_before_answered, per_token
+from fair_frontend.shell.link import Inbox, gone_before_answered
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
     PRODUCED_TICK_S,
@@ -42,6 +42,8 @@ from fair_frontend.wire.records import (
     Stop,
     Tally,
     TallyEntry,
+    bin_gaps,
+    gaps_of,
 )
 
 log = logging.getLogger(__name__)
@@ -80,9 +82,12 @@ class SocketLink(Framed):
         self._full: dict[tuple[str, str], str] = {}
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
         self._overloaded: dict[tuple[str, str], tuple[str, float]] = {}  # (model, tier)
-        # Output tokens of granted streams not yet told to the core, per call: told at
-        # the end of this loop iteration, all calls' in one ``Produced``.
-        self._produced: dict[int, tuple[int, float, list[float]]] = {}
+        # Output tokens of granted streams not yet told to the core, per call: told
+        # within ``PRODUCED_TICK_S``, all calls' in one ``Produced``. Per stream since the
+        # last: [tokens, first token's time (-1: not among them)]; and the inter-token
+        # times of them all per (tenant, model): [their sum, their bins (``bin_gaps``)].
+        self._produced: dict[int, list[Any]] = {}
+        self._gaps: dict[tuple[str, str], list[Any]] = {}
         self.accepting = True
         self.on_rows: RowsTaker | None = None  # who sends granted rows (the gateway)
 
@@ -110,14 +115,14 @@ class SocketLink(Framed):
             inbox = Inbox()
             inbox.answer(Answer(call.id, fault=Fault.of(Unavailable(_CORE_GONE))))
             return inbox
-        inbox = self._register(call.id)
+        inbox = self._register(call)
         super().send(call)
         return inbox
 
     def submit_group(self, calls: list[Call]) -> list[Inbox]:
         if self.closed:
             return [self.submit(call) for call in calls]  # each answered: the core is gone
-        inboxes = [self._register(call.id) for call in calls]
+        inboxes = [self._register(call) for call in calls]
         super().send(Group(calls))
         return inboxes
 
@@ -129,12 +134,14 @@ class SocketLink(Framed):
             raise answer.fault.error()
         return answer.at
 
-    def _register(self, call_id: int) -> Inbox:
-        """The inbox of call ``call_id``, wired to this link."""
+    def _register(self, call: Call) -> Inbox:
+        """The inbox of ``call``, wired to this link."""
         inbox = Inbox()
+        call_id = call.id
+        key = (call.tenant, call.request.model)
         self._inboxes[call_id] = inbox
         inbox._cancel = lambda: self._cancel(call_id)
-        inbox._produced = lambda tokens, first, gap: self._tokens(call_id, tokens, first, gap)
+        inbox._produced = lambda tokens, first, gap: self._tokens(call_id, key, tokens, first, gap)
         inbox._end = lambda version, fault, cancelled: self._ended(
             call_id, version, fault, cancelled
         )
@@ -144,24 +151,35 @@ class SocketLink(Framed):
         if self._inboxes.pop(call_id, None) is not None:
             super().send(Cancel(call_id))
 
-    def _tokens(self, call_id: int, tokens: int, first_s: float, gap_s: float) -> None:
-        """Output tokens a granted stream relayed: told to the core within
-        ``PRODUCED_TICK_S``, with every other stream's (one ``Produced`` per tick)."""
+    def _tokens(
+        self, call_id: int, key: tuple[str, str], tokens: int, first_s: float, gap_s: float
+    ) -> None:
+        """Output tokens a granted stream (of ``key``: its tenant and model) relayed: told
+        to the core within ``PRODUCED_TICK_S``, with every other stream's (one
+        ``Produced`` per tick); the time since its last response binned here, with every
+        other stream's of its tenant and model (no time per token crosses the link)."""
         produced = self._produced
         if not produced:
             asyncio.get_running_loop().call_later(PRODUCED_TICK_S, self._send_produced)
         entry = produced.get(call_id)
         if entry is None:
-            entry = produced[call_id] = (0, -1.0, [])
-        gaps = entry[2]
-        gaps.extend(per_token(tokens, gap_s))
-        produced[call_id] = (entry[0] + tokens, first_s if first_s >= 0 else entry[1], gaps)
+            entry = produced[call_id] = [0, -1.0]
+        entry[0] += tokens
+        if first_s >= 0:
+            entry[1] = first_s
+        if gap_s >= 0 and tokens > 0:
+            gaps = self._gaps.get(key)
+            if gaps is None:
+                gaps = self._gaps[key] = [0.0, {}]
+            gaps[0] += bin_gaps(gaps[1], tokens, gap_s)
 
     def _send_produced(self) -> None:
         produced, self._produced = self._produced, {}
-        if produced and not self.closed:
-            entries = [(call_id, *entry) for call_id, entry in produced.items()]
-            super().send(Produced(entries))
+        gaps, self._gaps = self._gaps, {}
+        if (produced or gaps) and not self.closed:
+            entries = [(call_id, tokens, first) for call_id, (tokens, first) in produced.items()]
+            times = [(t, m, *gaps_of(total, bins)) for (t, m), (total, bins) in gaps.items()]
+            super().send(Produced(entries, times))
 
     def _ended(
         self,

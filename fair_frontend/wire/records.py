@@ -56,6 +56,8 @@ show) was added to ``Fault``, ``Answer`` and ``Grant``, and a trace's context to
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterable
 from typing import Any, Union
 
 import grpc
@@ -280,13 +282,64 @@ class RowsDone(msgspec.Struct, tag=26, array_like=True):
     traceparent: str = ""  # the part's call to Triton, where traced (``tracing``)
 
 
+INTER_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5
+)  # fmt: skip
+"""The upper bounds (seconds) a shell bins its streams' inter-token times at, +Inf after
+the last: the buckets of the core's histograms of them (``fair_inter_token_seconds``,
+GenAI's per-output-token time), which take the counts as they come."""
+
+Gaps = tuple[float, list[int]]
+"""Inter-token times binned at ``INTER_TOKEN_BUCKETS``: (their sum in seconds, [bucket,
+count, bucket, count, ...]), the bucket an index into the bounds (their length: +Inf).
+What a stream's tokens of one tick cost on the link and in the core is then its buckets,
+not a time per token."""
+
+NO_GAPS: Gaps = (0.0, [])
+
+
+def bin_gaps(bins: dict[int, int], tokens: int, gap_s: float) -> float:
+    """Bin the inter-token times of ``tokens`` tokens that came together ``gap_s`` after
+    the response before (-1: none before) into ``bins`` (bucket -> count): the gap shared
+    evenly, one time per token (a stream interval of N is N tokens per response, not one
+    token N times slower), so ``tokens`` times in one bucket. Returns their sum (0.0:
+    none)."""
+    if gap_s < 0 or tokens <= 0:
+        return 0.0
+    bucket = bisect_left(INTER_TOKEN_BUCKETS, gap_s / tokens)  # as a histogram's observe
+    bins[bucket] = bins.get(bucket, 0) + tokens
+    return gap_s
+
+
+def gaps_of(total_s: float, bins: dict[int, int]) -> Gaps:
+    """``bin_gaps``' bins and sum as a record carries them."""
+    return (total_s, [n for pair in bins.items() for n in pair])
+
+
+def gaps_from(times: Iterable[float]) -> Gaps:
+    """``times`` (each one token's inter-token time) binned as a record carries them."""
+    bins: dict[int, int] = {}
+    total = 0.0
+    for t in times:
+        total += bin_gaps(bins, 1, t)
+    return gaps_of(total, bins)
+
+
+def gap_count(gaps: Gaps) -> int:
+    """How many inter-token times ``gaps`` holds."""
+    return sum(gaps[1][1::2])
+
+
 class Produced(msgspec.Struct, tag=19, array_like=True):
     """Output tokens of granted calls relayed since the last of these, one entry per call:
     (call id, tokens, seconds from its arrival to its first token if that is among them
-    else -1, the seconds between its consecutive tokens among them), timed by its shell
-    where it wrote them to the client."""
+    else -1); and the times between consecutive tokens of them all, binned per tenant and
+    model (tenant, model, and their ``Gaps``: sum, [bucket, count, ...]), timed by the
+    shell where it wrote them to the client. No time per token crosses the link, nor one
+    per stream: a tick's inter-token times are a few buckets per tenant and model."""
 
-    entries: list[tuple[int, int, float, list[float]]]
+    entries: list[tuple[int, int, float]]
+    gaps: list[tuple[str, str, float, list[int]]] = []
 
 
 PRODUCED_TICK_S = 0.005

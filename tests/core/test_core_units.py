@@ -38,7 +38,7 @@ from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.scheduler import Scheduler
 from fair_frontend.usage import Usage
-from fair_frontend.wire.records import Answer, Call
+from fair_frontend.wire.records import Answer, Call, Gaps, gaps_from
 
 EMBED, LLM = "embed", "llm"
 LLM_INFO = ModelInfo(
@@ -138,7 +138,7 @@ class Recorder(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: Sequence[float] = (),
+        inter_token: Sequence[Gaps] = (),
     ) -> None:
         if first_token_s is not None:
             self.first_token_s.append(first_token_s)
@@ -505,7 +505,7 @@ async def test_a_stream_is_counted_in_its_limit_as_its_input_and_what_it_produce
     assert first.granted and second.granted
     assert first.req is not None and second.req is not None
     await rig.advance(2.0)
-    rig.core.produced(first.req, 7, 2.0, [0.1] * 6)  # as its shell timed them
+    rig.core.produced(first.req, 7, 2.0, gaps_from([0.1] * 6))  # as its shell timed them
     end_stream(rig, first, 3, "ok")  # 10 produced of 50
     assert rig.limit_tokens("a") == 10 + 10 + 25
     rig.core.produced(second.req, 30, 2.0)  # more than it asked for (the model's choice)

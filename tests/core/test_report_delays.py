@@ -79,7 +79,7 @@ from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.wire.records import Call
+from fair_frontend.wire.records import Call, Gaps, gap_count, gaps_from
 
 LLM = "llm"
 LLM_INFO = ModelInfo(
@@ -247,11 +247,11 @@ class Relay:
         between two ends as one ``Produced`` record (``Core.produced_all``), as a shell
         gathers its streams' reports of a tick."""
         for q in self.queue:
-            record: list[tuple[CoreRequest, int, float, list[float]]] = []
+            record: list[tuple[CoreRequest, int, float]] = []
             while q and q[0][0] <= self.step:
                 _, stream, tokens = q.popleft()
                 if tokens:
-                    record.append((stream.req, tokens, -1.0, []))
+                    record.append((stream.req, tokens, -1.0))
                     continue
                 self.core.produced_all(record)
                 record = []
@@ -474,17 +474,17 @@ class Told(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token_s: Sequence[float] = (),
+        inter_token: Sequence[Gaps] = (),
     ) -> None:
-        self.told.append((tenant, tokens, first_token_s, len(inter_token_s)))
+        self.told.append((tenant, tokens, first_token_s, sum(map(gap_count, inter_token))))
 
 
 def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_produced() -> None:
     """One shell's record of a tick (``Core.produced_all``): each tenant is charged, and
     its counter stands, exactly as with its streams' reports one by one (``produced``);
-    the record is observed once per tenant and program (every token and gap of it) and
-    once per first token, not once per stream; a stream answered meanwhile is charged
-    nothing."""
+    the record is observed once per tenant and program (every token of it), once per
+    tenant and model its shell binned inter-token times for, and once per first token,
+    not once per stream; a stream answered meanwhile is charged nothing."""
 
     async def scenario() -> None:
         cores = []
@@ -511,12 +511,20 @@ def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_prod
             cores.append((core, told, reqs))
         (together, told, reqs), (alone, _, reqs_alone) = cores
         reports = [
-            (0, 3, 0.02, [0.01] * 2), (1, 1, -1.0, [0.01]), (2, 2, 0.03, [0.01]),
-            (3, 4, -1.0, [0.01] * 4), (4, 1, -1.0, [0.02]), (0, 2, -1.0, [0.01] * 2),
+            (0, 3, 0.02, gaps_from([0.01] * 2)), (1, 1, -1.0, gaps_from([0.01])),
+            (2, 2, 0.03, gaps_from([0.01])), (3, 4, -1.0, gaps_from([0.01] * 4)),
+            (4, 1, -1.0, gaps_from([0.02])), (0, 2, -1.0, gaps_from([0.01] * 2)),
         ]  # fmt: skip
         reqs[5].answered = reqs_alone[5].answered = True  # c's: answered meanwhile
-        reports.append((5, 7, 0.01, [0.0] * 6))
-        together.produced_all([(reqs[k], n, first, gaps) for k, n, first, gaps in reports])
+        reports.append((5, 7, 0.01, gaps_from([0.0] * 6)))
+        # The record's times, binned per tenant as its shell bins them (c's included:
+        # its client had them).
+        times = [
+            ("a", LLM, *gaps_from([0.01] * 5)),
+            ("b", LLM, *gaps_from([0.01] * 5 + [0.02])),
+            ("c", LLM, *gaps_from([0.0] * 6)),
+        ]
+        together.produced_all([(reqs[k], n, first) for k, n, first, _ in reports], times)
         for k, n, first, gaps in reports:
             alone.produced(reqs_alone[k], n, first, gaps)
         assert [r.produced for r in reqs] == [5, 1, 2, 4, 1, 0]
@@ -524,8 +532,9 @@ def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_prod
         fair = together.runtimes[LLM].scheduler.export_fairness()
         assert fair == alone.runtimes[LLM].scheduler.export_fairness()
         assert sorted(told.told, key=repr) == sorted(
-            [("a", 0, 0.02, 0), ("b", 0, 0.03, 0), ("a", 6, None, 5), ("b", 7, None, 6)],
+            [("a", 0, 0.02, 0), ("b", 0, 0.03, 0), ("a", 6, None, 0), ("b", 7, None, 0),
+             ("a", 0, None, 5), ("b", 0, None, 6), ("c", 0, None, 6)],
             key=repr,
-        )
+        )  # fmt: skip
 
     asyncio.run(scenario())
