@@ -106,6 +106,7 @@ from fair_frontend.models import ModelInfo
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
+    LINK_VERSION,
     PRODUCED_TICK_S,
     Answer,
     Call,
@@ -363,7 +364,7 @@ class SimShell(Framed):
         call = channel.stream_stream(METHOD)(metadata=((SECRET_HEADER, SECRET),))
         self.reattach(StreamTransport(call.write, self, done_writing=call.done_writing))
         self.channel = channel
-        self.send(Hello(self.index, os.getpid()))
+        self.send(Hello(self.index, os.getpid(), LINK_VERSION))
         self.reader = asyncio.get_running_loop().create_task(self._read(call))
         await asyncio.wait_for(self.got_settings.wait(), 30)
         self.send(Ready(0, 0))
@@ -378,7 +379,7 @@ class SimShell(Framed):
         )
         tune(transport)
         transport.write(preamble(SECRET.encode()))
-        self.send(Hello(self.index, os.getpid()))
+        self.send(Hello(self.index, os.getpid(), LINK_VERSION))
         await asyncio.wait_for(self.got_settings.wait(), 30)
         self.start_heartbeat(HEARTBEAT_S, SILENT_S)
         self.send(Ready(0, 0))

@@ -13,6 +13,7 @@ cap, and no bound on a message or a frame below 2 GiB.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from fair_frontend.kit.testing import aeventually, free_port
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink, SecretRefused
 from fair_frontend.wire.framing import encode, to_shell
-from fair_frontend.wire.records import Hello, Settings
+from fair_frontend.wire.records import LINK_VERSION, Hello, Settings
 from fair_frontend.wire.remote import MESSAGE_BYTES, METHOD, SECRET_HEADER, StreamTransport
 from fair_frontend.wire.tcp import REFUSED, preamble
 from tests.support import config_dict
@@ -99,7 +100,7 @@ class LinkStream:
         self.index = index
 
     async def hello(self) -> Settings:
-        await self.call.write(encode(Hello(self.index, 0)))
+        await self.call.write(encode(Hello(self.index, 0, LINK_VERSION)))
         first = await asyncio.wait_for(self.call.read(), WAIT_S)
         assert first is not grpc.aio.EOF, await self.call.code()
         settings = to_shell.decode(first[4 : 4 + int.from_bytes(first[:4], "big")])
@@ -185,7 +186,8 @@ async def test_connections_over_the_cap_are_closed_unread(
     links: list[RemoteLink] = []
 
     async def connected() -> bool:
-        link = RemoteLink([core.address], SECRET, Hello(9, 0), lambda s: None, lambda: None,
+        hello = Hello(9, 0, LINK_VERSION)
+        link = RemoteLink([core.address], SECRET, hello, lambda s: None, lambda: None,
                           lambda: None)  # fmt: skip
         links.append(link)
         try:
@@ -244,6 +246,25 @@ async def test_an_oversized_message_or_frame_is_refused(
     await aeventually(lambda: core.connections() == 0, WAIT_S, what="the core to drop them")
 
 
+async def test_a_shell_of_another_link_version_is_closed_at_its_hello(
+    core: Core, channels: list[grpc.aio.Channel], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shell whose ``Hello`` says another version of the link's records (0: one from
+    before the version was said) gets no Settings: the core closes its stream at once
+    and says why, instead of misreading its records later. Its own version connects."""
+    for link in (0, LINK_VERSION + 1):
+        channels.append(own_channel(core.address))
+        stream = LinkStream(channels[-1])
+        with caplog.at_level(logging.ERROR, logger="fair_frontend.core.shells"):
+            await stream.call.write(encode(Hello(0, 0, link)))
+            first = await asyncio.wait_for(stream.call.read(), WAIT_S)
+            assert first is grpc.aio.EOF, "Settings sent to a shell of another version"
+            assert await stream.call.code() == grpc.StatusCode.OK  # the core closed it
+        assert f"speaks the link's version {link}, this core {LINK_VERSION}" in caplog.text
+    channels.append(own_channel(core.address))
+    assert isinstance(await LinkStream(channels[-1]).hello(), Settings)
+
+
 async def test_a_shell_cuts_what_it_writes_into_messages_the_core_takes() -> None:
     """What a shell writes in one go (a loop iteration's frames: a burst of calls) may be
     larger than the core takes in one message: it goes out in messages of at most
@@ -275,7 +296,7 @@ def tcp_core(triton: EmbeddedTriton) -> Iterator[Core]:
 
 
 def tcp_link(address: str, secret: bytes = SECRET) -> RemoteLink:
-    return RemoteLink([address], secret, Hello(9, 0), lambda s: None, lambda: None,
+    return RemoteLink([address], secret, Hello(9, 0, LINK_VERSION), lambda s: None, lambda: None,
                       lambda: None, link="tcp")  # fmt: skip
 
 
@@ -289,7 +310,7 @@ async def test_the_tcp_link_refuses_a_wrong_secret_before_reading_a_record(tcp_c
     server = tcp_core.server.shells.server
     refused, admitted = server.refused, server.intake.admitted
     wrong = b"not-the-link-secret-0123456789abc"
-    sent = preamble(wrong) + encode(Hello(1, 0))
+    sent = preamble(wrong) + encode(Hello(1, 0, LINK_VERSION))
     received, closed = await asyncio.to_thread(first_bytes_of, tcp_core.port, sent)
     assert closed and received == REFUSED, received
     with pytest.raises(SecretRefused):

@@ -32,7 +32,7 @@ from fair_frontend.backends.triton.embedded import EmbeddedTriton
 from fair_frontend.kit.testing import aeventually, eventually, free_port
 from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.wire.framing import encode
-from fair_frontend.wire.records import Hello, Settings
+from fair_frontend.wire.records import LINK_VERSION, Hello, Settings
 from tests.support import (
     KEYS,
     KServe,
@@ -172,7 +172,7 @@ def as_gateway(fleet: Fleet, secret: str) -> int:
 async def test_a_shell_is_sent_digests_never_keys_or_the_gateway_secret(fleet: Fleet) -> None:
     leader = fleet.leader()
     sent: list[Settings] = []
-    link = RemoteLink([leader.address], SECRET.encode(), Hello(7, 0), sent.append,
+    link = RemoteLink([leader.address], SECRET.encode(), Hello(7, 0, LINK_VERSION), sent.append,
                       lambda: None, lambda: None)  # fmt: skip
     await link._open(leader.address)
     await link.aclose()

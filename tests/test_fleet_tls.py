@@ -16,7 +16,7 @@ from fair_frontend.config import parse_config
 from fair_frontend.kit.testing import aeventually, free_port
 from fair_frontend.server import BackgroundServer, FrontendServer, Listen
 from fair_frontend.shell.remote import RemoteLink
-from fair_frontend.wire.records import Hello
+from fair_frontend.wire.records import LINK_VERSION, Hello
 from fair_frontend.wire.remote import SecretError, Tls
 from tests.support import config_dict, required_tool
 
@@ -45,7 +45,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def connect(address: str, tls: Tls | None, link: str = "grpc") -> RemoteLink:
-    remote = RemoteLink([address], SECRET, Hello(0, 0), lambda s: None, lambda: None,
+    remote = RemoteLink([address], SECRET, Hello(0, 0, LINK_VERSION), lambda s: None, lambda: None,
                         lambda: None, tls=tls, link=link)  # fmt: skip
     await remote._open(address)
     return remote

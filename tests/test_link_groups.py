@@ -12,7 +12,7 @@ import numpy as np
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.wire.framing import encode, to_core
-from fair_frontend.wire.records import Answer, Call, Group, Hello
+from fair_frontend.wire.records import LINK_VERSION, Answer, Call, Group, Hello
 
 
 def _call(i: int) -> Call:
@@ -40,7 +40,7 @@ class Captured(RemoteLink):
     """A remote link whose records are kept, not sent (no core to reach)."""
 
     def __init__(self) -> None:
-        super().__init__(["127.0.0.1:1"], b"s", Hello(0, 0), _none, _none, _none)
+        super().__init__(["127.0.0.1:1"], b"s", Hello(0, 0, LINK_VERSION), _none, _none, _none)
         self.sent: list[Any] = []
 
     def send(self, record: Any) -> None:

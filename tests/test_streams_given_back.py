@@ -31,6 +31,7 @@ from fair_frontend.shell.link import CoreLink, Inbox, gone_before_answered
 from fair_frontend.shell.remote import RemoteLink
 from fair_frontend.wire.framing import to_core
 from fair_frontend.wire.records import (
+    LINK_VERSION,
     Answer,
     Call,
     Ended,
@@ -60,7 +61,9 @@ class Recorded(RemoteLink):
     """A ``RemoteLink`` on a ``Wire``: ``sent`` decodes the records it framed."""
 
     def __init__(self) -> None:
-        super().__init__(["127.0.0.1:1"], b"secret", Hello(0, 0), _ignore, _none, _none)
+        super().__init__(
+            ["127.0.0.1:1"], b"secret", Hello(0, 0, LINK_VERSION), _ignore, _none, _none
+        )
         self.wire = Wire()
         self.reattach(self.wire)
 

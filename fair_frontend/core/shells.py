@@ -25,6 +25,7 @@ from fair_frontend.config import SHA256_PREFIX
 from fair_frontend.errors import FrontendError, Internal
 from fair_frontend.wire.framing import Framed, FrameTooLarge, to_core
 from fair_frontend.wire.records import (
+    LINK_VERSION,
     Answer,
     Call,
     Cancel,
@@ -263,6 +264,16 @@ class ShellConnection(Framed):
             self._spawn(self._stats(record))
         elif isinstance(record, Hello):
             self.index, self.pid = record.index, record.pid
+            if record.link != LINK_VERSION:
+                log.error(
+                    "%s speaks the link's version %d, this core %d: shells and cores must "
+                    "be of one version (UPGRADING.md); its connection is closed",
+                    self.peer,
+                    record.link,
+                    LINK_VERSION,
+                )
+                self.close()
+                return
             self.send(self.server.settings())
             if self.server.queue_view != _NO_VIEW:
                 self.send(QueueView(*self.server.queue_view))

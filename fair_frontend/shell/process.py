@@ -38,7 +38,7 @@ from fair_frontend.shell.http_server import HttpShell
 from fair_frontend.shell.remote import SECRET_REFUSED, RemoteLink, SecretRefused
 from fair_frontend.shell.router import RouterLink, decode_core_sets
 from fair_frontend.shell.socket_link import SocketLink
-from fair_frontend.wire.records import Hello, Ready, Settings
+from fair_frontend.wire.records import LINK_VERSION, Hello, Ready, Settings
 from fair_frontend.wire.remote import SECRET_ENV, SecretError, Tls, load_secret
 from fair_frontend.wire.tcp import LINKS
 
@@ -87,7 +87,7 @@ class ShellProcess:
         self.settings = loop.create_future()
         self.done = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        hello = Hello(self.args.index, os.getpid())
+        hello = Hello(self.args.index, os.getpid(), LINK_VERSION)
         link: SocketLink
         if self.args.cores:  # cores elsewhere (fair-frontend shell): the leader's
             try:

@@ -21,7 +21,8 @@ its turn comes the core answers the call with a ``Grant`` (a slot in the engine)
 shell that holds the client sends the request to Triton itself and writes Triton's
 responses straight to its client. It tells the core the output tokens they carried
 (``Produced``, one record per shell process every ``PRODUCED_TICK_S``, for every stream it
-relays) and, once, that the stream ended (``Ended``: how); the core
+relays, with the tick's inter-token times binned per tenant and model: no datum per token)
+and, once, that the stream ended (``Ended``: how); the core
 then frees the slot and records the outcome. A call granted a slot is answered no further
 by the core, except to take the slot back (a shutdown that stopped waiting for it): an
 ``Answer`` with the error, which ends the stream in the shell.
@@ -444,11 +445,21 @@ class StatsAnswer(msgspec.Struct, tag=8, array_like=True):
     fault: Fault | None = None
 
 
+LINK_VERSION = 2
+"""The version of these records on the link, raised whenever a record changes so that a
+core and a shell of different versions would misread each other (2: ``Produced``
+carries binned inter-token times). A shell says its own in ``Hello``; a core closes the
+connection of a shell of another version, saying so, instead of failing on the first
+record it cannot read."""
+
+
 class Hello(msgspec.Struct, tag=9, array_like=True):
-    """A shell process has connected (the first record on its connection)."""
+    """A shell process has connected (the first record on its connection); ``link``: its
+    ``LINK_VERSION`` (0: a shell from before it was said)."""
 
     index: int
     pid: int
+    link: int = 0
 
 
 class Settings(msgspec.Struct, tag=10, array_like=True):

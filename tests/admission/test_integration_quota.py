@@ -37,7 +37,7 @@ from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.process import keyring_of
 from fair_frontend.shell.socket_link import SocketLink
-from fair_frontend.wire.records import Hello, Settings
+from fair_frontend.wire.records import LINK_VERSION, Hello, Settings
 from tests.support import (
     KEYS,
     http_body,
@@ -343,7 +343,7 @@ async def _attached_gateway(fe: RunningFrontend) -> tuple[Gateway, SocketLink]:
             settings.set_result(got)
 
     link = await SocketLink.connect(shells.server.path, on_settings, _nothing, _nothing)
-    link.send(Hello(99, os.getpid()))
+    link.send(Hello(99, os.getpid(), LINK_VERSION))
     got = await asyncio.wait_for(settings, 10.0)
     config = parse_config(got.config)
     triton = TritonForwarder(got.triton_url, request_timeout_s=config.triton.request_timeout_s)
