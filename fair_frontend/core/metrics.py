@@ -76,7 +76,6 @@ def observe_many(child: Any, values: Sequence[float]) -> None:
     if not values:
         return
     bounds = child._upper_bounds  # what ``observe`` compares with, +Inf last
-    buckets = child._buckets  # one count per bucket (made cumulative at collect)
     if len(values) < _BIN_AT_ONCE:
         counts = [0] * len(bounds)
         for v in values:
@@ -87,7 +86,15 @@ def observe_many(child: Any, values: Sequence[float]) -> None:
         where = np.searchsorted(np.asarray(bounds), array, side="left")
         counts = np.bincount(where, minlength=len(bounds)).tolist()
         total = float(array.sum())
+    add_counts(child, counts, total)
+
+
+def add_counts(child: Any, counts: Sequence[int], total: float) -> None:
+    """Observations binned already into ``child``'s buckets (a labelled ``Histogram``):
+    ``counts``, one per bucket (+Inf last), and ``total``, their sum: each bucket and the
+    sum incremented once."""
     child._sum.inc(total)
+    buckets = child._buckets  # one count per bucket (made cumulative at collect)
     for i, n in enumerate(counts):
         if n:
             buckets[i].inc(n)
@@ -157,11 +164,7 @@ class Pending:
         binned, self.binned = self.binned, {}
         for children, (total, bins) in binned.items():
             for child in children:
-                child._sum.inc(total)
-                buckets = child._buckets
-                for i, n in enumerate(bins):
-                    if n:
-                        buckets[i].inc(n)
+                add_counts(child, bins, total)
 
 
 class _FlushPending(Collector):
