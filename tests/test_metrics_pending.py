@@ -70,7 +70,7 @@ def test_everything_counted_before_a_scrape_is_in_it() -> None:
             tenant="acme", model="llm", outcome=Outcome.DISPATCHED, queued_s=0.002, latency_s=0.5
         )
     metrics.tokens_produced(
-        tenant="acme", model="llm", tokens=5, first_token_s=0.2, inter_token=[gaps_from([0.02] * 4)]
+        tenant="acme", model="llm", tokens=5, first_token_s=0.2, inter_token=gaps_from([0.02] * 4)
     )
     metrics.batch_finished(
         BatchReport("llm", 1, 9, 1, {"acme": 1}, {"acme": 9}, {"acme": 9.0}, 0.0, 0.25, True)
@@ -99,9 +99,9 @@ def test_observations_held_between_scrapes_stay_bounded() -> None:
     series between scrapes is its buckets, however many times they count."""
     metrics = FrontendMetrics(config())
     gaps = gaps_from([0.01] * 1000)
-    for _ in range(3 * PENDING_VALUES // 1000):
+    for _ in range(3 * PENDING_VALUES // 1000 * 2):
         metrics.tokens_produced(
-            tenant="acme", model="llm", tokens=1001, first_token_s=None, inter_token=[gaps] * 2
+            tenant="acme", model="llm", tokens=1001, first_token_s=None, inter_token=gaps
         )
         assert all(len(v) < PENDING_VALUES for v in metrics.pending.values.values())
         ((_, bins),) = metrics.pending.binned.values()
@@ -125,7 +125,8 @@ def test_times_binned_by_the_shells_read_as_each_observed(
     (``Pending.observe_binned``) leave both histograms as ``observe`` of each token's time
     would: every bucket, the sum and the count (a bound itself, 0, past the last)."""
     one, binned = FrontendMetrics(config()), FrontendMetrics(config())
-    one.tokens_produced(tenant="acme", model="llm", tokens=0, first_token_s=None)  # its series
+    for metrics in (one, binned):  # its series, whatever is observed
+        metrics.tokens_produced(tenant="acme", model="llm", tokens=0, first_token_s=None)
     sink = one._token_sinks[("acme", "llm")][2]
     sent = []
     for responses in streams:
@@ -137,9 +138,10 @@ def test_times_binned_by_the_shells_read_as_each_observed(
                 for _ in range(tokens):
                     child.observe(gap_s / tokens)
         sent.append(gaps_of(total, bins))
-    binned.tokens_produced(
-        tenant="acme", model="llm", tokens=0, first_token_s=None, inter_token=sent
-    )
+    for gaps in sent:  # each stream's, as the core observes each tenant's and model's
+        binned.tokens_produced(
+            tenant="acme", model="llm", tokens=0, first_token_s=None, inter_token=gaps
+        )
     assert close(samples(binned.registry), samples(one.registry))
 
 

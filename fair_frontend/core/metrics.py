@@ -136,18 +136,18 @@ class Pending:
         if len(held) >= PENDING_VALUES:
             self._bin(children)
 
-    def observe_binned(self, children: tuple[Any, ...], gaps: Sequence[Gaps]) -> None:
-        """Observations binned already at ``INTER_TOKEN_BUCKETS`` (each of ``gaps``: their
-        sum, and [bucket, count, ...]), held as counts: the same as ``observe`` of each
-        value binned (``children``: histograms of those buckets)."""
+    def observe_binned(self, children: tuple[Any, ...], gaps: Gaps) -> None:
+        """Observations binned already at ``INTER_TOKEN_BUCKETS`` (``gaps``: their sum, and
+        [bucket, count, ...]), held as counts: the same as ``observe`` of each value
+        binned (``children``: histograms of those buckets)."""
         held = self.binned.get(children)
         if held is None:
             held = self.binned[children] = [0.0, [0] * (len(INTER_TOKEN_BUCKETS) + 1)]
+        total, bins = gaps
+        held[0] += total
         counts = held[1]
-        for total, bins in gaps:
-            held[0] += total
-            for i in range(0, len(bins), 2):
-                counts[bins[i]] += bins[i + 1]
+        for i in range(0, len(bins), 2):
+            counts[bins[i]] += bins[i + 1]
 
     def _bin(self, children: tuple[Any, ...]) -> None:
         values = self.values.pop(children)
@@ -575,7 +575,7 @@ class FrontendMetrics(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token: Sequence[Gaps] = (),
+        inter_token: Gaps | None = None,
     ) -> None:
         sink = self._token_sinks.get((tenant, model))
         if sink is None:
@@ -584,7 +584,7 @@ class FrontendMetrics(Observer):
         pending.inc(sink[0], tokens)
         if first_token_s is not None:
             pending.observe(sink[1], first_token_s)
-        if inter_token:
+        if inter_token is not None:
             pending.observe_binned(sink[2], inter_token)  # binned by the shells
 
     def _token_sink(self, tenant: str, model: str) -> tuple[Any, ...]:

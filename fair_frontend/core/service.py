@@ -585,7 +585,7 @@ class Core:
                 self.accounting.first_token(req, first_token_s)
         for tenant, model, total_s, bins in gaps:
             observe(tenant=tenant, model=model, tokens=0, first_token_s=None,
-                    inter_token=((total_s, bins),))  # fmt: skip
+                    inter_token=(total_s, bins))  # fmt: skip
         if not groups:
             return
         now = self.clock.now()

@@ -132,13 +132,13 @@ class Observer:
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token: Sequence[Gaps] = (),
+        inter_token: Gaps | None = None,
     ) -> None:
         """A request's output produced ``tokens`` tokens (streamed responses, or a whole
         answer): ``first_token_s`` from its arrival, if its first is among them;
-        ``inter_token``, the time between each two consecutive streamed ones among them
-        (streams' as their shells wrote them to the client), binned by those shells at
-        ``records.INTER_TOKEN_BUCKETS`` (``records.Gaps``: one per stream)."""
+        ``inter_token``, the time between each two consecutive streamed tokens, binned at
+        ``records.INTER_TOKEN_BUCKETS`` by the shell that wrote them to the clients
+        (``records.Gaps``: a tick's of the tenant's streams of this model)."""
 
 
 class Observers(Observer):

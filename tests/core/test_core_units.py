@@ -138,7 +138,7 @@ class Recorder(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token: Sequence[Gaps] = (),
+        inter_token: Gaps | None = None,
     ) -> None:
         if first_token_s is not None:
             self.first_token_s.append(first_token_s)

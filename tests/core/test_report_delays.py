@@ -62,7 +62,6 @@ import asyncio
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -79,7 +78,7 @@ from fair_frontend.errors import Unavailable
 from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
-from fair_frontend.wire.records import Call, Gaps, gap_count, gaps_from
+from fair_frontend.wire.records import NO_GAPS, Call, Gaps, gap_count, gaps_from
 
 LLM = "llm"
 LLM_INFO = ModelInfo(
@@ -474,9 +473,9 @@ class Told(Observer):
         model: str,
         tokens: int,
         first_token_s: float | None,
-        inter_token: Sequence[Gaps] = (),
+        inter_token: Gaps | None = None,
     ) -> None:
-        self.told.append((tenant, tokens, first_token_s, sum(map(gap_count, inter_token))))
+        self.told.append((tenant, tokens, first_token_s, gap_count(inter_token or NO_GAPS)))
 
 
 def test_a_tick_of_reports_charges_and_observes_per_tenant_what_its_streams_produced() -> None:
