@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 from fair_frontend.config import parse_config
 from fair_frontend.core.metrics import PENDING_VALUES, FrontendMetrics, observe_many
@@ -143,6 +144,39 @@ def test_times_binned_by_the_shells_read_as_each_observed(
             tenant="acme", model="llm", tokens=0, first_token_s=None, inter_token=gaps
         )
     assert close(samples(binned.registry), samples(one.registry))
+
+
+@given(
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+def test_a_shells_binned_times_count_only_what_names_a_bucket(
+    bins: list[int], total: float
+) -> None:
+    """A shell's ``Gaps`` as the link may deliver them, whatever their values (msgspec
+    checks only their types): a pair naming no bucket (negative, past +Inf, huge), a count
+    below one, a dangling index, a sum that is no time (negative, NaN, infinite) is left
+    out; what is left counts as it says, and the scrape still reads every series."""
+    size = len(INTER_TOKEN_BUCKETS) + 1
+    metrics = FrontendMetrics(config())
+    metrics.tokens_produced(tenant="acme", model="llm", tokens=0, first_token_s=None)
+    metrics.tokens_produced(
+        tenant="acme", model="llm", tokens=0, first_token_s=None, inter_token=(total, bins)
+    )
+    got = samples(metrics.registry)  # a scrape: held counts go into the families here
+    counted = [0] * size
+    for bucket, count in zip(bins[::2], bins[1::2], strict=False):
+        if 0 <= bucket < size and count > 0:
+            counted[bucket] += count
+    name = "fair_inter_token_seconds"
+    labels = (("endpoint", "llm"), ("tenant", "acme"), ("tier", "standard"))
+    assert got[(f"{name}_count", labels)] == sum(counted)
+    assert got[(f"{name}_sum", labels)] == (total if 0 <= total < float("inf") else 0.0)
+    cumulative = 0
+    for bound, count in zip((*INTER_TOKEN_BUCKETS, float("inf")), counted, strict=True):
+        cumulative += count
+        le = (labels[0], ("le", floatToGoString(bound)), *labels[1:])
+        assert got[(f"{name}_bucket", le)] == cumulative
 
 
 def many_config():

@@ -32,6 +32,7 @@ names the model only where it knows it exists and the tenant may call it (``Gate
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -144,10 +145,17 @@ class Pending:
         if held is None:
             held = self.binned[children] = [0.0, [0] * (len(INTER_TOKEN_BUCKETS) + 1)]
         total, bins = gaps
-        held[0] += total
         counts = held[1]
-        for i in range(0, len(bins), 2):
-            counts[bins[i]] += bins[i + 1]
+        size = len(counts)
+        # A shell's record, taken as it holds up: a pair naming no bucket, a count below
+        # one or a sum that is no time is left out (the histograms would raise at the
+        # scrape, or count what never happened, for every series held with it).
+        for i in range(0, len(bins) - 1, 2):
+            bucket, count = bins[i], bins[i + 1]
+            if 0 <= bucket < size and count > 0:
+                counts[bucket] += count
+        if 0.0 <= total < math.inf:
+            held[0] += total
 
     def _bin(self, children: tuple[Any, ...]) -> None:
         values = self.values.pop(children)
