@@ -6,6 +6,7 @@ in about a second, where the real models import torch), so the failure paths are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -38,6 +39,7 @@ from fair_frontend.backends.triton.embedded import (
     process_group_members,
 )
 from fair_frontend.cli import demo_banner
+from fair_frontend.kit.testing import eventually
 from tests.support import config_dict
 
 ECHO_CONFIG = """
@@ -336,6 +338,56 @@ def test_up_runs_the_example_config_in_demo_mode_and_says_so(tmp_path: Path) -> 
         assert "/v2/models/stats   (operator-only" in out
     finally:
         up.stop()
+
+
+def own_group_children(parent: int) -> list[int]:
+    """Live children of ``parent`` that lead a process group of their own (Triton, which
+    ``EmbeddedTriton`` starts in a new session), from ``/proc``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])  # after the command
+        if state not in ("Z", "X") and ppid == parent and pgrp == int(entry):
+            found.append(int(entry))
+    return found
+
+
+def test_a_killed_up_takes_its_triton_with_it(tmp_path: Path) -> None:
+    """SIGKILL leaves ``up`` no moment to stop the Triton it started (from a worker thread
+    of its event loop, as ``make run`` does); the kernel ends it (``parent_death``): the
+    server and its Python stubs exit, nothing is left holding the ports."""
+    add_model(tmp_path / "repo", "echo")
+    example = Path(__file__).resolve().parent.parent / "examples" / "config.yaml"
+    up = UpProcess(
+        ["--config", str(example), "--model-repository", str(tmp_path / "repo"), *UP_PORTS],
+        tmp_path,
+    )
+    triton: int | None = None
+    try:
+        up.until_serving()
+        (triton,) = own_group_children(up.proc.pid)
+        assert "tritonserver" in Path(f"/proc/{triton}/cmdline").read_bytes().decode()
+        stubs = stub_pids(triton)
+        assert stubs, "the Python backend stub runs in Triton's process group"
+        up.proc.kill()
+        up.proc.wait()
+        eventually(
+            lambda: not process_group_members(triton) and not any(alive(s) for s in stubs),
+            60,
+            what="Triton and its stubs to end with the process that started them",
+        )
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()
+        if triton is not None:  # where the test failed: leave no server behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(triton, signal.SIGKILL)
 
 
 def test_up_with_an_operators_config_is_not_demo_mode(tmp_path: Path) -> None:

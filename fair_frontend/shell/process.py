@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from fair_frontend.backends import backend
 from fair_frontend.backends.protocol import BackendServer
 from fair_frontend.config import parse_config
 from fair_frontend.observability.logs import configure_logging
+from fair_frontend.parent_death import die_with_parent
 from fair_frontend.shell import tls as tenant_tls
 from fair_frontend.shell.gateway import Gateway
 from fair_frontend.shell.grpc_server import make_server
@@ -44,20 +44,11 @@ from fair_frontend.wire.tcp import LINKS
 
 log = logging.getLogger("fair_frontend.shell")
 
-_PR_SET_PDEATHSIG = 1
 DRAIN_S = 10.0  # a remote shell's stop: the most it waits for what it has taken
 
 
 def keyring_of(settings: Settings) -> KeyRing:
     return KeyRing({bytes.fromhex(d): tenant for d, tenant in settings.keys.items()})
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the lost connection ends it instead
-        pass
 
 
 class ShellProcess:
@@ -229,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", default="json")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    die_with_parent(signal.SIGTERM)  # elsewhere than Linux the lost connection ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(args.log_format, args.log_level)
     return uvloop.run(ShellProcess(args).run())

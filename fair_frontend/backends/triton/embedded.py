@@ -51,6 +51,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from fair_frontend.parent_death import popen
+
 LOOPBACK = "127.0.0.1"
 log = logging.getLogger(__name__)
 
@@ -449,7 +451,9 @@ class EmbeddedTriton:
         with open(self._log_path, "ab") as log:
             log_start = log.tell()
             # stdout and stderr both: the stubs inherit them, so model tracebacks land here.
-            self._proc = subprocess.Popen(
+            # Triton ends with this process, however it ends (``parent_death``): no
+            # server left holding the ports and a GPU's memory after a SIGKILL.
+            self._proc = popen(
                 self._command(binary, backend_dir),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
