@@ -144,14 +144,19 @@ class Observer:
 class Observers(Observer):
     """Tells every observer; one that raises is logged and does not stop the others.
 
-    Per event, the observers that listen to it (override it) are looked up once, on its
-    first call: an event on the hot path (a request's end, a granted stream's batch, a
-    report of tokens) goes only to them, without a name looked up per observer and call.
-    The observers are fixed at construction."""
+    Per event, the observers that listen to it (override it) are looked up once: an event
+    goes only to them. The observers are fixed at construction. The events told per
+    request or per stream (a request's end, a report of tokens, the throttle's decision)
+    have methods of their own that pass their arguments on as they came: the generic
+    path's packing and unpacking of keywords cost 1.5 µs an event, a sixth of what the
+    core spends on a stream's end."""
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = list(observers)
         self._listeners: dict[str, list[Any]] = {}
+        self._finished = self._of("request_finished")
+        self._tokens = self._of("tokens_produced")
+        self._decisions = self._of("throttle_decision")
 
     def _of(self, method: str) -> list[Any]:
         listeners = self._listeners.get(method)
@@ -164,15 +169,45 @@ class Observers(Observer):
             ]
         return listeners
 
+    @staticmethod
+    def _failed(listener: Any, method: str) -> None:
+        log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
+
     def _each(self, method: str, **kwargs: Any) -> None:
         for listener in self._of(method):
             try:
                 listener(**kwargs)
             except Exception:
-                log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
+                self._failed(listener, method)
 
-    def request_finished(self, **kwargs: Any) -> None:
-        self._each("request_finished", **kwargs)
+    def request_finished(
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        outcome: Outcome,
+        queued_s: float | None,
+        request_id: str = "",
+        latency_s: float | None = None,
+        error: str | None = None,
+        usage: Usage | None = None,
+        service_s: float | None = None,
+    ) -> None:
+        for listener in self._finished:
+            try:
+                listener(
+                    tenant=tenant,
+                    model=model,
+                    outcome=outcome,
+                    queued_s=queued_s,
+                    request_id=request_id,
+                    latency_s=latency_s,
+                    error=error,
+                    usage=usage,
+                    service_s=service_s,
+                )
+            except Exception:
+                self._failed(listener, "request_finished")
 
     def requests_finished(self, finished: Sequence[Finished]) -> None:
         """To every observer that hears of ends: its own ``requests_finished`` where it
@@ -199,7 +234,7 @@ class Observers(Observer):
             try:
                 listener(items)
             except Exception:
-                log.exception("observer %s failed in %s", type(listener.__self__).__name__, method)
+                self._failed(listener, method)
 
     def batch_finished(self, report: BatchReport) -> None:
         self._each("batch_finished", report=report)
@@ -210,11 +245,33 @@ class Observers(Observer):
     def rate_limit_degraded(self, **kwargs: Any) -> None:
         self._each("rate_limit_degraded", **kwargs)
 
-    def throttle_decision(self, **kwargs: Any) -> None:
-        self._each("throttle_decision", **kwargs)
+    def throttle_decision(self, *, model: str, decision: ThrottleDecision, count: int = 1) -> None:
+        for listener in self._decisions:
+            try:
+                listener(model=model, decision=decision, count=count)
+            except Exception:
+                self._failed(listener, "throttle_decision")
 
-    def tokens_produced(self, **kwargs: Any) -> None:
-        self._each("tokens_produced", **kwargs)
+    def tokens_produced(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        tokens: int,
+        first_token_s: float | None,
+        inter_token: Gaps | None = None,
+    ) -> None:
+        for listener in self._tokens:
+            try:
+                listener(
+                    tenant=tenant,
+                    model=model,
+                    tokens=tokens,
+                    first_token_s=first_token_s,
+                    inter_token=inter_token,
+                )
+            except Exception:
+                self._failed(listener, "tokens_produced")
 
     def ttft_predicted(self, **kwargs: Any) -> None:
         self._each("ttft_predicted", **kwargs)
