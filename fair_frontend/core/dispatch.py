@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -355,6 +356,9 @@ class Dispatcher(ABC):
         # Set when a shutdown's drain ran out of time: the batches it cancels are
         # answered with it (not dropped as a client's cancellation).
         self._abandoned: FrontendError | None = None
+        # Tasks of ``_tasks`` stopped (``_stop``) before their first step: each stops at
+        # its first (``_run``), where its answers and its slot are seen to.
+        self._stopping: set[asyncio.Task[None]] = set()
         # A decoupled model's granted streams whose shell went silent for
         # ``silent_after_s``: taken back (``core.silence``).
         self._silence: SilentGrants | None = None
@@ -543,7 +547,7 @@ class Dispatcher(ABC):
         req.cancelled = True
         for task, batch in self._tasks.items():
             if self.info.decoupled and batch[0] is req:
-                task.cancel()
+                self._stop(task)
         for batch in self._held:
             if req in batch:
                 batch.remove(req)
@@ -598,6 +602,18 @@ class Dispatcher(ABC):
         self._where[task] = backend
         task.add_done_callback(self._forget)
         return task
+
+    def _stop(self, task: asyncio.Task[None]) -> None:
+        """Cancel the batch of ``task`` (one of ``_tasks``). A task cancelled before its
+        first step never runs its coroutine: ``_run`` would not answer its requests nor
+        give its slot back, and a granted stream's slot would stay taken for ever (the
+        slot a client that went away between its call's grant and the grant's send held:
+        under load, every slot in time). Such a task runs, and stops at its start."""
+        coro = task.get_coro()
+        if isinstance(coro, Coroutine) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            self._stopping.add(task)
+        else:
+            task.cancel()
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         batch = self._tasks.pop(task, None)
@@ -680,6 +696,8 @@ class Dispatcher(ABC):
         ok = False
         held = False
         try:
+            if self._stopping and asyncio.current_task() in self._stopping:
+                raise asyncio.CancelledError  # stopped before it started (``_stop``)
             if self.info.decoupled:
                 ok, held = await self._grant(batch[0], backend)
             else:
@@ -700,6 +718,7 @@ class Dispatcher(ABC):
             task = asyncio.current_task()
             if task is not None:
                 self._forget(task)
+                self._stopping.discard(task)
             self.running[backend] -= 1  # held or not, it is not on that backend any more
             if not held:
                 self.inflight -= 1
@@ -1006,7 +1025,7 @@ class Dispatcher(ABC):
             if left is not None and left <= 0:
                 self._abandoned = err
                 for task in self._tasks:
-                    task.cancel()
+                    self._stop(task)
             await asyncio.wait(list(self._tasks), timeout=left if left and left > 0 else None)
         self.fail_queued(err)
 

@@ -459,6 +459,39 @@ async def test_a_drain_that_stops_waiting_takes_the_slot_back() -> None:
     await e.close()
 
 
+async def test_a_client_gone_before_its_streams_grant_went_out_frees_the_slot() -> None:
+    """Its slot was taken (the task that sends the grant made) and its client went away
+    before that task ran: the request ends once, cancelled, no grant goes out, and the
+    slot serves the next in line. (A task cancelled before its first step never runs: the
+    slot stayed taken for ever, and under load, with clients dropping their calls, every
+    slot in time.)"""
+    e = Engine(slots=1, reserved=0)
+    gone = e.submit("a", 1)  # granted at once: one slot, free
+    assert e.runtime.inflight == 1 and not e.triton.grants  # its grant not sent yet
+    e.runtime.cancel(gone)
+    nxt = e.submit("b", 1)
+    await e.settle()
+    assert e.outcomes(gone) == [Outcome.CANCELLED]
+    assert [g.id for g in e.triton.grants] == [nxt.call.id] and e.runtime.inflight == 1
+    e.triton.open("b")[0].end()
+    await e.settle()
+    assert e.outcomes(nxt) == [Outcome.DISPATCHED] and e.runtime.inflight == 0
+    await e.close()
+
+
+async def test_a_drain_out_of_time_answers_a_grant_not_yet_sent() -> None:
+    """Shutdown with no time left, a slot taken and its grant not sent yet: that request
+    is answered with the reason too, and its slot given back."""
+    e = Engine(slots=1, reserved=0)
+    req = e.submit("a", 1)
+    assert e.runtime.inflight == 1 and not e.triton.grants
+    await e.runtime.drain(0.0, Unavailable("the frontend is shutting down"))
+    (answer,) = e.triton.answers
+    assert answer.id == req.call.id and answer.fault is not None
+    assert e.outcomes(req) == [Outcome.FAILED] and e.runtime.inflight == 0
+    await e.close()
+
+
 def never_reached() -> Unavailable:
     """A granted stream's shell could not reach its Triton: nothing reached its client."""
     return Unavailable("Triton is unavailable: not connected within 2 s", never_sent=True)
