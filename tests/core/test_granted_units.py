@@ -32,6 +32,8 @@ from dispatch_support import (
     MergingTriton,
     Sent,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fair_frontend.batching import pack, unpack, wire_key
 from fair_frontend.core.batches import BatchDispatcher
@@ -69,9 +71,9 @@ class FakeShell:
         assert isinstance(runtime, GrantedDispatcher)
         return runtime
 
-    def submit(self, tenant: str, rows: int = 1) -> CoreRequest:
+    def submit(self, tenant: str, rows: int = 1, timeout_s: float | None = None) -> CoreRequest:
         """A call whose facts alone reach the core (``Call.key``)."""
-        call = self.h.call(tenant, rows=rows)
+        call = self.h.call(tenant, rows=rows, timeout_s=timeout_s)
         self.held[call.id] = call
         bare = dataclasses.replace(call.request, inputs=[])
         facts = msgspec.structs.replace(call, request=bare, key=wire_key(call.request, self.h.plan))
@@ -107,6 +109,9 @@ class FakeShell:
         h = self.h
         calls = [self.held[i] for i in rows.calls if i in self.held]
         gone = [i for i in rows.calls if i not in self.held]
+        if not calls:  # every client gone: nothing to send (``RowsSender``)
+            self.core.rows_done(self, RowsDone(MODEL, rows.batch, [], gone))
+            return
         packed = pack(calls, h.plan)
         triton = h.tritons[rows.backend]
         try:
@@ -123,7 +128,7 @@ class FakeShell:
         outs = unpack(outputs, calls, h.plan, packed.stripped)
         for c, out in zip(calls, outs, strict=True):
             self.served.setdefault(c.id, []).append(out)
-            del self.held[c.id]
+            self.held.pop(c.id, None)  # (its client may have gone meanwhile)
         served = [(c.id, 0) for c in calls]
         done = RowsDone(MODEL, rows.batch, served, gone, None, version, self.exec_s)
         self.core.rows_done(self, done)
@@ -400,3 +405,86 @@ async def test_whole_calls_are_relayed_beside_the_granted_ones(
     assert sorted(shell.served) == [r.call.id for r in facts] and not shell.answers
     assert all(h.outcomes(r) == [Outcome.DISPATCHED] for r in [first, *whole, *facts])
     assert h.runtime.idle
+
+
+GRANTED_ACTIONS = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 1), st.sampled_from("ab"), st.sampled_from(
+        [None, 0.05, 0.5])),
+    st.tuples(st.just("submit"), st.integers(0, 1), st.sampled_from("ab"), st.just(None)),
+    st.tuples(st.sampled_from(["serve", "fail", "again", "lost"]), st.integers(0, 15)),
+    st.tuples(st.just("gone"), st.integers(0, 31)),
+    st.tuples(st.just("die"), st.integers(0, 1)),
+    st.tuples(st.just("turns"), st.integers(0, 3)),
+    st.tuples(st.just("advance"), st.sampled_from([0.01, 0.1, 1.0])),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(GRANTED_ACTIONS, max_size=60))
+def test_every_granted_call_ends_once_and_no_batch_outlives_its_parts(
+    program: list[tuple[Any, ...]],
+) -> None:
+    """Programs hypothesis draws over two shells, one Triton and small queues: calls
+    submitted (some with a deadline), Triton's answer to each part (served, the model's
+    error: bisected, not reached: held, lost after it was sent), a client gone (its shell
+    drops its tensors and tells the core), a shell gone (its connection closed), the loop
+    let run a few turns, time moved on. Then Triton serves what it holds until nothing is
+    out: each call ended once, no slot held, nothing queued, and a new call is served."""
+
+    async def main() -> None:
+        h = Harness(dispatcher=GrantedDispatcher, instances=2, max_outage_s=1e6)
+        h.probe.ready = True  # a Triton marked down is back at its next probe
+        shells = [FakeShell(h, "one"), FakeShell(h, "two")]
+        reqs: list[CoreRequest] = []
+        for action in program:
+            kind = action[0]
+            if kind == "submit":
+                shell = shells[action[1]]
+                if shell.alive:
+                    reqs.append(shell.submit(action[2], timeout_s=action[3]))
+            elif kind in ("serve", "fail", "again", "lost"):
+                pending = h.triton.pending
+                if pending:
+                    sent = pending[action[1] % len(pending)]
+                    if kind == "serve":
+                        sent.ok()
+                    elif kind == "fail":
+                        sent.fail(model_error())
+                    elif kind == "again":
+                        sent.fail(Unavailable("Triton is unavailable", never_sent=True))
+                    else:
+                        sent.fail(Unavailable("Triton is unavailable: the connection closed"))
+            elif kind == "gone":  # a client went away: its shell drops it, tells the core
+                waiting = [(s, r) for r in reqs for s in shells if r.call.id in s.held]
+                if waiting:
+                    shell, req = waiting[action[1] % len(waiting)]
+                    del shell.held[req.call.id]
+                    h.runtime.cancel(req)
+            elif kind == "die":
+                shell = shells[action[1]]
+                if shell.alive:
+                    shell.alive = False
+                    h.runtime.drop(shell)
+            elif kind == "turns":
+                for _ in range(action[1]):
+                    await asyncio.sleep(0)
+            else:
+                await h.advance(action[1])
+        for _ in range(200):
+            await h.advance(1.0)
+            for sent in h.triton.pending:
+                sent.ok()
+            if not h.runtime.inflight and not h.scheduler.queued_requests:
+                break
+        await h.settle()
+        for req in reqs:
+            assert len(h.outcomes(req)) == 1, (req.call.id, h.outcomes(req))
+        assert h.runtime.inflight == 0 and h.scheduler.queued_requests == 0
+        live = [s for s in shells if s.alive] or [FakeShell(h, "three")]
+        fresh = live[0].submit("a")
+        await answer_all(h)
+        await h.advance(0.1)
+        assert h.outcomes(fresh) == [Outcome.DISPATCHED]
+        await h.close()
+
+    asyncio.run(main())
