@@ -5,8 +5,10 @@ small queues (caps reached often), driven by programs hypothesis draws: calls su
 of its call: in the intake, queued, between its answer's arrival and its read, while its
 stream is relayed), time moved on (deadlines pass, a Triton marked down comes back).
 
-* Streams: the decoupled ``llm`` in engine mode with two slots; granted streams served,
-  failed by the model or given back (their Triton gone).
+* Streams: the decoupled ``llm`` in engine mode with three slots (one reserved from any
+  one tenant, one light: kept for a program that holds none), calls naming programs or
+  not; granted streams served, failed by the model, given back (their Triton gone
+  before their first token) or lost after it.
 * Batches: ``embed`` batched by the core (at most 4 rows, two instances), single calls
   and API calls of several parts (queued a part per loop turn here), relayed to a Triton
   stand-in whose calls the program answers: served, failed by the model (the batch then
@@ -58,7 +60,7 @@ LLM_INFO = ModelInfo(
     decoupled=True,
 )
 TENANTS = ("a", "b")
-SLOTS = 2
+SLOTS = 3
 MAX_QUEUED = 3
 TIMEOUTS_US = (None, 50_000, 500_000)  # a call's timeout: none, 50 ms, 500 ms
 
@@ -77,6 +79,8 @@ def config() -> Any:
                 LLM: {
                     "cost": "tokens",
                     "max_inflight": SLOTS,
+                    "reserved_slots": 1,  # no tenant holds more than two
+                    "light_slots": 1,  # the last free one: for a program holding none
                     "token_output": "text_output",
                     "throttle": False,
                 },
@@ -200,12 +204,12 @@ class World:
         """Everything Triton holds, served."""
         raise NotImplementedError
 
-    def submit(self, tenant: str, timeout_us: int | None) -> Client:
+    def submit(self, tenant: str, timeout_us: int | None, program: str = "") -> Client:
         i = next(self._ids)
         request = self.request(tenant, i, timeout_us)
         call = Call(
             i, tenant, 1, self.clock.now(), 1.7e9 + self.clock.now(), 1, 6, 2, None, request,
-            self.streams, 4 if self.streams else 0,
+            self.streams, 4 if self.streams else 0, program=program,
         )  # fmt: skip
         client = self.new_client(call)
         client.task = asyncio.get_running_loop().create_task(client.run(self.link))
@@ -236,7 +240,12 @@ class World:
         await self.turns(20)
 
 
-SUBMIT = st.tuples(st.just("submit"), st.sampled_from(TENANTS), st.sampled_from(TIMEOUTS_US))
+SUBMIT = st.tuples(
+    st.just("submit"),
+    st.sampled_from(TENANTS),
+    st.sampled_from(TIMEOUTS_US),
+    st.sampled_from(["", "chat", "agent"]),  # the program it names (none: its tenant's)
+)
 
 
 class StreamWorld(World):
@@ -373,7 +382,7 @@ async def play(world: World, program: list[tuple[Any, ...]]) -> World:
     for action in program:
         kind = action[0]
         if kind == "submit":
-            world.submit(action[1], action[2])
+            world.submit(*action[1:])
         elif kind == "group":  # an API call of several parts, where the endpoint batches
             if isinstance(world, BatchWorld):
                 world.submit_group(action[1], action[2])
@@ -430,7 +439,7 @@ async def check(world: World) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(ACTIONS, max_size=80))
 # Its client gone in the turn between the slot's grant and the grant's send.
-@example([("submit", "a", None), ("turns", 1), ("gone", 0)])
+@example([("submit", "a", None, ""), ("turns", 1), ("gone", 0)])
 def test_every_stream_ends_once_and_no_slot_outlives_it(program: list[tuple[Any, ...]]) -> None:
     async def main() -> None:
         await check(await play(StreamWorld(), program))
@@ -440,7 +449,7 @@ def test_every_stream_ends_once_and_no_slot_outlives_it(program: list[tuple[Any,
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(ACTIONS, max_size=80))
-@example([("submit", "a", None), ("turns", 1), ("gone", 0)])
+@example([("submit", "a", None, ""), ("turns", 1), ("gone", 0)])
 # Its client gone while a part of its call still waits for its slice.
 @example([("group", "a", 3), ("turns", 2), ("gone", 0)])
 def test_every_batched_call_is_answered_once_and_no_batch_outlives_it(
