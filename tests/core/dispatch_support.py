@@ -59,6 +59,17 @@ def embed_info(*, instances: int = 1, sequence_batching: bool = False) -> ModelI
     )
 
 
+LLM = "llm"
+LLM_INFO = ModelInfo(
+    name=LLM,
+    max_batch_size=0,
+    inputs={"text_input": TensorSpec("text_input", "BYTES", (1,))},
+    outputs={"text_output": TensorSpec("text_output", "BYTES", (-1,))},
+    decoupled=True,
+)
+"""The decoupled ``llm`` of the engine-mode tests: a prompt in, text out, streamed."""
+
+
 def plan_of(endpoint: Endpoint, info: ModelInfo, model: str = MODEL) -> EndpointPlan:
     """``model``'s plan (``fair_frontend.endpoint.plan``) under a config of the tests'
     tiers whose entry for it is ``endpoint``: what a dispatcher is built from."""

@@ -21,7 +21,16 @@ from typing import Any, cast
 import grpc
 import numpy as np
 import pytest
-from dispatch_support import SETTLE_ROUNDS, WIDTH, FakeTriton, Shell, StepClock, embed_info
+from dispatch_support import (
+    LLM,
+    LLM_INFO,
+    SETTLE_ROUNDS,
+    WIDTH,
+    FakeTriton,
+    Shell,
+    StepClock,
+    embed_info,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +41,7 @@ from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import FrontendError, Unavailable, UpstreamError
-from fair_frontend.models import ModelInfo, TensorSpec
+from fair_frontend.models import ModelInfo
 from fair_frontend.observability.observe import Observer
 from fair_frontend.outcomes import Outcome
 from fair_frontend.protocol import InferRequest, Tensor
@@ -40,14 +49,7 @@ from fair_frontend.scheduler import Scheduler
 from fair_frontend.usage import Usage
 from fair_frontend.wire.records import Answer, Call, Gaps, gaps_from
 
-EMBED, LLM = "embed", "llm"
-LLM_INFO = ModelInfo(
-    name=LLM,
-    max_batch_size=0,
-    inputs={"text_input": TensorSpec("text_input", "BYTES", (1,))},
-    outputs={"text_output": TensorSpec("text_output", "BYTES", (-1,))},
-    decoupled=True,
-)
+EMBED = "embed"
 EPOCH = 1.7e9  # the fake wall clock: the fake monotonic time, shifted by this
 SLOTS = 2
 TOKENS_PER_MINUTE = {"a": 2_000, "b": 150}  # b: its own, tighter limit (tenant limits)

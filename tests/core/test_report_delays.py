@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
-from dispatch_support import SETTLE_ROUNDS, Shell, StepClock
+from dispatch_support import LLM, LLM_INFO, SETTLE_ROUNDS, Shell, StepClock
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -75,19 +75,10 @@ from fair_frontend.config import Config, parse_config
 from fair_frontend.core.dispatch import CoreRequest
 from fair_frontend.core.service import Core
 from fair_frontend.errors import Unavailable
-from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.wire.records import NO_GAPS, Call, Gaps, gap_count, gaps_from
 
-LLM = "llm"
-LLM_INFO = ModelInfo(
-    name=LLM,
-    max_batch_size=0,
-    inputs={"text_input": TensorSpec("text_input", "BYTES", (1,))},
-    outputs={"text_output": TensorSpec("text_output", "BYTES", (-1,))},
-    decoupled=True,
-)
 TENANTS = ("a", "b", "c")
 SHELLS = 2
 STEP_S = 0.02  # one decode step on the fake clock: r = 50 tokens/s a stream

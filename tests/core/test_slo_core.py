@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
-from dispatch_support import SETTLE_ROUNDS, Shell, StepClock
+from dispatch_support import LLM, LLM_INFO, SETTLE_ROUNDS, Shell, StepClock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,20 +38,11 @@ from fair_frontend.core.metrics import slo_samples
 from fair_frontend.core.service import Core
 from fair_frontend.errors import InvalidArgument
 from fair_frontend.feedback import ServiceModel, SlotTimes
-from fair_frontend.models import ModelInfo, TensorSpec
 from fair_frontend.protocol import InferRequest, Tensor, take_slo_class
 from fair_frontend.scheduler import EndpointPolicy, GlobalCaps, QueuedRequest, Scheduler, TenantSpec
 from fair_frontend.scheduler.window import WINDOW_S
 from fair_frontend.wire.records import Call
 
-LLM = "llm"
-LLM_INFO = ModelInfo(
-    name=LLM,
-    max_batch_size=0,
-    inputs={"text_input": TensorSpec("text_input", "BYTES", (1,))},
-    outputs={"text_output": TensorSpec("text_output", "BYTES", (-1,))},
-    decoupled=True,
-)
 SLOTS = 16
 MEAN_HOLD_S = 1.0
 FIRST_TOKEN_S = 0.05

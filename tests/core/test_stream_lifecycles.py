@@ -34,7 +34,7 @@ from unittest import mock
 
 import grpc
 import numpy as np
-from dispatch_support import FakeTriton, StepClock, embed_info
+from dispatch_support import LLM, LLM_INFO, FakeTriton, StepClock, embed_info
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -44,21 +44,13 @@ from fair_frontend.core import dispatch
 from fair_frontend.core.service import Core
 from fair_frontend.core.shells import Intake
 from fair_frontend.errors import Unavailable, UpstreamError
-from fair_frontend.models import ModelInfo, TensorSpec
+from fair_frontend.models import ModelInfo
 from fair_frontend.observability.observe import Observer
 from fair_frontend.protocol import InferRequest, Tensor
 from fair_frontend.shell.link import Inbox, LocalLink
 from fair_frontend.wire.records import Answer, Call, Grant
 
-LLM = "llm"
 EMBED = "embed"
-LLM_INFO = ModelInfo(
-    name=LLM,
-    max_batch_size=0,
-    inputs={"text_input": TensorSpec("text_input", "BYTES", (1,))},
-    outputs={"text_output": TensorSpec("text_output", "BYTES", (-1,))},
-    decoupled=True,
-)
 TENANTS = ("a", "b")
 SLOTS = 3
 MAX_QUEUED = 3
