@@ -286,8 +286,12 @@ class BatchDispatcher(Dispatcher):
 
     async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
         """Send part of a failed batch as one call, and finish its requests (raises the
-        call's error, nothing answered, when it fails)."""
+        call's error, nothing answered, when it fails). What left while it waited for
+        the Triton to itself (a client gone) is not sent."""
         await self._alone_in(backend)
+        group = self._still_wanted(group)
+        if not group:
+            return
         packed = pack(group, self.plan)
         version, outputs = await self._forward(packed, group, backend)
         outs = unpack(outputs, group, self.plan, packed.stripped)

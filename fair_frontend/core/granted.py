@@ -121,8 +121,14 @@ class GrantedDispatcher(BatchDispatcher):
 
     async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
         """A bisection's half: granted alone in ``backend`` (raises its error, the worst
-        of its parts', where one failed; its parts that succeeded are answered)."""
+        of its parts', where one failed; its parts that succeeded are answered). What
+        left while it waited for the Triton to itself (a client gone, a shell gone) is not
+        granted: a dead shell would never report its part, and the half would hold the
+        Triton until the report's timeout."""
         await self._alone_in(backend)
+        group = self._still_wanted(group)
+        if not group:
+            return
         failures, _ = await self._out(group, backend)
         if failures:
             raise _worst([err for _, err in failures])

@@ -32,7 +32,7 @@ from dispatch_support import (
     MergingTriton,
     Sent,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fair_frontend.batching import pack, unpack, wire_key
@@ -421,6 +421,11 @@ GRANTED_ACTIONS = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(GRANTED_ACTIONS, max_size=60))
+# A bisection's half waits for the Triton to itself while its shell dies: not granted.
+@example(
+    [("submit", 0, "a", None), ("turns", 2), ("submit", 0, "a", None), ("fail", 0),
+     ("turns", 2), ("die", 0)]
+)  # fmt: skip
 def test_every_granted_call_ends_once_and_no_batch_outlives_its_parts(
     program: list[tuple[Any, ...]],
 ) -> None:
