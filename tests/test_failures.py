@@ -332,7 +332,12 @@ async def test_up_mode_restarts_a_dead_triton(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(data))
     ports = _ports()
     log = tmp_path / "up.log"
-    proc = _cli(["up", "--config", str(config), *ports], log)
+    # The shipped embed alone (the test calls nothing else): the default repository's
+    # four models take twice as long to load, and Triton is loaded twice here.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "embed").symlink_to(default_model_repository() / "embed")
+    proc = _cli(["up", "--config", str(config), "--model-repository", str(repo), *ports], log)
     try:
         http = int(ports[ports.index("--http-port") + 1])
         grpc = f"127.0.0.1:{ports[ports.index('--grpc-port') + 1]}"
