@@ -244,6 +244,12 @@ class BatchDispatcher(Dispatcher):
         todo = [batch] if len(batch) == 1 else list(reversed(_halves(batch)))
         while todo:
             group = self._still_wanted(todo.pop())
+            if group:
+                await self._alone_in(backend)
+                # What left while it waited (a client gone, its shell gone) is not sent: a
+                # granted part to a dead shell would never be reported, and would hold
+                # the Triton until the report's timeout.
+                group = self._still_wanted(group)
             if not group:
                 continue
             try:
@@ -285,13 +291,9 @@ class BatchDispatcher(Dispatcher):
         return wanted
 
     async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
-        """Send part of a failed batch as one call, and finish its requests (raises the
-        call's error, nothing answered, when it fails). What left while it waited for
-        the Triton to itself (a client gone) is not sent."""
-        await self._alone_in(backend)
-        group = self._still_wanted(group)
-        if not group:
-            return
+        """Send part of a failed batch as one call, alone in ``backend`` (``_bisect``
+        waits for that), and finish its requests (raises the call's error, nothing
+        answered, when it fails)."""
         packed = pack(group, self.plan)
         version, outputs = await self._forward(packed, group, backend)
         outs = unpack(outputs, group, self.plan, packed.stripped)

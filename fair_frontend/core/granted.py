@@ -120,15 +120,9 @@ class GrantedDispatcher(BatchDispatcher):
         return await self._judge(failures, parts, backend)
 
     async def _send_group(self, group: list[CoreRequest], backend: int) -> None:
-        """A bisection's half: granted alone in ``backend`` (raises its error, the worst
-        of its parts', where one failed; its parts that succeeded are answered). What
-        left while it waited for the Triton to itself (a client gone, a shell gone) is not
-        granted: a dead shell would never report its part, and the half would hold the
-        Triton until the report's timeout."""
-        await self._alone_in(backend)
-        group = self._still_wanted(group)
-        if not group:
-            return
+        """A bisection's half: granted alone in ``backend`` (``_bisect`` waits for that;
+        raises its error, the worst of its parts', where one failed; its parts that
+        succeeded are answered)."""
         failures, _ = await self._out(group, backend)
         if failures:
             raise _worst([err for _, err in failures])
