@@ -55,9 +55,6 @@ OTHER_ENDPOINT = "other"  # models not (yet) known to exist: see the module docs
 UNAUTHENTICATED = "-"  # the tenant label of requests rejected before identity was known
 
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-# The shells bin inter-token times at these bounds (``records.Gaps``): the histograms of
-# them take the counts as they come.
-_INTER_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS
 # The relative error of a predicted time to first token, (predicted - actual) / actual:
 # the fraction within 20 % either way is the bucket at 0.2 less the one at -0.2.
 _ERROR_BUCKETS = (-0.9, -0.5, -0.3, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5)
@@ -334,7 +331,7 @@ class FrontendMetrics(Observer):
             "fair_inter_token_seconds",
             "Time between a streamed request's consecutive output tokens.",
             ["tenant", "tier", "endpoint"],
-            buckets=_INTER_TOKEN_BUCKETS,
+            buckets=INTER_TOKEN_BUCKETS,  # the shells' bins (``records.Gaps``)
             registry=r,
         )
         self.output_tokens = Counter(
@@ -364,7 +361,7 @@ class FrontendMetrics(Observer):
             "gen_ai_server_time_per_output_token_seconds",
             "Time per output token after the first (gen_ai.server.time_per_output_token).",
             ["gen_ai_request_model"],
-            buckets=_INTER_TOKEN_BUCKETS,
+            buckets=INTER_TOKEN_BUCKETS,  # the shells' bins (``records.Gaps``)
             registry=r,
         )
 
