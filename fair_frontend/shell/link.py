@@ -21,10 +21,9 @@ from typing import Any, Protocol
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
 from fair_frontend.wire.records import (
-    NO_GAPS,
+    PRODUCED_TICK_S,
     Answer,
     Call,
-    Gaps,
     Grant,
     Group,
     Tally,
@@ -168,16 +167,6 @@ def _nothing(value: Any) -> None:
     pass
 
 
-def binned(tokens: int, gap_s: float) -> Gaps:
-    """The inter-token times of ``tokens`` tokens that came together ``gap_s`` after the
-    response before (-1: none before), binned as a ``Produced`` entry carries them
-    (``records.bin_gaps``)."""
-    if gap_s < 0 or tokens <= 0:
-        return NO_GAPS
-    bins: dict[int, int] = {}
-    return gaps_of(bin_gaps(bins, tokens, gap_s), bins)
-
-
 def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
     pass
 
@@ -256,7 +245,11 @@ class InProcessCore(Protocol):
 
     def cancel(self, req: Any) -> None: ...
 
-    def produced(self, req: Any, tokens: int, first_token_s: float, gaps: Gaps) -> None: ...
+    def produced_all(
+        self,
+        reports: list[tuple[Any, int, float]],
+        gaps: list[tuple[str, str, float, list[int]]],
+    ) -> None: ...
 
     def stream_ended(
         self, req: Any, version: str, err: FrontendError | None, cancelled: bool
@@ -311,6 +304,14 @@ class LocalLink:
         self.intake = intake
         self._ids = itertools.count(1)
         self._waiting: dict[int, Inbox] = {}  # calls in the intake, not admitted yet
+        # Output tokens of granted streams not yet told to the core, as a shell process
+        # keeps them (``SocketLink``): told within ``PRODUCED_TICK_S``, every stream's at
+        # once (``Core.produced_all``: one charge per tenant and program a tick, not one
+        # per response). Per stream: [its request, tokens, first token's time (-1: not
+        # among them)]; per (tenant, model): the inter-token times' [sum, bins].
+        self._produced: dict[int, list[Any]] = {}
+        self._gaps: dict[tuple[str, str], list[Any]] = {}
+        self._tick: asyncio.TimerHandle | None = None
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -369,12 +370,46 @@ class LocalLink:
         """Tell ``inbox`` how to reach the core about its call, kept there as ``req``."""
         core = self.core
         inbox._cancel = lambda: core.cancel(req)
-        inbox._produced = lambda tokens, first, gap: core.produced(
-            req, tokens, first, binned(tokens, gap)
-        )
-        inbox._end = lambda version, fault, cancelled: core.stream_ended(
-            req, version, fault, cancelled
-        )
+        inbox._produced = partial(self._tokens, req)
+        inbox._end = partial(self._ended, req)
+
+    def _tokens(self, req: Any, tokens: int, first_s: float, gap_s: float) -> None:
+        """Output tokens the granted stream of ``req`` relayed: told to the core by the
+        tick's end (``_told``), with every other stream's."""
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(PRODUCED_TICK_S, self._told)
+        entry = self._produced.get(id(req))
+        if entry is None:
+            entry = self._produced[id(req)] = [req, 0, -1.0]
+        entry[1] += tokens
+        if first_s >= 0:
+            entry[2] = first_s
+        if gap_s >= 0 and tokens > 0:
+            key = (req.tenant, req.call.request.model)
+            gaps = self._gaps.get(key)
+            if gaps is None:
+                gaps = self._gaps[key] = [0.0, {}]
+            gaps[0] += bin_gaps(gaps[1], tokens, gap_s)
+
+    def _told(self) -> None:
+        """The tick's tokens, to the core at once."""
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        produced, self._produced = self._produced, {}
+        gaps, self._gaps = self._gaps, {}
+        if produced or gaps:
+            self.core.produced_all(
+                [(req, tokens, first) for req, tokens, first in produced.values()],
+                [(t, m, *gaps_of(total, bins)) for (t, m), (total, bins) in gaps.items()],
+            )
+
+    def _ended(self, req: Any, version: str, fault: FrontendError | None, cancelled: bool) -> None:
+        """A granted stream ended: the tokens not yet told go first (every stream's:
+        the core's counts hold all a stream relayed once it has ended)."""
+        if self._produced or self._gaps:
+            self._told()
+        self.core.stream_ended(req, version, fault, cancelled)
 
     async def precharge(self, tenant: str, model: str, requests: int, tokens: int) -> float | None:
         at, _ = await self.core.precharge(tenant, model, requests=requests, tokens=tokens)
