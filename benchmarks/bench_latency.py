@@ -8,6 +8,11 @@ requests, perf_analyzer's plain command (``--shape INPUT_IDS:128``, random ids) 
 - with ``--echo``: a bare grpc.aio KServe server that answers at once
   (``benchmarks/echo_server.py``, gRPC only): what one grpc.aio hop costs at c=1 with no
   work behind it, the floor of any Python shell;
+- with ``--relay``: a bare relay (``benchmarks/relay_floor.py grpc``, gRPC only): a
+  grpc.aio server passing each call's bytes to Triton and the answer's bytes back, so its
+  added p50 is what one Python hop in the data path adds at c=1 (a server and a client
+  call, two more wake-ups), doing nothing else: the floor of the latency any relaying
+  frontend adds;
 - the frontend with ``--workers 1`` and ``--workers 2`` (batches to Triton over HTTP,
   ``triton.http_url``, as ``up`` sets it);
 - with ``--ref REF``: the same two from that commit (a git worktree of it), in the same
@@ -17,7 +22,7 @@ For each: p50/p99 latency, infer/s, and the p50 the frontend adds over direct (s
 protocol). Results: ``benchmarks/results/latency.json``.
 
     .venv/bin/python -m benchmarks.bench_latency [--interval-ms 3000] [--ref REF]
-        [--protocols grpc,http] [--repeat 1] [--echo]
+        [--protocols grpc,http] [--repeat 1] [--echo] [--relay]
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ def target(
         with echo_server() as echo:
             yield echo
         return
+    if name == "relay floor":
+        with echo_server(relay_to=tri.grpc_url) as relay:
+            yield relay
+        return
     workers = int(name.rsplit(" ", 1)[1])
     cfg = bench_config("fair") if source is None else ref_config(source)
     with frontend(cfg, tri.grpc_url, workers=workers, source=source, http_url=tri.http_url) as fe:
@@ -91,12 +100,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="rounds over every target")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--echo", action="store_true", help="also the bare grpc.aio floor")
+    parser.add_argument("--relay", action="store_true", help="also the bare relay's latency")
     args = parser.parse_args()
     iv = args.interval_ms
     protocols = args.protocols.split(",")
-    names = ["direct", *(["echo floor"] if args.echo else [])] + [
-        f"workers {w}" for w in args.workers.split(",")
-    ]
+    floors = [*(["echo floor"] if args.echo else []), *(["relay floor"] if args.relay else [])]
+    names = ["direct", *floors] + [f"workers {w}" for w in args.workers.split(",")]
     if args.ref:
         names += [f"{args.ref} workers {w}" for w in args.workers.split(",")]
     out: dict[str, Any] = {

@@ -8,6 +8,10 @@ random ids, no data file), as users run it, at concurrency 16 and 128, against:
 - a bare grpc.aio KServe server that answers without doing anything
   (``benchmarks/echo_server.py``): the CPU one call costs in grpc.aio itself, the floor
   of any shell;
+- a bare relay (``benchmarks/relay_floor.py grpc``): a grpc.aio server that passes each
+  call's bytes to Triton over grpc.aio and its answer's bytes back, decoding nothing: the
+  floor of a process that relays each call (a server and a client call per request),
+  below which no frontend that stays in the data path can go;
 - the frontend as it was before the transport split (``--baseline-ref``, one process,
   run from a git worktree of that commit), unless ``--no-baseline``;
 - the frontend with ``--workers 1`` (one process) and with shell processes (``--shells``,
@@ -154,7 +158,8 @@ def measure(
 
 @dataclass
 class EchoProcess:
-    """Quacks like ``FrontendProcess`` for ``measure``: the echo server's process."""
+    """Quacks like ``FrontendProcess`` for ``measure``: a floor's process (the echo
+    server's, the bare relay's)."""
 
     process: subprocess.Popen[bytes]
     grpc_port: int
@@ -165,16 +170,21 @@ class EchoProcess:
 
 
 @contextlib.contextmanager
-def echo_server() -> Iterator[EchoProcess]:
+def echo_server(relay_to: str | None = None) -> Iterator[EchoProcess]:
+    """The echo server, or with ``relay_to`` (a Triton's gRPC address) the bare relay."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.echo_server", str(port)])
+    cmd = [sys.executable, "-m", "benchmarks.echo_server", str(port)]
+    if relay_to is not None:
+        cmd = [sys.executable, "-m", "benchmarks.relay_floor", "grpc", "--port", str(port)]
+        cmd += ["--triton-grpc", relay_to]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
                 break
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the echo server did not start")
+                raise RuntimeError(f"{cmd[2]} did not start")
             time.sleep(0.05)
         yield EchoProcess(proc, port)
     finally:
@@ -190,6 +200,9 @@ def target(name: str, tri: Any, shells: int, ref: str | None) -> Iterator[Any]:
     elif name == "echo floor":
         with echo_server() as echo:
             yield echo
+    elif name == "relay floor":
+        with echo_server(relay_to=tri_url) as relay:
+            yield relay
     elif name == "before":
         assert ref is not None
         with (
@@ -214,7 +227,8 @@ def main() -> None:
     parser.add_argument("--model-config-name", default=None, help="e.g. gpu (on a GPU host)")
     args = parser.parse_args()
     iv = args.interval_ms
-    names = ["direct", "echo floor", *([] if args.no_baseline else ["before"]), "workers 1"]
+    names = ["direct", "echo floor", "relay floor", *([] if args.no_baseline else ["before"])]
+    names.append("workers 1")
     names.append(f"workers {args.shells}")
     out: dict[str, Any] = {"model": MODEL, "tokens": TOKENS, "interval_ms": iv, "runs": {}}
     out["baseline_ref"] = None if args.no_baseline else args.baseline_ref
@@ -285,9 +299,29 @@ def main() -> None:
     if "before" in out["runs"]:
         for cs in map(str, CONCURRENCY):
             before = out["runs"]["before"][cs]["cpu_us_per_request"]
-            for name in names[3:]:
+            for name in names[4:]:
                 now = out["runs"][name][cs]["cpu_us_per_request"]
                 print(f"CPU per request, before / {name}, c={cs}: {before / now:.2f}x")
+    # Each frontend's CPU per request over the two floors', at each concurrency.
+    floors = {"echo": out["runs"]["echo floor"], "relay": out["runs"]["relay floor"]}
+    out["over_floors"] = {}
+    for name, runs in out["runs"].items():
+        if name in ("direct", "echo floor", "relay floor"):
+            continue
+        for c, r in runs.items():
+            ratios = {
+                f"over_{floor}": r["cpu_us_per_request"] / f[c]["cpu_us_per_request"]
+                for floor, f in floors.items()
+            }
+            out["over_floors"].setdefault(name, {})[c] = ratios
+            print(
+                f"CPU per request, {name} / echo floor, c={c}: {ratios['over_echo']:.2f}x; "
+                f"/ relay floor: {ratios['over_relay']:.2f}x"
+            )
+    relay = floors["relay"]
+    for cs in map(str, CONCURRENCY):
+        echo = floors["echo"][cs]["cpu_us_per_request"]
+        print(f"relay floor / echo floor, c={cs}: {relay[cs]['cpu_us_per_request'] / echo:.2f}x")
     print(f"work conservation (two tenants, 8+8): fair/fifo {out['fair_over_fifo']:.3f}")
     write_result("throughput", out)
 

@@ -4,10 +4,13 @@ Each passes Triton's bytes through and decodes nothing, so the CPU it spends per
 token is what the transport alone costs (the event loop, the HTTP/2 or HTTP/1.1 framing,
 the syscalls), against which ``bench_relay`` puts the frontend's.
 
-- ``grpc``: a grpc.aio server with one method, ``ModelStreamInfer``, registered as a
-  generic handler without (de)serializers: for each incoming stream it opens one to
-  Triton and forwards every request message up and every response message down as raw
-  bytes.
+- ``grpc``: a grpc.aio server whose methods are registered as a generic handler without
+  (de)serializers: for each incoming ``ModelStreamInfer`` stream it opens one to Triton
+  and forwards every request message up and every response message down as raw bytes;
+  every unary method (``ModelInfer``, and the metadata, config and health calls
+  perf_analyzer makes first) is one call to Triton with the request's bytes, its answer's
+  bytes sent back (``bench_throughput``'s relay floor: what a process that relays each
+  unary call pays, without batching, admission or anything else).
 - ``http``: an aiohttp server answering ``POST /v2/models/{model}/generate_stream`` by
   posting the body to Triton's own ``/generate_stream`` and writing the response's chunks
   (server-sent events) back as they arrive.
@@ -29,6 +32,17 @@ import uvloop
 
 SERVICE = "inference.GRPCInferenceService"
 METHOD = f"/{SERVICE}/ModelStreamInfer"
+# The service's unary methods a KServe client calls (tritonclient, perf_analyzer).
+UNARY = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "ModelInfer",
+)
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
@@ -48,12 +62,29 @@ async def serve_grpc(port: int, triton: str) -> None:
         finally:
             call.cancel()  # the client went away first: end Triton's stream too
 
+    def unary(name: str) -> grpc.RpcMethodHandler:
+        call = channel.unary_unary(
+            f"/{SERVICE}/{name}", request_serializer=None, response_deserializer=None
+        )
+
+        async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                return await call(request)
+            except grpc.aio.AioRpcError as err:  # Triton's refusal, passed on as it is
+                await context.abort(err.code(), err.details() or "")
+                raise  # (abort raises)
+
+        return grpc.unary_unary_rpc_method_handler(
+            relay, request_deserializer=None, response_serializer=None
+        )
+
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=None, response_serializer=None
-            )
+            ),
+            **{name: unary(name) for name in UNARY},
         },
     )
     server = grpc.aio.server(options=UNLIMITED)
