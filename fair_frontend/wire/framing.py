@@ -164,7 +164,9 @@ class Framed(asyncio.Protocol):
             log.exception("undecodable frame from %s: closing the connection", self.peer)
             bad = True
         view.release()
-        if start and not bad:
+        if bad:
+            buf.clear()  # nothing of this link is read again
+        elif start:
             del buf[:start]
         # What came before a bad frame is taken first, as it would have been had the bad
         # one come in a later read: which records count must not hang on how TCP cut the
