@@ -167,6 +167,58 @@ def _nothing(value: Any) -> None:
     pass
 
 
+class TickTokens:
+    """Output tokens of granted streams not yet told to the core, as one tick's report
+    carries them (``records.Produced``; ``PRODUCED_TICK_S``): per stream, [who (its call
+    id on a shell process's link, the core's request in the core's process), tokens, its
+    first token's time (-1: not among them)]; per (tenant, model), the inter-token times
+    of them all, [their sum, their bins] (``bin_gaps``: no time per token is kept)."""
+
+    __slots__ = ("gaps", "streams")
+
+    def __init__(self) -> None:
+        self.streams: dict[int, list[Any]] = {}
+        self.gaps: dict[tuple[str, str], list[Any]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.streams or self.gaps)
+
+    def add(
+        self,
+        key: int,
+        who: Any,
+        kind: tuple[str, str],
+        tokens: int,
+        first_s: float,
+        gap_s: float,
+    ) -> None:
+        """``tokens`` a stream (``key``: a number for it, ``who``: what its report names;
+        ``kind``: its tenant and model) relayed in one response (``Inbox.produced``)."""
+        entry = self.streams.get(key)
+        if entry is None:
+            entry = self.streams[key] = [who, 0, -1.0]
+        entry[1] += tokens
+        if first_s >= 0:
+            entry[2] = first_s
+        if gap_s >= 0 and tokens > 0:
+            gaps = self.gaps.get(kind)
+            if gaps is None:
+                gaps = self.gaps[kind] = [0.0, {}]
+            gaps[0] += bin_gaps(gaps[1], tokens, gap_s)
+
+    def take(
+        self,
+    ) -> tuple[list[tuple[Any, int, float]], list[tuple[str, str, float, list[int]]]]:
+        """The tick's reports (who, tokens, first token's time) and inter-token times
+        (tenant, model, their sum, their bins as a record carries them); none kept."""
+        streams, self.streams = self.streams, {}
+        gaps, self.gaps = self.gaps, {}
+        return (
+            [(who, tokens, first) for who, tokens, first in streams.values()],
+            [(t, m, *gaps_of(total, bins)) for (t, m), (total, bins) in gaps.items()],
+        )
+
+
 def _no_tokens(tokens: int, first_token_s: float, gap_s: float) -> None:
     pass
 
@@ -307,10 +359,8 @@ class LocalLink:
         # Output tokens of granted streams not yet told to the core, as a shell process
         # keeps them (``SocketLink``): told within ``PRODUCED_TICK_S``, every stream's at
         # once (``Core.produced_all``: one charge per tenant and program a tick, not one
-        # per response). Per stream: [its request, tokens, first token's time (-1: not
-        # among them)]; per (tenant, model): the inter-token times' [sum, bins].
-        self._produced: dict[int, list[Any]] = {}
-        self._gaps: dict[tuple[str, str], list[Any]] = {}
+        # per response).
+        self._pending = TickTokens()
         self._tick: asyncio.TimerHandle | None = None
 
     def new_id(self) -> int:
@@ -378,36 +428,23 @@ class LocalLink:
         tick's end (``_told``), with every other stream's."""
         if self._tick is None:
             self._tick = asyncio.get_running_loop().call_later(PRODUCED_TICK_S, self._told)
-        entry = self._produced.get(id(req))
-        if entry is None:
-            entry = self._produced[id(req)] = [req, 0, -1.0]
-        entry[1] += tokens
-        if first_s >= 0:
-            entry[2] = first_s
-        if gap_s >= 0 and tokens > 0:
-            key = (req.tenant, req.call.request.model)
-            gaps = self._gaps.get(key)
-            if gaps is None:
-                gaps = self._gaps[key] = [0.0, {}]
-            gaps[0] += bin_gaps(gaps[1], tokens, gap_s)
+        self._pending.add(
+            id(req), req, (req.tenant, req.call.request.model), tokens, first_s, gap_s
+        )
 
     def _told(self) -> None:
         """The tick's tokens, to the core at once."""
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
-        produced, self._produced = self._produced, {}
-        gaps, self._gaps = self._gaps, {}
-        if produced or gaps:
-            self.core.produced_all(
-                [(req, tokens, first) for req, tokens, first in produced.values()],
-                [(t, m, *gaps_of(total, bins)) for (t, m), (total, bins) in gaps.items()],
-            )
+        reports, times = self._pending.take()
+        if reports or times:
+            self.core.produced_all(reports, times)
 
     def _ended(self, req: Any, version: str, fault: FrontendError | None, cancelled: bool) -> None:
         """A granted stream ended: the tokens not yet told go first (every stream's:
         the core's counts hold all a stream relayed once it has ended)."""
-        if self._produced or self._gaps:
+        if self._pending:
             self._told()
         self.core.stream_ended(req, version, fault, cancelled)
 

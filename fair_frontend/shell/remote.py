@@ -449,8 +449,9 @@ class RemoteLink(SocketLink):
         """To the core just connected: the streams this shell relays (their slots are
         held there until they end), then every call not yet answered, in arrival order."""
         for call_id, stream in self._streaming.items():
-            # Its tokens not yet told (``_produced``) go as ``Produced`` after this.
-            untold = self._produced.get(call_id, (0,))[0]
+            # Its tokens not yet told (``_pending``) go as ``Produced`` after this.
+            pending = self._pending.streams.get(call_id)
+            untold = pending[1] if pending is not None else 0
             told = stream.relayed - untold
             self.send(Running(stream.call, stream.backend, stream.limits_at, told))
         sent: set[int] = set()

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from fair_frontend.errors import FrontendError, Overloaded, Unavailable
 from fair_frontend.models import ModelInfo
-from fair_frontend.shell.link import Inbox, gone_before_answered
+from fair_frontend.shell.link import Inbox, TickTokens, gone_before_answered
 from fair_frontend.wire.framing import Framed, to_shell
 from fair_frontend.wire.records import (
     PRODUCED_TICK_S,
@@ -42,8 +42,6 @@ from fair_frontend.wire.records import (
     Stop,
     Tally,
     TallyEntry,
-    bin_gaps,
-    gaps_of,
 )
 
 log = logging.getLogger(__name__)
@@ -83,11 +81,8 @@ class SocketLink(Framed):
         self._room: dict[tuple[str, str], tuple[int, str]] = {}
         self._overloaded: dict[tuple[str, str], tuple[str, float]] = {}  # (model, tier)
         # Output tokens of granted streams not yet told to the core, per call: told
-        # within ``PRODUCED_TICK_S``, all calls' in one ``Produced``. Per stream since the
-        # last: [tokens, first token's time (-1: not among them)]; and the inter-token
-        # times of them all per (tenant, model): [their sum, their bins (``bin_gaps``)].
-        self._produced: dict[int, list[Any]] = {}
-        self._gaps: dict[tuple[str, str], list[Any]] = {}
+        # within ``PRODUCED_TICK_S``, all calls' in one ``Produced``.
+        self._pending = TickTokens()
         self.accepting = True
         self.on_rows: RowsTaker | None = None  # who sends granted rows (the gateway)
 
@@ -158,27 +153,13 @@ class SocketLink(Framed):
         to the core within ``PRODUCED_TICK_S``, with every other stream's (one
         ``Produced`` per tick); the time since its last response binned here, with every
         other stream's of its tenant and model (no time per token crosses the link)."""
-        produced = self._produced
-        if not produced:
+        if not self._pending.streams:
             asyncio.get_running_loop().call_later(PRODUCED_TICK_S, self._send_produced)
-        entry = produced.get(call_id)
-        if entry is None:
-            entry = produced[call_id] = [0, -1.0]
-        entry[0] += tokens
-        if first_s >= 0:
-            entry[1] = first_s
-        if gap_s >= 0 and tokens > 0:
-            gaps = self._gaps.get(key)
-            if gaps is None:
-                gaps = self._gaps[key] = [0.0, {}]
-            gaps[0] += bin_gaps(gaps[1], tokens, gap_s)
+        self._pending.add(call_id, call_id, key, tokens, first_s, gap_s)
 
     def _send_produced(self) -> None:
-        produced, self._produced = self._produced, {}
-        gaps, self._gaps = self._gaps, {}
-        if (produced or gaps) and not self.closed:
-            entries = [(call_id, tokens, first) for call_id, (tokens, first) in produced.items()]
-            times = [(t, m, *gaps_of(total, bins)) for (t, m), (total, bins) in gaps.items()]
+        entries, times = self._pending.take()
+        if (entries or times) and not self.closed:
             super().send(Produced(entries, times))
 
     def _ended(
@@ -194,9 +175,9 @@ class SocketLink(Framed):
         again = gone_before_answered(fault)
         if (self._inboxes.get(call_id) if again else self._inboxes.pop(call_id, None)) is None:
             return
-        entry = self._produced.pop(call_id, None)
+        entry = self._pending.streams.pop(call_id, None)
         if entry is not None:
-            super().send(Produced([(call_id, *entry)]))
+            super().send(Produced([tuple(entry)]))
         sent = Fault.of(fault) if fault is not None else None
         super().send(Ended(call_id, version, sent, cancelled))
 
