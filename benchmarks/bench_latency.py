@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_throughput import KEYS, MODEL, TOKENS, EchoProcess, bench_config, echo_server
+from benchmarks.bench_throughput import KEYS, MODEL, TOKENS, EchoProcess, bench_config, floor_server
 from benchmarks.harness import (
     FrontendProcess,
     baseline_checkout,
@@ -79,11 +79,11 @@ def target(
         yield None
         return
     if name == "echo floor":
-        with echo_server() as echo:
+        with floor_server() as echo:
             yield echo
         return
     if name == "relay floor":
-        with echo_server(relay_to=tri.grpc_url) as relay:
+        with floor_server(relay_to=tri.grpc_url) as relay:
             yield relay
         return
     workers = int(name.rsplit(" ", 1)[1])

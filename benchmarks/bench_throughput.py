@@ -170,8 +170,9 @@ class EchoProcess:
 
 
 @contextlib.contextmanager
-def echo_server(relay_to: str | None = None) -> Iterator[EchoProcess]:
-    """The echo server, or with ``relay_to`` (a Triton's gRPC address) the bare relay."""
+def floor_server(relay_to: str | None = None) -> Iterator[EchoProcess]:
+    """A floor's process: the echo server, or with ``relay_to`` (a Triton's gRPC address)
+    the bare relay."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.echo_server", str(port)]
     if relay_to is not None:
@@ -198,10 +199,10 @@ def target(name: str, tri: Any, shells: int, ref: str | None) -> Iterator[Any]:
     if name == "direct":
         yield None
     elif name == "echo floor":
-        with echo_server() as echo:
+        with floor_server() as echo:
             yield echo
     elif name == "relay floor":
-        with echo_server(relay_to=tri_url) as relay:
+        with floor_server(relay_to=tri_url) as relay:
             yield relay
     elif name == "before":
         assert ref is not None
