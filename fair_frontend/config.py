@@ -243,9 +243,11 @@ class Endpoint(_Strict):
     quantum: float | None = Field(
         default=None,
         gt=0,
-        description="DRR budget per turn, in cost units, before weight. Unset: one request for "
+        description="DRR budget per round, in cost units, before weight. Unset: one request for "
         "request-cost endpoints, a full batch for token-cost endpoints: max_batch_tokens, or "
-        "without it max_batch_size rows of the mean tokens per row seen so far.",
+        "without it max_batch_size rows of the mean tokens per row seen so far. Backlogged "
+        "tenants take a round's budget in turns, a slice at a time (about weight requests a "
+        "visit): every batch holds each one's share by weight.",
     )
     max_queue_delay_ms: float = Field(
         default=0.0,

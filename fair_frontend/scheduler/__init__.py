@@ -45,15 +45,28 @@ shares below it, and its latency rises accordingly. Off (empty) by default.
 
 Deficit round robin
 ===================
-Each tier has an active list of its tenants with queued work, in round order, and each
-tenant f a budget (deficit) D_f. Tenant f's grant is Q_f = quantum * weight_f. When f's
-turn starts, D_f += Q_f; f then sends its head requests while the head's cost <= D_f,
-each paid from D_f; when the head costs more than what is left, the turn ends and f goes
-to the back of the list, keeping D_f. When f's queue empties (dispatch, expiry or
-cancellation) f leaves the list and D_f = min(D_f, 0): an idle tenant saves nothing up,
-but a debt stays owed. A tenant that (re)joins is appended at the back with that D_f (0
-unless it owes). The state (list, current turn, deficits) lives in ``DrrState``, one per
-tier; ``DeficitRoundRobin`` is stateless.
+Each tier runs in rounds over its tenants with queued work, and each tenant f has a
+budget (deficit) D_f. Tenant f's grant is Q_f = quantum * weight_f. Every round grants
+each of its tenants Q_f once, at f's first visit in the round (D_f += Q_f); within the
+round the tenants take turns (visits), and in a visit f sends its head requests, each paid
+from D_f, while the head's cost <= D_f and the visit's slice lasts: about ``weight_f``
+requests like its head (at least one), or ``weight_f`` of the quantum's ``visits`` slices
+where a slice is more (``visits``: a batch's rows, ``max_batch_size``). Then the next
+tenant's visit. When f's head costs more than what is left, f is done with the round,
+keeping D_f; the round ends when every tenant of it is done, and the next round visits
+them in the order they were done. A model that does not batch has one slice: a visit
+lasts until the head does not fit, the classic turn of deficit round robin. When f's
+queue empties (dispatch, expiry or cancellation) f leaves and D_f = min(D_f, 0): an idle
+tenant saves nothing up, but a debt stays owed. A tenant that (re)joins waits for the
+next round with that D_f (0 unless it owes). The state (the round's lists, the current
+visit, deficits) lives in ``DrrState``, one per tier; ``DeficitRoundRobin`` is stateless.
+
+Why visits: with a quantum of a full batch and whole-quantum turns, each batch is one
+tenant's whenever turns and batches line up, so two backlogged tenants' service moves in
+steps of a batch (over a window of a second, half a batch apart on average: 0.027 of the
+throughput in ``bench_fairness_time``). Taken a slice at a time, every batch holds each
+backlogged tenant's share by weight, and the round's quantum still pays for a request up
+to a full batch's cost without saving over several rounds.
 
 Charge-backs. A request's cost may be corrected after it was sent (``charge_back``: the
 output tokens of a token-cost endpoint, counted as they come): D_f -= the correction,
@@ -66,68 +79,76 @@ one that stayed backlogged does: no way of sending forgives it.
 Invariants, for a tenant f of one tier:
 
 (I1) D_f >= 0: a request is sent only if its cost fits in D_f.
-(I2) Between its turns D_f < cost of f's head <= C_f, where C_f is the largest cost of a
-     request f has queued (the turn ended because the head did not fit). During its turn
-     D_f < C_f + Q_f.
-(I3) Turns go round the list in a fixed cyclic order, and at most one tenant of a tier is
-     in the middle of its turn (``DrrState.current``, always the list's head).
-(I4) Batch boundaries are invisible: a batch that ends in the middle of a turn leaves the
-     state alone, and the next batch continues that same turn with the remaining
+(I2) Once f is done with a round, and until its next grant, D_f < cost of f's head <=
+     C_f, where C_f is the largest cost of a request f has queued. Between its grant and
+     the end of its round D_f < C_f + Q_f.
+(I3) A round grants each of its tenants exactly once and ends only when each is done (or
+     left), so two tenants backlogged through rounds r..r' are granted once in each; at
+     most one visit of a tier is in progress (``DrrState.current``, the head of the
+     round's list).
+(I4) Batch boundaries are invisible: a batch that ends in the middle of a visit leaves the
+     state alone, and the next batch continues that same visit with the remaining
      deficit (no second quantum, no skipped tenant). Tier switches between two picks
      leave a tier's state alone as well. So a tier's sequence of DRR decisions is the
      same as if every batch were one endless batch, and the bounds below hold at every
-     single dispatch, not only at batch or turn ends.
+     single dispatch, not only at batch or round ends.
 
-Fairness bound. Over an interval (t1, t] let g_f be the number of turns f started,
+Fairness bound. Over an interval (t1, t] let g_f be the number of grants f received,
 S_f the cost it was sent. Every unit granted is either sent or still in D_f, so
 S_f = g_f * Q_f + D_f(t1) - D_f(t), and, dividing by the weight w_f,
 
     S_f / w_f = g_f * q + (D_f(t1) - D_f(t)) / w_f.
 
 Theorem A (common start). Let tenants A and B of one tier (weights a, b) be
-continuously backlogged during (t1, t], both with D = 0 and neither in its turn at t1
-(for example: both join an idle tier). Then after every dispatch
+continuously backlogged during (t1, t], both with D = 0 and neither granted in the
+current round at t1 (for example: both join an idle tier). Then after every dispatch
 
     |S_A / a - S_B / b| < q + max(C_A / a, C_B / b).
 
-Proof. Say A comes before B in the cycle; then g_A - g_B is 0 or 1 (I3).
-If g_A = g_B + 1, B is between turns, so 0 <= D_B/b < C_B/b, while 0 <= D_A/a < C_A/a + q:
-the difference q - D_A/a + D_B/b lies in (-C_A/a, q + C_B/b). If g_A = g_B, A's last
-turn ended before B's started, so D_A/a < C_A/a, while D_B/b < C_B/b + q: the
-difference -D_A/a + D_B/b lies in (-C_A/a, q + C_B/b). QED. With weights 1 and one
+Proof. By (I3) g_A - g_B is -1, 0 or 1. If g_A = g_B + 1, A was granted in the current
+round and B not yet, so B is done with the round before: 0 <= D_B/b < C_B/b, while
+0 <= D_A/a < C_A/a + q (I2): the difference q - D_A/a + D_B/b lies in (-C_A/a, q +
+C_B/b); symmetrically for g_B = g_A + 1. If g_A = g_B, both D lie in [0, C/w + q): the
+difference -D_A/a + D_B/b lies in (-(C_A/a + q), C_B/b + q). QED. With weights 1 and one
 largest cost C this is the classic |S_A - S_B| < quantum + C.
 
 Theorem B (any start). Let t1 be the moment the later of the two, A, joined (its queue
-went from empty to non-empty); B may then be in its turn holding up to C_B + Q_B unspent.
-Then, after every dispatch while both stay backlogged,
+went from empty to non-empty); B may then hold up to C_B + Q_B unspent of a grant it had
+in the current round. Then, after every dispatch while both stay backlogged,
 
-    -(q + C_A/a + C_B/b) < S_A/a - S_B/b < q + C_B/b,
-    so |S_A/a - S_B/b| < q + C_A/a + C_B/b.
+    -(2q + C_A/a + C_B/b) < S_A/a - S_B/b < q + C_B/b.
 
-Proof. D_A(t1) = 0 and A is at the back. If B is in its turn at t1, the next turns go
-A, B, A, B, ... so g_A - g_B is 0 or 1; otherwise B comes first and g_B - g_A is 0 or 1.
-In the four cases bound D_A(t)/a and D_B(t)/b by (I1), (I2) (the one whose turn started
-last may be in it; the other is between turns) and D_B(t1)/b < C_B/b + q. The extremes:
-B spends a full leftover plus a quantum just after A joins, while A's first turns go into
-saving for an expensive head. The extra C_A/a + q against theorem A is that transient and
-does not grow with time. The property tests check theorem B on random interleavings of
-enqueue, batches, expiry and cancellation, and theorem A on common starts.
+Proof. A joins the next round's list. If B was done with the current round at t1 it is
+ahead of A in that list, and g_B - g_A is 0 or 1 from then on, with D_B(t1)/b < C_B/b;
+if B had not yet been granted in it, B's grant comes after t1 and again g_B - g_A is 0
+or 1, D_B(t1)/b < C_B/b; if B had been granted in it, B is done with it after A joined,
+so A comes first in every later round and g_A - g_B is 0 or 1, with D_B(t1)/b < C_B/b +
+q. In each case bound D_A(t)/a and D_B(t)/b by (I1), (I2): the upper bound is q + C_B/b
+throughout, the lower -(q + C_A/a + C_B/b) but in the last case with g_A = g_B, where A
+may be in the middle of its round (up to C_A/a + q unspent) while B has spent both its
+leftover and its grant: -(2q + C_A/a + C_B/b). An example: q = 100, B's requests cost
+50, A's 1, visits of 12.5; B granted and holding 149 when A joins sends 100 in its round,
+then, in the next, 50 a visit against A's 12: 200 against A's 24. The classic turn (one
+visit a round) keeps the tighter -(q + C_A/a + C_B/b): A is then never in its turn while
+B is. The extra quantum is that transient and does not grow with time. The property tests
+check theorem B on random interleavings of enqueue, batches, expiry and cancellation, and
+theorem A on common starts.
 
 Requests that cost more than a grant. A head of cost c > Q_f is still served: f saves
-D_f over ceil(c / Q_f) turns (I2 keeps the leftover). Consequences: that request waits
+D_f over ceil(c / Q_f) rounds (I2 keeps the leftover). Consequences: that request waits
 that many rounds, and the requests behind it in f's own queue wait with it (the order
 inside a tenant is strict); the long-run share of f is unchanged (the bound holds with
 C_f = c, so one expensive request widens the short-term imbalance by its cost). The
 defaults keep this rare: quantum = 1 row on request-cost endpoints (a multi-row request
-saves for as many turns as it has rows), a full batch of tokens on token-cost endpoints.
+saves for as many rounds as it has rows), a full batch of tokens on token-cost endpoints.
 
-Round jumps. If every tenant of a tier is saving (each started a fresh turn and none
-could send), the next k - 1 rounds, where k is the fewest further turns any of them
-needs, would send nothing. Instead of walking them, ``DrrState.jumps`` += k - 1 and each
-tenant adds the skipped grants, (jumps - seen) * Q_f, lazily at its next turn (or when
-``deficits()`` is read). That is exactly the state the empty rounds would have produced
-(all tenants between turns, deficits grown in cyclic order), so (I1)-(I4) and the bounds
-are unchanged; k is rounded down on float doubt, which can only cost an extra pass.
+Round jumps. If a round ends with nothing sent (every tenant of it is saving), the next
+k - 1 rounds, where k is the fewest further grants any of them needs, would send nothing
+either. Instead of walking them, ``DrrState.jumps`` += k - 1 and each tenant adds the
+skipped grants, (jumps - seen) * Q_f, lazily at its next grant (or when ``deficits()`` is
+read). That is exactly the state the empty rounds would have produced (every tenant done
+with each, deficits grown once a round), so (I1)-(I4) and the bounds are unchanged; k is
+rounded down on float doubt, which can only cost an extra pass.
 
 Batches
 =======
@@ -167,9 +188,9 @@ n = a tenant's queued requests, d = queued requests with a deadline, T = tiers,
 L = priority levels. ``enqueue``: O(log n) for the tenant's heap, plus O(1) for a
 deadline pushed in deadline order (one timeout for all: a deque) or O(log d) out of
 order (a heap). Each dispatch decision: O(T) to choose the tier, O(1) amortised for DRR
-when turns can send (grant >= typical cost; each turn costs O(1) and sends or ends),
-O(log n) to pop; never a scan over tenants: the active list rotates as a deque. A tier
-where every tenant is saving costs one pass over its tenants, then a round jump.
+when visits can send (grant >= typical cost; each visit costs O(1) and sends or ends),
+O(log n) to pop; never a scan over tenants: the round's list rotates as a deque. A round
+in which every tenant is saving costs one pass over its tenants, then a round jump.
 ``expire``/``cancel``: O(1) amortised plus the lazy pops. ``backlog_ahead``: O(T + L)
 from aggregates, plus O(programs with queued work) of the tenant's where it keeps
 programs apart and the request names its program. Memory: the request (slots), a

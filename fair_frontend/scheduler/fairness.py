@@ -6,6 +6,7 @@ The algorithm, its fairness bound and its cost are derived in the package docstr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -98,64 +99,101 @@ class FairnessPolicy(Protocol[S]):
 class _Turn:
     """One tenant's DRR record in one tier's state."""
 
-    __slots__ = ("deficit", "entries", "grant", "listed", "queue", "seen_jumps", "weight")
+    __slots__ = (
+        "budget",
+        "deficit",
+        "entries",
+        "grant",
+        "listed",
+        "queue",
+        "round",
+        "seen_jumps",
+        "spent",
+        "weight",
+    )
 
     def __init__(self, queue: TenantQueue) -> None:
         self.queue = queue
         self.weight = queue.weight  # fixed while listed
-        self.grant = 0.0  # quantum * weight, as of its latest turn
+        self.grant = 0.0  # quantum * weight, as of its latest grant
         self.deficit = 0.0  # excludes round jumps after seen_jumps (see effective())
         self.seen_jumps = 0
-        self.listed = False  # has queued work, so is in the active list
-        self.entries = 0  # entries in the active deque: only the last one is live
+        self.round = -1  # the round of its latest grant
+        self.spent = 0.0  # sent in its current visit
+        self.budget = 0.0  # what its current visit may send before it passes the turn on
+        self.listed = False  # has queued work, so is in a round list
+        self.entries = 0  # entries in the round lists: only the last one is live
 
     def effective(self, jumps: int) -> float:
         return self.deficit + (jumps - self.seen_jumps) * self.grant
 
 
 class DrrState:
-    """One tier's deficit round robin: the active list, the current turn, the deficits.
+    """One tier's deficit round robin: the round's lists, the current visit, the deficits.
 
-    ``active`` holds one live entry per listed tenant in round order, plus stale entries
-    of tenants that left while not at the head (skipped and dropped when reached).
-    ``current`` is the tenant whose turn is in progress; it is always ``active[0]``.
-    ``jumps`` counts the empty rounds skipped at once (package docstring, "Round jumps").
+    ``active`` holds, in visit order, the listed tenants that may still send in this
+    round; ``later`` those done with it (their head did not fit what was left) and those
+    that joined during it, in that order: the next round's list. Both may hold stale
+    entries of tenants that left (skipped and dropped when reached). ``current`` is the
+    tenant whose visit is in progress; it is always ``active[0]``. ``jumps`` counts the
+    empty rounds skipped at once (package docstring, "Round jumps"); ``sent``: whether
+    anything was sent in this round.
     """
 
-    __slots__ = ("active", "count", "current", "jumps", "resumed", "turns")
+    __slots__ = (
+        "active",
+        "count",
+        "current",
+        "jumps",
+        "later",
+        "resumed",
+        "round",
+        "sent",
+        "turns",
+    )
 
     def __init__(self) -> None:
         self.turns: dict[str, _Turn] = {}
         self.active: deque[_Turn] = deque()
+        self.later: deque[_Turn] = deque()
         self.current: _Turn | None = None
         self.count = 0  # listed tenants
         self.jumps = 0
+        self.round = 0
+        self.sent = False
         # Deficits of a failed-over leader's backlogged tenants, restored as each joins
         # again and kept as each leaves (``snapshot``), until the scheduler forgets them.
         self.resumed: dict[str, float] = {}
 
 
 class DeficitRoundRobin(FairnessPolicy[DrrState]):
-    """Deficit round robin with weights: each turn adds ``quantum * weight`` to a budget.
+    """Deficit round robin with weights, interleaved: each round adds ``quantum * weight``
+    to every backlogged tenant's budget, and the tenants take turns within the round a
+    slice at a time (``visits`` slices a round: a batch's rows), until none can afford
+    its head (package docstring, "Deficit round robin").
 
     ``quantum`` may be changed between picks (a learned full batch, ``Scheduler``): each
-    turn is granted the quantum of the moment it starts; the bounds then hold with ``q``
-    the largest quantum granted over the interval.
+    grant is the quantum of the moment it is made; the bounds then hold with ``q`` the
+    largest quantum granted over the interval.
     """
 
-    __slots__ = ("_quantum",)
+    __slots__ = ("_quantum", "_visits")
 
     gauge = "fair_drr_deficit"
 
-    def __init__(self, quantum: float) -> None:
+    def __init__(self, quantum: float, visits: int = 1) -> None:
         if not (quantum > 0 and math.isfinite(quantum)):
             raise ValueError(f"quantum must be a positive number, not {quantum}")
+        if visits < 1:
+            raise ValueError(f"visits must be at least 1, not {visits}")
         self._quantum = quantum
+        self._visits = visits
 
     @classmethod
     def of(cls, policy: EndpointPolicy) -> DeficitRoundRobin:
-        """For an endpoint: its quantum (one cost unit until one is learned, if unset)."""
-        return cls(policy.quantum or 1.0)
+        """For an endpoint: its quantum (one cost unit until one is learned, if unset), in
+        as many slices as a batch has rows (one, whole, where it does not batch)."""
+        return cls(policy.quantum or 1.0, max(1, policy.max_batch_size))
 
     @property
     def quantum(self) -> float:
@@ -180,7 +218,7 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
         turn.seen_jumps = state.jumps  # no credit for rounds skipped before it joined
         turn.listed = True
         turn.entries += 1
-        state.active.append(turn)  # at the back: it waits for a full round
+        state.later.append(turn)  # it waits for the next round
         state.count += 1
 
     def leave(self, state: DrrState, queue: TenantQueue) -> None:
@@ -201,58 +239,89 @@ class DeficitRoundRobin(FairnessPolicy[DrrState]):
             state.current = None
             state.active.popleft()
             turn.entries -= 1
-        # Otherwise its entry stays in the deque, stale, until the rotation reaches it.
+        # Otherwise its entry stays in its list, stale, until the rotation reaches it.
 
     def pick(self, state: DrrState) -> TenantQueue | None:
         active = state.active
-        misses = 0  # consecutive fresh turns that could not afford their head
-        fewest = 0  # fewest further rounds any of them needs
         while True:
             turn = state.current
-            fresh = turn is None
-            if turn is None:
-                if not state.count:
-                    return None
-                turn = active[0]
-                if turn.entries > 1 or not turn.listed:
-                    active.popleft()  # stale: the tenant left (and maybe rejoined behind)
-                    turn.entries -= 1
-                    continue
-                # A new turn: one quantum, plus any skipped rounds it has not seen (at
-                # the quantum of now, which a learned quantum may have moved).
+            if turn is not None:  # a visit in progress
+                head = turn.queue.head()
+                if head is None:
+                    raise AssertionError(f"tenant {turn.queue.tenant!r} is listed with no work")
+                if head.cost > turn.deficit:
+                    # Done with this round: it keeps what is left for the next.
+                    active.popleft()
+                    state.later.append(turn)
+                elif turn.spent and turn.spent + head.cost > turn.budget:
+                    active.rotate(-1)  # its slice is spent: the next tenant's visit
+                else:
+                    return turn.queue
+                state.current = None
+            if not state.count:
+                return None
+            if not active:
+                self._next_round(state)
+                active = state.active
+                continue
+            turn = active[0]
+            if turn.entries > 1 or not turn.listed:
+                active.popleft()  # stale: the tenant left (and maybe rejoined behind)
+                turn.entries -= 1
+                continue
+            if turn.round < state.round:
+                # Its grant for this round: one quantum, plus any skipped rounds it has
+                # not seen (at the quantum of now, which a learned quantum may have moved).
                 turn.grant = self._quantum * turn.weight
                 turn.deficit += (state.jumps - turn.seen_jumps + 1) * turn.grant
                 turn.seen_jumps = state.jumps
-                state.current = turn
+                turn.round = state.round
             head = turn.queue.head()
             if head is None:
                 raise AssertionError(f"tenant {turn.queue.tenant!r} is listed with no work")
-            if head.cost <= turn.deficit:
-                return turn.queue
-            # The turn ends; the tenant keeps what is left and goes to the back.
-            state.current = None
-            active.rotate(-1)
-            if not fresh:
-                continue  # a continued turn is not part of a full pass of fresh turns
-            needs = math.ceil((head.cost - turn.deficit) / turn.grant * (1 - _ROUND_EPSILON))
-            needs = max(needs, 1)
-            fewest = needs if misses == 0 else min(fewest, needs)
-            misses += 1
-            if misses >= state.count:
-                # Every listed tenant had a fresh turn and none could send: the next
-                # fewest - 1 rounds would all be empty too. Skip them at once.
-                state.jumps += fewest - 1
-                misses = 0
+            if head.cost > turn.deficit:
+                active.popleft()  # saving: done with this round at once
+                state.later.append(turn)
+                continue
+            # A new visit: about ``weight`` requests like its head (at least this one), or
+            # ``weight`` of the ``visits`` slices of a quantum where a slice is more.
+            turn.spent = 0.0
+            if self._visits > 1:
+                turn.budget = turn.weight * max(self._quantum / self._visits, head.cost)
+            else:
+                turn.budget = math.inf  # one visit a round: the classic turn
+            state.current = turn
+            return turn.queue
+
+    def _next_round(self, state: DrrState) -> None:
+        """The round is over: every listed tenant is in ``later``. If nobody sent in it,
+        the next rounds up to the first in which someone can afford its head would be
+        empty too: skipped at once (package docstring, "Round jumps")."""
+        if not state.sent:
+            fewest = math.inf
+            for turn in state.later:
+                if turn.listed:
+                    head = turn.queue.head()
+                    assert head is not None
+                    short = (head.cost - turn.effective(state.jumps)) / turn.grant
+                    fewest = min(fewest, math.ceil(short * (1 - _ROUND_EPSILON)))
+            if math.isfinite(fewest):
+                state.jumps += max(int(fewest), 1) - 1
+        state.active, state.later = state.later, state.active
+        state.round += 1
+        state.sent = False
 
     def charge(self, state: DrrState, queue: TenantQueue, cost: float) -> None:
         turn = state.current
         assert turn is not None and turn.queue is queue, "charge follows pick"
         turn.deficit -= cost
+        turn.spent += cost
+        state.sent = True
 
     def ranked(self, state: DrrState) -> Iterator[TenantQueue]:
-        """Round order from the current turn: the listed tenants, each once."""
+        """Visit order from the current visit: the listed tenants, each once."""
         seen: set[str] = set()
-        for turn in state.active:
+        for turn in itertools.chain(state.active, state.later):
             tenant = turn.queue.tenant
             if turn.listed and tenant not in seen:
                 seen.add(tenant)

@@ -6,7 +6,7 @@ the tenant it took from would never get it back. The state that carries that deb
 small and relative:
 
 * deficit round robin (``DrrState``): each backlogged tenant's deficit (its budget
-  carried between turns, below 0 while a charge-back is being paid off);
+  carried between rounds, below 0 while a charge-back is being paid off);
 * virtual token counters (``VtcState``): every tenant's counter and weight, and the
   floor a joining tenant is lifted to.
 
@@ -32,7 +32,7 @@ each backlogged tenant's, decayed to the export, restored to a program when it f
 queues again at the new leader within ``keep_s``.
 
 The round order of DRR is not carried (it is rebuilt by the joins); a tenant restored in
-the middle of its turn may therefore hold one quantum more than (I2) allows, once: the
+the middle of its round may therefore hold one quantum more than (I2) allows, once: the
 bounds of the package docstring widen by ``q`` across a failover, never more.
 """
 

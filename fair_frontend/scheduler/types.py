@@ -150,7 +150,7 @@ class EndpointPolicy:
     cost: CostUnit
     max_batch_size: int  # rows per batch; 0: the model does not batch (one request each)
     max_batch_tokens: int | None  # tokens per batch; None: no token cap
-    quantum: float | None  # DRR budget per turn before weight; None: a full batch, learned
+    quantum: float | None  # DRR budget per round before weight; None: a full batch, learned
     tiers: tuple[str, ...]  # highest first
     tier_min_share: Mapping[str, float] = field(default_factory=dict)  # empty: guard off
     share_window_rows: int = DEFAULT_TIER_SHARE_WINDOW_ROWS

@@ -129,8 +129,10 @@ def test_drr_with_token_cost() -> None:
         s.enqueue(make_request("a", tokens=30, tag=f"a{i}"), 0.0)
     for i in range(2):
         s.enqueue(make_request("b", tokens=60, tag=f"b{i}"), 0.0)
-    # a: 100 -> a0 a1 a2, 10 left. b: 100 -> b0, 40 left. a: 110 -> a3. b: 140 -> b1.
-    assert drain(s) == [["a0", "a1", "a2", "b0", "a3", "b1"]]
+    # Round 1, a request a visit: a 100 -> a0 (70), b 100 -> b0 (40), a -> a1 (40); b's
+    # b1 does not fit: done; a -> a2 (10), a3 does not fit: done. Round 2 (b, a): b 140 ->
+    # b1, a 110 -> a3.
+    assert drain(s) == [["a0", "b0", "a1", "a2", "b1", "a3"]]
     assert s.counters == Counters(admitted=6, dispatched=6, expired=0, cancelled=0)
 
 
@@ -196,14 +198,41 @@ def test_a_tenant_whose_queue_empties_between_requests_gets_its_share_of_their_c
 
 
 def test_turn_continues_across_a_batch_boundary() -> None:
+    # A model that does not batch: one visit a round, the classic turn of a quantum.
+    s = make_scheduler(PAID2, quantum=3.0, max_batch_size=0)
+    for i in range(1, 6):
+        s.enqueue(make_request("a", tag=f"a{i}"), 0.0)
+        s.enqueue(make_request("b", tag=f"b{i}"), 0.0)
+    assert tags(s.next_batch(1.0)) == ["a1"]
+    assert s.deficits() == {"a": 2.0, "b": 0.0}  # mid-turn: no second quantum next batch
+    assert drain(s, 1.0) == [["a2"], ["a3"], ["b1"], ["b2"], ["b3"], ["a4"], ["a5"], ["b4"], ["b5"]]
+
+
+def test_round_continues_across_a_batch_boundary() -> None:
+    # Batches of 2 rows: the round's quantum of 3 is taken a slice (one request) a visit.
     s = make_scheduler(PAID2, quantum=3.0, max_batch_size=2)
     for i in range(1, 6):
         s.enqueue(make_request("a", tag=f"a{i}"), 0.0)
         s.enqueue(make_request("b", tag=f"b{i}"), 0.0)
-    assert tags(s.next_batch(1.0)) == ["a1", "a2"]
-    assert s.deficits() == {"a": 1.0, "b": 0.0}  # mid-turn: no second quantum next batch
-    assert tags(s.next_batch(1.0)) == ["a3", "b1"]
-    assert drain(s, 1.0) == [["b2", "b3"], ["a4", "a5"], ["b4", "b5"]]
+    assert tags(s.next_batch(1.0)) == ["a1", "b1"]
+    assert s.deficits() == {"a": 2.0, "b": 2.0}  # mid-round: no second quantum next batch
+    assert tags(s.next_batch(1.0)) == ["a2", "b2"]
+    assert drain(s, 1.0) == [["a3", "b3"], ["a4", "b4"], ["a5", "b5"]]
+
+
+def test_a_full_batch_quantum_shares_every_batch_by_weight() -> None:
+    # A round's quantum is a full batch, but the tenants take it in turns within the
+    # round: while both are backlogged every batch holds each one's share, whatever the
+    # phase of rounds against batches (with whole-quantum turns, batches of one tenant).
+    tenants = {"a": TenantSpec("paid", weight=2.0), "b": "paid"}
+    s = make_scheduler(tenants, cost=CostUnit.TOKENS, quantum=3072.0, max_batch_size=6)
+    for i in range(40):
+        s.enqueue(make_request("a", tokens=512, tag=f"a{i}"), 0.0)
+        s.enqueue(make_request("b", tokens=512, tag=f"b{i}"), 0.0)
+    for _ in range(5):
+        batch = s.next_batch(1.0)
+        assert len(batch) == 6
+        assert [r.tenant for r in batch].count("a") == 4, tags(batch)
 
 
 def test_a_request_larger_than_many_quanta_is_served_in_one_jump() -> None:
@@ -262,9 +291,9 @@ def test_shape_key_ends_the_batch_and_the_tenant_keeps_its_turn() -> None:
         s.enqueue(make_request("a", shape=shape, tag=f"a{i}"), 0.0)
     for i in range(2):
         s.enqueue(make_request("b", shape=0, tag=f"b{i}"), 0.0)
-    assert tags(s.next_batch(1.0)) == ["a0"]
-    assert s.deficits() == {"a": 1.0, "b": 0.0}  # a1 waits first in line, a's turn goes on
-    assert drain(s, 1.0) == [["a1"], ["b0", "b1"], ["a2"]]
+    assert tags(s.next_batch(1.0)) == ["a0", "b0"]
+    assert s.deficits() == {"a": 1.0, "b": 1.0}  # a1 waits first in line, a's visit goes on
+    assert drain(s, 1.0) == [["a1"], ["b1"], ["a2"]]
 
 
 def test_max_batch_size_zero_sends_one_request_per_batch() -> None:
@@ -686,7 +715,8 @@ def test_policy_from_config() -> None:
 
 def test_token_cost_without_a_token_cap_grants_a_full_batch_of_tokens_per_turn() -> None:
     """The quantum is max_batch_size rows of the mean tokens per row (learned), not
-    max_batch_size read as tokens: a turn sends a full batch of one tenant's rows."""
+    max_batch_size read as tokens: a round grants each tenant a full batch of its rows,
+    which the tenants take a row at a time."""
     s = make_scheduler(
         {"a": "paid", "b": "paid"}, cost=CostUnit.TOKENS, max_batch_size=4, quantum=None
     )
@@ -695,5 +725,5 @@ def test_token_cost_without_a_token_cap_grants_a_full_batch_of_tokens_per_turn()
             s.enqueue(make_request(tenant, tokens=100, tag=f"{tenant}{i}"), 0.0)
     assert s.quantum == 400
     batches = drain(s)
-    assert batches[0] == ["a0", "a1", "a2", "a3"]
-    assert batches[1] == ["b0", "b1", "b2", "b3"]
+    assert batches[0] == ["a0", "b0", "a1", "b1"]
+    assert batches[1] == ["a2", "b2", "a3", "b3"]
