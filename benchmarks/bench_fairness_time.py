@@ -114,16 +114,17 @@ TARGETS: dict[str, tuple[str, str, int | None, dict[str, Any], bool]] = {
 
 
 def bench_config(
-    mode: str, overrides: dict[str, Any], source: Path | None = None
+    mode: str, overrides: dict[str, Any], source: Path | None = None, padded: bool = False
 ) -> dict[str, Any]:
     cfg = load_example_config(source)
     cfg.pop("tier_limits", None)  # rate limits off
     cfg["scheduling"] = mode
     embed = cfg["endpoints"][MODEL]
     embed["throttle"] = False  # backlogged on purpose: nothing is turned away
-    if source is not None:
+    if source is not None and not padded:
         # Every row here is 512 tokens wide: nothing to pad, and the earlier schema
-        # named the lengths differently (bench_throughput does the same).
+        # named the lengths differently (bench_throughput does the same). Rows of mixed
+        # sizes need the ref's own padding: a ref that reads this schema's.
         embed.pop("padding", None)
     embed.update(overrides)
     cfg["endpoints"] = {MODEL: embed}
@@ -652,9 +653,11 @@ def main() -> None:
         for name in args.targets:
             label, mode, workers, overrides, old = TARGETS[name]
             source = baseline if old else None
+            if old and args.ref != BASELINE_REF:
+                label = f"--ref {args.ref}, fair"
             results["targets"][name] = run_target(
                 label,
-                bench_config(mode, overrides, source),
+                bench_config(mode, overrides, source, padded=len(sizes) > 1),
                 tri.grpc_url,
                 workers,
                 source,
