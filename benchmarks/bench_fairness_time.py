@@ -39,8 +39,15 @@ config without the padding its schema spelled differently), this tree with a DRR
 of one request (``quantum: 512``: each batch mixes both tenants, which shows what the
 window metric measures), and ``fifo`` (one shared queue: the control, far off).
 
+``--gauges`` checks the fairness gauges (issue 33) under that backlog: the frontend writes
+its request log, each scrape also reads ``fair_jain_index`` and ``fair_service_gap`` (over
+the last ``WINDOW_S`` whole seconds of the core's monotonic clock, this process's too),
+and each target's gauges are set against the same figures computed from the log alone
+(``gauge_check``): Jain's index, the largest service difference against the proven bound
+(q + C), and their disagreement. Results then in ``fairness_time_gauges.json``.
+
     .venv/bin/python -m benchmarks.bench_fairness_time [--seconds 50] [--warmup-s 10]
-        [--targets w1 w2 before quantum512 fifo] [--ref c309e4d] [--quick]
+        [--targets w1 w2 before quantum512 fifo] [--ref c309e4d] [--quick] [--gauges]
 
 Results: ``benchmarks/results/fairness_time.json`` and ``fairness_time.png``.
 """
@@ -57,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +85,8 @@ from benchmarks.harness import (
     write_result,
 )
 from fair_frontend.kit import testing
+from fair_frontend.observability.logs import REQUEST_LOGGER
+from fair_frontend.scheduler.window import WINDOW_S, jain_index, service_gap
 
 MODEL = "embed"
 TOKENS = 512  # one row; max_batch_tokens 4,096: 8 rows a batch
@@ -86,6 +95,7 @@ TOKENS = 512  # one row; max_batch_tokens 4,096: 8 rows a batch
 # chosen for requests of mixed sizes.
 SIZES = {"512": (TOKENS,), "mixed": (128, 2048, 256, 512, 1024, 128, 256, 2048, 512, 1024, 64)}
 TENANTS = ("a", "b")
+TIER = "standard"  # both tenants' (and the capacity probe's)
 RATES = {"a": 1.0, "b": 2.0}  # offered load, x the measured capacity
 KEYS = {t: f"{t}-fairness-time-key" for t in TENANTS}
 CAPACITY_TENANT = "std0"  # bench_overload's closed loop sends as this tenant
@@ -131,7 +141,7 @@ def bench_config(
     cfg["queues"] = {"max_queued": 100_000, "max_queued_bytes": 1 << 31}
     tenants = {
         t: {
-            "tier": "standard",
+            "tier": TIER,
             "weight": 1,
             "api_keys": [KEYS[t]],
             "max_queued": 50_000,
@@ -140,7 +150,7 @@ def bench_config(
         for t in TENANTS
     }
     tenants[CAPACITY_TENANT] = {
-        "tier": "standard",
+        "tier": TIER,
         "api_keys": [bench_overload.key_of(CAPACITY_TENANT)],
     }
     cfg["tenants"] = tenants
@@ -253,11 +263,108 @@ def clients(
 
 
 def scrape(url: str) -> dict[str, Any]:
-    """Tokens served per tenant, and the tenants with queued work (a DRR deficit)."""
+    """Tokens served per tenant, the tenants with queued work (a DRR deficit), and the
+    fairness gauges of the tenants' tier (None while they have no sample): the largest
+    normalised service difference and Jain's index over the last ``WINDOW_S`` whole
+    seconds, with the whole second that window ends at where the scrape did not straddle
+    one (the core's clock is this process's ``time.monotonic``; None where it did)."""
+    before = time.monotonic()
     page = testing.scrape(url, timeout=5)
+    after = time.monotonic()
     return {
         "tokens": page.by_label("fair_served_tokens_total", "tenant", endpoint=MODEL),
         "backlogged": sorted(page.label_values("fair_drr_deficit", "tenant", endpoint=MODEL)),
+        "gap": page.by_label("fair_service_gap", "tier", endpoint=MODEL).get(TIER),
+        "jain": page.by_label("fair_jain_index", "tier", endpoint=MODEL).get(TIER),
+        "window_end": math.floor(before) if math.floor(before) == math.floor(after) else None,
+    }
+
+
+def log_dispatches(lines: Iterable[str], wall_minus_mono: float) -> dict[str, list[list[float]]]:
+    """Per tenant, each ``embed`` request the request log says was served, as [when it
+    was dispatched, its cost]: its arrival (the line's time less its latency, on the
+    monotonic clock: ``wall_minus_mono`` is time.time() - time.monotonic()) plus its time
+    in the core's queue, and its input tokens (the cost of a token-cost endpoint's row)."""
+    out: dict[str, list[list[float]]] = {}
+    for line in lines:
+        if REQUEST_LOGGER not in line:
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # another process's line, or one cut off at the end
+        if (
+            doc.get("logger") != REQUEST_LOGGER
+            or doc.get("endpoint") != MODEL
+            or doc.get("outcome") != "dispatched"
+            or "queued_ms" not in doc
+        ):
+            continue
+        arrived = doc["ts"] - wall_minus_mono - doc["latency_ms"] / 1e3
+        out.setdefault(doc["tenant"], []).append(
+            [arrived + doc["queued_ms"] / 1e3, float(doc["tokens_in"])]
+        )
+    return out
+
+
+def offline_window(
+    dispatches: dict[str, list[list[float]]], end: float, weights: dict[str, float]
+) -> tuple[float, float]:
+    """The gauges' figures for the window of ``WINDOW_S`` whole seconds ending at ``end``,
+    from the request log (``log_dispatches``): the service difference and Jain's index
+    of the tenants' cost dispatched in it, each over its weight."""
+    start = end - WINDOW_S
+    normalised = [
+        sum(cost for when, cost in dispatches.get(t, []) if start <= when < end) / w
+        for t, w in weights.items()
+    ]
+    return service_gap(normalised), jain_index(normalised)
+
+
+def gauge_check(
+    series: list[dict[str, Any]],
+    dispatches: dict[str, list[list[float]]],
+    origin: float,
+    span: tuple[float, float],
+    bound: float | None,
+) -> dict[str, Any]:
+    """The gauges against the request log, for each scrape whose window lies in the
+    measured ``span`` (seconds from ``origin``, the monotonic start) and has a sample:
+    the gauge's and the log's service difference and Jain's index, their disagreement,
+    and the difference against the proven bound (theorem A: q + C, in tokens; None for
+    fifo, which has none)."""
+    weights = dict.fromkeys(TENANTS, 1.0)
+    rows = []
+    for snap in series:
+        end = snap.get("window_end")
+        if end is None or snap.get("gap") is None or snap.get("jain") is None:
+            continue
+        if not (span[0] <= end - WINDOW_S - origin and end - origin <= span[1]):
+            continue
+        gap, jain = offline_window(dispatches, end, weights)
+        rows.append((end - origin, snap["gap"], gap, snap["jain"], jain))
+    if not rows:
+        return {"windows": 0}
+    arr = np.asarray(rows)
+    served = sum(
+        c for t in TENANTS for w, c in dispatches.get(t, []) if span[0] <= w - origin < span[1]
+    )
+    per_window = served / max(1e-9, span[1] - span[0]) * WINDOW_S
+    disagree = np.abs(arr[:, 1] - arr[:, 2])
+    return {
+        "windows": len(rows),
+        "bound_tokens": bound,
+        "gap_gauge_max": float(arr[:, 1].max()),
+        "gap_gauge_mean": float(arr[:, 1].mean()),
+        "gap_log_max": float(arr[:, 2].max()),
+        "gap_log_mean": float(arr[:, 2].mean()),
+        "jain_gauge_min": float(arr[:, 3].min()),
+        "jain_log_min": float(arr[:, 4].min()),
+        "gap_disagreement_tokens_median": float(np.median(disagree)),
+        "gap_disagreement_tokens_max": float(disagree.max()),
+        "gap_disagreement_over_window_service_max": float(disagree.max() / per_window),
+        "jain_disagreement_max": float(np.abs(arr[:, 3] - arr[:, 4]).max()),
+        "series": [[float(x) for x in row] for row in rows],
     }
 
 
@@ -272,12 +379,16 @@ def run_target(
     seconds: float,
     max_outstanding: int,
     sizes: tuple[int, ...] = SIZES["512"],
+    gauges: bool = False,
 ) -> dict[str, Any]:
+    """One target's run (``summarise``); ``gauges``: the frontend writes its request log,
+    and its fairness gauges are checked against it (``gauge_check``)."""
     series: list[dict[str, Any]] = []
     embed = cfg["endpoints"][MODEL]
     turn = None if cfg["scheduling"] == "fifo" else embed.get("quantum", embed["max_batch_tokens"])
+    log_level = "INFO" if gauges else None
     with (
-        frontend(cfg, triton_url, workers=workers, source=source) as fe,
+        frontend(cfg, triton_url, workers=workers, source=source, log_level=log_level) as fe,
         tempfile.TemporaryDirectory() as tmp_name,
     ):
         tmp = Path(tmp_name)
@@ -321,12 +432,38 @@ def run_target(
                     log = (tmp / f"{tenant}.log").read_text()[-3000:]
                     raise RuntimeError(f"client {tenant} failed:\n{log}")
         logs = {t: json.loads((tmp / f"{t}.json").read_text()) for t in TENANTS}
+        checked = None
+        if gauges:
+            wall_minus_mono = time.time() - time.monotonic()
+            with fe.log_path.open() as lines:
+                dispatches = log_dispatches(lines, wall_minus_mono)
+            span = (warmup_s, warmup_s + seconds)
+            bound = None if turn is None else turn + max(sizes)
+            checked = gauge_check(series, dispatches, start_at, span, bound)
     for log in logs.values():
         log["sent"] = [x - start_at for x in log["sent"]]
         log["done"] = [x - start_at for x in log["done"]]
         order = np.argsort(log["done"], kind="stable")  # each answer's tokens, by time
         log["done_tokens"] = np.asarray(log["done_tokens"], dtype=float)[order]
-    return summarise(name, series, logs, warmup_s, seconds, turn)
+    out = summarise(name, series, logs, warmup_s, seconds, turn)
+    if checked is not None:
+        out["gauges"] = checked
+        progress(f"{name}: {gauge_line(checked)}")
+    return out
+
+
+def gauge_line(checked: dict[str, Any]) -> str:
+    if not checked["windows"]:
+        return "gauges: no window of theirs inside the measured span"
+    return (
+        f"gauges over {checked['windows']} scrapes of {WINDOW_S} s windows: Jain min "
+        f"{checked['jain_gauge_min']:.5f} (log {checked['jain_log_min']:.5f}); service "
+        f"difference max {checked['gap_gauge_max']:,.0f} tokens (log "
+        f"{checked['gap_log_max']:,.0f}; bound {_tokens(checked['bound_tokens'])}); gauge - log "
+        f"median {checked['gap_disagreement_tokens_median']:,.0f}, max "
+        f"{checked['gap_disagreement_tokens_max']:,.0f} tokens "
+        f"({checked['gap_disagreement_over_window_service_max']:.2%} of a window's service)"
+    )
 
 
 # ---- the metric ------------------------------------------------------------------------------
@@ -512,6 +649,10 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+def _tokens(x: float | None) -> str:
+    return "none" if x is None else f"{x:,.0f}"
+
+
 def _num(x: float | None) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
 
@@ -604,6 +745,13 @@ def main() -> None:
         "fairness_time.json) or mixed (64 to 2,048: results in fairness_time_mixed.json); "
         "as a client, the sizes it sends in turn",
     )
+    parser.add_argument(
+        "--gauges",
+        action="store_true",
+        help="the frontend writes its request log (INFO), and its fairness gauges "
+        "(fair_jain_index, fair_service_gap) are checked against the same figures "
+        "computed from it; results under each fair target's 'gauges'",
+    )
     # Internal: run as one tenant's client.
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
@@ -618,7 +766,7 @@ def main() -> None:
         return
     sizes = SIZES[args.sizes]
     mean_tokens = sum(sizes) / len(sizes)
-    suffix = "" if args.sizes == "512" else f"_{args.sizes}"
+    suffix = ("" if args.sizes == "512" else f"_{args.sizes}") + ("_gauges" if args.gauges else "")
     warmup_s, seconds = (3.0, 10.0) if args.quick else (args.warmup_s, args.seconds)
     results: dict[str, Any] = {
         "warmup_s": warmup_s,
@@ -666,6 +814,7 @@ def main() -> None:
                 seconds,
                 args.max_outstanding,
                 sizes,
+                gauges=args.gauges,
             )
     print_table(results)
     write_result(f"fairness_time{suffix}", results)

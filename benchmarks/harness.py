@@ -125,12 +125,15 @@ def frontend(
     source: Path | None = None,
     http_url: str | None = None,
     cpus: set[int] | None = None,
+    log_level: str | None = None,
 ) -> Iterator[FrontendProcess]:
     """``fair-frontend serve`` as its own process, as a user runs it (``workers`` shell
     processes; None: its default, and no ``--workers`` flag). ``source``: run the package
     of another checkout (``baseline_checkout``) instead of this one. ``http_url``: Triton's
     HTTP address, where batches then go (``triton.http_url``, as ``up`` mode sets it).
-    ``cpus``: the CPUs it runs on, its shells too (``pinned``)."""
+    ``cpus``: the CPUs it runs on, its shells too (``pinned``). ``log_level``: its
+    ``--log-level`` (None: ``FAIR_BENCH_LOG_LEVEL``, else WARNING; INFO writes the request
+    log, a line per finished request, to ``FrontendProcess.log_path``)."""
     if http_url is not None and not isinstance(config, Path):
         config = {**config, "triton": {**config.get("triton", {}), "http_url": http_url}}
     tmp = Path(tempfile.mkdtemp(prefix="fair-bench-"))
@@ -153,7 +156,7 @@ def frontend(
         "--metrics-port",
         str(ports[2]),
         "--log-level",
-        os.environ.get("FAIR_BENCH_LOG_LEVEL", "WARNING"),
+        log_level or os.environ.get("FAIR_BENCH_LOG_LEVEL", "WARNING"),
     ]
     for url in [triton_url] if isinstance(triton_url, str) else triton_url:
         cmd += ["--triton-url", url]
