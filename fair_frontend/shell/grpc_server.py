@@ -480,6 +480,64 @@ def _settle_after(before: asyncio.Future[None], future: asyncio.Future[None]) ->
         before.add_done_callback(lambda _: _settle(future))
 
 
+class _ReplyBuffer:
+    """A stream's replies waiting for the client to read them: at most ``bound``, one
+    reader (the stream's writer) and many writers (its requests), each woken by a future
+    of its own (one event loop: nothing to lock; a reply put while the reader waits costs
+    one future's result, not a condition's lock and notify)."""
+
+    __slots__ = ("_bound", "_items", "_reader", "_writers")
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._items: deque[Any] = deque()
+        self._reader: asyncio.Future[None] | None = None
+        self._writers: list[asyncio.Future[None]] = []  # waiting for room
+
+    async def room(self) -> None:
+        """Until there is room for one more reply."""
+        while len(self._items) >= self._bound:
+            waiter = asyncio.get_running_loop().create_future()
+            self._writers.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._writers:  # cancelled while waiting
+                    self._writers.remove(waiter)
+
+    async def put(self, reply: Any) -> None:
+        """``reply`` after the others, once there is room for it."""
+        if len(self._items) >= self._bound:
+            await self.room()
+        self._items.append(reply)
+        self.wake()
+
+    def wake(self) -> None:
+        """The reader looks again: a reply came, or the stream may have ended."""
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    async def take(self, finished: Callable[[], bool]) -> Any:
+        """The oldest reply, waiting for one; None once empty and ``finished()``."""
+        items = self._items
+        while not items:
+            if finished():
+                return None
+            self._reader = reader = asyncio.get_running_loop().create_future()
+            try:
+                await reader
+            finally:
+                self._reader = None
+        reply = items.popleft()
+        if self._writers:  # each looks again; one of them takes the room
+            writers, self._writers = self._writers, []
+            for waiter in writers:
+                if not waiter.done():
+                    waiter.set_result(None)
+        return reply
+
+
 class StreamInfer:
     """One ModelStreamInfer stream: its reader, its requests in flight, its replies.
 
@@ -516,8 +574,7 @@ class StreamInfer:
     def __init__(self, open_call: Callable[[bytes], StreamCall], max_inflight: int) -> None:
         self._open = open_call
         self._slots = asyncio.Semaphore(max_inflight)
-        self._buffer: deque[Any] = deque()
-        self._changed = asyncio.Condition()
+        self._buffer = _ReplyBuffer(REPLY_BUFFER)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading = True
         # Settled once every request read so far that keeps its place has put its replies.
@@ -539,15 +596,8 @@ class StreamInfer:
 
     async def _next_reply(self) -> Any:
         """The oldest reply; None once reading ended and every request is answered."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._buffer or self._finished)
-            if not self._buffer:
-                return None
-            reply = self._buffer.popleft()
-            self._changed.notify_all()
-            return reply
+        return await self._buffer.take(self._finished)
 
-    @property
     def _finished(self) -> bool:
         return not self._reading and not self._tasks
 
@@ -557,8 +607,7 @@ class StreamInfer:
         try:
             while True:
                 await self._slots.acquire()
-                async with self._changed:
-                    await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
+                await self._buffer.room()
                 try:
                     raw = await anext(iterator)
                 except StopAsyncIteration:
@@ -583,7 +632,7 @@ class StreamInfer:
                 task.cancel()
         finally:
             self._reading = False
-            await self._notify()
+            self._buffer.wake()
 
     async def _run(
         self,
@@ -615,10 +664,10 @@ class StreamInfer:
                         _settle(answered)
                     await asyncio.shield(before)
                     for reply in answers:
-                        await self._put(reply)
+                        await self._buffer.put(reply)
                 else:
                     async for reply in replies:
-                        await self._put(reply)
+                        await self._buffer.put(reply)
         finally:
             if answered is not None:
                 _settle(answered)
@@ -627,21 +676,11 @@ class StreamInfer:
             _settle_after(before, placed)
             self._slots.release()
 
-    async def _put(self, reply: Any) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: len(self._buffer) < REPLY_BUFFER)
-            self._buffer.append(reply)
-            self._changed.notify_all()
-
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("stream request failed", exc_info=task.exception())
-        asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        self._buffer.wake()  # the stream may have ended
 
 
 def server_options(config: Config) -> list[tuple[str, int]]:
