@@ -12,6 +12,11 @@ seconds of the target's processes (from /proc) per token streamed. Targets, per 
 - ``frontend_w1``, ``frontend_w2``, ...: ``fair-frontend serve --workers N`` (one process;
   then a core and N shell processes, whose CPU is reported apart: the core's share);
 - ``before_wN``: the same for the frontend of ``--ref REF`` (``baseline_checkout``).
+  With a ref, each frontend is measured twice, in the order this tree, the ref, the ref,
+  this tree, and each figure is the mean of its two windows: on this machine a window's
+  place in the run moves it (Triton's ``llm`` drifts over a run; on 2026-12-07 the same
+  code measured 119 µs a token in the last window against 93 in the first), so a ref
+  always measured last would look slower than it is.
 
 Protocols: ``grpc`` (tritonclient's grpc.aio ``stream_infer``, each client stream carrying
 its requests one after another; the relay: grpc.aio with raw bytes) and ``http``
@@ -408,7 +413,10 @@ def measure_all(
             out[p]["relay"] = run_window(p, url, None, load, pid)
         compare(out[p], "relay")
         report("relay", p, out[p]["relay"])
-    runs = [("frontend", None)] + ([("before", baseline)] if baseline is not None else [])
+    runs: list[tuple[str, Path | None]] = [("frontend", None)]
+    if baseline is not None:  # ABBA: neither is always the later one (the docstring)
+        runs = [("frontend", None), ("before", baseline), ("before", baseline), ("frontend", None)]
+    passes: dict[str, dict[str, list[dict[str, Any]]]] = {p: {} for p in protocols}
     for name, source in runs:
         for w in workers:
             key = f"{name}_w{w}"
@@ -425,14 +433,40 @@ def measure_all(
                 for p in protocols:
                     progress(f"{p}: {name}, --workers {w}, {what}")
                     try:
-                        out[p][key] = run_window(p, urls[p], KEY, load, fe.process.pid)
+                        got = run_window(p, urls[p], KEY, load, fe.process.pid)
                         if load.get("first_tokens"):
-                            out[p][key] |= run_ttft(p, urls[p], KEY, load["first_tokens"])
+                            got |= run_ttft(p, urls[p], KEY, load["first_tokens"])
                     except (RuntimeError, TimeoutError) as err:  # an earlier ref may lack it
-                        out[p][key] = {"error": str(err)}
-                    out[p][key]["workers"] = w
+                        got = {"error": str(err)}
+                    got["workers"] = w
+                    windows = passes[p].setdefault(key, [])
+                    windows.append(got)
+                    out[p][key] = mean_of(windows)
                     compare(out[p], key)
-                    report(key, p, out[p][key])
+                    if len(windows) == 1:
+                        report(key, p, out[p][key])
+                    else:  # this window's figures, then the mean of its windows
+                        alone = {**out[p], key: dict(got)}
+                        compare(alone, key)
+                        report(f"{key} (window {len(windows)})", p, alone[key])
+                        report(f"{key} (mean of {len(windows)})", p, out[p][key])
+    return out
+
+
+def mean_of(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's figures over its windows (one, or two with a ref): each number the
+    mean of the windows', the windows themselves under ``passes`` where more than one."""
+    if len(windows) == 1:
+        return dict(windows[0])
+    if any("error" in w for w in windows):
+        return next(dict(w) for w in windows if "error" in w)
+    out: dict[str, Any] = {}
+    for k, v in windows[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "workers":
+            out[k] = sum(w[k] for w in windows) / len(windows)
+        else:
+            out[k] = v
+    out["passes"] = [dict(w) for w in windows]
     return out
 
 
