@@ -126,13 +126,15 @@ so A comes first in every later round and g_A - g_B is 0 or 1, with D_B(t1)/b < 
 q. In each case bound D_A(t)/a and D_B(t)/b by (I1), (I2): the upper bound is q + C_B/b
 throughout, the lower -(q + C_A/a + C_B/b) but in the last case with g_A = g_B, where A
 may be in the middle of its round (up to C_A/a + q unspent) while B has spent both its
-leftover and its grant: -(2q + C_A/a + C_B/b). An example: q = 100, B's requests cost
-50, A's 1, visits of 12.5; B granted and holding 149 when A joins sends 100 in its round,
-then, in the next, 50 a visit against A's 12: 200 against A's 24. The classic turn (one
-visit a round) keeps the tighter -(q + C_A/a + C_B/b): A is then never in its turn while
-B is. The extra quantum is that transient and does not grow with time. The property tests
-check theorem B on random interleavings of enqueue, batches, expiry and cancellation, and
-theorem A on common starts.
+leftover and its grant: -(2q + C_A/a + C_B/b). An example (``tests/scheduler/
+test_scheduler_units.py``): q = 100 in slices of 12.5, B's requests cost 50 (its first
+51), A's 1; B, granted and holding 149 when A joins, sends 100 in its round, then 50 a
+visit against A's 12 in the next: S_A - S_B reaches -188, past -(q + C_A + C_B) = -152,
+within -(2q + C_A + C_B) = -252. The classic turn (one visit a round) keeps the tighter
+-(q + C_A/a + C_B/b): A is then never in its turn while B is. The extra quantum is that
+transient and does not grow with time. The property tests check theorem B on random
+interleavings of enqueue, batches, expiry and cancellation, and theorem A on common
+starts.
 
 Requests that cost more than a grant. A head of cost c > Q_f is still served: f saves
 D_f over ceil(c / Q_f) rounds (I2 keeps the leftover). Consequences: that request waits

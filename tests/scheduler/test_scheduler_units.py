@@ -235,6 +235,31 @@ def test_a_full_batch_quantum_shares_every_batch_by_weight() -> None:
         assert [r.tenant for r in batch].count("a") == 4, tags(batch)
 
 
+def test_after_a_join_the_difference_stays_within_theorem_b() -> None:
+    """The package docstring's example of theorem B: B holds a fresh grant and its
+    leftover when A joins, spends both, then takes 50 a visit against A's 12. The
+    difference goes past the classic turn's -(q + C_A + C_B) and stays within the
+    restated -(2q + C_A + C_B)."""
+    s = make_scheduler(
+        PAID2, cost=CostUnit.TOKENS, quantum=100.0, max_batch_size=8, max_batch_tokens=52
+    )
+    s.enqueue(make_request("b", tokens=51), 0.0)
+    for _ in range(60):
+        s.enqueue(make_request("b", tokens=50), 0.0)
+    assert len(s.next_batch(1.0)) == 1  # b's 51; its next head, peeked, waits granted
+    assert s.deficits() == {"b": 149.0}
+    for _ in range(2000):
+        s.enqueue(make_request("a", tokens=1), 0.0)
+    served = {"a": 0.0, "b": 0.0}
+    worst = 0.0
+    for _ in range(60):
+        for r in s.next_batch(1.0):
+            served[r.tenant] += r.cost
+            worst = min(worst, served["a"] - served["b"])
+    assert -(2 * 100 + 1 + 51) < worst < -(100 + 1 + 51)
+    assert worst == -188.0
+
+
 def test_a_request_larger_than_many_quanta_is_served_in_one_jump() -> None:
     s = make_scheduler({"a": "paid"}, cost=CostUnit.TOKENS, quantum=1.0)
     s.enqueue(make_request("a", tokens=1_000_000, tag="huge"), 0.0)
