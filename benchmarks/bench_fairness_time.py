@@ -280,12 +280,17 @@ def scrape(url: str) -> dict[str, Any]:
     }
 
 
-def log_dispatches(lines: Iterable[str], wall_minus_mono: float) -> dict[str, list[list[float]]]:
-    """Per tenant, each ``embed`` request the request log says was served, as [when it
-    was dispatched, its cost]: its arrival (the line's time less its latency, on the
-    monotonic clock: ``wall_minus_mono`` is time.time() - time.monotonic()) plus its time
-    in the core's queue, and its input tokens (the cost of a token-cost endpoint's row)."""
-    out: dict[str, list[list[float]]] = {}
+# Per tenant, from the request log: its requests' dispatch times, sorted, and the running
+# sum of their costs (from 0: the cost dispatched before the i-th is element i).
+Dispatches = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def log_dispatches(lines: Iterable[str], wall_minus_mono: float) -> Dispatches:
+    """Each ``embed`` request the request log says was served, per tenant: when it was
+    dispatched, its arrival (the line's time less its latency, on the monotonic clock:
+    ``wall_minus_mono`` is time.time() - time.monotonic()) plus its time in the core's
+    queue, and its cost, its input tokens (a token-cost endpoint's row)."""
+    rows: dict[str, list[tuple[float, float]]] = {}
     for line in lines:
         if REQUEST_LOGGER not in line:
             continue
@@ -301,29 +306,41 @@ def log_dispatches(lines: Iterable[str], wall_minus_mono: float) -> dict[str, li
         ):
             continue
         arrived = doc["ts"] - wall_minus_mono - doc["latency_ms"] / 1e3
-        out.setdefault(doc["tenant"], []).append(
-            [arrived + doc["queued_ms"] / 1e3, float(doc["tokens_in"])]
+        rows.setdefault(doc["tenant"], []).append(
+            (arrived + doc["queued_ms"] / 1e3, float(doc["tokens_in"]))
         )
+    out: Dispatches = {}
+    for tenant, served in rows.items():
+        served.sort()
+        when = np.asarray([w for w, _ in served])
+        out[tenant] = (when, np.concatenate(([0.0], np.cumsum([c for _, c in served]))))
     return out
 
 
+def served_between(dispatches: Dispatches, tenant: str, start: float, end: float) -> float:
+    """The cost ``tenant`` was dispatched in [start, end) (``log_dispatches``)."""
+    if tenant not in dispatches:
+        return 0.0
+    when, running = dispatches[tenant]
+    first, last = np.searchsorted(when, [start, end], side="left")
+    return float(running[last] - running[first])
+
+
 def offline_window(
-    dispatches: dict[str, list[list[float]]], end: float, weights: dict[str, float]
+    dispatches: Dispatches, end: float, weights: dict[str, float]
 ) -> tuple[float, float]:
     """The gauges' figures for the window of ``WINDOW_S`` whole seconds ending at ``end``,
     from the request log (``log_dispatches``): the service difference and Jain's index
     of the tenants' cost dispatched in it, each over its weight."""
-    start = end - WINDOW_S
     normalised = [
-        sum(cost for when, cost in dispatches.get(t, []) if start <= when < end) / w
-        for t, w in weights.items()
+        served_between(dispatches, t, end - WINDOW_S, end) / w for t, w in weights.items()
     ]
     return service_gap(normalised), jain_index(normalised)
 
 
 def gauge_check(
     series: list[dict[str, Any]],
-    dispatches: dict[str, list[list[float]]],
+    dispatches: Dispatches,
     origin: float,
     span: tuple[float, float],
     bound: float | None,
@@ -346,9 +363,7 @@ def gauge_check(
     if not rows:
         return {"windows": 0}
     arr = np.asarray(rows)
-    served = sum(
-        c for t in TENANTS for w, c in dispatches.get(t, []) if span[0] <= w - origin < span[1]
-    )
+    served = sum(served_between(dispatches, t, origin + span[0], origin + span[1]) for t in TENANTS)
     per_window = served / max(1e-9, span[1] - span[0]) * WINDOW_S
     disagree = np.abs(arr[:, 1] - arr[:, 2])
     return {
