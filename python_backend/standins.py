@@ -126,6 +126,7 @@ class _Engine:
         if refused is not None:
             self._fail(sender, refused)
             return
+        held = True
         try:
             text = ""
             for i in range(count):
@@ -140,12 +141,19 @@ class _Engine:
                 if any(stop in text for stop in stops):
                     break
             last = finish(text)
+            # The sequence is over: its slot is free before the final response leaves, as
+            # an engine frees a finished sequence before it reports it. Freed after, the
+            # client could send the next sequence on the final response and find the slot
+            # still held (a race of this stand-in, not of the frontend).
+            self.slots.give()
+            held = False
             if last is None:
                 sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:
                 sender.send(last, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
-            self.slots.give()
+            if held:
+                self.slots.give()
 
     def _fail(self, sender: Any, message: str) -> None:
         pb = self.pb
