@@ -63,6 +63,7 @@ from fair_frontend.scheduler.caps import (
 )
 from fair_frontend.scheduler.cost import CostUnit
 from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES
+from fair_frontend.scheduler.types import DEFAULT_DEBT_CARRIED
 from fair_frontend.wire.framing import DEFAULT_STALLED_SHELL_S, MAX_FRAME
 from fair_frontend.wire.remote import MESSAGE_BYTES
 
@@ -295,6 +296,17 @@ class Endpoint(_Strict):
         "baseline the others are compared against; tiers still go in their order, unlike "
         "scheduling: fifo). Unset: vtc for an engine endpoint (max_inflight) with "
         "`cost: tokens`, drr otherwise.",
+    )
+    debt_carried: float = Field(
+        default=DEFAULT_DEBT_CARRIED,
+        ge=0,
+        allow_inf_nan=False,
+        description="vtc on an engine endpoint: how much of what a tenant is owed it keeps "
+        "when its queue empties and fills again, in turnovers of the engine (max_inflight "
+        "requests of the mean cost seen), over its weight. An agent whose queue empties "
+        "while its step's last calls run comes back owed what the others took meanwhile, "
+        "up to this, and its token share follows its weight; idle time banks no more. 0: "
+        "VTC's own lift (the least active counter), idle time banks nothing.",
     )
     reserved_slots: int = Field(
         default=0,

@@ -70,6 +70,7 @@ def plan(config: Config, model: str, info: ModelInfo) -> EndpointPlan:
         tier_min_share=dict(config.tier_guard.min_share),
         slots=endpoint.max_inflight,
         fairness=fairness,
+        debt_carried=endpoint.debt_carried,
     )
     if endpoint.max_inflight is not None:
         slots = endpoint.max_inflight

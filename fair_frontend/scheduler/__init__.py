@@ -231,6 +231,7 @@ from fair_frontend.scheduler.tiers import (
     TierSelector,
 )
 from fair_frontend.scheduler.types import (
+    DEFAULT_DEBT_CARRIED,
     DEFAULT_TIER_SHARE_WINDOW_ROWS,
     Backlog,
     Counters,
@@ -244,6 +245,7 @@ from fair_frontend.scheduler.types import (
 from fair_frontend.scheduler.vtc import VirtualTokenCounter, VtcState
 
 __all__ = [
+    "DEFAULT_DEBT_CARRIED",
     "DEFAULT_TIER_SHARE_WINDOW_ROWS",
     "FAIRNESS_POLICIES",
     "Backlog",

@@ -108,6 +108,10 @@ class Scheduler:
         self._batch_rows = max(1, policy.max_batch_size)
         self._mean_row_cost = 0.0
         self._seen_rows = 0
+        # What dispatched requests cost, sent and charged back since, and how many they
+        # were: both halved every ``_HALVE_REQUESTS`` (``learn_request_cost``).
+        self._request_cost = 0.0
+        self._requests = 0.0
         if fairness is None:
             fairness = FAIRNESS_POLICIES[policy.fairness](policy)
         self._fairness: FairnessPolicy[Any] = fairness
@@ -277,6 +281,8 @@ class Scheduler:
                 tier = queue.tier
                 tier.active_weight += queue.weight
                 tier.busy_tenants += 1
+                if self._requests:
+                    self._fairness.learn_request_cost(self._request_cost / self._requests)
                 self._fairness.join(tier.fair_state, queue)
         elif was_idle:
             queue.busy_since = now
@@ -405,6 +411,7 @@ class Scheduler:
             queue.served += cost
         if not self._fair:
             return
+        self._request_cost += cost
         if queue is not None:
             queue.charge_back(program, cost * self._scale)
             tier = queue.tier
@@ -435,6 +442,8 @@ class Scheduler:
             self._mean_row_cost,
             self._seen_rows,
             programs,
+            self._request_cost,
+            self._requests,
         )
 
     def resume_fairness(self, saved: SchedulerFairness, now: float, keep_s: float) -> None:
@@ -451,6 +460,8 @@ class Scheduler:
             self._mean_row_cost, self._seen_rows = saved.mean_row_cost, saved.seen_rows
             if saved.quantum > 0:
                 self._fairness.learn_quantum(saved.quantum)
+        if saved.requests > 0:
+            self._request_cost, self._requests = saved.request_cost, saved.requests
         self._resumed_programs = dict(saved.programs)
         self._resumed_until = now + keep_s
 
@@ -826,6 +837,11 @@ class Scheduler:
             self._next_step(now)
         queue.pop_head(req.cost * self._scale)
         queue.served += req.cost
+        self._request_cost += req.cost
+        self._requests += 1.0
+        if self._requests >= _HALVE_REQUESTS:
+            self._request_cost *= 0.5
+            self._requests *= 0.5
         tier = queue.tier
         if picked:
             self._fairness.charge(tier.fair_state, queue, req.cost)
@@ -900,6 +916,9 @@ class Scheduler:
 
 
 _NONE_HELD = (0, 0)
+# Every this many dispatched requests, the cost and count behind the mean request cost
+# are halved: the mean follows the last thousand or so.
+_HALVE_REQUESTS = 1024.0
 _NOTHING = TierFairness({})
 
 

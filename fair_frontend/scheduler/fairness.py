@@ -58,6 +58,13 @@ class FairnessPolicy(Protocol[S]):
         that grants a quantum takes it as its own. Others ignore it."""
         return
 
+    def learn_request_cost(self, mean: float) -> None:
+        """The mean cost of a dispatched request (charged when it was sent, and charged
+        back since: an engine's output tokens), over about the last thousand requests;
+        told before each join (``Scheduler``). A policy that measures something in
+        requests' worth takes it. Others ignore it."""
+        return
+
     def new_state(self) -> S: ...
 
     def join(self, state: S, queue: TenantQueue) -> None: ...

@@ -48,7 +48,8 @@ class TierFairness(msgspec.Struct, array_like=True, frozen=True):
     counters: dict[str, float]
     # VTC only: each known tenant's weight (a charge-back needs it before it queues again).
     weights: dict[str, float] = {}
-    # VTC only: the least counter of the backlogged tenants (or of the last to leave).
+    # VTC only: the tier's floor V, the most the least backlogged counter has been (the
+    # last to leave's where none was backlogged): joiners are lifted from it.
     floor: float = 0.0
     # The tenants backlogged at the export: their next join restores their state.
     active: list[str] = []
@@ -66,3 +67,8 @@ class SchedulerFairness(msgspec.Struct, array_like=True, frozen=True):
     # before the failover still waits behind the others after it. Last: older records
     # decode without it.
     programs: dict[str, dict[str, float]] = {}
+    # The cost of the requests dispatched lately and their count (decayed alike): their
+    # mean sizes the debt a returning tenant carries (VTC's ``debt_carried``), from the
+    # new leader's first join on. Last: older records decode without them.
+    request_cost: float = 0.0
+    requests: float = 0.0

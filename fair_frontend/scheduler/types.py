@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 DEFAULT_TIER_SHARE_WINDOW_ROWS = 1000
 """Rows in the recent window over which the tier guard measures each tier's share."""
 
+DEFAULT_DEBT_CARRIED = 2.0
+"""VTC: what a tenant whose queue fills again keeps of its debt, in turnovers of the
+engine's slots (``vtc``'s lift)."""
+
 
 class QueueState(enum.Enum):
     """Where a request is in the scheduler's hands.
@@ -160,6 +164,9 @@ class EndpointPolicy:
     # Selector 2, by its name in ``fairness.FAIRNESS_POLICIES``: how the tenants of one tier
     # share the endpoint.
     fairness: str = "drr"
+    # VTC: turnovers of the engine's slots of debt a tenant keeps when its queue fills
+    # again (``vtc``'s lift).
+    debt_carried: float = DEFAULT_DEBT_CARRIED
 
     def __post_init__(self) -> None:
         problems = []
@@ -182,5 +189,7 @@ class EndpointPolicy:
             problems.append(f"share_window_rows {self.share_window_rows} < 1")
         if self.slots is not None and self.slots < 1:
             problems.append(f"slots {self.slots} < 1")
+        if not (self.debt_carried >= 0 and math.isfinite(self.debt_carried)):
+            problems.append(f"debt_carried {self.debt_carried} is not a number >= 0")
         if problems:
             raise ValueError("invalid endpoint policy: " + "; ".join(problems))

@@ -14,28 +14,45 @@ in Serving Large Language Models", OSDI 2024), each tenant f of a tier has a cou
 * the next free slot goes to the tenant with the least counter among those with queued
   work (ties: a tenant not yet served since it joined first, then the one charged
   longest ago);
-* a tenant whose queue was empty is lifted when it queues again: ``c_f = max(c_f, min of
-  the active counters)``, or ``max(c_f, the counter of the last tenant to leave)`` if no
-  one is active. Idle time banks no credit: a tenant back from lunch does not get the
-  engine to itself until it has caught up.
+* a tenant whose queue was empty is lifted when it queues again: ``c_f = max(c_f, V -
+  L_f)``; one new to the tier starts at ``V`` (it was owed nothing). ``V``, the tier's
+  floor, is the most the least active counter has been (the counter of the last tenant
+  to leave where none was active): it never falls. ``L_f``, the debt a tenant carries
+  back, is ``debt_carried`` turnovers of the engine (``S`` requests of the mean cost
+  seen, input and output) over its weight; ``debt_carried`` 0 is VTC's own lift. Idle
+  time banks at most ``L_f``: a tenant back from lunch does not get the engine to
+  itself until it has caught up, but an agent whose queue empties while its step's
+  last calls run, and fills with its next step, comes back owed what the others took
+  meanwhile (up to ``L_f``) instead of losing it at every step.
 
 Bounds (one tier; ``S`` slots; ``I`` the largest input and ``O`` the largest output of a
 request, in tokens; ``U_f = (w_in * I + w_out * O * S) / weight_f``):
 
+(V) Every tenant active (queued work) has ``c_f >= V - L_f``. Proof: it held at f's join
+    (the lift); while f stays active, ``V`` rises only to the least active counter,
+    which is at most ``c_f``, and ``c_f`` only grows (refunds aside: they lower a
+    counter by what its admission overcharged).
 (N) A tenant that joins, with no other newly joined tenant of its tier, gets one of the
     next free slots: the first one, unless a tenant whose counter is lower still is
-    waiting; its counter is the least of all at the moment it joins, and every other
-    tenant's counter can only grow. Its first token therefore waits for one slot to
-    turn over, not for the other tenants' queues: the noisy-neighbour guarantee.
+    waiting: one that carried debt in and has not yet caught up, by (V) at most
+    ``L_g`` below ``V``. With ``debt_carried`` 0 its counter is the least of all when it
+    joins, and every other tenant's counter can only grow. Its first token therefore
+    waits for a slot to turn over, not for the other tenants' queues: the
+    noisy-neighbour guarantee (``reserved_slots`` keeps one free of any one tenant).
 (B) For two tenants f and g continuously backlogged over an interval, the weighted
-    service they get differs by at most ``U_f + U_g``. Proof: while both are
-    backlogged nobody is lifted, so each counter grows by exactly the weighted service.
-    At f's last pick its counter was at most g's; since then it grew by at most one
-    input charge and the output of its requests in flight (at most S of them, O tokens
-    each), while g's did not shrink: ``c_f - c_g <= U_f`` at every moment, and
-    symmetrically; the difference of the growths over the interval is then at most
-    ``U_f + U_g``. With one slot this is VTC's own bound, 2 * max(w_in * I, w_out * O)
-    for equal weights; the S * O term is the engine's memory, as VTC's M.
+    service they get differs by at most ``U_f + U_g + L``, ``L`` the larger of their
+    carried debts (``U_f + U_g`` over an interval that does not begin at a join).
+    Proof: while both are backlogged nobody is lifted, so each counter grows by exactly
+    the weighted service. At f's last pick its counter was at most g's; since then it
+    grew by at most one input charge and the output of its requests in flight (at most
+    S of them, O tokens each), while g's did not shrink: ``c_f - c_g <= U_f`` at every
+    moment once f has been picked, and symmetrically. Before its first pick, f is not
+    served. At the interval's start, where f has just joined, ``c_f >= V - L_f`` and
+    ``c_g - V <= U_g`` (g was picked at most ``U_g`` ago at the least counter, ``<= V``
+    where both were active), so ``c_g - c_f <= U_g + L_f`` there; the difference of
+    the growths over the interval is then at most ``U_f + U_g + L``. With one slot and
+    no carried debt this is VTC's own bound, 2 * max(w_in * I, w_out * O) for equal
+    weights; the S * O term is the engine's memory, as VTC's M.
 
 Complexity: a lazy heap of (counter, rank, order, tenant) entries; ``pick`` pops stale
 entries (a tenant charged or credited since, or gone), so O(log n) amortised; a credit
@@ -47,11 +64,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 
 from fair_frontend.scheduler.fairness import FAIRNESS_POLICIES, FairnessPolicy
 from fair_frontend.scheduler.queues import TenantQueue
 from fair_frontend.scheduler.snapshot import TierFairness
+from fair_frontend.scheduler.types import EndpointPolicy
 
 
 class VtcState:
@@ -60,6 +79,7 @@ class VtcState:
     __slots__ = (
         "active",
         "counters",
+        "floor",
         "heap",
         "last_left",
         "live",
@@ -76,17 +96,38 @@ class VtcState:
         self.live: dict[str, int] = {}  # tenant -> order of its one live heap entry
         self.order = itertools.count()
         self.last_left = 0.0
+        self.floor = 0.0  # V: the most the least active counter has been (it never falls)
         # A failed-over leader's backlogged tenants: their joins keep the counter
         # restored, without the lift (``snapshot``), until the scheduler forgets them.
         self.resumed: set[str] = set()
 
 
 class VirtualTokenCounter(FairnessPolicy[VtcState]):
-    """Least served first, in weighted tokens (the module docstring)."""
+    """Least served first, in weighted tokens (the module docstring). ``debt_carried``:
+    turnovers of an engine of ``slots`` slots that a tenant's lift leaves it owed (0:
+    VTC's own lift; no slots: none)."""
 
-    __slots__ = ()
+    __slots__ = ("_mean_cost", "_turnover")
 
     gauge = "fair_vtc_counter"
+
+    def __init__(self, debt_carried: float = 0.0, slots: int | None = None) -> None:
+        if not (debt_carried >= 0 and math.isfinite(debt_carried)):
+            raise ValueError(f"debt_carried {debt_carried} is not a number >= 0")
+        self._turnover = debt_carried * slots if slots else 0.0  # requests' worth
+        self._mean_cost = 0.0  # of a request, input and output (``learn_request_cost``)
+
+    @classmethod
+    def of(cls, policy: EndpointPolicy) -> VirtualTokenCounter:
+        return cls(policy.debt_carried, policy.slots)
+
+    def learn_request_cost(self, mean: float) -> None:
+        self._mean_cost = mean
+
+    def carried(self, weight: float) -> float:
+        """L_f: the debt a tenant of ``weight`` keeps when it joins, in counter units (0
+        until a request has been dispatched)."""
+        return max(0.0, self._turnover * self._mean_cost / weight)
 
     def new_state(self) -> VtcState:
         return VtcState()
@@ -98,10 +139,15 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
             # while the held calls come back one by one into free slots.
             state.counters.setdefault(tenant, state.last_left)
         else:
-            floor = self._least(state)
-            if floor is None:
-                floor = state.last_left
-            state.counters[tenant] = max(state.counters.get(tenant, 0.0), floor)
+            least = self._least(state)
+            floor = max(state.floor, state.last_left if least is None else least)
+            state.floor = floor
+            known = state.counters.get(tenant)
+            # A tenant new to the tier was owed nothing: it starts at the floor.
+            if known is None:
+                state.counters[tenant] = floor
+            else:
+                state.counters[tenant] = max(known, floor - self.carried(queue.weight))
         state.weights[tenant] = queue.weight
         state.active[tenant] = queue
         self._push(state, tenant, rank=0)
@@ -154,12 +200,12 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
     def export(self, state: VtcState) -> TierFairness:
         """Every counter and weight known, and the floor a tenant joining an idle tier
         would be lifted to: the least active counter (the last to leave's if none)."""
-        floor = self._least(state)
+        least = self._least(state)
         active = [*state.active, *(t for t in state.resumed if t not in state.active)]
         return TierFairness(
             dict(state.counters),
             dict(state.weights),
-            state.last_left if floor is None else floor,
+            max(state.floor, state.last_left if least is None else least),
             active,
         )
 
@@ -170,6 +216,7 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
         # the least counter of the backlogged tenants the leader had: none ahead of them.
         if saved.counters or saved.active:
             state.last_left = saved.floor
+            state.floor = saved.floor
         state.resumed = {t for t in saved.active if t in saved.counters}
 
     def _least(self, state: VtcState) -> float | None:
@@ -187,4 +234,4 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
             heapq.heapify(state.heap)
 
 
-FAIRNESS_POLICIES.add("vtc", lambda policy: VirtualTokenCounter())
+FAIRNESS_POLICIES.add("vtc", VirtualTokenCounter.of)

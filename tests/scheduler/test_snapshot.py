@@ -15,7 +15,7 @@ import pytest
 from sched_support import make_request, make_scheduler
 from test_vtc import Engine, Running, backlog, engine_scheduler, out_of
 
-from fair_frontend.scheduler import Scheduler, SchedulerFairness, TenantSpec
+from fair_frontend.scheduler import Scheduler, SchedulerFairness, TenantSpec, VirtualTokenCounter
 
 KEEP_S = 10.0
 SHORT = 16  # output tokens of every queued generation
@@ -211,3 +211,27 @@ def test_a_debt_owed_by_a_tenant_with_nothing_queued_survives_the_failover() -> 
     s.resume_fairness(carried(leader), 0.0, KEEP_S)
     s.enqueue(make_request("a"), 1.0)
     assert s.deficits()["a"] == -6.0
+
+
+def test_the_mean_request_cost_that_sizes_the_carried_debt_survives_the_failover() -> None:
+    """A new leader carries a returning tenant's debt from its first join, in requests
+    of the cost the old leader measured: it has dispatched nothing to measure yet.
+    Negative control: without the export it carries none."""
+    tenants = {"a": TenantSpec("paid"), "b": TenantSpec("paid")}
+    lead = VirtualTokenCounter(1.0, slots=8)
+    leader = engine_scheduler(tenants, carried=lead)
+    backlog(leader, "a", 50, prompt=8, out=SHORT)
+    engine = Engine(leader, slots=8, output=out_of)
+    engine.fill()
+    for _ in range(100):
+        engine.step()
+    backlog(leader, "b", 1, prompt=8, out=SHORT, at=float(engine.step_no))
+    expected = lead.carried(1.0)
+    assert expected == pytest.approx(8 * (8 + SHORT), rel=0.05)
+    for resume in (True, False):
+        policy = VirtualTokenCounter(1.0, slots=8)
+        s = engine_scheduler(tenants, carried=policy)
+        if resume:
+            s.resume_fairness(carried(leader), 0.0, KEEP_S)
+        backlog(s, "b", 1, prompt=8, out=SHORT, at=1.0)
+        assert policy.carried(1.0) == (pytest.approx(expected) if resume else 0.0)

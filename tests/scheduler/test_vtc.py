@@ -8,14 +8,17 @@ controls run the same workload with request cost (one request per DRR turn).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_support import TaggedRequest, make_policy
 
 from fair_frontend.scheduler import (
+    DEFAULT_DEBT_CARRIED,
     GlobalCaps,
     Scheduler,
     TenantSpec,
@@ -69,8 +72,13 @@ class Engine:
 
 
 def engine_scheduler(
-    tenants: dict[str, TenantSpec], *, vtc: bool = True, tiers: tuple[str, ...] = ("paid",)
+    tenants: dict[str, TenantSpec],
+    *,
+    vtc: bool = True,
+    tiers: tuple[str, ...] = ("paid",),
+    carried: VirtualTokenCounter | None = None,
 ) -> Scheduler:
+    """VTC's own (no debt carried) unless ``carried`` is the policy to use."""
     policy = make_policy(
         cost=CostUnit.TOKENS if vtc else CostUnit.REQUESTS,
         max_batch_size=0,
@@ -81,7 +89,7 @@ def engine_scheduler(
         policy,
         tenants,
         GlobalCaps(max_queued=10**6),
-        fairness=VirtualTokenCounter() if vtc else None,
+        fairness=(carried or VirtualTokenCounter()) if vtc else None,
     )
 
 
@@ -208,3 +216,182 @@ def test_bound_b_holds_for_backlogged_tenants(
     bound = sum((i_max + o_max * slots) / w for w in weights)
     diff = engine.served["a"] / weights[0] - engine.served.get("b", 0.0) / weights[1]
     assert abs(diff) <= bound + 1e-9
+
+
+def run_agents(debt_carried: float, seed: int, steps: int = 3000) -> dict[str, float]:
+    """Four agents at weights 2:1:1:1 on 32 slots: each sends a step of 16-32 calls of 8
+    output tokens at once and the next step only when all of them have ended (its queue
+    is empty while the step's last calls run). Token shares after a warm-up."""
+    rng = random.Random(seed)
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0, "d": 1.0}
+    tenants = {t: TenantSpec("paid", weight=w) for t, w in weights.items()}
+    s = engine_scheduler(tenants, carried=VirtualTokenCounter(debt_carried, slots=32))
+    engine = Engine(s, slots=32, output=out_of)
+    for _ in range(steps):
+        busy = {r.req.tenant for r in engine.running}
+        for t in weights:
+            if t not in busy and not s.depth(t):
+                backlog(s, t, rng.randint(16, 32), prompt=2, out=8, at=float(engine.step_no))
+        engine.fill()
+        if engine.step_no == steps // 5:
+            engine.served.clear()
+        engine.step()
+    return shares(engine.served)
+
+
+def worst_share_error(got: dict[str, float]) -> float:
+    weights = {"a": 0.4, "b": 0.2, "c": 0.2, "d": 0.2}
+    return max(abs(got[t] - w) / w for t, w in weights.items())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_agents_between_steps_keep_their_debt_and_their_weights(seed: int) -> None:
+    """With the default debt carried (two turnovers) the agents' token shares follow
+    their weights to within 4-5.4 % here (what is left is the agents' own demand: a step
+    ends with its last call); VTC's own lift (the negative control) drops what the
+    heavier agent was owed at every step: 14-19 % off (the issue's 'shares follow the
+    agents' demand, not the weights')."""
+    carried = worst_share_error(run_agents(DEFAULT_DEBT_CARRIED, seed))
+    lifted = worst_share_error(run_agents(0.0, seed))
+    assert carried < 0.06, carried
+    assert lifted > 0.12, lifted
+    assert carried < 0.4 * lifted, (carried, lifted)
+
+
+def test_the_debt_carried_is_at_most_one_turnover() -> None:
+    """C, served once, comes back after a long idle: it gets back at most L (one
+    turnover of 8 slots of the mean cost, over its weight) more than A from then on,
+    plus the bound's U terms; and it does get back debt (VTC's own lift gives it
+    none)."""
+    gained = {}
+    for debt in (0.0, 1.0):
+        vtc = VirtualTokenCounter(debt, slots=8)
+        s = engine_scheduler({"a": TenantSpec("paid"), "c": TenantSpec("paid")}, carried=vtc)
+        backlog(s, "c", 1, prompt=8, out=16)  # known to the tier, then idle
+        backlog(s, "a", 5000, prompt=8, out=16)
+        engine = Engine(s, slots=8, output=out_of)
+        engine.fill()
+        for _ in range(1000):
+            engine.step()
+        before = dict(engine.served)
+        backlog(s, "c", 5000, prompt=8, out=16, at=float(engine.step_no))
+        bank = vtc.carried(1.0)
+        for _ in range(400):
+            engine.step()
+        since = {t: engine.served.get(t, 0.0) - before.get(t, 0.0) for t in ("a", "c")}
+        gained[debt] = since["c"] - since["a"]
+        u = 2 * (8 + 16 * 8)  # U_a + U_c
+        assert gained[debt] <= bank + u, (debt, gained, bank)
+    # 8 slots of 8 + 16 tokens (a little less: the running requests' output is to come)
+    assert vtc.carried(1.0) == pytest.approx(8 * 24, rel=0.05)
+    assert gained[1.0] - gained[0.0] > 0.5 * vtc.carried(1.0), gained
+
+
+def test_joiners_carry_debt_from_the_floor_not_from_each_other() -> None:
+    """Tenants joining one after another each start at most L below the tier's floor V
+    (the most the least active counter has been): the second joiner is not lifted to
+    the first one's lowered counter less L again."""
+    vtc = VirtualTokenCounter(1.0, slots=4)
+    tenants = {t: TenantSpec("paid") for t in "abcd"}
+    s = engine_scheduler(tenants, carried=vtc)
+    for t in "bcd":  # known to the tier (a new tenant starts at V: it was owed nothing)
+        backlog(s, t, 1, prompt=8, out=1)
+    backlog(s, "a", 1000, prompt=8, out=16)
+    engine = Engine(s, slots=4, output=out_of)
+    engine.fill()
+    for _ in range(500):
+        engine.step()
+    v = s.deficits()["a"]
+    for t in "bcd":
+        backlog(s, t, 3, prompt=8, out=16, at=float(engine.step_no))
+    bank = vtc.carried(1.0)  # the mean request cost is told at each join
+    assert 0 < bank < v
+    counters = s.deficits()
+    assert counters["b"] == counters["c"] == counters["d"] == pytest.approx(v - bank)
+
+
+def test_a_new_tenant_of_a_debt_carrying_tier_still_gets_the_next_free_slot() -> None:
+    """(N) with debt carried: B's first request takes the very next slot that frees, and
+    B starts at the floor (A's counter), not below it: it was owed nothing."""
+    vtc = VirtualTokenCounter(1.0, slots=8)
+    s = engine_scheduler({"a": TenantSpec("paid"), "b": TenantSpec("paid")}, carried=vtc)
+    backlog(s, "a", 1000, prompt=8, out=200)
+    engine = Engine(s, slots=8, output=out_of)
+    engine.fill()
+    for _ in range(50):
+        engine.step()
+    engine.running[0].left = 10
+    backlog(s, "b", 5, prompt=8, out=4, at=float(engine.step_no))
+    counters = s.deficits()
+    assert counters["b"] == counters["a"]
+    joined = engine.step_no
+    while "b" not in engine.first_slot:
+        engine.step()
+    assert engine.first_slot["b"] == joined + 10
+
+
+@pytest.mark.parametrize("debt", [-1.0, float("nan"), float("inf")])
+def test_debt_carried_must_be_a_number_at_least_0(debt: float) -> None:
+    with pytest.raises(ValueError, match="debt_carried"):
+        VirtualTokenCounter(debt, slots=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slots=st.integers(1, 6),
+    outs=st.lists(st.integers(1, 20), min_size=2, max_size=2),
+    prompts=st.lists(st.integers(1, 20), min_size=2, max_size=2),
+    debt=st.sampled_from([0.5, 1.0, 2.0]),
+    bursts=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=8),
+)
+def test_a_tenant_back_with_debt_gains_at_most_its_carried_debt_and_the_bound(
+    slots: int, outs: list[int], prompts: list[int], debt: float, bursts: list[tuple[int, int]]
+) -> None:
+    """A stays backlogged; B comes and goes in bursts (an idle gap, then a few requests).
+    (V): every backlogged counter stays >= V - L_f. (B) over each of B's busy periods,
+    from its join: B's service less A's is at most U_a + U_b + L_b."""
+    vtc = VirtualTokenCounter(debt, slots=slots)
+    s = engine_scheduler({"a": TenantSpec("paid"), "b": TenantSpec("paid")}, carried=vtc)
+    backlog(s, "b", 1, prompt=prompts[1], out=outs[1])  # known to the tier
+    backlog(s, "a", 5000, prompt=prompts[0], out=outs[0])
+    engine = Engine(s, slots=slots, output=out_of)
+    engine.fill()
+    u = 2 * (max(prompts) + max(outs) * slots)
+    for gap, count in bursts:
+        for _ in range(gap):
+            engine.step()
+        while s.depth("b"):  # B's last burst has not all had slots yet
+            engine.step()
+        backlog(s, "b", count, prompt=prompts[1], out=outs[1], at=float(engine.step_no))
+        bank = vtc.carried(1.0)  # as told at B's join
+        floor = s.export_fairness().tiers["paid"].floor  # max(V, the least backlogged)
+        for tenant, counter in s.deficits().items():
+            assert counter >= floor - bank - 1e-9, (tenant, counter, floor, bank)
+        start = dict(engine.served)
+        while s.depth("b"):
+            engine.step()
+        for _ in range(max(outs)):  # B's last requests run out
+            engine.step()
+        gained = {t: engine.served.get(t, 0.0) - start.get(t, 0.0) for t in "ab"}
+        assert gained["b"] - gained["a"] <= u + bank + 1e-9, (gained, u, bank)
+
+
+def test_requests_taken_out_of_turn_count_in_the_mean_request_cost() -> None:
+    """The debt carried is measured in requests of the mean cost: requests a light slot
+    takes out of turn (``next_where``, charged as a charge-back) count as requests, as
+    those the policy picks do. Counted as cost alone they made the mean (and so the debt)
+    grow without bound on a busy engine, where most grants go out of turn, and a
+    returning tenant then held every slot (seen: two of four tenants got 4 % of the
+    tokens for 40 s)."""
+    vtc = VirtualTokenCounter(1.0, slots=8)
+    s = engine_scheduler({t: TenantSpec("paid") for t in "abc"}, carried=vtc)
+    backlog(s, "c", 1, prompt=10, out=0)  # known to the tier
+    s.next_batch(0.0)
+    backlog(s, "a", 100, prompt=10, out=0)
+    backlog(s, "b", 100, prompt=10, out=0)
+    for i in range(150):
+        taken = s.next_where(0.0, lambda r: True) if i % 10 else s.next_batch(0.0)
+        assert len(taken) == 1
+        s.charge_back(taken[0].tenant, 20.0)  # its output, as it streams
+    backlog(s, "c", 1, prompt=10, out=0)
+    assert vtc.carried(1.0) == pytest.approx(8 * 30, rel=0.01)
