@@ -159,10 +159,14 @@ def test_a_newcomer_gets_the_next_free_slot() -> None:
     assert engine.first_slot["b"] == joined + 10
 
 
-def test_returning_from_idle_banks_no_credit() -> None:
-    """C was served nothing while A ran alone; when C comes back it shares from then on,
-    it does not get the engine to itself until its counter catches up with A's."""
-    s = engine_scheduler({"a": TenantSpec("paid"), "c": TenantSpec("paid")})
+def c_back_after_a_alone(
+    vtc: VirtualTokenCounter | None = None, *, known: bool = False
+) -> dict[str, float]:
+    """A runs alone on 8 slots for 1,000 steps (C, if ``known``, served once before);
+    then C queues as much as A: each one's service over the next 400 steps."""
+    s = engine_scheduler({"a": TenantSpec("paid"), "c": TenantSpec("paid")}, carried=vtc)
+    if known:
+        backlog(s, "c", 1, prompt=8, out=16)  # known to the tier, then idle
     backlog(s, "a", 5000, prompt=8, out=16)
     engine = Engine(s, slots=8, output=out_of)
     engine.fill()
@@ -172,7 +176,13 @@ def test_returning_from_idle_banks_no_credit() -> None:
     backlog(s, "c", 5000, prompt=8, out=16, at=float(engine.step_no))
     for _ in range(400):
         engine.step()
-    since = {t: engine.served.get(t, 0.0) - before.get(t, 0.0) for t in ("a", "c")}
+    return {t: engine.served.get(t, 0.0) - before.get(t, 0.0) for t in ("a", "c")}
+
+
+def test_returning_from_idle_banks_no_credit() -> None:
+    """C was served nothing while A ran alone; when C comes back it shares from then on,
+    it does not get the engine to itself until its counter catches up with A's."""
+    since = c_back_after_a_alone()
     # Lifted to A's counter: equal shares from its return (a bank would give C ~100 %).
     assert abs(since["c"] / (since["a"] + since["c"]) - 0.5) < 0.1, since
 
@@ -266,19 +276,8 @@ def test_the_debt_carried_is_at_most_one_turnover() -> None:
     gained = {}
     for debt in (0.0, 1.0):
         vtc = VirtualTokenCounter(debt, slots=8)
-        s = engine_scheduler({"a": TenantSpec("paid"), "c": TenantSpec("paid")}, carried=vtc)
-        backlog(s, "c", 1, prompt=8, out=16)  # known to the tier, then idle
-        backlog(s, "a", 5000, prompt=8, out=16)
-        engine = Engine(s, slots=8, output=out_of)
-        engine.fill()
-        for _ in range(1000):
-            engine.step()
-        before = dict(engine.served)
-        backlog(s, "c", 5000, prompt=8, out=16, at=float(engine.step_no))
-        bank = vtc.carried(1.0)
-        for _ in range(400):
-            engine.step()
-        since = {t: engine.served.get(t, 0.0) - before.get(t, 0.0) for t in ("a", "c")}
+        since = c_back_after_a_alone(vtc, known=True)
+        bank = vtc.carried(1.0)  # as told at C's join (nothing joined since)
         gained[debt] = since["c"] - since["a"]
         u = 2 * (8 + 16 * 8)  # U_a + U_c
         assert gained[debt] <= bank + u, (debt, gained, bank)
