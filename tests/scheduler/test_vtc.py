@@ -20,6 +20,7 @@ from sched_support import TaggedRequest, make_policy
 from fair_frontend.scheduler import (
     DEFAULT_DEBT_CARRIED,
     GlobalCaps,
+    QueuedRequest,
     Scheduler,
     TenantSpec,
     VirtualTokenCounter,
@@ -266,6 +267,92 @@ def test_agents_between_steps_keep_their_debt_and_their_weights(seed: int) -> No
     assert carried < 0.06, carried
     assert lifted > 0.12, lifted
     assert carried < 0.4 * lifted, (carried, lifted)
+
+
+def holds_no_slot(running: list[Running]) -> Callable[[QueuedRequest], bool]:
+    """A light slot's test: the request's program holds none."""
+    busy = {(r.req.tenant, r.req.program) for r in running}
+    return lambda r: (r.tenant, r.program) not in busy
+
+
+def run_agents_and_chats(
+    debt_carried: float, light: int, seed: int, steps: int = 4000
+) -> dict[str, float]:
+    """The agents benchmark on the fake clock (``benchmarks/bench_agents.py``): four
+    tenants at weights 2:1:1:1 on 64 slots, 8 reserved (no tenant holds more than 56),
+    ``light`` light slots, each slot given as ``EngineDispatcher`` gives it. Each tenant
+    runs an agent program (steps of 32-64 calls of 32 output tokens, the next when all
+    have ended) and a chat program (one call of 32 tokens at a time, 5-15 steps of think
+    time). Token shares after a warm-up (the first fifth of the ``steps``)."""
+    slots, reserved, out = 64, 8, 32
+    rng = random.Random(seed)
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0, "d": 1.0}
+    tenants = {t: TenantSpec("paid", weight=w) for t, w in weights.items()}
+    s = engine_scheduler(tenants, carried=VirtualTokenCounter(debt_carried, slots=slots))
+    running: list[Running] = []
+    served = dict.fromkeys(weights, 0.0)
+    step_left = dict.fromkeys(weights, 0)  # calls of the agent's step not ended yet
+    chat_at: dict[str, int | None] = {t: rng.randint(1, 10) for t in weights}  # None: one is out
+    calls = 0
+
+    def send(tenant: str, program: str, now: int) -> None:
+        nonlocal calls
+        calls += 1
+        req = TaggedRequest(tenant, 1, 2, 0, 1, None, None, program=program, tag=calls)
+        s.enqueue(req, float(now))
+
+    for now in range(steps):
+        for t in weights:
+            if not step_left[t]:
+                step_left[t] = rng.randint(32, 64)
+                for _ in range(step_left[t]):
+                    send(t, "agent", now)
+            at = chat_at[t]
+            if at is not None and now >= at:
+                chat_at[t] = None
+                send(t, "chat", now)
+        while len(running) < slots:
+            if light and slots - len(running) <= light:
+                got = s.next_where(float(now), holds_no_slot(running))
+            else:
+                head = s.peek(float(now))
+                held = sum(1 for r in running if head and r.req.tenant == head.tenant)
+                if head is None or held >= slots - reserved:
+                    break
+                got = s.next_batch(float(now))
+            if not got:
+                break
+            (req,) = got
+            assert isinstance(req, TaggedRequest)
+            served[req.tenant] += req.tokens if now >= steps // 5 else 0.0
+            running.append(Running(req, out))
+        for r in running:
+            r.left -= 1
+            tenant = r.req.tenant
+            s.charge_back(tenant, 1.0, r.req.program)
+            served[tenant] += 1.0 if now >= steps // 5 else 0.0
+            if not r.left and r.req.program == "agent":
+                step_left[tenant] -= 1
+            elif not r.left:
+                chat_at[tenant] = now + rng.randint(5, 15)
+        running = [r for r in running if r.left]
+    return shares(served)
+
+
+@pytest.mark.parametrize("light", [0, 4])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_agents_beside_chats_with_reserved_and_light_slots_keep_their_weights(
+    light: int, seed: int
+) -> None:
+    """The agents benchmark's workload on the fake clock, slots given as the engine
+    dispatcher gives them: with the default debt carried the token shares are within
+    4 % of the weights (1.4-1.7 % with these seeds, 0.9-2.8 % over six), with VTC's own
+    lift 16-19 % off (12-20 % over six), as the benchmark measures its lifted
+    configurations (16-22 %)."""
+    carried = worst_share_error(run_agents_and_chats(DEFAULT_DEBT_CARRIED, light, seed))
+    lifted = worst_share_error(run_agents_and_chats(0.0, light, seed))
+    assert carried < 0.04, carried
+    assert lifted > 0.10, lifted
 
 
 def test_the_debt_carried_is_at_most_one_turnover() -> None:
