@@ -147,6 +147,22 @@ async def served_some(tritons: list[EmbeddedTriton], model: str, since: list[int
         await aeventually(counted, 30, 0.05, what=f"{triton.grpc_url} to count {model} served")
 
 
+async def served_all(
+    tritons: list[EmbeddedTriton], model: str, since: list[int], total: int
+) -> None:
+    """Wait until ``tritons`` have counted all ``total`` requests of ``model`` sent since
+    they counted ``since``, each of them some: a count read after this moves only with
+    what is sent later (``served_some`` returns at the first of each, and the rest may
+    still be counted after it, the answers being out before Triton counts them)."""
+
+    async def counted() -> bool:
+        now = [await served_by(t, model) for t in tritons]
+        done = [n - b for n, b in zip(now, since, strict=True)]
+        return all(d > 0 for d in done) and sum(done) == total
+
+    await aeventually(counted, 30, 0.05, what=f"{total} {model} requests counted")
+
+
 def ready(fe: RunningFrontend) -> bool:
     try:
         with urllib.request.urlopen(f"http://{fe.http_url}/v2/health/ready", timeout=5) as r:
@@ -320,7 +336,8 @@ async def test_streams_granted_to_a_killed_triton_are_served_by_the_other(
         streamed = [await served_by(t, "repeat_int32") for t in two_tritons]
         streams = await asyncio.gather(*(repeat_stream(fe.grpc_url, [0] * 3) for _ in range(6)))
         assert streams == [(3, None)] * 6
-        await served_some(two_tritons, "repeat_int32", streamed)
+        # All six counted (each Triton some) before the count the kill's streams add to.
+        await served_all(two_tritons, "repeat_int32", streamed, 6)
         before = await served_by(first, "repeat_int32")
         assert second.pid is not None
         os.killpg(second.pid, signal.SIGKILL)
@@ -336,10 +353,16 @@ async def test_streams_granted_to_a_killed_triton_are_served_by_the_other(
         assert not fe.frontend.pool.backends[1].available
         assert fe.frontend.pool.backends[0].available
 
-        async def all_on_first() -> bool:
-            return await served_by(first, "repeat_int32") - before == AFTER_KILL
+        counts: list[int] = []
 
-        await aeventually(all_on_first, 30, 0.05, what="the first Triton to count them all")
+        async def all_on_first() -> bool:
+            counts.append(await served_by(first, "repeat_int32") - before)
+            return counts[-1] == AFTER_KILL
+
+        try:
+            await aeventually(all_on_first, 30, 0.05, what="the first Triton to count them all")
+        except AssertionError as err:
+            raise AssertionError(f"{err}; it counted {counts[-3:]} (the last looks)") from None
 
 
 async def test_a_stream_in_a_killed_triton_before_its_first_response_is_served_by_the_other(
