@@ -139,9 +139,7 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
             # while the held calls come back one by one into free slots.
             state.counters.setdefault(tenant, state.last_left)
         else:
-            least = self._least(state)
-            floor = max(state.floor, state.last_left if least is None else least)
-            state.floor = floor
+            floor = state.floor = self._floor(state)
             known = state.counters.get(tenant)
             # A tenant new to the tier was owed nothing: it starts at the floor.
             if known is None:
@@ -198,16 +196,10 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
         return {t: state.counters[t] for t in state.active}
 
     def export(self, state: VtcState) -> TierFairness:
-        """Every counter and weight known, and the floor a tenant joining an idle tier
-        would be lifted to: the least active counter (the last to leave's if none)."""
-        least = self._least(state)
+        """Every counter and weight known, and the floor a tenant joining now would be
+        lifted from (``_floor``)."""
         active = [*state.active, *(t for t in state.resumed if t not in state.active)]
-        return TierFairness(
-            dict(state.counters),
-            dict(state.weights),
-            max(state.floor, state.last_left if least is None else least),
-            active,
-        )
+        return TierFairness(dict(state.counters), dict(state.weights), self._floor(state), active)
 
     def resume(self, state: VtcState, saved: TierFairness) -> None:
         state.counters.update(saved.counters)
@@ -218,6 +210,12 @@ class VirtualTokenCounter(FairnessPolicy[VtcState]):
             state.last_left = saved.floor
             state.floor = saved.floor
         state.resumed = {t for t in saved.active if t in saved.counters}
+
+    def _floor(self, state: VtcState) -> float:
+        """V as of now: the most the least active counter has been (the last to leave's
+        where none is active), the kept floor or the least active counter now."""
+        least = self._least(state)
+        return max(state.floor, state.last_left if least is None else least)
 
     def _least(self, state: VtcState) -> float | None:
         """The least counter among the active tenants (None: none is active)."""
